@@ -1,0 +1,35 @@
+"""ckpt-archive: turn a training checkpoint (a resume point) into an archive people can trust.
+
+Public API (plain functions; the CLI is a thin shell over them)::
+
+    pack(state_or_path, repo, ...)          -> PackResult   (generation, status "usable", ...)
+    load(repo, generation="latest")         -> the nested state (dict/list/tuple/tensors/values)
+    verify(repo, generation="latest", deep) -> VerifyReport (ok, problems)
+    restore(repo, generation, output, ...)  -> RestoreResult
+    list_generations(repo, all=False)       -> list[Generation]
+
+Heavy imports (torch, safetensors) happen inside the functions, so ``import ckpt_archive`` is cheap.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_API = {
+    "pack": "api", "load": "api", "verify": "api", "restore": "api", "inspect": "api",
+    "list_generations": "api", "PackResult": "api", "VerifyReport": "api", "Problem": "api",
+    "RestoreResult": "api", "Repository": "repository", "Generation": "repository",
+    "restore_training_state": "policy", "export": "export",
+}
+
+
+def __getattr__(name: str):
+    mod = _API.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'ckpt_archive' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"ckpt_archive.{mod}"), name)
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_API))

@@ -1,0 +1,45 @@
+"""The ``ckpt-archive`` command line: a thin Typer shell over the library.
+
+Commands live one per module in :mod:`ckpt_archive.commands`; each maps library errors to exit codes
+through :func:`ckpt_archive.commands._common.command`. Human output goes to stderr, ``--json`` output
+to stdout.
+"""
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from .commands import COMMAND_MODULES
+
+app = typer.Typer(
+    name="ckpt-archive",
+    help="Pack a training checkpoint (a resume point) into a verified, trial-reloaded archive; "
+         "verify, restore, rotate and export it. Exit codes: 0 ok, 1 check failed, 2 could not check.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register_all() -> None:
+    for name in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(f"ckpt_archive.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"ckpt_archive.commands.{name}":
+                continue
+            raise
+        mod.register(app)
+
+
+_register_all()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Reader for single ``torch.save`` files, loaded only with ``torch.load(weights_only=True)``.
+
+We never unpickle code: a pickle that references a class or function outside torch's weights-only
+allowlist is refused with the global's name. NumPy's own types (arrays, dtypes, scalars, the legacy
+RNG tuple's uint32 array) are admitted only on request (``allow_numpy=True``, CLI
+``--allow-numpy``), through :data:`NUMPY_SAFE_GLOBALS`, a narrow allowlist of NumPy reconstruction
+functions and classes; nothing else is ever admitted.
+"""
+from __future__ import annotations
+
+import re
+import zipfile
+from pathlib import Path
+
+from ..errors import RefusedPickle, SourceError
+from . import SourceCheckpoint, SourceFile, register
+
+_PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"}
+
+
+def numpy_safe_globals() -> list:
+    """The NumPy allowlist: exactly what ``torch.save`` emits for NumPy arrays, dtypes and scalars.
+
+    Returns:
+        list of NumPy callables/classes to pass to ``torch.serialization.safe_globals``.
+    """
+    import numpy as np
+
+    try:
+        from numpy._core import multiarray as _ma  # NumPy >= 2
+    except ImportError:  # pragma: no cover - NumPy 1.x
+        from numpy.core import multiarray as _ma
+    allowed = [_ma._reconstruct, _ma.scalar, np.ndarray, np.dtype]
+    # np.dtype(...) subclasses such as numpy.dtypes.Float32DType appear in pickles of NumPy >= 1.25.
+    dtypes_mod = getattr(np, "dtypes", None)
+    if dtypes_mod is not None:
+        for name in dir(dtypes_mod):
+            obj = getattr(dtypes_mod, name)
+            if isinstance(obj, type) and issubclass(obj, np.dtype):
+                allowed.append(obj)
+    return allowed
+
+
+def _looks_like_torch_file(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    if path.suffix.lower() in _PICKLE_SUFFIXES:
+        return True
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    return head[:2] == b"PK" or head[:1] == b"\x80"
+
+
+def diagnose_unreadable(path: Path, exc: BaseException | None = None) -> SourceError:
+    """Turn a failed ``torch.load`` into a one-line reason naming the file.
+
+    Distinguishes an empty file, a truncated zip (an interrupted write), a file that is not a
+    ``torch.save`` file at all, and a pickle that references code (refused).
+    """
+    size = path.stat().st_size
+    where = str(path)
+    if size == 0:
+        return SourceError("empty file (0 bytes): not a checkpoint", where=where)
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    msg = str(exc) if exc is not None else ""
+    glob = re.search(r"Unsupported global: GLOBAL ([\w.]+)", msg)
+    if glob:
+        name = glob.group(1)
+        hint = None
+        if name.startswith("numpy"):
+            hint = "it holds NumPy objects: re-run with --allow-numpy to admit NumPy's own types only"
+        return RefusedPickle(
+            f"refused: the pickle references {name}, which is not plain data; ckpt-archive never "
+            f"unpickles code from files (torch.load weights_only=True only)", where=where, hint=hint)
+    if head[:2] == b"PK":
+        if not zipfile.is_zipfile(path):
+            return SourceError(f"truncated torch.save file ({size} bytes, the zip directory at its end "
+                               f"is missing): it looks like an interrupted write", where=where)
+        try:
+            with zipfile.ZipFile(path) as zf:
+                bad = zf.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError) as zexc:
+            return SourceError(f"damaged torch.save file: {zexc}", where=where)
+        if bad is not None:
+            return SourceError(f"damaged torch.save file: record {bad} fails its CRC", where=where)
+        names = zipfile.ZipFile(path).namelist()
+        if not any(n.endswith("data.pkl") for n in names):
+            return SourceError("a zip file, but not a torch.save checkpoint (no data.pkl record)", where=where)
+        return SourceError(f"torch.load(weights_only=True) failed: {_first_line(msg)}", where=where)
+    if head[:1] == b"\x80":
+        if "truncated" in msg or "EOF" in msg or "ran out of input" in msg.lower():
+            return SourceError("truncated legacy torch.save file: it looks like an interrupted write", where=where)
+        return SourceError(f"torch.load(weights_only=True) failed: {_first_line(msg)}", where=where)
+    return SourceError("not a torch.save checkpoint (neither a zip nor a pickle stream)", where=where)
+
+
+def _first_line(msg: str) -> str:
+    msg = re.sub(r"\x1b\[[0-9;]*m", "", msg)
+    for line in msg.splitlines():
+        line = line.strip()
+        if line:
+            return line[:300]
+    return "unknown error"
+
+
+def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True):
+    """``torch.load(path, weights_only=True)``, memory-mapped where the file allows it.
+
+    Args:
+        path: a ``torch.save`` file.
+        allow_numpy: admit :func:`numpy_safe_globals` (NumPy's own types) and nothing else.
+        mmap: map tensor storages from the file instead of reading them (zip-format files only);
+            falls back to a plain load for legacy files.
+
+    Returns:
+        the loaded object; tensors are CPU tensors (``map_location="cpu"``).
+
+    Raises:
+        SourceError / RefusedPickle: with a one-line reason (see :func:`diagnose_unreadable`).
+    """
+    import contextlib
+
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise SourceError("no such file", where=str(path))
+    if path.stat().st_size == 0:
+        raise diagnose_unreadable(path)
+    ctx = torch.serialization.safe_globals(numpy_safe_globals()) if allow_numpy else contextlib.nullcontext()
+    use_mmap = mmap and zipfile.is_zipfile(path)
+    try:
+        with ctx:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+    except Exception as exc:  # torch raises RuntimeError/UnpicklingError/EOFError/...: diagnose them all
+        raise diagnose_unreadable(path, exc) from None
+
+
+def _read(path: Path, *, allow_numpy: bool = False, **_ignored) -> SourceCheckpoint:
+    state = load_torch_file(path, allow_numpy=allow_numpy)
+    return SourceCheckpoint(format="torch-file", layout="file", state=state, root=path.parent,
+                            files=[SourceFile("", "torch", path)], info={"filename": path.name})
+
+
+register("torch-file", _looks_like_torch_file, _read, priority=90)
