@@ -44,6 +44,10 @@ class IntegrityError(CheckFailed):
     """A stored member is corrupt, tampered with, truncated or missing."""
 
 
+class ManifestInvalid(CheckFailed):
+    """A manifest or marker is not valid JSON or breaks its schema (it was examined and is wrong)."""
+
+
 class IncoherentState(CheckFailed):
     """The parts of a state do not describe the same instant, or a structure does not match."""
 
