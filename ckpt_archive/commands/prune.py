@@ -1,0 +1,149 @@
+"""``ckpt-archive prune REPO [policy flags] [--dry-run]``: apply a retention policy.
+
+The policy flags are defined here once and reused by ``backup`` (and available to ``pack``):
+:data:`POLICY_OPTIONS` documents them, :func:`policy_from_flags` builds the policy.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from ._common import EXIT_CODES_HELP, JSON_OPTION, Output, command
+
+KEEP_LAST = typer.Option(None, "--keep-last", min=0, help="Keep the N newest usable generations.",
+                         rich_help_panel="Retention policy")
+KEEP_HOURLY = typer.Option(None, "--keep-hourly", min=0, help="Keep the newest generation of each of the last N "
+                           "hours (UTC) that have one.", rich_help_panel="Retention policy")
+KEEP_DAILY = typer.Option(None, "--keep-daily", min=0, help="Same for the last N days (UTC).",
+                          rich_help_panel="Retention policy")
+KEEP_WEEKLY = typer.Option(None, "--keep-weekly", min=0, help="Same for the last N ISO weeks (UTC).",
+                           rich_help_panel="Retention policy")
+KEEP_MONTHLY = typer.Option(None, "--keep-monthly", min=0, help="Same for the last N months (UTC).",
+                            rich_help_panel="Retention policy")
+KEEP_WITHIN = typer.Option(None, "--keep-within", metavar="DURATION", help="Keep every generation created within "
+                           "DURATION of the newest usable one, e.g. 2d3h, 1w, 1y6m (y, m=months, w, d, h).",
+                           rich_help_panel="Retention policy")
+KEEP_TAG = typer.Option(None, "--keep-tag", metavar="TAG", help="Keep every generation with this tag (repeatable; "
+                        "'a,b' needs both).", rich_help_panel="Retention policy")
+KEEP_BEST = typer.Option(None, "--keep-best", min=0, help="Keep the N best generations by --best-by.",
+                         rich_help_panel="Retention policy")
+BEST_BY = typer.Option(None, "--best-by", metavar="METRIC:min|max", help="Metric from the manifest, e.g. "
+                       "val_loss:min. A generation without it (or NaN) is never best.",
+                       rich_help_panel="Retention policy")
+WAIT = typer.Option(0.0, "--wait", metavar="SECONDS", min=0.0, help="Wait up to SECONDS for another writer's lock "
+                    "(default: fail at once with exit 2).")
+
+POLICY_HELP = ("The newest usable generation is always kept; generations that are not usable are never counted "
+               "and never removed here (gc removes leftovers); a policy that would keep none of the usable "
+               "generations is refused. Calendar buckets are in UTC.")
+
+
+def policy_from_flags(keep_last: Optional[int], keep_hourly: Optional[int], keep_daily: Optional[int],
+                      keep_weekly: Optional[int], keep_monthly: Optional[int], keep_within: Optional[str],
+                      keep_tag: Optional[List[str]], keep_best: Optional[int], best_by: Optional[str]):
+    """Return a :class:`~ckpt_archive.retention.RetentionPolicy` from the flags, or ``None`` when none was given.
+
+    Raises:
+        UsageError: a malformed flag value (bad duration, bad --best-by, --keep-best without --best-by).
+    """
+    from ..retention import RetentionPolicy
+
+    given = [keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within, keep_best, best_by]
+    if all(v is None for v in given) and not keep_tag:
+        return None
+    return RetentionPolicy.from_flags(keep_last=keep_last, keep_hourly=keep_hourly, keep_daily=keep_daily,
+                                      keep_weekly=keep_weekly, keep_monthly=keep_monthly, keep_within=keep_within,
+                                      keep_tag=keep_tag, keep_best=keep_best, best_by=best_by)
+
+
+def decision_table(decision, generations, title: str):
+    """A rich table of a retention decision: generation, created, step, stored size, action, why."""
+    from rich.table import Table
+
+    by_number = {g.number: g for g in generations}
+    table = Table(title=title, title_justify="left")
+    for col, kw in (("gen", {"justify": "right"}), ("created (UTC)", {}), ("step", {"justify": "right"}),
+                    ("stored", {"justify": "right"}), ("action", {}), ("why", {"overflow": "fold"})):
+        table.add_column(col, **kw)
+    styles = {"keep": "green", "remove": "red", "not usable": "yellow"}
+    for number, action, reasons in decision.rows():
+        g = by_number.get(number)
+        created = g.created.strftime("%Y-%m-%d %H:%M") if g is not None and g.created else "-"
+        step = str(g.step) if g is not None and g.step is not None else "-"
+        size = _human_bytes(g.stored_bytes) if g is not None and g.stored_bytes is not None else "-"
+        label = {"keep": "keep", "remove": "REMOVE", "not usable": "left for gc"}[action]
+        table.add_row(str(number), created, step, size, f"[{styles[action]}]{label}[/]", "; ".join(reasons))
+    return table
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def run_prune(repo_url: str, policy, *, dry_run: bool, wait: float, now=None) -> dict:
+    """Apply ``policy`` (or the repository's default when ``None``) to the repository.
+
+    Returns:
+        ``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed"}``.
+
+    Raises:
+        NotFound: no repository there. UsageError: empty or refused policy. LockError: another writer.
+    """
+    from ..repository import Repository
+    from ..retention import GenerationFacts, RetentionPolicy, apply_policy, execute_prune
+
+    repo = Repository.open(repo_url)
+    if policy is None:
+        policy = RetentionPolicy.from_dict(repo.config.get("retention"), where=f"{repo.location}/repository.json")
+
+    def decide():
+        gens = repo.generations()
+        return gens, apply_policy([GenerationFacts.from_generation(g) for g in gens], policy, now)
+
+    if dry_run:
+        gens, decision = decide()
+        removed: list[int] = []
+    else:
+        with repo.lock(wait=wait):
+            gens, decision = decide()
+            removed = execute_prune(repo, decision)
+    return {"repository": repo.location, "dry_run": dry_run, **decision.to_json(), "removed": removed,
+            "_decision": decision, "_generations": gens}
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("prune", help="Apply a retention policy (restic's vocabulary) to a repository's generations. "
+                 "Without policy flags, the repository's default policy (repository.json) is used; an empty "
+                 "policy is refused. --dry-run prints what stays and what goes, and why, and deletes nothing. "
+                 + POLICY_HELP + " " + EXIT_CODES_HELP)
+    @command
+    def prune_cmd(
+        repo: str = typer.Argument(..., metavar="REPO", help="Repository path or URL."),
+        keep_last: Optional[int] = KEEP_LAST, keep_hourly: Optional[int] = KEEP_HOURLY,
+        keep_daily: Optional[int] = KEEP_DAILY, keep_weekly: Optional[int] = KEEP_WEEKLY,
+        keep_monthly: Optional[int] = KEEP_MONTHLY, keep_within: Optional[str] = KEEP_WITHIN,
+        keep_tag: Optional[List[str]] = KEEP_TAG, keep_best: Optional[int] = KEEP_BEST,
+        best_by: Optional[str] = BEST_BY,
+        dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Print the decision; delete nothing."),
+        wait: float = WAIT,
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        out = Output(json_output)
+        policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
+                                   keep_tag, keep_best, best_by)
+        result = run_prune(repo, policy, dry_run=dry_run, wait=wait)
+        decision = result.pop("_decision")
+        gens = result.pop("_generations")
+        if not json_output:
+            verb = "would remove" if dry_run else "removed"
+            out.table(decision_table(decision, gens, f"{decision.policy.describe()} ({'dry run' if dry_run else 'prune'})"))
+            done = decision.remove_numbers if dry_run else result["removed"]
+            out.say(f"{verb} {len(done)} generation(s){': ' + ', '.join(map(str, sorted(done))) if done else ''}; "
+                    f"kept {len(decision.keep)}; {len(decision.not_usable)} not usable left for gc")
+        out.json({"ok": True, **result})
