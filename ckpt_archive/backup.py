@@ -109,7 +109,8 @@ def _walk_files(root: Path) -> list[tuple[str, Path]]:
         dirnames.sort()
         for name in sorted(filenames):
             p = Path(dirpath) / name
-            out.append((p.relative_to(root).as_posix(), p))
+            if p.is_file():  # as the folder reader: regular files (or links to them) only
+                out.append((p.relative_to(root).as_posix(), p))
     return out
 
 

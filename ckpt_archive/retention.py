@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import UsageError
+from .errors import CkptArchiveError, UsageError
 
 __all__ = [
     "GenerationFacts", "RetentionPolicy", "Decision", "WithinDuration", "apply_policy",
@@ -567,11 +567,18 @@ def apply_after_pack(repo: Any, policy: RetentionPolicy | Mapping[str, Any] | No
         decision = apply_policy([GenerationFacts.from_generation(g) for g in repo.generations()], pol, now)
     except UsageError as exc:
         return {"policy": pol.to_dict(), "kept": [], "removed": [], "warnings": [f"retention not applied: {exc}"]}
-    removed = execute_prune(repo, decision)
-    return {"policy": pol.to_dict(), "kept": decision.keep_numbers, "removed": removed, "warnings": []}
+    removed: list[int] = []
+    warnings: list[str] = []
+    try:
+        execute_prune(repo, decision, removed=removed)
+    except (CkptArchiveError, OSError) as exc:
+        # the new generation is usable already; a failed removal leaves at worst a partial one for gc
+        warnings.append(f"retention stopped after removing {removed or 'nothing'}: {exc}; the new generation is "
+                        "usable, run `ckpt-archive gc` to remove any half-removed generation")
+    return {"policy": pol.to_dict(), "kept": decision.keep_numbers, "removed": removed, "warnings": warnings}
 
 
-def execute_prune(repo: Any, decision: Decision) -> list[int]:
+def execute_prune(repo: Any, decision: Decision, *, removed: list[int] | None = None) -> list[int]:
     """Remove the generations ``decision.remove`` names, oldest first; the caller holds the lock.
 
     Each removal goes through ``repo.remove_generation`` (marker first, then members, then manifest,
@@ -579,12 +586,23 @@ def execute_prune(repo: Any, decision: Decision) -> list[int]:
     i.e. recognisably not usable, and every kept generation untouched. The newest usable generation
     is checked once more here and never removed, whatever the decision says.
 
+    Args:
+        repo: an open repository whose lock the caller holds.
+        decision: from :func:`apply_policy` on this repository's generations.
+        removed: a list to append each removed number to as it goes (so a caller sees the progress
+            even when a removal fails part-way).
+
     Returns:
         The numbers removed, in the order removed.
+
+    Raises:
+        OSError, StoreError: a removal failed; earlier removals stand, the failed generation is left
+        without its marker (``partial``) or untouched.
     """
     usable = [g.number for g in repo.generations() if getattr(g, "status", None) == "usable"]
     newest = max(usable) if usable else None
-    removed: list[int] = []
+    if removed is None:
+        removed = []
     for number in sorted(decision.remove_numbers):
         if number == newest:  # defence in depth: apply_policy never puts it there
             continue
