@@ -1,0 +1,419 @@
+"""Ratio benchmark: ckpt-archive against the hand pipeline and the usual loaders, same machine, same run.
+
+For each state size it builds a realistic training state (``benchmarks/state.py``: trained-looking
+bf16 weights + fp32 Adam moments, 80 % of the bytes fp32) saved as ``ckpt.pt``, the same tensors as
+``ckpt.safetensors``, and the bf16 weights alone as ``weights.pt``. Then, ``--reps`` times, each
+operation runs in its own subprocess while :mod:`memwatch` samples the peak anonymous memory
+(RssAnon summed over the process tree; mapped file pages do not count):
+
+baselines
+  ``hand``            ``zstd -q -T0 -3 ckpt.pt && openssl dgst -sha256 ckpt.pt.zst`` (verifies nothing)
+  ``hand_deep``       ``zstd -t ckpt.pt.zst && openssl dgst -sha256 ckpt.pt.zst``
+  ``openssl_ours``    ``openssl dgst -sha256`` over our generation's member files
+  ``torch_load``      ``torch.load(ckpt.pt, weights_only=True)``
+  ``safetensors_load`` ``safetensors.torch.load_file(ckpt.safetensors)``
+  ``zipnn``           ZipNN compress of every tensor (threads = jobs), if installed
+ours
+  ``pack``            ``ckpt_archive.pack(ckpt.pt, repo, jobs=N)`` incl. verify + trial reload + publish
+  ``verify`` / ``verify_deep`` / ``restore`` (to a ``.pt``) / ``load`` (to memory)
+
+Times: medians over reps; Python operations time only the operation itself (interpreter start and
+imports excluded), shell baselines time the whole command. Throughput is raw tensor bytes per
+second. Everything runs with a warm page cache (inputs were just written or read).
+
+Run: ``python benchmarks/run.py --sizes 256,1024 --reps 3`` (``--help`` for more). Prints the ratio
+table and writes ``benchmarks/results/<utc-stamp>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import memwatch  # noqa: E402
+
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------------
+# worker side: one operation per process
+# --------------------------------------------------------------------------------------------------
+
+def _self_anon() -> int:
+    return memwatch.rss_anon(os.getpid())
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _generation_dir(repo: Path) -> Path:
+    gens = sorted((repo / "generations").iterdir())
+    return gens[-1]
+
+
+def worker(op: str, a: argparse.Namespace) -> dict:
+    """Run one operation; return ``{"seconds": float, "anon_before": int, ...}``."""
+    import torch  # noqa: F401  (import cost outside the timed region)
+
+    wd = Path(a.workdir)
+    res: dict = {}
+    if op == "build":
+        import state as st
+        s = st.build_state(a.size_mib * MiB, seed=0)
+        raw = st.tensor_bytes(s)
+        torch.save(s, wd / "ckpt.pt")
+        from safetensors.torch import save_file
+        flat = {k: v.contiguous() for k, v in st.flat_tensors(s).items()}
+        save_file(flat, str(wd / "ckpt.safetensors"))
+        w = st.weights_only(s)
+        torch.save(w, wd / "weights.pt")
+        (wd / "meta.json").write_text(json.dumps({"raw_bytes": raw, "weights_raw_bytes": st.tensor_bytes(w),
+                                                   "plan": st.plan(a.size_mib * MiB)}))
+        return {"seconds": 0.0, "anon_before": 0}
+    before = _self_anon()
+    if op == "torch_load":
+        t0 = time.perf_counter()
+        obj = torch.load(wd / "ckpt.pt", weights_only=True, map_location="cpu")
+        dt = time.perf_counter() - t0
+        del obj
+    elif op == "safetensors_load":
+        from safetensors.torch import load_file
+        t0 = time.perf_counter()
+        obj = load_file(str(wd / "ckpt.safetensors"))
+        dt = time.perf_counter() - t0
+        del obj
+    elif op in ("zipnn", "zipnn_weights"):
+        import zipnn
+        import state as st
+        src = wd / ("ckpt.pt" if op == "zipnn" else "weights.pt")
+        flat = st.flat_tensors(torch.load(src, weights_only=True, mmap=True, map_location="cpu"))
+        names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+        coders = {}
+        stored = 0
+        t0 = time.perf_counter()
+        for t in flat.values():
+            data = bytearray(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # zipnn overwrites its input
+            dname = names.get(t.dtype)
+            if dname is None or len(data) < 4096:
+                stored += len(data)
+                continue
+            z = coders.get(dname) or coders.setdefault(dname, zipnn.ZipNN(input_format="byte", bytearray_dtype=dname,
+                                                                          threads=a.jobs))
+            stored += len(z.compress(data))
+        dt = time.perf_counter() - t0
+        res["stored_bytes"] = stored
+    elif op in ("pack", "pack_weights"):
+        import ckpt_archive
+        repo = Path(a.repo)
+        src = wd / ("ckpt.pt" if op == "pack" else "weights.pt")
+        kw = {"jobs": a.jobs} if a.jobs else {}
+        t0 = time.perf_counter()
+        r = ckpt_archive.pack(str(src), str(repo), **kw)
+        dt = time.perf_counter() - t0
+        gdir = _generation_dir(repo)
+        res["stored_bytes"] = sum(p.stat().st_size for p in gdir.iterdir()
+                                  if p.is_file() and p.suffix == ".ckz")
+        res["generation_bytes"] = _dir_bytes(gdir)
+        res["status"] = getattr(r, "status", None)
+    elif op in ("verify", "verify_deep"):
+        import ckpt_archive
+        t0 = time.perf_counter()
+        rep = ckpt_archive.verify(str(a.repo), deep=(op == "verify_deep"))
+        dt = time.perf_counter() - t0
+        if not rep.ok:
+            raise SystemExit(f"verify found problems: {rep.to_json()}")
+    elif op == "restore":
+        import ckpt_archive
+        out = wd / "restored.pt"
+        t0 = time.perf_counter()
+        ckpt_archive.restore(str(a.repo), output=str(out), force=True)
+        dt = time.perf_counter() - t0
+        out.unlink()
+    elif op == "load":
+        import ckpt_archive
+        t0 = time.perf_counter()
+        obj = ckpt_archive.load(str(a.repo))
+        dt = time.perf_counter() - t0
+        del obj
+    else:
+        raise SystemExit(f"unknown op {op}")
+    res.update({"seconds": dt, "anon_before": before})
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# driver side
+# --------------------------------------------------------------------------------------------------
+
+def _py(op: str, a: argparse.Namespace, workdir: Path, repo: Path | None = None, size_mib: int = 0) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", op, "--workdir", str(workdir),
+           "--jobs", str(a.jobs), "--size-mib", str(size_mib)]
+    if repo is not None:
+        cmd += ["--repo", str(repo)]
+    return cmd
+
+
+def measure(name: str, cmd: list[str], python: bool) -> dict:
+    r = memwatch.run_sampled(cmd)
+    if r["rc"] != 0:
+        tail = (r["stderr"] or r["stdout"]).strip().splitlines()[-5:]
+        return {"op": name, "error": f"rc={r['rc']}: " + " | ".join(tail)}
+    out = {"op": name, "wall_s": r["wall_s"], "peak_anon_bytes": r["peak_anon_bytes"]}
+    if python:
+        info = json.loads(r["stdout"].strip().splitlines()[-1])
+        out["seconds"] = info.pop("seconds")
+        out.update(info)
+    else:
+        out["seconds"] = r["wall_s"]
+    return out
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    vers = {}
+    for tool in (["zstd", "--version"], ["openssl", "version"]):
+        try:
+            vers[tool[0]] = subprocess.run(tool, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            vers[tool[0]] = None
+    import importlib.metadata as md
+    for pkg in ("torch", "zstandard", "safetensors", "zipnn", "numpy", "ckpt-archive"):
+        try:
+            vers[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            vers[pkg] = None
+    return {"cpus": os.cpu_count(), "cpu": cpu, "mem_bytes": mem, "python": platform.python_version(),
+            "platform": platform.platform(), "versions": vers,
+            "loadavg_start": os.getloadavg()}
+
+
+def run_size(size_mib: int, a: argparse.Namespace, log) -> dict:
+    wd = Path(a.workdir) / f"{size_mib}mib"
+    wd.mkdir(parents=True, exist_ok=True)
+    if not (wd / "meta.json").exists():
+        log(f"[{size_mib} MiB] building state ...")
+        r = measure("build", _py("build", a, wd, size_mib=size_mib), True)
+        if "error" in r:
+            raise SystemExit(f"building the state failed: {r['error']}")
+    meta = json.loads((wd / "meta.json").read_text())
+    repo = wd / "repo"
+    have_zipnn = subprocess.run([sys.executable, "-c", "import zipnn"], capture_output=True).returncode == 0
+    ours = not a.baselines_only
+    runs: dict[str, list[dict]] = {}
+
+    def rec(r: dict) -> None:
+        runs.setdefault(r["op"], []).append(r)
+        if "error" in r:
+            log(f"  {r['op']:18s} ERROR {r['error']}")
+        else:
+            log(f"  {r['op']:18s} {r['seconds']:8.2f} s  peak anon {r['peak_anon_bytes'] / MiB:8.1f} MiB")
+
+    pt, zst = wd / "ckpt.pt", wd / "ckpt.pt.zst"
+    for rep in range(a.reps):
+        log(f"[{size_mib} MiB] rep {rep + 1}/{a.reps}  (load avg {os.getloadavg()[0]:.2f})")
+        rec(measure("hand", ["sh", "-c", f"zstd -q -T0 -3 -f '{pt}' -o '{zst}' && openssl dgst -sha256 '{zst}'"], False))
+        rec(measure("hand_deep", ["sh", "-c", f"zstd -q -t '{zst}' && openssl dgst -sha256 '{zst}'"], False))
+        rec(measure("torch_load", _py("torch_load", a, wd), True))
+        rec(measure("safetensors_load", _py("safetensors_load", a, wd), True))
+        if have_zipnn and not a.no_zipnn:
+            rec(measure("zipnn", _py("zipnn", a, wd), True))
+        if ours:
+            shutil.rmtree(repo, ignore_errors=True)
+            r = measure("pack", _py("pack", a, wd, repo), True)
+            rec(r)
+            if "error" in r:
+                ours = False
+                continue
+            members = sorted(str(p) for p in _generation_dir(repo).iterdir() if p.suffix == ".ckz")
+            rec(measure("openssl_ours", ["openssl", "dgst", "-sha256", *members], False))
+            for op in ("verify", "verify_deep", "load", "restore"):
+                rec(measure(op, _py(op, a, wd, repo), True))
+    # sizes of the bf16-only state, once (deterministic)
+    sizes = {"pt_bytes": pt.stat().st_size, "zstd3_bytes": zst.stat().st_size}
+    wpt, wzst = wd / "weights.pt", wd / "weights.pt.zst"
+    subprocess.run(["zstd", "-q", "-T0", "-3", "-f", str(wpt), "-o", str(wzst)], check=True)
+    sizes["weights_zstd3_bytes"] = wzst.stat().st_size
+    if have_zipnn and not a.no_zipnn:
+        r = measure("zipnn_weights", _py("zipnn_weights", a, wd), True)
+        rec(r)
+    if ours and not a.baselines_only:
+        wrepo = wd / "repo_weights"
+        shutil.rmtree(wrepo, ignore_errors=True)
+        rec(measure("pack_weights", _py("pack_weights", a, wd, wrepo), True))
+        shutil.rmtree(wrepo, ignore_errors=True)
+    return {"size_mib": size_mib, "raw_bytes": meta["raw_bytes"], "weights_raw_bytes": meta["weights_raw_bytes"],
+            "plan": meta["plan"], "sizes": sizes, "runs": runs, "summary": summarize(runs)}
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    out = {}
+    for op, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            out[op] = {"error": rs[-1]["error"]}
+            continue
+        out[op] = {"median_s": statistics.median(r["seconds"] for r in ok),
+                   "all_s": [round(r["seconds"], 3) for r in ok],
+                   "peak_anon_bytes": max(r["peak_anon_bytes"] for r in ok),
+                   "anon_before_bytes": max((r.get("anon_before", 0) for r in ok), default=0)}
+        stored = [r["stored_bytes"] for r in ok if "stored_bytes" in r]
+        if stored:
+            out[op]["stored_bytes"] = stored[-1]
+    return out
+
+
+def _m(summary: dict, op: str) -> float | None:
+    s = summary.get(op)
+    return None if not s or "error" in s else s["median_s"]
+
+
+def ratios(size: dict) -> list[dict]:
+    """The target rows for one size: value, target, pass."""
+    s, raw = size["summary"], size["raw_bytes"]
+    rows = []
+
+    def row(name, value, target, better, note=""):
+        ok = None if value is None else (value >= target if better == "higher" else value <= target)
+        rows.append({"metric": name, "value": value, "target": target, "better": better, "pass": ok, "note": note})
+
+    def speed(op_ours, op_base):
+        a, b = _m(s, op_ours), _m(s, op_base)
+        return None if a is None or b is None else b / a  # time ratio = throughput ratio (same raw bytes)
+
+    row("pack (incl. verify + trial reload) throughput / hand pipeline", speed("pack", "hand"), 0.6, "higher")
+    pk = s.get("pack", {})
+    if "stored_bytes" in pk:
+        row("stored size / zstd -3 (fp32-heavy state)", pk["stored_bytes"] / size["sizes"]["zstd3_bytes"], 0.90, "lower")
+    if "stored_bytes" in s.get("zipnn", {}) and "stored_bytes" in pk:
+        row("stored size / zipnn (fp32-heavy state, stretch)", pk["stored_bytes"] / s["zipnn"]["stored_bytes"], 1.0, "lower")
+    pw = s.get("pack_weights", {})
+    if "stored_bytes" in pw:
+        row("stored size / zstd -3 (bf16 weights)", pw["stored_bytes"] / size["sizes"]["weights_zstd3_bytes"], 0.87, "lower")
+        if "stored_bytes" in s.get("zipnn_weights", {}):
+            row("stored size / zipnn (bf16 weights, stretch)", pw["stored_bytes"] / s["zipnn_weights"]["stored_bytes"], 1.0, "lower")
+    row("verify throughput / openssl dgst over the same files", speed("verify", "openssl_ours"), 0.9, "higher")
+    row("verify --deep throughput / zstd -t + openssl", speed("verify_deep", "hand_deep"), 0.6, "higher")
+    row("load throughput / torch.load", speed("load", "torch_load"), 0.6, "higher")
+    for op in ("pack", "restore"):
+        if op in s and "error" not in s[op]:
+            row(f"peak anon memory of {op} (MiB)", s[op]["peak_anon_bytes"] / MiB, 512, "lower")
+    rows.append({"metric": "ratio zstd -3 (raw / stored)", "value": raw / size["sizes"]["zstd3_bytes"], "target": None,
+                 "better": "higher", "pass": None, "note": ""})
+    return rows
+
+
+def linearity(results: list[dict]) -> list[dict]:
+    rows = []
+    by = sorted(results, key=lambda r: r["raw_bytes"])
+    for small in by:
+        for big in by:
+            f = big["raw_bytes"] / small["raw_bytes"]
+            if not 3.5 <= f <= 4.5:
+                continue
+            for op in ("pack", "verify", "verify_deep", "restore", "load"):
+                a, b = _m(small["summary"], op), _m(big["summary"], op)
+                if a and b:
+                    # time growth normalised to exactly 4x the bytes; target 4.4
+                    rows.append({"metric": f"{op}: time({big['size_mib']} MiB)/time({small['size_mib']} MiB) per 4x bytes",
+                                 "value": b / a * 4 / f, "target": 4.4, "better": "lower", "pass": b / a * 4 / f <= 4.4,
+                                 "note": f"bytes ratio {f:.2f}"})
+    return rows
+
+
+def table(results: list[dict], lin: list[dict]) -> str:
+    lines = []
+    for size in results:
+        s, raw = size["summary"], size["raw_bytes"]
+        lines.append(f"\n### {size['size_mib']} MiB state ({raw / MiB:.0f} MiB of tensors)\n")
+        lines.append("| operation | median s | raw MB/s | peak anon MiB | runs (s) |")
+        lines.append("|---|---:|---:|---:|---|")
+        for op, v in s.items():
+            if "error" in v:
+                lines.append(f"| {op} | error: {v['error'][:80]} | | | |")
+                continue
+            nbytes = size["weights_raw_bytes"] if op.endswith("_weights") else raw
+            lines.append(f"| {op} | {v['median_s']:.2f} | {nbytes / v['median_s'] / 1e6:.0f} | "
+                         f"{v['peak_anon_bytes'] / MiB:.0f} | {', '.join(f'{x:.2f}' for x in v['all_s'])} |")
+        lines.append("")
+        lines.append("| ratio | reached | target | |")
+        lines.append("|---|---:|---:|---|")
+        for r in size["ratios"]:
+            val = "n/a" if r["value"] is None else f"{r['value']:.3f}"
+            tgt = "" if r["target"] is None else ("≥ " if r["better"] == "higher" else "≤ ") + f"{r['target']}"
+            mark = "" if r["pass"] is None else ("met" if r["pass"] else "**missed**")
+            lines.append(f"| {r['metric']} | {val} | {tgt} | {mark} |")
+    if lin:
+        lines.append("\n### Linearity (4x the state)\n")
+        lines.append("| ratio | reached | target | |")
+        lines.append("|---|---:|---:|---|")
+        for r in lin:
+            lines.append(f"| {r['metric']} | {r['value']:.2f} | ≤ {r['target']} | {'met' if r['pass'] else '**missed**'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="256", help="comma-separated state sizes in MiB (e.g. 256,1024,2048)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per operation (medians reported)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="threads for pack/zipnn")
+    ap.add_argument("--workdir", default=str(HERE / "out"), help="scratch folder (states are cached here)")
+    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<stamp>.json)")
+    ap.add_argument("--baselines-only", action="store_true", help="skip ckpt-archive operations")
+    ap.add_argument("--no-zipnn", action="store_true")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--repo", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--size-mib", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(a.worker, a)))
+        return 0
+    for tool in ("zstd", "openssl"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} not found: install it (apt-get install zstd openssl)")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    info = machine()
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    results = []
+    for size_mib in [int(x) for x in a.sizes.split(",") if x]:
+        r = run_size(size_mib, a, log)
+        r["ratios"] = ratios(r)
+        results.append(r)
+    lin = linearity(results)
+    info["loadavg_end"] = os.getloadavg()
+    doc = {"stamp": stamp, "machine": info, "jobs": a.jobs, "reps": a.reps, "results": results, "linearity": lin}
+    out = Path(a.out) if a.out else HERE / "results" / f"{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(table(results, lin))
+    log(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
