@@ -156,4 +156,16 @@ def command(fn: Callable) -> Callable:
     return wrapper
 
 
+def human_bytes(n: int | None) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units)."""
+    if n is None:
+        return "?"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else there.")

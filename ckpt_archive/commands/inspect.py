@@ -1,0 +1,66 @@
+"""``ckpt-archive inspect``: what a generation holds, from its manifest (reads no member)."""
+from __future__ import annotations
+
+import typer
+
+from ._common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes, split_repo_spec
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("inspect", help="Show a generation's manifest: progress, config, metrics, code, environment, "
+                                 "members (opaque ones flagged), tensors, loading instructions. " + EXIT_CODES_HELP)
+    @command
+    def inspect_cmd(
+        spec: str = typer.Argument(..., metavar="REPO[@GEN]"),
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        import ckpt_archive
+        from rich.table import Table
+
+        out = Output(json_output)
+        repo, gen = split_repo_spec(spec)
+        info = ckpt_archive.inspect(repo, gen)
+        m = info["manifest"]
+        out.say(f"generation {info['generation']} ({info['status']}) of {info['location']}", style="bold")
+        out.say(f"  created {m['created']}  source {m['source']['format']} ({m['source']['layout']})  "
+                f"archive id {m['archive_id']}")
+        p = m["progress"]
+        out.say(f"  progress: step {p.get('step')}  epoch {p.get('epoch')}  cursor {p.get('cursor')}")
+        code = m["code"]
+        out.say(f"  code: {code.get('git_commit') or '-'}{' (dirty)' if code.get('dirty') else ''}"
+                f"{'  version ' + code['version'] if code.get('version') else ''}")
+        env = m["environment"]
+        out.say(f"  environment: python {env.get('python')}, torch {env.get('torch')}, numpy {env.get('numpy')}")
+        if m["tags"]:
+            out.say(f"  tags: {', '.join(m['tags'])}")
+        if m["metrics"]:
+            out.say(f"  metrics: {m['metrics']}")
+        s = m["summary"]
+        out.say(f"  {s['tensor_count']} tensors in {s['member_count']} members: {human_bytes(s['raw_bytes'])} raw, "
+                f"{human_bytes(s['stored_bytes'])} stored")
+        table = Table(title="members")
+        for col in ("member", "role", "raw", "stored", "codecs", "raw sha256"):
+            table.add_column(col)
+        for mem in m["members"]:
+            role = mem["role"] + (" (opaque: never loaded)" if mem.get("opaque") else "")
+            table.add_row(mem["path"], role, human_bytes(mem["raw_bytes"]), human_bytes(mem["stored_bytes"]),
+                          ",".join(mem.get("chunk_codecs", [])), mem["raw_sha256"][:16])
+        out.table(table)
+        if info["opaque_members"]:
+            out.say(f"  opaque files (fingerprinted, restored byte for byte, never unpickled): "
+                    f"{', '.join(info['opaque_members'])}")
+        out.say("loading instructions:", style="bold")
+        out.say(m["instructions"]["text"])
+        extra = _extend_inspect(info, repo, out)
+        out.json({**info, **extra})
+
+
+def _extend_inspect(info: dict, repo: str, out: Output) -> dict:
+    """Hook for the policy audit (LR the next step will use, counters)."""
+    try:
+        from ..checks import extend_inspect
+    except ModuleNotFoundError as exc:
+        if exc.name != "ckpt_archive.checks":
+            raise
+        return {}
+    return extend_inspect(info, repo, out)

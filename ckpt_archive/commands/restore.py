@@ -1,0 +1,40 @@
+"""``ckpt-archive restore``: write a generation back as a .pt file or a folder, atomically."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ._common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes, split_repo_spec
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("restore", help="Restore a generation to FILE.pt (loads with torch.load(weights_only=True)) or, "
+                                 "for a folder source, to a folder. Never overwrites without --force; writes a "
+                                 "temporary name then renames; checks free space first. " + EXIT_CODES_HELP)
+    @command
+    def restore_cmd(
+        spec: str = typer.Argument(..., metavar="REPO[@GEN]"),
+        output: Path = typer.Option(..., "--output", "-o", help="The .pt file or folder to create."),
+        force: bool = typer.Option(False, "--force", help="Replace an existing output (after the new one is complete)."),
+        only: Optional[str] = typer.Option(None, "--only", help="Restore part of the state, e.g. 'model' "
+                                                                "(a '/'-separated path)."),
+        fallback: bool = typer.Option(False, "--fallback", help="If @latest fails its checks, use the newest "
+                                                                "generation that verifies."),
+        map_location: Optional[str] = typer.Option(None, "--map-location", help="Device for tensors (default cpu)."),
+        jobs: Optional[int] = typer.Option(None, "--jobs", "-j"),
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        import ckpt_archive
+
+        out = Output(json_output)
+        repo, gen = split_repo_spec(spec)
+        res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
+                                   map_location=map_location, jobs=jobs)
+        for w in res.warnings:
+            out.warn(w)
+        what = f" ({only})" if only else ""
+        out.say(f"restored generation {res.generation}{what} to {res.output} ({human_bytes(res.bytes_written)})",
+                style="green")
+        out.json(res.to_json())
