@@ -1,0 +1,433 @@
+"""Progress vs policy (issue 5): the LR the next step will really use, session policy, structure checks.
+
+Values are computed live with torch on CPU; the issue's numbers (torch 2.13) are asserted as written.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.optim import lr_scheduler as L
+
+from ckpt_archive.errors import IncoherentState
+from ckpt_archive.policy import (apply_session_policy, audit, compare_with_session, derive_lrs,
+                                 lint_completeness, restore_training_state)
+
+
+def _loss(model):
+    torch.manual_seed(123)
+    x = torch.randn(8, 4)
+    return model(x).pow(2).mean()
+
+
+def _train(model, opt, sched, n):
+    for _ in range(n):
+        opt.zero_grad()
+        _loss(model).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _rng_state():
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _roundtrip(state):
+    """As a .pt file read back with weights_only=True (what `restore` writes and users load)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    # NumPy's legacy RNG tuple holds an ndarray: allowlisted as a trainer would (no code is unpickled).
+    with torch.serialization.safe_globals([np._core.multiarray._reconstruct, np.ndarray, np.dtype,
+                                           type(np.dtype(np.uint32))]):
+        return torch.load(buf, weights_only=True)
+
+
+# --- case 1: config lowered on resume ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def adam_6000():
+    """Adam at step 6000 with lr 1e-3 (the step counters set to 6000 after a few real updates)."""
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _train(model, opt, None, 3)
+    for st in opt.state.values():
+        st["step"].fill_(6000.0)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "progress": {"step": 6000},
+             "rng": _rng_state(), "data": {"cursor": 12}}
+    return _roundtrip(state)
+
+
+def test_lowered_config_gives_one_warning_naming_the_group_lr(adam_6000):
+    diffs = compare_with_session(adam_6000, session_config={"optimizer": {"lr": 1e-5}})
+    assert len(diffs) == 1
+    d = diffs[0]
+    assert d.field == "optimizer.param_groups[0].lr"
+    assert (d.archived, d.session, d.wins, d.switch) == (0.001, 1e-05, "checkpoint", "--policy session")
+    assert "0.001" in d.message and "1e-05" in d.message and "--policy session" in d.message
+
+
+def test_equal_session_values_are_silent(adam_6000, tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("optimizer:\n  lr: 0.001\n  weight_decay: 0\n")
+    assert compare_with_session(adam_6000, session_config=cfg, expect_lr=1e-3) == []
+
+
+def test_session_config_read_from_toml_and_json_files(adam_6000, tmp_path):
+    t = tmp_path / "c.toml"
+    t.write_text("[optimizer]\nlr = 1e-5\n")
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"learning_rate": 1e-5, "weight_decay": 0.1}))
+    assert [d.field for d in compare_with_session(adam_6000, session_config=t)] == ["optimizer.param_groups[0].lr"]
+    fields = [d.field for d in compare_with_session(adam_6000, session_config=j)]
+    assert fields == ["optimizer.param_groups[0].lr", "optimizer.param_groups[0].weight_decay"]
+
+
+def test_expect_lr_is_compared_with_the_next_step_lr(adam_6000):
+    (d,) = compare_with_session(adam_6000, expect_lr=1e-5)
+    assert d.field == "optimizer.param_groups[0].lr" and d.archived == 1e-3 and d.session == 1e-5
+
+
+def test_session_policy_sets_lr_exactly_and_keeps_moments_bit_equal(adam_6000):
+    new, changes = apply_session_policy(adam_6000, session_config={"lr": 1e-5})
+    assert new["optimizer"]["param_groups"][0]["lr"] == 1e-5
+    assert adam_6000["optimizer"]["param_groups"][0]["lr"] == 1e-3, "the input state was modified"
+    assert [str(c) for c in changes] == ["optimizer.param_groups[0].lr: 0.001 -> 1e-05"]
+    for k, st in adam_6000["optimizer"]["state"].items():
+        for name, t in st.items():
+            assert torch.equal(new["optimizer"]["state"][k][name], t)
+            assert new["optimizer"]["state"][k][name].dtype == t.dtype
+    assert audit(new).next_lrs == [1e-5]
+
+
+def test_restore_under_session_policy_keeps_session_lr_and_archived_moments(adam_6000, caplog):
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    with caplog.at_level(logging.INFO, logger="ckpt_archive.policy"):
+        rep = restore_training_state(adam_6000, model=model, optimizer=opt, policy="session")
+    assert opt.param_groups[0]["lr"] == 1e-5 and rep.next_lrs == [1e-5]
+    saved = adam_6000["optimizer"]["state"]
+    for i, p in enumerate(model.parameters()):
+        st = opt.state[p]
+        assert st["step"].item() == 6000.0
+        assert torch.equal(st["exp_avg"], saved[i]["exp_avg"]) and torch.equal(st["exp_avg_sq"], saved[i]["exp_avg_sq"])
+    lines = [r.getMessage() for r in caplog.records if r.name == "ckpt_archive.policy" and r.levelno == logging.INFO]
+    assert len(lines) == 1 and "next step LR group 0=1e-05" in lines[0] and "policy session" in lines[0]
+
+
+def test_restore_under_checkpoint_policy_uses_the_archived_lr(adam_6000):
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    rep = restore_training_state(adam_6000, model=model, optimizer=opt)
+    assert opt.param_groups[0]["lr"] == 1e-3 and rep.next_lrs == [1e-3] and rep.changes == []
+
+
+# --- case 2: cosine, 45 epochs ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cosine_45():
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = L.CosineAnnealingLR(opt, T_max=100)
+    _train(model, opt, sched, 45)
+    return _roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                       "progress": {"epoch": 45}})
+
+
+def test_cosine_restored_lr_and_the_next_two_match_the_issue(cosine_45):
+    a = audit(cosine_45)
+    assert a.scheduler["kind"] == "CosineAnnealingLR" and not a.findings
+    assert math.isclose(a.next_lrs[0], 5.782172e-4, rel_tol=1e-6)
+    assert math.isclose(a.groups[0].derived_lr, a.next_lrs[0], rel_tol=1e-12)
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = L.CosineAnnealingLR(opt, T_max=100)
+    restore_training_state(cosine_45, model=model, optimizer=opt, scheduler=sched)
+    got = [opt.param_groups[0]["lr"]]
+    for _ in range(2):
+        _train(model, opt, sched, 1)
+        got.append(opt.param_groups[0]["lr"])
+    want = [5.782172e-4, 5.626666e-4, 5.470542e-4]
+    # the issue gives 7 digits; the closed form gives the values to 1e-9
+    for g, w, e in zip(got, want, (45, 46, 47)):
+        assert math.isclose(g, w, rel_tol=1e-6)
+        assert math.isclose(g, 0.5e-3 * (1 + math.cos(math.pi * e / 100)), rel_tol=1e-9)
+
+
+def test_missing_scheduler_is_reported_never_a_keyerror_about_initial_lr(cosine_45):
+    state = {k: v for k, v in cosine_45.items() if k != "scheduler"}
+    msg = "scheduler state missing: the LR at epoch 45 cannot be rebuilt from counters"
+    a = audit(state)
+    assert any(f.field == "scheduler" and msg in f.message for f in a.findings)
+    assert any(msg in f.message for f in lint_completeness(state))
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = L.CosineAnnealingLR(opt, T_max=100)
+    rep = restore_training_state(state, model=model, optimizer=opt, scheduler=sched)
+    assert any(msg in w for w in rep.warnings) and "scheduler" not in rep.restored
+
+
+# --- case 3: SequentialLR and restore order ---------------------------------------------------------------
+
+def _seq(opt):
+    return L.SequentialLR(opt, [L.LinearLR(opt, start_factor=0.1, total_iters=20),
+                                L.CosineAnnealingLR(opt, T_max=80, eta_min=3e-5)], milestones=[20])
+
+
+@pytest.fixture(scope="module")
+def seq_25():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=3e-4, momentum=0.9)
+    sched = _seq(opt)
+    _train(model, opt, sched, 25)
+    return _roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                       "progress": {"step": 25}})
+
+
+def test_sequential_lr_correct_restore_then_one_step(seq_25):
+    a = audit(seq_25)
+    assert a.scheduler["kind"] == "SequentialLR[1:CosineAnnealingLR]" and not a.findings
+    assert math.isclose(a.groups[0].derived_lr, 2.974060e-4, rel_tol=1e-6)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=3e-4, momentum=0.9)
+    sched = _seq(opt)
+    rep = restore_training_state(seq_25, model=model, optimizer=opt, scheduler=sched)
+    assert rep.restored[:3] == ["model", "optimizer", "scheduler"]
+    assert math.isclose(opt.param_groups[0]["lr"], 2.974060e-4, rel_tol=1e-6)
+    _train(model, opt, sched, 1)
+    assert math.isclose(opt.param_groups[0]["lr"], 2.962699e-4, rel_tol=1e-6)
+
+
+def test_optimizer_loaded_before_scheduler_built_is_named_with_both_values(seq_25):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=3e-4, momentum=0.9)
+    opt.load_state_dict(seq_25["optimizer"])
+    sched = _seq(opt)  # the constructor rewrites lr to the warm-up start: 3e-5
+    sched.load_state_dict(seq_25["scheduler"])
+    bad = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+           "progress": {"step": 25}}
+    a = audit(bad)
+    (f,) = [f for f in a.findings if f.field == "optimizer.param_groups[0].lr"]
+    assert f.severity == "warning"
+    assert "3e-05" in f.message and "0.000297406" in f.message and "scheduler was built" in f.message
+    assert math.isclose(a.next_lrs[0], 3e-5, rel_tol=1e-9)  # what the next step really uses
+
+
+# --- other schedulers: derived LR equals what torch computes -------------------------------------------
+
+@pytest.mark.parametrize("make,n", [
+    (lambda o: L.StepLR(o, 3, 0.5), 7),
+    (lambda o: L.MultiStepLR(o, [2, 4, 4], 0.1), 6),
+    (lambda o: L.ExponentialLR(o, 0.9), 5),
+    (lambda o: L.LinearLR(o, 0.25, 1.0, 4), 6),
+    (lambda o: L.ConstantLR(o, 0.5, 3), 2),
+    (lambda o: L.PolynomialLR(o, 10, 2.0), 4),
+    (lambda o: L.CosineAnnealingWarmRestarts(o, 3, 2), 7),
+    (lambda o: L.OneCycleLR(o, 1e-2, total_steps=20), 13),
+])
+def test_derived_lr_matches_torch_for_each_scheduler(make, n):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    sched = make(opt)
+    _train(model, opt, sched, n)
+    state = _roundtrip({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+    a = audit(state)
+    assert a.groups[0].derived_lr is not None, a.scheduler
+    assert math.isclose(a.groups[0].derived_lr, opt.param_groups[0]["lr"], rel_tol=1e-9)
+    assert not [f for f in a.findings if f.field.startswith("scheduler._last_lr")]
+
+
+def test_lambda_lr_says_not_derivable_and_reports_last_lr():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    sched = L.LambdaLR(opt, lambda e: 1 - e / 10)
+    _train(model, opt, sched, 5)
+    a = audit(_roundtrip({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}))
+    assert a.groups[0].derived_lr is None and "cannot be derived" in a.scheduler["note"]
+    assert math.isclose(a.groups[0].last_lr, 5e-6, rel_tol=1e-12)
+    assert math.isclose(a.next_lrs[0], 5e-6, rel_tol=1e-12)
+
+
+def test_reduce_on_plateau_next_lr_is_the_reduced_group_lr():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sched = L.ReduceLROnPlateau(opt, patience=0)
+    for _ in range(3):
+        opt.step()
+        sched.step(1.0)
+    a = audit(_roundtrip({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}))
+    assert a.scheduler["kind"] == "ReduceLROnPlateau"
+    assert math.isclose(a.next_lrs[0], opt.param_groups[0]["lr"]) and a.next_lrs[0] < 1e-2
+    assert not a.findings
+
+
+def test_one_cycle_past_total_steps_is_an_error():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    sched = L.OneCycleLR(opt, 1e-2, total_steps=5)
+    _train(model, opt, sched, 5)
+    a = audit({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+    assert any(f.severity == "error" and "raises ValueError" in f.message for f in a.findings)
+
+
+def test_scheduler_lagging_progress_is_flagged(cosine_45):
+    state = copy.deepcopy(cosine_45)
+    state["progress"]["epoch"] = 46
+    state["optimizer"]["state"] = {k: dict(v, step=torch.tensor(46.0)) for k, v in state["optimizer"]["state"].items()}
+    f = [f for f in audit(state).findings if f.field == "scheduler.last_epoch"]
+    assert f and "lags progress" in f[0].message and "last_epoch 45" in f[0].message
+
+
+def test_optimizer_and_progress_counters_disagreeing_are_flagged(adam_6000):
+    state = dict(adam_6000, progress={"step": 5000})
+    assert any("optimizer step 6000 vs progress step 5000" in f.message for f in audit(state).findings)
+
+
+def test_audit_json_is_strict_and_rows_render():
+    from rich.console import Console
+
+    state = {"optimizer": {"state": {}, "param_groups": [{"lr": float("nan"), "params": [0]}]}}
+    a = audit(state)
+    text = json.dumps(a.to_json(), allow_nan=False)
+    assert '"nan"' in text and a.findings[0].severity == "error"
+    assert a.rows()[0]["lr"] == "nan"
+    con = Console(file=__import__("io").StringIO(), width=150)
+    con.print(a)
+    assert "next_lr" in con.file.getvalue()
+
+
+def test_lightning_layout_is_found():
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    sched = L.StepLR(opt, 2, 0.5)
+    _train(model, opt, sched, 3)
+    state = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()],
+             "lr_schedulers": [sched.state_dict()], "global_step": 3, "epoch": 0}
+    a = audit(state)
+    assert a.parts["optimizer"] == "optimizer_states[0]" and a.parts["model"] == "state_dict"
+    assert a.counters["optimizer_step"] == 3 and a.counters["progress_step"] == 3
+    assert a.groups[0].field == "optimizer_states[0].param_groups[0]" and math.isclose(a.next_lrs[0], 1e-3)
+
+
+def test_derive_lrs_names_kind_without_class_name():
+    kind, lrs, _ = derive_lrs({"step_size": 2, "gamma": 0.5, "base_lrs": [1.0], "last_epoch": 5})
+    assert kind == "StepLR" and lrs == [0.25]
+
+
+# --- completeness lint ------------------------------------------------------------------------------------
+
+def test_lint_names_what_a_resume_loses():
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": {"python": random.getstate()}}
+    msgs = {f.field: f.message for f in lint_completeness(state, config={"training": {"mixed_precision": "fp16"}})}
+    assert all(m.startswith("not bitwise-resumable: ") for m in msgs.values())
+    assert "numpy, torch" in msgs["rng"]
+    assert "data" in msgs and "optimizer.state" in msgs and "scaler" in msgs
+    assert "mixed_precision='fp16'" in msgs["scaler"]
+
+
+def test_lint_is_silent_on_a_complete_state(adam_6000):
+    assert lint_completeness(adam_6000, config={"precision": "bf16-mixed"}) == []
+
+
+# --- case 6: param groups changed -----------------------------------------------------------------------
+
+def test_four_tensor_group_into_two_tensor_group_raises_and_changes_nothing():
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # phase 2: all 4 tensors trained
+    _train(model, opt, None, 2)
+    state = _roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+    live = _net()
+    for p in live[0].parameters():
+        p.requires_grad_(False)
+    live_opt = torch.optim.Adam([p for p in live.parameters() if p.requires_grad], lr=1e-3)  # 2 tensors
+    _train(live, live_opt, None, 1)
+    before_model = copy.deepcopy(live.state_dict())
+    before_opt = copy.deepcopy(live_opt.state_dict())
+    with pytest.raises(IncoherentState) as exc:
+        restore_training_state(state, model=live, optimizer=live_opt)
+    msg = str(exc.value)
+    assert "group 0: saved 4, current 2" in msg
+    assert "current: 2.weight, 2.bias" in msg and "0.weight" in msg and "0.bias" in msg
+    assert exc.value.exit_code == 1
+    after = live.state_dict()
+    assert all(torch.equal(before_model[k], after[k]) for k in before_model)
+    after_opt = live_opt.state_dict()
+    assert after_opt["param_groups"] == before_opt["param_groups"]
+    for k, st in before_opt["state"].items():
+        assert all(torch.equal(v, after_opt["state"][k][n]) for n, v in st.items())
+
+
+def test_model_shape_mismatch_is_refused_before_loading():
+    model = _net()
+    state = {"model": {k: (v if k != "2.weight" else torch.zeros(3, 8)) for k, v in model.state_dict().items()}}
+    live = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    before = copy.deepcopy(live.state_dict())
+    with pytest.raises(IncoherentState, match=r"2.weight: saved shape \[3, 8\], current \[2, 8\]"):
+        restore_training_state(state, model=live)
+    assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
+
+
+# --- RNG ---------------------------------------------------------------------------------------------------
+
+def test_rng_restored_last_and_cuda_states_of_invisible_devices_warned(caplog):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    pcg = np.random.default_rng(7)
+    state = {"rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                     "cuda": [torch.get_rng_state()[:16], torch.get_rng_state()[:16]]}}
+    want = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    with caplog.at_level(logging.WARNING, logger="ckpt_archive.policy"):
+        rep = restore_training_state(_roundtrip(state))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < 2:
+        assert f"2 saved, {visible} visible" in rep.rng["cuda"] and not rep.bitwise_resumable
+        assert any("2 saved" in r.getMessage() for r in caplog.records)
+    assert rep.restored == ["rng"]
+    # a PCG64 Generator state: restored into a given generator, bit for bit
+    pcg_state = pcg.bit_generator.state
+    want_pcg = pcg.random()
+    target = np.random.default_rng(0)
+    restore_training_state({"rng": {"numpy": pcg_state}}, rng={"numpy": target})
+    assert target.random() == want_pcg
+    rep = restore_training_state({"rng": {"numpy": pcg_state}})
+    assert rep.numpy_generator.random() == want_pcg and not rep.bitwise_resumable
+
+
+def test_broken_rng_entry_warns_instead_of_crashing():
+    rep = restore_training_state({"rng": {"python": "garbage", "torch": 5}})
+    assert not rep.bitwise_resumable and "not restored" in rep.rng["python"] and "not restored" in rep.rng["torch"]
+
+
+# --- through the archive -----------------------------------------------------------------------------------
+
+def test_audit_runs_on_a_state_round_tripped_through_pack_and_load(seq_25, tmp_path):
+    api = pytest.importorskip("ckpt_archive.api")
+    if not hasattr(api, "pack"):
+        pytest.skip("core API not available yet")
+    res = api.pack(dict(seq_25), tmp_path / "repo")
+    back = api.load(tmp_path / "repo", res.generation)
+    a, b = audit(back), audit(seq_25)
+    assert a.to_json() == b.to_json()
+    assert math.isclose(a.groups[0].derived_lr, 2.974060e-4, rel_tol=1e-6)
