@@ -1,0 +1,512 @@
+"""forget / gc / prune / backup / list --all through the CLI (in-process, Typer's CliRunner), on tiny states.
+
+Every test here builds a throw-away repository with a handful of tiny generations (a few floats each),
+so the module runs in seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import ckpt_archive
+from ckpt_archive import backup as backup_mod
+from ckpt_archive.cli import app
+from ckpt_archive.errors import LockError
+from ckpt_archive.repository import Repository
+
+torch = pytest.importorskip("torch")
+
+runner = CliRunner()
+LOSSES = [0.9, 0.5, 0.7, 0.8, 0.85]
+
+
+def cli(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def cli_json(*args):
+    res = cli(*args, "--json")
+    return res, json.loads(res.stdout)  # exactly one JSON object on stdout, or this fails
+
+
+def state(i: int) -> dict:
+    return {"model": {"w": torch.full((3,), float(i))}, "step": i * 100}
+
+
+def make_repo(path: Path, losses=LOSSES, **kw) -> Path:
+    for i, v in enumerate(losses, start=1):
+        ckpt_archive.pack(state(i), path, metrics={"val_loss": v}, **kw)
+    return path
+
+
+def usable(repo: Path) -> list[int]:
+    return [g.number for g in Repository.open(repo).usable()]
+
+
+def statuses(repo: Path) -> dict[int, str]:
+    return {g.number: g.status for g in Repository.open(repo).generations()}
+
+
+def gen_dir(repo: Path, n: int) -> Path:
+    return repo / "generations" / f"{n:08d}"
+
+
+def make_partial(repo: Path, n: int) -> None:
+    """What a crash between seal and publish leaves: the generation without its marker."""
+    (gen_dir(repo, n) / "USABLE.json").unlink()
+
+
+@pytest.fixture
+def repo5(tmp_path):
+    return make_repo(tmp_path / "repo")
+
+
+# ---------------------------------------------------------------------------------------------- prune
+def test_prune_keep_last_and_best_keeps_the_best_and_the_newest(repo5):
+    res, out = cli_json("prune", repo5, "--keep-last", 1, "--keep-best", 1, "--best-by", "val_loss:min")
+    assert res.exit_code == 0, res.stderr
+    assert usable(repo5) == [2, 5]
+    assert sorted(out["removed"]) == [1, 3, 4]
+    assert [k["generation"] for k in out["keep"]] == [5, 2]
+    assert not gen_dir(repo5, 1).exists() and not gen_dir(repo5, 3).exists()
+    for n in (2, 5):
+        assert ckpt_archive.verify(repo5, n, deep=True).ok
+
+
+def test_prune_when_newest_is_best_only_it_stays(tmp_path):
+    repo = make_repo(tmp_path / "r", [0.9, 0.5, 0.7, 0.8, 0.3])
+    res = cli("prune", repo, "--keep-last", 1, "--keep-best", 1, "--best-by", "val_loss:min")
+    assert res.exit_code == 0, res.stderr
+    assert usable(repo) == [5]
+
+
+def test_prune_dry_run_prints_table_with_reasons_and_deletes_nothing(repo5):
+    before = sorted(p.name for p in (repo5 / "generations").iterdir())
+    res = cli("prune", repo5, "--keep-last", 1, "--keep-best", 1, "--best-by", "val_loss:min", "--dry-run")
+    assert res.exit_code == 0, res.stderr
+    assert sorted(p.name for p in (repo5 / "generations").iterdir()) == before
+    assert usable(repo5) == [1, 2, 3, 4, 5]
+    err = " ".join(res.stderr.split())
+    assert "REMOVE" in err and "matched no keep rule" in err and "newest usable" in err and "val_loss:min" in err
+    assert "would remove 3 generation(s): 1, 3, 4" in err
+    assert res.stdout == ""  # human output goes to stderr only
+
+
+def test_prune_dry_run_json_is_one_object_and_deletes_nothing(repo5):
+    res, out = cli_json("prune", repo5, "--keep-last", 2, "--dry-run")
+    assert res.exit_code == 0
+    assert out["dry_run"] is True and out["removed"] == []
+    assert [e["generation"] for e in out["remove"]] == [3, 2, 1]
+    assert usable(repo5) == [1, 2, 3, 4, 5]
+
+
+def test_prune_refuses_an_empty_policy_and_deletes_nothing(repo5):
+    res, out = cli_json("prune", repo5)
+    assert res.exit_code == 2
+    assert "empty retention policy" in res.stderr and "Traceback" not in res.stderr
+    assert out["ok"] is False and out["error"] == "UsageError"
+    assert usable(repo5) == [1, 2, 3, 4, 5]
+
+
+def test_prune_refuses_a_policy_that_would_remove_every_generation(repo5):
+    res = cli("prune", repo5, "--keep-tag", "release")
+    assert res.exit_code == 2
+    assert "keeps none of the 5 usable" in res.stderr
+    assert usable(repo5) == [1, 2, 3, 4, 5]
+    res = cli("prune", repo5, "--keep-best", 1, "--best-by", "val_los:min")  # typo in the metric
+    assert res.exit_code == 2 and usable(repo5) == [1, 2, 3, 4, 5]
+
+
+def test_prune_uses_the_repository_default_policy(repo5):
+    repo = Repository.open(repo5)
+    with repo.lock():
+        repo.set_default_retention({"keep_last": 2})
+    res = cli("prune", repo5)
+    assert res.exit_code == 0, res.stderr
+    assert usable(repo5) == [4, 5]
+
+
+def test_prune_never_counts_or_removes_a_partial_generation(repo5):
+    make_partial(repo5, 5)  # the newest is partial: #4 is the newest usable
+    make_partial(repo5, 2)  # the best is partial: it must not count as best
+    res, out = cli_json("prune", repo5, "--keep-last", 1, "--keep-best", 1, "--best-by", "val_loss:min")
+    assert res.exit_code == 0, res.stderr
+    assert usable(repo5) == [3, 4]
+    st = statuses(repo5)
+    assert st[5] == "partial" and st[2] == "partial"  # left for gc
+    reasons = {e["generation"]: e["reasons"] for e in out["not_usable"]}
+    assert "gc" in reasons[5][0]
+
+
+def test_prune_dry_run_says_partial_generations_are_left_for_gc(repo5):
+    make_partial(repo5, 3)
+    res = cli("prune", repo5, "--keep-last", 1, "--dry-run")
+    assert "left for gc" in " ".join(res.stderr.split())
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--keep-within", "2x"), "bad duration"),
+    (("--keep-best", "1"), "--best-by"),
+    (("--keep-best", "1", "--best-by", "val_loss"), "METRIC:min"),
+])
+def test_prune_bad_flags_exit_2_with_a_one_line_reason(repo5, args, message):
+    res = cli("prune", repo5, *args)
+    assert res.exit_code == 2
+    assert message in res.stderr and "Traceback" not in res.stderr
+    assert usable(repo5) == [1, 2, 3, 4, 5]
+
+
+def test_prune_of_a_missing_repository_is_exit_2(tmp_path):
+    res = cli("prune", tmp_path / "nope", "--keep-last", 1)
+    assert res.exit_code == 2 and "repository" in res.stderr
+
+
+def test_prune_fails_with_lock_error_while_another_writer_holds_the_lock(repo5):
+    with Repository.open(repo5).lock():
+        res, out = _lock_contended_prune(repo5)
+    assert res.exit_code == 2 and out["error"] == "LockError"
+    assert usable(repo5) == [1, 2, 3, 4, 5]
+
+
+def _lock_contended_prune(repo):
+    # the lock is an OS lock on REPO/.lock: a second FileLock on it conflicts even in-process
+    return cli_json("prune", repo, "--keep-last", 1)
+
+
+def test_pack_with_retention_applies_it_only_after_the_new_generation_is_usable(tmp_path):
+    repo = make_repo(tmp_path / "r", [0.5, 0.4, 0.3])
+    res = ckpt_archive.pack(state(9), repo, metrics={"val_loss": 0.9}, retention={"keep_last": 1})
+    assert res.retention["removed"] == [1, 2, 3]
+    assert usable(repo) == [4]
+
+
+def test_pack_with_a_policy_that_keeps_nothing_old_still_packs_and_warns(tmp_path):
+    repo = make_repo(tmp_path / "r", [0.5])
+    res = ckpt_archive.pack(state(2), repo, retention={"keep_tag": ["release"]})
+    assert res.status == "usable"
+    assert usable(repo) == [1, 2]
+    assert any("retention not applied" in w for w in res.retention["warnings"])
+
+
+# ---------------------------------------------------------------------------------------------- forget
+def test_forget_removes_one_generation_and_leaves_the_others_usable(repo5):
+    res, out = cli_json("forget", f"{repo5}@3")
+    assert res.exit_code == 0, res.stderr
+    assert out["generation"] == 3 and out["status"] == "usable" and out["newest_usable"] == 5
+    assert usable(repo5) == [1, 2, 4, 5]
+    assert not gen_dir(repo5, 3).exists()
+    assert ckpt_archive.verify(repo5, 4).ok
+
+
+def test_forget_refuses_the_newest_usable_generation_without_force(repo5):
+    for spec in (f"{repo5}@5", f"{repo5}@latest", str(repo5)):
+        res = cli("forget", spec)
+        assert res.exit_code == 2
+        assert "newest usable" in res.stderr and "--force" in res.stderr
+    assert usable(repo5) == [1, 2, 3, 4, 5]
+    res = cli("forget", f"{repo5}@5", "--force")
+    assert res.exit_code == 0, res.stderr
+    assert usable(repo5) == [1, 2, 3, 4]
+
+
+def test_forget_when_newest_is_partial_protects_the_newest_usable_one(repo5):
+    make_partial(repo5, 5)
+    assert cli("forget", f"{repo5}@4").exit_code == 2
+    assert cli("forget", f"{repo5}@5").exit_code == 0  # a partial one may go
+    assert statuses(repo5) == {1: "usable", 2: "usable", 3: "usable", 4: "usable"}
+
+
+def test_forget_of_a_missing_generation_is_exit_2(repo5):
+    res = cli("forget", f"{repo5}@42")
+    assert res.exit_code == 2 and "42" in res.stderr
+
+
+def test_forget_removes_the_marker_before_anything_else(repo5, monkeypatch):
+    """Stop the deletion right after the marker went: the generation must read as partial, never usable."""
+    from ckpt_archive import faults
+
+    monkeypatch.setenv("CKPT_ARCHIVE_INJECT", "prune-after-marker-removal=raise")
+    monkeypatch.setattr(faults, "_counts", {})
+    res = cli("forget", f"{repo5}@2")
+    assert res.exit_code == 2
+    assert statuses(repo5)[2] == "partial"
+    assert (gen_dir(repo5, 2) / "manifest.json").exists()  # members and manifest still there, marker gone
+    assert usable(repo5) == [1, 3, 4, 5]
+
+
+# ---------------------------------------------------------------------------------------------- gc
+def test_gc_removes_partial_generations_and_says_which(repo5):
+    make_partial(repo5, 2)
+    (gen_dir(repo5, 6)).mkdir()
+    (gen_dir(repo5, 6) / "CLAIM").touch()  # claimed, nothing written
+    res, out = cli_json("gc", repo5)
+    assert res.exit_code == 0, res.stderr
+    assert sorted(x["generation"] for x in out["removed"]) == [2, 6]
+    assert not gen_dir(repo5, 2).exists() and not gen_dir(repo5, 6).exists()
+    assert usable(repo5) == [1, 3, 4, 5]
+    res = cli("gc", repo5)
+    assert "nothing to remove" in res.stderr
+
+
+def test_gc_human_output_names_each_removed_generation(repo5):
+    make_partial(repo5, 3)
+    res = cli("gc", repo5)
+    assert res.exit_code == 0
+    assert "removed generation 3: partial" in res.stderr
+
+
+def test_gc_dry_run_removes_nothing(repo5):
+    make_partial(repo5, 2)
+    res, out = cli_json("gc", repo5, "--dry-run")
+    assert [x["generation"] for x in out["removed"]] == [2]
+    assert statuses(repo5)[2] == "partial"
+
+
+def test_gc_keeps_damaged_generations_as_evidence(repo5):
+    m = gen_dir(repo5, 3) / "manifest.json"
+    m.write_bytes(m.read_bytes().replace(b'"generation": 3', b'"generation": 3 '))
+    assert statuses(repo5)[3] == "damaged"
+    res, out = cli_json("gc", repo5)
+    assert out["removed"] == []
+    assert [x["generation"] for x in out["kept_not_usable"]] == [3]
+    assert gen_dir(repo5, 3).exists()
+
+
+def test_gc_removes_temporary_files_of_an_interrupted_replace(repo5):
+    stray = gen_dir(repo5, 4) / ".USABLE.json.tmp-99999"
+    stray.write_text("{")
+    root_stray = repo5 / ".backup-state.json.tmp-4242"
+    root_stray.write_text("{")
+    res, out = cli_json("gc", repo5)
+    assert res.exit_code == 0
+    assert not stray.exists() and not root_stray.exists()
+    assert usable(repo5) == [1, 2, 3, 4, 5]
+
+
+def test_next_pack_reports_leftovers_and_gc_clears_them(repo5):
+    make_partial(repo5, 5)
+    res = ckpt_archive.pack(state(6), repo5)
+    assert any("generation 5" in x for x in res.leftovers)
+    cli("gc", repo5)
+    assert ckpt_archive.pack(state(7), repo5).leftovers == []
+
+
+# ---------------------------------------------------------------------------------------------- list --all
+def test_list_all_shows_partial_and_damaged_with_why(repo5):
+    make_partial(repo5, 2)
+    m = gen_dir(repo5, 3) / "manifest.json"
+    m.write_bytes(m.read_bytes() + b" ")
+    res, out = cli_json("list", repo5, "--all")
+    assert res.exit_code == 0, res.stderr
+    by = {g["generation"]: g for g in out["generations"]}
+    assert by[2]["status"] == "partial" and by[2]["reason"]
+    assert by[3]["status"] == "damaged" and "sha256" in by[3]["reason"]
+    res, out = cli_json("list", repo5)
+    assert [g["generation"] for g in out["generations"]] == [1, 4, 5]
+
+
+# ---------------------------------------------------------------------------------------------- backup
+def save_pt(path: Path, i: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state(i), path)
+    return path
+
+
+def backup_cli(source, repo, *more):
+    return cli_json("backup", source, "--repo", repo, "--settle", 0, *more)
+
+
+def test_backup_packs_a_file_then_a_second_tick_does_nothing(tmp_path):
+    src = save_pt(tmp_path / "run" / "last.pt", 1)
+    repo = tmp_path / "repo"
+    res, out = backup_cli(src, repo)
+    assert res.exit_code == 0, res.stderr
+    assert out["action"] == "packed" and out["generation"] == 1
+    res, out = backup_cli(src, repo)
+    assert res.exit_code == 0
+    assert out["action"] == "unchanged" and out["generation"] == 1 and out["read_bytes"] == 0
+    assert "nothing to do" in res.stderr
+    assert usable(repo) == [1]
+    state_file = json.loads((repo / "backup-state.json").read_text())
+    assert state_file["sources"][str(src.absolute())]["generation"] == 1
+
+
+def test_backup_tick_with_nothing_new_reads_no_file_content(tmp_path, monkeypatch):
+    src = save_pt(tmp_path / "run" / "last.pt", 1)
+    repo = tmp_path / "repo"
+    assert backup_cli(src, repo)[0].exit_code == 0
+
+    def no_reading(*a, **k):
+        raise AssertionError("an unchanged source was read")
+
+    monkeypatch.setattr(backup_mod, "hash_files", no_reading)
+    monkeypatch.setattr(ckpt_archive.api, "pack", no_reading)
+    res, out = backup_cli(src, repo)
+    assert res.exit_code == 0 and out["action"] == "unchanged"
+
+
+def test_backup_touched_but_identical_source_is_read_once_and_not_packed_again(tmp_path):
+    src = save_pt(tmp_path / "run" / "last.pt", 1)
+    repo = tmp_path / "repo"
+    backup_cli(src, repo)
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    res, out = backup_cli(src, repo)
+    assert out["action"] == "unchanged" and out["read_bytes"] == st.st_size
+    assert usable(repo) == [1]
+    res, out = backup_cli(src, repo)
+    assert out["read_bytes"] == 0  # the new stat facts were remembered
+
+
+def test_backup_changed_source_makes_a_new_generation_and_applies_retention(tmp_path):
+    src = tmp_path / "run" / "last.pt"
+    repo = tmp_path / "repo"
+    for i in range(1, 4):
+        save_pt(src, i)
+        res, out = backup_cli(src, repo, "--keep-last", 2)
+        assert res.exit_code == 0, res.stderr
+        assert out["action"] == "packed" and out["generation"] == i
+    assert usable(repo) == [2, 3]
+    assert out["retention"]["removed"] == [1]
+    loaded = ckpt_archive.load(repo)
+    assert loaded["step"] == 300
+
+
+def test_backup_picks_the_highest_checkpoint_n_folder(tmp_path):
+    out_dir = tmp_path / "out"
+    for n in (500, 1000, 200):
+        save_pt(out_dir / f"checkpoint-{n}" / "model.pt", n)
+    (out_dir / "tmp-checkpoint-2000").mkdir()  # HF Trainer's in-progress name: ignored
+    res, out = backup_cli(out_dir, tmp_path / "repo")
+    assert res.exit_code == 0, res.stderr
+    assert out["checkpoint"].endswith("checkpoint-1000")
+    assert ckpt_archive.load(tmp_path / "repo")["model.pt"]["step"] == 100000
+
+
+def test_backup_picks_the_newest_pt_file_in_an_output_folder(tmp_path):
+    out_dir = tmp_path / "out"
+    a = save_pt(out_dir / "epoch1.pt", 1)
+    b = save_pt(out_dir / "checkpoints" / "epoch2.ckpt", 2)
+    os.utime(a, (time.time() - 100, time.time() - 100))
+    res, out = backup_cli(out_dir, tmp_path / "repo")
+    assert res.exit_code == 0, res.stderr
+    assert out["checkpoint"] == str(b.absolute())
+
+
+def test_backup_of_a_folder_without_checkpoint_is_exit_2(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("hi")
+    res, out = backup_cli(tmp_path / "out", tmp_path / "repo")
+    assert res.exit_code == 2 and "no checkpoint found" in res.stderr
+
+
+def test_backup_of_a_missing_source_is_exit_2(tmp_path):
+    res, out = backup_cli(tmp_path / "nope.pt", tmp_path / "repo")
+    assert res.exit_code == 2 and out["error"] == "NotFound"
+
+
+def test_backup_skips_a_truncated_torch_zip_with_exit_75(tmp_path):
+    src = save_pt(tmp_path / "run" / "last.pt", 1)
+    data = src.read_bytes()
+    src.write_bytes(data[: len(data) // 2])  # the zip's central directory (written last) is missing
+    res, out = backup_cli(src, tmp_path / "repo")
+    assert res.exit_code == 75
+    assert out["action"] == "busy" and "zip is not whole" in out["reason"]
+    assert "exit 75" in res.stderr
+    assert not (tmp_path / "repo" / "generations").exists() or usable(tmp_path / "repo") == []
+
+
+def test_backup_skips_a_checkpoint_folder_with_a_temporary_file(tmp_path):
+    ck = tmp_path / "out" / "checkpoint-10"
+    save_pt(ck / "model.pt", 1)
+    (ck / "optimizer.pt.tmp").write_bytes(b"x")
+    res, out = backup_cli(tmp_path / "out", tmp_path / "repo")
+    assert res.exit_code == 75 and "temporary file" in out["reason"]
+
+
+def test_backup_skips_a_truncated_safetensors_file(tmp_path):
+    from safetensors.torch import save_file
+
+    ck = tmp_path / "out" / "checkpoint-10"
+    ck.mkdir(parents=True)
+    save_file({"w": torch.ones(16)}, str(ck / "model.safetensors"))
+    data = (ck / "model.safetensors").read_bytes()
+    (ck / "model.safetensors").write_bytes(data[:-8])
+    res, out = backup_cli(tmp_path / "out", tmp_path / "repo")
+    assert res.exit_code == 75 and "safetensors" in out["reason"]
+
+
+def test_backup_skips_when_an_index_names_a_missing_shard(tmp_path):
+    from safetensors.torch import save_file
+
+    ck = tmp_path / "out" / "checkpoint-10"
+    ck.mkdir(parents=True)
+    save_file({"a": torch.ones(2)}, str(ck / "model-00001-of-00002.safetensors"))
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    res, out = backup_cli(tmp_path / "out", tmp_path / "repo")
+    assert res.exit_code == 75 and "model-00002-of-00002.safetensors" in out["reason"]
+
+
+def test_backup_skips_a_file_that_changes_within_the_settle_window(tmp_path):
+    src = save_pt(tmp_path / "run" / "last.pt", 1)
+
+    def trainer_still_writing(seconds):
+        with open(src, "ab") as fh:
+            fh.write(b"more")
+
+    result = backup_mod.backup(src, str(tmp_path / "repo"), settle=5, sleep=trainer_still_writing)
+    assert result.action == "busy" and result.exit_code == 75
+    assert "still being written" in result.reason
+
+
+def test_backup_waits_the_settle_window_before_packing(tmp_path):
+    src = save_pt(tmp_path / "run" / "last.pt", 1)
+    slept = []
+    result = backup_mod.backup(src, str(tmp_path / "repo"), settle=7.5, sleep=slept.append)
+    assert result.action == "packed" and slept == [7.5]
+
+
+def test_backup_forgets_a_generation_whose_source_changed_while_packing(tmp_path, monkeypatch):
+    src = save_pt(tmp_path / "run" / "last.pt", 1)
+    repo = tmp_path / "repo"
+    real_pack = ckpt_archive.api.pack
+
+    def pack_while_trainer_writes(*a, **k):
+        res = real_pack(*a, **k)
+        save_pt(src, 2)  # the trainer rewrote the file meanwhile
+        return res
+
+    monkeypatch.setattr(ckpt_archive.api, "pack", pack_while_trainer_writes)
+    res, out = backup_cli(src, repo)
+    assert res.exit_code == 75 and "changed while being packed" in out["reason"]
+    assert usable(repo) == []
+
+
+def test_backup_json_reports_lock_error_when_another_writer_holds_the_lock(tmp_path):
+    src = save_pt(tmp_path / "run" / "last.pt", 1)
+    repo = tmp_path / "repo"
+    backup_cli(src, repo)
+    save_pt(src, 2)
+    with Repository.open(repo).lock():
+        res, out = backup_cli(src, repo)
+    assert res.exit_code == 2 and out["error"] == "LockError"
+    assert usable(repo) == [1]
+
+
+def test_backup_help_documents_exit_codes():
+    res = cli("backup", "--help")
+    text = " ".join(res.stdout.split())
+    assert "75" in text and "EX_TEMPFAIL" in text and "Exit codes" in text
+
+
+def test_lock_is_exclusive_between_two_openers(repo5):
+    with Repository.open(repo5).lock():
+        with pytest.raises(LockError, match="locked by another writer"):
+            with Repository.open(repo5).lock():
+                pass
