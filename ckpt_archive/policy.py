@@ -1833,3 +1833,200 @@ def _impose_on_scheduler(s: Any, field: str, olds: list, news: list, changes: li
                     changes.append(PolicyChange(f"{field}.{attr}[{i}]", fv, nv))
     for j, sub in enumerate(getattr(s, "_schedulers", None) or []):
         _impose_on_scheduler(sub, f"{field}._schedulers[{j}]", olds, news, changes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CLI's view: inspect / verify / restore (called from ckpt_archive/commands/*.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+class TensorStub:
+    """Stands for an archived tensor that was not decoded (only its manifest record: shape, dtype)."""
+
+    def __init__(self, rec: dict):
+        self.shape = tuple(int(x) for x in rec.get("shape", ()))
+        self.dtype = rec.get("dtype")
+        self.kind = rec.get("kind")
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"TensorStub(shape={list(self.shape)}, dtype={self.dtype})"
+
+
+#: Tensors up to this many elements are decoded for the audit (optimizer ``step`` scalars, tensor LRs).
+SMALL_TENSOR_ELEMENTS = 8
+
+
+def _tree_refs(node: Any, out: list) -> list:
+    if isinstance(node, dict):
+        if node.get("$t") in ("tensor", "ndarray") and "key" in node:
+            out.append(node["key"])
+        else:
+            for v in node.values():
+                _tree_refs(v, out)
+    elif isinstance(node, list):
+        for v in node:
+            _tree_refs(v, out)
+    return out
+
+
+def state_for_audit(repo: Any, generation: str | int = "latest") -> tuple[Any, dict, int]:
+    """The archived state with only small tensors decoded (others are :class:`TensorStub`).
+
+    Reads the state tree member and the few scalar tensors (every chunk checked on the way); never the
+    model's weights. Enough for :func:`audit`, :func:`lint_completeness` and :func:`compare_with_session`.
+
+    Returns:
+        ``(state, manifest, generation_number)``.
+
+    Raises:
+        IntegrityError (exit 1), NotFound / NoUsableGeneration (exit 2): as :func:`ckpt_archive.load`.
+    """
+    from .api import _pick, _repo
+    from .archive import ArchiveReader
+    from .state_tree import decode
+
+    r = _repo(repo)
+    gen = _pick(r, generation, False)
+    reader = ArchiveReader(r.store, gen.key, gen.manifest)
+    tree = reader.tree()
+    recs = gen.manifest["tensors"]
+    small = sorted({k for k in _tree_refs(tree, []) if k in recs
+                    and math.prod(int(x) for x in recs[k].get("shape", ())) <= SMALL_TENSOR_ELEMENTS})
+    loaded = dict(zip(small, reader.load_node([{"$t": "tensor", "key": k} for k in small]))) if small else {}
+
+    def get(key: str) -> Any:
+        return loaded[key] if key in loaded else TensorStub(recs.get(key, {}))
+
+    return decode(tree, get), gen.manifest, gen.number
+
+
+def policy_section(state: Any, manifest: dict | None = None) -> tuple[PolicyAudit, list[Finding], dict]:
+    """Audit + completeness lint of a state, with the manifest's progress and config; and their JSON."""
+    progress = (manifest or {}).get("progress") or {}
+    config = (manifest or {}).get("config") or {}
+    a = audit(state, progress=progress)
+    lint = lint_completeness(state, config=config, progress=progress)
+    return a, lint, {"audit": a.to_json(), "completeness": [f.to_json() for f in lint]}
+
+
+def _dedup(a: PolicyAudit, lint: list[Finding]) -> list[Finding]:
+    """Audit findings not repeated by the lint (the missing-scheduler line is in both)."""
+    texts = [f.message for f in lint]
+    return [f for f in a.findings if not any(f.message in t for t in texts)]
+
+
+def cli_inspect(info: dict, repo: Any, out: Any) -> dict:
+    """``inspect``: print the audit table, counters and findings; return ``{"policy": ...}`` for ``--json``.
+
+    An archive whose state cannot be read for the audit still inspects (the reason is printed).
+    """
+    from .errors import CkptArchiveError
+
+    try:
+        state, manifest, _ = state_for_audit(repo, info["generation"])
+    except CkptArchiveError as exc:
+        out.warn(f"policy audit skipped: {exc}")
+        return {"policy": {"skipped": str(exc)}}
+    a, lint, section = policy_section(state, manifest)
+    out.table(a.table())
+    out.say("  counters: " + ", ".join(f"{k} {v}" for k, v in a.counter_rows()))
+    for f in _dedup(a, lint) + lint:
+        out.warn(f"{f.field}: {f.message}")
+    return {"policy": section}
+
+
+def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
+    """``verify``: add the audit and lint to a :class:`~ckpt_archive.api.VerifyReport`.
+
+    Semantics: audit findings of severity ``error`` are problems (exit 1); audit warnings are warnings;
+    completeness findings are warnings, and problems under ``--strict``. A generation that failed its
+    byte checks is not audited (its state cannot be trusted). ``report.extra["policy"]`` holds the audit,
+    the completeness findings and ``strict``.
+    """
+    from .archive import Problem
+    from .errors import CkptArchiveError
+
+    if not report.ok:
+        report.extra["policy"] = {"skipped": "the generation failed its checks"}
+        return
+    try:
+        state, manifest, _ = state_for_audit(repo, report.generation)
+    except CkptArchiveError as exc:
+        report.extra["policy"] = {"skipped": str(exc)}
+        report.warnings.append(f"policy audit skipped: {exc}")
+        return
+    a, lint, section = policy_section(state, manifest)
+    out.table(a.table())
+    out.say("  counters: " + ", ".join(f"{k} {v}" for k, v in a.counter_rows()))
+    for f in _dedup(a, lint):
+        if f.severity == "error":
+            report.problems.append(Problem(f"policy: {f.message}", field=f.field))
+        else:
+            report.warnings.append(f"policy: {f.field}: {f.message}")
+    for f in lint:
+        if strict:
+            report.problems.append(Problem(f"completeness (--strict): {f.message}", field=f.field))
+        else:
+            report.warnings.append(f"completeness: {f.field}: {f.message}")
+    report.ok = not report.problems
+    report.extra["policy"] = {**section, "strict": strict}
+
+
+def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str | None, expect_lr: float | None,
+                        policy: str, out: Any):
+    """``restore --session-config F / --expect-lr LR / --policy session``: print the differences first.
+
+    Returns:
+        ``(transform, section)``: ``transform`` (or None) rewrites the state under ``--policy session``
+        and records its changes in ``section["changes"]``; ``section`` goes under ``"policy"`` in the JSON.
+
+    Raises:
+        UsageError: a bad ``--policy``; ``--policy session`` on a folder source or with nothing to impose.
+    """
+    if policy not in ("checkpoint", "session"):
+        raise UsageError(f"--policy must be 'checkpoint' or 'session', not {policy!r}")
+    if session_config is None and expect_lr is None and policy == "checkpoint":
+        return None, {}
+    state, manifest, _ = state_for_audit(repo, generation)
+    diffs = compare_with_session(state, session_config=session_config, expect_lr=expect_lr, policy=policy)
+    for d in diffs:
+        out.warn(d.message)
+    section: dict = {"mode": policy, "differences": [d.to_json() for d in diffs], "changes": []}
+    if policy == "checkpoint":
+        return None, section
+    if manifest["source"]["layout"] == "folder":
+        raise UsageError("--policy session rewrites a single-file state; this generation is a folder source "
+                         f"({manifest['source']['format']}): restore it, then use "
+                         "ckpt_archive.restore_training_state(..., policy='session')")
+    sess = session_values(session_config)
+    if not any(k in sess for k in ("lr", *_HYPER_NAMES, "betas")):
+        raise UsageError("--policy session needs --session-config with an lr (or weight_decay, momentum, eps, "
+                         "betas) to impose; --expect-lr only checks")
+
+    def transform(st: Any) -> Any:
+        new, changes = apply_session_policy(st, session_config=session_config)
+        section["changes"] = [c.to_json() for c in changes]
+        section["_changes"] = changes
+        return new
+
+    return transform, section
+
+
+def cli_restore_finish(section: dict, out: Any) -> dict:
+    """Say what ``--policy session`` rewrote; return the JSON section (``{}`` when no policy flag)."""
+    changes = section.pop("_changes", None)
+    if section.get("mode") == "session":
+        if changes:
+            out.say(f"--policy session: rewrote {len(changes)} field(s) in the restored output (optimizer moments "
+                    f"and step counters untouched):")
+            for c in changes:
+                out.say(f"  {c}")
+        else:
+            out.say("--policy session: the archived values already equal the session's; nothing rewritten")
+    return {"policy": section} if section else {}

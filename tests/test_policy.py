@@ -51,10 +51,14 @@ def _roundtrip(state):
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
+    return _load(buf)
+
+
+def _load(f):
     # NumPy's legacy RNG tuple holds an ndarray: allowlisted as a trainer would (no code is unpickled).
     with torch.serialization.safe_globals([np._core.multiarray._reconstruct, np.ndarray, np.dtype,
                                            type(np.dtype(np.uint32))]):
-        return torch.load(buf, weights_only=True)
+        return torch.load(f, weights_only=True)
 
 
 # --- case 1: config lowered on resume ------------------------------------------------------------------
@@ -431,3 +435,107 @@ def test_audit_runs_on_a_state_round_tripped_through_pack_and_load(seq_25, tmp_p
     a, b = audit(back), audit(seq_25)
     assert a.to_json() == b.to_json()
     assert math.isclose(a.groups[0].derived_lr, 2.974060e-4, rel_tol=1e-6)
+
+
+# --- CLI: inspect / verify / restore ----------------------------------------------------------------------
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def repo_case1(adam_6000, tmp_path_factory):
+    import ckpt_archive
+
+    repo = tmp_path_factory.mktemp("p") / "repo"
+    ckpt_archive.pack(dict(adam_6000), repo, config={"optimizer": {"lr": 1e-3}})
+    return repo
+
+
+@pytest.fixture(scope="module")
+def repo_incomplete(cosine_45, tmp_path_factory):
+    """Cosine run archived without scheduler, RNG or data cursor, with fp16 configured."""
+    import ckpt_archive
+
+    repo = tmp_path_factory.mktemp("q") / "repo"
+    state = {k: v for k, v in cosine_45.items() if k != "scheduler"}
+    ckpt_archive.pack(state, repo, config={"fp16": True})
+    return repo
+
+
+def test_inspect_shows_next_step_lr_and_puts_policy_in_json(repo_case1):
+    res = _cli("inspect", repo_case1, "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    g = doc["policy"]["audit"]["groups"][0]
+    assert g["lr"] == 1e-3 and g["next_lr"] == 1e-3
+    assert doc["policy"]["audit"]["counters"]["optimizer_step"] == 6000
+    assert "next_lr" in res.stderr and "optimizer step 6000" in res.stderr
+
+
+def test_verify_warns_on_incomplete_state_and_strict_fails(repo_incomplete):
+    res = _cli("verify", repo_incomplete, "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    msgs = [f["message"] for f in doc["policy"]["completeness"]]
+    assert any("scheduler state missing: the LR at epoch 45 cannot be rebuilt from counters" in m for m in msgs)
+    assert any("AMP configured (fp16=True)" in m for m in msgs) and any("no RNG state" in m for m in msgs)
+    assert doc["ok"] is True and any(w.startswith("completeness: ") for w in doc["warnings"])
+    res = _cli("verify", repo_incomplete, "--strict", "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["policy"]["strict"] is True
+    assert any("not bitwise-resumable" in p["reason"] for p in doc["problems"])
+    assert "Traceback" not in res.output
+
+
+def test_verify_of_a_complete_state_is_clean_even_strict(repo_case1):
+    res = _cli("verify", repo_case1, "--strict", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["policy"]["completeness"] == []
+
+
+def test_restore_session_config_warns_naming_field_values_and_switch(repo_case1, tmp_path):
+    cfg = tmp_path / "session.yaml"
+    cfg.write_text("optimizer:\n  lr: 1.0e-5\n")
+    out = tmp_path / "r.pt"
+    res = _cli("restore", repo_case1, "-o", out, "--session-config", cfg, "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    (d,) = doc["policy"]["differences"]
+    assert (d["field"], d["archived"], d["session"], d["wins"]) == ("optimizer.param_groups[0].lr", 0.001, 1e-05,
+                                                                    "checkpoint")
+    assert "optimizer.param_groups[0].lr: archived 0.001, session 1e-05" in res.stderr
+    assert "--policy session" in res.stderr
+    restored = _load(out)
+    assert restored["optimizer"]["param_groups"][0]["lr"] == 1e-3  # warns only
+
+
+def test_restore_policy_session_rewrites_lr_and_keeps_moments(repo_case1, adam_6000, tmp_path):
+    cfg = tmp_path / "session.json"
+    cfg.write_text(json.dumps({"lr": 1e-5}))
+    out = tmp_path / "r.pt"
+    res = _cli("restore", repo_case1, "-o", out, "--session-config", cfg, "--policy", "session", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["policy"]["changes"] == [{"field": "optimizer.param_groups[0].lr", "old": 0.001, "new": 1e-05}]
+    assert "--policy session: rewrote 1 field(s)" in res.stderr
+    restored = _load(out)
+    assert restored["optimizer"]["param_groups"][0]["lr"] == 1e-5
+    for k, st in adam_6000["optimizer"]["state"].items():
+        for name, t in st.items():
+            assert torch.equal(restored["optimizer"]["state"][k][name], t)
+
+
+def test_restore_expect_lr_equal_is_silent_and_bad_policy_is_exit_2(repo_case1, tmp_path):
+    res = _cli("restore", repo_case1, "-o", tmp_path / "a.pt", "--expect-lr", "0.001", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["policy"]["differences"] == []
+    assert "warning" not in res.stderr
+    res = _cli("restore", repo_case1, "-o", tmp_path / "b.pt", "--policy", "sesion")
+    assert res.exit_code == 2 and "--policy must be" in res.output
+    res = _cli("restore", repo_case1, "-o", tmp_path / "c.pt", "--policy", "session")
+    assert res.exit_code == 2 and "needs --session-config" in res.output and not (tmp_path / "c.pt").exists()

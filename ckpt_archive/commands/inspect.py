@@ -57,10 +57,15 @@ def register(app: typer.Typer) -> None:
 
 def _extend_inspect(info: dict, repo: str, out: Output) -> dict:
     """Hook for the policy audit (LR the next step will use, counters)."""
+    # --- policy audit (ckpt_archive/policy.py): table, counters, findings; "policy" in --json ---
+    from ..policy import cli_inspect
+
+    extra = cli_inspect(info, repo, out)
+    # --- end policy ---
     try:
         from ..checks import extend_inspect
     except ModuleNotFoundError as exc:
         if exc.name != "ckpt_archive.checks":
             raise
-        return {}
-    return extend_inspect(info, repo, out)
+        return extra
+    return {**extra, **extend_inspect(info, repo, out)}

@@ -24,14 +24,29 @@ def register(app: typer.Typer) -> None:
                                                                 "generation that verifies."),
         map_location: Optional[str] = typer.Option(None, "--map-location", help="Device for tensors (default cpu)."),
         jobs: Optional[int] = typer.Option(None, "--jobs", "-j"),
+        # --- policy (ckpt_archive/policy.py) ---
+        session_config: Optional[Path] = typer.Option(
+            None, "--session-config", help="This session's config (JSON/YAML/TOML): warn where the archived "
+                                           "lr/weight_decay/... differ, naming the field and which value wins."),
+        expect_lr: Optional[float] = typer.Option(
+            None, "--expect-lr", help="The LR you expect the next step to use; warn if the archive says otherwise."),
+        policy: str = typer.Option(
+            "checkpoint", "--policy", help="'checkpoint' (default: the archived lr wins, as load_state_dict does) "
+                                           "or 'session': rewrite lr/initial_lr/base_lrs in the output from "
+                                           "--session-config (moments untouched)."),
+        # --- end policy ---
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
+        from ..policy import cli_restore_finish, cli_restore_prepare
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
+        transform, policy_json = cli_restore_prepare(repo, gen, session_config=session_config,
+                                                     expect_lr=expect_lr, policy=policy, out=out)
         res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
-                                   map_location=map_location, jobs=jobs)
+                                   map_location=map_location, jobs=jobs, transform=transform)
+        res.extra.update(cli_restore_finish(policy_json, out))
         for w in res.warnings:
             out.warn(w)
         what = f" ({only})" if only else ""

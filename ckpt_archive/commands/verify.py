@@ -44,6 +44,11 @@ def register(app: typer.Typer) -> None:
 
 def _extend_report(report, repo: str, *, strict: bool, out: Output) -> None:
     """Hook for checks beyond bytes (policy audit, completeness lint, layout checks)."""
+    # --- policy audit + completeness lint (ckpt_archive/policy.py; --strict: lint findings fail) ---
+    from ..policy import cli_verify
+
+    cli_verify(report, repo, strict=strict, out=out)
+    # --- end policy ---
     try:
         from ..checks import extend_verify_report
     except ModuleNotFoundError as exc:
