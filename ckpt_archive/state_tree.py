@@ -135,8 +135,15 @@ class _Encoder:
         torch = _torch()
         import numpy as np
 
-        if obj is None or isinstance(obj, str):
+        if obj is None or type(obj) is str:
             return obj
+        if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
+            if obj.dtype.kind == "O":
+                raise SourceError("NumPy object scalar is not plain data", where=_path_name(path))
+            return {"$t": "npscalar", "dtype": obj.dtype.str, "hex": obj.tobytes().hex()}
+        if isinstance(obj, str):
+            self.table.warnings.append(f"{_path_name(path)}: {type(obj).__name__} stored as str")
+            return str(obj)
         if isinstance(obj, bool):
             return obj
         if isinstance(obj, int):
@@ -153,10 +160,6 @@ class _Encoder:
             return {"$t": "tensor", "key": key}
         if isinstance(obj, np.ndarray):
             return self._ndarray(obj, path)
-        if isinstance(obj, np.generic):
-            if obj.dtype.kind == "O":
-                raise SourceError("NumPy object scalar is not plain data", where=_path_name(path))
-            return {"$t": "npscalar", "dtype": obj.dtype.str, "hex": obj.tobytes().hex()}
         if isinstance(obj, np.dtype):
             return {"$t": "npdtype", "v": obj.str}
         if isinstance(obj, torch.dtype):

@@ -1,0 +1,48 @@
+"""Shared test helpers: deep equality that distinguishes what the round-trip contract promises."""
+from __future__ import annotations
+
+import collections
+import math
+
+
+def assert_same(a, b, path="state"):
+    """Equal in structure (dict vs OrderedDict vs list vs tuple, key order), types (int vs float vs bool,
+    NumPy dtype), tensor dtype, shape, stride-independent bits."""
+    import numpy as np
+    import torch
+
+    assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        ac, bc = a.detach().contiguous(), b.detach().contiguous()
+        if a.numel():
+            if a.is_complex():
+                ac, bc = torch.view_as_real(ac), torch.view_as_real(bc)
+            assert torch.equal(ac.reshape(-1).view(torch.uint8), bc.reshape(-1).view(torch.uint8)), \
+                f"{path}: bits differ"
+        return
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
+        assert a.tobytes() == b.tobytes(), f"{path}: bytes differ"
+        return
+    if isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{path}: {a!r} != {b!r}"
+        return
+    if isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert type(k) is type(next(kk for kk in b if kk == k)), f"{path}: key type of {k!r}"
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+        if isinstance(a, collections.OrderedDict):
+            assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), f"{path}: _metadata"
+        return
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+        return
+    if isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), f"{path}: nan != {b!r}"
+        return
+    assert a == b, f"{path}: {a!r} != {b!r}"

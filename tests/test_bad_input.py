@@ -1,0 +1,195 @@
+"""Bad input gets a one-line reason naming the file/member/field, the right exit code, no traceback."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import ckpt_archive
+from ckpt_archive.cli import app
+
+runner = CliRunner()
+
+
+def cli(*args):
+    res = runner.invoke(app, [str(a) for a in args])
+    assert "Traceback" not in (res.stdout + (res.stderr or "")), res.stdout + (res.stderr or "")
+    return res
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    p = tmp_path / "ck.pt"
+    torch.save({"model": {"w": torch.randn(64, 64)}, "step": 3}, p)
+    return p
+
+
+@pytest.fixture()
+def repo(tmp_path, ckpt):
+    r = tmp_path / "repo"
+    assert cli("pack", ckpt, "--repo", r).exit_code == 0
+    return r
+
+
+class Custom:
+    pass
+
+
+def test_empty_file_is_refused_with_exit_2(tmp_path):
+    p = tmp_path / "empty.pt"
+    p.write_bytes(b"")
+    res = cli("pack", p, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "empty file" in res.stderr and "empty.pt" in res.stderr
+
+
+def test_a_file_that_is_not_a_checkpoint_is_refused(tmp_path):
+    p = tmp_path / "notes.pt"
+    p.write_text("hello world")
+    res = cli("pack", p, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "not a torch.save checkpoint" in res.stderr
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.99])
+def test_a_cut_torch_save_file_is_called_an_interrupted_write(tmp_path, ckpt, fraction):
+    data = ckpt.read_bytes()
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(data[: int(len(data) * fraction)])
+    res = cli("pack", cut, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "interrupted write" in res.stderr and "cut.pt" in res.stderr
+    assert not (tmp_path / "r" / "generations").exists() or not any((tmp_path / "r" / "generations").iterdir())
+
+
+def test_a_pickle_with_a_custom_class_is_refused_and_never_unpickled(tmp_path, monkeypatch):
+    import tests.test_bad_input as me
+
+    called = []
+    monkeypatch.setattr(me.Custom, "__setstate__", lambda self, s: called.append(s), raising=False)
+    p = tmp_path / "evil.pt"
+    torch.save({"x": Custom()}, p)
+    res = cli("pack", p, "--repo", tmp_path / "r")
+    assert res.exit_code == 2
+    assert "refused" in res.stderr and "Custom" in res.stderr and "never unpickles" in res.stderr
+    assert called == []
+
+
+def test_numpy_scalars_in_a_pt_are_refused_unless_allow_numpy(tmp_path):
+    import numpy as np
+
+    p = tmp_path / "np.pt"
+    torch.save({"s": np.float32(1.5), "step": 1}, p)
+    res = cli("pack", p, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "--allow-numpy" in res.stderr
+    res = cli("pack", p, "--repo", tmp_path / "r", "--allow-numpy")
+    assert res.exit_code == 0, res.stderr
+    back = ckpt_archive.load(tmp_path / "r")
+    assert type(back["s"]) is np.float32 and back["s"] == np.float32(1.5)
+
+
+def test_missing_source_path_exits_2(tmp_path):
+    res = cli("pack", tmp_path / "nope.pt", "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "nope.pt" in res.stderr
+
+
+def _gen(repo: Path, n: int = 1) -> Path:
+    return repo / "generations" / f"{n:08d}"
+
+
+def test_verify_names_the_flipped_member_and_both_sha256(repo):
+    member = _gen(repo) / "tensors-00000.safetensors.ckz"
+    data = bytearray(member.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    member.write_bytes(bytes(data))
+    rec = next(m for m in json.loads((_gen(repo) / "manifest.json").read_text())["members"]
+               if m["path"] == "tensors-00000.safetensors")
+    res = cli("verify", repo, "--json")
+    assert res.exit_code == 1
+    report = json.loads(res.stdout)
+    assert report["ok"] is False
+    prob = report["problems"][0]
+    assert prob["member"] == "tensors-00000.safetensors"
+    assert rec["stored_sha256"] in prob["reason"]
+    import hashlib
+
+    assert hashlib.sha256(bytes(data)).hexdigest() in prob["reason"]
+
+
+def test_deep_verify_catches_a_flip_in_the_tree_member(repo):
+    member = _gen(repo) / "tree.json.ckz"
+    data = bytearray(member.read_bytes())
+    data[-3] ^= 0x40
+    member.write_bytes(bytes(data))
+    res = cli("verify", repo, "--deep", "--json")
+    assert res.exit_code == 1 and json.loads(res.stdout)["problems"][0]["member"] == "tree.json"
+
+
+def test_verify_names_a_missing_member(repo):
+    (_gen(repo) / "tree.json.ckz").unlink()
+    res = cli("verify", repo, "--json")
+    assert res.exit_code == 1
+    prob = json.loads(res.stdout)["problems"][0]
+    assert prob["member"] == "tree.json" and "missing" in prob["reason"]
+
+
+def test_a_manifest_that_breaks_the_schema_is_reported_with_its_field(tmp_path, repo):
+    m = _gen(repo) / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["members"][0]["raw_bytes"] = "lots"
+    m.write_text(json.dumps(doc))
+    res = cli("verify", f"{repo}@1", "--json")
+    assert res.exit_code == 1
+    out = json.loads(res.stdout)
+    assert "members/0/raw_bytes" in json.dumps(out)
+
+
+def test_a_manifest_from_a_newer_format_says_which_versions(repo):
+    m = _gen(repo) / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["format_version"] = 99
+    m.write_text(json.dumps(doc))
+    res = cli("verify", f"{repo}@1")
+    assert res.exit_code == 2
+    assert "written by format 99, this reader knows up to 1" in res.stderr
+
+
+def test_safetensors_header_metadata_must_be_str_to_str(repo):
+    """A tampered member whose header carries typed metadata fails the deep check."""
+    import struct
+
+    import zstandard
+
+    from ckpt_archive.api import _repo
+    from ckpt_archive.archive import ArchiveReader
+
+    r = _repo(repo)
+    gen = r.resolve("latest")
+    raw = ArchiveReader(r.store, gen.key, gen.manifest).read_member_bytes("tensors-00000.safetensors")
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = {"format": 1}
+    from ckpt_archive.archive import _check_header
+    from ckpt_archive.errors import IntegrityError
+
+    hb = json.dumps(header).encode()
+    with pytest.raises(IntegrityError, match="str to str"):
+        _check_header(struct.pack("<Q", len(hb)) + hb, {}, "tensors-00000.safetensors")
+
+
+def test_bad_repo_gen_suffix_and_missing_repo_exit_2(tmp_path):
+    res = cli("verify", f"{tmp_path}/nothing-here")
+    assert res.exit_code == 2 and "not a ckpt-archive repository" in res.stderr
+
+
+def test_repo_paths_with_at_signs_are_not_split(tmp_path, ckpt):
+    from ckpt_archive.commands._common import split_repo_spec
+
+    assert split_repo_spec("runs/exp@home/repo") == ("runs/exp@home/repo", "latest")
+    assert split_repo_spec("runs/exp@home/repo@12") == ("runs/exp@home/repo", "12")
+    assert split_repo_spec("r@tag:best") == ("r", "tag:best")
+    assert split_repo_spec("s3://user@bucket/p@latest") == ("s3://user@bucket/p", "latest")
+    weird = tmp_path / "a@b"
+    assert cli("pack", ckpt, "--repo", weird).exit_code == 0
+    assert cli("verify", weird).exit_code == 0

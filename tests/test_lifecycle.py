@@ -1,0 +1,162 @@
+"""Nothing is usable until it was verified and trial-reloaded; readers never see partial generations."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import ckpt_archive
+from ckpt_archive.cli import app
+from ckpt_archive.errors import IntegrityError, OutputExists
+from ckpt_archive.repository import Repository
+
+runner = CliRunner()
+
+
+def state(v=1.0):
+    return {"model": {"w": torch.full((8, 8), v)}, "step": int(v)}
+
+
+def test_generations_are_numbered_and_marker_holds_manifest_sha_and_trial_record(tmp_path):
+    import hashlib
+
+    r = tmp_path / "repo"
+    a = ckpt_archive.pack(state(1), r)
+    b = ckpt_archive.pack(state(2), r)
+    assert (a.generation, b.generation) == (1, 2)
+    g = r / "generations" / "00000002"
+    marker = json.loads((g / "USABLE.json").read_text())
+    assert marker["manifest_sha256"] == hashlib.sha256((g / "manifest.json").read_bytes()).hexdigest()
+    assert marker["trial_reload"]["result"] == "ok" and marker["trial_reload"]["where"] == str(r)
+    assert marker["trial_reload"]["tensors"] == 1
+
+
+@pytest.mark.parametrize("point", ["after-members", "after-seal", "after-verify", "after-trial-reload", "publish"])
+def test_a_failure_at_any_step_leaves_earlier_generations_and_no_usable_partial(tmp_path, monkeypatch, point):
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    monkeypatch.setenv("CKPT_ARCHIVE_INJECT", f"{point}=raise")
+    from ckpt_archive import faults
+
+    faults._counts.clear()
+    with pytest.raises(RuntimeError, match=point):
+        ckpt_archive.pack(state(2), r)
+    monkeypatch.delenv("CKPT_ARCHIVE_INJECT")
+    gens = ckpt_archive.list_generations(r, all=True)
+    assert [(g.number, g.status) for g in gens] == [(1, "usable"), (2, "partial")]
+    assert ckpt_archive.verify(r).ok and ckpt_archive.verify(r).generation == 1
+    nxt = ckpt_archive.pack(state(3), r)
+    assert nxt.generation == 3 and any("generation 2 is partial" in x for x in nxt.leftovers)
+
+
+def test_disk_full_during_write_is_exit_2_with_the_step_named(tmp_path, monkeypatch):
+    from ckpt_archive.errors import StoreError
+
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    monkeypatch.setenv("CKPT_ARCHIVE_INJECT", "after-members=enospc")
+    from ckpt_archive import faults
+
+    faults._counts.clear()
+    with pytest.raises(StoreError, match="disk full") as exc:
+        ckpt_archive.pack(state(2), r)
+    assert "write members" in str(exc.value) and exc.value.exit_code == 2
+
+
+def test_a_generation_whose_manifest_changed_after_publish_is_damaged_not_usable(tmp_path):
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    m = r / "generations" / "00000001" / "manifest.json"
+    m.write_text(m.read_text().replace('"tags": []', '"tags": ["x"]'))
+    g = Repository.open(r).generation(1)
+    assert g.status == "damaged" and "changed after it was published" in g.reason
+    assert ckpt_archive.list_generations(r) == []
+
+
+def test_a_copied_repository_is_copied_until_deep_verify_marks_it_usable_here(tmp_path):
+    src = tmp_path / "repo"
+    ckpt_archive.pack(state(1), src)
+    dst = tmp_path / "moved"
+    shutil.copytree(src, dst)
+    assert Repository.open(dst).generation(1).status == "copied"
+    assert ckpt_archive.list_generations(dst) == []
+    shallow = ckpt_archive.verify(dst, "1")
+    assert not shallow.marked_usable
+    deep = ckpt_archive.verify(dst, "1", deep=True)
+    assert deep.ok and deep.marked_usable
+    assert Repository.open(dst).generation(1).status == "usable"
+
+
+def test_latest_that_no_longer_verifies_names_the_newest_that_does_and_fallback_uses_it(tmp_path):
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    ckpt_archive.pack(state(2), r)
+    (r / "generations" / "00000002" / "tensors-00000.safetensors.ckz").unlink()
+    rep = ckpt_archive.verify(r)
+    assert not rep.ok and rep.fallback == 1
+    with pytest.raises(IntegrityError, match="newest generation that verifies is 1"):
+        ckpt_archive.load(r)
+    assert ckpt_archive.load(r, fallback=True)["step"] == 1
+    res = runner.invoke(app, ["restore", str(r), "-o", str(tmp_path / "x.pt")])
+    assert res.exit_code == 1 and "--fallback" in res.stderr and not (tmp_path / "x.pt").exists()
+    res = runner.invoke(app, ["restore", str(r), "-o", str(tmp_path / "x.pt"), "--fallback"])
+    assert res.exit_code == 0 and torch.load(tmp_path / "x.pt", weights_only=True)["step"] == 1
+
+
+def test_restore_never_overwrites_without_force_and_leaves_no_temporary(tmp_path):
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    out = tmp_path / "o.pt"
+    out.write_text("precious")
+    with pytest.raises(OutputExists):
+        ckpt_archive.restore(r, "latest", out)
+    assert out.read_text() == "precious"
+    ckpt_archive.restore(r, "latest", out, force=True)
+    assert torch.load(out, weights_only=True)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_restore_of_a_corrupt_generation_writes_nothing(tmp_path):
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    f = r / "generations" / "00000001" / "tensors-00000.safetensors.ckz"
+    b = bytearray(f.read_bytes())
+    b[-5] ^= 1
+    f.write_bytes(bytes(b))
+    with pytest.raises(IntegrityError):
+        ckpt_archive.restore(r, "1", tmp_path / "o.pt")
+    assert list(tmp_path.glob("*o.pt*")) == []
+
+
+def test_tag_selects_the_newest_usable_generation_so_tagged(tmp_path):
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r, tags=["best"])
+    ckpt_archive.pack(state(2), r)
+    assert ckpt_archive.load(r, "tag:best")["step"] == 1
+    res = runner.invoke(app, ["list", str(r), "--json"])
+    gens = json.loads(res.stdout)["generations"]
+    assert [g["generation"] for g in gens] == [1, 2] and gens[0]["tags"] == ["best"]
+    assert set(gens[0]) >= {"generation", "status", "step", "created", "raw_bytes", "stored_bytes", "tags"}
+
+
+def test_pack_json_is_one_object_on_stdout(tmp_path):
+    p = tmp_path / "c.pt"
+    torch.save(state(4), p)
+    res = runner.invoke(app, ["pack", str(p), "--repo", str(tmp_path / "r"), "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 0 and doc["generation"] == 1 and doc["status"] == "usable"
+
+
+def test_second_writer_gets_lock_error_exit_2(tmp_path):
+    from ckpt_archive.errors import LockError
+
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    repo = Repository.open(r)
+    with repo.lock():
+        with pytest.raises(LockError, match="locked by another writer") as exc:
+            ckpt_archive.pack(state(2), r)
+        assert exc.value.exit_code == 2
