@@ -185,6 +185,26 @@ def test_missing_scheduler_is_reported_never_a_keyerror_about_initial_lr(cosine_
     assert any(msg in w for w in rep.warnings) and "scheduler" not in rep.restored
 
 
+def test_session_base_lr_rescales_the_schedule_at_its_position(cosine_45):
+    new, changes = apply_session_policy(cosine_45, lr=1e-4)
+    g, sch = new["optimizer"]["param_groups"][0], new["scheduler"]
+    assert g["initial_lr"] == 1e-4 and sch["base_lrs"] == [1e-4]
+    assert math.isclose(g["lr"], 0.5e-4 * (1 + math.cos(math.pi * 45 / 100)), rel_tol=1e-12)
+    assert sch["_last_lr"] == [g["lr"]] and not audit(new).findings
+    assert {c.field for c in changes} == {"optimizer.param_groups[0].lr", "optimizer.param_groups[0].initial_lr",
+                                          "scheduler.base_lrs[0]", "scheduler._last_lr[0]"}
+    # live restore under the session policy: the next scheduler step continues the cosine from the new base
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    sched = L.CosineAnnealingLR(opt, T_max=100)
+    rep = restore_training_state(cosine_45, model=model, optimizer=opt, scheduler=sched, policy="session")
+    assert math.isclose(rep.next_lrs[0], g["lr"], rel_tol=1e-12)
+    _train(model, opt, sched, 1)
+    assert math.isclose(opt.param_groups[0]["lr"], 0.5e-4 * (1 + math.cos(math.pi * 46 / 100)), rel_tol=1e-9)
+    for i, p in enumerate(model.parameters()):
+        assert opt.state[p]["step"].item() == 46.0  # 45 archived + the one step taken here
+
+
 # --- case 3: SequentialLR and restore order ---------------------------------------------------------------
 
 def _seq(opt):
