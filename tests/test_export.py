@@ -1,0 +1,317 @@
+"""Export to another destination, proven recoverable there (issue 4).
+
+Destinations: moto's S3 server on 127.0.0.1 (tests/s3server.py; real HTTP, multipart, conditional
+writes) and a local folder. The kill tests run the real CLI in a subprocess and SIGKILL it at a fault
+point, then resume; everything else runs the CLI in-process (Typer's runner) for speed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import ckpt_archive as ca
+from ckpt_archive.cli import app
+from ckpt_archive.errors import NoUsableGeneration
+from ckpt_archive.export import export
+from ckpt_archive.repository import Repository
+from s3server import s3_env, s3_server, s3_url  # noqa: F401  (pytest fixtures)
+
+MEMBERS = ["tensors-00000.safetensors.ckz", "tree.json.ckz", "data-ids.json.ckz"]
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(96, 80, generator=g), "b": torch.randn(80, generator=g).to(torch.bfloat16),
+                  "emb": torch.randint(0, 1000, (50, 7), generator=g)},
+        "optimizer": {"state": {0: {"exp_avg": torch.randn(96, 80, generator=g), "step": torch.tensor(12.0)}},
+                      "param_groups": [{"lr": 3e-4, "params": [0]}]},
+        "step": 100 + seed, "rng": (3, (1, 2, 3), None),
+    }
+
+
+@pytest.fixture
+def source(tmp_path):
+    """A local repository with two usable generations of three members each (several chunks each)."""
+    repo = tmp_path / "src"
+    states = {}
+    for seed in (1, 2):
+        st = _state(seed)
+        r = ca.pack(st, repo, progress={"step": st["step"], "epoch": seed}, data_ids=list(range(40 * seed)),
+                    chunk_bytes=8192)
+        states[r.generation] = st
+    return repo, states
+
+
+def cli(*args: str):
+    result = CliRunner().invoke(app, list(args))
+    return result
+
+
+def run_cli_subprocess(*args: str, inject: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("CKPT_ARCHIVE_INJECT", None)
+    if inject:
+        env["CKPT_ARCHIVE_INJECT"] = inject
+    return subprocess.run([sys.executable, "-m", "ckpt_archive", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _split(url: str) -> tuple[str, str]:
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    return bucket, prefix
+
+
+def _keys(s3_server, url: str) -> list[str]:
+    bucket, prefix = _split(url)
+    out = s3_server.client().list_objects_v2(Bucket=bucket)  # (no Prefix: see s3server.py)
+    return sorted(o["Key"][len(prefix) + 1:] for o in out.get("Contents", []) if o["Key"].startswith(prefix + "/"))
+
+
+def _assert_bit_equal(a, b, where="state"):
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            _assert_bit_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_bit_equal(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+# --- a full export ---------------------------------------------------------------------------------
+def test_export_to_s3_is_usable_there_and_restores_bit_equal(source, s3_server, s3_url, tmp_path):
+    repo, states = source
+    report = tmp_path / "proof.md"
+    res = cli("export", str(repo), "--to", s3_url, "--report", str(report))
+    assert res.exit_code == 0, res.output
+    dst = Repository.open(s3_url)
+    gens = dst.generations()
+    assert [(g.number, g.status) for g in gens] == [(2, "usable")]
+    assert gens[0].marker["location"] == s3_url
+    assert gens[0].marker["trial_reload"]["where"] == s3_url
+    assert gens[0].marker["exported_from"]["location"] == str(repo)
+    assert _keys(s3_server, s3_url) == sorted(
+        [f"generations/00000002/{m}" for m in ["CLAIM", "USABLE.json", "manifest.json", *MEMBERS]]
+        + ["repository.json"])
+    out = tmp_path / "restored.pt"
+    ca.restore(s3_url, "latest", out)
+    _assert_bit_equal(states[2], torch.load(out, weights_only=True))
+    _assert_bit_equal(states[2], ca.load(s3_url))
+    text = report.read_text()
+    manifest = gens[0].manifest
+    for rec in manifest["members"]:
+        assert rec["stored_path"] in text and rec["stored_sha256"] in text
+    assert f"ckpt-archive restore {s3_url}@2 --output checkpoint.pt" in text
+    assert "trial reload from destination" in text and "FAILED" not in text
+    assert "step" in text and "| 2 | 102 |" in text
+
+
+def test_export_json_proof_lists_objects_checks_and_restore_command(source, s3_url, tmp_path):
+    repo, _ = source
+    res = cli("export", f"{repo}@1", "--to", s3_url, "--json", "--report", str(tmp_path / "proof.json"))
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc == json.loads((tmp_path / "proof.json").read_text())
+    assert doc["ok"] is True and doc["destination"] == s3_url
+    (g,) = doc["generations"]
+    assert g["generation"] == 1 and g["step"] == 101 and g["status"] == "exported"
+    copied = {o["key"].rsplit("/", 1)[1]: o for o in g["objects"]}
+    assert set(MEMBERS) <= set(copied) and all(copied[m]["action"] == "copied" for m in MEMBERS)
+    assert all(len(copied[m]["sha256"]) == 64 for m in MEMBERS)
+    names = [c["check"] for c in g["checks"]]
+    assert sum(n.startswith("size and sha256 re-read from destination") for n in names) == len(MEMBERS)
+    assert any(n.startswith("trial reload from destination") for n in names)
+    assert all(c["result"] == "ok" for c in g["checks"])
+    assert doc["restore_command"] == f"ckpt-archive restore {s3_url}@1 --output checkpoint.pt"
+
+
+def test_export_all_usable_then_rerun_copies_nothing(source, s3_url):
+    repo, _ = source
+    first = export(repo, s3_url, generations="all")
+    assert [g.generation for g in first.generations] == [1, 2] and first.bytes_copied > 0
+    again = export(repo, s3_url, generations="all")
+    assert [g.status for g in again.generations] == ["already-usable", "already-usable"]
+    assert again.bytes_copied == 0
+    assert [g.number for g in Repository.open(s3_url).usable()] == [1, 2]
+
+
+def test_latest_n_selects_the_newest_usable(source, tmp_path):
+    repo, _ = source
+    res = cli("export", str(repo), "--latest", "1", "--to", str(tmp_path / "dst"), "--json")
+    assert res.exit_code == 0, res.output
+    assert [g["generation"] for g in json.loads(res.stdout)["generations"]] == [2]
+
+
+def test_export_to_a_local_path_restores_bit_equal(source, tmp_path):
+    repo, states = source
+    dest = tmp_path / "usb" / "archive"
+    res = cli("export", str(repo), "--all-usable", "--to", str(dest))
+    assert res.exit_code == 0, res.output
+    dst = Repository.open(dest)
+    assert [(g.number, g.status, g.marker["location"]) for g in dst.generations()] == \
+        [(1, "usable", str(dest)), (2, "usable", str(dest))]
+    _assert_bit_equal(states[1], ca.load(dest, 1))
+    assert not list(dest.rglob("*.tmp-*"))
+
+
+# --- interrupted and resumed ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["s3", "local"])
+@pytest.mark.parametrize("inject", ["export-member-write=kill@2", "export-after-member=kill@2",
+                                    "export-after-trial-reload=kill"])
+def test_killed_export_resumes_without_duplicate_or_missing_member(source, kind, inject, request, tmp_path):
+    repo, states = source
+    dest = request.getfixturevalue("s3_url") if kind == "s3" else str(tmp_path / "dst")
+    killed = run_cli_subprocess("export", f"{repo}@2", "--to", dest, inject=inject)
+    assert killed.returncode == -9, killed.stderr
+    dst = Repository.open(dest)
+    (g,) = dst.generations()
+    assert g.status == "partial" and g.marker is None          # no marker until the very end
+    assert not dst.store.exists("generations/00000002/USABLE.json")
+    with pytest.raises(NoUsableGeneration):
+        ca.load(dest)
+
+    resumed = cli("export", f"{repo}@2", "--to", dest, "--json")
+    assert resumed.exit_code == 0, resumed.output
+    (eg,) = json.loads(resumed.stdout)["generations"]
+    assert eg["status"] == "resumed"
+    actions = {o["key"].rsplit("/", 1)[1]: o["action"] for o in eg["objects"]}
+    assert actions["manifest.json"] == "present"
+    assert any(actions[m] == "present" for m in MEMBERS)       # what survived the kill is kept
+    assert eg["bytes_copied"] < sum(o["bytes"] for o in eg["objects"] if o["key"].endswith(".ckz"))
+    names = sorted(dst.store.listdir("generations/00000002"))
+    assert names == sorted(["CLAIM", "USABLE.json", "manifest.json", *MEMBERS])  # nothing missing, nothing extra
+    assert dst.generation(2).status == "usable"
+    _assert_bit_equal(states[2], ca.load(dest))
+
+
+def test_dest_holding_another_archive_at_that_number_is_refused(source, s3_url, tmp_path):
+    repo, _ = source
+    assert cli("export", f"{repo}@1", "--to", s3_url).exit_code == 0
+    other = tmp_path / "other"
+    ca.pack(_state(9), other)                                    # a different archive, also generation 1
+    before = Repository.open(s3_url).generation(1)
+    res = cli("export", str(other), "--to", s3_url)
+    assert res.exit_code == 2, res.output
+    assert "generation 1 there holds another archive" in res.output and "nothing was changed" in res.output
+    after = Repository.open(s3_url).generation(1)
+    assert after.status == "usable" and after.manifest_sha256 == before.manifest_sha256
+
+
+def test_corrupt_source_member_is_not_exported(source, s3_url):
+    repo, _ = source
+    victim = repo / "generations" / "00000002" / "tree.json.ckz"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    res = cli("export", str(repo), "--to", s3_url)
+    assert res.exit_code == 1, res.output
+    assert "tree.json" in res.output
+    assert not Repository.open(s3_url).store.exists("generations/00000002/USABLE.json")
+
+
+# --- damage at the destination after export -----------------------------------------------------------
+def test_object_corrupted_at_destination_after_export_fails_verify_naming_it(source, s3_server, s3_url):
+    repo, _ = source
+    assert cli("export", str(repo), "--to", s3_url).exit_code == 0
+    bucket, prefix = _split(s3_url)
+    client = s3_server.client()
+    key = f"{prefix}/generations/00000002/tensors-00000.safetensors.ckz"
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 3] ^= 0x40
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    res = cli("verify", f"{s3_url}@2", "--json")
+    assert res.exit_code == 1, res.output
+    assert "tensors-00000.safetensors" in res.stdout
+    report = ca.verify(s3_url, 2)
+    assert not report.ok and report.problems[0].member == "tensors-00000.safetensors"
+
+
+def test_object_missing_at_destination_fails_verify_and_restore_naming_it(source, s3_server, s3_url, tmp_path):
+    repo, _ = source
+    assert cli("export", str(repo), "--to", s3_url).exit_code == 0
+    bucket, prefix = _split(s3_url)
+    s3_server.client().delete_object(Bucket=bucket, Key=f"{prefix}/generations/00000002/tensors-00000.safetensors.ckz")
+    res = cli("verify", f"{s3_url}@2")
+    assert res.exit_code == 1, res.output
+    assert "tensors-00000.safetensors" in res.output and "missing" in res.output
+    res = cli("restore", f"{s3_url}@2", "--output", str(tmp_path / "x.pt"))
+    assert res.exit_code == 1, res.output
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_rerun_over_a_damaged_usable_copy_fails_naming_the_member(source, s3_server, s3_url):
+    """A re-run must not call a damaged usable copy fine: sizes are re-checked."""
+    repo, _ = source
+    export(repo, s3_url)
+    bucket, prefix = _split(s3_url)
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/generations/00000002/tree.json.ckz", Body=b"x")
+    res = cli("export", str(repo), "--to", s3_url)
+    assert res.exit_code == 1, res.output
+    assert "tree.json" in res.output
+
+
+# --- credentials -----------------------------------------------------------------------------------------
+def test_wrong_credentials_exit_2_clear_message_nothing_marked_usable(source, s3_server, s3_url, monkeypatch):
+    repo, _ = source
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG1")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with s3_server.enforce_auth():
+        res = cli("export", str(repo), "--to", s3_url, "--json")
+    assert res.exit_code == 2, res.output
+    assert f"access denied at {s3_url}" in res.stderr and "AWS_ACCESS_KEY_ID" in res.stderr
+    assert "Traceback" not in res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["error"] == "StoreError" and doc["exit_code"] == 2
+    assert not any(k.endswith("USABLE.json") for k in _keys(s3_server, s3_url))
+
+
+def test_server_side_encryption_option_reaches_every_object(source, s3_server, s3_url):
+    repo, _ = source
+    res = cli("export", str(repo), "--to", s3_url, "--sse", "AES256")
+    assert res.exit_code == 0, res.output
+    bucket, prefix = _split(s3_url)
+    client = s3_server.client()
+    for key in _keys(s3_server, s3_url):
+        if key.startswith("generations/"):
+            head = client.head_object(Bucket=bucket, Key=f"{prefix}/{key}")
+            assert head.get("ServerSideEncryption") == "AES256", key
+
+
+def test_endpoint_url_option_beats_a_wrong_environment(source, s3_server, s3_url, monkeypatch):
+    repo, _ = source
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    res = cli("export", str(repo), "--to", s3_url, "--endpoint-url", s3_server.endpoint, "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["restore_command"].startswith(f"AWS_ENDPOINT_URL={s3_server.endpoint} ckpt-archive restore")
+
+
+# --- the other commands on an s3 repository -------------------------------------------------------------------
+def test_list_inspect_verify_restore_work_on_an_s3_repository(source, s3_url, tmp_path):
+    repo, states = source
+    export(repo, s3_url, generations="all")
+    res = cli("list", s3_url, "--json")
+    assert res.exit_code == 0, res.output
+    assert "102" in res.stdout
+    res = cli("inspect", f"{s3_url}@1", "--json")
+    assert res.exit_code == 0, res.output
+    assert "101" in res.stdout
+    res = cli("verify", f"{s3_url}@latest", "--deep")
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "x.pt"
+    res = cli("restore", f"{s3_url}@1", "--output", str(out))
+    assert res.exit_code == 0, res.output
+    _assert_bit_equal(states[1], torch.load(out, weights_only=True))
