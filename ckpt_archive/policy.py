@@ -1617,6 +1617,10 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
     One line is logged (logger ``ckpt_archive.policy`` unless ``logger`` is given) with the LR the next
     step uses per group.
 
+    Like ``Optimizer.load_state_dict`` itself, the live optimizer may keep the very tensors of ``state``
+    (its ``step`` counters and, when dtype and device already match, its moments): training afterwards
+    updates them in place. Pass ``copy.deepcopy(state)`` to keep an untouched copy.
+
     Args:
         state: nested checkpoint (see :func:`find_parts` for where parts are found).
         model: ``torch.nn.Module`` or None. optimizer: ``torch.optim.Optimizer`` or None.

@@ -160,7 +160,7 @@ def test_cosine_restored_lr_and_the_next_two_match_the_issue(cosine_45):
     model = _net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = L.CosineAnnealingLR(opt, T_max=100)
-    restore_training_state(cosine_45, model=model, optimizer=opt, scheduler=sched)
+    restore_training_state(copy.deepcopy(cosine_45), model=model, optimizer=opt, scheduler=sched)
     got = [opt.param_groups[0]["lr"]]
     for _ in range(2):
         _train(model, opt, sched, 1)
@@ -197,7 +197,8 @@ def test_session_base_lr_rescales_the_schedule_at_its_position(cosine_45):
     model = _net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     sched = L.CosineAnnealingLR(opt, T_max=100)
-    rep = restore_training_state(cosine_45, model=model, optimizer=opt, scheduler=sched, policy="session")
+    rep = restore_training_state(copy.deepcopy(cosine_45), model=model, optimizer=opt, scheduler=sched,
+                                 policy="session")
     assert math.isclose(rep.next_lrs[0], g["lr"], rel_tol=1e-12)
     _train(model, opt, sched, 1)
     assert math.isclose(opt.param_groups[0]["lr"], 0.5e-4 * (1 + math.cos(math.pi * 46 / 100)), rel_tol=1e-9)
@@ -229,7 +230,7 @@ def test_sequential_lr_correct_restore_then_one_step(seq_25):
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=3e-4, momentum=0.9)
     sched = _seq(opt)
-    rep = restore_training_state(seq_25, model=model, optimizer=opt, scheduler=sched)
+    rep = restore_training_state(copy.deepcopy(seq_25), model=model, optimizer=opt, scheduler=sched)
     assert rep.restored[:3] == ["model", "optimizer", "scheduler"]
     assert math.isclose(opt.param_groups[0]["lr"], 2.974060e-4, rel_tol=1e-6)
     _train(model, opt, sched, 1)
