@@ -152,9 +152,10 @@ class PolicyAudit:
     def rows(self) -> list[dict]:
         """One row per param group, values formatted for a table (strings, ``"-"`` where absent)."""
         out = []
+        several = len({g.field.rsplit(".param_groups", 1)[0] for g in self.groups}) > 1
         for g in self.groups:
             out.append({
-                "group": str(g.index),
+                "group": g.field.replace(".param_groups", "") if several else str(g.index),
                 "params": "-" if g.n_params is None else str(g.n_params),
                 "lr": fmt_value(g.lr),
                 "initial_lr": fmt_value(g.initial_lr),
@@ -505,7 +506,9 @@ def find_parts(state: Any, keys: dict | None = None) -> dict[str, list[tuple[tup
             hits = list(_scan(state, part, (), 3))
             if hits:
                 found[part] = hits
-    # Lightning stores the model weights under "state_dict" next to "optimizer_states".
+    # A bare model state_dict (every value a tensor) is the model itself.
+    if "model" not in found and state and all(_is_tensor(v) or isinstance(v, TensorStub) for v in state.values()):
+        found["model"] = [((), state)]
     prog = _progress_of(state, found.get("progress"))
     if prog is not None:
         found["progress"] = [prog]
@@ -747,68 +750,10 @@ def _missing_scheduler_message(counters: dict) -> str:
             f"scheduler restarts its schedule)")
 
 
-def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict | None = None,
-          keys: dict | None = None) -> PolicyAudit:
-    """Audit the LR policy and counters of a checkpoint.
-
-    Args:
-        state: nested checkpoint dict (``torch.load(weights_only=True)`` or :func:`ckpt_archive.load`).
-            Parts are found under conventional keys (see :data:`ALIASES`) or by shape.
-        config: the experiment's config (dict or path of JSON/YAML/TOML); not needed for the audit
-            itself, accepted so callers can pass one object to audit and lint.
-        progress: ``{"step": int, "epoch": int}`` from the manifest, overriding what the state holds.
-        keys: part -> path overrides, as in :func:`find_parts`.
-
-    Returns:
-        :class:`PolicyAudit`. The LR the next step will use (``next_lr``) is the archived optimizer
-        group's ``lr`` (``Optimizer.load_state_dict`` restores it, ``LRScheduler.load_state_dict`` never
-        writes a group, and ``optimizer.step()`` reads ``group["lr"]``); without an optimizer it is the
-        scheduler's ``_last_lr``. Findings:
-
-        * warning ``optimizer.param_groups[i].lr``: the group's lr differs from the scheduler's
-          ``_last_lr`` (the optimizer was loaded before its scheduler was built, or the policy was
-          overridden): the next step uses the optimizer's value;
-        * warning ``scheduler._last_lr[i]``: ``_last_lr`` differs from the closed-form value;
-        * warning ``scheduler.last_epoch``: the scheduler lags (or leads) the progress counters;
-        * warning ``optimizer.state``: progress step and optimizer step disagree, or per-parameter
-          step counters differ;
-        * warning ``scheduler``: scheduler state missing although ``initial_lr`` shows one was attached;
-        * error: non-finite or non-numeric lr, a scheduler with a different number of groups than the
-          optimizer, a OneCycleLR whose next step raises (``last_epoch >= total_steps``).
-
-    Raises:
-        UsageError: a ``keys`` path does not exist.
-
-    Example:
-        >>> a = audit({"optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}})
-        >>> a.next_lrs
-        [0.1]
-    """
-    parts = find_parts(state, keys)
-    findings: list[Finding] = []
-    opt_entries = parts.get("optimizer", [])
-    sch_entries = parts.get("scheduler", [])
-    opt_path, opt = opt_entries[0] if opt_entries else ((), None)
-    sch_path, sch = sch_entries[0] if sch_entries else ((), None)
-    opt_field = _fmt_path(opt_path) or "optimizer"
-    sch_field = _fmt_path(sch_path) or "scheduler"
-
-    prog = dict(parts["progress"][0][1]) if parts.get("progress") else {"step": None, "epoch": None}
-    if progress:
-        for k in ("step", "epoch"):
-            if progress.get(k) is not None:
-                prog[k] = int(progress[k])
-
-    steps = _optimizer_steps(opt) if isinstance(opt, dict) else []
-    counters = {
-        "optimizer_step": max(steps) if steps else None,
-        "optimizer_step_min": min(steps) if steps else None,
-        "scheduler_last_epoch": None,
-        "progress_step": prog.get("step"),
-        "progress_epoch": prog.get("epoch"),
-    }
+def _audit_pair(opt_field: str, opt: Any, sch_field: str, sch: Any, findings: list[Finding]
+                ) -> tuple[list[GroupPolicy], dict, list]:
+    """Groups of one optimizer (and its scheduler): LR facts and consistency findings."""
     sched_info: dict = {"kind": None, "field": None, "last_epoch": None, "derivable": False, "note": ""}
-
     groups_sd = opt.get("param_groups") if isinstance(opt, dict) else None
     if groups_sd is not None and not isinstance(groups_sd, (list, tuple)):
         findings.append(Finding("error", f"{opt_field}.param_groups", "param_groups is not a list"))
@@ -822,7 +767,6 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
         kind, derived, note = derive_lrs(sch, [g for g in groups_sd if isinstance(g, dict)] or None)
         le = _num(sch.get("last_epoch"))
         sched_info.update(kind=kind, field=sch_field, last_epoch=le, derivable=derived is not None, note=note)
-        counters["scheduler_last_epoch"] = None if le is None else int(le)
         bases = list(sch.get("base_lrs") or [])
         last = list(sch.get("_last_lr") or [])
         if sched_info["kind"] == "OneCycleLR" and le is not None and "total_steps" in sch:
@@ -891,6 +835,85 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
             findings.append(Finding("warning", f"{gfield}.initial_lr",
                                     f"initial_lr {a} != scheduler base_lrs[{i}] {b}: the optimizer and scheduler "
                                     f"states come from different configurations"))
+
+    return groups, sched_info, groups_sd
+
+
+def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict | None = None,
+          keys: dict | None = None) -> PolicyAudit:
+    """Audit the LR policy and counters of a checkpoint.
+
+    Args:
+        state: nested checkpoint dict (``torch.load(weights_only=True)`` or :func:`ckpt_archive.load`).
+            Parts are found under conventional keys (see :data:`ALIASES`) or by shape.
+        config: the experiment's config (dict or path of JSON/YAML/TOML); not needed for the audit
+            itself, accepted so callers can pass one object to audit and lint.
+        progress: ``{"step": int, "epoch": int}`` from the manifest, overriding what the state holds.
+        keys: part -> path overrides, as in :func:`find_parts`.
+
+    Returns:
+        :class:`PolicyAudit`. The LR the next step will use (``next_lr``) is the archived optimizer
+        group's ``lr`` (``Optimizer.load_state_dict`` restores it, ``LRScheduler.load_state_dict`` never
+        writes a group, and ``optimizer.step()`` reads ``group["lr"]``); without an optimizer it is the
+        scheduler's ``_last_lr``. Findings:
+
+        * warning ``optimizer.param_groups[i].lr``: the group's lr differs from the scheduler's
+          ``_last_lr`` (the optimizer was loaded before its scheduler was built, or the policy was
+          overridden): the next step uses the optimizer's value;
+        * warning ``scheduler._last_lr[i]``: ``_last_lr`` differs from the closed-form value;
+        * warning ``scheduler.last_epoch``: the scheduler lags (or leads) the progress counters;
+        * warning ``optimizer.state``: progress step and optimizer step disagree, or per-parameter
+          step counters differ;
+        * warning ``scheduler``: scheduler state missing although ``initial_lr`` shows one was attached;
+        * error: non-finite or non-numeric lr, a scheduler with a different number of groups than the
+          optimizer, a OneCycleLR whose next step raises (``last_epoch >= total_steps``).
+
+    Raises:
+        UsageError: a ``keys`` path does not exist.
+
+    Example:
+        >>> a = audit({"optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}})
+        >>> a.next_lrs
+        [0.1]
+    """
+    parts = find_parts(state, keys)
+    findings: list[Finding] = []
+    opt_entries = parts.get("optimizer", [])
+    sch_entries = parts.get("scheduler", [])
+    opt_path, opt = opt_entries[0] if opt_entries else ((), None)
+    sch_path, sch = sch_entries[0] if sch_entries else ((), None)
+    opt_field = _fmt_path(opt_path) or "optimizer"
+    sch_field = _fmt_path(sch_path) or "scheduler"
+
+    prog = dict(parts["progress"][0][1]) if parts.get("progress") else {"step": None, "epoch": None}
+    if progress:
+        for k in ("step", "epoch"):
+            if progress.get(k) is not None:
+                prog[k] = int(progress[k])
+
+    steps = _optimizer_steps(opt) if isinstance(opt, dict) else []
+    counters = {
+        "optimizer_step": max(steps) if steps else None,
+        "optimizer_step_min": min(steps) if steps else None,
+        "scheduler_last_epoch": None,
+        "progress_step": prog.get("step"),
+        "progress_epoch": prog.get("epoch"),
+    }
+
+    sched_info: dict = {"kind": None, "field": None, "last_epoch": None, "derivable": False, "note": ""}
+    groups: list[GroupPolicy] = []
+    groups_sd: list = []
+    for n, (o_path, o) in enumerate(opt_entries or [((), None)]):
+        s_path, s = sch_entries[n] if n < len(sch_entries) else ((), None)
+        if o is None and n == 0 and s is None:
+            break
+        g_n, info_n, gsd_n = _audit_pair(_fmt_path(o_path) or "optimizer", o, _fmt_path(s_path) or "scheduler", s,
+                                         findings)
+        groups.extend(g_n)
+        if n == 0:
+            sched_info, groups_sd = info_n, gsd_n
+    le0 = sched_info.get("last_epoch")
+    counters["scheduler_last_epoch"] = None if le0 is None else int(le0)
 
     # -- counters --------------------------------------------------------------------------------------
     if steps and min(steps) != max(steps):
@@ -1378,6 +1401,11 @@ def lint_completeness(state: Any, *, config: dict | str | Path | None = None, pr
         list of :class:`Finding` (severity ``"warning"``).
     """
     cfg = load_config(config)
+    if not cfg and isinstance(state, dict):  # the trainer's own copy (demo: "config"; Lightning: "hyper_parameters")
+        for key in ("config", "hyper_parameters", "hparams", "args", "cfg"):
+            if isinstance(state.get(key), dict):
+                cfg = state[key]
+                break
     parts = find_parts(state, keys)
     out: list[Finding] = []
     nb = "not bitwise-resumable: "

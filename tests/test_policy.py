@@ -348,6 +348,35 @@ def test_lightning_layout_is_found():
     assert a.groups[0].field == "optimizer_states[0].param_groups[0]" and math.isclose(a.next_lrs[0], 1e-3)
 
 
+def test_each_of_two_lightning_optimizers_is_audited_with_its_own_scheduler():
+    g, d = _net(), _net()
+    og, od = torch.optim.Adam(g.parameters(), lr=2e-4), torch.optim.SGD(d.parameters(), lr=1e-2)
+    sg, sd = L.StepLR(og, 1, 0.5), L.ExponentialLR(od, 0.9)
+    _train(g, og, sg, 2)
+    _train(d, od, sd, 2)
+    bad = od.state_dict()
+    bad["param_groups"][0]["lr"] = 1e-2  # the second optimizer's lr no longer matches its scheduler
+    a = audit({"state_dict": {}, "optimizer_states": [og.state_dict(), bad],
+               "lr_schedulers": [sg.state_dict(), sd.state_dict()], "global_step": 2})
+    assert [r["group"] for r in a.rows()] == ["optimizer_states[0][0]", "optimizer_states[1][0]"]
+    assert math.isclose(a.next_lrs[0], 5e-5) and a.next_lrs[1] == 1e-2
+    (f,) = [f for f in a.findings if f.severity == "warning" and f.field.endswith(".lr")]
+    assert f.field == "optimizer_states[1].param_groups[0].lr" and "lr_schedulers[1]._last_lr[0]" in f.message
+
+
+def test_lint_reads_amp_setting_from_the_states_own_config(adam_6000):
+    state = dict(adam_6000, config={"precision": "16-mixed"})
+    (f,) = lint_completeness(state)
+    assert f.field == "scaler" and "precision='16-mixed'" in f.message
+
+
+def test_bare_model_state_dict_restores_into_a_model():
+    src = _net()
+    live = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    rep = restore_training_state(_roundtrip(src.state_dict()), model=live, rng=False)
+    assert rep.restored == ["model"] and torch.equal(live[0].weight, src[0].weight)
+
+
 def test_derive_lrs_names_kind_without_class_name():
     kind, lrs, _ = derive_lrs({"step_size": 2, "gamma": 0.5, "base_lrs": [1.0], "last_epoch": 5})
     assert kind == "StepLR" and lrs == [0.25]
