@@ -473,11 +473,11 @@ def _env_prefix(location: str, endpoint_url: str | None) -> str:
 def restore_command(location: str, g, endpoint_url: str | None = None) -> str:
     """The exact command that restores generation ``g`` from ``location`` on a new machine."""
     source = (g.manifest or {}).get("source") or {}
-    name = Path(source.get("path") or "").name
-    if source.get("layout") in ("directory", "folder", "dir"):
-        out = name or f"checkpoint-step{g.step}"
+    if source.get("layout") == "folder":
+        out = Path(source.get("path") or "").name or f"checkpoint-step{g.step}"
     else:
-        out = name if name.endswith((".pt", ".pth", ".bin")) else "checkpoint.pt"
+        name = str((source.get("info") or {}).get("filename") or "")
+        out = name if name.endswith((".pt", ".pth")) else "checkpoint.pt"
     spec = f"{location}@{g.number}"
     return f"{_env_prefix(location, endpoint_url)}ckpt-archive restore {shlex.quote(spec)} --output {shlex.quote(out)}"
 
@@ -490,6 +490,10 @@ def write_report(result: ExportResult, path, fmt: str = "markdown") -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _cell(value) -> str:
+    return "-" if value is None else str(value)
 
 
 def render_markdown(r: ExportResult) -> str:
@@ -505,7 +509,8 @@ def render_markdown(r: ExportResult) -> str:
               "| generation | step | epoch | archive id | status | bytes copied |",
               "| --- | --- | --- | --- | --- | --- |"]
     for g in r.generations:
-        lines.append(f"| {g.generation} | {g.step} | {g.epoch} | `{g.archive_id}` | {g.status} | {g.bytes_copied} |")
+        lines.append(f"| {g.generation} | {_cell(g.step)} | {_cell(g.epoch)} | `{g.archive_id}` | {g.status} | "
+                     f"{g.bytes_copied} |")
     for g in r.generations:
         lines += ["", f"## Generation {g.generation}: destination listing", "",
                   "| object | bytes | sha256 | action |", "| --- | --- | --- | --- |"]

@@ -115,6 +115,9 @@ class FsspecStore:
         except CkptArchiveError:
             raise
         except FileNotFoundError:
+            if action in ("write", "claim"):  # S3 answers NoSuchBucket with 404 on a PUT
+                raise StoreError(f"cannot write to {self.location}: the bucket does not exist or is not visible "
+                                 f"with these credentials (create it first)", where=url) from None
             raise NotFound(f"missing at {self.location}", where=key) from None
         except FileExistsError:
             raise StoreError(f"refusing to overwrite a write-once member at {self.location}",

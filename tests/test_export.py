@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -92,7 +93,7 @@ def _assert_bit_equal(a, b, where="state"):
 
 
 # --- a full export ---------------------------------------------------------------------------------
-def test_export_to_s3_is_usable_there_and_restores_bit_equal(source, s3_server, s3_url, tmp_path):
+def test_export_to_s3_is_usable_there_and_restores_bit_equal(source, s3_server, s3_url, tmp_path, monkeypatch):
     repo, states = source
     report = tmp_path / "proof.md"
     res = cli("export", str(repo), "--to", s3_url, "--report", str(report))
@@ -106,11 +107,17 @@ def test_export_to_s3_is_usable_there_and_restores_bit_equal(source, s3_server, 
     assert _keys(s3_server, s3_url) == sorted(
         [f"generations/00000002/{m}" for m in ["CLAIM", "USABLE.json", "manifest.json", *MEMBERS]]
         + ["repository.json"])
-    out = tmp_path / "restored.pt"
-    ca.restore(s3_url, "latest", out)
-    _assert_bit_equal(states[2], torch.load(out, weights_only=True))
-    _assert_bit_equal(states[2], ca.load(s3_url))
     text = report.read_text()
+    # the proof's own restore command, run as printed, on a "new machine" (a fresh folder)
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("ckpt-archive restore ")]
+    args = shlex.split(line)[1:]
+    fresh = tmp_path / "new-machine"
+    fresh.mkdir()
+    monkeypatch.chdir(fresh)
+    res = cli(*args)
+    assert res.exit_code == 0, res.output
+    _assert_bit_equal(states[2], torch.load(fresh / "checkpoint.pt", weights_only=True))
+    _assert_bit_equal(states[2], ca.load(s3_url))
     manifest = gens[0].manifest
     for rec in manifest["members"]:
         assert rec["stored_path"] in text and rec["stored_sha256"] in text
@@ -315,3 +322,58 @@ def test_list_inspect_verify_restore_work_on_an_s3_repository(source, s3_url, tm
     res = cli("restore", f"{s3_url}@1", "--output", str(out))
     assert res.exit_code == 0, res.output
     _assert_bit_equal(states[1], torch.load(out, weights_only=True))
+
+
+# --- copies made by other tools, and the end-of-rental script ------------------------------------------------
+def test_generation_copied_by_another_tool_is_copied_until_verify_deep_there(source, s3_server, s3_url):
+    """Any tool may copy a generation (aws s3 sync); it is listed `copied` until proven at its new place."""
+    repo, states = source
+    bucket, prefix = _split(s3_url)
+    client = s3_server.client()
+    for path in sorted(p for p in repo.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        rel = path.relative_to(repo).as_posix()
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=path.read_bytes())
+    dst = Repository.open(s3_url)
+    assert [g.status for g in dst.generations()] == ["copied", "copied"]
+    res = cli("verify", f"{s3_url}@2", "--deep")
+    assert res.exit_code == 0, res.output
+    assert [g.status for g in Repository.open(s3_url).generations()] == ["copied", "usable"]
+    # export recognises the copied generation 1 as the same archive: nothing to copy, proven and marked here
+    result = export(repo, s3_url, generations="all")
+    assert [g.status for g in result.generations] == ["resumed", "already-usable"]
+    assert result.bytes_copied == 0
+    assert [g.status for g in Repository.open(s3_url).generations()] == ["usable", "usable"]
+    _assert_bit_equal(states[1], ca.load(s3_url, 1))
+
+
+@pytest.mark.parametrize("kind", ["s3", "local"])
+def test_end_of_rental_script_packs_exports_and_prints_the_proof(kind, request, tmp_path):
+    dest = request.getfixturevalue("s3_url") if kind == "s3" else str(tmp_path / "dest")
+    out = tmp_path / "output"
+    (out / "checkpoint-100").mkdir(parents=True)
+    torch.save(_state(1), out / "checkpoint-100" / "state.pt")
+    torch.save(_state(2), out / "checkpoint-200.pt")
+    os.utime(out / "checkpoint-100", (1, 1))                    # the .pt is the newest entry
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "end-of-rental.sh")
+    env = dict(os.environ, CKPT_ARCHIVE=f"{sys.executable} -m ckpt_archive", REPORT=str(tmp_path / "proof.md"))
+    env.pop("CKPT_ARCHIVE_INJECT", None)
+    proc = subprocess.run(["bash", script, "--newest-in", str(out), str(tmp_path / "repo"), dest], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "OK, recoverable from the destination" in proc.stdout
+    assert f"ckpt-archive restore {dest}@1 --output checkpoint-200.pt" in proc.stdout
+    assert "recoverable from" in proc.stderr
+    _assert_bit_equal(_state(2), ca.load(dest))
+
+
+def test_end_of_rental_script_fails_loudly_when_the_export_fails(source, s3_server, s3_url, tmp_path, monkeypatch):
+    torch.save(_state(3), tmp_path / "last.pt")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG1")
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "end-of-rental.sh")
+    env = dict(os.environ, CKPT_ARCHIVE=f"{sys.executable} -m ckpt_archive", REPORT=str(tmp_path / "proof.md"))
+    with s3_server.enforce_auth():
+        proc = subprocess.run(["bash", script, str(tmp_path / "last.pt"), str(tmp_path / "repo"), s3_url], env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "access denied" in proc.stderr and "NOT SAFE to return the machine" in proc.stderr
+    assert not (tmp_path / "proof.md").exists()

@@ -249,3 +249,15 @@ def test_s3_server_side_encryption_passes_through(s3_server, s3_url):
     client = s3_server.client()
     for key in ("enc/one", "enc/two"):
         assert client.head_object(Bucket=bucket, Key=f"{prefix}/{key}")["ServerSideEncryption"] == "AES256"
+
+
+def test_s3_write_to_a_missing_bucket_says_so(s3_env):
+    from ckpt_archive.storage_fsspec import FsspecStore
+
+    store = FsspecStore("s3://no-such-bucket-here/r")
+    assert store.exists("x") is False and store.listdir("") == []
+    with pytest.raises(StoreError) as info:
+        store.write_bytes_once("x", b"1")
+    assert "bucket does not exist" in str(info.value)
+    with pytest.raises(StoreError):
+        store.claim("generations/00000001/CLAIM")
