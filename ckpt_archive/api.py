@@ -259,7 +259,22 @@ def _check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | No
         stats = reader.trial_reload(problems, on_bytes=on_bytes)
     else:
         reader.check_stored(problems, on_bytes=on_bytes)
+    problems.extend(_source_layout_problems(gen.manifest))
     return problems, stats
+
+
+def _source_layout_problems(manifest: dict) -> list[Problem]:
+    """DCP folders in a folder source: every shard the ``.metadata`` references is among the archived
+    files and long enough for the byte ranges it reads (``sources/dcp.py: check_dcp_folder``)."""
+    src = manifest.get("source") or {}
+    info = src.get("info") or {}
+    if not info.get("dcp"):
+        return []
+    from .sources.dcp import check_dcp_folder
+
+    present = {f["relpath"]: f["raw_bytes"] for f in src.get("files", []) if f.get("raw_bytes") is not None}
+    return [Problem(line, member=line.split(":", 1)[0], field="source.info.dcp")
+            for line in check_dcp_folder(present, info)]
 
 
 def _find_fallback(r: Repository, newer_than_bad: int, deep: bool, jobs=None) -> int | None:
@@ -400,7 +415,7 @@ def _check_space(path: Path, need: int) -> None:
 def restore(repo, generation: str | int = "latest", output: str | os.PathLike | None = None, *,
             force: bool = False, only: str | None = None, fallback: bool = False, map_location=None,
             jobs: int | None = None, transform: Callable[[Any], Any] | None = None,
-            **store_options) -> RestoreResult:
+            consolidate: str | os.PathLike | None = None, **store_options) -> RestoreResult:
     """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
     sources), atomically: temporary name in the same folder, fsync, rename.
 
@@ -409,6 +424,10 @@ def restore(repo, generation: str | int = "latest", output: str | os.PathLike | 
         force: replace an existing output (only after the new one is complete).
         only: restore part of the state (``"model"``: the weights alone, for inference) as a ``.pt``.
         transform: applied to a file source's state before it is saved (used by ``--policy session``).
+        consolidate: for a torch.distributed.checkpoint (DCP) folder source, also write its whole state
+            as one ``torch.save`` file at this path (``sources/dcp.py: consolidate_dcp``).
+
+    A ``.safetensors`` file source is restored as a ``.safetensors`` file with its header metadata.
 
     Raises:
         OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1).
@@ -424,6 +443,13 @@ def restore(repo, generation: str | int = "latest", output: str | os.PathLike | 
     gen0 = _pick(r, generation, fallback)
     _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * 1.05) + (1 << 20))
     layout = gen0.manifest["source"]["layout"]
+    if consolidate is not None:
+        if layout != "folder" or only or "" not in (gen0.manifest["source"].get("info") or {}).get("dcp", {}):
+            raise UsageError("--consolidate applies to a torch.distributed.checkpoint (DCP) folder source only "
+                             f"(this generation's source is {gen0.manifest['source']['format']})")
+        consolidate = Path(consolidate).expanduser().absolute()
+        if consolidate.exists() and not force:
+            raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(consolidate))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
 
@@ -434,6 +460,13 @@ def restore(repo, generation: str | int = "latest", output: str | os.PathLike | 
         state = reader.load(only, map_location=map_location)
         if transform is not None:
             state = transform(state)
+        src_files = gen.manifest["source"].get("files") or [{}]
+        if layout == "file" and not only and src_files[0].get("kind") == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(state, str(tmp), metadata=src_files[0].get("metadata") or None)
+            _fsync_file(tmp)
+            return tmp.stat().st_size
         torch.save(state, tmp)
         _fsync_file(tmp)
         return tmp.stat().st_size
@@ -453,7 +486,13 @@ def restore(repo, generation: str | int = "latest", output: str | os.PathLike | 
     from .storage import _fsync_dir
 
     _fsync_dir(out.parent)
-    return RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only)
+    result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only)
+    if consolidate is not None:
+        from .sources.dcp import consolidate_dcp
+
+        target = consolidate_dcp(out, consolidate)
+        result.extra["consolidated"] = str(target)
+    return result
 
 
 def _remove(p: Path) -> None:

@@ -24,6 +24,9 @@ def register(app: typer.Typer) -> None:
                                                                 "generation that verifies."),
         map_location: Optional[str] = typer.Option(None, "--map-location", help="Device for tensors (default cpu)."),
         jobs: Optional[int] = typer.Option(None, "--jobs", "-j"),
+        consolidate: Optional[Path] = typer.Option(
+            None, "--consolidate", help="For a torch.distributed.checkpoint (DCP) folder source: also write the "
+                                        "whole state as one torch.save file at this path."),
         # --- policy (ckpt_archive/policy.py) ---
         session_config: Optional[Path] = typer.Option(
             None, "--session-config", help="This session's config (JSON/YAML/TOML): warn where the archived "
@@ -45,11 +48,14 @@ def register(app: typer.Typer) -> None:
         transform, policy_json = cli_restore_prepare(repo, gen, session_config=session_config,
                                                      expect_lr=expect_lr, policy=policy, out=out)
         res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
-                                   map_location=map_location, jobs=jobs, transform=transform)
+                                   map_location=map_location, jobs=jobs, transform=transform,
+                                   consolidate=consolidate)
         res.extra.update(cli_restore_finish(policy_json, out))
         for w in res.warnings:
             out.warn(w)
         what = f" ({only})" if only else ""
         out.say(f"restored generation {res.generation}{what} to {res.output} ({human_bytes(res.bytes_written)})",
                 style="green")
+        if res.extra.get("consolidated"):
+            out.say(f"consolidated the DCP state into {res.extra['consolidated']}", style="green")
         out.json(res.to_json())

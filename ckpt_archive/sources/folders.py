@@ -97,16 +97,27 @@ def _walk(root: Path) -> tuple[list[str], list[str]]:
     return rels, warnings
 
 
-def is_dcp_file(relpath: str, siblings: Iterable[str]) -> bool:
-    """True for a torch.distributed.checkpoint file: ``*.distcp``, or ``.metadata`` beside one."""
+_DCP_MARKER = b"torch.distributed.checkpoint.metadata"
+
+
+def is_dcp_file(relpath: str, siblings: Iterable[str], root: Path | None = None) -> bool:
+    """True for a torch.distributed.checkpoint file: ``*.distcp``, or a ``.metadata`` beside one or
+    whose first bytes name DCP's metadata module (so a folder whose shards are all gone is still
+    recognised, and reported, as DCP)."""
     name = relpath.rsplit("/", 1)[-1]
     if name.endswith(".distcp"):
         return True
     if name == ".metadata":
         parent = relpath.rsplit("/", 1)[0] if "/" in relpath else ""
         prefix = f"{parent}/" if parent else ""
-        return any(s.startswith(prefix) and "/" not in s[len(prefix):] and s.endswith(".distcp")
-                   for s in siblings)
+        if any(s.startswith(prefix) and "/" not in s[len(prefix):] and s.endswith(".distcp") for s in siblings):
+            return True
+        if root is not None:
+            try:
+                with open(root / relpath, "rb") as fh:
+                    return _DCP_MARKER in fh.read(4096)
+            except OSError:
+                return False
     return False
 
 
@@ -150,7 +161,7 @@ def classify_file(root: Path, rel: str, *, allow_numpy: bool = False, opaque: bo
     path = root / rel
     name = rel.rsplit("/", 1)[-1]
     suffix = Path(name).suffix.lower()
-    if opaque or is_dcp_file(rel, siblings):
+    if opaque or is_dcp_file(rel, siblings, root):
         return SourceFile(rel, "opaque", path), None, []
     if suffix == ".safetensors":
         tensors, metadata = load_safetensors(path)
@@ -252,7 +263,7 @@ def attach_dcp_info(info: dict, root: Path, files: list[SourceFile], warnings: l
     """
     rels = [f.relpath for f in files]
     dirs = sorted({r.rsplit("/", 1)[0] if "/" in r else "" for r in rels
-                   if r.rsplit("/", 1)[-1] == ".metadata" and is_dcp_file(r, rels)})
+                   if r.rsplit("/", 1)[-1] == ".metadata" and is_dcp_file(r, rels, root)})
     if not dirs:
         return
     from .dcp import describe_dcp
