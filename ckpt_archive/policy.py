@@ -173,10 +173,12 @@ class PolicyAudit:
 
     def table(self):
         """A :class:`rich.table.Table` of :meth:`rows` (rich imported lazily)."""
+        from rich import box
         from rich.table import Table
 
         kind = self.scheduler.get("kind") or "none"
-        t = Table(title=f"LR policy (scheduler: {kind})", title_justify="left")
+        t = Table(title=f"LR policy (scheduler: {kind})", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
         for col in ("group", "params", "lr", "initial_lr", "base_lr", "last_lr", "derived_lr", "next_lr"):
             t.add_column(col, justify="right" if col != "group" else "left")
         for r in self.rows():
@@ -1140,13 +1142,7 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
         raise UsageError(f"policy must be 'checkpoint' or 'session', not {policy!r}")
     wins = policy
     switch = "--policy session" if policy == "checkpoint" else "--policy checkpoint"
-    parts = find_parts(state, keys)
-    entries = parts.get("optimizer", [])
-    if not entries:
-        return []
-    opt_path, opt = entries[0]
-    opt_field = _fmt_path(opt_path) or "optimizer"
-    groups = [g for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
+    entries = find_parts(state, keys).get("optimizer", [])
     sess = session_values(session_config)
     diffs: list[PolicyDifference] = []
 
@@ -1160,35 +1156,40 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
         diffs.append(PolicyDifference(field, archived, session, wins, switch,
                                       f"{field}: archived {a}, session {s} ({what}); {tail}"))
 
-    if "lr" in sess:
-        for i, (g, want) in enumerate(zip(groups, _per_group(sess["lr"], len(groups)))):
-            fname = _lr_base_field(g)
-            have = _float(g.get(fname))
-            if want is not None and have is not None and not _close(have, want):
-                what = f"config {sess['source']['lr']}"
-                if fname != "lr":
-                    what += f"; {fname} is the schedule's base LR"
-                add(f"{opt_field}.param_groups[{i}].{fname}", have, want, what)
-    for name in ("weight_decay", "momentum", "eps"):
-        if name in sess:
+    for opt_path, opt in entries:
+        opt_field = _fmt_path(opt_path) or "optimizer"
+        groups = [g for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
+        if "lr" in sess:
+            for i, (g, want) in enumerate(zip(groups, _per_group(sess["lr"], len(groups)))):
+                fname = _lr_base_field(g)
+                have = _float(g.get(fname))
+                if want is not None and have is not None and not _close(have, want):
+                    what = f"config {sess['source']['lr']}"
+                    if fname != "lr":
+                        what += f"; {fname} is the schedule's base LR"
+                    add(f"{opt_field}.param_groups[{i}].{fname}", have, want, what)
+        for name in ("weight_decay", "momentum", "eps"):
+            if name in sess:
+                for i, g in enumerate(groups):
+                    have = _float(g.get(name))
+                    if have is not None and not _close(have, sess[name]):
+                        add(f"{opt_field}.param_groups[{i}].{name}", have, sess[name],
+                            f"config {sess['source'][name]}")
+        if "betas" in sess:
             for i, g in enumerate(groups):
-                have = _float(g.get(name))
-                if have is not None and not _close(have, sess[name]):
-                    add(f"{opt_field}.param_groups[{i}].{name}", have, sess[name], f"config {sess['source'][name]}")
-    if "betas" in sess:
-        for i, g in enumerate(groups):
-            b = g.get("betas")
-            if isinstance(b, (list, tuple)) and len(b) == 2:
-                have = tuple(_float(x) for x in b)
-                if not all(_close(x, y) for x, y in zip(have, sess["betas"])):
-                    add(f"{opt_field}.param_groups[{i}].betas", have, tuple(sess["betas"]),
-                        f"config {sess['source']['betas']}")
+                b = g.get("betas")
+                if isinstance(b, (list, tuple)) and len(b) == 2:
+                    have = tuple(_float(x) for x in b)
+                    if not all(_close(x, y) for x, y in zip(have, sess["betas"])):
+                        add(f"{opt_field}.param_groups[{i}].betas", have, tuple(sess["betas"]),
+                            f"config {sess['source']['betas']}")
     if expect_lr is not None:
         a = audit(state, keys=keys)
         for i, (gp, want) in enumerate(zip(a.groups, _per_group(expect_lr, len(a.groups)))):
             want = _coerce_float(want)
             if gp.next_lr is not None and want is not None and not _close(gp.next_lr, want):
-                add(f"{opt_field}.param_groups[{i}].lr", gp.next_lr, want, "--expect-lr: the LR of the next step")
+                field = f"{gp.field}.lr" if gp.lr is not None else f"{a.scheduler.get('field')}._last_lr[{i}]"
+                add(field, gp.next_lr, want, "--expect-lr: the LR of the next step")
     return diffs
 
 
