@@ -1756,6 +1756,8 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
         skipped["rng"] = "rng=False"
     elif not rng_part:
         skipped["rng"] = "no RNG state in the checkpoint"
+        warnings.append("no RNG state in the checkpoint: the random streams continue from this process's "
+                        "seeds: not bitwise-resumable")
         bitwise = False
     else:
         targets = rng if isinstance(rng, dict) else {}
@@ -1814,8 +1816,8 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
         next_lrs = [float(_float(g["lr"])) for g in optimizer.param_groups]
     else:
         next_lrs = [g.next_lr for g in a.groups if g.next_lr is not None]
-    if optimizer is not None and osd is None:
-        bitwise = False
+    if any(p in skipped and skipped[p] != f"no live {p} given" for p in ("optimizer", "scheduler", "scaler")):
+        bitwise = False  # a live object was given for a part the checkpoint lacks
     for w in warnings:
         log.warning(w)
     pos = a.counters.get("progress_step") or a.counters.get("optimizer_step")

@@ -138,6 +138,7 @@ def test_restore_under_checkpoint_policy_uses_the_archived_lr(adam_6000):
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     rep = restore_training_state(adam_6000, model=model, optimizer=opt)
     assert opt.param_groups[0]["lr"] == 1e-3 and rep.next_lrs == [1e-3] and rep.changes == []
+    assert rep.bitwise_resumable and rep.restored == ["model", "optimizer", "rng"], rep.warnings
 
 
 # --- case 2: cosine, 45 epochs ---------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def test_missing_scheduler_is_reported_never_a_keyerror_about_initial_lr(cosine_
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = L.CosineAnnealingLR(opt, T_max=100)
     rep = restore_training_state(state, model=model, optimizer=opt, scheduler=sched)
-    assert any(msg in w for w in rep.warnings) and "scheduler" not in rep.restored
+    assert any(msg in w for w in rep.warnings) and "scheduler" not in rep.restored and not rep.bitwise_resumable
 
 
 def test_session_base_lr_rescales_the_schedule_at_its_position(cosine_45):
