@@ -1895,6 +1895,10 @@ class TensorStub:
 
 #: Tensors up to this many elements are decoded for the audit (optimizer ``step`` scalars, tensor LRs).
 SMALL_TENSOR_ELEMENTS = 8
+#: At most this many raw bytes of tensor members are decoded to reach those small tensors (smallest
+#: members first). Step scalars of a large optimizer are spread over its multi-GiB shards: past the
+#: budget they stay :class:`TensorStub` and the counters say how many were read.
+AUDIT_DECODE_BUDGET = 256 << 20
 
 
 def _tree_refs(node: Any, out: list) -> list:
@@ -1910,11 +1914,17 @@ def _tree_refs(node: Any, out: list) -> list:
     return out
 
 
-def state_for_audit(repo: Any, generation: str | int = "latest") -> tuple[Any, dict, int]:
+def state_for_audit(repo: Any, generation: str | int = "latest", *, budget: int = AUDIT_DECODE_BUDGET,
+                    info: dict | None = None) -> tuple[Any, dict, int]:
     """The archived state with only small tensors decoded (others are :class:`TensorStub`).
 
-    Reads the state tree member and the few scalar tensors (every chunk checked on the way); never the
-    model's weights. Enough for :func:`audit`, :func:`lint_completeness` and :func:`compare_with_session`.
+    Reads the state tree member and the tensors of at most :data:`SMALL_TENSOR_ELEMENTS` elements from
+    the smallest tensor members whose raw sizes add up to at most ``budget`` bytes (every chunk checked on
+    the way). Enough for :func:`audit`, :func:`lint_completeness` and :func:`compare_with_session`.
+
+    Args:
+        budget: raw bytes of tensor members that may be decoded.
+        info: if given, receives ``small_tensors`` (found) and ``small_tensors_decoded``.
 
     Returns:
         ``(state, manifest, generation_number)``.
@@ -1933,7 +1943,20 @@ def state_for_audit(repo: Any, generation: str | int = "latest") -> tuple[Any, d
     recs = gen.manifest["tensors"]
     small = sorted({k for k in _tree_refs(tree, []) if k in recs
                     and math.prod(int(x) for x in recs[k].get("shape", ())) <= SMALL_TENSOR_ELEMENTS})
-    loaded = dict(zip(small, reader.load_node([{"$t": "tensor", "key": k} for k in small]))) if small else {}
+    by_member: dict[str, list[str]] = {}
+    for k in small:
+        by_member.setdefault(recs[k]["member"], []).append(k)
+    chosen: list[str] = []
+    spent = 0
+    for member in sorted(by_member, key=lambda m: reader.by_path.get(m, {}).get("raw_bytes", 0)):
+        size = int(reader.by_path.get(member, {}).get("raw_bytes", 0))
+        if spent + size > budget:
+            break
+        spent += size
+        chosen.extend(by_member[member])
+    loaded = dict(zip(chosen, reader.load_node([{"$t": "tensor", "key": k} for k in chosen]))) if chosen else {}
+    if info is not None:
+        info.update(small_tensors=len(small), small_tensors_decoded=len(loaded))
 
     def get(key: str) -> Any:
         return loaded[key] if key in loaded else TensorStub(recs.get(key, {}))
@@ -1941,13 +1964,28 @@ def state_for_audit(repo: Any, generation: str | int = "latest") -> tuple[Any, d
     return decode(tree, get), gen.manifest, gen.number
 
 
-def policy_section(state: Any, manifest: dict | None = None) -> tuple[PolicyAudit, list[Finding], dict]:
-    """Audit + completeness lint of a state, with the manifest's progress and config; and their JSON."""
+def policy_section(state: Any, manifest: dict | None = None, decoded: dict | None = None
+                   ) -> tuple[PolicyAudit, list[Finding], dict]:
+    """Audit + completeness lint of a state, with the manifest's progress and config; and their JSON.
+
+    ``decoded`` is the ``info`` of :func:`state_for_audit`; when some small tensors were left undecoded
+    (budget), the audit's counters say so in ``counters["partial"]``.
+    """
     progress = (manifest or {}).get("progress") or {}
     config = (manifest or {}).get("config") or {}
     a = audit(state, progress=progress)
+    if decoded and decoded.get("small_tensors_decoded", 0) < decoded.get("small_tensors", 0):
+        a.counters["partial"] = (f"{decoded['small_tensors_decoded']} of {decoded['small_tensors']} small tensors "
+                                 f"decoded (budget {AUDIT_DECODE_BUDGET >> 20} MiB): step counters may be "
+                                 f"incomplete; audit ckpt_archive.load(...) for all")
     lint = lint_completeness(state, config=config, progress=progress)
     return a, lint, {"audit": a.to_json(), "completeness": [f.to_json() for f in lint]}
+
+
+def _say_counters(a: PolicyAudit, out: Any) -> None:
+    out.say("  counters: " + ", ".join(f"{k} {v}" for k, v in a.counter_rows()))
+    if a.counters.get("partial"):
+        out.say(f"  ({a.counters['partial']})")
 
 
 def _dedup(a: PolicyAudit, lint: list[Finding]) -> list[Finding]:
@@ -1964,13 +2002,14 @@ def cli_inspect(info: dict, repo: Any, out: Any) -> dict:
     from .errors import CkptArchiveError
 
     try:
-        state, manifest, _ = state_for_audit(repo, info["generation"])
+        decoded: dict = {}
+        state, manifest, _ = state_for_audit(repo, info["generation"], info=decoded)
     except CkptArchiveError as exc:
         out.warn(f"policy audit skipped: {exc}")
         return {"policy": {"skipped": str(exc)}}
-    a, lint, section = policy_section(state, manifest)
+    a, lint, section = policy_section(state, manifest, decoded)
     out.table(a.table())
-    out.say("  counters: " + ", ".join(f"{k} {v}" for k, v in a.counter_rows()))
+    _say_counters(a, out)
     for f in _dedup(a, lint) + lint:
         out.warn(f"{f.field}: {f.message}")
     return {"policy": section}
@@ -1991,14 +2030,15 @@ def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
         report.extra["policy"] = {"skipped": "the generation failed its checks"}
         return
     try:
-        state, manifest, _ = state_for_audit(repo, report.generation)
+        decoded: dict = {}
+        state, manifest, _ = state_for_audit(repo, report.generation, info=decoded)
     except CkptArchiveError as exc:
         report.extra["policy"] = {"skipped": str(exc)}
         report.warnings.append(f"policy audit skipped: {exc}")
         return
-    a, lint, section = policy_section(state, manifest)
+    a, lint, section = policy_section(state, manifest, decoded)
     out.table(a.table())
-    out.say("  counters: " + ", ".join(f"{k} {v}" for k, v in a.counter_rows()))
+    _say_counters(a, out)
     for f in _dedup(a, lint):
         if f.severity == "error":
             report.problems.append(Problem(f"policy: {f.message}", field=f.field))

@@ -590,3 +590,19 @@ def test_restore_expect_lr_equal_is_silent_and_bad_policy_is_exit_2(repo_case1, 
     assert res.exit_code == 2 and "--policy must be" in res.output
     res = _cli("restore", repo_case1, "-o", tmp_path / "c.pt", "--policy", "session")
     assert res.exit_code == 2 and "needs --session-config" in res.output and not (tmp_path / "c.pt").exists()
+
+
+def test_audit_view_decodes_small_tensors_within_budget_only(repo_case1):
+    from ckpt_archive.policy import TensorStub, policy_section, state_for_audit
+
+    info: dict = {}
+    state, manifest, gen = state_for_audit(repo_case1, info=info)
+    assert isinstance(state["model"]["0.weight"], TensorStub)  # weights are never decoded for the audit
+    assert info["small_tensors_decoded"] == info["small_tensors"] > 0
+    assert audit(state).counters["optimizer_step"] == 6000
+    info = {}
+    state, manifest, _ = state_for_audit(repo_case1, budget=0, info=info)
+    assert info["small_tensors_decoded"] == 0
+    a, _, section = policy_section(state, manifest, info)
+    assert a.counters["optimizer_step"] is None and "0 of" in a.counters["partial"]
+    assert a.next_lrs == [1e-3] and json.dumps(section, allow_nan=False)
