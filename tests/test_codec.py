@@ -1,0 +1,243 @@
+"""The chunked member codec (ckpt_archive/codec.py): exact round trips and clean failures.
+
+Round trips for every float dtype and a few others, sizes that are not multiples of the element size,
+empty members, chunk boundaries; corruption of stored bytes, truncation, trailing bytes, a tampered
+chunk table. Speed is measured in benchmarks/, never here.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpt_archive import codec
+from ckpt_archive.errors import IntegrityError
+
+CHUNK = 64 << 10  # small chunks so that a few hundred KiB cross many boundaries
+
+
+def _trained_like(n: int, dtype, seed: int = 0) -> bytes:
+    """Weights with realistic exponents: normal, per-row scale spread, like an early checkpoint."""
+    rng = np.random.default_rng(seed)
+    rows = max(1, n // 256)
+    scale = np.exp(rng.normal(0, 0.3, size=(rows, 1))) * 0.02
+    a = (rng.normal(size=(rows, 256)) * scale).reshape(-1)[:n]
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    return a.astype(dtype).tobytes()
+
+
+def _write(pieces, *, chunk_bytes=CHUNK, jobs=2, level=codec.DEFAULT_LEVEL):
+    buf = io.BytesIO()
+    w = codec.MemberWriter(buf, chunk_bytes=chunk_bytes, jobs=jobs, level=level)
+    for data, hint in pieces:
+        w.add(data, hint)
+    rec = w.finish()
+    return buf.getvalue(), rec
+
+
+def _read(stored: bytes, rec: dict, jobs=2) -> bytes:
+    return b"".join(bytes(c) for _, c in codec.iter_decoded(io.BytesIO(stored), rec, member="m", jobs=jobs))
+
+
+@pytest.mark.parametrize("dtype,hint,codec_name", [
+    ("bfloat16", "bg2", "bg2+zstd"), ("float16", "bg2", "bg2+zstd"), ("float32", "bg4", "bg4+zstd"),
+    ("float64", "bg8", "bg8+zstd"),
+])
+def test_float_member_round_trips_bit_exact_with_byte_grouping(dtype, hint, codec_name):
+    raw = _trained_like(100_003, dtype)
+    stored, rec = _write([(raw, hint)])
+    assert _read(stored, rec) == raw
+    assert rec["raw_sha256"] == hashlib.sha256(raw).hexdigest()
+    assert rec["stored_sha256"] == hashlib.sha256(stored).hexdigest()
+    assert rec["raw_bytes"] == len(raw) and rec["stored_bytes"] == len(stored)
+    assert codec_name in rec["chunk_codecs"]
+    assert len(rec["chunks"]) == -(-len(raw) // (CHUNK - CHUNK % int(hint[2:])))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_byte_grouping_beats_plain_zstd_on_trained_floats(dtype):
+    """Guards the float-aware codec's reason to exist: planes must compress clearly better."""
+    raw = _trained_like(400_000, dtype)
+    n = 2 if dtype == "bfloat16" else 4
+    _, grouped = _write([(raw, f"bg{n}")], chunk_bytes=1 << 20)
+    _, plain = _write([(raw, "zstd")], chunk_bytes=1 << 20)
+    assert grouped["stored_bytes"] < 0.93 * plain["stored_bytes"]
+
+
+def test_float_parameters_compress_exponent_planes_better_than_level_3():
+    raw = _trained_like(400_000, "bfloat16")
+    planes = codec.byte_group(raw, 2)
+    tuned = codec._compressor(3, floats=True).compress(planes)
+    level3 = codec._compressor(3).compress(planes)
+    assert len(tuned) < len(level3)
+
+
+@pytest.mark.parametrize("hint", ["bg2", "bg4", "bg8"])
+@pytest.mark.parametrize("size", [1, 3, 7, 9, 1001])
+def test_sizes_not_a_multiple_of_the_element_size_fall_back_and_round_trip(hint, size):
+    raw = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    stored, rec = _write([(raw, hint)])
+    assert _read(stored, rec) == raw
+    n = int(hint[2:])
+    if size % n:
+        assert all(not c["codec"].startswith("bg") for c in rec["chunks"])
+
+
+def test_empty_member_has_no_chunks_and_the_sha256_of_nothing():
+    stored, rec = _write([(b"", "bg4"), (b"", "zstd")])
+    assert stored == b"" and rec["chunks"] == [] and rec["raw_bytes"] == 0
+    assert rec["raw_sha256"] == hashlib.sha256(b"").hexdigest()
+    assert _read(stored, rec) == b""
+
+
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_chunk_boundaries_are_exact_and_hints_never_mix(delta):
+    f32 = _trained_like(CHUNK // 4 + delta, "float32")
+    bf = _trained_like(CHUNK // 2 + delta, "bfloat16")
+    tail = b"\x00\x01" * 1000 + b"z"
+    pieces = [(b"header" * 10, "zstd"), (f32, "bg4"), (bf, "bg2"), (tail, "zstd"), (f32[:4], "bg4")]
+    stored, rec = _write(pieces)
+    raw = b"".join(p for p, _ in pieces)
+    assert _read(stored, rec) == raw
+    offsets = [0]
+    for c in rec["chunks"]:
+        assert c["raw_offset"] == offsets[-1]
+        assert 0 < c["raw_bytes"] <= CHUNK
+        offsets.append(c["raw_offset"] + c["raw_bytes"])
+    # every piece boundary is a chunk boundary (pieces with different hints never share a chunk)
+    pos, boundaries = 0, set()
+    for p, _ in pieces:
+        pos += len(p)
+        boundaries.add(pos)
+    assert boundaries <= set(offsets)
+
+
+def test_a_chunk_size_that_is_not_a_multiple_of_the_element_size_keeps_elements_whole():
+    raw = _trained_like(10_000, "float64")
+    stored, rec = _write([(raw, "bg8")], chunk_bytes=1001)
+    assert all(c["raw_bytes"] % 8 == 0 for c in rec["chunks"])
+    assert all(c["codec"] in ("bg8+zstd", "store") for c in rec["chunks"])
+    assert _read(stored, rec) == raw
+
+
+def test_incompressible_chunks_are_stored_raw():
+    raw = np.random.default_rng(1).integers(0, 256, size=300_000, dtype=np.uint8).tobytes()
+    stored, rec = _write([(raw, "zstd")])
+    assert rec["chunk_codecs"] == ["store"] and stored == raw
+    assert _read(stored, rec) == raw
+
+
+@pytest.mark.parametrize("kind", ["int64", "uint8", "bool"])
+def test_non_float_tensors_round_trip_with_plain_zstd(kind):
+    rng = np.random.default_rng(2)
+    a = {"int64": rng.integers(0, 50_000, 70_001), "uint8": rng.integers(0, 4, 70_001).astype(np.uint8),
+         "bool": rng.integers(0, 2, 70_001).astype(bool)}[kind]
+    raw = a.tobytes()
+    stored, rec = _write([(raw, "zstd")])
+    assert _read(stored, rec) == raw and "zstd" in rec["chunk_codecs"]
+
+
+def test_output_is_in_order_with_more_chunks_than_threads():
+    raw = b"".join(i.to_bytes(4, "little") for i in range(200_000))
+    stored, rec = _write([(raw, "bg4")], chunk_bytes=4096, jobs=3)
+    assert len(rec["chunks"]) > 100
+    assert _read(stored, rec, jobs=3) == raw
+
+
+def test_an_explicit_high_level_uses_that_zstd_level_for_floats():
+    raw = _trained_like(50_000, "float32")
+    stored, rec = _write([(raw, "bg4")], level=9)
+    assert _read(stored, rec) == raw
+
+
+def test_a_chunk_written_by_the_first_codec_version_still_decodes():
+    """v1 wrote byte-grouped chunks as plain level-3 frames; archives people keep must stay readable."""
+    import zstandard
+
+    raw = _trained_like(5000, "float32")
+    v1 = zstandard.ZstdCompressor(level=3).compress(np.frombuffer(raw, np.uint8).reshape(-1, 4).T.tobytes())
+    assert bytes(codec.decode_chunk(v1, "bg4+zstd", len(raw))) == raw
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([2, 4, 8]), data=st.binary(max_size=512))
+def test_byte_ungroup_inverts_byte_group(n, data):
+    data = data[: len(data) - len(data) % n]
+    grouped = codec.byte_group(data, n)
+    assert bytes(grouped) == np.frombuffer(data, np.uint8).reshape(-1, n).T.tobytes()
+    assert bytes(codec.byte_ungroup(bytes(grouped), n)) == data
+
+
+# -- corruption -------------------------------------------------------------------------------------
+
+def _sample():
+    raw = _trained_like(60_000, "float32") + b"tail" * 100
+    stored, rec = _write([(raw[:240_000], "bg4"), (raw[240_000:], "zstd")])
+    return raw, stored, rec
+
+
+def test_a_flipped_stored_byte_names_the_member_and_the_chunk():
+    _, stored, rec = _sample()
+    bad = bytearray(stored)
+    victim = rec["chunks"][2]
+    bad[victim["stored_offset"] + victim["stored_bytes"] // 2] ^= 0x10
+    with pytest.raises(IntegrityError) as ei:
+        _read(bytes(bad), rec)
+    assert "chunk 2" in ei.value.message and "fails its sha256" in ei.value.message
+    assert ei.value.where == "m"
+
+
+def test_a_truncated_member_says_truncated():
+    _, stored, rec = _sample()
+    with pytest.raises(IntegrityError, match="truncated"):
+        _read(stored[:-5], rec)
+
+
+def test_trailing_bytes_after_the_last_chunk_are_reported():
+    _, stored, rec = _sample()
+    with pytest.raises(IntegrityError, match="longer than its chunks"):
+        _read(stored + b"x", rec)
+
+
+def test_a_chunk_table_with_a_gap_is_refused_before_reading():
+    _, stored, rec = _sample()
+    rec["chunks"][1]["stored_offset"] += 1
+    with pytest.raises(IntegrityError, match="chunk table inconsistent at chunk 1"):
+        _read(stored, rec)
+
+
+def test_a_chunk_table_that_does_not_cover_the_member_is_refused():
+    _, stored, rec = _sample()
+    rec["raw_bytes"] += 1
+    with pytest.raises(IntegrityError, match="chunk table covers"):
+        _read(stored, rec)
+
+
+def test_decode_refuses_a_wrong_raw_size_an_unknown_codec_and_garbage():
+    raw = _trained_like(1000, "float32")
+    codec_name, stored, _ = codec.encode_chunk(raw, "bg4", codec.DEFAULT_LEVEL)
+    with pytest.raises(IntegrityError, match="decodes to|does not decode"):
+        codec.decode_chunk(stored, codec_name, len(raw) - 4)
+    with pytest.raises(IntegrityError, match="unknown chunk codec"):
+        codec.decode_chunk(stored, "lz4", len(raw))
+    with pytest.raises(IntegrityError, match="does not decode"):
+        codec.decode_chunk(b"\x00" * 64, "zstd", 100)
+    with pytest.raises(IntegrityError):
+        codec.decode_chunk(b"abc", "store", 4)
+
+
+def test_a_writer_abort_leaves_no_thread_running():
+    import threading
+
+    before = threading.active_count()
+    w = codec.MemberWriter(io.BytesIO(), chunk_bytes=CHUNK, jobs=2)
+    w.add(_trained_like(50_000, "float32"), "bg4")
+    w.abort()
+    assert threading.active_count() <= before
