@@ -1,0 +1,188 @@
+"""A ``.safetensors`` model file, a folder of per-rank ``.pt`` files, and any other folder: detection,
+what each file becomes (torch / safetensors / raw / opaque), refusals, and restore."""
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ckpt_archive
+from ckpt_archive.errors import SourceError
+from ckpt_archive.sources import read_source
+from tests.helpers import assert_same
+
+
+def _weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"emb.weight": torch.randn(10, 4, generator=g), "fc.weight": torch.randn(3, 4, generator=g).half(),
+            "fc.bias": torch.zeros(3, dtype=torch.bfloat16), "steps": torch.tensor([7], dtype=torch.int64)}
+
+
+# --- one .safetensors file -------------------------------------------------------------------------------
+def test_safetensors_file_restores_as_safetensors_with_its_metadata(tmp_path):
+    src = tmp_path / "model.safetensors"
+    save_file(_weights(), src, metadata={"format": "pt", "note": "run-a"})
+    s = read_source(src)
+    assert s.format == "safetensors-file" and s.layout == "file"
+    assert s.files[0].kind == "safetensors" and s.files[0].metadata == {"format": "pt", "note": "run-a"}
+    repo = tmp_path / "repo"
+    res = ckpt_archive.pack(src, repo)
+    assert res.manifest["source"]["files"][0]["metadata"] == {"format": "pt", "note": "run-a"}
+    out = tmp_path / "restored.safetensors"
+    ckpt_archive.restore(repo, output=out)
+    assert out.read_bytes() == src.read_bytes()  # same tensors + metadata: safetensors writes the same bytes
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as fh:
+        assert fh.metadata() == {"format": "pt", "note": "run-a"}
+    back = load_file(out)
+    for k, v in _weights().items():
+        assert_same(v, back[k], k)
+
+
+def test_truncated_safetensors_file_is_refused_naming_it(tmp_path):
+    src = tmp_path / "model.safetensors"
+    save_file(_weights(), src)
+    src.write_bytes(src.read_bytes()[:-20])
+    with pytest.raises(SourceError, match="model.safetensors.*unreadable safetensors"):
+        ckpt_archive.pack(src, tmp_path / "repo")
+
+
+# --- per-rank files --------------------------------------------------------------------------------------
+def _rank_state(rank: int) -> dict:
+    return {"model": {"w": torch.full((4,), float(rank))}, "optimizer": {"state": {}, "param_groups": []},
+            "global_step": 12, "epoch": 1, "rank": rank}
+
+
+def test_per_rank_files_pack_as_one_resume_point_and_restore_loadable(tmp_path):
+    d = tmp_path / "ranks"
+    d.mkdir()
+    for r in range(3):
+        torch.save(_rank_state(r), d / f"rank_{r}.pt")
+    (d / "meta.json").write_text(json.dumps({"world_size": 3}))
+    s = read_source(d)
+    assert s.format == "rank-files" and s.progress == {"step": 12, "epoch": 1}
+    assert s.info["ranks"] == {"0": "rank_0.pt", "1": "rank_1.pt", "2": "rank_2.pt"} and s.info["world_size"] == 3
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(d, repo)
+    out = tmp_path / "out"
+    ckpt_archive.restore(repo, output=out)
+    assert (out / "meta.json").read_bytes() == (d / "meta.json").read_bytes()
+    for r in range(3):
+        assert_same(_rank_state(r), torch.load(out / f"rank_{r}.pt", weights_only=True))
+
+
+def test_a_missing_rank_file_is_refused_naming_the_rank(tmp_path):
+    d = tmp_path / "ranks"
+    d.mkdir()
+    for r in (0, 2):
+        torch.save(_rank_state(r), d / f"rank{r}-of-4-optimizer.pt")
+    with pytest.raises(SourceError, match=r"rank\(s\) 1, 3 are missing.*2 of 4"):
+        read_source(d)
+
+
+def test_ranks_disagreeing_on_the_step_are_warned(tmp_path):
+    d = tmp_path / "ranks"
+    d.mkdir()
+    torch.save(_rank_state(0), d / "rank0.pt")
+    torch.save({**_rank_state(1), "global_step": 13}, d / "rank1.pt")
+    s = read_source(d)
+    assert "step" not in s.progress
+    assert any("disagree on step" in w and "[12, 13]" in w for w in s.warnings)
+
+
+def test_sharded_model_numbering_is_not_mistaken_for_ranks(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    for i in (1, 2):
+        torch.save({"w": torch.ones(2)}, d / f"pytorch_model-0000{i}-of-00002.bin")
+    assert read_source(d).format == "folder"
+
+
+# --- any folder -----------------------------------------------------------------------------------------
+def test_generic_folder_gives_each_file_its_kind_and_restores_it(tmp_path):
+    d = tmp_path / "ckpt"
+    (d / "sub").mkdir(parents=True)
+    torch.save({"w": torch.arange(4.0)}, d / "weights.pt")
+    save_file(_weights(), d / "sub" / "ema.safetensors", metadata={"k": "v"})
+    (d / "notes.md").write_text("step 4 of run A\n", encoding="utf-8")
+    (d / "blob.dat").write_bytes(bytes(range(256)))
+    (d / "plain.pkl").write_bytes(pickle.dumps({"a": 1}))  # a plain pickle, not torch.save: never loaded
+    (d / ".hidden.json").write_text("{}")
+    with zipfile.ZipFile(d / "logs.zip", "w") as zf:
+        zf.writestr("log.txt", "hello")
+    s = read_source(d)
+    assert s.format == "folder"
+    kinds = {f.relpath: f.kind for f in s.files}
+    assert kinds == {".hidden.json": "raw", "blob.dat": "opaque", "logs.zip": "opaque", "notes.md": "raw",
+                     "plain.pkl": "opaque", "sub/ema.safetensors": "safetensors", "weights.pt": "torch"}
+    assert any(w.startswith("plain.pkl: kept opaque") for w in s.warnings)
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(d, repo)
+    assert ckpt_archive.verify(repo, deep=True).ok
+    out = tmp_path / "out"
+    ckpt_archive.restore(repo, output=out)
+    for rel in (".hidden.json", "blob.dat", "logs.zip", "notes.md", "plain.pkl"):
+        assert (out / rel).read_bytes() == (d / rel).read_bytes(), rel
+    assert_same({"w": torch.arange(4.0)}, torch.load(out / "weights.pt", weights_only=True))
+    back = load_file(out / "sub" / "ema.safetensors")
+    assert all(torch.equal(v, back[k]) for k, v in _weights().items())
+
+
+def test_empty_folder_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match="empty folder"):
+        read_source(tmp_path / "empty")
+
+
+def test_empty_or_truncated_torch_file_in_a_folder_is_refused_naming_it(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "optimizer.pt").write_bytes(b"")
+    with pytest.raises(SourceError, match=r"optimizer\.pt.*empty"):
+        read_source(d)
+    torch.save({"w": torch.ones(1000)}, d / "optimizer.pt")
+    data = (d / "optimizer.pt").read_bytes()
+    (d / "optimizer.pt").write_bytes(data[: len(data) - 300])
+    with pytest.raises(SourceError, match=r"optimizer\.pt.*truncated"):
+        read_source(d)
+
+
+def test_numpy_in_a_folder_file_is_kept_opaque_unless_allowed(tmp_path):
+    import numpy as np
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    torch.save({"seen": np.int64(5)}, d / "extra.pt")
+    s = read_source(d)
+    assert s.files[0].kind == "opaque"
+    assert "--allow-numpy" in s.warnings[0] and s.warnings[0].startswith("extra.pt")
+    s = read_source(d, allow_numpy=True)
+    assert s.files[0].kind == "torch" and type(s.state["extra.pt"]["seen"]) is np.int64
+
+
+def test_symlinked_file_is_archived_as_its_content_with_a_note(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (tmp_path / "real.json").write_text('{"a": 1}')
+    (d / "link.json").symlink_to(tmp_path / "real.json")
+    (d / "x.txt").write_text("x")
+    s = read_source(d)
+    assert {f.relpath: f.kind for f in s.files} == {"link.json": "raw", "x.txt": "raw"}
+    assert any("link.json: symlink archived as the file it points to" in w for w in s.warnings)
+
+
+def test_forced_format_that_does_not_fit_is_named(tmp_path):
+    p = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(1)}, p)
+    with pytest.raises(SourceError):
+        read_source(p, fmt="dcp")
+    with pytest.raises(SourceError, match="not a Lightning checkpoint"):
+        read_source(p, fmt="lightning")
+    assert read_source(p).format == "torch-file"
+    assert Path(read_source(p).files[0].path) == p
