@@ -422,6 +422,26 @@ def _new_torch_state(old, salt: int):
     return seed_and_offset.clone().to(old.device)
 
 
+STREAMS = {"python-rng": "python", "numpy-rng": "numpy", "torch-rng": "torch"}
+
+
+def rng_streams(state) -> dict[str, list[tuple]]:
+    """Where each random stream's state sits in ``state``: ``{"python": [path], "numpy": [...], "torch": [...]}``.
+
+    Found by shape, not by key name (a ``random.getstate()`` tuple, a NumPy ``bit_generator`` dict or
+    legacy ``MT19937`` tuple, a uint8 torch generator state), outside ``model``/``optimizer``/``scheduler``.
+    """
+    found: dict[str, list[tuple]] = {}
+    for path, node in _walk(state, skip_top=("model", "optimizer", "scheduler")):
+        if _is_python_rng(node):
+            found.setdefault("python", []).append(path)
+        elif _is_numpy_rng(node) or _is_numpy_legacy_rng(node):
+            found.setdefault("numpy", []).append(path)
+        elif _is_torch_rng(path, node):
+            found.setdefault("torch", []).append(path)
+    return found
+
+
 def _find_optimizer_states(state) -> list[tuple]:
     found = []
     for path, node in _walk(state, skip_top=("model",)):
@@ -541,6 +561,8 @@ def perturb(state, control: str, *, previous_lr: Sequence[float] | None = None) 
             changed.append(f"{_fmt_path(cpath)} {cur} -> {cur + shift}")
     applied = bool(changed)
     note = "" if applied else _MISSING_NOTES[control]
+    if control == "optimizer-moments" and not applied and not _find_optimizer_states(st):
+        note = "no optimizer state (a dict with 'state' and 'param_groups') in the checkpoint"
     return (st if applied else state), Perturbation(control, applied, changed, note)
 
 
@@ -576,8 +598,9 @@ def _jsonable(v):
 class _TreeDiff:
     """Leaf-by-leaf comparison of two nested states in depth-first order."""
 
-    def __init__(self, atol: float, rtol: float):
+    def __init__(self, atol: float, rtol: float, skip: Iterable[tuple] = ()):
         self.atol, self.rtol = atol, rtol
+        self.skip = set(skip)
         self.diffs: list[dict] = []
         self.total = 0
         self.non_finite: list[str] = []
@@ -591,6 +614,8 @@ class _TreeDiff:
             self.diffs.append(d)
 
     def compare(self, a, b, path=()):
+        if path in self.skip:
+            return None
         if _is_tensor(a) or _is_tensor(b):
             return self._tensors(a, b, path)
         if type(a) is not type(b):
@@ -783,7 +808,7 @@ def _data_counts(expected: list[dict], got: list[dict], prefix: list[dict]) -> d
 
 def compare_runs(expected_traj: dict, got_traj: dict, expected_state, got_state, *, interrupt_at: int,
                  atol: float, rtol: float, prefix: list[dict] | None = None, name: str = "resumed",
-                 training_only: bool = False) -> dict:
+                 training_only: bool = False, ignore_streams: Iterable[str] = ()) -> dict:
     """Compare a resumed (or control) run with the continuous run: per update, final state, next draws.
 
     Args:
@@ -793,6 +818,8 @@ def compare_runs(expected_traj: dict, got_traj: dict, expected_state, got_state,
         training_only: for negative controls: ignore the ``rng``, ``data`` and ``progress`` parts and
             the next draws (a perturbed stream that is restored but never used shows up only there,
             and that is "changed nothing" for training).
+        ignore_streams: random streams (``python``, ``numpy``, ``torch``) declared unused: their
+            final state and next draws are not compared (an unused stream is often unseeded).
 
     Returns:
         the comparison object of ``verification.json`` (``matched``, ``first_divergence``, ...).
@@ -806,7 +833,10 @@ def compare_runs(expected_traj: dict, got_traj: dict, expected_state, got_state,
     if training_only:
         compared = [k for k in compared if k not in ("rng", "data", "progress")] if any(
             k in CONVENTIONAL_KEYS for k in compared) else compared
-    td = _TreeDiff(atol, rtol)
+    streams = rng_streams(expected_state)
+    ignore = set(ignore_streams)
+    skip_paths = [p for st, paths in streams.items() if st in ignore for p in paths]
+    td = _TreeDiff(atol, rtol, skip=skip_paths)
     if isinstance(expected_state, dict) and isinstance(got_state, dict):
         for k in compared:
             if k not in got_state:
@@ -817,7 +847,9 @@ def compare_runs(expected_traj: dict, got_traj: dict, expected_state, got_state,
         td.compare(expected_state, got_state)
     training_nf = [p for p in td.non_finite if p.split(".")[0] in ("model", "optimizer")]
     res["non_finite"] += [f"final {p}" for p in training_nf]
-    final = {"matched": td.total == 0, "compared": compared, "not_compared": sorted(set(not_compared) | set(got_extra)),
+    final = {"matched": td.total == 0, "compared": compared,
+             "not_compared": sorted(set(not_compared) | set(got_extra))
+             + [f"{_fmt_path(p)} (declared without effect)" for p in skip_paths],
              "first_divergent_field": td.diffs[0]["field"] if td.diffs else None,
              "differences": td.diffs, "differences_total": td.total}
     res["final_state"] = final
@@ -828,10 +860,13 @@ def compare_runs(expected_traj: dict, got_traj: dict, expected_state, got_state,
         res["max_param_abs_diff"] = None  # structure differs: no meaningful number
     # Next draws of every random stream.
     draws_diff = []
+    draws_compared: list[str] = []
     if not training_only:
         ed = (expected_traj.get("final") or {}).get("next_draws") or {}
         gd = (got_traj.get("final") or {}).get("next_draws") or {}
-        for stream in sorted(set(ed) | set(gd)):
+        # Only streams the checkpoint carries: a stream it does not save cannot be expected to continue.
+        draws_compared = [st for st in sorted(set(ed) | set(gd)) if st in streams and st not in ignore]
+        for stream in draws_compared:
             if stream not in ed or stream not in gd:
                 draws_diff.append({"stream": stream, "expected": _jsonable(ed.get(stream)),
                                    "got": _jsonable(gd.get(stream)), "kind": "missing"})
@@ -839,7 +874,16 @@ def compare_runs(expected_traj: dict, got_traj: dict, expected_state, got_state,
                     _close(x, y, atol, rtol) for x, y in zip(ed[stream], gd[stream])):
                 draws_diff.append({"stream": stream, "expected": _jsonable(ed[stream]), "got": _jsonable(gd[stream]),
                                    "kind": "value"})
-    res["next_draws"] = {"matched": not draws_diff, "differences": draws_diff}
+    res["next_draws"] = {"matched": not draws_diff, "compared": draws_compared, "differences": draws_diff}
+    rng_only = bool(td.diffs) and all(any(d["field"] == _fmt_path(p) or d["field"].startswith(_fmt_path(p) + ".")
+                                          or d["field"].startswith(_fmt_path(p) + "[")
+                                          for ps in streams.values() for p in ps) for d in td.diffs)
+    if (rng_only or draws_diff) and res["first_divergence"] is None:
+        bad = sorted({st for st, ps in streams.items() for p in ps for d in td.diffs
+                      if d["field"].startswith(_fmt_path(p))} | {d["stream"] for d in draws_diff})
+        res["hint"] = (f"every update matched but the {', '.join(bad)} RNG state differs at the end: if the "
+                       f"script never draws from it (and does not seed it), declare it with "
+                       + " ".join(f"--expect-no-effect {b}" for b in bad))
     last_step = exp_updates[-1]["step"] if exp_updates else interrupt_at
     if res["first_divergence"] is None and td.diffs:
         d = td.diffs[0]
@@ -1092,7 +1136,8 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int, outpu
         cont_state = _load_checkpoint(cont.output / CHECKPOINT_FILE)
         res_state = _load_checkpoint(res.output / CHECKPOINT_FILE)
         positive = compare_runs(cont_traj, res_traj, cont_state, res_state, interrupt_at=interrupt_at,
-                                atol=atol, rtol=rtol, prefix=int_traj["updates"], name="resumed")
+                                atol=atol, rtol=rtol, prefix=int_traj["updates"], name="resumed",
+                                ignore_streams={STREAMS[c] for c in no_effect if c in STREAMS})
         positive_ok = positive["matched"] and determinism["matched"]
 
         entries: list[dict] = []
@@ -1252,6 +1297,8 @@ def describe(cmp: dict) -> str:
         parts.extend(cmp["structure"])
     if cmp.get("non_finite"):
         parts.append("non-finite values: " + ", ".join(cmp["non_finite"][:5]))
+    if cmp.get("hint"):
+        parts.append(cmp["hint"])
     return "; ".join(parts) or "no difference"
 
 

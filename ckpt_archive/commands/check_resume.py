@@ -81,8 +81,9 @@ def proof_table(report: dict, title: str = "resume check"):
               "differ: " + ", ".join(d["stream"] for d in pos["next_draws"]["differences"]),
               ok if pos["next_draws"]["matched"] else bad)
     nl = report["next_lr_after_final_step"]
-    t.add_row(f"LR after update {report['steps']}", f"continuous {_fmt(nl['continuous'])}, resumed {_fmt(nl['resumed'])}",
-              ok if nl["continuous"] == nl["resumed"] else bad)
+    if nl["continuous"] is not None or nl["resumed"] is not None:
+        t.add_row(f"LR after update {report['steps']}", f"continuous {_fmt(nl['continuous'])}, resumed {_fmt(nl['resumed'])}",
+                  ok if nl["continuous"] == nl["resumed"] else bad)
     if pos.get("non_finite"):
         t.add_row("non-finite values", ", ".join(pos["non_finite"][:4]), bad)
     for e in report["negative_controls"]:
