@@ -378,6 +378,20 @@ def test_bare_model_state_dict_restores_into_a_model():
     assert rep.restored == ["model"] and torch.equal(live[0].weight, src[0].weight)
 
 
+@pytest.mark.parametrize("names", [
+    ("model_state_dict", "optimizer_state_dict", "scheduler_state_dict", "epoch"),
+    ("model.safetensors", "optimizer.pt", "scheduler.pt", "epoch"),  # a Hugging Face Trainer folder
+    ("net", "optim", "lr_scheduler", "global_step"),
+])
+def test_parts_found_under_common_key_variants(cosine_45, names):
+    m, o, s, counter = names
+    state = {m: cosine_45["model"], o: cosine_45["optimizer"], s: cosine_45["scheduler"], counter: 45}
+    a = audit(state)
+    assert (a.parts["model"], a.parts["optimizer"], a.parts["scheduler"]) == (m, o, s)
+    assert a.groups[0].field == f"{o}.param_groups[0]" and a.scheduler["field"] == s
+    assert not a.findings and math.isclose(a.next_lrs[0], 5.782172e-4, rel_tol=1e-6)
+
+
 def test_derive_lrs_names_kind_without_class_name():
     kind, lrs, _ = derive_lrs({"step_size": 2, "gamma": 0.5, "base_lrs": [1.0], "last_epoch": 5})
     assert kind == "StepLR" and lrs == [0.25]
