@@ -322,7 +322,7 @@ def _settled(checkpoint: Path, settle: float, sleep: Callable[[float], None]) ->
 
 
 def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settle: float = 10.0,
-           wait: float = 0.0, now: datetime | None = None, sleep: Callable[[float], None] = time.sleep,
+           wait: float = 0.0, tags: tuple[str, ...] | list[str] = (), now: datetime | None = None, sleep: Callable[[float], None] = time.sleep,
            on_bytes: Callable[[int], None] | None = None) -> BackupResult:
     """Back up the newest checkpoint in SOURCE to REPO, if it changed and is complete.
 
@@ -334,6 +334,7 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         settle: seconds the checkpoint must stay unchanged (size, mtime_ns, inode, entries) before it
             is packed.
         wait: seconds to wait for the repository lock (0: fail at once with :class:`LockError`).
+        tags: tags for a new generation.
         now: decision time for retention (default now, UTC).
         sleep: the sleep function (tests pass a fake).
         on_bytes: progress callback, called with a byte count while hashing.
@@ -398,22 +399,32 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
 
     newest = newest_usable()
     if newest is not None and manifest_source_hashes(newest.manifest) == hashes:
-        with rep.lock(wait=wait):
-            remember(newest.number)
+        if recorded is None or recorded.get("generation") != newest.number:
+            with rep.lock(wait=wait):
+                remember(newest.number)
         return BackupResult("unchanged", key, str(checkpoint), newest.number,
                             f"source equals generation {newest.number}; nothing to do", read_bytes=read_bytes)
 
-    result = api.pack(str(checkpoint), repo, retention={}, wait=wait, tags=("backup",))
+    # retention={} : no retention inside pack; it runs below, once the source is known not to have moved
+    result = api.pack(str(checkpoint), repo, retention={}, wait=wait, tags=tuple(tags))
     gen = result.generation
-    warnings = list(result.warnings) + [f"leftover: {x}" for x in result.leftovers]
+    warnings = list(result.warnings) + [f"leftover of an interrupted write: {x} (ckpt-archive gc removes it)"
+                                        for x in result.leftovers]
     packed_hashes = manifest_source_hashes(result.manifest)
-    if stat_snapshot(checkpoint) != snap or (packed_hashes is not None and packed_hashes != hashes):
-        with rep.lock(wait=wait):
+    with rep.lock(wait=max(wait, 60.0)):
+        if stat_snapshot(checkpoint) != snap or (packed_hashes is not None and packed_hashes != hashes):
             rep.remove_generation(gen)
-        return BackupResult("busy", key, str(checkpoint), None,
-                            f"changed while being packed: generation {gen} forgotten again", read_bytes=read_bytes,
-                            warnings=warnings)
-    with rep.lock(wait=wait):
+            return BackupResult("busy", key, str(checkpoint), None,
+                                f"changed while being packed: generation {gen} forgotten again",
+                                read_bytes=read_bytes, warnings=warnings)
+        earlier = [g for g in rep.usable() if g.number < gen]
+        if earlier and manifest_source_hashes(earlier[-1].manifest) == hashes:
+            # a concurrent backup of the same content published just before us: keep theirs only
+            rep.remove_generation(gen)
+            remember(earlier[-1].number)
+            return BackupResult("unchanged", key, str(checkpoint), earlier[-1].number,
+                                f"a concurrent backup packed the same content as generation {earlier[-1].number}; "
+                                f"duplicate generation {gen} removed", read_bytes=read_bytes, warnings=warnings)
         remember(gen)
         ret = apply_after_pack(rep, policy.to_dict() if policy is not None else None, now=now)
     warnings += ret.get("warnings", [])

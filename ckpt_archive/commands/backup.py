@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
         keep_monthly: Optional[int] = KEEP_MONTHLY, keep_within: Optional[str] = KEEP_WITHIN,
         keep_tag: Optional[List[str]] = KEEP_TAG, keep_best: Optional[int] = KEEP_BEST,
         best_by: Optional[str] = BEST_BY,
+        tag: List[str] = typer.Option([], "--tag", help="Tag for a new generation (repeatable)."),
         wait: float = WAIT,
         json_output: bool = JSON_OPTION,
     ) -> None:
@@ -45,7 +46,7 @@ def register(app: typer.Typer) -> None:
         out = Output(json_output)
         policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
                                    keep_tag, keep_best, best_by)
-        result = backup(source, repo, retention=policy, settle=settle, wait=wait)
+        result = backup(source, repo, retention=policy, settle=settle, wait=wait, tags=tag)
         for w in result.warnings:
             out.warn(w)
         if result.action == "busy":

@@ -1,0 +1,333 @@
+"""Faults survived, measured: ``ckpt-archive pack`` / ``prune`` run in subprocesses with
+``CKPT_ARCHIVE_INJECT=<point>=kill|enospc|erofs`` at every lifecycle point, then the repository is
+checked:
+
+* every generation that was usable before is still usable and verifies (deep), except one that a
+  prune was removing, which is either untouched (usable, verifies) or ``partial``, never damaged;
+* no generation is listed as usable that does not verify; nothing is ``damaged``;
+* the next ``pack`` succeeds (and reports leftovers), ``gc`` clears them, and the interrupted prune
+  completes when run again.
+
+Plus two writers at once: one waits or fails with LockError (exit 2); never both write the same
+generation. The number of injection points tried and survived is printed in the terminal summary
+(see ``tests/conftest.py``).
+
+Speed: tiny states; all injection subprocesses of the module are started together by one module
+fixture (a few at a time), so the suite costs a few subprocess start-ups per core.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import ckpt_archive
+from ckpt_archive.commands.gc import collect_garbage
+from ckpt_archive.commands.prune import run_prune
+from ckpt_archive.retention import RetentionPolicy
+from ckpt_archive.repository import Repository
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.slow
+
+PACK_POINTS = ["claim", "member-write", "after-members", "after-seal", "after-verify", "after-trial-reload",
+               "publish", "after-publish"]
+PUBLISHED_BY = {"after-publish", "retention"}  # points reached after the marker was written
+PRUNE_POINTS = ["prune-before-marker-removal", "prune-after-marker-removal", "prune-mid-delete"]
+ACTIONS = ["kill", "enospc", "erofs"]
+BASE_GENERATIONS = 3  # usable generations in the repository before each injection
+
+# (command, point, action): "pack" packs a 4th generation; "pack-retention" packs it with
+# --keep-last 2 (retention removes 1 and 2, the fault fires while removing 1); "prune" prunes with
+# --keep-last 1 (removes 1 and 2; the fault fires while removing 1).
+CASES = ([("pack", p, a) for p in PACK_POINTS for a in ACTIONS]
+         + [("pack-retention", p, a) for p in ["retention"] + PRUNE_POINTS for a in ACTIONS]
+         + [("prune", p, a) for p in PRUNE_POINTS for a in ACTIONS])
+WORKERS = max(2, min(4, (os.cpu_count() or 2)))
+TIMEOUT = 180
+
+
+def state(i: int) -> dict:
+    # two tensors so that the point inside a member write ("member-write", after the 2nd piece) is reached
+    g = torch.Generator().manual_seed(i)
+    return {"model": {"a": torch.randn(64, generator=g), "b": torch.randn(32, generator=g)},
+            "optimizer": {"lr": 0.01 * i}, "step": 100 * i}
+
+
+def cli_cmd(*args) -> list[str]:
+    return [sys.executable, "-m", "ckpt_archive", *map(str, args)]
+
+
+def env_with(inject: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "CKPT_ARCHIVE_INJECT"}
+    if inject:
+        env["CKPT_ARCHIVE_INJECT"] = inject
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fault-template")
+    repo = root / "repo"
+    for i in range(1, BASE_GENERATIONS + 1):
+        ckpt_archive.pack(state(i), repo, metrics={"val_loss": 1.0 / i})
+    src = root / "next.pt"
+    torch.save(state(BASE_GENERATIONS + 1), src)
+    return repo, src
+
+
+def case_id(case) -> str:
+    return f"{case[0]}:{case[1]}={case[2]}"
+
+
+def case_args(case, src: Path, repo: Path) -> list:
+    command = case[0]
+    if command == "pack":
+        return ["pack", src, "--repo", repo]
+    if command == "pack-retention":
+        return ["pack", src, "--repo", repo, "--keep-last", 2, "--json"]
+    return ["prune", repo, "--keep-last", 1]
+
+
+def prepare(template, workdir: Path) -> tuple[Path, list[int]]:
+    """A fresh copy of the template repository, made usable at its new place the documented way
+    (a copy is ``copied`` until ``verify --deep`` there rewrites the marker)."""
+    repo = workdir / "repo"
+    shutil.copytree(template[0], repo)
+    for n in range(1, BASE_GENERATIONS + 1):
+        assert ckpt_archive.verify(repo, n, deep=True).marked_usable
+    before = [g.number for g in Repository.open(repo).usable()]
+    assert before == list(range(1, BASE_GENERATIONS + 1))
+    return repo, before
+
+
+def run_in_subprocess(case, template, repo: Path) -> tuple[int | None, str, str]:
+    """SIGKILL needs a process of its own."""
+    try:
+        proc = subprocess.run(cli_cmd(*case_args(case, template[1], repo)),
+                              env=env_with(f"{case[1]}={case[2]}"), capture_output=True, text=True, timeout=TIMEOUT)
+        return proc.returncode, proc.stderr, proc.stdout
+    except subprocess.TimeoutExpired:
+        return None, "timed out", ""
+
+
+def run_in_process(case, template, repo: Path) -> tuple[int, str, str]:
+    """ENOSPC / EROFS are exceptions: the same CLI code path runs in-process (Typer's CliRunner)."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive import faults
+    from ckpt_archive.cli import app
+
+    saved = os.environ.get("CKPT_ARCHIVE_INJECT")
+    os.environ["CKPT_ARCHIVE_INJECT"] = f"{case[1]}={case[2]}"
+    faults._counts.clear()
+    try:
+        res = CliRunner().invoke(app, [str(a) for a in case_args(case, template[1], repo)])
+    finally:
+        faults._counts.clear()
+        if saved is None:
+            os.environ.pop("CKPT_ARCHIVE_INJECT", None)
+        else:
+            os.environ["CKPT_ARCHIVE_INJECT"] = saved
+    err = res.stderr
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        err += f"\nTraceback: {res.exception!r}"
+    return res.exit_code, err, res.stdout
+
+
+@pytest.fixture(scope="module")
+def fault_runs(template, tmp_path_factory):
+    """Run every case: the kill cases as subprocesses in the background, a few at a time, while the
+    in-process cases run one by one here."""
+    base = tmp_path_factory.mktemp("fault-cases")
+    prepared = {}
+    for i, case in enumerate(CASES):
+        d = base / f"{i:02d}"
+        d.mkdir()
+        prepared[case] = prepare(template, d)
+    runs = {}
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        futures = {case: pool.submit(run_in_subprocess, case, template, prepared[case][0])
+                   for case in CASES if case[2] == "kill"}
+        for case in CASES:
+            if case[2] != "kill":
+                runs[case] = run_in_process(case, template, prepared[case][0])
+        for case, fut in futures.items():
+            runs[case] = fut.result()
+    return {case: {"repo": prepared[case][0], "before": prepared[case][1], "rc": runs[case][0],
+                   "stderr": runs[case][1], "stdout": runs[case][2]} for case in CASES}
+
+
+def assert_fault_fired(case, run) -> None:
+    """The injected fault really happened at that point (else the case would prove nothing)."""
+    command, point, action = case
+    rc, err = run["rc"], run["stderr"]
+    assert rc is not None, f"{case_id(case)}: the command hung"
+    if action == "kill":
+        assert rc == -signal.SIGKILL, f"{case_id(case)}: expected SIGKILL at {point}, got rc={rc}: {err[-500:]}"
+        return
+    needle = "space" if action == "enospc" else "ead-only"
+    assert "Traceback" not in err
+    if command == "pack-retention" and point != "retention":
+        # the new generation is usable before retention runs: pack succeeds, retention says why it stopped
+        assert rc == 0, f"{case_id(case)}: rc={rc}: {err[-500:]}"
+        warnings = json.loads(run["stdout"])["retention"]["warnings"]
+        assert any("retention stopped" in w and needle in w for w in warnings), warnings
+    else:
+        assert needle in err, f"{case_id(case)}: the {action} error is not reported: {err[-500:]}"
+        assert rc == 2, f"{case_id(case)}: expected exit 2, got {rc}: {err[-500:]}"
+
+
+def check_repository(case, run) -> None:
+    command, point, action = case
+    repo = run["repo"]
+    before = run["before"]
+    r = Repository.open(repo)
+    gens = {g.number: g for g in r.generations()}
+    statuses = {n: g.status for n, g in gens.items()}
+    assert set(statuses.values()) <= {"usable", "partial"}, f"{case_id(case)}: {statuses}"
+    # every generation listed as usable verifies, deeply
+    for n, g in gens.items():
+        if g.status == "usable":
+            report = ckpt_archive.verify(repo, n, deep=True)
+            assert report.ok, f"{case_id(case)}: generation {n} is listed usable but fails: {report.problems}"
+    new = max(before) + 1
+    if command == "prune":
+        being_removed = {1}  # the fault fires while removing the oldest
+        kept = set(before) - {1, 2}
+    elif command == "pack-retention" and point == "retention":
+        being_removed = set()  # the fault fires before retention removes anything
+        kept = set(before) | {new}
+    elif command == "pack-retention":
+        being_removed = {1}
+        kept = set(before) - {1, 2} | {new}
+    else:
+        being_removed = set()
+        kept = set(before)
+    for n in before:
+        if n in being_removed:
+            assert statuses.get(n) in ("usable", "partial"), f"{case_id(case)}: #{n} is {statuses.get(n)}"
+        else:
+            assert statuses.get(n) == "usable", f"{case_id(case)}: #{n} was usable before, now {statuses.get(n)}"
+    if command.startswith("pack"):
+        if point in PUBLISHED_BY or command == "pack-retention":
+            assert statuses.get(new) == "usable", f"{case_id(case)}: the published generation is {statuses.get(new)}"
+        else:
+            assert statuses.get(new) != "usable", f"{case_id(case)}: an interrupted generation is listed usable"
+    if point == "prune-before-marker-removal":
+        assert statuses.get(1) == "usable"
+    if point in ("prune-after-marker-removal", "prune-mid-delete"):
+        assert statuses.get(1) == "partial", f"{case_id(case)}: half-removed #1 must read partial"
+
+
+def check_recovery(case, run) -> None:
+    """The next pack succeeds and reports leftovers; gc clears them; the interrupted prune completes."""
+    command, point, action = case
+    repo = run["repo"]
+    partial = [g.number for g in Repository.open(repo).generations() if g.status == "partial"]
+    res = ckpt_archive.pack(state(99), repo)
+    assert res.status == "usable" and ckpt_archive.verify(repo, res.generation, deep=True).ok
+    if partial:
+        assert res.leftovers, f"{case_id(case)}: pack did not report leftovers {partial}"
+    removed = [x["generation"] for x in collect_garbage(str(repo))["removed"]]
+    assert sorted(removed) == sorted(partial)
+    r = Repository.open(repo)
+    assert all(g.status == "usable" for g in r.generations())
+    assert ckpt_archive.load(repo)["step"] == 9900
+    if command == "prune":  # the interrupted prune, run again, completes
+        run_prune(str(repo), RetentionPolicy(keep_last=1), dry_run=False, wait=0)
+        assert [g.number for g in Repository.open(repo).usable()] == [res.generation]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_repository_survives_fault_at_every_lifecycle_point(case, fault_runs, fault_tally):
+    fault_tally["tried"] += 1
+    name = case_id(case)
+    fault_tally["failed"].append(name)
+    run = fault_runs[case]
+    assert_fault_fired(case, run)
+    check_repository(case, run)
+    check_recovery(case, run)
+    fault_tally["failed"].remove(name)
+    fault_tally["survived"] += 1
+
+
+# ---------------------------------------------------------------------------------------------- two writers
+def test_second_pack_fails_with_lock_error_exit_2_and_writes_nothing(template, tmp_path):
+    repo, _ = prepare(template, tmp_path)
+    before = sorted(os.listdir(repo / "generations"))
+    with Repository.open(repo).lock():
+        proc = subprocess.run(cli_cmd("pack", template[1], "--repo", repo, "--json"), env=env_with(None),
+                              capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 2
+    assert json.loads(proc.stdout)["error"] == "LockError"
+    assert "locked by another writer" in proc.stderr
+    assert sorted(os.listdir(repo / "generations")) == before
+
+
+def test_second_pack_with_wait_queues_behind_the_first(template, tmp_path):
+    repo, _ = prepare(template, tmp_path)
+    lock = Repository.open(repo).lock()
+    lock.__enter__()
+    try:
+        proc = subprocess.Popen(cli_cmd("pack", template[1], "--repo", repo, "--wait", 60, "--json"),
+                                env=env_with(None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        assert proc.poll() is None, "the waiting writer did not wait for the lock"
+    finally:
+        lock.__exit__(None, None, None)
+    out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["generation"] == BASE_GENERATIONS + 1
+
+
+@pytest.mark.parametrize("wait", [0, 60])
+def test_two_concurrent_packs_never_write_the_same_generation(template, tmp_path, wait):
+    repo, _ = prepare(template, tmp_path)
+    procs = [subprocess.Popen(cli_cmd("pack", template[1], "--repo", repo, "--wait", wait, "--json"),
+                              env=env_with(None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=TIMEOUT), *p.communicate()) for p in procs]
+    gens = []
+    for rc, out, err in results:
+        data = json.loads(out)
+        if rc == 0:
+            gens.append(data["generation"])
+        else:
+            assert rc == 2 and data["error"] == "LockError", err
+    assert gens and len(gens) == len(set(gens)), f"two writers wrote the same generation: {gens}"
+    if wait:
+        assert len(gens) == 2
+    r = Repository.open(repo)
+    assert [g.status for g in r.generations()] == ["usable"] * (BASE_GENERATIONS + len(gens))
+    for n in gens:
+        assert ckpt_archive.verify(repo, n, deep=True).ok
+
+
+def test_two_concurrent_backups_of_one_source_store_it_once(template, tmp_path):
+    repo, _ = prepare(template, tmp_path)
+    src = tmp_path / "run" / "last.pt"
+    src.parent.mkdir()
+    shutil.copy(template[1], src)
+    old = time.time() - 60
+    os.utime(src, (old, old))
+    procs = [subprocess.Popen(cli_cmd("backup", src, "--repo", repo, "--settle", 0, "--wait", 60, "--json"),
+                              env=env_with(None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=TIMEOUT), *p.communicate()) for p in procs]
+    actions = sorted(json.loads(out)["action"] for rc, out, err in results)
+    assert all(rc == 0 for rc, _, _ in results), [err for _, _, err in results]
+    assert actions == ["packed", "unchanged"], actions
+    usable = Repository.open(repo).usable()
+    assert len(usable) == BASE_GENERATIONS + 1
+    assert all(g.status == "usable" for g in Repository.open(repo).generations())
