@@ -1233,23 +1233,83 @@ def _same_type(template: Any, value: float) -> Any:
     return value
 
 
-def _rewrite_scheduler(sch: dict, path: str, olds: list, news: list, changes: list) -> None:
+def _impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str) -> list[PolicyChange]:
+    """Re-impose session base LRs on param groups (dicts) and a scheduler (state dict or live object).
+
+    The rule of :func:`apply_session_policy`; used on a copied state and on live objects alike.
+    """
+    changes: list[PolicyChange] = []
+    sd = None if sch is None else (sch if isinstance(sch, dict) else getattr(sch, "__dict__", None))
+    sched_bases = list((sd or {}).get("base_lrs") or [])
+    olds: list = []
+    news: list = []
+    for i, g in enumerate(groups):
+        fname = _lr_base_field(g)
+        old = _float(g.get(fname))
+        if fname == "lr" and i < len(sched_bases) and _float(sched_bases[i]) is not None:
+            old = _float(sched_bases[i])
+        want = _coerce_float(wants[i]) if i < len(wants) else None
+        olds.append(old)
+        news.append(want)
+        if old is None or want is None:
+            continue
+        for key in ("lr", "initial_lr", "max_lr", "min_lr"):
+            if key in g and _float(g[key]) is not None:
+                fv = _float(g[key])
+                nv = _rescale(fv, old, want)
+                if nv != fv:
+                    g[key] = _same_type(g[key], nv)
+                    changes.append(PolicyChange(f"{ofield}.param_groups[{i}].{key}", fv, nv))
+    if isinstance(sd, dict):
+        _rescale_scheduler(sd, sfield, olds, news, changes)
+        # Where the schedule has a closed form, the LR at the archived position is the closed form with the
+        # session's base (exact also for absolute floors such as eta_min, which a ratio would scale).
+        view = sch if isinstance(sch, dict) else (sch.state_dict() if hasattr(sch, "state_dict") else None)
+        _, lrs, _ = derive_lrs(view, list(groups)) if isinstance(view, dict) else (None, None, "")
+        if lrs is not None and len(lrs) == len(groups):
+            for i, (g, v) in enumerate(zip(groups, lrs)):
+                if news[i] is None or olds[i] is None or _float(g.get("lr")) is None:
+                    continue
+                fv = _float(g["lr"])
+                if v != fv:
+                    g["lr"] = _same_type(g["lr"], v)
+                    _replace_change(changes, f"{ofield}.param_groups[{i}].lr", fv, v)
+            last = sd.get("_last_lr")
+            if isinstance(last, list) and len(last) == len(groups):
+                for i, g in enumerate(groups):
+                    if news[i] is not None and _float(g.get("lr")) is not None and _float(last[i]) != _float(g["lr"]):
+                        _replace_change(changes, f"{sfield}._last_lr[{i}]", _float(last[i]), _float(g["lr"]))
+                        last[i] = _same_type(last[i], _float(g["lr"]))
+    return changes
+
+
+def _replace_change(changes: list[PolicyChange], field: str, old: float, new: float) -> None:
+    """Record ``field: old -> new``, merging with an earlier change of the same field (keeps its ``old``)."""
+    for c in changes:
+        if c.field == field:
+            c.new = new
+            return
+    changes.append(PolicyChange(field, old, new))
+
+
+def _rescale_scheduler(sd: dict, path: str, olds: list, news: list, changes: list) -> None:
     for key in ("base_lrs", "_last_lr"):
-        vals = sch.get(key)
+        vals = sd.get(key)
         if isinstance(vals, (list, tuple)):
             new_vals = list(vals)
             for i, v in enumerate(vals):
                 fv = _float(v)
-                if fv is None or i >= len(olds) or olds[i] is None:
+                if fv is None or i >= len(olds) or olds[i] is None or news[i] is None:
                     continue
                 nv = _rescale(fv, olds[i], news[i])
                 if nv != fv:
                     new_vals[i] = _same_type(v, nv)
                     changes.append(PolicyChange(f"{path}.{key}[{i}]", fv, nv))
-            sch[key] = type(vals)(new_vals) if isinstance(vals, tuple) else new_vals
-    for j, sub in enumerate(sch.get("_schedulers") or []):
-        if isinstance(sub, dict):
-            _rewrite_scheduler(sub, f"{path}._schedulers[{j}]", olds, news, changes)
+            sd[key] = type(vals)(new_vals) if isinstance(vals, tuple) else new_vals
+    for j, sub in enumerate(sd.get("_schedulers") or []):
+        sub_d = sub if isinstance(sub, dict) else getattr(sub, "__dict__", None)
+        if isinstance(sub_d, dict):
+            _rescale_scheduler(sub_d, f"{path}._schedulers[{j}]", olds, news, changes)
 
 
 def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = None,
@@ -1261,8 +1321,10 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
     base ``B`` (``max_lr`` for OneCycleLR, else ``initial_lr``, else the scheduler's ``base_lrs[i]``, else
     ``lr``) and session base ``S``, every LR field ``v`` of the group (``lr``, ``initial_lr``, ``max_lr``,
     ``min_lr``) and of the scheduler (``base_lrs``, ``_last_lr``, also inside SequentialLR/ChainedScheduler
-    sub-schedulers) becomes ``S`` where ``v == B`` and ``v / B * S`` otherwise: the schedule continues at
-    the same point with the session's base. Without a scheduler the LR is exactly ``S``. Session
+    sub-schedulers) becomes ``S`` where ``v == B`` and ``v / B * S`` otherwise; where the scheduler has a
+    closed form (:func:`derive_lrs`), ``lr`` and ``_last_lr`` are then that closed form at ``last_epoch``
+    with the session's base (exact with absolute floors such as ``eta_min``). The schedule continues at the
+    same point from the session's base. Without a scheduler the LR is exactly ``S``. Session
     ``weight_decay``/``momentum``/``eps``/``betas`` replace the group's values. Optimizer moments and
     step counters are not touched: the returned state shares those tensor objects with ``state``.
 
@@ -1296,30 +1358,8 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
         groups = [g for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
         sch = sch_entries[n][1] if n < len(sch_entries) else None
         sch_field = _fmt_path(sch_entries[n][0]) if n < len(sch_entries) else "scheduler"
-        olds: list = []
-        news: list = []
         if "lr" in sess:
-            wants = _per_group(sess["lr"], len(groups))
-            bases = list(sch.get("base_lrs") or []) if isinstance(sch, dict) else []
-            for i, g in enumerate(groups):
-                fname = _lr_base_field(g)
-                old = _float(g.get(fname))
-                if fname == "lr" and i < len(bases) and _float(bases[i]) is not None:
-                    old = _float(bases[i])
-                want = _coerce_float(wants[i])
-                olds.append(old)
-                news.append(want)
-                if old is None or want is None:
-                    continue
-                for key in ("lr", "initial_lr", "max_lr", "min_lr"):
-                    if key in g and _float(g[key]) is not None:
-                        fv = _float(g[key])
-                        nv = _rescale(fv, old, want)
-                        if nv != fv:
-                            g[key] = _same_type(g[key], nv)
-                            changes.append(PolicyChange(f"{opt_field}.param_groups[{i}].{key}", fv, nv))
-            if isinstance(sch, dict):
-                _rewrite_scheduler(sch, sch_field, olds, news, changes)
+            changes += _impose_lrs(groups, sch, _per_group(sess["lr"], len(groups)), opt_field, sch_field)
         for name in ("weight_decay", "momentum", "eps"):
             if name in sess:
                 for i, g in enumerate(groups):
@@ -1745,7 +1785,8 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
 
     changes: list[PolicyChange] = []
     if policy == "session":
-        changes = _impose_session(optimizer, scheduler, session_bases, ofield or "optimizer", sfield or "scheduler")
+        changes = _impose_lrs(optimizer.param_groups, scheduler, session_bases, ofield or "optimizer",
+                              sfield or "scheduler")
 
     # --- RNG last ----------------------------------------------------------------------------------------
     rng_report: dict = {}
@@ -1827,47 +1868,6 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
     return RestoreReport(restored=restored, skipped=skipped, policy=policy, next_lrs=next_lrs, changes=changes,
                          rng=rng_report, bitwise_resumable=bitwise, warnings=warnings, numpy_generator=numpy_gen,
                          audit=a)
-
-
-def _impose_session(optimizer: Any, scheduler: Any, bases: list, ofield: str, sfield: str) -> list[PolicyChange]:
-    changes: list[PolicyChange] = []
-    olds: list = []
-    for i, (g, want) in enumerate(zip(optimizer.param_groups, bases)):
-        fname = "max_lr" if "max_lr" in g else ("initial_lr" if "initial_lr" in g else "lr")
-        old = _float(g.get(fname))
-        if fname == "lr" and scheduler is not None and i < len(getattr(scheduler, "base_lrs", []) or []):
-            old = _float(scheduler.base_lrs[i])
-        olds.append(old)
-        want = _coerce_float(want)
-        if old is None or want is None:
-            continue
-        for key in ("lr", "initial_lr", "max_lr", "min_lr"):
-            if key in g and _float(g[key]) is not None:
-                fv = _float(g[key])
-                nv = _rescale(fv, old, want)
-                if nv != fv:
-                    g[key] = _same_type(g[key], nv)
-                    changes.append(PolicyChange(f"{ofield}.param_groups[{i}].{key}", fv, nv))
-    news = [_coerce_float(b) for b in bases]
-    if scheduler is not None:
-        _impose_on_scheduler(scheduler, sfield, olds, news, changes)
-    return changes
-
-
-def _impose_on_scheduler(s: Any, field: str, olds: list, news: list, changes: list) -> None:
-    for attr in ("base_lrs", "_last_lr"):
-        vals = getattr(s, attr, None)
-        if isinstance(vals, list):
-            for i, v in enumerate(vals):
-                fv = _float(v)
-                if fv is None or i >= len(olds) or olds[i] is None or news[i] is None:
-                    continue
-                nv = _rescale(fv, olds[i], news[i])
-                if nv != fv:
-                    vals[i] = _same_type(v, nv)
-                    changes.append(PolicyChange(f"{field}.{attr}[{i}]", fv, nv))
-    for j, sub in enumerate(getattr(s, "_schedulers", None) or []):
-        _impose_on_scheduler(sub, f"{field}._schedulers[{j}]", olds, news, changes)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -238,6 +238,23 @@ def test_sequential_lr_correct_restore_then_one_step(seq_25):
     assert math.isclose(opt.param_groups[0]["lr"], 2.962699e-4, rel_tol=1e-6)
 
 
+def test_session_base_on_sequential_lr_follows_the_closed_form_with_absolute_eta_min(seq_25):
+    def cos(base, e):
+        return 3e-5 + (base - 3e-5) * (1 + math.cos(math.pi * e / 80)) / 2
+
+    new, _ = apply_session_policy(seq_25, lr=6e-4)
+    assert math.isclose(new["optimizer"]["param_groups"][0]["lr"], cos(6e-4, 5), rel_tol=1e-12)
+    assert not audit(new).findings
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=6e-4, momentum=0.9)
+    sched = _seq(opt)
+    rep = restore_training_state(copy.deepcopy(seq_25), model=model, optimizer=opt, scheduler=sched, policy="session")
+    assert math.isclose(rep.next_lrs[0], cos(6e-4, 5), rel_tol=1e-12)
+    assert sched.get_last_lr() == [opt.param_groups[0]["lr"]]
+    _train(model, opt, sched, 1)
+    assert math.isclose(opt.param_groups[0]["lr"], cos(6e-4, 6), rel_tol=1e-9)
+
+
 def test_optimizer_loaded_before_scheduler_built_is_named_with_both_values(seq_25):
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=3e-4, momentum=0.9)
