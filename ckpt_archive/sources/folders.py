@@ -23,6 +23,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
+import warnings as warnings_mod
 import zipfile
 from pathlib import Path
 from typing import Iterable
@@ -186,7 +187,9 @@ def classify_file(root: Path, rel: str, *, allow_numpy: bool = False, opaque: bo
         return SourceFile(rel, "torch", path), obj, []
     if magic == "pickle":
         try:
-            obj = load_torch_file(path, allow_numpy=allow_numpy, mmap=False)
+            with warnings_mod.catch_warnings():  # "Detected pickle protocol 4": a plain pickle, refused below
+                warnings_mod.simplefilter("ignore", UserWarning)
+                obj = load_torch_file(path, allow_numpy=allow_numpy, mmap=False)
         except RefusedPickle as exc:
             return SourceFile(rel, "opaque", path), None, [_opaque_note(rel, exc)]
         except SourceError as exc:
