@@ -1748,40 +1748,23 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
             session_bases = [_float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in optimizer.param_groups]
 
     # --- restore in order --------------------------------------------------------------------------------
-    if model is not None:
-        model.load_state_dict(msd)
-        restored.append("model")
-    elif msd is not None:
-        skipped["model"] = "no live model given"
-    if optimizer is not None:
-        if osd is not None:
-            optimizer.load_state_dict(osd)
-            restored.append("optimizer")
-        else:
-            msg = "no optimizer state in the checkpoint: the optimizer keeps its fresh state (moments restart)"
-            warnings.append(msg)
-            skipped["optimizer"] = msg
-    elif osd is not None:
-        skipped["optimizer"] = "no live optimizer given"
-    if scheduler is not None:
-        if ssd is not None:
-            scheduler.load_state_dict(ssd)
-            restored.append("scheduler")
-        else:
-            msg = (_missing_scheduler_message(a.counters) if any(f.field == "scheduler" for f in a.findings)
-                   else "scheduler state missing: the scheduler stays at its freshly built position")
-            warnings.append(msg)
-            skipped["scheduler"] = msg
-    elif ssd is not None:
-        skipped["scheduler"] = "no live scheduler given"
-    if scaler is not None:
-        if csd is not None:
-            scaler.load_state_dict(csd)
-            restored.append("scaler")
-        else:
-            msg = "no GradScaler state in the checkpoint: the loss scale restarts at its initial value"
-            warnings.append(msg)
-            skipped["scaler"] = msg
+    missing = {
+        "model": "",  # a model given without model state was refused above
+        "optimizer": "no optimizer state in the checkpoint: the optimizer keeps its fresh state (moments restart)",
+        "scheduler": (_missing_scheduler_message(a.counters) if any(f.field == "scheduler" for f in a.findings)
+                      else "scheduler state missing: the scheduler stays at its freshly built position"),
+        "scaler": "no GradScaler state in the checkpoint: the loss scale restarts at its initial value",
+    }
+    for name, live, sd in (("model", model, msd), ("optimizer", optimizer, osd), ("scheduler", scheduler, ssd),
+                           ("scaler", scaler, csd)):
+        if live is not None and sd is not None:
+            live.load_state_dict(sd)
+            restored.append(name)
+        elif live is not None:
+            warnings.append(missing[name])
+            skipped[name] = missing[name]
+        elif sd is not None:
+            skipped[name] = f"no live {name} given"
 
     changes: list[PolicyChange] = []
     if policy == "session":
