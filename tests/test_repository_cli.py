@@ -510,3 +510,32 @@ def test_lock_is_exclusive_between_two_openers(repo5):
         with pytest.raises(LockError, match="locked by another writer"):
             with Repository.open(repo5).lock():
                 pass
+
+
+def test_backup_of_a_checkpoint_folder_is_unchanged_on_the_next_tick(tmp_path):
+    from safetensors.torch import save_file
+
+    ck = tmp_path / "out" / "checkpoint-10"
+    save_pt(ck / "optimizer.pt", 1)
+    save_file({"w": torch.ones(4)}, str(ck / "model.safetensors"))
+    (ck / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    repo = tmp_path / "repo"
+    res, out = backup_cli(tmp_path / "out", repo)
+    assert res.exit_code == 0 and out["action"] == "packed", res.stderr
+    st = (ck / "trainer_state.json").stat()
+    os.utime(ck / "trainer_state.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, same bytes
+    res, out = backup_cli(tmp_path / "out", repo)
+    assert out["action"] == "unchanged" and out["read_bytes"] > 0, out  # every file's sha256 matched the manifest
+    (ck / "trainer_state.json").write_text(json.dumps({"global_step": 11}))
+    res, out = backup_cli(tmp_path / "out", repo)
+    assert out["action"] == "packed" and out["generation"] == 2
+
+
+def test_pack_applies_the_repository_default_policy_after_publish(tmp_path):
+    repo = make_repo(tmp_path / "r", [0.5, 0.4, 0.3])
+    r = Repository.open(repo)
+    with r.lock():
+        r.set_default_retention({"keep_last": 2})
+    res = ckpt_archive.pack(state(4), repo)
+    assert res.retention["removed"] == [1, 2]
+    assert usable(repo) == [3, 4]

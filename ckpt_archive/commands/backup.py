@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         keep_monthly: Optional[int] = KEEP_MONTHLY, keep_within: Optional[str] = KEEP_WITHIN,
         keep_tag: Optional[List[str]] = KEEP_TAG, keep_best: Optional[int] = KEEP_BEST,
         best_by: Optional[str] = BEST_BY,
-        tag: List[str] = typer.Option([], "--tag", help="Tag for a new generation (repeatable)."),
+        tag: List[str] = typer.Option([], "--tag", metavar="TAG", help="Tag for a new generation (repeatable)."),
         wait: float = WAIT,
         json_output: bool = JSON_OPTION,
     ) -> None:

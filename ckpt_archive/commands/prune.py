@@ -11,22 +11,22 @@ import typer
 
 from ._common import EXIT_CODES_HELP, JSON_OPTION, Output, command
 
-KEEP_LAST = typer.Option(None, "--keep-last", min=0, help="Keep the N newest usable generations.",
+KEEP_LAST = typer.Option(None, "--keep-last", min=0, metavar="N", help="Keep the N newest usable generations.",
                          rich_help_panel="Retention policy")
-KEEP_HOURLY = typer.Option(None, "--keep-hourly", min=0, help="Keep the newest generation of each of the last N "
+KEEP_HOURLY = typer.Option(None, "--keep-hourly", min=0, metavar="N", help="Keep the newest generation of each of the last N "
                            "hours (UTC) that have one.", rich_help_panel="Retention policy")
-KEEP_DAILY = typer.Option(None, "--keep-daily", min=0, help="Same for the last N days (UTC).",
+KEEP_DAILY = typer.Option(None, "--keep-daily", min=0, metavar="N", help="Same for the last N days (UTC).",
                           rich_help_panel="Retention policy")
-KEEP_WEEKLY = typer.Option(None, "--keep-weekly", min=0, help="Same for the last N ISO weeks (UTC).",
+KEEP_WEEKLY = typer.Option(None, "--keep-weekly", min=0, metavar="N", help="Same for the last N ISO weeks (UTC).",
                            rich_help_panel="Retention policy")
-KEEP_MONTHLY = typer.Option(None, "--keep-monthly", min=0, help="Same for the last N months (UTC).",
+KEEP_MONTHLY = typer.Option(None, "--keep-monthly", min=0, metavar="N", help="Same for the last N months (UTC).",
                             rich_help_panel="Retention policy")
 KEEP_WITHIN = typer.Option(None, "--keep-within", metavar="DURATION", help="Keep every generation created within "
                            "DURATION of the newest usable one, e.g. 2d3h, 1w, 1y6m (y, m=months, w, d, h).",
                            rich_help_panel="Retention policy")
 KEEP_TAG = typer.Option(None, "--keep-tag", metavar="TAG", help="Keep every generation with this tag (repeatable; "
                         "'a,b' needs both).", rich_help_panel="Retention policy")
-KEEP_BEST = typer.Option(None, "--keep-best", min=0, help="Keep the N best generations by --best-by.",
+KEEP_BEST = typer.Option(None, "--keep-best", min=0, metavar="N", help="Keep the N best generations by --best-by.",
                          rich_help_panel="Retention policy")
 BEST_BY = typer.Option(None, "--best-by", metavar="METRIC:min|max", help="Metric from the manifest, e.g. "
                        "val_loss:min. A generation without it (or NaN) is never best.",
