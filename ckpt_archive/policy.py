@@ -1801,7 +1801,7 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
                 elif name == "torch":
                     import torch
 
-                    if isinstance(val, (int,)) or not _is_tensor(val):
+                    if not _is_tensor(val):
                         raise ValueError(f"not a torch RNG state tensor ({type(val).__name__})")
                     torch.set_rng_state(val.to(torch.uint8) if val.dtype != torch.uint8 else val)
                     rng_report[name] = "restored"
@@ -1830,10 +1830,12 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
                 warnings.append(msg)
                 rng_report[name] = msg
                 bitwise = False
-        missing = [s for s in _RNG_STREAMS if s not in streams]
-        if missing:
+        absent = [s for s in _RNG_STREAMS if s not in streams]
+        if absent:
             bitwise = False
-            rng_report["missing"] = missing
+            rng_report["missing"] = absent
+            warnings.append(f"RNG streams not in the checkpoint: {', '.join(absent)}: they continue from this "
+                            f"process's seeds: not bitwise-resumable")
         restored.append("rng")
 
     if optimizer is not None:
