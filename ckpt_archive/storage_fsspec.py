@@ -100,65 +100,58 @@ class FsspecStore:
             raise StoreError(f"bad key {key!r}", where=self.location)
         return f"{self.root}/{key}" if key else self.root
 
-    def _url(self, key: str) -> str:
-        key = key.strip("/")
-        return f"{self.location}/{key}" if key else self.location
-
     @contextlib.contextmanager
     def _errors(self, key: str, action: str) -> Iterator[None]:
         """Translate store failures as :class:`~ckpt_archive.storage.LocalStore` reports them: missing ->
         :class:`NotFound`, write-once collision -> :class:`StoreError`; and credentials, permissions,
         network -> :class:`StoreError` with a hint (all exit 2)."""
-        url = self._url(key)
         try:
             yield
         except CkptArchiveError:
             raise
         except FileNotFoundError:
-            if action in ("write", "claim"):  # S3 answers NoSuchBucket with 404 on a PUT
-                raise StoreError(f"cannot write to {self.location}: the bucket does not exist or is not visible "
-                                 f"with these credentials (create it first)", where=url) from None
+            if action in ("writing", "claiming"):  # S3 answers NoSuchBucket with 404 on a PUT
+                raise StoreError(f"cannot write ({action} {key}): the bucket does not exist or is not visible "
+                                 f"with these credentials (create it first)", where=self.location) from None
             raise NotFound(f"missing at {self.location}", where=key) from None
         except FileExistsError:
             raise StoreError(f"refusing to overwrite a write-once member at {self.location}",
                              where=key) from None
         except PermissionError as exc:
-            raise StoreError(f"access denied at {self.location} ({action} {key or '/'}): {exc}",
-                             where=url, hint=_CREDENTIAL_HINT) from None
+            raise StoreError(f"access denied ({action} {key or '/'}): {exc}", where=self.location,
+                             hint=_CREDENTIAL_HINT) from None
         except Exception as exc:  # noqa: BLE001 - botocore/aiohttp errors have no common base we own
-            raise self._translate_other(exc, url, key, action) from None
+            raise self._translate_other(exc, key, action) from None
 
-    def _translate_other(self, exc: Exception, url: str, key: str, action: str) -> Exception:
+    def _translate_other(self, exc: Exception, key: str, action: str) -> Exception:
         name = type(exc).__name__
+        what = f"({action} {key or '/'})"
         if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
                     "ProfileNotFound", "NoAuthTokenError", "InvalidConfigError"):
-            return StoreError(f"no usable credentials for {self.location} ({action} {key or '/'}): {exc}",
-                              where=url, hint=_CREDENTIAL_HINT)
+            return StoreError(f"no usable credentials {what}: {exc}", where=self.location, hint=_CREDENTIAL_HINT)
         if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
                     "ConnectionClosedError", "ClientConnectorError", "ServerDisconnectedError") \
                 or isinstance(exc, (ConnectionError, TimeoutError)):
-            return StoreError(f"cannot reach the store for {self.location} after retries "
-                              f"({action} {key or '/'}): {exc}", where=url,
+            return StoreError(f"cannot reach the store after retries {what}: {exc}", where=self.location,
                               hint="check the endpoint (--endpoint-url / AWS_ENDPOINT_URL) and the network")
         if isinstance(exc, OSError):
-            reason = exc.strerror or str(exc)
-            return StoreError(f"{action} {key or '/'} failed at {self.location}: {reason}", where=url)
+            return StoreError(f"{action} {key or '/'} failed: {exc.strerror or exc}", where=self.location)
         module = type(exc).__module__ or ""
         if module.startswith(("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec")):
-            return StoreError(f"{action} {key or '/'} failed at {self.location}: {name}: {exc}", where=url)
+            return StoreError(f"{action} {key or '/'} failed: {name}: {exc}", where=self.location)
         return exc
 
     # --- reading ---------------------------------------------------------------------------------
     def exists(self, key: str) -> bool:
         """True when an object (or a non-empty prefix) exists at ``key``."""
-        with self._errors(key, "exists"):
+        with self._errors(key, "checking"):
             return bool(self.fs.exists(self._path(key)))
 
     def listdir(self, key: str = "") -> list[str]:
         """Names (not paths) of the objects and prefixes directly below ``key``, sorted; ``[]`` when
         nothing is there."""
         path = self._path(key)
-        with self._errors(key, "list"):
+        with self._errors(key, "listing"):
             try:
                 entries = self.fs.ls(path, detail=False)
             except FileNotFoundError:
@@ -173,7 +166,7 @@ class FsspecStore:
 
     def size(self, key: str) -> int:
         """Size of the object at ``key`` in bytes. Raises :class:`NotFound` when absent."""
-        with self._errors(key, "size"):
+        with self._errors(key, "sizing"):
             info = self.fs.info(self._path(key))
         if info.get("type") == "directory":
             raise NotFound(f"missing at {self.location} (a prefix, not an object)", where=key)
@@ -181,12 +174,12 @@ class FsspecStore:
 
     def open_read(self, key: str) -> IO[bytes]:
         """A binary file object reading the object at ``key`` (sequential reads are read ahead)."""
-        with self._errors(key, "read"):
+        with self._errors(key, "reading"):
             return _ReadWrapper(self.fs.open(self._path(key), "rb"), self, key)
 
     def read_bytes(self, key: str) -> bytes:
         """The whole object at ``key``. Raises :class:`NotFound` when absent."""
-        with self._errors(key, "read"):
+        with self._errors(key, "reading"):
             return self.fs.cat_file(self._path(key))
 
     # --- writing ---------------------------------------------------------------------------------
@@ -202,7 +195,7 @@ class FsspecStore:
                 supports conditional writes, atomically at commit); or the store refused the write.
         """
         path = self._path(key)
-        with self._errors(key, "write"):
+        with self._errors(key, "writing"):
             if self.fs.exists(path):
                 raise FileExistsError(errno.EEXIST, "exists", path)
             f = self.fs.open(path, "xb")
@@ -213,7 +206,7 @@ class FsspecStore:
                 f.discard()  # aborts a multipart upload; a one-shot PUT was never sent
             f.closed = True
             raise
-        with self._errors(key, "write"):
+        with self._errors(key, "writing"):
             try:
                 f.close()  # the commit: one PUT, or CompleteMultipartUpload, both If-None-Match
             except BaseException:
@@ -224,20 +217,20 @@ class FsspecStore:
     def write_bytes_once(self, key: str, data: bytes) -> None:
         """Create the object ``key`` holding ``data``, exclusively. Raises :class:`StoreError` if it exists."""
         path = self._path(key)
-        with self._errors(key, "write"):
+        with self._errors(key, "writing"):
             if self.fs.exists(path):
                 raise FileExistsError(errno.EEXIST, "exists", path)
             self.fs.pipe_file(path, bytes(data), mode="create")
 
     def replace_bytes(self, key: str, data: bytes) -> None:
         """Write ``data`` at ``key``, replacing any object there (a single PUT: readers see old or new)."""
-        with self._errors(key, "write"):
+        with self._errors(key, "writing"):
             self.fs.pipe_file(self._path(key), bytes(data))
 
     def claim(self, key: str) -> bool:
         """Exclusively create an empty object at ``key``; False when it already exists."""
         path = self._path(key)
-        with self._errors(key, "claim"):
+        with self._errors(key, "claiming"):
             if self.fs.exists(path):
                 return False
             try:
@@ -248,7 +241,7 @@ class FsspecStore:
 
     def remove(self, key: str) -> None:
         """Delete the object at ``key``; absent is fine."""
-        with self._errors(key, "delete"):
+        with self._errors(key, "deleting"):
             try:
                 self.fs.rm_file(self._path(key))
             except FileNotFoundError:
@@ -257,7 +250,7 @@ class FsspecStore:
     def remove_prefix(self, key: str) -> None:
         """Delete every object below ``key`` (and ``key`` itself); absent is fine."""
         path = self._path(key)
-        with self._errors(key, "delete"):
+        with self._errors(key, "deleting"):
             try:
                 self.fs.rm(path, recursive=True)
             except FileNotFoundError:
@@ -279,11 +272,11 @@ class _ReadWrapper:
         self._key = key
 
     def read(self, n: int = -1) -> bytes:
-        with self._store._errors(self._key, "read"):
+        with self._store._errors(self._key, "reading"):
             return self._f.read(n)
 
     def readinto(self, b) -> int:
-        with self._store._errors(self._key, "read"):
+        with self._store._errors(self._key, "reading"):
             return self._f.readinto(b)
 
     def seek(self, offset: int, whence: int = 0) -> int:

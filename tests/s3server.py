@@ -87,15 +87,17 @@ _UNSET = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURI
           "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "FSSPEC_S3")
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """Start moto's S3 server on 127.0.0.1 (free port) for the session; stop it at the end."""
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
+_running: dict = {}
+
+
+def _start() -> tuple[object, S3Server]:
+    import uuid
+
     import boto3
+    from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
         host, port = server.get_host_and_port()
@@ -103,13 +105,35 @@ def s3_server():
         # An IAM user with full rights, so that enforce_auth() has one valid key to compare with.
         iam = boto3.client("iam", endpoint_url=endpoint, region_name=REGION,
                            aws_access_key_id="setup", aws_secret_access_key="setup")
-        iam.create_user(UserName="ckpt-archive-tests")
-        iam.put_user_policy(UserName="ckpt-archive-tests", PolicyName="all", PolicyDocument=json.dumps(
+        user = f"ckpt-archive-tests-{uuid.uuid4().hex[:8]}"
+        iam.create_user(UserName=user)
+        iam.put_user_policy(UserName=user, PolicyName="all", PolicyDocument=json.dumps(
             {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
-        key = iam.create_access_key(UserName="ckpt-archive-tests")["AccessKey"]
-        yield S3Server(endpoint, key["AccessKeyId"], key["SecretAccessKey"])
-    finally:
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+    except BaseException:
         server.stop()
+        raise
+    return server, S3Server(endpoint, key["AccessKeyId"], key["SecretAccessKey"])
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (a free port), one for the whole session, stopped at its end.
+
+    Each test module imports this fixture, which makes one fixture per module; ``_running`` keeps it
+    to one server (moto's backend state is process-wide anyway).
+    """
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    if "server" not in _running:
+        _running["server"], _running["info"] = _start()
+    try:
+        yield _running["info"]
+    finally:
+        server = _running.pop("server", None)
+        _running.pop("info", None)
+        if server is not None:
+            server.stop()
 
 
 @pytest.fixture

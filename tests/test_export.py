@@ -278,7 +278,7 @@ def test_wrong_credentials_exit_2_clear_message_nothing_marked_usable(source, s3
     with s3_server.enforce_auth():
         res = cli("export", str(repo), "--to", s3_url, "--json")
     assert res.exit_code == 2, res.output
-    assert f"access denied at {s3_url}" in res.stderr and "AWS_ACCESS_KEY_ID" in res.stderr
+    assert f"{s3_url}: access denied (" in res.stderr and "AWS_ACCESS_KEY_ID" in res.stderr
     assert "Traceback" not in res.output
     doc = json.loads(res.stdout)
     assert doc["ok"] is False and doc["error"] == "StoreError" and doc["exit_code"] == 2

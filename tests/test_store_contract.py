@@ -221,7 +221,7 @@ def test_s3_unknown_access_key_is_a_store_error_with_a_hint(s3_server, s3_url, m
                    lambda: store.write_bytes_once("y", b"2"), lambda: store.claim("z")):
             with pytest.raises(StoreError) as info:
                 op()
-            assert "access denied at " + s3_url in str(info.value)
+            assert str(info.value).startswith(f"{s3_url}: access denied (")
             assert "AWS_ACCESS_KEY_ID" in str(info.value)
     assert not FsspecStore(s3_url).exists("y")
 
@@ -261,3 +261,15 @@ def test_s3_write_to_a_missing_bucket_says_so(s3_env):
     assert "bucket does not exist" in str(info.value)
     with pytest.raises(StoreError):
         store.claim("generations/00000001/CLAIM")
+
+
+def test_s3_missing_credentials_is_a_store_error_not_anonymous_access(s3_server, s3_url, monkeypatch):
+    from ckpt_archive.storage_fsspec import FsspecStore
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    store = FsspecStore(s3_url)
+    with s3_server.enforce_auth():
+        with pytest.raises(StoreError) as info:
+            store.write_bytes_once("x", b"1")
+    assert "no usable credentials" in str(info.value) and "AWS_ACCESS_KEY_ID" in str(info.value)
