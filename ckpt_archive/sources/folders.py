@@ -219,7 +219,8 @@ def read_folder(root: Path, *, allow_numpy: bool = False, numpy_files: Iterable[
     Args:
         root: the folder.
         allow_numpy: admit NumPy's own types in every ``torch.save`` file.
-        numpy_files: relpaths (or ``fnmatch`` patterns) whose library writes NumPy RNG state by
+        numpy_files: relpaths (or ``fnmatch`` patterns; one without ``/`` names top-level files
+            only) whose library writes NumPy RNG state by
             design and loads it with the same NumPy allowlist (HF ``rng_state*.pth``, Accelerate
             ``random_states_*.pkl``): admitted even without ``allow_numpy``.
         opaque_files: relpaths (or patterns) of known foreign pickles, never opened by a loader.
@@ -230,13 +231,16 @@ def read_folder(root: Path, *, allow_numpy: bool = False, numpy_files: Iterable[
     Raises:
         SourceError: the folder is empty, or a file is damaged.
     """
-    from fnmatch import fnmatchcase
+    from fnmatch import fnmatchcase as _fnmatchcase
 
     rels, warnings = _walk(root)
     if not rels:
         raise SourceError("empty folder: no files to archive", where=str(root))
     numpy_pats = list(numpy_files)
     opaque_pats = list(opaque_files)
+
+    def fnmatchcase(rel: str, pat: str) -> bool:  # a pattern without "/" names top-level files only
+        return ("/" in pat or "/" not in rel) and _fnmatchcase(rel, pat)
     state: dict = {}
     files: list[SourceFile] = []
     for rel in rels:
