@@ -563,3 +563,20 @@ def test_prune_forget_gc_and_backup_work_on_an_s3_repository(s3_url, tmp_path):
     assert backup_cli(src, s3_url)[1]["action"] == "packed"
     assert backup_cli(src, s3_url)[1]["action"] == "unchanged"
     assert ckpt_archive.load(s3_url)["step"] == 700
+
+
+def test_prune_save_default_stores_the_policy_that_pack_then_applies(repo5):
+    res, out = cli_json("prune", repo5, "--keep-last", 2, "--save-default")
+    assert res.exit_code == 0 and out["saved_default"] is True
+    assert json.loads((repo5 / "repository.json").read_text())["retention"] == {"keep_last": 2}
+    assert usable(repo5) == [4, 5]
+    ckpt_archive.pack(state(6), repo5)
+    assert usable(repo5) == [5, 6]
+    assert cli("prune", repo5).exit_code == 0  # no flags: the saved default
+
+
+def test_prune_save_default_with_dry_run_or_without_flags_changes_nothing(repo5):
+    assert cli("prune", repo5, "--save-default").exit_code == 2
+    res, out = cli_json("prune", repo5, "--keep-last", 1, "--save-default", "--dry-run")
+    assert out["saved_default"] is False
+    assert json.loads((repo5 / "repository.json").read_text())["retention"] is None

@@ -86,35 +86,51 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def run_prune(repo_url: str, policy, *, dry_run: bool, wait: float, now=None) -> dict:
+def run_prune(repo_url: str, policy, *, dry_run: bool, wait: float, now=None, save_default: bool = False) -> dict:
     """Apply ``policy`` (or the repository's default when ``None``) to the repository.
 
+    Args:
+        repo_url: repository path or URL.
+        policy: a :class:`~ckpt_archive.retention.RetentionPolicy`, or ``None`` for the default.
+        dry_run: decide and report only; take no lock, delete nothing.
+        wait: seconds to wait for the writer lock.
+        now: decision time (default now, UTC).
+        save_default: also store ``policy`` as the repository's default (``repository.json``), once
+            the decision has been accepted (not with ``dry_run``).
+
     Returns:
-        ``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed"}``.
+        ``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed", "saved_default"}``.
 
     Raises:
         NotFound: no repository there. UsageError: empty or refused policy. LockError: another writer.
     """
+    from ..errors import UsageError
     from ..repository import Repository
     from ..retention import GenerationFacts, RetentionPolicy, apply_policy, execute_prune
 
     repo = Repository.open(repo_url)
     if policy is None:
+        if save_default:
+            raise UsageError("--save-default needs policy flags (the policy to store)")
         policy = RetentionPolicy.from_dict(repo.config.get("retention"), where=f"{repo.location}/repository.json")
 
     def decide():
         gens = repo.generations()
         return gens, apply_policy([GenerationFacts.from_generation(g) for g in gens], policy, now)
 
+    saved = False
     if dry_run:
         gens, decision = decide()
         removed: list[int] = []
     else:
         with repo.lock(wait=wait):
             gens, decision = decide()
+            if save_default:
+                repo.set_default_retention(policy.to_dict())
+                saved = True
             removed = execute_prune(repo, decision)
     return {"repository": repo.location, "dry_run": dry_run, **decision.to_json(), "removed": removed,
-            "_decision": decision, "_generations": gens}
+            "saved_default": saved, "_decision": decision, "_generations": gens}
 
 
 def register(app: typer.Typer) -> None:
@@ -131,13 +147,15 @@ def register(app: typer.Typer) -> None:
         keep_tag: Optional[List[str]] = KEEP_TAG, keep_best: Optional[int] = KEEP_BEST,
         best_by: Optional[str] = BEST_BY,
         dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Print the decision; delete nothing."),
+        save_default: bool = typer.Option(False, "--save-default", help="Also store this policy as the "
+                                          "repository's default (used by pack, backup and prune without flags)."),
         wait: float = WAIT,
         json_output: bool = JSON_OPTION,
     ) -> None:
         out = Output(json_output)
         policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
                                    keep_tag, keep_best, best_by)
-        result = run_prune(repo, policy, dry_run=dry_run, wait=wait)
+        result = run_prune(repo, policy, dry_run=dry_run, wait=wait, save_default=save_default)
         decision = result.pop("_decision")
         gens = result.pop("_generations")
         if not json_output:
@@ -146,4 +164,6 @@ def register(app: typer.Typer) -> None:
             done = decision.remove_numbers if dry_run else result["removed"]
             out.say(f"{verb} {len(done)} generation(s){': ' + ', '.join(map(str, sorted(done))) if done else ''}; "
                     f"kept {len(decision.keep)}; {len(decision.not_usable)} not usable left for gc")
+            if result["saved_default"]:
+                out.say(f"saved as the repository's default policy: {decision.policy.describe()}")
         out.json({"ok": True, **result})
