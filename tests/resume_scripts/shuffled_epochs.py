@@ -4,7 +4,7 @@ epoch; a one-parameter model learns the mean of the batch targets.
 A check-resume script: ``--steps N --output DIR [--resume-from FILE] [--restore-generator-only]``.
 ``--restore-generator-only`` is the bug under test: on resume it restores the generator state (and the
 weights and counters) but neither the permutation nor the cursor, so the interrupted epoch starts over
-with a fresh permutation. The checkpoint also carries ``rng.torch``, which the script never uses.
+with a fresh permutation. The checkpoint also carries ``rng.torch`` (seeded), which the script never draws from.
 """
 import argparse
 import os
@@ -23,6 +23,7 @@ p.add_argument("--resume-from")
 p.add_argument("--restore-generator-only", action="store_true")
 args = p.parse_args()
 
+torch.manual_seed(7)  # seeded like everything else, though this script never draws from torch
 rng = np.random.Generator(np.random.PCG64(7))
 targets = np.linspace(-1.0, 1.0, N)
 w = torch.zeros((), dtype=torch.float64)

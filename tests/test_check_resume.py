@@ -1,0 +1,365 @@
+"""check-resume: the command contract, the type-preserving negative controls, the comparison, and the
+issue-5 cases 4 (LambdaLR) and 5 (mid-epoch data order) end to end, with the archive in the loop.
+
+The end-to-end tests start real training processes (each pays a torch import, ~2 s): they run the
+fewest controls that show the behaviour (``--control``), and share nothing between tests.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt_archive.errors import OutputExists, UsageError
+from ckpt_archive.resume_check import (_control_verdict, _TreeDiff, check_template, compare_runs,
+                                       compare_trajectories, expand_command, perturb, prepare_output,
+                                       rng_streams, validate_report)
+
+SCRIPTS = Path(__file__).parent / "resume_scripts"
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpt_archive", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def template(script: str, *extra: str) -> list[str]:
+    return [sys.executable, str(SCRIPTS / script), *extra, "--steps", "{steps}", "--output", "{output}",
+            "{resume:--resume-from {}}"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The command template
+# ------------------------------------------------------------------------------------------------
+def test_resume_argument_vanishes_entirely_in_runs_that_do_not_resume():
+    t = ["python", "train.py", "--steps", "{steps}", "--out={output}", "--resume-from={resume}", "{resume:-r {}}"]
+    assert expand_command(t, steps=10, output="/o", resume=None) == ["python", "train.py", "--steps", "10", "--out=/o"]
+
+
+def test_resume_template_expands_to_separate_arguments_when_resuming():
+    t = ["python", "train.py", "{resume:--resume-from {}}", "--steps", "{steps}", "{output}"]
+    assert expand_command(t, steps=5, output="/o", resume="/r/c.pt") == [
+        "python", "train.py", "--resume-from", "/r/c.pt", "--steps", "5", "/o"]
+    assert expand_command(["x", "--ckpt={resume}"], steps=1, output="o", resume="a b.pt") == ["x", "--ckpt=a b.pt"]
+
+
+@pytest.mark.parametrize("t, missing", [
+    (["python", "t.py", "{output}", "{resume}"], "{steps}"),
+    (["python", "t.py", "{steps}", "{resume}"], "{output}"),
+    (["python", "t.py", "{steps}", "{output}"], "{resume}"),
+])
+def test_template_missing_a_placeholder_is_refused_naming_it(t, missing):
+    with pytest.raises(UsageError, match=re_escape(missing)):
+        check_template(t)
+
+
+def re_escape(s):
+    import re
+
+    return re.escape(s)
+
+
+def test_cli_refuses_missing_placeholder_with_exit_2_and_no_traceback(tmp_path):
+    r = cli("check-resume", "--steps", "4", "--interrupt-at", "2", "--output", str(tmp_path / "o"), "--",
+            sys.executable, "train.py", "--steps", "{steps}")
+    assert r.returncode == 2, r.stderr
+    assert "{output}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_refuses_interrupt_not_before_the_end_with_exit_2(tmp_path):
+    r = cli("check-resume", "--steps", "4", "--interrupt-at", "4", "--json", "--", "x", "{steps}", "{output}", "{resume}")
+    assert r.returncode == 2
+    assert json.loads(r.stdout)["ok"] is False
+
+
+def test_a_run_that_crashes_is_exit_2_naming_the_run_and_its_log(tmp_path):
+    r = cli("check-resume", "--steps", "4", "--interrupt-at", "2", "--output", str(tmp_path / "o"), "--",
+            sys.executable, "-c", "import sys; print('boom: no data', file=sys.stderr); sys.exit(3)",
+            "{steps}", "{output}", "{resume}")
+    assert r.returncode == 2, r.stderr
+    assert "exited 3" in r.stderr and "boom: no data" in r.stderr and "stderr.log" in r.stderr
+
+
+def test_output_folder_that_is_not_empty_is_refused(tmp_path):
+    (tmp_path / "earlier.json").write_text("{}")
+    with pytest.raises(OutputExists):
+        prepare_output(tmp_path, default_prefix="x")
+    assert (tmp_path / "earlier.json").read_text() == "{}"
+
+
+def test_default_output_is_a_new_timestamped_folder_each_time(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a = prepare_output(None, default_prefix="ckpt-archive-demo")
+    (a / "verification.json").write_text("{}")
+    b = prepare_output(None, default_prefix="ckpt-archive-demo")
+    assert a != b and a.name.startswith("ckpt-archive-demo-2") and b.is_dir()
+    assert (a / "verification.json").read_text() == "{}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Negative controls: type-preserving perturbations found by shape and conventional keys
+# ------------------------------------------------------------------------------------------------
+def _state():
+    model = torch.nn.Linear(2, 1).double()
+    opt = torch.optim.Adam(model.parameters(), lr=0.03)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+        opt.step()
+        sched.step()
+    random.seed(1)
+    return {
+        "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+        "rng": {"python": random.getstate(), "numpy": np.random.Generator(np.random.PCG64(3)).bit_generator.state,
+                "torch": torch.get_rng_state()},
+        "data": {"permutation": list(range(24)), "cursor": 16, "epoch": 0},
+        "progress": {"step": 4},
+    }
+
+
+def test_python_rng_control_is_another_valid_tuple_state():
+    st = _state()
+    new, p = perturb(st, "python")
+    old_state, new_state = st["rng"]["python"], new["rng"]["python"]
+    assert p.applied and p.changed == ["rng.python"]
+    assert type(new_state) is tuple and type(new_state[1]) is tuple and len(new_state[1]) == 625
+    assert all(type(x) is int for x in new_state[1]) and new_state[1] != old_state[1]
+    r = random.Random()
+    r.setstate(new_state)  # valid: accepted by random
+    assert st["rng"]["python"] is old_state  # the input is not mutated
+
+
+def test_numpy_rng_control_keeps_bit_generator_and_int_types():
+    st = _state()
+    new, p = perturb(st, "numpy")
+    old, got = st["rng"]["numpy"], new["rng"]["numpy"]
+    assert p.changed == ["rng.numpy"]
+    assert got["bit_generator"] == "PCG64" and list(got) == list(old)
+    assert type(got["state"]["state"]) is int and got["state"]["state"] != old["state"]["state"]
+    g = np.random.Generator(np.random.PCG64())
+    g.bit_generator.state = got  # valid
+
+
+def test_torch_rng_control_is_a_uint8_state_of_the_same_length():
+    st = _state()
+    new, p = perturb(st, "torch")
+    t = new["rng"]["torch"]
+    assert p.changed == ["rng.torch"]
+    assert t.dtype == torch.uint8 and t.shape == st["rng"]["torch"].shape and not torch.equal(t, st["rng"]["torch"])
+    torch.Generator().set_state(t)  # valid
+
+
+def test_optimizer_control_zeroes_moments_but_keeps_step_and_lr():
+    st = _state()
+    new, p = perturb(st, "optimizer")
+    for pid, ps in new["optimizer"]["state"].items():
+        assert torch.count_nonzero(ps["exp_avg"]) == 0 and torch.count_nonzero(ps["exp_avg_sq"]) == 0
+        assert torch.equal(ps["step"], st["optimizer"]["state"][pid]["step"])
+        assert ps["exp_avg"].dtype == st["optimizer"]["state"][pid]["exp_avg"].dtype
+    assert "optimizer.state.0.exp_avg" in p.changed
+    assert torch.count_nonzero(st["optimizer"]["state"][0]["exp_avg"]) > 0
+
+
+def test_scheduler_control_is_one_step_stale_with_the_previous_lr():
+    st = _state()  # after 4 scheduler steps: last_epoch 4, lr 0.015; update 4 used 0.015
+    new, p = perturb(st, "scheduler", previous_lr=[0.03])
+    assert new["scheduler"]["last_epoch"] == 3 and type(new["scheduler"]["last_epoch"]) is int
+    assert new["scheduler"]["_step_count"] == st["scheduler"]["_step_count"] - 1
+    assert new["scheduler"]["_last_lr"] == [0.03] and new["optimizer"]["param_groups"][0]["lr"] == 0.03
+    assert "optimizer.param_groups[0].lr" in p.changed
+
+
+def test_cursor_control_shifts_the_cursor_by_one_and_keeps_it_an_int():
+    st = _state()
+    new, p = perturb(st, "data")
+    assert new["data"]["cursor"] == 17 and type(new["data"]["cursor"]) is int
+    st["data"]["cursor"] = 24
+    assert perturb(st, "cursor")[0]["data"]["cursor"] == 23  # never past the end of the permutation
+
+
+def test_a_part_missing_from_the_state_is_reported_not_invented():
+    st = _state()
+    del st["rng"]["numpy"]
+    same, p = perturb(st, "numpy")
+    assert not p.applied and same is st and "NumPy" in p.note
+    sgd = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1).state_dict()
+    _, p = perturb({"optimizer": sgd}, "optimizer")
+    assert not p.applied and "no moment tensors" in p.note
+
+
+def test_rng_streams_are_found_by_shape_under_any_key():
+    random.seed(0)
+    st = {"my_rngs": [random.getstate(), {"gen": np.random.default_rng(1).bit_generator.state}],
+          "torch_state": torch.get_rng_state()}
+    found = rng_streams(st)
+    assert set(found) == {"python", "numpy", "torch"}
+    new, p = perturb(st, "python")
+    assert type(new["my_rngs"]) is list and new["my_rngs"][0] != st["my_rngs"][0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Comparison
+# ------------------------------------------------------------------------------------------------
+def _u(step, ids, lr, loss, epoch=None):
+    d = {"step": step, "sample_ids": ids, "lr": lr, "loss": loss}
+    if epoch is not None:
+        d["epoch"] = epoch
+    return d
+
+
+def test_lr_divergence_is_reported_apart_from_the_loss_divergence_it_causes():
+    exp = [_u(6, [1], [0.015], 0.5), _u(7, [2], [0.0075], 0.4), _u(8, [3], [0.0075], 0.3)]
+    got = [_u(6, [1], [0.015], 0.5), _u(7, [2], [0.015], 0.4), _u(8, [3], [0.0075], 0.31)]
+    r = compare_trajectories(exp, got, atol=1e-12, rtol=0)
+    assert r["first_divergence"] == {"step": 7, "field": "lr[0]", "expected": 0.0075, "got": 0.015}
+    assert r["lr_divergence"]["step"] == 7 and r["lr_divergence"]["group"] == 0
+    assert r["loss_divergence"]["step"] == 8
+    assert r["data_order"] is None
+
+
+def test_difference_within_tolerance_is_accepted_and_beyond_is_not():
+    exp = [_u(2, [1], [0.1], 1.0)]
+    assert compare_trajectories(exp, [_u(2, [1], [0.1], 1.0 + 5e-13)], atol=1e-12, rtol=0)["first_divergence"] is None
+    assert compare_trajectories(exp, [_u(2, [1], [0.1], 1.0 + 5e-12)], atol=1e-12, rtol=0)["loss_divergence"]
+    assert compare_trajectories(exp, [_u(2, [1], [0.1], 1.01)], atol=0, rtol=0.1)["first_divergence"] is None
+
+
+def test_nan_loss_in_both_runs_is_flagged_never_accepted():
+    exp = [_u(2, [1], [0.1], float("nan"))]
+    r = compare_trajectories(exp, [_u(2, [1], [0.1], float("nan"))], atol=1e-12, rtol=0)
+    assert r["non_finite"] == ["loss at step 2"]
+    traj = {"updates": exp, "final": {}}
+    cmp = compare_runs({"updates": [_u(1, [0], [0.1], 1.0)] + exp, "final": {}}, traj, {}, {}, interrupt_at=1,
+                       atol=1e-12, rtol=0)
+    assert cmp["matched"] is False
+
+
+def test_structure_differences_are_flagged_tuple_vs_list_int_vs_float_missing_keys():
+    td = _TreeDiff(1e-12, 0)
+    td.compare({"a": (1, 2), "b": 3, "c": 1, "t": torch.zeros(2)},
+               {"a": [1, 2], "b": 3.0, "t": torch.zeros(3)})
+    kinds = {d["field"]: d["kind"] for d in td.diffs}
+    assert kinds == {"a": "type", "b": "type", "c": "missing", "t": "structure"}
+
+
+def test_final_state_difference_names_the_field_and_max_param_diff():
+    exp = {"model": OrderedDict(w=torch.tensor([1.0, 2.0], dtype=torch.float64)), "config": {"out": "/a"}}
+    got = {"model": OrderedDict(w=torch.tensor([1.0, 2.5], dtype=torch.float64)), "config": {"out": "/b"}}
+    t = {"updates": [_u(1, [0], [0.1], 1.0), _u(2, [1], [0.1], 1.0)], "final": {}}
+    cmp = compare_runs(t, {"updates": t["updates"][1:], "final": {}}, exp, got, interrupt_at=1, atol=1e-12, rtol=0)
+    assert cmp["first_divergence"]["field"] == "final.model.w" and cmp["first_divergence"]["step"] == 2
+    assert cmp["max_param_abs_diff"] == 0.5
+    assert cmp["final_state"]["not_compared"] == ["config"]  # run-specific paths are not compared
+
+
+def test_duplicated_and_never_seen_samples_are_counted_per_epoch():
+    # epoch 1 restarted with a fresh permutation after 2 of 5 batches (the case-5 bug)
+    prefix = [_u(1, [0, 1], [0.1], 0, 0), _u(2, [2, 3], [0.1], 0, 0), _u(3, [4, 5], [0.1], 0, 1)]
+    exp = [_u(4, [6, 7], [0.1], 0, 1), _u(5, [8, 9], [0.1], 0, 1)]
+    got = [_u(4, [5, 9], [0.1], 0, 1), _u(5, [4, 6], [0.1], 0, 1)]
+    r = compare_trajectories(exp, got, atol=1e-12, rtol=0, prefix=prefix)
+    d = r["data_order"]
+    assert (d["first_divergent_step"], d["batch"], d["expected_ids"], d["got_ids"]) == (4, 1, [6, 7], [5, 9])
+    assert (d["duplicated"], d["never_seen"]) == (2, 2)  # 4 and 5 seen twice in epoch 1; 7 and 8 never
+    assert d["per_epoch"] == [{"epoch": 1, "duplicated": 2, "never_seen": 2}]
+
+
+def test_control_that_changes_nothing_fails_naming_the_stream():
+    cmp = {"first_divergence": None, "diverged": False, "structure": []}
+    e = _control_verdict(cmp, name="numpy-rng", kind="tool", label="the NumPy RNG", expected_no_effect=False)
+    assert not e["ok"] and e["status"] == "no-effect"
+    assert e["message"].startswith("perturbing the NumPy RNG changed nothing: either it is not restored or not used")
+    e = _control_verdict(cmp, name="numpy-rng", kind="tool", label="the NumPy RNG", expected_no_effect=True)
+    assert e["ok"] and e["status"] == "no-effect-expected"
+
+
+def test_report_breaking_the_schema_is_rejected():
+    import jsonschema
+
+    with pytest.raises(jsonschema.ValidationError):
+        validate_report({"format": "ckpt-archive-verification", "version": 1})
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end (real processes, real archive)
+# ------------------------------------------------------------------------------------------------
+def _report(out: Path) -> dict:
+    report = json.loads((out / "verification.json").read_text())
+    validate_report(report)
+    return report
+
+
+def _traj(out: Path, run: str) -> list[dict]:
+    return json.loads((out / "runs" / run / "trajectory.json").read_text())["updates"]
+
+
+def test_case4_lambda_lr_resume_passes_and_stale_scheduler_control_names_update_6(tmp_path):
+    out = tmp_path / "c4"
+    r = cli("check-resume", "--steps", "10", "--interrupt-at", "5", "--jobs", "2", "--output", str(out),
+            "--control", "scheduler", "--json", "--", *template("lambda_lr.py"))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report == _report(out)
+    assert report["all_checks_passed"] and report["positive"]["matched"]
+    resumed = _traj(out, "resumed")
+    assert [u["step"] for u in resumed] == [6, 7, 8, 9, 10]
+    assert [u["lr"][0] for u in resumed] == pytest.approx([5e-6, 4e-6, 3e-6, 2e-6, 1e-6], rel=1e-12, abs=0)
+    stale = next(e for e in report["negative_controls"] if e["name"] == "scheduler-stale")
+    assert stale["diverged"] and stale["first_divergent_step"] == 6 and stale["field"] == "lr[0]"
+    assert stale["expected"] == pytest.approx(5e-6, rel=1e-12) and stale["got"] == pytest.approx(6e-6, rel=1e-12)
+    assert "update 6" in stale["message"] and "expected 5e-06, got 6e-06" in stale["message"]
+    assert report["archive"]["verified"] and report["archive"]["round_trip_exact"]
+
+
+def test_case5_resume_yields_the_remaining_six_samples_then_the_same_epoch_2(tmp_path):
+    out = tmp_path / "c5"
+    r = cli("check-resume", "--steps", "15", "--interrupt-at", "7", "--jobs", "2", "--output", str(out),
+            "--control", "numpy", "--control", "data", "--control", "torch", "--expect-no-effect", "torch",
+            "--", *template("shuffled_epochs.py"))
+    assert r.returncode == 0, r.stderr
+    report = _report(out)
+    assert report["interruption"] == {"step": 7, "epoch": 1, "cursor": 4, "samples_per_epoch": 10, "mid_epoch": True}
+    cont, intr, res = _traj(out, "continuous"), _traj(out, "interrupted"), _traj(out, "resumed")
+    epoch1 = [i for u in cont if u["epoch"] == 1 for i in u["sample_ids"]]
+    assert [i for u in intr if u["epoch"] == 1 for i in u["sample_ids"]] == epoch1[:4]
+    assert [i for u in res if u["epoch"] == 1 for i in u["sample_ids"]] == epoch1[4:]  # the remaining 6
+    assert [u["sample_ids"] for u in res if u["epoch"] == 2] == [u["sample_ids"] for u in cont if u["epoch"] == 2]
+    status = {e["name"]: e["status"] for e in report["negative_controls"]}
+    assert status == {"numpy-rng": "diverged", "data-cursor": "diverged", "torch-rng": "no-effect-expected"}
+
+
+def test_case5_restoring_the_generator_alone_is_caught_with_first_batch_and_counts(tmp_path):
+    out = tmp_path / "c5bug"
+    r = cli("check-resume", "--steps", "15", "--interrupt-at", "7", "--output", str(out), "--expect-no-effect",
+            "torch", "--", *template("shuffled_epochs.py", "--restore-generator-only"))
+    assert r.returncode == 1, r.stderr
+    report = _report(out)
+    cont = _traj(out, "continuous")
+    d = report["positive"]["data_order"]
+    assert d["first_divergent_step"] == 8 and d["batch"] == 1
+    assert d["expected_ids"] == cont[7]["sample_ids"] and d["got_ids"] != d["expected_ids"]
+    # epoch 1 restarted in full after 4 of its samples: those 4 twice; epoch 2 then cut short by 4
+    assert d["per_epoch"] == [{"epoch": 1, "duplicated": 4, "never_seen": 0},
+                              {"epoch": 2, "duplicated": 0, "never_seen": 4}]
+    assert "update 8" in r.stderr and "4 duplicated, 4 never-seen" in r.stderr
+    assert all(e["status"] == "not-run" for e in report["negative_controls"])
+
+
+def test_unused_stream_perturbation_fails_the_check_unless_declared(tmp_path):
+    out = tmp_path / "unused"
+    r = cli("check-resume", "--steps", "4", "--interrupt-at", "2", "--output", str(out), "--control", "torch",
+            "--", *template("shuffled_epochs.py"))
+    assert r.returncode == 1, r.stderr
+    assert "perturbing the torch RNG changed nothing: either it is not restored or not used" in r.stderr
+    report = _report(out)
+    assert report["positive"]["matched"]  # the resume itself is fine: only the control is empty
+    assert report["negative_divergence_detected"] is False and not report["all_checks_passed"]
