@@ -222,3 +222,27 @@ def test_folder_name_disagreeing_with_global_step_is_warned(hf_run, tmp_path):
     src = read_source(d)
     assert src.progress["step"] == 2
     assert any("checkpoint-9" in w and "global_step 2" in w for w in src.warnings)
+
+
+def test_cli_pack_list_inspect_show_trainer_progress_lr_rng_and_opaque_members(hf_run, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli import app
+
+    runner = CliRunner()
+    repo = tmp_path / "repo"
+    res = runner.invoke(app, ["pack", str(hf_run / "checkpoint-2"), "--repo", str(repo), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["source_format"] == "hf-trainer"
+    res = runner.invoke(app, ["list", str(repo), "--json"])
+    assert res.exit_code == 0 and '"step": 2' in res.stdout
+    res = runner.invoke(app, ["inspect", str(repo), "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert info["opaque_members"] == ["training_args.bin"]
+    src = info["manifest"]["source"]
+    assert src["info"]["trainer"]["last_logged"]["learning_rate"] > 0
+    assert src["info"]["rng"][0]["numpy"] == "MT19937"
+    assert info["manifest"]["progress"]["step"] == 2
