@@ -116,10 +116,12 @@ def test_generic_folder_gives_each_file_its_kind_and_restores_it(tmp_path):
     (d / ".hidden.json").write_text("{}")
     with zipfile.ZipFile(d / "logs.zip", "w") as zf:
         zf.writestr("log.txt", "hello")
+    (d / "cut.zip").write_bytes((d / "logs.zip").read_bytes()[:30])  # a damaged zip that is no checkpoint
     s = read_source(d)
     assert s.format == "folder"
     kinds = {f.relpath: f.kind for f in s.files}
-    assert kinds == {".hidden.json": "raw", "blob.dat": "opaque", "logs.zip": "opaque", "notes.md": "raw",
+    assert kinds == {".hidden.json": "raw", "blob.dat": "opaque", "cut.zip": "opaque", "logs.zip": "opaque",
+                     "notes.md": "raw",
                      "plain.pkl": "opaque", "sub/ema.safetensors": "safetensors", "weights.pt": "torch"}
     assert any(w.startswith("plain.pkl: kept opaque") for w in s.warnings)
     repo = tmp_path / "repo"
@@ -127,7 +129,7 @@ def test_generic_folder_gives_each_file_its_kind_and_restores_it(tmp_path):
     assert ckpt_archive.verify(repo, deep=True).ok
     out = tmp_path / "out"
     ckpt_archive.restore(repo, output=out)
-    for rel in (".hidden.json", "blob.dat", "logs.zip", "notes.md", "plain.pkl"):
+    for rel in (".hidden.json", "blob.dat", "cut.zip", "logs.zip", "notes.md", "plain.pkl"):
         assert (out / rel).read_bytes() == (d / rel).read_bytes(), rel
     assert_same({"w": torch.arange(4.0)}, torch.load(out / "weights.pt", weights_only=True))
     back = load_file(out / "sub" / "ema.safetensors")

@@ -246,3 +246,18 @@ def test_cli_pack_list_inspect_show_trainer_progress_lr_rng_and_opaque_members(h
     assert src["info"]["trainer"]["last_logged"]["learning_rate"] > 0
     assert src["info"]["rng"][0]["numpy"] == "MT19937"
     assert info["manifest"]["progress"]["step"] == 2
+
+
+def test_resume_without_the_rng_file_diverges_so_the_bitwise_check_has_teeth(hf_run, tmp_path):
+    """Negative control for the resume test above: dropping rng_state.pth (dropout masks and data
+    order then come from a fresh seed) must change the weights at step 4."""
+    from safetensors.torch import load_file
+
+    root = tmp_path / "resumed"
+    shutil.copytree(hf_run / "checkpoint-2", root / "checkpoint-2")
+    (root / "checkpoint-2" / "rng_state.pth").unlink()
+    trainer = transformers.Trainer(model=_model(), args=_args(root), train_dataset=_Tokens())
+    trainer.train(resume_from_checkpoint=str(root / "checkpoint-2"))
+    cont = load_file(hf_run / "checkpoint-4" / "model.safetensors")
+    again = load_file(root / "checkpoint-4" / "model.safetensors")
+    assert not all(torch.equal(cont[k], again[k]) for k in cont)

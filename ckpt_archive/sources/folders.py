@@ -174,6 +174,8 @@ def classify_file(root: Path, rel: str, *, allow_numpy: bool = False, opaque: bo
                           where=str(path))
     if magic == "zip":
         if not zipfile.is_zipfile(path):
+            if suffix not in TORCH_SUFFIXES:  # some other damaged zip (logs.zip): carried as it is
+                return SourceFile(rel, "opaque", path), None, []
             # Let the torch reader name the damage (truncated zip directory, ...).
             load_torch_file(path, mmap=False)
         with zipfile.ZipFile(path) as zf:
