@@ -363,3 +363,39 @@ def test_unused_stream_perturbation_fails_the_check_unless_declared(tmp_path):
     report = _report(out)
     assert report["positive"]["matched"]  # the resume itself is fine: only the control is empty
     assert report["negative_divergence_detected"] is False and not report["all_checks_passed"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The trajectory helper
+# ------------------------------------------------------------------------------------------------
+def test_trajectory_finish_records_next_draws_without_consuming_any_stream(tmp_path):
+    from ckpt_archive.trajectory import Trajectory, load_trajectory
+
+    random.seed(5)
+    torch.manual_seed(5)
+    g = np.random.Generator(np.random.PCG64(5))
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    traj = Trajectory(tmp_path)
+    traj.record(step=1, sample_ids=torch.tensor([3, 1]), loss=torch.tensor(float("nan")), optimizer=opt, epoch=0)
+    final = traj.finish(model=model, optimizer=opt, numpy_generator=g)
+    # the streams are where they were: the recorded next draws are the real next draws
+    assert final["next_draws"]["python"][0] == random.random()
+    assert final["next_draws"]["numpy"][0] == g.random()
+    assert final["next_draws"]["torch"][0] == torch.rand(1, dtype=torch.float64).item()
+    loaded = load_trajectory(tmp_path)
+    u = loaded["updates"][0]
+    assert u["sample_ids"] == [3, 1] and u["lr"] == [0.5] and math.isnan(u["loss"]) and u["epoch"] == 0
+    assert json.loads((tmp_path / "trajectory.json").read_text())["updates"][0]["loss"] == "nan"  # strict JSON
+    assert set(loaded["final"]["params"]) == {"weight", "bias"} and len(loaded["final"]["params"]["weight"]["sha256"]) == 64
+
+
+def test_missing_trajectory_is_a_clear_error_naming_the_file(tmp_path):
+    from ckpt_archive.errors import SourceError
+    from ckpt_archive.trajectory import load_trajectory
+
+    with pytest.raises(SourceError, match="trajectory.json"):
+        load_trajectory(tmp_path)
+    (tmp_path / "trajectory.json").write_text('{"format": "other"}')
+    with pytest.raises(SourceError, match="format"):
+        load_trajectory(tmp_path)
