@@ -12,9 +12,8 @@ HELP = (
     "(folder for checkpoint.pt and trajectory.json) and {resume} (the checkpoint path; an argument holding "
     "it is dropped when not resuming, '{resume:--resume-from {}}' expands to two arguments). "
     "See docs/check-resume.md. "
-    "Exit codes: 0 the resume matches and every negative control diverged; 1 a comparison failed (the "
-    "resume diverged, or a control changed nothing); 2 the check could not be carried out (bad arguments, "
-    "a run failed, the output folder is not empty)."
+    "Here 0 means the resume matches and every negative control diverged; 1 that the resume diverged or a "
+    "control changed nothing; 2 that a run failed, the template is incomplete or the output folder is not empty."
 )
 
 
@@ -89,7 +88,10 @@ def proof_table(report: dict, title: str = "resume check"):
     for e in report["negative_controls"]:
         mark = {"diverged": ok, "no-effect-expected": "[yellow]declared[/yellow]", "skipped": "[yellow]n/a[/yellow]",
                 "no-effect": bad, "not-run": "-"}[e["status"]]
-        t.add_row(f"negative control: {e['name']}", e["message"], mark)
+        text = e["message"]
+        if e["status"] == "diverged" and e.get("first_divergent_step") is not None:
+            text = f"diverged at update {e['first_divergent_step']} ({e['field']})"
+        t.add_row(f"negative control: {e['name']}", text, mark)
     return t
 
 

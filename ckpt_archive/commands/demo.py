@@ -10,8 +10,9 @@ HELP = (
     "StepLR, Python/NumPy/torch RNG): 10 updates continuous; 5 updates, packed into an archive, verified, "
     "restored in a new process and resumed for 5 more; negative controls (RNG restore omitted, and each "
     "part of the state perturbed) must diverge. Writes verification.json and prints a proof table. "
-    "Exit codes: 0 the resume matches exactly and every negative control diverges; 1 a comparison failed; "
-    "2 the demo could not complete (e.g. --output exists and is not empty: a proof is never overwritten)."
+    "Here 0 means the resume matches exactly and every negative control diverges; 1 that a comparison "
+    "failed; 2 that the demo could not complete (e.g. --output exists and is not empty: a proof is never "
+    "overwritten)."
 )
 
 
