@@ -202,28 +202,18 @@ def check_repository(case, run) -> None:
             report = ckpt_archive.verify(repo, n, deep=True)
             assert report.ok, f"{case_id(case)}: generation {n} is listed usable but fails: {report.problems}"
     new = max(before) + 1
-    if command == "prune":
-        being_removed = {1}  # the fault fires while removing the oldest
-        kept = set(before) - {1, 2}
-    elif command == "pack-retention" and point == "retention":
-        being_removed = set()  # the fault fires before retention removes anything
-        kept = set(before) | {new}
-    elif command == "pack-retention":
-        being_removed = {1}
-        kept = set(before) - {1, 2} | {new}
-    else:
-        being_removed = set()
-        kept = set(before)
-    for n in before:
-        if n in being_removed:
-            assert statuses.get(n) in ("usable", "partial"), f"{case_id(case)}: #{n} is {statuses.get(n)}"
-        else:
-            assert statuses.get(n) == "usable", f"{case_id(case)}: #{n} was usable before, now {statuses.get(n)}"
-    if command.startswith("pack"):
-        if point in PUBLISHED_BY or command == "pack-retention":
-            assert statuses.get(new) == "usable", f"{case_id(case)}: the published generation is {statuses.get(new)}"
-        else:
-            assert statuses.get(new) != "usable", f"{case_id(case)}: an interrupted generation is listed usable"
+    # which generations the interrupted command was removing (at most #1: the fault fires there);
+    # every other generation usable before, and a generation published before the fault, stays usable
+    being_removed = {1} if point.startswith("prune-") else set()
+    must_be_usable = set(before) - being_removed
+    if command == "pack-retention" or point in PUBLISHED_BY:
+        must_be_usable.add(new)
+    for n in sorted(must_be_usable):
+        assert statuses.get(n) == "usable", f"{case_id(case)}: #{n} must be usable, is {statuses.get(n)}"
+    for n in being_removed:
+        assert statuses.get(n) in ("usable", "partial"), f"{case_id(case)}: #{n} is {statuses.get(n)}"
+    if command.startswith("pack") and new not in must_be_usable:
+        assert statuses.get(new) != "usable", f"{case_id(case)}: an interrupted generation is listed usable"
     if point == "prune-before-marker-removal":
         assert statuses.get(1) == "usable"
     if point in ("prune-after-marker-removal", "prune-mid-delete"):
