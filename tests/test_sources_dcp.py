@@ -76,6 +76,16 @@ def test_metadata_unpickler_refuses_foreign_globals_without_running_them(dcp_dir
     assert not canary.exists()
 
 
+def test_consolidate_reads_the_metadata_with_the_restricted_unpickler_first(dcp_dir, tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(dcp_dir, d)
+    canary = tmp_path / "EXECUTED"
+    (d / ".metadata").write_bytes(pickle.dumps(_Boom(canary)))
+    with pytest.raises(RefusedPickle):
+        consolidate_dcp(d, tmp_path / "whole.pt")
+    assert not canary.exists() and not (tmp_path / "whole.pt").exists()
+
+
 def test_metadata_that_is_not_dcp_metadata_is_named(dcp_dir, tmp_path):
     d = tmp_path / "ckpt"
     shutil.copytree(dcp_dir, d)

@@ -221,10 +221,10 @@ def read_folder(root: Path, *, allow_numpy: bool = False, numpy_files: Iterable[
     Args:
         root: the folder.
         allow_numpy: admit NumPy's own types in every ``torch.save`` file.
-        numpy_files: relpaths (or ``fnmatch`` patterns; one without ``/`` names top-level files
-            only) whose library writes NumPy RNG state by
-            design and loads it with the same NumPy allowlist (HF ``rng_state*.pth``, Accelerate
-            ``random_states_*.pkl``): admitted even without ``allow_numpy``.
+        numpy_files: relpaths or ``fnmatch`` patterns (one without ``/`` names top-level files
+            only) of files whose library writes NumPy RNG state by design and loads it with the
+            same NumPy allowlist (HF ``rng_state*.pth``, Accelerate ``random_states_*.pkl``):
+            admitted even without ``allow_numpy``.
         opaque_files: relpaths (or patterns) of known foreign pickles, never opened by a loader.
 
     Returns:
@@ -243,6 +243,7 @@ def read_folder(root: Path, *, allow_numpy: bool = False, numpy_files: Iterable[
 
     def fnmatchcase(rel: str, pat: str) -> bool:  # a pattern without "/" names top-level files only
         return ("/" in pat or "/" not in rel) and _fnmatchcase(rel, pat)
+
     state: dict = {}
     files: list[SourceFile] = []
     for rel in rels:
