@@ -27,10 +27,10 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from . import faults
-from .errors import (CkptArchiveError, IntegrityError, NoUsableGeneration, NotFound, OutputExists, UsageError)
+from .errors import IntegrityError, NoUsableGeneration, NotFound, OutputExists, UsageError
 
 COPY_PIECE_BYTES = 8 << 20
 

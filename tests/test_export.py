@@ -175,6 +175,7 @@ def test_export_to_a_local_path_restores_bit_equal(source, tmp_path):
 
 
 # --- interrupted and resumed ------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["s3", "local"])
 @pytest.mark.parametrize("inject", ["export-member-write=kill@2", "export-after-member=kill@2",
                                     "export-after-trial-reload=kill"])
@@ -346,6 +347,7 @@ def test_generation_copied_by_another_tool_is_copied_until_verify_deep_there(sou
     _assert_bit_equal(states[1], ca.load(s3_url, 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["s3", "local"])
 def test_end_of_rental_script_packs_exports_and_prints_the_proof(kind, request, tmp_path):
     dest = request.getfixturevalue("s3_url") if kind == "s3" else str(tmp_path / "dest")
@@ -366,6 +368,7 @@ def test_end_of_rental_script_packs_exports_and_prints_the_proof(kind, request, 
     _assert_bit_equal(_state(2), ca.load(dest))
 
 
+@pytest.mark.slow
 def test_end_of_rental_script_fails_loudly_when_the_export_fails(source, s3_server, s3_url, tmp_path, monkeypatch):
     torch.save(_state(3), tmp_path / "last.pt")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG1")
