@@ -136,6 +136,14 @@ def stat_snapshot(checkpoint: Path) -> list[list]:
     return snap
 
 
+def _snapshot_or_none(checkpoint: Path) -> list[list] | None:
+    """:func:`stat_snapshot`, or ``None`` when a file vanished meanwhile (compares unequal to any snapshot)."""
+    try:
+        return stat_snapshot(checkpoint)
+    except FileNotFoundError:
+        return None
+
+
 def _zip_problem(path: Path) -> str | None:
     try:
         with zipfile.ZipFile(path) as zf:
@@ -366,19 +374,20 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         gens = rep.usable()
         return gens[-1] if gens else None
 
-    snap_now = stat_snapshot(checkpoint)
+    snap_now = _snapshot_or_none(checkpoint)
+    if snap_now is None:
+        return BackupResult("busy", key, str(checkpoint), None, "vanished while being examined (rotated?)")
     recorded = entry if entry.get("checkpoint") == str(checkpoint) and entry.get("stat") == snap_now else None
     read_bytes = 0
     if recorded is not None and isinstance(recorded.get("files"), dict):
         hashes = recorded["files"]
         snap = snap_now
     else:
+        # Always observe the window (two stats `settle` seconds apart) rather than trusting an old
+        # mtime: on network file systems mtimes come from another machine's clock.
         snap, why = _settled(checkpoint, settle, sleep)
         if snap is None:
             return BackupResult("busy", key, str(checkpoint), None, why)
-        problem = completeness_problem(checkpoint)
-        if problem:
-            return BackupResult("busy", key, str(checkpoint), None, f"not complete: {problem}")
         counter = [0]
 
         def count(n):
@@ -386,9 +395,17 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
             if on_bytes:
                 on_bytes(n)
 
-        hashes = hash_files(checkpoint, count)
+        try:
+            problem = completeness_problem(checkpoint)
+            if problem:
+                return BackupResult("busy", key, str(checkpoint), None, f"not complete: {problem}")
+            hashes = hash_files(checkpoint, count)
+        except FileNotFoundError as exc:  # e.g. the trainer's rotation removed it meanwhile
+            return BackupResult("busy", key, str(checkpoint), None,
+                                f"{exc.filename}: vanished while being read (rotated or rewritten?)",
+                                read_bytes=counter[0])
         read_bytes = counter[0]
-        if stat_snapshot(checkpoint) != snap:
+        if _snapshot_or_none(checkpoint) != snap:
             return BackupResult("busy", key, str(checkpoint), None, "changed while being read: still being written",
                                 read_bytes=read_bytes)
 
@@ -412,7 +429,7 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
                                         for x in result.leftovers]
     packed_hashes = manifest_source_hashes(result.manifest)
     with rep.lock(wait=max(wait, 60.0)):
-        if stat_snapshot(checkpoint) != snap or (packed_hashes is not None and packed_hashes != hashes):
+        if _snapshot_or_none(checkpoint) != snap or (packed_hashes is not None and packed_hashes != hashes):
             rep.remove_generation(gen)
             return BackupResult("busy", key, str(checkpoint), None,
                                 f"changed while being packed: generation {gen} forgotten again",

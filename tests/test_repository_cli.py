@@ -580,3 +580,19 @@ def test_prune_save_default_with_dry_run_or_without_flags_changes_nothing(repo5)
     res, out = cli_json("prune", repo5, "--keep-last", 1, "--save-default", "--dry-run")
     assert out["saved_default"] is False
     assert json.loads((repo5 / "repository.json").read_text())["retention"] is None
+
+
+def test_backup_of_a_checkpoint_removed_while_being_read_is_exit_75(tmp_path, monkeypatch):
+    ck = tmp_path / "out" / "checkpoint-10"
+    save_pt(ck / "model.pt", 1)
+    save_pt(ck / "optimizer.pt", 2)
+    real_hash = backup_mod.hash_files
+
+    def rotated_meanwhile(checkpoint, on_bytes=None):
+        (ck / "optimizer.pt").unlink()  # the trainer's save_total_limit rotation
+        return real_hash(checkpoint, on_bytes)
+
+    monkeypatch.setattr(backup_mod, "hash_files", rotated_meanwhile)
+    res, out = backup_cli(tmp_path / "out", tmp_path / "repo")
+    assert res.exit_code == 75, res.stderr
+    assert out["action"] == "busy" and "Traceback" not in res.stderr
