@@ -276,7 +276,8 @@ class MemberWriter:
         raw_offset, raw_len, fut = self._pending.popleft()
         codec, stored, sha = fut.result()
         self.fh.write(stored)
-        self._stored_hash.update(stored)
+        # whole-file stored sha256 on the hash thread (FIFO keeps the order), off the caller's thread
+        self._hash_pending.append(self._hash_pool.submit(self._stored_hash.update, stored))
         self.chunks.append({"raw_offset": raw_offset, "raw_bytes": raw_len, "stored_offset": self._stored_offset,
                             "stored_bytes": len(stored), "stored_sha256": sha, "codec": codec})
         self._stored_offset += len(stored)
@@ -329,6 +330,18 @@ def check_chunk_table(record: dict, member: str) -> None:
                              f"{record['raw_bytes']} / {record['stored_bytes']}", where=member)
 
 
+def _fileno(fh) -> int | None:
+    """The OS file descriptor behind ``fh`` when it is a plain local file, else None."""
+    import io
+    import stat
+
+    try:
+        fd = fh.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (AttributeError, OSError, io.UnsupportedOperation, ValueError):
+        return None
+
+
 def _read_exact(fh: BinaryIO, n: int) -> bytes:
     data = fh.read(n)
     return data if data is not None else b""
@@ -352,8 +365,25 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
     """
     jobs = jobs or default_jobs()
     check_chunk_table(record, member)
+    chunks = record["chunks"]
+    fd = None if stored_hasher is not None else _fileno(fh)
+    if fd is not None:
+        # Local file: workers read their own chunk with pread (parallel, main thread free); sizes are
+        # checked up front.
+        size = os.fstat(fd).st_size
+        if size > record["stored_bytes"]:
+            raise IntegrityError("stored file is longer than its chunks", where=member)
+        for i, c in enumerate(chunks):
+            if c["stored_offset"] + c["stored_bytes"] > size:
+                raise IntegrityError(f"truncated: chunk {i} has {max(0, size - c['stored_offset'])} of "
+                                     f"{c['stored_bytes']} stored bytes", where=member)
 
     def work(i, stored, chunk):
+        if stored is None:
+            stored = os.pread(fd, chunk["stored_bytes"], chunk["stored_offset"])
+            if len(stored) != chunk["stored_bytes"]:
+                raise IntegrityError(f"truncated: chunk {i} has {len(stored)} of {chunk['stored_bytes']} "
+                                     f"stored bytes", where=member)
         sha = hashlib.sha256(stored).hexdigest()
         if sha != chunk["stored_sha256"]:
             raise IntegrityError(f"chunk {i} (stored bytes {chunk['stored_offset']}..."
@@ -366,13 +396,15 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
 
     with ThreadPoolExecutor(jobs, thread_name_prefix="ckpt-dec") as pool:
         pending: collections.deque = collections.deque()
-        for i, chunk in enumerate(record["chunks"]):
-            stored = _read_exact(fh, chunk["stored_bytes"])
-            if stored_hasher is not None:
-                stored_hasher.update(stored)
-            if len(stored) != chunk["stored_bytes"]:
-                raise IntegrityError(f"truncated: chunk {i} has {len(stored)} of {chunk['stored_bytes']} "
-                                     f"stored bytes", where=member)
+        for i, chunk in enumerate(chunks):
+            stored = None
+            if fd is None:
+                stored = _read_exact(fh, chunk["stored_bytes"])
+                if stored_hasher is not None:
+                    stored_hasher.update(stored)
+                if len(stored) != chunk["stored_bytes"]:
+                    raise IntegrityError(f"truncated: chunk {i} has {len(stored)} of {chunk['stored_bytes']} "
+                                         f"stored bytes", where=member)
             pending.append((chunk["raw_offset"], pool.submit(work, i, stored, chunk)))
             while len(pending) > 2 * jobs:
                 off, fut = pending.popleft()
@@ -380,6 +412,5 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
         while pending:
             off, fut = pending.popleft()
             yield off, fut.result()
-        extra = fh.read(1)
-        if extra:
+        if fd is None and fh.read(1):
             raise IntegrityError("stored file is longer than its chunks", where=member)

@@ -46,6 +46,19 @@ def _read(stored: bytes, rec: dict, jobs=2) -> bytes:
     return b"".join(bytes(c) for _, c in codec.iter_decoded(io.BytesIO(stored), rec, member="m", jobs=jobs))
 
 
+@pytest.fixture(params=["stream", "file"])
+def read_any(request, tmp_path):
+    """Read through a stream (sequential reads) or a local file (workers pread their chunks)."""
+    def read(stored: bytes, rec: dict, jobs=2) -> bytes:
+        if request.param == "stream":
+            return _read(stored, rec, jobs)
+        path = tmp_path / "member.ckz"
+        path.write_bytes(stored)
+        with open(path, "rb") as fh:
+            return b"".join(bytes(c) for _, c in codec.iter_decoded(fh, rec, member="m", jobs=jobs))
+    return read
+
+
 @pytest.mark.parametrize("dtype,hint,codec_name", [
     ("bfloat16", "bg2", "bg2+zstd"), ("float16", "bg2", "bg2+zstd"), ("float32", "bg4", "bg4+zstd"),
     ("float64", "bg8", "bg8+zstd"),
@@ -183,27 +196,33 @@ def _sample():
     return raw, stored, rec
 
 
-def test_a_flipped_stored_byte_names_the_member_and_the_chunk():
+def test_a_flipped_stored_byte_names_the_member_and_the_chunk(read_any):
     _, stored, rec = _sample()
     bad = bytearray(stored)
     victim = rec["chunks"][2]
     bad[victim["stored_offset"] + victim["stored_bytes"] // 2] ^= 0x10
     with pytest.raises(IntegrityError) as ei:
-        _read(bytes(bad), rec)
+        read_any(bytes(bad), rec)
     assert "chunk 2" in ei.value.message and "fails its sha256" in ei.value.message
     assert ei.value.where == "m"
 
 
-def test_a_truncated_member_says_truncated():
+def test_a_truncated_member_says_truncated_and_names_the_chunk(read_any):
     _, stored, rec = _sample()
-    with pytest.raises(IntegrityError, match="truncated"):
-        _read(stored[:-5], rec)
+    last = len(rec["chunks"]) - 1
+    with pytest.raises(IntegrityError, match=f"truncated: chunk {last} has"):
+        read_any(stored[:-5], rec)
 
 
-def test_trailing_bytes_after_the_last_chunk_are_reported():
+def test_trailing_bytes_after_the_last_chunk_are_reported(read_any):
     _, stored, rec = _sample()
     with pytest.raises(IntegrityError, match="longer than its chunks"):
-        _read(stored + b"x", rec)
+        read_any(stored + b"x", rec)
+
+
+def test_reading_a_local_file_and_a_stream_give_the_same_bytes(read_any):
+    raw, stored, rec = _sample()
+    assert read_any(stored, rec, jobs=3) == raw
 
 
 def test_a_chunk_table_with_a_gap_is_refused_before_reading():
