@@ -324,6 +324,8 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
                                  f"{number} stays partial there", where=rec["path"])
         out.members.append({"key": mkey, "member": rec["path"], "bytes": rec["stored_bytes"],
                             "sha256": rec["stored_sha256"], "action": action})
+    if getattr(dst.store, "is_local", False):
+        dst.store.fsync_dir(key)  # the members' and manifest's directory entries are durable too
     faults.point("export-after-members")
     faults.point("export-after-verify")
     verified = {"when": _now(), "result": "ok", "members": len(manifest["members"]),

@@ -174,6 +174,21 @@ def test_export_to_a_local_path_restores_bit_equal(source, tmp_path):
     assert not list(dest.rglob("*.tmp-*"))
 
 
+def test_export_from_an_s3_repository_to_a_local_path(source, s3_url, tmp_path):
+    """The way back: a new machine pulls the archive down and proves it usable on its own disk."""
+    repo, states = source
+    export(repo, s3_url, generations="all")
+    back = tmp_path / "pulled"
+    res = cli("export", s3_url, "--latest", "2", "--to", str(back), "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["source"] == s3_url and [g["status"] for g in doc["generations"]] == ["exported", "exported"]
+    dst = Repository.open(back)
+    assert [(g.number, g.status) for g in dst.generations()] == [(1, "usable"), (2, "usable")]
+    assert dst.generation(2).marker["exported_from"]["location"] == s3_url
+    _assert_bit_equal(states[2], ca.load(back))
+
+
 # --- interrupted and resumed ------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["s3", "local"])
