@@ -260,3 +260,26 @@ def test_a_writer_abort_leaves_no_thread_running():
     w.add(_trained_like(50_000, "float32"), "bg4")
     w.abort()
     assert threading.active_count() <= before
+
+
+def test_parallel_chunk_check_accepts_a_good_file_and_rejects_a_flip(tmp_path):
+    _, stored, rec = _sample()
+    path = tmp_path / "member.ckz"
+    path.write_bytes(stored)
+    seen = []
+    with open(path, "rb") as fh:
+        assert codec.chunks_match(fh, rec, member="m", jobs=3, on_bytes=seen.append) is True
+    assert sum(seen) == len(stored)
+    bad = bytearray(stored)
+    bad[-1] ^= 1
+    path.write_bytes(bytes(bad))
+    with open(path, "rb") as fh:
+        assert codec.chunks_match(fh, rec, member="m") is False
+    path.write_bytes(stored + b"x")
+    with open(path, "rb") as fh:
+        assert codec.chunks_match(fh, rec, member="m") is False
+
+
+def test_parallel_chunk_check_defers_to_a_sequential_hash_for_streams():
+    _, stored, rec = _sample()
+    assert codec.chunks_match(io.BytesIO(stored), rec, member="m") is None
