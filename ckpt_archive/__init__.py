@@ -18,7 +18,7 @@ _API = {
     "pack": "api", "load": "api", "verify": "api", "restore": "api", "inspect": "api",
     "list_generations": "api", "PackResult": "api", "VerifyReport": "api", "Problem": "api",
     "RestoreResult": "api", "Repository": "repository", "Generation": "repository",
-    "restore_training_state": "policy", "export": "export",
+    "restore_training_state": "policy", "export": "exporter",
 }
 
 

@@ -339,16 +339,33 @@ def _pick(r: Repository, generation, fallback: bool) -> Generation:
     return gen
 
 
+def _check_present(r: Repository, gen: Generation) -> None:
+    """Every member present with its recorded size (a stat each, no read): a generation missing any
+    member is damaged, even when the part asked for does not need that member."""
+    for rec in gen.manifest["members"]:
+        key = f"{gen.key}/{rec['stored_path']}"
+        if not r.store.exists(key):
+            raise IntegrityError(f"missing: {rec['stored_path']} is not in generation {gen.number}", where=rec["path"])
+        size = r.store.size(key)
+        if size != rec["stored_bytes"]:
+            raise IntegrityError(f"{size} bytes stored, manifest says {rec['stored_bytes']}", where=rec["path"])
+
+
 def _with_fallback(r: Repository, generation, fallback: bool, fn):
     gen = _pick(r, generation, fallback)
+
+    def checked(g: Generation):
+        _check_present(r, g)
+        return fn(g)
+
     try:
-        return gen, fn(gen)
+        return gen, checked(gen)
     except IntegrityError as exc:
         if str(generation) != "latest":
             raise
         fb = _find_fallback(r, gen.number, deep=False)
         if fallback and fb is not None:
-            return r.generation(fb), fn(r.generation(fb))
+            return r.generation(fb), checked(r.generation(fb))
         hint = (f"the newest generation that verifies is {fb}: use --fallback or @{fb}" if fb is not None
                 else "no older usable generation verifies either")
         raise IntegrityError(f"generation {gen.number} (latest) does not verify: {exc.message}; {hint}",

@@ -160,3 +160,12 @@ def test_second_writer_gets_lock_error_exit_2(tmp_path):
         with pytest.raises(LockError, match="locked by another writer") as exc:
             ckpt_archive.pack(state(2), r)
         assert exc.value.exit_code == 2
+
+
+def test_restore_refuses_a_generation_missing_a_member_it_does_not_need(tmp_path):
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r, data_ids=[1, 2, 3])
+    (r / "generations" / "00000001" / "data-ids.json.ckz").unlink()
+    with pytest.raises(IntegrityError, match="data-ids.json"):
+        ckpt_archive.restore(r, "1", tmp_path / "o.pt")
+    assert not (tmp_path / "o.pt").exists()

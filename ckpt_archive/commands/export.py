@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ..errors import UsageError
-        from ..export import export, select_generations
+        from ..exporter import export, select_generations
         from ..repository import Repository
 
         out = Output(json_output)
