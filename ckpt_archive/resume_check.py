@@ -39,7 +39,6 @@ import random as _random
 import re
 import shlex
 import subprocess
-import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
