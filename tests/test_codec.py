@@ -283,3 +283,32 @@ def test_parallel_chunk_check_accepts_a_good_file_and_rejects_a_flip(tmp_path):
 def test_parallel_chunk_check_defers_to_a_sequential_hash_for_streams():
     _, stored, rec = _sample()
     assert codec.chunks_match(io.BytesIO(stored), rec, member="m") is None
+
+
+# -- through the archive: load checks every returned tensor's bytes, not chunk hashes ---------------
+
+@pytest.mark.parametrize("where", ["stored-chunk", "compressed-chunk"])
+def test_load_never_returns_a_damaged_tensor(tmp_path, where):
+    """load() skips per-chunk stored hashes for speed; per-tensor raw sha256 must still catch a flip."""
+    import json
+
+    import torch
+
+    import ckpt_archive
+
+    g = torch.Generator().manual_seed(0)
+    state = {"noise": torch.randint(0, 256, (300_000,), dtype=torch.uint8, generator=g),  # stored raw
+             "w": (torch.randn(200_000, generator=g) * 0.02)}                              # bg4+zstd
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(state, repo)
+    gen = repo / "generations" / "00000001"
+    manifest = json.loads((gen / "manifest.json").read_text())
+    rec = next(m for m in manifest["members"] if m["role"] == "tensors")
+    want = "store" if where == "stored-chunk" else "bg4+zstd"
+    chunk = next(c for c in rec["chunks"] if c["codec"] == want)
+    path = gen / rec["stored_path"]
+    data = bytearray(path.read_bytes())
+    data[chunk["stored_offset"] + chunk["stored_bytes"] // 2] ^= 0x04
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError):
+        ckpt_archive.load(repo, "1")
