@@ -105,7 +105,8 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
         allow_numpy: admit NumPy's own types in a ``.pt`` (narrow allowlist; never other classes).
         jobs: threads (default: cores). level: zstd level (default 3). chunk_bytes: raw bytes per chunk.
         retention: a retention policy (dict with restic's names: keep_last, keep_daily, ...) applied after
-            publish; None uses the repository's default policy, if any.
+            publish; None uses the repository's default policy, if any; ``{}`` means no retention even
+            when the repository has a default (``backup`` runs retention itself after its own checks).
         on_bytes: progress callback, raw bytes processed.
         wait: seconds to wait for the writer lock.
 
@@ -185,7 +186,6 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
             step = "publish"
             trial = {**host_record(r.location), "result": "ok", **stats}
             r.write_marker(number, sha256_hex(raw), manifest["archive_id"], {"verified": verified, "trial_reload": trial})
-            faults.point("after-publish")
         except CkptArchiveError as exc:
             if not exc.message.startswith("pack failed"):
                 exc.message = f"pack failed at step '{step}' (generation {number} left partial): {exc.message}"
@@ -196,13 +196,20 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
             raise StoreError(f"pack failed at step '{step}' ({why}: {exc.strerror or exc}); generation {number} "
                              f"left partial, earlier generations untouched; `ckpt-archive gc` removes it",
                              where=getattr(exc, "filename", None) or r.location) from None
+        # Published: from here on the new generation is usable whatever happens, so later failures are
+        # warnings, never "left partial".
         retention_result = None
-        policy = retention if retention is not None else r.config.get("retention")
-        if policy:
-            faults.point("retention")
-            from . import retention as _retention
+        try:
+            faults.point("after-publish")
+            policy = retention if retention is not None else r.config.get("retention")
+            if policy:
+                faults.point("retention")
+                from . import retention as _retention
 
-            retention_result = _retention.apply_after_pack(r, policy)
+                retention_result = _retention.apply_after_pack(r, policy)
+                warnings += list(retention_result.get("warnings", []) if isinstance(retention_result, dict) else [])
+        except (CkptArchiveError, OSError) as exc:
+            warnings.append(f"generation {number} is usable, but retention did not run to completion: {exc}")
     return PackResult(number, "usable", f"{r.location}/{key}", manifest, warnings, leftovers, retention_result, trial)
 
 

@@ -25,4 +25,7 @@ def policy_from_flags(*, keep_last=None, keep_hourly=None, keep_daily=None, keep
         if allow_empty:
             return None
         raise UsageError("empty retention policy: give at least one --keep-* flag (refusing to guess what to delete)")
+    from ..retention import RetentionPolicy
+
+    RetentionPolicy.from_dict(policy)  # a bad value (--keep-within 2x) is refused before anything is written
     return policy
