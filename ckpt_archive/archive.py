@@ -307,7 +307,7 @@ class ArchiveReader:
 
     # -- decoding ----------------------------------------------------------------------------------
     def iter_member(self, rec: dict, *, check_whole: bool = True, on_bytes=None,
-                    verify_chunks: bool = True) -> Iterator[tuple[int, bytes]]:
+                    verify_chunks: bool = True, into=None) -> Iterator[tuple[int, bytes]]:
         """Decoded chunks of a member; checks chunk and whole-member sha256 (stored and raw).
 
         Chunks are bytes-like (``bytes`` or ``memoryview``); the consumer must not modify them.
@@ -330,7 +330,7 @@ class ArchiveReader:
         try:
             with fh:
                 for off, chunk in iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs,
-                                               verify_chunks=verify_chunks):
+                                               verify_chunks=verify_chunks, into=into):
                     if check_whole:
                         pending.append(hasher.submit(raw_h.update, chunk))
                         while len(pending) > 2 * self.jobs:
@@ -355,7 +355,7 @@ class ArchiveReader:
         return b"".join(chunk for _, chunk in self.iter_member(rec))
 
     def iter_entries(self, rec: dict, *, wanted: set[str] | None = None, on_bytes=None,
-                     checked_by_caller: bool = False) -> Iterator[tuple[str, dict, Any]]:
+                     checked_by_caller: bool = False, into=None) -> Iterator[tuple[str, dict, Any]]:
         """Yield ``(entry key, entry record, raw bytes)`` of a tensors shard, one tensor at a time.
 
         Checks the shard's safetensors header against the manifest. With ``wanted``, other entries
@@ -364,12 +364,36 @@ class ArchiveReader:
         in one writable chunk, else one preallocated ``bytearray`` (no growth by appending).
         ``checked_by_caller``: skip the chunk and member hashes because the caller checks the raw
         sha256 of every entry it receives (and receives every entry it returns data from).
+        ``into``: a writable buffer of the member's raw size; chunks are decoded straight into it and
+        every entry is a view of it (no copy at all; for loading a whole member into memory).
         [codec/benchmarks helper: rewritten for zero copies; same checks and order]
         """
         entries = rec["entries"]
         base = rec["header_bytes"]
         order = sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
         idx = 0
+        if into is not None:
+            whole = memoryview(into).cast("B")
+            header_checked = base == 0
+            for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
+                                               verify_chunks=not checked_by_caller, into=into):
+                frontier = off + len(chunk)
+                if not header_checked:
+                    if frontier < base:
+                        continue
+                    _check_header(bytes(whole[:base]), entries, rec["path"])
+                    header_checked = True
+                while idx < len(order) and base + order[idx][1]["data_offsets"][1] <= frontier:
+                    k, e = order[idx]
+                    idx += 1
+                    if wanted is None or k in wanted:
+                        start, end = e["data_offsets"]
+                        yield k, e, (whole[base + start:base + end] if end > start else bytearray())
+            if not header_checked:
+                raise IntegrityError("shard ends inside its safetensors header", where=rec["path"])
+            if idx != len(order):
+                raise IntegrityError(f"shard ends before entry {order[idx][0]}", where=rec["path"])
+            return
         cur = None       # bytearray being filled for an entry spanning chunks (None when skipped)
         filled = 0
         header_buf = bytearray()
@@ -588,10 +612,17 @@ class ArchiveReader:
             # the manifest on a thread pool (parallel, unlike one member hash), and nothing else is:
             # a damaged byte anywhere in a returned tensor still fails the load, before it returns.
             # Spilled members are checked whole (chunks and member raw sha256) while spilling.
+            # A member wanted whole is decoded straight into one buffer that its tensors then view.
             if spill_dir is not None:
                 source = self._spilled_entries(rec, entries, spill_dir, on_bytes)
             else:
-                source = self.iter_entries(rec, wanted=entries, on_bytes=on_bytes, checked_by_caller=True)
+                into = None
+                if set(rec["entries"]) <= entries:
+                    import numpy as np
+
+                    into = np.empty(rec["raw_bytes"], dtype=np.uint8)
+                source = self.iter_entries(rec, wanted=entries, on_bytes=on_bytes, checked_by_caller=True,
+                                           into=into)
             for key, erec, buf in source:
                 if spill_dir is None:
                     checks.append((path, key, erec, hash_pool.submit(_sha, buf)))

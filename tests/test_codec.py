@@ -312,3 +312,13 @@ def test_load_never_returns_a_damaged_tensor(tmp_path, where):
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError):
         ckpt_archive.load(repo, "1")
+
+
+def test_decoding_into_a_member_buffer_gives_the_same_bytes_and_views_it():
+    raw, stored, rec = _sample()
+    dest = bytearray(len(raw))
+    views = list(codec.iter_decoded(io.BytesIO(stored), rec, member="m", into=dest))
+    assert bytes(dest) == raw
+    assert all(bytes(c) == raw[off:off + len(c)] for off, c in views)
+    with pytest.raises(ValueError):
+        list(codec.iter_decoded(io.BytesIO(stored), rec, member="m", into=bytearray(len(raw) - 1)))
