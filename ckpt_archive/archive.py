@@ -355,7 +355,8 @@ class ArchiveReader:
         return b"".join(chunk for _, chunk in self.iter_member(rec))
 
     def iter_entries(self, rec: dict, *, wanted: set[str] | None = None, on_bytes=None,
-                     checked_by_caller: bool = False, into=None) -> Iterator[tuple[str, dict, Any]]:
+                     checked_by_caller: bool = False, into=None, transient: bool = False
+                     ) -> Iterator[tuple[str, dict, Any]]:
         """Yield ``(entry key, entry record, raw bytes)`` of a tensors shard, one tensor at a time.
 
         Checks the shard's safetensors header against the manifest. With ``wanted``, other entries
@@ -366,6 +367,8 @@ class ArchiveReader:
         sha256 of every entry it receives (and receives every entry it returns data from).
         ``into``: a writable buffer of the member's raw size; chunks are decoded straight into it and
         every entry is a view of it (no copy at all; for loading a whole member into memory).
+        ``transient``: the caller drops each entry's bytes before asking for the next (trial reload),
+        so entries spanning chunks are assembled in one reused buffer (no fresh pages per tensor).
         [codec/benchmarks helper: rewritten for zero copies; same checks and order]
         """
         entries = rec["entries"]
@@ -396,6 +399,7 @@ class ArchiveReader:
             return
         cur = None       # bytearray being filled for an entry spanning chunks (None when skipped)
         filled = 0
+        scratch = bytearray()
         header_buf = bytearray()
         header_checked = False
         for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
@@ -432,7 +436,14 @@ class ArchiveReader:
                         yield k, e, (bytearray(piece) if piece.readonly else piece)
                     continue
                 if filled == 0:
-                    cur = bytearray(size) if want else None
+                    if not want:
+                        cur = None
+                    elif transient:
+                        if len(scratch) < size:
+                            scratch = bytearray(size)
+                        cur = memoryview(scratch)[:size]
+                    else:
+                        cur = bytearray(size)
                 take = min(size - filled, len(mv) - pos)
                 if cur is not None:
                     cur[filled:filled + take] = mv[pos:pos + take]
@@ -490,7 +501,7 @@ class ArchiveReader:
                 fast: list[Problem] = []
                 fast_checked = fast_decoded = 0
                 try:
-                    for key, erec, buf in self.iter_entries(rec, on_bytes=on_bytes):
+                    for key, erec, buf in self.iter_entries(rec, on_bytes=on_bytes, transient=True):
                         fast_decoded += len(buf)
                         base = None
                         for leaf in by_entry.get(key, []):
