@@ -7,6 +7,9 @@ Public API (plain functions; the CLI is a thin shell over them)::
     verify(repo, generation="latest", deep) -> VerifyReport (ok, problems)
     restore(repo, generation, output, ...)  -> RestoreResult
     list_generations(repo, all=False)       -> list[Generation]
+    export(repo, dest, ...)                 -> ExportResult (copied, re-read and trial-reloaded at dest)
+    restore_training_state(state, model=, optimizer=, scheduler=, ...) -> RestoreReport
+    check_resume(...)                       -> resume check of a training command (see docs/check-resume.md)
 
 Heavy imports (torch, safetensors) happen inside the functions, so ``import ckpt_archive`` is cheap.
 """
@@ -18,7 +21,7 @@ _API = {
     "pack": "api", "load": "api", "verify": "api", "restore": "api", "inspect": "api",
     "list_generations": "api", "PackResult": "api", "VerifyReport": "api", "Problem": "api",
     "RestoreResult": "api", "Repository": "repository", "Generation": "repository",
-    "restore_training_state": "policy", "export": "exporter",
+    "restore_training_state": "policy", "export": "exporter", "check_resume": "resume_check",
 }
 
 

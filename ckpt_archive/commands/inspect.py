@@ -1,4 +1,5 @@
-"""``ckpt-archive inspect``: what a generation holds, from its manifest (reads no member)."""
+"""``ckpt-archive inspect``: what a generation holds, from its manifest, plus the policy audit (which reads the
+state tree and the small scalar tensors such as step counters, never the weights)."""
 from __future__ import annotations
 
 import typer
