@@ -41,6 +41,9 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_LEVEL = 3
 #: A chunk is stored raw when compression saves less than this fraction.
 STORE_BELOW_SAVING = 0.01
+#: While writing a local file, start writeback (fdatasync on a helper thread) every this many stored
+#: bytes, so the disk works while the CPUs encode and the store's final fsync finds little left.
+SYNC_EVERY_BYTES = 64 << 20
 CODEC_NAME = "chunked-v1"
 _HINTS = ("store", "zstd", "bg2", "bg4", "bg8")
 
@@ -251,6 +254,10 @@ class MemberWriter:
         self._raw_offset = 0
         self._stored_offset = 0
         self.chunks: list[dict] = []
+        self._fd = _fileno(fh)
+        self._unsynced = 0
+        self._sync_pool: ThreadPoolExecutor | None = None
+        self._sync_fut: Future | None = None
 
     # -- feeding ----------------------------------------------------------------------------------
     def add(self, data, hint: str = "zstd") -> None:
@@ -303,6 +310,16 @@ class MemberWriter:
         self.chunks.append({"raw_offset": raw_offset, "raw_bytes": raw_len, "stored_offset": self._stored_offset,
                             "stored_bytes": len(stored), "stored_sha256": sha, "codec": codec})
         self._stored_offset += len(stored)
+        if self._fd is not None:
+            self._unsynced += len(stored)
+            if self._unsynced >= SYNC_EVERY_BYTES and (self._sync_fut is None or self._sync_fut.done()):
+                if self._sync_fut is not None:
+                    self._sync_fut.result()  # an I/O error surfaces here, as OSError
+                self.fh.flush()
+                if self._sync_pool is None:
+                    self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-sync")
+                self._sync_fut = self._sync_pool.submit(os.fdatasync, self._fd)
+                self._unsynced = 0
         if self.on_bytes:
             self.on_bytes(raw_len)
 
@@ -314,8 +331,12 @@ class MemberWriter:
                 self._write_one()
             while self._hash_pending:
                 self._hash_pending.popleft().result()
+            if self._sync_fut is not None:
+                self._sync_fut.result()
         finally:
             self._hash_pool.shutdown(wait=True)
+            if self._sync_pool is not None:
+                self._sync_pool.shutdown(wait=True)
             if self._own_pool:
                 self.pool.shutdown(wait=True)
         codecs = sorted({c["codec"] for c in self.chunks})
@@ -327,6 +348,8 @@ class MemberWriter:
         for _, _, fut in self._pending:
             fut.cancel()
         self._hash_pool.shutdown(wait=True)
+        if self._sync_pool is not None:
+            self._sync_pool.shutdown(wait=True)
         if self._own_pool:
             self.pool.shutdown(wait=True, cancel_futures=True)
 

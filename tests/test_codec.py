@@ -322,3 +322,21 @@ def test_decoding_into_a_member_buffer_gives_the_same_bytes_and_views_it():
     assert all(bytes(c) == raw[off:off + len(c)] for off, c in views)
     with pytest.raises(ValueError):
         list(codec.iter_decoded(io.BytesIO(stored), rec, member="m", into=bytearray(len(raw) - 1)))
+
+
+def test_writing_a_local_file_starts_writeback_and_round_trips(tmp_path, monkeypatch):
+    synced = []
+    import os as _os
+
+    real = _os.fdatasync
+    monkeypatch.setattr(codec, "SYNC_EVERY_BYTES", 100_000)
+    monkeypatch.setattr(codec.os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    raw = np.random.default_rng(3).integers(0, 256, size=1_000_000, dtype=np.uint8).tobytes()
+    path = tmp_path / "m.ckz"
+    with open(path, "xb") as fh:
+        w = codec.MemberWriter(fh, chunk_bytes=CHUNK, jobs=2)
+        w.add(raw, "zstd")
+        rec = w.finish()
+    assert synced, "no writeback was started while writing a 1 MB member"
+    with open(path, "rb") as fh:
+        assert b"".join(bytes(c) for _, c in codec.iter_decoded(fh, rec, member="m")) == raw
