@@ -6,6 +6,7 @@ Errors are :mod:`ckpt_archive.errors` classes; each carries its CLI exit code.
 from __future__ import annotations
 
 import dataclasses
+import json
 import errno
 import os
 import uuid
@@ -16,7 +17,7 @@ from . import __version__, faults
 from .archive import ArchiveReader, Problem, write_members
 from .codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from .errors import (CkptArchiveError, InsufficientSpace, IntegrityError, NoUsableGeneration, OutputExists,
-                     StoreError, UsageError)
+                     SourceError, StoreError, UsageError)
 from .manifest import FORMAT, FORMAT_VERSION, dumps, sha256_hex, validate
 from .meta import code_identity, default_instructions, environment, find_progress, value_or_file
 from .repository import (MANIFEST, Generation, Repository, gen_key, host_record, iso, raise_if_problems, utcnow)
@@ -75,7 +76,10 @@ def _instructions(instructions: Any, source) -> dict:
         return {"text": str(instructions.get("text", base["text"])),
                 "snippet": str(instructions.get("snippet", base["snippet"]))}
     p = Path(str(instructions))
-    text = p.read_text(encoding="utf-8") if p.is_file() else str(instructions)
+    try:
+        text = p.read_text(encoding="utf-8") if p.is_file() else str(instructions)
+    except UnicodeDecodeError:
+        raise SourceError("instructions file is not UTF-8 text", where=str(p)) from None
     return {"text": text, "snippet": base["snippet"]}
 
 
@@ -136,6 +140,27 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
     found = find_progress(source.state) if source.layout == "file" else {}
     prog = {**found, **(source.progress or {}), **{k: v for k, v in (progress or {}).items() if v is not None}}
     prog = {k: prog.get(k) for k in ("step", "epoch", "cursor")}
+    # Everything that can refuse the input runs before a generation number is claimed, so a refusal
+    # leaves nothing behind in the repository.
+    if level is not None and not -7 <= int(level) <= 22:
+        raise UsageError(f"zstd level must be between -7 and 22, not {level}")
+    if jobs is not None and int(jobs) < 1:
+        raise UsageError(f"--jobs must be at least 1, not {jobs}")
+    for name, value in (("step", prog.get("step")), ("epoch", prog.get("epoch")), ("cursor", prog.get("cursor"))):
+        if value is not None and value < 0:
+            raise UsageError(f"progress {name} must not be negative ({value})")
+    from .state_tree import encode, encode_value
+
+    encoded = encode(source.state)
+    config_enc = encode_value(config_v) if config_v is not None else {}
+    metrics_enc = encode_value(metrics_v) if metrics_v is not None else {}
+    if not isinstance(metrics_enc, dict) or "$t" in metrics_enc:
+        raise UsageError("metrics must be a mapping of names to values (a JSON object)")
+    try:
+        json.dumps(ids_v, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"data ids must be plain JSON values: {exc}") from None
+    instr = _instructions(instructions, source)
     r = _repo(repo, create=True)
     with r.lock(wait):
         gens = r.generations()
@@ -147,7 +172,8 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
         step = "write members"
         try:
             body = write_members(r.store, key, source, data_ids=ids_v, level=level or DEFAULT_LEVEL, jobs=jobs,
-                                 chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=on_bytes)
+                                 chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=on_bytes,
+                                 encoded=encoded)
             warnings = body.pop("warnings")
             from .state_tree import encode_value
 
@@ -156,15 +182,12 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
                 "generation": number, "created": iso(utcnow()),
                 "tool": {"name": "ckpt-archive", "version": __version__},
                 "source": body["source"], "progress": prog,
-                "config": encode_value(config_v) if config_v is not None else {},
-                "metrics": encode_value(metrics_v) if metrics_v is not None else {},
-                "data": body["data"], "instructions": _instructions(instructions, source),
+                "config": config_enc, "metrics": metrics_enc,
+                "data": body["data"], "instructions": instr,
                 "code": code_identity(code_version), "environment": environment(),
                 "tags": [str(t) for t in tags], "tree_member": body["tree_member"],
                 "members": body["members"], "tensors": body["tensors"], "summary": body["summary"],
             }
-            if not isinstance(manifest["metrics"], dict):
-                raise UsageError("metrics must be a mapping of names to values")
             step = "seal"
             validate(manifest, where=f"{key}/{MANIFEST}")
             raw = dumps(manifest)
@@ -469,6 +492,7 @@ def restore(repo, generation: str | int = "latest", output: str | os.PathLike | 
     # the output plus the spill files tensors are mapped from while torch.save writes it
     _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))
     layout = gen0.manifest["source"]["layout"]
+    _check_output_target(out, r, writes_folder=(layout == "folder" and not only))
     if consolidate is not None:
         if layout != "folder" or only or "" not in (gen0.manifest["source"].get("info") or {}).get("dcp", {}):
             raise UsageError("--consolidate applies to a torch.distributed.checkpoint (DCP) folder source only "
@@ -520,6 +544,32 @@ def restore(repo, generation: str | int = "latest", output: str | os.PathLike | 
         target = consolidate_dcp(out, consolidate)
         result.extra["consolidated"] = str(target)
     return result
+
+
+def _check_output_target(out: Path, r: Repository, *, writes_folder: bool) -> None:
+    """Refuse outputs that would destroy something: the repository itself (or a folder holding it, or a
+    path inside it), or a folder replaced by a file / a file by a folder, even with ``--force``.
+
+    Raises:
+        UsageError (exit 2): naming the output and why; nothing is written.
+    """
+    real = Path(os.path.realpath(out))
+    if getattr(r.store, "is_local", False):
+        repo_root = Path(os.path.realpath(r.store.location))
+        if real == repo_root or repo_root in real.parents or real in repo_root.parents:
+            raise UsageError("refusing to restore over or inside the repository being restored from "
+                             f"({repo_root}); choose an output outside it", where=str(out))
+    if real == Path(os.path.realpath(os.getcwd())) or real in Path(os.path.realpath(os.getcwd())).parents:
+        raise UsageError("refusing to replace the current folder or one of its parents", where=str(out))
+    if out.is_dir() and not out.is_symlink() and not writes_folder:
+        raise UsageError("is a folder; this generation restores to a file (give a file path, e.g. out.pt)",
+                         where=str(out))
+    if out.exists() and not out.is_dir() and writes_folder:
+        raise UsageError("is a file; this generation restores to a folder (a folder source)", where=str(out))
+    if out.is_dir() and writes_folder and any(out.iterdir()):
+        # --force replacing a folder: only one that looks like an earlier restore of a folder source
+        if (out / "repository.json").exists() or (out / "generations").is_dir():
+            raise UsageError("holds a ckpt-archive repository; refusing to replace it", where=str(out))
 
 
 def _remove(p: Path) -> None:

@@ -102,8 +102,11 @@ def _file_pieces(path, hasher_out: list):
 
 def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: int = DEFAULT_LEVEL,
                   jobs: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  on_bytes: Callable[[int], None] | None = None) -> dict:
+                  on_bytes: Callable[[int], None] | None = None, encoded: tuple | None = None) -> dict:
     """Write every member of a generation from a :class:`~ckpt_archive.sources.SourceCheckpoint`.
+
+    ``encoded`` is ``state_tree.encode(source.state)`` when the caller already encoded it (pack does,
+    before claiming a generation number, so that refused input leaves nothing behind).
 
     Args:
         store: the repository's :class:`~ckpt_archive.storage.Store`.
@@ -121,7 +124,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         SourceError: a value that cannot be archived (names its path). OSError from the store.
     """
     jobs = jobs or default_jobs()
-    tree, table = encode(source.state)
+    tree, table = encoded if encoded is not None else encode(source.state)
     w = _Writer(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes)
     try:
         tensors = _write_tensors(w, table)

@@ -27,7 +27,10 @@ def load_value_file(path: str | os.PathLike, *, what: str = "file") -> Any:
     p = Path(path)
     if not p.is_file():
         raise SourceError(f"{what} not found", where=str(p))
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SourceError(f"{what} is not UTF-8 text (JSON, YAML, TOML or one id per line)", where=str(p)) from None
     suffix = p.suffix.lower()
     try:
         if suffix == ".json":

@@ -185,6 +185,11 @@ class Repository:
         if not names and not self.store.exists(key):
             raise NotFound(f"no generation {number}", where=self.location)
         if MANIFEST not in names:
+            if MARKER in names:
+                # Deletion removes the marker first, so a marker without its manifest is damage, not an
+                # interrupted write: keep it as evidence (gc leaves damaged generations alone).
+                return Generation(number, "damaged", "manifest.json is missing although the generation was "
+                                  "published (USABLE marker present)")
             why = "no manifest: interrupted before seal" if CLAIM in names else "no manifest (being deleted?)"
             return Generation(number, "partial", why)
         try:
@@ -311,10 +316,21 @@ class Repository:
 
     # -- writing ---------------------------------------------------------------------------------------
     def claim_next(self) -> int:
-        """Claim the next generation number by exclusive create of its CLAIM file."""
-        n = (self.numbers() or [0])[-1] + 1
+        """Claim the next generation number by exclusive create of its CLAIM file.
+
+        Numbers are never reused, even after ``forget``/``prune`` removed the highest ones: the highest
+        number ever claimed is kept in ``repository.json`` (``highest_generation``), so a number always
+        names one archive (exports and reports can rely on it). Call with the lock held.
+        """
+        try:
+            self.config = self._read_config(self.store)
+        except CkptArchiveError:
+            pass
+        n = max((self.numbers() or [0])[-1], int(self.config.get("highest_generation") or 0)) + 1
         for _ in range(1000):
             if self.store.claim(f"{gen_key(n)}/{CLAIM}"):
+                self.config["highest_generation"] = n
+                self.store.replace_bytes(REPO_FILE, (json.dumps(self.config, indent=1) + "\n").encode())
                 return n
             n += 1
         raise StoreError("could not claim a generation number", where=self.location)

@@ -193,3 +193,38 @@ def test_repo_paths_with_at_signs_are_not_split(tmp_path, ckpt):
     weird = tmp_path / "a@b"
     assert cli("pack", ckpt, "--repo", weird).exit_code == 0
     assert cli("verify", weird).exit_code == 0
+
+
+@pytest.mark.parametrize("bad", [{"x": {1, 2}}, {"x": 1 + 2j}, {"x": object()},
+                                 {"x": torch.sparse_coo_tensor([[0]], [1.0], (2,))}],
+                         ids=["set", "complex", "object", "sparse"])
+def test_refused_input_leaves_no_partial_generation_behind(tmp_path, bad):
+    from ckpt_archive.errors import SourceError
+
+    with pytest.raises(SourceError):
+        ckpt_archive.pack(bad, tmp_path / "r")
+    assert not (tmp_path / "r" / "generations").exists() or not any((tmp_path / "r" / "generations").iterdir())
+
+
+@pytest.mark.parametrize("args, needle", [(["--level", "100"], "level"), (["--jobs", "-1"], "--jobs"),
+                                          (["--step", "-5"], "negative")])
+def test_bad_numeric_options_are_usage_errors_not_internal_errors(tmp_path, ckpt, args, needle):
+    res = cli("pack", ckpt, "--repo", tmp_path / "r", *args)
+    assert res.exit_code == 2 and needle in res.stderr and "internal error" not in res.stderr
+    assert not (tmp_path / "r" / "generations").exists() or not any((tmp_path / "r" / "generations").iterdir())
+
+
+@pytest.mark.parametrize("opt", ["--data-ids", "--instructions", "--config"])
+def test_a_binary_side_file_is_a_clear_error(tmp_path, ckpt, opt):
+    p = tmp_path / "bin.txt"
+    p.write_bytes(bytes(range(256)) * 4)
+    res = cli("pack", ckpt, "--repo", tmp_path / "r", opt, p)
+    assert res.exit_code == 2 and "not UTF-8" in res.stderr and "internal error" not in res.stderr
+
+
+def test_metrics_that_are_not_a_mapping_are_refused_before_anything_is_written(tmp_path, ckpt):
+    m = tmp_path / "m.json"
+    m.write_text("[1, 2]")
+    res = cli("pack", ckpt, "--repo", tmp_path / "r", "--metrics", m)
+    assert res.exit_code == 2 and "metrics must be a mapping" in res.stderr
+    assert not (tmp_path / "r" / "generations").exists() or not any((tmp_path / "r" / "generations").iterdir())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +170,44 @@ def test_restore_refuses_a_generation_missing_a_member_it_does_not_need(tmp_path
     with pytest.raises(IntegrityError, match="data-ids.json"):
         ckpt_archive.restore(r, "1", tmp_path / "o.pt")
     assert not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.parametrize("target", ["repo_parent", "repo_itself", "inside_repo", "a_folder", "cwd"])
+def test_restore_force_never_destroys_the_repository_a_folder_or_the_current_folder(tmp_path, monkeypatch, target):
+    from ckpt_archive.errors import UsageError
+
+    box = tmp_path / "box"
+    r = box / "repo"
+    ckpt_archive.pack(state(1), r)
+    other = tmp_path / "work"
+    other.mkdir()
+    (other / "keep.txt").write_text("keep")
+    monkeypatch.chdir(other)
+    out = {"repo_parent": box, "repo_itself": r, "inside_repo": r / "repository.json",
+           "a_folder": other, "cwd": Path(".")}[target]
+    with pytest.raises(UsageError):
+        ckpt_archive.restore(r, "latest", out, force=True)
+    assert ckpt_archive.verify(r).ok
+    assert (other / "keep.txt").read_text() == "keep"
+
+
+def test_generation_numbers_are_never_reused_after_forget(tmp_path):
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    ckpt_archive.pack(state(2), r)
+    repo = Repository.open(r)
+    with repo.lock():
+        repo.remove_generation(2)
+    assert ckpt_archive.pack(state(3), r).generation == 3
+    with repo.lock():
+        repo.remove_generation(1)
+        repo.remove_generation(3)
+    assert ckpt_archive.pack(state(4), r).generation == 4
+
+
+def test_a_published_generation_that_lost_its_manifest_is_damaged_not_a_leftover(tmp_path):
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    (r / "generations" / "00000001" / "manifest.json").unlink()
+    g = Repository.open(r).generation(1)
+    assert g.status == "damaged" and "USABLE marker present" in g.reason

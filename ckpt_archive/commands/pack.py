@@ -24,8 +24,10 @@ def register(app: typer.Typer) -> None:
         instructions: Optional[Path] = typer.Option(None, "--instructions", help="Loading instructions (text)."),
         code_version: Optional[str] = typer.Option(None, "--code-version", help="Code version text."),
         tag: List[str] = typer.Option([], "--tag", help="Tag (repeatable)."),
-        step: Optional[int] = typer.Option(None, "--step", help="Progress step, if the state lacks it."),
-        epoch: Optional[int] = typer.Option(None, "--epoch", help="Progress epoch, if the state lacks it."),
+        step: Optional[int] = typer.Option(None, "--step", min=0, help="Progress step to record in the manifest "
+                                           "(overrides the step found in the state)."),
+        epoch: Optional[int] = typer.Option(None, "--epoch", min=0, help="Progress epoch to record (overrides "
+                                            "the epoch found in the state)."),
         fmt: Optional[str] = typer.Option(None, "--format", help="Force a source format (auto-detected)."),
         allow_numpy: bool = typer.Option(False, "--allow-numpy",
                                          help="Admit NumPy's own types (arrays, scalars, dtypes) in a .pt; "
@@ -33,15 +35,16 @@ def register(app: typer.Typer) -> None:
         jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Threads (default: all cores)."),
         level: Optional[int] = typer.Option(None, "--level", help="zstd level (default 3)."),
         wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for another writer's lock."),
-        keep_last: Optional[int] = typer.Option(None, "--keep-last"),
-        keep_hourly: Optional[int] = typer.Option(None, "--keep-hourly"),
-        keep_daily: Optional[int] = typer.Option(None, "--keep-daily"),
-        keep_weekly: Optional[int] = typer.Option(None, "--keep-weekly"),
-        keep_monthly: Optional[int] = typer.Option(None, "--keep-monthly"),
-        keep_within: Optional[str] = typer.Option(None, "--keep-within"),
-        keep_tag: List[str] = typer.Option([], "--keep-tag"),
-        keep_best: Optional[int] = typer.Option(None, "--keep-best"),
-        best_by: Optional[str] = typer.Option(None, "--best-by"),
+        keep_last: Optional[int] = typer.Option(None, "--keep-last", help="Retention: keep the N newest."),
+        keep_hourly: Optional[int] = typer.Option(None, "--keep-hourly", help="Retention: newest of each of N hours."),
+        keep_daily: Optional[int] = typer.Option(None, "--keep-daily", help="Retention: newest of each of N days (UTC)."),
+        keep_weekly: Optional[int] = typer.Option(None, "--keep-weekly", help="Retention: newest of each of N ISO weeks."),
+        keep_monthly: Optional[int] = typer.Option(None, "--keep-monthly", help="Retention: newest of each of N months."),
+        keep_within: Optional[str] = typer.Option(None, "--keep-within", help="Retention: all within a duration "
+                                                  "of the newest, e.g. 2d12h."),
+        keep_tag: List[str] = typer.Option([], "--keep-tag", help="Retention: keep generations with this tag."),
+        keep_best: Optional[int] = typer.Option(None, "--keep-best", help="Retention: the N best by --best-by."),
+        best_by: Optional[str] = typer.Option(None, "--best-by", help="METRIC:min|max from the manifest's metrics."),
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
