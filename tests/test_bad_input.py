@@ -207,7 +207,7 @@ def test_refused_input_leaves_no_partial_generation_behind(tmp_path, bad):
 
 
 @pytest.mark.parametrize("args, needle", [(["--level", "100"], "level"), (["--jobs", "-1"], "--jobs"),
-                                          (["--step", "-5"], "negative")])
+                                          (["--step", "-5"], "greater than or equal to 0")])
 def test_bad_numeric_options_are_usage_errors_not_internal_errors(tmp_path, ckpt, args, needle):
     res = cli("pack", ckpt, "--repo", tmp_path / "r", *args)
     assert res.exit_code == 2 and needle in res.stderr and "internal error" not in res.stderr
