@@ -443,7 +443,8 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
                                 f"a concurrent backup packed the same content as generation {earlier[-1].number}; "
                                 f"duplicate generation {gen} removed", read_bytes=read_bytes, warnings=warnings)
         remember(gen)
-        ret = apply_after_pack(rep, policy.to_dict() if policy is not None else None, now=now)
+        # pack verified and trial-reloaded `gen` moments ago: it counts as the kept verified copy unread
+        ret = apply_after_pack(rep, policy.to_dict() if policy is not None else None, now=now, verified=(gen,))
     warnings += ret.get("warnings", [])
     return BackupResult("packed", key, str(checkpoint), gen, f"packed as generation {gen}", read_bytes=read_bytes,
                         retention=ret, warnings=warnings)

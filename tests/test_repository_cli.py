@@ -194,6 +194,146 @@ def test_pack_with_a_policy_that_keeps_nothing_old_still_packs_and_warns(tmp_pat
     assert any("retention not applied" in w for w in res.retention["warnings"])
 
 
+# ------------------------------------------------------------------ prune never deletes the only verified copy
+def flip_byte(repo: Path, n: int, member: str = "tensors-00000.safetensors.ckz") -> Path:
+    """Silent corruption of one stored member of generation n (its marker still says usable)."""
+    f = gen_dir(repo, n) / member
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    return f
+
+
+def test_prune_refuses_to_delete_the_only_intact_generations_when_the_kept_one_is_corrupt(tmp_path):
+    repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
+    flip_byte(repo, 3)
+    res, out = cli_json("prune", repo, "--keep-last", 1)
+    assert res.exit_code == 1, res.stderr
+    assert out["ok"] is False and out["error"] == "IntegrityError"
+    assert "generation 3" in out["reason"] and "tensors-00000.safetensors" in out["reason"]
+    assert "nothing was removed" in out["reason"] and "Traceback" not in res.stderr
+    assert usable(repo) == [1, 2, 3]
+    for n in (1, 2):  # the intact copies are still there
+        assert ckpt_archive.verify(repo, n).ok
+    assert cli("verify", f"{repo}@2").exit_code == 0
+
+
+def test_prune_refuses_when_a_kept_generation_lost_a_member_and_names_it(tmp_path):
+    repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
+    (gen_dir(repo, 3) / "tensors-00000.safetensors.ckz").unlink()
+    res, out = cli_json("prune", repo, "--keep-last", 1)
+    assert res.exit_code == 1 and out["error"] == "IntegrityError", res.stderr
+    assert "generation 3" in out["reason"] and "tensors-00000.safetensors" in out["reason"]
+    assert usable(repo) == [1, 2, 3]
+
+
+def test_prune_refusal_does_not_save_the_policy_as_default(tmp_path):
+    repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
+    flip_byte(repo, 3)
+    assert cli("prune", repo, "--keep-last", 1, "--save-default").exit_code == 1
+    assert json.loads((repo / "repository.json").read_text())["retention"] is None
+
+
+def test_prune_removes_only_after_an_older_kept_generation_verifies_and_warns_about_the_corrupt_newest(tmp_path):
+    repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
+    flip_byte(repo, 3)
+    res, out = cli_json("prune", repo, "--keep-last", 2)
+    assert res.exit_code == 0, res.stderr
+    assert out["removed"] == [1] and usable(repo) == [2, 3]
+    assert out["verify_kept"]["verified_generation"] == 2 and out["verify_kept"]["trusted"] is False
+    assert [f["generation"] for f in out["verify_kept"]["failed"]] == [3]
+    assert any("kept generation 3 does not verify" in w for w in out["warnings"])
+    assert "warning: kept generation 3 does not verify" in " ".join(res.stderr.split())
+
+
+def test_prune_dry_run_shows_the_kept_generation_check_and_a_refusal_it_would_meet(tmp_path):
+    repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
+    res = cli("prune", repo, "--keep-last", 2, "--dry-run")
+    text = " ".join(res.stderr.split())
+    assert res.exit_code == 0 and "kept generation 3 verified (stored sizes + sha256)" in text, text
+    flip_byte(repo, 3)
+    res, out = cli_json("prune", repo, "--keep-last", 1, "--dry-run")
+    assert res.exit_code == 1, res.stderr
+    assert out["ok"] is False and out["dry_run"] is True and out["removed"] == []
+    assert out["verify_kept"]["ok"] is False and out["verify_kept"]["failed"][0]["generation"] == 3
+    assert "refusing to prune" in out["refused"]
+    res = cli("prune", repo, "--keep-last", 1, "--dry-run")
+    text = " ".join(res.stderr.split())
+    assert "FAILS verify" in text and "a prune would be refused" in text
+    assert usable(repo) == [1, 2, 3]
+
+
+def test_prune_with_nothing_to_remove_reads_no_generation(repo5, monkeypatch):
+    def no_reading(*a, **k):
+        raise AssertionError("a generation was read although nothing is removed")
+
+    monkeypatch.setattr(ckpt_archive.api, "verify", no_reading)
+    res, out = cli_json("prune", repo5, "--keep-last", 5)
+    assert res.exit_code == 0, res.stderr
+    assert out["verify_kept"]["needed"] is False and usable(repo5) == [1, 2, 3, 4, 5]
+
+
+def test_prune_checks_kept_generations_newest_first_and_stops_at_the_first_that_verifies(repo5, monkeypatch):
+    read = []
+    real_verify = ckpt_archive.api.verify
+
+    def recording(repo, generation, **kw):
+        read.append(int(generation))
+        return real_verify(repo, generation, **kw)
+
+    monkeypatch.setattr(ckpt_archive.api, "verify", recording)
+    flip_byte(repo5, 5)
+    res, out = cli_json("prune", repo5, "--keep-last", 3)
+    assert res.exit_code == 0, res.stderr
+    assert read == [5, 4] and out["removed"] == [1, 2]
+
+
+def test_pack_time_retention_counts_the_just_published_generation_as_verified_without_rereading_it(tmp_path,
+                                                                                                   monkeypatch):
+    from ckpt_archive import retention
+
+    repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
+
+    def no_reading(*a, **k):
+        raise AssertionError("the generation pack just verified was read again")
+
+    monkeypatch.setattr(ckpt_archive.api, "verify", no_reading)
+    r = Repository.open(repo)
+    with r.lock():
+        ret = retention.apply_after_pack(r, {"keep_last": 1}, verified=(3,))
+    assert ret["removed"] == [1, 2] and ret["verify_kept"]["trusted"] is True
+    assert usable(repo) == [3]
+
+
+def test_pack_time_retention_without_a_verified_generation_removes_nothing_when_the_kept_one_is_corrupt(tmp_path):
+    from ckpt_archive import retention
+
+    repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
+    flip_byte(repo, 3)
+    r = Repository.open(repo)
+    with r.lock():
+        ret = retention.apply_after_pack(r, {"keep_last": 1})
+    assert ret["removed"] == []
+    assert any("retention not applied, nothing removed" in w and "generation 3" in w for w in ret["warnings"])
+    assert usable(repo) == [1, 2, 3]
+
+
+def test_backup_retention_does_not_reread_the_generation_it_just_packed(tmp_path, monkeypatch):
+    src = tmp_path / "run" / "last.pt"
+    repo = tmp_path / "repo"
+    save_pt(src, 1)
+    assert backup_cli(src, repo)[0].exit_code == 0
+
+    def no_reading(*a, **k):
+        raise AssertionError("the generation backup just packed was read again")
+
+    monkeypatch.setattr(ckpt_archive.api, "verify", no_reading)
+    save_pt(src, 2)
+    res, out = backup_cli(src, repo, "--keep-last", 1)
+    assert res.exit_code == 0, res.stderr
+    assert out["retention"]["removed"] == [1] and out["retention"]["verify_kept"]["trusted"] is True
+
+
 # ---------------------------------------------------------------------------------------------- forget
 def test_forget_removes_one_generation_and_leaves_the_others_usable(repo5):
     res, out = cli_json("forget", f"{repo5}@3")

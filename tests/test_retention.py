@@ -461,3 +461,79 @@ def test_property_a_larger_count_never_keeps_less(raw, pol, mono, which):
         return
     assert not isinstance(large, UsageError)
     assert set(small.keep_numbers) <= set(large.keep_numbers)
+
+
+# ---------------------------------------------------------------------------------------------- never delete the only verified copy
+class FakeRepo:
+    """Generations 1..n, all usable; ``bad`` ones fail verify; records what is read and removed."""
+
+    location = "fake-repo"
+
+    def __init__(self, n, bad=()):
+        self.numbers = list(range(1, n + 1))
+        self.bad = set(bad)
+        self.read: list[int] = []
+        self.removed: list[int] = []
+
+    def generations(self):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(number=i, status="usable") for i in self.numbers]
+
+    def remove_generation(self, number):
+        self.removed.append(number)
+        self.numbers.remove(number)
+
+
+@pytest.fixture
+def fake_verify(monkeypatch):
+    from ckpt_archive import retention
+
+    def verify_problems(repo, number):
+        repo.read.append(number)
+        return [f"tensors-00000.safetensors: stored sha256 mismatch (gen {number})"] if number in repo.bad else []
+
+    monkeypatch.setattr(retention, "_verify_problems", verify_problems)
+
+
+def test_execute_prune_refuses_and_removes_nothing_when_no_kept_generation_verifies(fake_verify):
+    from ckpt_archive.errors import IntegrityError
+    from ckpt_archive.retention import execute_prune
+
+    repo = FakeRepo(3, bad={3})
+    decision = apply_policy(gens_with_losses([0.9, 0.8, 0.7]), RetentionPolicy(keep_last=1))
+    with pytest.raises(IntegrityError, match=r"generation 3: tensors-00000.safetensors") as err:
+        execute_prune(repo, decision)
+    assert err.value.exit_code == 1 and "removing 1, 2" in err.value.message
+    assert repo.removed == [] and repo.read == [3]
+
+
+def test_check_kept_walks_kept_generations_newest_first_and_stops_at_the_first_that_verifies(fake_verify):
+    from ckpt_archive.retention import check_kept, execute_prune
+
+    repo = FakeRepo(6, bad={6, 5})
+    decision = apply_policy(gens_with_losses([0.9] * 6), RetentionPolicy(keep_last=4))
+    check = check_kept(repo, decision)
+    assert repo.read == [6, 5, 4]  # 3 is kept too, but 4 already verified
+    assert check.ok and check.verified == 4 and [n for n, _ in check.failed] == [6, 5]
+    assert [w.split(" does not")[0] for w in check.warnings()] == ["kept generation 6", "kept generation 5"]
+    assert execute_prune(repo, decision, check=check) == [1, 2]
+
+
+def test_check_kept_trusts_a_just_verified_generation_without_reading_it(fake_verify):
+    from ckpt_archive.retention import check_kept
+
+    repo = FakeRepo(3, bad={3})  # even if it would fail now: pack verified it under this very lock
+    decision = apply_policy(gens_with_losses([0.9, 0.8, 0.7]), RetentionPolicy(keep_last=1))
+    check = check_kept(repo, decision, verified=(3,))
+    assert check.ok and check.trusted and check.verified == 3 and repo.read == []
+
+
+def test_check_kept_reads_nothing_when_nothing_is_removed(fake_verify):
+    from ckpt_archive.retention import check_kept, execute_prune
+
+    repo = FakeRepo(3, bad={1, 2, 3})
+    decision = apply_policy(gens_with_losses([0.9, 0.8, 0.7]), RetentionPolicy(keep_last=3))
+    check = check_kept(repo, decision)
+    assert check.ok and not check.needed and repo.read == []
+    assert execute_prune(repo, decision, check=check) == []

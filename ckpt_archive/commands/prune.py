@@ -36,7 +36,10 @@ WAIT = typer.Option(0.0, "--wait", metavar="SECONDS", min=0.0, help="Wait up to 
 
 POLICY_HELP = ("The newest usable generation is always kept; generations that are not usable are never counted "
                "and never removed here (gc removes leftovers); a policy that would keep none of the usable "
-               "generations is refused. Calendar buckets are in UTC.")
+               "generations is refused. Before removing anything, the kept generations are verified newest "
+               "first (stored sizes and sha256) until one passes; if none passes, nothing is removed and the "
+               "prune exits 1 naming what failed (never delete the only verified copy). Calendar buckets are "
+               "in UTC.")
 
 
 def policy_from_flags(keep_last: Optional[int], keep_hourly: Optional[int], keep_daily: Optional[int],
@@ -57,8 +60,12 @@ def policy_from_flags(keep_last: Optional[int], keep_hourly: Optional[int], keep
                                       keep_tag=keep_tag, keep_best=keep_best, best_by=best_by)
 
 
-def decision_table(decision, generations, title: str):
-    """A rich table of a retention decision: generation, created, step, stored size, action, why."""
+def decision_table(decision, generations, title: str, check=None):
+    """A rich table of a retention decision: generation, created, step, stored size, action, why.
+
+    ``check`` (a :class:`~ckpt_archive.retention.KeptCheck`) adds what the kept-generation check found
+    to the "why" of each kept generation it read (or trusted).
+    """
     from rich.table import Table
 
     by_number = {g.number: g for g in generations}
@@ -67,7 +74,13 @@ def decision_table(decision, generations, title: str):
                     ("stored", {"justify": "right"}), ("action", {}), ("why", {"overflow": "fold"})):
         table.add_column(col, **kw)
     styles = {"keep": "green", "remove": "red", "not usable": "yellow"}
+    failed = dict(check.failed) if check is not None else {}
     for number, action, reasons in decision.rows():
+        if check is not None and number == check.verified:
+            reasons = list(reasons) + ["verified at pack" if check.trusted else "verified (sizes + sha256)"]
+        elif number in failed:
+            where = sorted({line.split(": ", 1)[0] for line in failed[number]})
+            reasons = list(reasons) + ["FAILS verify (" + ", ".join(where) + ")"]
         g = by_number.get(number)
         created = g.created.strftime("%Y-%m-%d %H:%M") if g is not None and g.created else "-"
         step = str(g.step) if g is not None and g.step is not None else "-"
@@ -89,24 +102,32 @@ def _human_bytes(n: int) -> str:
 def run_prune(repo_url: str, policy, *, dry_run: bool, wait: float, now=None, save_default: bool = False) -> dict:
     """Apply ``policy`` (or the repository's default when ``None``) to the repository.
 
+    Before anything is removed, a kept generation must verify (newest kept first, shallow verify:
+    stored sizes and sha256; :func:`~ckpt_archive.retention.check_kept`): never delete the only
+    verified copy. ``dry_run`` makes the same check and reports it.
+
     Args:
         repo_url: repository path or URL.
         policy: a :class:`~ckpt_archive.retention.RetentionPolicy`, or ``None`` for the default.
-        dry_run: decide and report only; take no lock, delete nothing.
+        dry_run: decide, check the kept generations and report only; take no lock, delete nothing.
         wait: seconds to wait for the writer lock.
         now: decision time (default now, UTC).
         save_default: also store ``policy`` as the repository's default (``repository.json``), once
-            the decision has been accepted (not with ``dry_run``).
+            the decision has been accepted (not with ``dry_run``, not when the prune is refused).
 
     Returns:
-        ``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed", "saved_default"}``.
+        ``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed", "saved_default",
+        "verify_kept", "warnings", "refused"}``; ``refused`` is ``None`` or (dry run only) the reason the
+        prune would be refused.
 
     Raises:
         NotFound: no repository there. UsageError: empty or refused policy. LockError: another writer.
+        IntegrityError: (not with ``dry_run``) no kept generation verifies; nothing removed (exit 1).
     """
-    from ..errors import UsageError
+    from ..errors import IntegrityError, UsageError
     from ..repository import Repository
-    from ..retention import GenerationFacts, RetentionPolicy, apply_policy, execute_prune
+    from ..retention import (GenerationFacts, RetentionPolicy, apply_policy, check_kept, execute_prune,
+                             refuse_unless_verified)
 
     repo = Repository.open(repo_url)
     if policy is None:
@@ -119,18 +140,27 @@ def run_prune(repo_url: str, policy, *, dry_run: bool, wait: float, now=None, sa
         return gens, apply_policy([GenerationFacts.from_generation(g) for g in gens], policy, now)
 
     saved = False
+    refused = None
     if dry_run:
         gens, decision = decide()
+        check = check_kept(repo, decision)
+        try:
+            refuse_unless_verified(check, decision, where=repo.location)
+        except IntegrityError as exc:
+            refused = str(exc)
         removed: list[int] = []
     else:
         with repo.lock(wait=wait):
             gens, decision = decide()
+            check = check_kept(repo, decision)
+            refuse_unless_verified(check, decision, where=repo.location)  # before saving or removing anything
             if save_default:
                 repo.set_default_retention(policy.to_dict())
                 saved = True
-            removed = execute_prune(repo, decision)
+            removed = execute_prune(repo, decision, check=check)
     return {"repository": repo.location, "dry_run": dry_run, **decision.to_json(), "removed": removed,
-            "saved_default": saved, "_decision": decision, "_generations": gens}
+            "saved_default": saved, "verify_kept": check.to_json(), "warnings": check.warnings(),
+            "refused": refused, "_decision": decision, "_generations": gens, "_check": check}
 
 
 def register(app: typer.Typer) -> None:
@@ -158,9 +188,20 @@ def register(app: typer.Typer) -> None:
         result = run_prune(repo, policy, dry_run=dry_run, wait=wait, save_default=save_default)
         decision = result.pop("_decision")
         gens = result.pop("_generations")
+        check = result.pop("_check")
         if not json_output:
             verb = "would remove" if dry_run else "removed"
-            out.table(decision_table(decision, gens, f"{decision.policy.describe()} ({'dry run' if dry_run else 'prune'})"))
+            out.table(decision_table(decision, gens, f"{decision.policy.describe()} ({'dry run' if dry_run else 'prune'})",
+                                     check=check))
+            if not result["refused"]:
+                out.say(f"check before removing: {check.describe()}")
+        for w in result["warnings"]:
+            out.warn(w)
+        if result["refused"]:
+            out.say(f"error: a prune would be refused: {result['refused']}", style="red")
+            out.json({"ok": False, **result, "exit_code": 1})
+            raise typer.Exit(1)
+        if not json_output:
             done = decision.remove_numbers if dry_run else result["removed"]
             out.say(f"{verb} {len(done)} generation(s){': ' + ', '.join(map(str, sorted(done))) if done else ''}; "
                     f"kept {len(decision.keep)}; {len(decision.not_usable)} not usable left for gc")
