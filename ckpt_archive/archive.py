@@ -726,7 +726,11 @@ def _leaf_from_base(base, lrec: dict):
         dt = torch_dtype(lrec["dtype"])
         t = torch.empty(0, dtype=dt).set_(base.untyped_storage(), view["storage_offset"], lrec["shape"],
                                           view["stride"])
-    if lrec.get("requires_grad"):
+    if lrec.get("parameter"):
+        import torch
+
+        t = torch.nn.Parameter(t, requires_grad=bool(lrec.get("requires_grad")))
+    elif lrec.get("requires_grad"):
         t.requires_grad_(True)
     return t
 

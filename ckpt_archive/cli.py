@@ -22,6 +22,20 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"ckpt-archive {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Pack a training checkpoint (a resume point) into a verified, trial-reloaded archive."""
+
+
 def _register_all() -> None:
     for name in COMMAND_MODULES:
         try:

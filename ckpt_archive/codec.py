@@ -248,6 +248,7 @@ class MemberWriter:
         self._stored_hash = hashlib.sha256()
         self._pending: collections.deque[tuple[int, int, Future]] = collections.deque()
         self._hash_pending: collections.deque[Future] = collections.deque()
+        self._stored_pending: collections.deque[Future] = collections.deque()
         self._buf: list = []
         self._buf_len = 0
         self._buf_hint: str | None = None
@@ -305,8 +306,11 @@ class MemberWriter:
         raw_offset, raw_len, fut = self._pending.popleft()
         codec, stored, sha = fut.result()
         self.fh.write(stored)
-        # whole-file stored sha256 on the hash thread (FIFO keeps the order), off the caller's thread
-        self._hash_pending.append(self._hash_pool.submit(self._stored_hash.update, stored))
+        # whole-file stored sha256 on the hash thread (FIFO keeps the order), off the caller's thread;
+        # each pending update holds its stored chunk, so at most 2 * jobs may wait (bounded memory)
+        self._stored_pending.append(self._hash_pool.submit(self._stored_hash.update, stored))
+        while len(self._stored_pending) > 2 * self.jobs:
+            self._stored_pending.popleft().result()
         self.chunks.append({"raw_offset": raw_offset, "raw_bytes": raw_len, "stored_offset": self._stored_offset,
                             "stored_bytes": len(stored), "stored_sha256": sha, "codec": codec})
         self._stored_offset += len(stored)
@@ -331,6 +335,8 @@ class MemberWriter:
                 self._write_one()
             while self._hash_pending:
                 self._hash_pending.popleft().result()
+            while self._stored_pending:
+                self._stored_pending.popleft().result()
             if self._sync_fut is not None:
                 self._sync_fut.result()
         finally:

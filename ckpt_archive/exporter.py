@@ -185,6 +185,24 @@ def _usable_one(repo, spec: str):
 # ------------------------------------------------------------------------------------------------
 # export
 # ------------------------------------------------------------------------------------------------
+def _check_destination(src, dest) -> None:
+    """Refuse a destination that is empty, or that is/contains/lies inside the source repository."""
+    import os
+    from pathlib import Path
+
+    from .storage import has_scheme
+
+    text = os.fspath(dest).strip() if dest is not None else ""
+    if not text:
+        raise UsageError("empty destination: give a folder or a URL such as s3://bucket/prefix")
+    if has_scheme(text) or not getattr(src.store, "is_local", False):
+        return
+    real = Path(os.path.realpath(Path(text).expanduser()))
+    root = Path(os.path.realpath(src.store.location))
+    if real == root or root in real.parents or real in root.parents:
+        raise UsageError(f"the destination must lie outside the source repository ({root})", where=text)
+
+
 def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = None,
            storage_options: dict | None = None, report: str | os.PathLike | None = None,
            report_format: str = "markdown", on_bytes: Callable[[int], None] | None = None,
@@ -222,6 +240,7 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
     started = _now()
     src = repo if isinstance(repo, Repository) else Repository.open(repo)
     picked = select_generations(src, generations)
+    _check_destination(src, dest)
     options: dict = {}
     if endpoint_url:
         options["endpoint_url"] = endpoint_url

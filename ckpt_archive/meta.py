@@ -163,7 +163,8 @@ def default_instructions(source_format: str, layout: str, top_keys: list[str]) -
                    "#   ckpt-archive restore REPO@latest --output ./restored\n"
                    "import ckpt_archive\n"
                    "files = ckpt_archive.load('REPO', generation='latest')  # {relpath: state}\n")
-        text = f"A {source_format} folder. Restore it with `ckpt-archive restore REPO@GEN --output DIR` and " \
+        what = "checkpoint folder" if source_format == "folder" else f"{source_format} checkpoint folder"
+        text = f"A {what}. Restore it with `ckpt-archive restore REPO@GEN --output DIR` and " \
                f"point the original trainer at DIR."
     else:
         snippet = ("import ckpt_archive\n"

@@ -253,6 +253,8 @@ class _Encoder:
                         rec["device"] = str(t.device)
                     if t.requires_grad:
                         rec["requires_grad"] = True
+                    if isinstance(t, torch.nn.Parameter):
+                        rec["parameter"] = True
                     if i > 0:
                         rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride()]}
                         self.table.leaf_bytes[key] = lambda t=t: _tensor_u8(t)
@@ -278,6 +280,8 @@ class _Encoder:
                     rec["device"] = str(t.device)
                 if t.requires_grad:
                     rec["requires_grad"] = True
+                if isinstance(t, torch.nn.Parameter):
+                    rec["parameter"] = True
                 self.table.leaves[key] = rec
                 self.table.leaf_bytes[key] = lambda t=t: _tensor_u8(t)
 

@@ -228,3 +228,9 @@ def test_metrics_that_are_not_a_mapping_are_refused_before_anything_is_written(t
     res = cli("pack", ckpt, "--repo", tmp_path / "r", "--metrics", m)
     assert res.exit_code == 2 and "metrics must be a mapping" in res.stderr
     assert not (tmp_path / "r" / "generations").exists() or not any((tmp_path / "r" / "generations").iterdir())
+
+
+def test_a_bad_generation_suffix_is_named_as_such(repo):
+    for bad in ("abc", "-1", "1.5", "\uff11"):
+        res = cli("verify", f"{repo}@{bad}")
+        assert res.exit_code == 2 and "bad generation" in res.stderr, (bad, res.stderr)

@@ -395,3 +395,15 @@ def test_end_of_rental_script_fails_loudly_when_the_export_fails(source, s3_serv
     assert proc.returncode == 2, proc.stderr
     assert "access denied" in proc.stderr and "NOT SAFE to return the machine" in proc.stderr
     assert not (tmp_path / "proof.md").exists()
+
+
+@pytest.mark.parametrize("where", ["", "inside", "parent"])
+def test_export_refuses_an_empty_destination_or_one_overlapping_the_source(tmp_path, where):
+    from ckpt_archive.errors import UsageError
+
+    src = tmp_path / "box" / "src"
+    ca.pack({"w": torch.ones(3)}, src)
+    dest = {"": "", "inside": str(src / "generations" / "x"), "parent": str(tmp_path / "box")}[where]
+    with pytest.raises(UsageError):
+        export(src, dest)
+    assert not (src / "generations" / "x").exists()

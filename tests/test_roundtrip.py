@@ -190,3 +190,15 @@ def test_a_pt_file_source_round_trips(tmp_path):
     res = ckpt_archive.pack(tmp_path / "ck.pt", tmp_path / "repo")
     assert res.manifest["source"]["format"] == "torch-file"
     assert_same(state, ckpt_archive.load(tmp_path / "repo"))
+
+
+def test_parameters_come_back_as_parameters_with_their_requires_grad(tmp_path):
+    state = {"p": torch.nn.Parameter(torch.randn(3)), "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+             "t": torch.zeros(2)}
+    ckpt_archive.pack(state, tmp_path / "repo")
+    back = ckpt_archive.load(tmp_path / "repo")
+    assert type(back["p"]) is torch.nn.Parameter and back["p"].requires_grad
+    assert type(back["frozen"]) is torch.nn.Parameter and not back["frozen"].requires_grad
+    assert type(back["t"]) is torch.Tensor
+    ckpt_archive.restore(tmp_path / "repo", "latest", tmp_path / "o.pt")
+    assert type(torch.load(tmp_path / "o.pt", weights_only=True)["p"]) is torch.nn.Parameter

@@ -19,7 +19,7 @@ EXIT_CODES_HELP = ("Exit codes: 0 ok; 1 something was examined and found wrong (
                    "(unreadable or refused input, missing path, bad arguments, newer format, lock not "
                    "obtained).")
 
-_GEN_SUFFIX = re.compile(r"^(\d+|latest|tag:[^/@]+)$")
+_GEN_SUFFIX = re.compile(r"^([0-9]+|latest|tag:[^/@]+)$", re.ASCII)
 
 
 def split_repo_spec(spec: str) -> tuple[str, str]:
@@ -40,6 +40,12 @@ def split_repo_spec(spec: str) -> tuple[str, str]:
         head, _, tail = spec.rpartition("@")
         if head and _GEN_SUFFIX.match(tail):
             return head, tail
+        import os
+
+        from ..storage import has_scheme
+
+        if head and not has_scheme(spec) and not os.path.exists(spec) and os.path.exists(head):
+            raise UsageError(f"bad generation {tail!r} in {spec!r}: use REPO@N, REPO@latest or REPO@tag:NAME")
     if not spec:
         raise UsageError("empty repository argument")
     return spec, "latest"
@@ -53,6 +59,8 @@ class Output:
 
         self.json_mode = json_mode
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+        if not self.err.is_terminal and "COLUMNS" not in __import__("os").environ:
+            self.err.width = 200  # logs and pipes: do not cut paths and reasons at 80 columns
 
     def say(self, text: str = "", style: str | None = None) -> None:
         self.err.print(text, style=style, markup=False)

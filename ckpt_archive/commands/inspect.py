@@ -2,6 +2,8 @@
 state tree and the small scalar tensors such as step counters, never the weights)."""
 from __future__ import annotations
 
+import json
+
 import typer
 
 from ._common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes, split_repo_spec
@@ -34,8 +36,13 @@ def register(app: typer.Typer) -> None:
         out.say(f"  environment: python {env.get('python')}, torch {env.get('torch')}, numpy {env.get('numpy')}")
         if m["tags"]:
             out.say(f"  tags: {', '.join(m['tags'])}")
+        if m["config"]:
+            out.say(f"  config: {json.dumps(m['config'], ensure_ascii=False)[:2000]}")
         if m["metrics"]:
-            out.say(f"  metrics: {m['metrics']}")
+            out.say(f"  metrics: {json.dumps(m['metrics'], ensure_ascii=False)}")
+        if m.get("data"):
+            d = m["data"]
+            out.say(f"  data ids: {d.get('count')} (sha256 {str(d.get('fingerprint'))[:16]}…)")
         s = m["summary"]
         out.say(f"  {s['tensor_count']} tensors in {s['member_count']} members: {human_bytes(s['raw_bytes'])} raw, "
                 f"{human_bytes(s['stored_bytes'])} stored")

@@ -32,4 +32,6 @@ def register(app: typer.Typer) -> None:
             out.table(table)
         else:
             out.say("no usable generation" + ("" if all_ else " (--all shows the others)"))
-        out.json({"repository": repo, "generations": rows})
+        from ..repository import Repository
+
+        out.json({"repository": Repository.open(repo).location, "generations": rows})

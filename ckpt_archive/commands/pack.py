@@ -50,6 +50,11 @@ def register(app: typer.Typer) -> None:
         import ckpt_archive
 
         out = Output(json_output)
+        from ._common import split_repo_spec
+
+        if split_repo_spec(repo)[0] != repo:
+            out.warn(f"the repository path {repo!r} ends like a generation selector (@N, @latest, @tag:NAME): "
+                     f"other commands will read it as one; address this repository as {repo}@latest")
         policy = policy_from_flags(keep_last=keep_last, keep_hourly=keep_hourly, keep_daily=keep_daily,
                                    keep_weekly=keep_weekly, keep_monthly=keep_monthly, keep_within=keep_within,
                                    keep_tag=keep_tag, keep_best=keep_best, best_by=best_by, allow_empty=True)
