@@ -2059,6 +2059,8 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     """
     if policy not in ("checkpoint", "session"):
         raise UsageError(f"--policy must be 'checkpoint' or 'session', not {policy!r}")
+    if expect_lr is not None and not (math.isfinite(expect_lr) and expect_lr >= 0):
+        raise UsageError(f"--expect-lr must be a finite, non-negative number, not {expect_lr}")
     if session_config is None and expect_lr is None and policy == "checkpoint":
         return None, {}
     state, manifest, _ = state_for_audit(repo, generation)

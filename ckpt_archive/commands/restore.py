@@ -10,7 +10,9 @@ from ._common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes,
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("restore", help="Restore a generation to FILE.pt (loads with torch.load(weights_only=True)) or, "
+    @app.command("restore", help="Restore a generation to FILE.pt (loads with torch.load(weights_only=True); a "
+                                 "state holding NumPy objects also needs NumPy's allowlist, "
+                                 "ckpt_archive.sources.torchfile.numpy_safe_globals()) or, "
                                  "for a folder source, to a folder. Never overwrites without --force; writes a "
                                  "temporary name then renames; checks free space first. " + EXIT_CODES_HELP)
     @command
