@@ -247,7 +247,8 @@ class MemberWriter:
         self._raw_hash = hashlib.sha256()
         self._stored_hash = hashlib.sha256()
         self._pending: collections.deque[tuple[int, int, Future]] = collections.deque()
-        self._hash_pending: collections.deque[Future] = collections.deque()
+        self._hash_pending: collections.deque[tuple[int, Future]] = collections.deque()
+        self._hash_pending_bytes = 0
         self._stored_pending: collections.deque[Future] = collections.deque()
         self._buf: list = []
         self._buf_len = 0
@@ -269,9 +270,14 @@ class MemberWriter:
         n = len(mv)
         if n == 0:
             return
-        self._hash_pending.append(self._hash_pool.submit(self._raw_hash.update, mv))
-        if len(self._hash_pending) > 64:
-            self._hash_pending.popleft().result()
+        # pending raw-hash updates hold their pieces: bound them by bytes (a source read into memory,
+        # e.g. 8 MiB pieces of an opaque file, must not pile up behind a slow hash thread)
+        self._hash_pending.append((n, self._hash_pool.submit(self._raw_hash.update, mv)))
+        self._hash_pending_bytes += n
+        while len(self._hash_pending) > 1 and self._hash_pending_bytes > max(8 * self.chunk_bytes, 32 << 20):
+            size, fut = self._hash_pending.popleft()
+            fut.result()
+            self._hash_pending_bytes -= size
         if hint != self._buf_hint:
             self._flush_buf()
             self._buf_hint = hint
@@ -334,7 +340,7 @@ class MemberWriter:
             while self._pending:
                 self._write_one()
             while self._hash_pending:
-                self._hash_pending.popleft().result()
+                self._hash_pending.popleft()[1].result()
             while self._stored_pending:
                 self._stored_pending.popleft().result()
             if self._sync_fut is not None:
