@@ -12,6 +12,12 @@ A cron tick must be cheap and safe:
   matches its header, every shard an index names, parseable JSON, no temporary names). Otherwise the
   run is skipped with exit 75 (``EX_TEMPFAIL``) so cron reports it and the next tick retries.
   A file that changes while it is being packed makes the new generation be forgotten again (exit 75).
+* **never stuck**: an incomplete checkpoint that has not changed for longer than ``stale_after``
+  (default ``max(600 s, 10 x settle)``, judged by its newest mtime) is not being written, it is
+  broken (a trainer killed mid-save): it is skipped with a warning naming it and why, and the newest
+  complete checkpoint in SOURCE is backed up instead; when there is none, the run fails with exit 2.
+  Exit 75 is kept for a checkpoint that is incomplete *and* recent, so a scheduled backup never
+  returns "still being written" forever.
 
 SOURCE is a checkpoint file, a checkpoint folder, or a training output folder, from which the
 newest checkpoint is picked: the ``checkpoint-N/`` folder with the highest N (Hugging Face Trainer),
@@ -33,6 +39,10 @@ from typing import Any, Callable, Mapping
 from .errors import NotFound, SourceError, UsageError
 
 EX_TEMPFAIL = 75
+#: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
+#: the default is ``max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * settle)``.
+STALE_AFTER_MIN = 600.0
+STALE_AFTER_SETTLES = 10
 STATE_KEY = "backup-state.json"
 STATE_VERSION = 1
 
@@ -54,8 +64,52 @@ def _looks_like_checkpoint_folder(path: Path) -> bool:
     return any(n.endswith(".distcp") or n.endswith(".safetensors") for n in names)
 
 
+def checkpoint_candidates(source: str | os.PathLike) -> list[Path]:
+    """Every checkpoint SOURCE offers, newest first (the first is what :func:`find_checkpoint` picks).
+
+    Args:
+        source: a checkpoint file, a checkpoint folder, or a training output folder.
+
+    Returns:
+        ``[SOURCE]`` when it is a file or a checkpoint folder; else the ``checkpoint-N/`` subfolders
+        by N, highest first (``tmp-checkpoint-*`` ignored); else the ``*.pt``/``*.pth``/``*.ckpt`` files
+        at the top level or in ``checkpoints/``, newest mtime first. Never empty.
+
+    Raises:
+        NotFound: SOURCE does not exist.
+        SourceError: a folder holding no checkpoint this rule finds (the message says what was sought).
+    """
+    src = Path(source)
+    if not src.exists():
+        raise NotFound("no such file or folder", where=str(src))
+    if src.is_file():
+        return [src]
+    if not src.is_dir():
+        raise SourceError("not a regular file or folder", where=str(src))
+    numbered = []
+    for p in src.iterdir():
+        m = _CKPT_DIR.match(p.name)
+        if m and p.is_dir():
+            numbered.append((int(m.group(1)), p))
+    if numbered:
+        return [p for _, p in sorted(numbered, reverse=True)]
+    if _looks_like_checkpoint_folder(src):
+        return [src]
+    files = []
+    for folder in (src, src / "checkpoints"):
+        if folder.is_dir():
+            for p in folder.iterdir():
+                if p.is_file() and p.suffix.lower() in _CKPT_SUFFIXES and not _TEMP_NAME.search(p.name):
+                    st = p.stat()
+                    files.append((st.st_mtime_ns, p.name, p))
+    if files:
+        return [p for _, _, p in sorted(files, reverse=True)]
+    raise SourceError("no checkpoint found: looked for checkpoint-N/ folders and *.pt, *.pth, *.ckpt files "
+                      "(top level and checkpoints/)", where=str(src))
+
+
 def find_checkpoint(source: str | os.PathLike) -> Path:
-    """Pick the checkpoint to back up from SOURCE.
+    """Pick the checkpoint to back up from SOURCE: the newest of :func:`checkpoint_candidates`.
 
     Args:
         source: a checkpoint file, a checkpoint folder, or a training output folder.
@@ -69,33 +123,7 @@ def find_checkpoint(source: str | os.PathLike) -> Path:
         NotFound: SOURCE does not exist.
         SourceError: a folder holding no checkpoint this rule finds (the message says what was sought).
     """
-    src = Path(source)
-    if not src.exists():
-        raise NotFound("no such file or folder", where=str(src))
-    if src.is_file():
-        return src
-    if not src.is_dir():
-        raise SourceError("not a regular file or folder", where=str(src))
-    numbered = []
-    for p in src.iterdir():
-        m = _CKPT_DIR.match(p.name)
-        if m and p.is_dir():
-            numbered.append((int(m.group(1)), p))
-    if numbered:
-        return max(numbered)[1]
-    if _looks_like_checkpoint_folder(src):
-        return src
-    files = []
-    for folder in (src, src / "checkpoints"):
-        if folder.is_dir():
-            for p in folder.iterdir():
-                if p.is_file() and p.suffix.lower() in _CKPT_SUFFIXES and not _TEMP_NAME.search(p.name):
-                    st = p.stat()
-                    files.append((st.st_mtime_ns, p.name, p))
-    if files:
-        return max(files)[2]
-    raise SourceError("no checkpoint found: looked for checkpoint-N/ folders and *.pt, *.pth, *.ckpt files "
-                      "(top level and checkpoints/)", where=str(src))
+    return checkpoint_candidates(source)[0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,8 +320,10 @@ class BackupResult:
         generation: the new generation (packed) or the matching one (unchanged); ``None`` when busy.
         reason: one line saying why.
         read_bytes: bytes of the source hashed by this run (0 when decided from stat alone).
-        retention: what retention did (``{"policy", "kept", "removed", "warnings"}``) or ``None``.
-        warnings: human-readable notes (pack warnings, leftovers found).
+        retention: what retention did (``{"policy", "kept", "removed", "warnings", ...}``) or ``None``.
+        warnings: human-readable notes (broken checkpoints skipped, pack warnings, leftovers found).
+        skipped: newer checkpoints skipped as broken (incomplete and unchanged for longer than the
+            stale threshold): ``[{"checkpoint": path, "reason": str, "unchanged_s": seconds}]``.
     """
 
     action: str
@@ -304,6 +334,7 @@ class BackupResult:
     read_bytes: int = 0
     retention: dict | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -329,13 +360,100 @@ def _settled(checkpoint: Path, settle: float, sleep: Callable[[float], None]) ->
     return second, ""
 
 
+def default_stale_after(settle: float) -> float:
+    """The default stale threshold in seconds: ``max(600, 10 * settle)``."""
+    return max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * float(settle))
+
+
+def unchanged_for(snapshot: list[list], now: float | None = None) -> float:
+    """Seconds since the newest mtime in a :func:`stat_snapshot` (files and folders), by this machine's clock.
+
+    Negative when an mtime lies in the future (a file server whose clock is ahead).
+    """
+    newest_ns = max(row[2] for row in snapshot)
+    return (time.time() if now is None else now) - newest_ns / 1e9
+
+
+def _human_seconds(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+@dataclasses.dataclass
+class _Examined:
+    kind: str  # "ready" | "busy" | "broken"
+    reason: str = ""
+    snap: list[list] | None = None
+    hashes: dict[str, str] | None = None
+    recorded: dict | None = None
+    read_bytes: int = 0
+    unchanged_s: float = 0.0
+
+
+def _examine(checkpoint: Path, entry: Mapping[str, Any], *, settle: float, stale_after: float,
+             sleep: Callable[[float], None], on_bytes: Callable[[int], None] | None) -> _Examined:
+    """Decide whether one checkpoint can be backed up now: ``ready`` (with its hashes), ``busy`` (being
+    written: changed within the settle window, or incomplete and recent) or ``broken`` (incomplete and
+    unchanged for longer than ``stale_after``)."""
+    snap_now = _snapshot_or_none(checkpoint)
+    if snap_now is None:
+        return _Examined("busy", "vanished while being examined (rotated?)")
+    recorded = dict(entry) if entry.get("checkpoint") == str(checkpoint) and entry.get("stat") == snap_now else None
+    if recorded is not None and isinstance(recorded.get("files"), dict):
+        return _Examined("ready", snap=snap_now, hashes=recorded["files"], recorded=recorded)
+    # Always observe the window (two stats `settle` seconds apart) rather than trusting an old
+    # mtime: on network file systems mtimes come from another machine's clock.
+    snap, why = _settled(checkpoint, settle, sleep)
+    if snap is None:
+        return _Examined("busy", why)
+    counter = [0]
+
+    def count(n):
+        counter[0] += n
+        if on_bytes:
+            on_bytes(n)
+
+    try:
+        problem = completeness_problem(checkpoint)
+        if problem:
+            # Unchanged over the settle window and incomplete: a trainer pausing between writes, or one
+            # killed mid-save. Only the age tells them apart: a checkpoint nobody touched for longer than
+            # the stale threshold is broken, and must not block backups forever.
+            age = unchanged_for(snap)
+            if age > stale_after:
+                problem = problem.replace(": still being written?", "")
+                return _Examined("broken", f"not complete ({problem}) and unchanged for {_human_seconds(age)} "
+                                 f"(longer than --stale-after {stale_after:g} s): broken, not being written",
+                                 unchanged_s=round(age, 3))
+            return _Examined("busy", f"not complete: {problem}")
+        hashes = hash_files(checkpoint, count)
+    except FileNotFoundError as exc:  # e.g. the trainer's rotation removed it meanwhile
+        return _Examined("busy", f"{exc.filename}: vanished while being read (rotated or rewritten?)",
+                         read_bytes=counter[0])
+    if _snapshot_or_none(checkpoint) != snap:
+        return _Examined("busy", "changed while being read: still being written", read_bytes=counter[0])
+    return _Examined("ready", snap=snap, hashes=hashes, read_bytes=counter[0])
+
+
 def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settle: float = 10.0,
-           wait: float = 0.0, tags: tuple[str, ...] | list[str] = (), now: datetime | None = None, sleep: Callable[[float], None] = time.sleep,
-           on_bytes: Callable[[int], None] | None = None) -> BackupResult:
-    """Back up the newest checkpoint in SOURCE to REPO, if it changed and is complete.
+           wait: float = 0.0, tags: tuple[str, ...] | list[str] = (), now: datetime | None = None,
+           sleep: Callable[[float], None] = time.sleep, on_bytes: Callable[[int], None] | None = None,
+           stale_after: float | None = None) -> BackupResult:
+    """Back up the newest complete checkpoint in SOURCE to REPO, if it changed.
+
+    The newest checkpoint is examined first. Changed within ``settle`` seconds, or incomplete and
+    changed within ``stale_after`` seconds: it is being written, the run is skipped (``busy``, exit
+    75). Incomplete and unchanged for longer than ``stale_after``: it is broken (a save that was
+    killed); it is skipped with a warning and the next newest checkpoint is examined the same way.
 
     Args:
-        source: a checkpoint file or folder, or a training output folder (see :func:`find_checkpoint`).
+        source: a checkpoint file or folder, or a training output folder (see :func:`checkpoint_candidates`).
         repo: repository path or URL (created if absent).
         retention: a retention policy (dict or :class:`~ckpt_archive.retention.RetentionPolicy`) to
             apply after a new generation is usable; ``None`` uses the repository's default policy.
@@ -346,14 +464,17 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         now: decision time for retention (default now, UTC).
         sleep: the sleep function (tests pass a fake).
         on_bytes: progress callback, called with a byte count while hashing.
+        stale_after: seconds (by the newest mtime of its files) after which an incomplete checkpoint
+            counts as broken rather than being written; ``None``: ``max(600, 10 * settle)``.
 
     Returns:
         A :class:`BackupResult`; ``exit_code`` is 75 when the checkpoint was still being written.
 
     Raises:
-        NotFound, SourceError: SOURCE missing or holding no checkpoint.
+        NotFound, SourceError: SOURCE missing or holding no checkpoint, or holding no complete one
+            (every checkpoint in it is broken; exit 2, naming each and why).
         LockError: another writer holds the repository lock longer than ``wait``.
-        UsageError: a malformed retention policy.
+        UsageError: a malformed retention policy, a negative ``settle`` or a non-positive ``stale_after``.
         CheckFailed: the new generation failed verification or trial reload (nothing published).
     """
     from . import api
@@ -362,52 +483,41 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
 
     if settle < 0:
         raise UsageError(f"--settle must be >= 0 seconds, got {settle}")
+    if stale_after is None:
+        stale_after = default_stale_after(settle)
+    if not stale_after > 0:
+        raise UsageError(f"--stale-after must be > 0 seconds, got {stale_after}")
     policy = None if retention is None else RetentionPolicy.from_dict(retention)
     src = Path(source).absolute()
-    checkpoint = find_checkpoint(src).absolute()
+    candidates = [c.absolute() for c in checkpoint_candidates(src)]
     key = str(src)
     rep = Repository.open(repo, create=True)
     state = read_state(rep.store)
     entry = state["sources"].get(key) or {}
 
+    skipped: list[dict] = []
+    warnings: list[str] = []
+    for checkpoint in candidates:
+        seen = _examine(checkpoint, entry, settle=settle, stale_after=stale_after, sleep=sleep, on_bytes=on_bytes)
+        if seen.kind == "broken":
+            skipped.append({"checkpoint": str(checkpoint), "reason": seen.reason, "unchanged_s": seen.unchanged_s})
+            warnings.append(f"skipped {checkpoint}: {seen.reason}")
+            continue
+        if seen.kind == "busy":
+            return BackupResult("busy", key, str(checkpoint), None, seen.reason, read_bytes=seen.read_bytes,
+                                warnings=warnings, skipped=skipped)
+        break
+    else:
+        names = "; ".join(f"{x['checkpoint']}: {x['reason']}" for x in skipped)
+        raise SourceError(f"no complete checkpoint to back up: {names}", where=key,
+                          hint="remove or repair the broken checkpoint(s); exit 75 is only for one still being written")
+    if skipped:
+        warnings.append(f"backing up the newest complete checkpoint instead: {checkpoint}")
+    snap, hashes, recorded, read_bytes = seen.snap, seen.hashes, seen.recorded, seen.read_bytes
+
     def newest_usable():
         gens = rep.usable()
         return gens[-1] if gens else None
-
-    snap_now = _snapshot_or_none(checkpoint)
-    if snap_now is None:
-        return BackupResult("busy", key, str(checkpoint), None, "vanished while being examined (rotated?)")
-    recorded = entry if entry.get("checkpoint") == str(checkpoint) and entry.get("stat") == snap_now else None
-    read_bytes = 0
-    if recorded is not None and isinstance(recorded.get("files"), dict):
-        hashes = recorded["files"]
-        snap = snap_now
-    else:
-        # Always observe the window (two stats `settle` seconds apart) rather than trusting an old
-        # mtime: on network file systems mtimes come from another machine's clock.
-        snap, why = _settled(checkpoint, settle, sleep)
-        if snap is None:
-            return BackupResult("busy", key, str(checkpoint), None, why)
-        counter = [0]
-
-        def count(n):
-            counter[0] += n
-            if on_bytes:
-                on_bytes(n)
-
-        try:
-            problem = completeness_problem(checkpoint)
-            if problem:
-                return BackupResult("busy", key, str(checkpoint), None, f"not complete: {problem}")
-            hashes = hash_files(checkpoint, count)
-        except FileNotFoundError as exc:  # e.g. the trainer's rotation removed it meanwhile
-            return BackupResult("busy", key, str(checkpoint), None,
-                                f"{exc.filename}: vanished while being read (rotated or rewritten?)",
-                                read_bytes=counter[0])
-        read_bytes = counter[0]
-        if _snapshot_or_none(checkpoint) != snap:
-            return BackupResult("busy", key, str(checkpoint), None, "changed while being read: still being written",
-                                read_bytes=read_bytes)
 
     def remember(generation: int | None) -> None:
         state["sources"][key] = {"checkpoint": str(checkpoint), "stat": snap, "files": hashes,
@@ -420,20 +530,21 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
             with rep.lock(wait=wait):
                 remember(newest.number)
         return BackupResult("unchanged", key, str(checkpoint), newest.number,
-                            f"source equals generation {newest.number}; nothing to do", read_bytes=read_bytes)
+                            f"source equals generation {newest.number}; nothing to do", read_bytes=read_bytes,
+                            warnings=warnings, skipped=skipped)
 
     # retention={} : no retention inside pack; it runs below, once the source is known not to have moved
     result = api.pack(str(checkpoint), repo, retention={}, wait=wait, tags=tuple(tags))
     gen = result.generation
-    warnings = list(result.warnings) + [f"leftover of an interrupted write: {x} (ckpt-archive gc removes it)"
-                                        for x in result.leftovers]
+    warnings += list(result.warnings) + [f"leftover of an interrupted write: {x} (ckpt-archive gc removes it)"
+                                         for x in result.leftovers]
     packed_hashes = manifest_source_hashes(result.manifest)
     with rep.lock(wait=max(wait, 60.0)):
         if _snapshot_or_none(checkpoint) != snap or (packed_hashes is not None and packed_hashes != hashes):
             rep.remove_generation(gen)
             return BackupResult("busy", key, str(checkpoint), None,
                                 f"changed while being packed: generation {gen} forgotten again",
-                                read_bytes=read_bytes, warnings=warnings)
+                                read_bytes=read_bytes, warnings=warnings, skipped=skipped)
         earlier = [g for g in rep.usable() if g.number < gen]
         if earlier and manifest_source_hashes(earlier[-1].manifest) == hashes:
             # a concurrent backup of the same content published just before us: keep theirs only
@@ -441,10 +552,11 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
             remember(earlier[-1].number)
             return BackupResult("unchanged", key, str(checkpoint), earlier[-1].number,
                                 f"a concurrent backup packed the same content as generation {earlier[-1].number}; "
-                                f"duplicate generation {gen} removed", read_bytes=read_bytes, warnings=warnings)
+                                f"duplicate generation {gen} removed", read_bytes=read_bytes, warnings=warnings,
+                                skipped=skipped)
         remember(gen)
         # pack verified and trial-reloaded `gen` moments ago: it counts as the kept verified copy unread
         ret = apply_after_pack(rep, policy.to_dict() if policy is not None else None, now=now, verified=(gen,))
     warnings += ret.get("warnings", [])
     return BackupResult("packed", key, str(checkpoint), gen, f"packed as generation {gen}", read_bytes=read_bytes,
-                        retention=ret, warnings=warnings)
+                        retention=ret, warnings=warnings, skipped=skipped)

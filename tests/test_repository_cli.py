@@ -736,3 +736,85 @@ def test_backup_of_a_checkpoint_removed_while_being_read_is_exit_75(tmp_path, mo
     res, out = backup_cli(tmp_path / "out", tmp_path / "repo")
     assert res.exit_code == 75, res.stderr
     assert out["action"] == "busy" and "Traceback" not in res.stderr
+
+
+# ------------------------------------------------------------------ backup: a stale broken checkpoint is not "being written"
+def age(path: Path, seconds: float) -> Path:
+    """Set the mtime of path (and, for a folder, of everything under it) to `seconds` ago."""
+    t = time.time() - seconds
+    for p in ([*path.rglob("*"), path] if path.is_dir() else [path]):
+        os.utime(p, (t, t))
+    return path
+
+
+def truncate(path: Path) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # a torch.save killed mid-write: no zip central directory
+    return path
+
+
+def test_backup_skips_a_stale_truncated_newest_checkpoint_and_backs_up_the_newest_complete_one(tmp_path):
+    runs = tmp_path / "runs2"
+    age(save_pt(runs / "a.pt", 1), 3700)
+    z = age(truncate(save_pt(runs / "z.pt", 2)), 3600)
+    repo = tmp_path / "rb2"
+    res, out = backup_cli(runs, repo)
+    assert res.exit_code == 0, res.stderr
+    assert out["action"] == "packed" and out["checkpoint"] == str((runs / "a.pt").absolute())
+    assert [x["checkpoint"] for x in out["skipped"]] == [str(z.absolute())]
+    assert "zip is not whole" in out["skipped"][0]["reason"] and "broken" in out["skipped"][0]["reason"]
+    text = " ".join(res.stderr.split())
+    assert f"warning: skipped {z.absolute()}" in text and "--stale-after 600 s" in text
+    assert ckpt_archive.load(repo)["step"] == 100
+    res, out = backup_cli(runs, repo)  # the next tick is not stuck either
+    assert res.exit_code == 0 and out["action"] == "unchanged" and out["skipped"], res.stderr
+
+
+def test_backup_still_exits_75_for_a_recent_incomplete_checkpoint_even_with_an_older_complete_one(tmp_path):
+    runs = tmp_path / "runs"
+    age(save_pt(runs / "a.pt", 1), 3700)
+    truncate(save_pt(runs / "z.pt", 2))  # just written: the trainer may be between two writes
+    res, out = backup_cli(runs, tmp_path / "repo")
+    assert res.exit_code == 75 and out["action"] == "busy" and out["checkpoint"].endswith("z.pt")
+    assert out["skipped"] == [] and not (tmp_path / "repo" / "generations").exists() or usable(tmp_path / "repo") == []
+
+
+def test_backup_with_only_a_stale_broken_checkpoint_exits_2_not_75(tmp_path):
+    z = age(truncate(save_pt(tmp_path / "runs" / "z.pt", 2)), 3600)
+    for source in (tmp_path / "runs", z):
+        res, out = backup_cli(source, tmp_path / "repo")
+        assert res.exit_code == 2, res.stderr
+        assert out["error"] == "SourceError" and "no complete checkpoint" in out["reason"]
+        assert str(z.absolute()) in out["reason"] and "broken" in out["reason"] and "Traceback" not in res.stderr
+
+
+def test_backup_stale_after_sets_when_an_incomplete_checkpoint_counts_as_broken(tmp_path):
+    runs = tmp_path / "runs"
+    age(save_pt(runs / "a.pt", 1), 3700)
+    age(truncate(save_pt(runs / "z.pt", 2)), 120)
+    res, out = backup_cli(runs, tmp_path / "repo")  # default max(600, 10 x settle): 2 min is recent
+    assert res.exit_code == 75
+    res, out = backup_cli(runs, tmp_path / "repo", "--stale-after", 60)
+    assert res.exit_code == 0 and out["action"] == "packed" and out["checkpoint"].endswith("a.pt"), res.stderr
+    res, out = cli_json("backup", runs, "--repo", tmp_path / "repo2", "--settle", 20)  # default 600 s
+    assert res.exit_code == 75
+    assert backup_mod.default_stale_after(10) == 600 and backup_mod.default_stale_after(120) == 1200
+
+
+def test_backup_stale_broken_checkpoint_folder_falls_back_to_the_previous_checkpoint_n(tmp_path):
+    out_dir = tmp_path / "out"
+    save_pt(out_dir / "checkpoint-10" / "model.pt", 10)
+    save_pt(out_dir / "checkpoint-20" / "model.pt", 20)
+    (out_dir / "checkpoint-20" / "optimizer.pt.tmp").write_bytes(b"half")  # the save was killed here
+    age(out_dir, 7200)
+    res, out = backup_cli(out_dir, tmp_path / "repo")
+    assert res.exit_code == 0, res.stderr
+    assert out["checkpoint"].endswith("checkpoint-10") and out["skipped"][0]["checkpoint"].endswith("checkpoint-20")
+    assert "temporary file name" in out["skipped"][0]["reason"]
+
+
+def test_backup_help_documents_stale_after_and_exit_2_for_only_broken_checkpoints():
+    res = cli("backup", "--help")
+    text = " ".join(res.stdout.replace("│", " ").split())  # rich draws option help inside a box
+    assert "--stale-after" in text and "max(600, 10 x --settle)" in text
+    assert "holding only broken ones" in text
