@@ -229,7 +229,7 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
                 faults.point("retention")
                 from . import retention as _retention
 
-                retention_result = _retention.apply_after_pack(r, policy)
+                retention_result = _retention.apply_after_pack(r, policy, verified=(number,))
                 warnings += list(retention_result.get("warnings", []) if isinstance(retention_result, dict) else [])
         except (CkptArchiveError, OSError) as exc:
             warnings.append(f"generation {number} is usable, but retention did not run to completion: {exc}")
