@@ -6,6 +6,8 @@ Compares, per dtype, on chunks of the same tensors:
 * ``group``: byte grouping (byte k of every element in plane k), each plane zstd'd or stored;
 * ``rot+group``: rotate each element left by one bit first (sign to the bottom, so the 8 exponent
   bits of bf16/fp32 share one byte), then byte grouping;
+* ``tuned``: byte grouping, all planes in one frame, with ckpt_archive's float parameters
+  (``codec.float_params()``: fast strategy, min match 7, tiny tables) -- what the codec ships;
 * ``zipnn``: ZipNN on the whole tensor (threads = jobs).
 
 for zstd levels and chunk sizes, with ``jobs`` threads (zstandard and hashlib release the GIL).
@@ -73,6 +75,16 @@ def dec_group(parts, itemsize, n, dctx, rotate=False):
     return rows.reshape(-1).tobytes()
 
 
+def enc_tuned(buf, itemsize, cctx):
+    a = np.frombuffer(buf, dtype=np.uint8)
+    return [cctx.compress(np.ascontiguousarray(a.reshape(-1, itemsize).T))]
+
+
+def dec_tuned(parts, itemsize, n, dctx):
+    planes = np.frombuffer(dctx.decompress(parts[0], max_output_size=n), dtype=np.uint8)
+    return np.ascontiguousarray(planes.reshape(itemsize, -1).T).tobytes()
+
+
 def stored_len(parts) -> int:
     if isinstance(parts[0], (bytes, bytearray)):
         return sum(len(p) for p in parts)
@@ -87,7 +99,11 @@ def bench_method(name, data: bytes, itemsize: int, level: int, chunk: int, jobs:
     def cctx():
         t = threading.get_ident()
         if t not in cctxs:
-            cctxs[t] = zstandard.ZstdCompressor(level=level)
+            if name == "tuned":
+                from ckpt_archive.codec import float_params
+                cctxs[t] = zstandard.ZstdCompressor(compression_params=float_params())
+            else:
+                cctxs[t] = zstandard.ZstdCompressor(level=level)
         return cctxs[t]
 
     def dctx():
@@ -101,6 +117,9 @@ def bench_method(name, data: bytes, itemsize: int, level: int, chunk: int, jobs:
     if name == "zstd":
         enc = lambda s: enc_plain(mv[s[0]:s[0] + s[1]], itemsize, cctx())
         dec = lambda p, s: dec_plain(p, itemsize, s[1], dctx())
+    elif name == "tuned":
+        enc = lambda s: enc_tuned(mv[s[0]:s[0] + s[1]], itemsize, cctx())
+        dec = lambda p, s: dec_tuned(p, itemsize, s[1], dctx())
     else:
         rot = name == "rot+group"
         enc = lambda s: enc_group(mv[s[0]:s[0] + s[1]], itemsize, cctx(), rot)
@@ -139,6 +158,10 @@ def bench_zipnn(data: bytes, dtype: str, jobs: int) -> dict:
 def main() -> None:
     import torch
 
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from state import build_state
 
     ap = argparse.ArgumentParser()
@@ -173,6 +196,8 @@ def main() -> None:
             for ch in chunks:
                 for meth in ("zstd", "group", "rot+group"):
                     rows.append(bench_method(meth, data, isz, lvl, ch, args.jobs))
+        for ch in chunks:
+            rows.append(bench_method("tuned", data, isz, 0, ch, args.jobs))
         rows.append(bench_zipnn(data, zdt, args.jobs))
         for r in rows:
             r["set"] = label
