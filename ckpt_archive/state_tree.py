@@ -248,13 +248,8 @@ class _Encoder:
                 self.table.entries[key0] = Entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape],
                                                  lambda t=t0: _tensor_u8(t), t0.numel() * t0.element_size())
                 for i, (key, t) in enumerate(views):
-                    rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape]}
-                    if t.device.type != "cpu":
-                        rec["device"] = str(t.device)
-                    if t.requires_grad:
-                        rec["requires_grad"] = True
-                    if isinstance(t, torch.nn.Parameter):
-                        rec["parameter"] = True
+                    rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape],
+                           **_leaf_flags(t)}
                     if i > 0:
                         rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride()]}
                         self.table.leaf_bytes[key] = lambda t=t: _tensor_u8(t)
@@ -275,15 +270,22 @@ class _Encoder:
                 rec = {"entry": entry_key, "kind": "torch", "dtype": str(t.dtype).replace("torch.", ""),
                        "shape": [int(x) for x in t.shape],
                        "view": {"storage_offset": int(t.storage_offset()), "stride": [int(s) for s in t.stride()],
-                                "entry_dtype": fname}}
-                if t.device.type != "cpu":
-                    rec["device"] = str(t.device)
-                if t.requires_grad:
-                    rec["requires_grad"] = True
-                if isinstance(t, torch.nn.Parameter):
-                    rec["parameter"] = True
+                                "entry_dtype": fname}, **_leaf_flags(t)}
                 self.table.leaves[key] = rec
                 self.table.leaf_bytes[key] = lambda t=t: _tensor_u8(t)
+
+
+def _leaf_flags(t) -> dict:
+    """What a tensor leaf's record says beyond dtype/shape: a non-CPU device, requires_grad, Parameter."""
+    torch = _torch()
+    flags: dict = {}
+    if t.device.type != "cpu":
+        flags["device"] = str(t.device)
+    if t.requires_grad:
+        flags["requires_grad"] = True
+    if isinstance(t, torch.nn.Parameter):
+        flags["parameter"] = True
+    return flags
 
 
 def encode(state: Any) -> tuple[Any, TensorTable]:
