@@ -506,19 +506,8 @@ class ArchiveReader:
                 try:
                     for key, erec, buf in self.iter_entries(rec, on_bytes=on_bytes, transient=True):
                         fast_decoded += len(buf)
-                        base = None
-                        for leaf in by_entry.get(key, []):
-                            lrec = tensors[leaf]
-                            try:
-                                if base is None:
-                                    base = _entry_tensor(buf, erec, lrec)
-                                t = _leaf_from_base(base, lrec)
-                                _check_leaf(t, lrec, leaf,
-                                            known_sha=None if lrec.get("view") else erec.get("raw_sha256"))
-                                fast_checked += 1
-                            except CkptArchiveError as exc:
-                                fast.append(Problem(exc.message, member=rec["path"], field=f"tensors/{leaf}"))
-                        del base
+                        fast_checked += self._check_entry_leaves(rec, erec, buf, by_entry.get(key, []),
+                                                                 erec.get("raw_sha256"), fast)
                 except CkptArchiveError as exc:
                     if exc.message.startswith("raw sha256 mismatch"):
                         fast = None  # fall through to the entry-by-entry pass
@@ -538,19 +527,7 @@ class ArchiveReader:
                             problems.append(Problem(f"tensor bytes sha256 mismatch: expected {erec.get('raw_sha256')}, "
                                                     f"got {got}", member=rec["path"], field=f"tensors/{key}"))
                             continue
-                        base = None
-                        for leaf in by_entry.get(key, []):
-                            lrec = tensors[leaf]
-                            try:
-                                if base is None:
-                                    base = _entry_tensor(buf, erec, lrec)
-                                t = _leaf_from_base(base, lrec)
-                                # A leaf that is the entry itself has the entry's bytes, hashed just above.
-                                _check_leaf(t, lrec, leaf, known_sha=None if lrec.get("view") else got)
-                                checked += 1
-                            except CkptArchiveError as exc:
-                                problems.append(Problem(exc.message, member=rec["path"], field=f"tensors/{leaf}"))
-                        del base
+                        checked += self._check_entry_leaves(rec, erec, buf, by_entry.get(key, []), got, problems)
                 else:
                     for _, chunk in self.iter_member(rec, on_bytes=on_bytes):
                         decoded += len(chunk)
@@ -566,6 +543,29 @@ class ArchiveReader:
         except CkptArchiveError as exc:
             problems.append(Problem(exc.message, member=self.manifest["tree_member"]))
         return {"tensors": checked, "bytes": decoded, "members": len(self.manifest["members"])}
+
+    def _check_entry_leaves(self, rec: dict, erec: dict, buf, leaves: list[str], entry_sha: str | None,
+                            problems: list[Problem]) -> int:
+        """Rebuild each tree leaf stored in one entry and check its dtype, shape and raw sha256.
+
+        ``entry_sha`` is the entry's raw sha256, already known to hold for ``buf`` (hashed, or covered by
+        the member's raw sha256): a leaf that is the entry itself is not hashed again. Returns the number
+        of leaves that passed; appends a Problem per leaf that did not.
+        """
+        tensors = self.manifest["tensors"]
+        base = None
+        passed = 0
+        for leaf in leaves:
+            lrec = tensors[leaf]
+            try:
+                if base is None:
+                    base = _entry_tensor(buf, erec, lrec)
+                t = _leaf_from_base(base, lrec)
+                _check_leaf(t, lrec, leaf, known_sha=None if lrec.get("view") else entry_sha)
+                passed += 1
+            except CkptArchiveError as exc:
+                problems.append(Problem(exc.message, member=rec["path"], field=f"tensors/{leaf}"))
+        return passed
 
     # -- load ------------------------------------------------------------------------------------------
     def load(self, only: str | None = None, *, map_location=None, on_bytes=None, spill_dir=None) -> Any:
