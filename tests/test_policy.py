@@ -637,3 +637,29 @@ def test_audit_view_decodes_small_tensors_within_budget_only(repo_case1):
     a, _, section = policy_section(state, manifest, info)
     assert a.counters["optimizer_step"] is None and "0 of" in a.counters["partial"]
     assert a.next_lrs == [1e-3] and json.dumps(section, allow_nan=False)
+
+
+def _lightning_state_at_epoch_end(scheduler_steps_counted: int) -> dict:
+    """A stock Lightning checkpoint saved on the last batch of epoch 0 (4 batches, StepLR per epoch)."""
+    lin = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
+    sched = L.StepLR(opt, 1, 0.5)
+    for _ in range(4):
+        opt.zero_grad()
+        lin(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    sched.step()  # Lightning's epoch-end scheduler step, before the checkpoint of the last batch
+    return {"epoch": 0, "global_step": 4, "state_dict": lin.state_dict(),
+            "optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()],
+            "loops": {"fit_loop": {"epoch_loop.scheduler_progress": {
+                "total": {"ready": scheduler_steps_counted, "completed": scheduler_steps_counted}}}}}
+
+
+def test_lightning_epoch_end_scheduler_step_is_not_called_ahead_of_progress():
+    state = _lightning_state_at_epoch_end(1)
+    findings = [f for f in audit(state, progress={"step": 4, "epoch": 0}).findings if "last_epoch" in f.field]
+    assert findings == []
+    # the count Lightning keeps is a real check: a scheduler ahead of it is still flagged
+    state = _lightning_state_at_epoch_end(0)
+    findings = [f for f in audit(state, progress={"step": 4, "epoch": 0}).findings if "last_epoch" in f.field]
+    assert findings and "is ahead of progress" in findings[0].message
