@@ -841,20 +841,6 @@ def _audit_pair(opt_field: str, opt: Any, sch_field: str, sch: Any, findings: li
     return groups, sched_info, groups_sd
 
 
-def _lightning_scheduler_steps(state: Any) -> int | None:
-    """The scheduler steps a Lightning loop counted (``loops.fit_loop['epoch_loop.scheduler_progress']``).
-
-    A Lightning checkpoint saved on the last batch of an epoch already holds the epoch-end scheduler
-    step while its ``epoch`` still names the finishing epoch: ``last_epoch`` equal to this count is
-    in step with progress, not ahead of it.
-    """
-    try:
-        n = state["loops"]["fit_loop"]["epoch_loop.scheduler_progress"]["total"]["completed"]
-    except (KeyError, TypeError, IndexError):
-        return None
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
-
-
 def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict | None = None,
           keys: dict | None = None) -> PolicyAudit:
     """Audit the LR policy and counters of a checkpoint.
@@ -946,10 +932,13 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
                                 f"parts were saved at different instants)"))
     le = counters["scheduler_last_epoch"]
     if le is not None and sched_info["kind"] != "ReduceLROnPlateau":
-        cands = {k: v for k, v in (("progress step", ps), ("optimizer step", os_), ("progress epoch", pe),
-                                   ("Lightning scheduler steps", _lightning_scheduler_steps(state)))
+        cands = {k: v for k, v in (("progress step", ps), ("optimizer step", os_), ("progress epoch", pe))
                  if v is not None}
-        if cands and le not in cands.values():
+        # A per-epoch scheduler stepped at the end of epoch E, saved with ``epoch: E`` (the common
+        # ``for epoch in ...: train; scheduler.step(); save(epoch=epoch)``, and Lightning on an epoch's
+        # last batch) has last_epoch E + 1: in step with progress, not ahead of it.
+        accepted = set(cands.values()) | ({pe + 1} if pe is not None else set())
+        if cands and le not in accepted:
             name, val = min(cands.items(), key=lambda kv: abs(kv[1] - le))
             what = "lags" if le < val else "is ahead of"
             findings.append(Finding("warning", f"{sch_field}.last_epoch",

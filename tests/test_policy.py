@@ -639,7 +639,8 @@ def test_audit_view_decodes_small_tensors_within_budget_only(repo_case1):
     assert a.next_lrs == [1e-3] and json.dumps(section, allow_nan=False)
 
 
-def _lightning_state_at_epoch_end(scheduler_steps_counted: int) -> dict:
+
+def _lightning_state_at_epoch_end() -> dict:
     """A stock Lightning checkpoint saved on the last batch of epoch 0 (4 batches, StepLR per epoch)."""
     lin = torch.nn.Linear(4, 1)
     opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
@@ -650,16 +651,23 @@ def _lightning_state_at_epoch_end(scheduler_steps_counted: int) -> dict:
         opt.step()
     sched.step()  # Lightning's epoch-end scheduler step, before the checkpoint of the last batch
     return {"epoch": 0, "global_step": 4, "state_dict": lin.state_dict(),
-            "optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()],
-            "loops": {"fit_loop": {"epoch_loop.scheduler_progress": {
-                "total": {"ready": scheduler_steps_counted, "completed": scheduler_steps_counted}}}}}
+            "optimizer_states": [opt.state_dict()], "lr_schedulers": [sched.state_dict()]}
 
 
-def test_lightning_epoch_end_scheduler_step_is_not_called_ahead_of_progress():
-    state = _lightning_state_at_epoch_end(1)
+def test_per_epoch_scheduler_saved_with_the_finished_epoch_index_is_not_called_ahead_of_progress():
+    # Lightning on an epoch's last batch, and the plain loop `train; scheduler.step(); save(epoch=epoch)`
+    state = _lightning_state_at_epoch_end()
     findings = [f for f in audit(state, progress={"step": 4, "epoch": 0}).findings if "last_epoch" in f.field]
     assert findings == []
-    # the count Lightning keeps is a real check: a scheduler ahead of it is still flagged
-    state = _lightning_state_at_epoch_end(0)
-    findings = [f for f in audit(state, progress={"step": 4, "epoch": 0}).findings if "last_epoch" in f.field]
-    assert findings and "is ahead of progress" in findings[0].message
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = L.CosineAnnealingLR(opt, T_max=10)
+    for epoch in range(5):
+        opt.step()
+        sched.step()
+    plain = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "progress": {"epoch": epoch}}
+    assert [f for f in audit(plain).findings if f.field == "scheduler.last_epoch"] == []
+    # a scheduler two steps ahead of the epoch is still flagged
+    plain["progress"]["epoch"] = 3
+    found = [f for f in audit(plain).findings if f.field == "scheduler.last_epoch"]
+    assert found and "is ahead of progress" in found[0].message and "shifted by 2" in found[0].message
