@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from .errors import CannotCheck, IntegrityError, OutputExists, SourceError, UsageError
+from .errors import CannotCheck, IntegrityError, OutputExists, RefusedPickle, SourceError, UsageError
 from .trajectory import CHECKPOINT_FILE, TRAJECTORY_FILE, encode_float, load_trajectory
 
 #: Top-level checkpoint keys the contract expects (see docs/check-resume.md). Only these are compared
@@ -211,8 +211,18 @@ def _load_checkpoint(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any reason is reported with the file
-        raise SourceError(f"cannot load with torch.load(weights_only=True): {exc}".splitlines()[0],
-                          where=str(path)) from None
+        from .sources.torchfile import diagnose_unreadable
+
+        # torch's own first line ("Weights only load failed. ...") never names the refused global.
+        err = diagnose_unreadable(path, exc)
+        if isinstance(err, RefusedPickle):
+            hint = ("the contract: checkpoint.pt must load with torch.load(weights_only=True), as the "
+                    "resumed script loads it; save RNG states as plain data")
+            if "numpy" in err.message:
+                hint += (" (np.random.Generator: bit_generator.state; the legacy np.random.get_state() "
+                         "tuple with its array as .tolist())")
+            err.hint = hint
+        raise err from None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -399,3 +399,22 @@ def test_missing_trajectory_is_a_clear_error_naming_the_file(tmp_path):
     (tmp_path / "trajectory.json").write_text('{"format": "other"}')
     with pytest.raises(SourceError, match="format"):
         load_trajectory(tmp_path)
+
+
+def test_legacy_numpy_rng_tuple_in_checkpoint_is_named_with_the_refused_global_and_a_fix(tmp_path):
+    # np.random.get_state() holds an ndarray: torch.load(weights_only=True) refuses it, and torch's
+    # first line ("Weights only load failed...") names neither the global nor what to change.
+    import numpy as np
+    import torch
+
+    from ckpt_archive.errors import RefusedPickle
+    from ckpt_archive.resume_check import _load_checkpoint
+
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"rng": {"numpy": np.random.RandomState(0).get_state()}}, path)
+    with pytest.raises(RefusedPickle) as info:
+        _load_checkpoint(path)
+    text = str(info.value)
+    assert "multiarray._reconstruct" in text and str(path) in text
+    assert ".tolist()" in text and "Weights only load failed" not in text and "\x1b[" not in text
+    assert info.value.exit_code == 2
