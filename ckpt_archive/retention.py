@@ -201,6 +201,15 @@ def metric_value(metrics: Mapping[str, Any] | None, name: str) -> float | None:
                 value = value[part]
             else:
                 return None
+    if isinstance(value, Mapping) and value.get("$t") in ("npscalar", "int", "float"):
+        # a tagged scalar: metrics packed as NumPy scalars (``np.mean(losses)``) or a big int
+        from .state_tree import decode
+
+        try:
+            value = decode(value, lambda key: None)
+            value = value.item() if hasattr(value, "item") else value
+        except Exception:  # noqa: BLE001 - a malformed tag is just not a number
+            return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:

@@ -537,3 +537,21 @@ def test_check_kept_reads_nothing_when_nothing_is_removed(fake_verify):
     check = check_kept(repo, decision)
     assert check.ok and not check.needed and repo.read == []
     assert execute_prune(repo, decision, check=check) == []
+
+
+def test_keep_best_reads_numpy_scalar_metrics_and_keeps_the_best_generation(tmp_path):
+    # metrics={"val_loss": np.mean(losses)} is a NumPy float64: the manifest tags it, and keep-best
+    # must still read it, or the best generation is the one retention deletes.
+    import numpy as np
+    import torch
+
+    import ckpt_archive
+
+    repo = str(tmp_path / "repo")
+    policy = {"keep_best": 1, "best_by": "val_loss:min", "keep_last": 1}
+    for loss in (np.mean([0.05]), np.float32(0.2), 0.3):
+        ckpt_archive.pack({"w": torch.zeros(2)}, repo, metrics={"val_loss": loss}, retention=policy)
+    assert [g.number for g in ckpt_archive.list_generations(repo)] == [1, 3]
+    assert metric_value({"val_loss": {"$t": "npscalar", "dtype": "<f4", "hex": "9a99993e"}}, "val_loss") \
+        == pytest.approx(0.3)
+    assert metric_value({"ok": {"$t": "npscalar", "dtype": "|b1", "hex": "01"}}, "ok") is None
