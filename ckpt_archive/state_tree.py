@@ -314,7 +314,10 @@ def encode_value(value: Any) -> Any:
     enc = _Encoder()
     tree = enc.enc(value, ())
     if enc._tensor_leaves or enc.table.entries:
-        raise SourceError("tensors are not allowed here (config/metrics must be plain values)")
+        names = ", ".join(key for key, _ in enc._tensor_leaves[:5])
+        raise SourceError("tensors are not allowed here (config/metrics must be plain values)"
+                          + (f": {names}" if names else ""),
+                          hint="pass numbers, e.g. loss.item() instead of loss" if names else None)
     return tree
 
 

@@ -216,3 +216,16 @@ def test_reader_reports_cuda_rng_states_of_a_trainer_rng_file(tmp_path):
     assert src.info["rng"] == [{"file": "rng_state.pth", "python": True, "numpy": "MT19937", "cpu": True,
                                 "cuda_devices": 2}]
     assert any("2 CUDA RNG states saved" in w for w in src.warnings)
+
+
+def test_tensor_metric_is_refused_naming_the_metric_and_the_fix():
+    # metrics={"val_loss": loss} with a 0-d tensor is the usual slip; the message must say which value
+    import torch
+
+    from ckpt_archive.errors import SourceError
+    from ckpt_archive.state_tree import encode_value
+
+    with pytest.raises(SourceError) as info:
+        encode_value({"acc": 0.9, "val_loss": torch.tensor(0.5)})
+    assert "val_loss" in str(info.value) and "loss.item()" in str(info.value)
+    assert "acc" not in str(info.value)
