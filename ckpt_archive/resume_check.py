@@ -166,6 +166,17 @@ class RunRecord:
             text = (self.output / "stderr.log").read_text(encoding="utf-8", errors="replace")
         except OSError:
             return ""
+        text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+        tb = text.rfind("Traceback (most recent call last):")
+        if tb >= 0:
+            # A Python crash: the exception line and where it was raised, not the traceback's carets.
+            body = text[tb:].splitlines()
+            at = [i for i, ln in enumerate(body) if re.match(r'\s*File "(.*)", line (\d+)', ln)]
+            tail = body[at[-1] + 1:] if at else body[1:]
+            exc = " ".join(ln.strip() for ln in tail if ln.strip() and not ln[:1].isspace())
+            frames = [re.match(r'\s*File "(.*)", line (\d+)', body[i]) for i in at]
+            if exc:
+                return exc + (f" (at {frames[-1].group(1)}:{frames[-1].group(2)})" if frames else "")
         return " | ".join(text.strip().splitlines()[-lines:])
 
     def to_json(self) -> dict:

@@ -418,3 +418,23 @@ def test_legacy_numpy_rng_tuple_in_checkpoint_is_named_with_the_refused_global_a
     assert "multiarray._reconstruct" in text and str(path) in text
     assert ".tolist()" in text and "Weights only load failed" not in text and "\x1b[" not in text
     assert info.value.exit_code == 2
+
+
+def test_crashed_run_is_reported_by_its_exception_and_place_not_a_mangled_traceback(tmp_path):
+    from ckpt_archive.errors import SourceError
+    from ckpt_archive.resume_check import RunRecord, _require_ok
+
+    (tmp_path / "stderr.log").write_text(
+        "step 1\nTraceback (most recent call last):\n"
+        '  File "/work/my dir/train.py", line 39, in <module>\n'
+        '    if step == 3: raise RuntimeError("boom")\n'
+        "                  ^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+        "RuntimeError: CUDA out of memory.\nTried to allocate 2 GiB\n")
+    rec = RunRecord("continuous", ["python", "train.py"], tmp_path)
+    rec.exit_code = 1
+    with pytest.raises(SourceError) as info:
+        _require_ok(rec)
+    text = str(info.value)
+    assert "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB (at /work/my dir/train.py:39)" in text
+    assert "Traceback" not in text and "^^^" not in text and "stderr.log" in text
+    assert info.value.exit_code == 2
