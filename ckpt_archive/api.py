@@ -146,6 +146,14 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
         raise UsageError(f"zstd level must be between -7 and 22, not {level}")
     if jobs is not None and int(jobs) < 1:
         raise UsageError(f"--jobs must be at least 1, not {jobs}")
+    if isinstance(tags, (str, bytes)):
+        tags = (tags,)  # tags="nightly" is one tag, not seven one-letter tags
+    if isinstance(retention, dict):
+        from .retention import RetentionPolicy
+
+        # a misspelt field (keep_lasts) refuses the pack here, in the training loop's first call,
+        # instead of a warning on every pack while the disk fills
+        RetentionPolicy.from_dict(retention)
     for name, value in (("step", prog.get("step")), ("epoch", prog.get("epoch")), ("cursor", prog.get("cursor"))):
         if value is not None and value < 0:
             raise UsageError(f"progress {name} must not be negative ({value})")

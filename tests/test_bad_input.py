@@ -234,3 +234,20 @@ def test_a_bad_generation_suffix_is_named_as_such(repo):
     for bad in ("abc", "-1", "1.5", "\uff11"):
         res = cli("verify", f"{repo}@{bad}")
         assert res.exit_code == 2 and "bad generation" in res.stderr, (bad, res.stderr)
+
+
+def test_api_pack_refuses_a_misspelt_retention_field_before_claiming_a_generation(tmp_path):
+    # a training loop's pack(..., retention={"keep_lasts": 2}) must fail on its first call, not warn
+    # "retention not applied" on every pack while every generation piles up
+    from ckpt_archive.errors import UsageError
+
+    repo = tmp_path / "r"
+    with pytest.raises(UsageError, match="keep_lasts"):
+        ckpt_archive.pack({"w": torch.zeros(2)}, repo, retention={"keep_lasts": 2})
+    assert not (repo / "generations").exists() or not any((repo / "generations").iterdir())
+
+
+def test_api_pack_takes_a_single_tag_string_as_one_tag_not_its_letters(tmp_path):
+    res = ckpt_archive.pack({"w": torch.zeros(2)}, tmp_path / "r", tags="nightly")
+    assert res.manifest["tags"] == ["nightly"]
+    assert ckpt_archive.load(tmp_path / "r", generation="tag:nightly")["w"].shape == (2,)
