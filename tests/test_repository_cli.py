@@ -818,3 +818,17 @@ def test_backup_help_documents_stale_after_and_exit_2_for_only_broken_checkpoint
     text = " ".join(res.stdout.replace("│", " ").split())  # rich draws option help inside a box
     assert "--stale-after" in text and "max(600, 10 x --settle)" in text
     assert "holding only broken ones" in text
+
+
+def test_inspect_shows_numpy_metrics_as_numbers_and_unknown_progress_as_dash(tmp_path):
+    import numpy as np
+    import torch
+
+    repo = tmp_path / "r"
+    ckpt_archive.pack({"w": torch.zeros(1)}, repo, metrics={"val_loss": np.float64(0.25), "acc": float("nan")})
+    res = CliRunner().invoke(app, ["inspect", str(repo)])
+    assert res.exit_code == 0, res.output
+    text = res.stderr
+    assert 'metrics: {"val_loss": 0.25, "acc": "nan"}' in text
+    assert "npscalar" not in text and "None" not in text.split("environment")[0]
+    assert "progress: step -  epoch -  cursor -" in text

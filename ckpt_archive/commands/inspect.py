@@ -9,6 +9,35 @@ import typer
 from ._common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes, split_repo_spec
 
 
+def _readable(tree):
+    """An encoded config/metrics tree as a reader expects it: NumPy scalars and non-finite floats as
+    numbers / "nan", not the manifest's ``{"$t": "npscalar", "hex": ...}`` tags."""
+    import math
+
+    from ..state_tree import decode
+
+    try:
+        value = decode(tree, lambda key: None)
+    except Exception:  # noqa: BLE001 - an odd tree is shown as stored
+        return tree
+
+    def plain(v):
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if hasattr(v, "item") and not isinstance(v, (str, bytes)):
+            try:
+                v = v.item()
+            except (TypeError, ValueError):
+                return str(v)
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
+
+    return plain(value)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("inspect", help="Show a generation's manifest: progress, config, metrics, code, environment, "
                                  "members (opaque ones flagged), tensors, loading instructions. " + EXIT_CODES_HELP)
@@ -28,7 +57,8 @@ def register(app: typer.Typer) -> None:
         out.say(f"  created {m['created']}  source {m['source']['format']} ({m['source']['layout']})  "
                 f"archive id {m['archive_id']}")
         p = m["progress"]
-        out.say(f"  progress: step {p.get('step')}  epoch {p.get('epoch')}  cursor {p.get('cursor')}")
+        out.say("  progress: " + "  ".join(f"{k} {'-' if p.get(k) is None else p.get(k)}"
+                                             for k in ("step", "epoch", "cursor")))
         code = m["code"]
         out.say(f"  code: {code.get('git_commit') or '-'}{' (dirty)' if code.get('dirty') else ''}"
                 f"{'  version ' + code['version'] if code.get('version') else ''}")
@@ -39,7 +69,7 @@ def register(app: typer.Typer) -> None:
         if m["config"]:
             out.say(f"  config: {json.dumps(m['config'], ensure_ascii=False)[:2000]}")
         if m["metrics"]:
-            out.say(f"  metrics: {json.dumps(m['metrics'], ensure_ascii=False)}")
+            out.say(f"  metrics: {json.dumps(_readable(m['metrics']), ensure_ascii=False)}")
         if m.get("data"):
             d = m["data"]
             out.say(f"  data ids: {d.get('count')} (sha256 {str(d.get('fingerprint'))[:16]}…)")
