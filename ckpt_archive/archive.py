@@ -795,4 +795,10 @@ def _child(node, part: str, where: str):
         for k, v in node["items"]:
             if str(k) == part or (isinstance(k, dict) and str(k.get("v")) == part):
                 return v
-    raise NotFound(f"no key {part!r} in the state", where=where)
+    keys: list[str] = []
+    if isinstance(node, dict) and "$t" not in node:
+        keys = [str(k) for k in node]
+    elif isinstance(node, dict) and node.get("$t") in ("dict", "odict"):
+        keys = [str(k.get("v") if isinstance(k, dict) else k) for k, _ in node["items"]]
+    shown = ", ".join(keys[:12]) + (", ..." if len(keys) > 12 else "")
+    raise NotFound(f"no key {part!r} in the state" + (f"; keys there: {shown}" if keys else ""), where=where)

@@ -202,3 +202,15 @@ def test_parameters_come_back_as_parameters_with_their_requires_grad(tmp_path):
     assert type(back["t"]) is torch.Tensor
     ckpt_archive.restore(tmp_path / "repo", "latest", tmp_path / "o.pt")
     assert type(torch.load(tmp_path / "o.pt", weights_only=True)["p"]) is torch.nn.Parameter
+
+
+def test_only_with_a_missing_key_lists_the_keys_that_are_there(tmp_path):
+    # `restore --only model` on a Trainer folder (keys model.safetensors, optimizer.pt, ...) must say
+    # what to write instead
+    from ckpt_archive.errors import NotFound
+
+    repo = tmp_path / "r"
+    ckpt_archive.pack({"model.safetensors": {"w": torch.zeros(1)}, "optimizer.pt": {"state": {}}}, repo)
+    with pytest.raises(NotFound) as info:
+        ckpt_archive.load(repo, only="model")
+    assert "no key 'model'" in str(info.value) and "keys there: model.safetensors, optimizer.pt" in str(info.value)
