@@ -228,7 +228,7 @@ def _load_checkpoint(path: Path) -> Any:
         err = diagnose_unreadable(path, exc)
         if isinstance(err, RefusedPickle):
             hint = ("the contract: checkpoint.pt must load with torch.load(weights_only=True), as the "
-                    "resumed script loads it; save RNG states as plain data")
+                    "resumed script loads it; save plain data: dicts, lists, numbers, strings, tensors")
             if "numpy" in err.message:
                 hint += (" (np.random.Generator: bit_generator.state; the legacy np.random.get_state() "
                          "tuple with its array as .tolist())")
