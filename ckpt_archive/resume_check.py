@@ -904,6 +904,26 @@ def compare_runs(expected_traj: dict, got_traj: dict, expected_state, got_state,
         res["hint"] = (f"every update matched but the {', '.join(bad)} RNG state differs at the end: if the "
                        f"script never draws from it (and does not seed it), declare it with "
                        + " ".join(f"--expect-no-effect {b}" for b in bad))
+    if res["first_divergence"] is not None and not training_only:
+        # The updates diverged. A stream the resume forgot to restore usually ends in another state
+        # while the streams it did restore end alike: name it (the per-update fields cannot).
+        ended: dict[str, bool] = {}
+        for st, ps in streams.items():
+            if st in ignore:
+                continue
+            sd = _TreeDiff(atol, rtol)
+            for p in ps:
+                try:
+                    sd.compare(_get(expected_state, p), _get(got_state, p), p)
+                except (KeyError, IndexError, TypeError):
+                    sd.add(p, "missing", "present", "absent")
+            ended[st] = sd.total == 0
+        differ = sorted(st for st, same in ended.items() if not same)
+        if differ and len(differ) < len(ended):
+            res["suspect_streams"] = differ
+            res["hint"] = (f"of the random streams the checkpoint carries, only {', '.join(differ)} ends in "
+                           f"another state than in the continuous run ({', '.join(sorted(set(ended) - set(differ)))} "
+                           f"end alike): check that the resume restores the {', '.join(differ)} RNG state")
     last_step = exp_updates[-1]["step"] if exp_updates else interrupt_at
     if res["first_divergence"] is None and td.diffs:
         d = td.diffs[0]

@@ -438,3 +438,25 @@ def test_crashed_run_is_reported_by_its_exception_and_place_not_a_mangled_traceb
     assert "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB (at /work/my dir/train.py:39)" in text
     assert "Traceback" not in text and "^^^" not in text and "stderr.log" in text
     assert info.value.exit_code == 2
+
+
+def test_diverged_resume_names_the_one_rng_stream_that_ends_in_another_state():
+    # A script that forgets np_rng.bit_generator.state = ...: the data order diverges at update 6
+    # (field sample_ids); the report must point at NumPy, the only stream that ends differently.
+    import copy
+
+    exp_state = _state()
+    got_state = copy.deepcopy(exp_state)
+    got_state["rng"]["numpy"] = np.random.Generator(np.random.PCG64(4)).bit_generator.state
+    exp = {"updates": [_u(1, [0], [0.1], 1.0), _u(2, [1, 2], [0.1], 1.0)], "final": {}}
+    got = {"updates": [_u(2, [3, 4], [0.1], 1.0)], "final": {}}
+    cmp = compare_runs(exp, got, exp_state, got_state, interrupt_at=1, atol=1e-12, rtol=0)
+    assert cmp["first_divergence"]["field"] == "sample_ids"
+    assert cmp["suspect_streams"] == ["numpy"] and "restores the numpy RNG state" in cmp["hint"]
+    # every stream ending differently (or none) blames no stream in particular
+    got_state["rng"]["python"] = random.Random(7).getstate()
+    got_state["rng"]["torch"] = torch.Generator().manual_seed(7).get_state()
+    cmp = compare_runs(exp, got, exp_state, got_state, interrupt_at=1, atol=1e-12, rtol=0)
+    assert "suspect_streams" not in cmp
+    cmp = compare_runs(exp, got, exp_state, copy.deepcopy(exp_state), interrupt_at=1, atol=1e-12, rtol=0)
+    assert "suspect_streams" not in cmp and cmp["first_divergence"]["field"] == "sample_ids"
