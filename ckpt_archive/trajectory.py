@@ -176,7 +176,9 @@ class Trajectory:
             optimizer: a ``torch.optim.Optimizer``; its state tensors are digested, and the LR of
                 each param group (the LR the *next* update would use) is recorded.
             python_random: a ``random.Random`` instance; the module-level generator when omitted.
-            numpy_generator: a ``numpy.random.Generator`` the run draws from; skipped when omitted.
+            numpy_generator: a ``numpy.random.Generator`` the run draws from, or for legacy NumPy
+                code a ``numpy.random.RandomState`` or the module ``numpy.random`` itself (its global
+                state); skipped when omitted.
             torch_generator: a ``torch.Generator``; the default CPU generator when omitted.
             write: write ``trajectory.json`` now (default).
 
@@ -198,9 +200,15 @@ class Trajectory:
         if numpy_generator is not None:
             import numpy as np
 
-            bg = type(numpy_generator.bit_generator)()
-            bg.state = numpy_generator.bit_generator.state
-            draws["numpy"] = [encode_float(x) for x in np.random.Generator(bg).random(NEXT_DRAWS).tolist()]
+            if isinstance(numpy_generator, np.random.Generator):
+                bg = type(numpy_generator.bit_generator)()
+                bg.state = numpy_generator.bit_generator.state
+                nxt = np.random.Generator(bg).random(NEXT_DRAWS)
+            else:  # legacy: a RandomState or np.random (np.random.seed / np.random.permutation code)
+                rs = np.random.RandomState()
+                rs.set_state(numpy_generator.get_state())
+                nxt = rs.random_sample(NEXT_DRAWS)
+            draws["numpy"] = [encode_float(x) for x in nxt.tolist()]
         g = torch.Generator()
         g.set_state((torch_generator.get_state() if torch_generator is not None else torch.get_rng_state()))
         draws["torch"] = [encode_float(x) for x in torch.rand(NEXT_DRAWS, generator=g, dtype=torch.float64).tolist()]

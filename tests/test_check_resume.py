@@ -460,3 +460,19 @@ def test_diverged_resume_names_the_one_rng_stream_that_ends_in_another_state():
     assert "suspect_streams" not in cmp
     cmp = compare_runs(exp, got, exp_state, copy.deepcopy(exp_state), interrupt_at=1, atol=1e-12, rtol=0)
     assert "suspect_streams" not in cmp and cmp["first_divergence"]["field"] == "sample_ids"
+
+
+def test_trajectory_records_next_draws_of_legacy_numpy_global_state(tmp_path):
+    # np.random.seed / np.random.permutation scripts have no Generator: finish(numpy_generator=np.random)
+    # must record the next draws of the global state (and leave that state untouched)
+    from ckpt_archive.trajectory import Trajectory
+
+    np.random.seed(3)
+    before = np.random.get_state()
+    final = Trajectory(tmp_path, meta={}).finish(numpy_generator=np.random, write=False)
+    expected = np.random.RandomState(3).random_sample(len(final["next_draws"]["numpy"])).tolist()
+    assert [float(x) for x in final["next_draws"]["numpy"]] == expected
+    after = np.random.get_state()
+    assert before[2] == after[2] and (before[1] == after[1]).all()
+    rs = np.random.RandomState(5)
+    assert Trajectory(tmp_path, meta={}).finish(numpy_generator=rs, write=False)["next_draws"]["numpy"]
