@@ -7,13 +7,18 @@ from typing import List, Optional
 import typer
 
 from ._common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes
-from .policy_flags import policy_from_flags, POLICY_HELP
+from .prune import (BEST_BY, KEEP_BEST, KEEP_DAILY, KEEP_HOURLY, KEEP_LAST, KEEP_MONTHLY, KEEP_TAG, KEEP_WEEKLY,
+                    KEEP_WITHIN, policy_from_flags)
+
+
+_RETENTION_NOTE = ("Retention flags (restic's names, UTC calendar buckets, as for prune) apply only after the new "
+                   "generation is usable; the newest usable generation is never removed.")
 
 
 def register(app: typer.Typer) -> None:
     @app.command("pack", help="Pack a checkpoint (a torch.save file or a trainer's checkpoint folder) into a "
                               "new generation of REPO: written unseen, verified, trial-reloaded, then marked "
-                              "usable. " + POLICY_HELP + " " + EXIT_CODES_HELP)
+                              "usable. " + _RETENTION_NOTE + " " + EXIT_CODES_HELP)
     @command
     def pack_cmd(
         source: Path = typer.Argument(..., help="A torch.save file or a checkpoint folder."),
@@ -35,16 +40,11 @@ def register(app: typer.Typer) -> None:
         jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Threads (default: all cores)."),
         level: Optional[int] = typer.Option(None, "--level", help="zstd level (default 3)."),
         wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for another writer's lock."),
-        keep_last: Optional[int] = typer.Option(None, "--keep-last", help="Retention: keep the N newest."),
-        keep_hourly: Optional[int] = typer.Option(None, "--keep-hourly", help="Retention: newest of each of N hours."),
-        keep_daily: Optional[int] = typer.Option(None, "--keep-daily", help="Retention: newest of each of N days (UTC)."),
-        keep_weekly: Optional[int] = typer.Option(None, "--keep-weekly", help="Retention: newest of each of N ISO weeks."),
-        keep_monthly: Optional[int] = typer.Option(None, "--keep-monthly", help="Retention: newest of each of N months."),
-        keep_within: Optional[str] = typer.Option(None, "--keep-within", help="Retention: all within a duration "
-                                                  "of the newest, e.g. 2d12h."),
-        keep_tag: List[str] = typer.Option([], "--keep-tag", help="Retention: keep generations with this tag."),
-        keep_best: Optional[int] = typer.Option(None, "--keep-best", help="Retention: the N best by --best-by."),
-        best_by: Optional[str] = typer.Option(None, "--best-by", help="METRIC:min|max from the manifest's metrics."),
+        keep_last: Optional[int] = KEEP_LAST, keep_hourly: Optional[int] = KEEP_HOURLY,
+        keep_daily: Optional[int] = KEEP_DAILY, keep_weekly: Optional[int] = KEEP_WEEKLY,
+        keep_monthly: Optional[int] = KEEP_MONTHLY, keep_within: Optional[str] = KEEP_WITHIN,
+        keep_tag: Optional[List[str]] = KEEP_TAG, keep_best: Optional[int] = KEEP_BEST,
+        best_by: Optional[str] = BEST_BY,
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
@@ -55,9 +55,8 @@ def register(app: typer.Typer) -> None:
         if split_repo_spec(repo)[0] != repo:
             out.warn(f"the repository path {repo!r} ends like a generation selector (@N, @latest, @tag:NAME): "
                      f"other commands will read it as one; address this repository as {repo}@latest")
-        policy = policy_from_flags(keep_last=keep_last, keep_hourly=keep_hourly, keep_daily=keep_daily,
-                                   keep_weekly=keep_weekly, keep_monthly=keep_monthly, keep_within=keep_within,
-                                   keep_tag=keep_tag, keep_best=keep_best, best_by=best_by, allow_empty=True)
+        policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
+                                   keep_tag, keep_best, best_by)
         total = _source_bytes(source)
         with out.progress(total, "pack") as bar:
             res = ckpt_archive.pack(source, repo, config=config, metrics=metrics, data_ids=data_ids,
