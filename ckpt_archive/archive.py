@@ -140,7 +140,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
                 entry.update(member=rec["path"], raw_bytes=rec["raw_bytes"], sha256=rec["raw_sha256"])
             elif sf.path is not None:
                 entry["raw_bytes"] = sf.path.stat().st_size
-                entry["sha256"] = w.hash_pool.submit(_file_sha256, sf.path)
+                entry["sha256"] = w.hash_pool.submit(file_sha256, sf.path)
             files_meta.append(entry)
         tree_bytes = json.dumps(tree, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         w.member(TREE_MEMBER, "tree", iter([(tree_bytes, "zstd")]))
@@ -172,7 +172,8 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
     }
 
 
-def _file_sha256(path) -> str:
+def file_sha256(path, on_bytes: Callable[[int], None] | None = None) -> str:
+    """sha256 (hex) of a file, read in pieces of ``FILE_READ_BYTES``; ``on_bytes`` gets each piece's size."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while True:
@@ -180,6 +181,8 @@ def _file_sha256(path) -> str:
             if not piece:
                 return h.hexdigest()
             h.update(piece)
+            if on_bytes:
+                on_bytes(len(piece))
 
 
 def _write_tensors(w: _Writer, table: TensorTable) -> dict:

@@ -26,7 +26,6 @@ else the newest ``*.pt``/``*.pth``/``*.ckpt`` file (top level or ``checkpoints/`
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -49,7 +48,6 @@ STATE_VERSION = 1
 _CKPT_DIR = re.compile(r"^checkpoint[-_](\d+)$")
 _CKPT_SUFFIXES = (".pt", ".pth", ".ckpt")
 _TEMP_NAME = re.compile(r"(\.tmp|\.temp|\.part|\.partial|\.incomplete|\.lock|~)$|^(tmp[-_.]|\.tmp)", re.I)
-_HASH_CHUNK = 8 << 20
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,21 +252,11 @@ def completeness_problem(checkpoint: Path) -> str | None:
 def hash_files(checkpoint: Path, on_bytes: Callable[[int], None] | None = None) -> dict[str, str]:
     """sha256 of every file of the checkpoint: ``{relpath: hex}`` (``""`` for a single file).
 
-    Reads every byte once, in 8 MiB chunks.
+    Reads every byte once, in 8 MiB pieces.
     """
-    out = {}
-    for rel, p in _walk_files(checkpoint):
-        h = hashlib.sha256()
-        with open(p, "rb") as fh:
-            while True:
-                block = fh.read(_HASH_CHUNK)
-                if not block:
-                    break
-                h.update(block)
-                if on_bytes:
-                    on_bytes(len(block))
-        out[rel] = h.hexdigest()
-    return out
+    from .archive import file_sha256  # the same digest pack records as source.files[].sha256
+
+    return {rel: file_sha256(p, on_bytes) for rel, p in _walk_files(checkpoint)}
 
 
 def manifest_source_hashes(manifest: Mapping[str, Any] | None) -> dict[str, str] | None:
