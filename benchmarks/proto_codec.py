@@ -100,7 +100,7 @@ def bench_method(name, data: bytes, itemsize: int, level: int, chunk: int, jobs:
         t = threading.get_ident()
         if t not in cctxs:
             if name == "tuned":
-                from ckpt_archive.codec import float_params
+                from ckpt_archive.format.codec import float_params
                 cctxs[t] = zstandard.ZstdCompressor(compression_params=float_params())
             else:
                 cctxs[t] = zstandard.ZstdCompressor(level=level)

@@ -88,9 +88,9 @@ def worker(op: str, a: argparse.Namespace) -> dict:
         import numpy  # noqa: F401
         import zstandard  # noqa: F401
 
-        import ckpt_archive.api  # noqa: F401
-        import ckpt_archive.archive  # noqa: F401
-        import ckpt_archive.manifest  # noqa: F401
+        import ckpt_archive.ops.api  # noqa: F401
+        import ckpt_archive.repo.archive  # noqa: F401
+        import ckpt_archive.format.manifest  # noqa: F401
         import ckpt_archive.sources  # noqa: F401
     before = _self_anon()
     if op == "torch_load":

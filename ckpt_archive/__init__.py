@@ -18,10 +18,11 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _API = {
-    "pack": "api", "load": "api", "verify": "api", "restore": "api", "inspect": "api",
-    "list_generations": "api", "PackResult": "api", "VerifyReport": "api", "Problem": "api",
-    "RestoreResult": "api", "Repository": "repository", "Generation": "repository",
-    "restore_training_state": "policy", "export": "exporter", "check_resume": "resume_check",
+    "pack": "ops.api", "load": "ops.api", "verify": "ops.api", "restore": "ops.api", "inspect": "ops.api",
+    "list_generations": "ops.api", "PackResult": "ops.api", "VerifyReport": "ops.api", "Problem": "repo.archive",
+    "RestoreResult": "ops.api", "Repository": "repo.repository", "Generation": "repo.repository",
+    "restore_training_state": "training.policy", "export": "ops.export", "check_resume": "resume.check",
+    "Trajectory": "resume.trajectory",
 }
 
 

@@ -1,3 +1,3 @@
-from .cli import main
+from ckpt_archive.cli.app import main
 
 main()

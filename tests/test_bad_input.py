@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 import ckpt_archive
-from ckpt_archive.cli import app
+from ckpt_archive.cli.app import app
 
 runner = CliRunner()
 
@@ -161,8 +161,8 @@ def test_safetensors_header_metadata_must_be_str_to_str(repo):
 
     import zstandard
 
-    from ckpt_archive.api import _repo
-    from ckpt_archive.archive import ArchiveReader
+    from ckpt_archive.ops.api import _repo
+    from ckpt_archive.repo.archive import ArchiveReader
 
     r = _repo(repo)
     gen = r.resolve("latest")
@@ -170,7 +170,7 @@ def test_safetensors_header_metadata_must_be_str_to_str(repo):
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
     header["__metadata__"] = {"format": 1}
-    from ckpt_archive.archive import _check_header
+    from ckpt_archive.repo.archive import _check_header
     from ckpt_archive.errors import IntegrityError
 
     hb = json.dumps(header).encode()
@@ -184,7 +184,7 @@ def test_bad_repo_gen_suffix_and_missing_repo_exit_2(tmp_path):
 
 
 def test_repo_paths_with_at_signs_are_not_split(tmp_path, ckpt):
-    from ckpt_archive.commands._common import split_repo_spec
+    from ckpt_archive.cli.common import split_repo_spec
 
     assert split_repo_spec("runs/exp@home/repo") == ("runs/exp@home/repo", "latest")
     assert split_repo_spec("runs/exp@home/repo@12") == ("runs/exp@home/repo", "12")

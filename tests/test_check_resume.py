@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckpt_archive.errors import OutputExists, UsageError
-from ckpt_archive.resume_check import (_control_verdict, _TreeDiff, check_template, compare_runs,
+from ckpt_archive.resume.check import (_control_verdict, _TreeDiff, check_template, compare_runs,
                                        compare_trajectories, expand_command, perturb, prepare_output,
                                        rng_streams, validate_report)
 
@@ -369,7 +369,7 @@ def test_unused_stream_perturbation_fails_the_check_unless_declared(tmp_path):
 # The trajectory helper
 # ------------------------------------------------------------------------------------------------
 def test_trajectory_finish_records_next_draws_without_consuming_any_stream(tmp_path):
-    from ckpt_archive.trajectory import Trajectory, load_trajectory
+    from ckpt_archive.resume.trajectory import Trajectory, load_trajectory
 
     random.seed(5)
     torch.manual_seed(5)
@@ -392,7 +392,7 @@ def test_trajectory_finish_records_next_draws_without_consuming_any_stream(tmp_p
 
 def test_missing_trajectory_is_a_clear_error_naming_the_file(tmp_path):
     from ckpt_archive.errors import SourceError
-    from ckpt_archive.trajectory import load_trajectory
+    from ckpt_archive.resume.trajectory import load_trajectory
 
     with pytest.raises(SourceError, match="trajectory.json"):
         load_trajectory(tmp_path)
@@ -408,7 +408,7 @@ def test_legacy_numpy_rng_tuple_in_checkpoint_is_named_with_the_refused_global_a
     import torch
 
     from ckpt_archive.errors import RefusedPickle
-    from ckpt_archive.resume_check import _load_checkpoint
+    from ckpt_archive.resume.check import _load_checkpoint
 
     path = tmp_path / "checkpoint.pt"
     torch.save({"rng": {"numpy": np.random.RandomState(0).get_state()}}, path)
@@ -422,7 +422,7 @@ def test_legacy_numpy_rng_tuple_in_checkpoint_is_named_with_the_refused_global_a
 
 def test_crashed_run_is_reported_by_its_exception_and_place_not_a_mangled_traceback(tmp_path):
     from ckpt_archive.errors import SourceError
-    from ckpt_archive.resume_check import RunRecord, _require_ok
+    from ckpt_archive.resume.check import RunRecord, _require_ok
 
     (tmp_path / "stderr.log").write_text(
         "step 1\nTraceback (most recent call last):\n"
@@ -465,7 +465,7 @@ def test_diverged_resume_names_the_one_rng_stream_that_ends_in_another_state():
 def test_trajectory_records_next_draws_of_legacy_numpy_global_state(tmp_path):
     # np.random.seed / np.random.permutation scripts have no Generator: finish(numpy_generator=np.random)
     # must record the next draws of the global state (and leave that state untouched)
-    from ckpt_archive.trajectory import Trajectory
+    from ckpt_archive.resume.trajectory import Trajectory
 
     np.random.seed(3)
     before = np.random.get_state()

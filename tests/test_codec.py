@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_archive import codec
+from ckpt_archive.format import codec as codec
 from ckpt_archive.errors import IntegrityError
 
 CHUNK = 64 << 10  # small chunks so that a few hundred KiB cross many boundaries

@@ -17,10 +17,10 @@ import torch
 from typer.testing import CliRunner
 
 import ckpt_archive as ca
-from ckpt_archive.cli import app
+from ckpt_archive.cli.app import app
 from ckpt_archive.errors import NoUsableGeneration
-from ckpt_archive.exporter import export
-from ckpt_archive.repository import Repository
+from ckpt_archive.ops.export import export
+from ckpt_archive.repo.repository import Repository
 from s3server import s3_env, s3_server, s3_url  # noqa: F401  (pytest fixtures)
 
 MEMBERS = ["tensors-00000.safetensors.ckz", "tree.json.ckz", "data-ids.json.ckz"]

@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 
 import ckpt_archive
-from ckpt_archive.commands.gc import collect_garbage
-from ckpt_archive.commands.prune import run_prune
-from ckpt_archive.retention import RetentionPolicy
-from ckpt_archive.repository import Repository
+from ckpt_archive.cli.gc_cmd import collect_garbage
+from ckpt_archive.cli.prune_cmd import run_prune
+from ckpt_archive.retention.policy import RetentionPolicy
+from ckpt_archive.repo.repository import Repository
 
 torch = pytest.importorskip("torch")
 
@@ -125,8 +125,8 @@ def run_in_process(case, template, repo: Path) -> tuple[int, str, str]:
     """ENOSPC / EROFS are exceptions: the same CLI code path runs in-process (Typer's CliRunner)."""
     from typer.testing import CliRunner
 
-    from ckpt_archive import faults
-    from ckpt_archive.cli import app
+    from ckpt_archive.store import faults as faults
+    from ckpt_archive.cli.app import app
 
     saved = os.environ.get("CKPT_ARCHIVE_INJECT")
     os.environ["CKPT_ARCHIVE_INJECT"] = f"{case[1]}={case[2]}"

@@ -25,7 +25,7 @@ def test_frozen_v1_archive_loads_exactly(tmp_path):
 
 
 def test_frozen_v1_manifest_still_validates():
-    from ckpt_archive.manifest import parse
+    from ckpt_archive.format.manifest import parse
 
     doc = parse((FIXTURE / "generations" / "00000001" / "manifest.json").read_bytes())
     assert doc["format_version"] == 1 and doc["tags"] == ["frozen"] and doc["config"] == {"lr": 0.001, "batch": 4}

@@ -10,9 +10,9 @@ import torch
 from typer.testing import CliRunner
 
 import ckpt_archive
-from ckpt_archive.cli import app
+from ckpt_archive.cli.app import app
 from ckpt_archive.errors import IntegrityError, OutputExists
-from ckpt_archive.repository import Repository
+from ckpt_archive.repo.repository import Repository
 
 runner = CliRunner()
 
@@ -40,7 +40,7 @@ def test_a_failure_at_any_step_leaves_earlier_generations_and_no_usable_partial(
     r = tmp_path / "repo"
     ckpt_archive.pack(state(1), r)
     monkeypatch.setenv("CKPT_ARCHIVE_INJECT", f"{point}=raise")
-    from ckpt_archive import faults
+    from ckpt_archive.store import faults as faults
 
     faults._counts.clear()
     with pytest.raises(RuntimeError, match=point):
@@ -59,7 +59,7 @@ def test_disk_full_during_write_is_exit_2_with_the_step_named(tmp_path, monkeypa
     r = tmp_path / "repo"
     ckpt_archive.pack(state(1), r)
     monkeypatch.setenv("CKPT_ARCHIVE_INJECT", "after-members=enospc")
-    from ckpt_archive import faults
+    from ckpt_archive.store import faults as faults
 
     faults._counts.clear()
     with pytest.raises(StoreError, match="disk full") as exc:

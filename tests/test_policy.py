@@ -16,7 +16,7 @@ import torch
 from torch.optim import lr_scheduler as L
 
 from ckpt_archive.errors import IncoherentState
-from ckpt_archive.policy import (apply_session_policy, audit, compare_with_session, derive_lrs,
+from ckpt_archive.training.policy import (apply_session_policy, audit, compare_with_session, derive_lrs,
                                  lint_completeness, restore_training_state)
 
 
@@ -121,7 +121,7 @@ def test_session_policy_sets_lr_exactly_and_keeps_moments_bit_equal(adam_6000):
 def test_restore_under_session_policy_keeps_session_lr_and_archived_moments(adam_6000, caplog):
     model = _net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
-    with caplog.at_level(logging.INFO, logger="ckpt_archive.policy"):
+    with caplog.at_level(logging.INFO, logger="ckpt_archive.training.policy"):
         rep = restore_training_state(adam_6000, model=model, optimizer=opt, policy="session")
     assert opt.param_groups[0]["lr"] == 1e-5 and rep.next_lrs == [1e-5]
     saved = adam_6000["optimizer"]["state"]
@@ -129,7 +129,7 @@ def test_restore_under_session_policy_keeps_session_lr_and_archived_moments(adam
         st = opt.state[p]
         assert st["step"].item() == 6000.0
         assert torch.equal(st["exp_avg"], saved[i]["exp_avg"]) and torch.equal(st["exp_avg_sq"], saved[i]["exp_avg_sq"])
-    lines = [r.getMessage() for r in caplog.records if r.name == "ckpt_archive.policy" and r.levelno == logging.INFO]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ckpt_archive.training.policy" and r.levelno == logging.INFO]
     assert len(lines) == 1 and "next step LR group 0=1e-05" in lines[0] and "policy session" in lines[0]
 
 
@@ -483,7 +483,7 @@ def test_rng_restored_last_and_cuda_states_of_invisible_devices_warned(caplog):
     random.seed(9)
     np.random.seed(9)
     torch.manual_seed(9)
-    with caplog.at_level(logging.WARNING, logger="ckpt_archive.policy"):
+    with caplog.at_level(logging.WARNING, logger="ckpt_archive.training.policy"):
         rep = restore_training_state(_roundtrip(state))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -509,7 +509,7 @@ def test_broken_rng_entry_warns_instead_of_crashing():
 # --- through the archive -----------------------------------------------------------------------------------
 
 def test_audit_runs_on_a_state_round_tripped_through_pack_and_load(seq_25, tmp_path):
-    api = pytest.importorskip("ckpt_archive.api")
+    api = pytest.importorskip("ckpt_archive.ops.api")
     if not hasattr(api, "pack"):
         pytest.skip("core API not available yet")
     res = api.pack(dict(seq_25), tmp_path / "repo")
@@ -524,7 +524,7 @@ def test_audit_runs_on_a_state_round_tripped_through_pack_and_load(seq_25, tmp_p
 def _cli(*args):
     from typer.testing import CliRunner
 
-    from ckpt_archive.cli import app
+    from ckpt_archive.cli.app import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
 
@@ -624,7 +624,7 @@ def test_restore_expect_lr_equal_is_silent_and_bad_policy_is_exit_2(repo_case1, 
 
 
 def test_audit_view_decodes_small_tensors_within_budget_only(repo_case1):
-    from ckpt_archive.policy import TensorStub, policy_section, state_for_audit
+    from ckpt_archive.training.policy import TensorStub, policy_section, state_for_audit
 
     info: dict = {}
     state, manifest, gen = state_for_audit(repo_case1, info=info)

@@ -14,10 +14,10 @@ import pytest
 from typer.testing import CliRunner
 
 import ckpt_archive
-from ckpt_archive import backup as backup_mod
-from ckpt_archive.cli import app
+from ckpt_archive.ops import backup as backup_mod
+from ckpt_archive.cli.app import app
 from ckpt_archive.errors import LockError
-from ckpt_archive.repository import Repository
+from ckpt_archive.repo.repository import Repository
 from s3server import s3_env, s3_server, s3_url  # noqa: F401  (pytest fixtures)
 
 torch = pytest.importorskip("torch")
@@ -267,7 +267,7 @@ def test_prune_with_nothing_to_remove_reads_no_generation(repo5, monkeypatch):
     def no_reading(*a, **k):
         raise AssertionError("a generation was read although nothing is removed")
 
-    monkeypatch.setattr(ckpt_archive.api, "verify", no_reading)
+    monkeypatch.setattr(ckpt_archive.ops.api, "verify", no_reading)
     res, out = cli_json("prune", repo5, "--keep-last", 5)
     assert res.exit_code == 0, res.stderr
     assert out["verify_kept"]["needed"] is False and usable(repo5) == [1, 2, 3, 4, 5]
@@ -275,13 +275,13 @@ def test_prune_with_nothing_to_remove_reads_no_generation(repo5, monkeypatch):
 
 def test_prune_checks_kept_generations_newest_first_and_stops_at_the_first_that_verifies(repo5, monkeypatch):
     read = []
-    real_verify = ckpt_archive.api.verify
+    real_verify = ckpt_archive.ops.api.verify
 
     def recording(repo, generation, **kw):
         read.append(int(generation))
         return real_verify(repo, generation, **kw)
 
-    monkeypatch.setattr(ckpt_archive.api, "verify", recording)
+    monkeypatch.setattr(ckpt_archive.ops.api, "verify", recording)
     flip_byte(repo5, 5)
     res, out = cli_json("prune", repo5, "--keep-last", 3)
     assert res.exit_code == 0, res.stderr
@@ -290,14 +290,14 @@ def test_prune_checks_kept_generations_newest_first_and_stops_at_the_first_that_
 
 def test_pack_time_retention_counts_the_just_published_generation_as_verified_without_rereading_it(tmp_path,
                                                                                                    monkeypatch):
-    from ckpt_archive import retention
+    from ckpt_archive.retention import policy as retention
 
     repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
 
     def no_reading(*a, **k):
         raise AssertionError("the generation pack just verified was read again")
 
-    monkeypatch.setattr(ckpt_archive.api, "verify", no_reading)
+    monkeypatch.setattr(ckpt_archive.ops.api, "verify", no_reading)
     r = Repository.open(repo)
     with r.lock():
         ret = retention.apply_after_pack(r, {"keep_last": 1}, verified=(3,))
@@ -306,7 +306,7 @@ def test_pack_time_retention_counts_the_just_published_generation_as_verified_wi
 
 
 def test_pack_time_retention_without_a_verified_generation_removes_nothing_when_the_kept_one_is_corrupt(tmp_path):
-    from ckpt_archive import retention
+    from ckpt_archive.retention import policy as retention
 
     repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
     flip_byte(repo, 3)
@@ -327,7 +327,7 @@ def test_backup_retention_does_not_reread_the_generation_it_just_packed(tmp_path
     def no_reading(*a, **k):
         raise AssertionError("the generation backup just packed was read again")
 
-    monkeypatch.setattr(ckpt_archive.api, "verify", no_reading)
+    monkeypatch.setattr(ckpt_archive.ops.api, "verify", no_reading)
     save_pt(src, 2)
     res, out = backup_cli(src, repo, "--keep-last", 1)
     assert res.exit_code == 0, res.stderr
@@ -369,7 +369,7 @@ def test_forget_of_a_missing_generation_is_exit_2(repo5):
 
 def test_forget_removes_the_marker_before_anything_else(repo5, monkeypatch):
     """Stop the deletion right after the marker went: the generation must read as partial, never usable."""
-    from ckpt_archive import faults
+    from ckpt_archive.store import faults as faults
 
     monkeypatch.setenv("CKPT_ARCHIVE_INJECT", "prune-after-marker-removal=raise")
     monkeypatch.setattr(faults, "_counts", {})
@@ -486,7 +486,7 @@ def test_backup_tick_with_nothing_new_reads_no_file_content(tmp_path, monkeypatc
         raise AssertionError("an unchanged source was read")
 
     monkeypatch.setattr(backup_mod, "hash_files", no_reading)
-    monkeypatch.setattr(ckpt_archive.api, "pack", no_reading)
+    monkeypatch.setattr(ckpt_archive.ops.api, "pack", no_reading)
     res, out = backup_cli(src, repo)
     assert res.exit_code == 0 and out["action"] == "unchanged"
 
@@ -616,14 +616,14 @@ def test_backup_waits_the_settle_window_before_packing(tmp_path):
 def test_backup_forgets_a_generation_whose_source_changed_while_packing(tmp_path, monkeypatch):
     src = save_pt(tmp_path / "run" / "last.pt", 1)
     repo = tmp_path / "repo"
-    real_pack = ckpt_archive.api.pack
+    real_pack = ckpt_archive.ops.api.pack
 
     def pack_while_trainer_writes(*a, **k):
         res = real_pack(*a, **k)
         save_pt(src, 2)  # the trainer rewrote the file meanwhile
         return res
 
-    monkeypatch.setattr(ckpt_archive.api, "pack", pack_while_trainer_writes)
+    monkeypatch.setattr(ckpt_archive.ops.api, "pack", pack_while_trainer_writes)
     res, out = backup_cli(src, repo)
     assert res.exit_code == 75 and "changed while being packed" in out["reason"]
     assert usable(repo) == []

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_archive.errors import UsageError
-from ckpt_archive.retention import (
+from ckpt_archive.retention.policy import (
     NEWEST_USABLE, GenerationFacts, RetentionPolicy, apply_policy, metric_value, parse_best_by, parse_within,
 )
 
@@ -487,7 +487,7 @@ class FakeRepo:
 
 @pytest.fixture
 def fake_verify(monkeypatch):
-    from ckpt_archive import retention
+    from ckpt_archive.retention import policy as retention
 
     def verify_problems(repo, number):
         repo.read.append(number)
@@ -498,7 +498,7 @@ def fake_verify(monkeypatch):
 
 def test_execute_prune_refuses_and_removes_nothing_when_no_kept_generation_verifies(fake_verify):
     from ckpt_archive.errors import IntegrityError
-    from ckpt_archive.retention import execute_prune
+    from ckpt_archive.retention.policy import execute_prune
 
     repo = FakeRepo(3, bad={3})
     decision = apply_policy(gens_with_losses([0.9, 0.8, 0.7]), RetentionPolicy(keep_last=1))
@@ -509,7 +509,7 @@ def test_execute_prune_refuses_and_removes_nothing_when_no_kept_generation_verif
 
 
 def test_check_kept_walks_kept_generations_newest_first_and_stops_at_the_first_that_verifies(fake_verify):
-    from ckpt_archive.retention import check_kept, execute_prune
+    from ckpt_archive.retention.policy import check_kept, execute_prune
 
     repo = FakeRepo(6, bad={6, 5})
     decision = apply_policy(gens_with_losses([0.9] * 6), RetentionPolicy(keep_last=4))
@@ -521,7 +521,7 @@ def test_check_kept_walks_kept_generations_newest_first_and_stops_at_the_first_t
 
 
 def test_check_kept_trusts_a_just_verified_generation_without_reading_it(fake_verify):
-    from ckpt_archive.retention import check_kept
+    from ckpt_archive.retention.policy import check_kept
 
     repo = FakeRepo(3, bad={3})  # even if it would fail now: pack verified it under this very lock
     decision = apply_policy(gens_with_losses([0.9, 0.8, 0.7]), RetentionPolicy(keep_last=1))
@@ -530,7 +530,7 @@ def test_check_kept_trusts_a_just_verified_generation_without_reading_it(fake_ve
 
 
 def test_check_kept_reads_nothing_when_nothing_is_removed(fake_verify):
-    from ckpt_archive.retention import check_kept, execute_prune
+    from ckpt_archive.retention.policy import check_kept, execute_prune
 
     repo = FakeRepo(3, bad={1, 2, 3})
     decision = apply_policy(gens_with_losses([0.9, 0.8, 0.7]), RetentionPolicy(keep_last=3))

@@ -140,8 +140,8 @@ def test_manifest_records_progress_and_every_tensor_fingerprint(tmp_path):
 def test_decoded_tensors_member_is_a_valid_safetensors_file_with_str_metadata(tmp_path):
     from safetensors.torch import load
 
-    from ckpt_archive.api import _repo
-    from ckpt_archive.archive import ArchiveReader
+    from ckpt_archive.ops.api import _repo
+    from ckpt_archive.repo.archive import ArchiveReader
 
     state = {"a": torch.randn(4, 4), "b": torch.ones(3, dtype=torch.bfloat16)}
     res = ckpt_archive.pack(state, tmp_path / "repo")

@@ -184,7 +184,7 @@ def test_consolidate_is_refused_for_a_source_that_is_not_dcp(tmp_path):
 
 
 def test_verify_names_a_shard_the_manifest_lost(dcp_dir, tmp_path):
-    from ckpt_archive.api import _source_layout_problems
+    from ckpt_archive.ops.api import _source_layout_problems
 
     repo = tmp_path / "repo"
     manifest = ckpt_archive.pack(dcp_dir, repo).manifest
@@ -244,7 +244,7 @@ def test_two_rank_sharded_checkpoint_restores_and_loads_resharded_in_one_process
     import torch.multiprocessing as mp
     from typer.testing import CliRunner
 
-    from ckpt_archive.cli import app
+    from ckpt_archive.cli.app import app
 
     src = tmp_path / "ckpt"
     mp.start_processes(_rank_main, args=(2, str(src), _free_port()), nprocs=2, start_method="fork")

@@ -229,7 +229,7 @@ def test_cli_pack_list_inspect_show_trainer_progress_lr_rng_and_opaque_members(h
 
     from typer.testing import CliRunner
 
-    from ckpt_archive.cli import app
+    from ckpt_archive.cli.app import app
 
     runner = CliRunner()
     repo = tmp_path / "repo"

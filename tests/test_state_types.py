@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 import ckpt_archive
-from ckpt_archive.cli import app
+from ckpt_archive.cli.app import app
 from ckpt_archive.errors import RefusedPickle
 from ckpt_archive.sources.torchfile import numpy_safe_globals
 from tests.helpers import assert_same
@@ -223,7 +223,7 @@ def test_tensor_metric_is_refused_naming_the_metric_and_the_fix():
     import torch
 
     from ckpt_archive.errors import SourceError
-    from ckpt_archive.state_tree import encode_value
+    from ckpt_archive.format.state_tree import encode_value
 
     with pytest.raises(SourceError) as info:
         encode_value({"acc": 0.9, "val_loss": torch.tensor(0.5)})

@@ -26,19 +26,19 @@ MIB = 2**20
 @pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path):
     if request.param == "local":
-        from ckpt_archive.storage import LocalStore
+        from ckpt_archive.store.local import LocalStore
 
         return LocalStore(tmp_path / "store")
     url = request.getfixturevalue("s3_url")
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     # 5 MiB parts (S3's minimum) so that the multipart path is exercised with a small payload.
     return FsspecStore(url, storage_options={"default_block_size": 5 * MIB})
 
 
 def test_open_store_dispatches_urls_to_fsspec_and_paths_to_local(tmp_path, s3_url):
-    from ckpt_archive.storage import LocalStore, open_store
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.local import LocalStore, open_store
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     assert isinstance(open_store(tmp_path / "r"), LocalStore)
     remote = open_store(s3_url)
@@ -153,8 +153,8 @@ def test_fsync_dir_is_accepted(store):
 
 
 def _twin(store):
-    from ckpt_archive.storage import LocalStore
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.local import LocalStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     if isinstance(store, LocalStore):
         return LocalStore(store.root)
@@ -163,7 +163,7 @@ def _twin(store):
 
 # --- s3 only: what a local folder cannot show ------------------------------------------------------
 def test_s3_aborted_streamed_write_leaves_no_object(s3_url):
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     store = FsspecStore(s3_url, storage_options={"default_block_size": 5 * MIB})
     with pytest.raises(RuntimeError):
@@ -178,7 +178,7 @@ def test_s3_aborted_streamed_write_leaves_no_object(s3_url):
 
 def test_s3_conditional_write_refuses_a_racing_writer(s3_server, s3_url):
     """Two writers pass the existence check; the store itself (If-None-Match) refuses the second."""
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     first, second = FsspecStore(s3_url), FsspecStore(s3_url)
     with pytest.raises(StoreError):
@@ -189,7 +189,7 @@ def test_s3_conditional_write_refuses_a_racing_writer(s3_server, s3_url):
 
 
 def test_s3_endpoint_url_argument_overrides_environment(s3_server, s3_env, monkeypatch):
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     bucket = s3_server.new_bucket()
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
@@ -199,7 +199,7 @@ def test_s3_endpoint_url_argument_overrides_environment(s3_server, s3_env, monke
 
 
 def test_s3_service_specific_endpoint_variable_is_honoured(s3_server, s3_env, monkeypatch):
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     bucket = s3_server.new_bucket()
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
@@ -210,7 +210,7 @@ def test_s3_service_specific_endpoint_variable_is_honoured(s3_server, s3_env, mo
 
 
 def test_s3_unknown_access_key_is_a_store_error_with_a_hint(s3_server, s3_url, monkeypatch):
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     FsspecStore(s3_url).write_bytes_once("x", b"1")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG1")
@@ -227,7 +227,7 @@ def test_s3_unknown_access_key_is_a_store_error_with_a_hint(s3_server, s3_url, m
 
 
 def test_s3_unreachable_endpoint_is_a_store_error(s3_env, monkeypatch):
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     store = FsspecStore("s3://no-such-place/r", endpoint_url="http://127.0.0.1:9",
                         storage_options={"config_kwargs": {"retries": {"max_attempts": 1},
@@ -239,7 +239,7 @@ def test_s3_unreachable_endpoint_is_a_store_error(s3_env, monkeypatch):
 
 
 def test_s3_server_side_encryption_passes_through(s3_server, s3_url):
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     store = FsspecStore(s3_url, storage_options={"s3_additional_kwargs": {"ServerSideEncryption": "AES256"}})
     store.write_bytes_once("enc/one", b"secret")
@@ -252,7 +252,7 @@ def test_s3_server_side_encryption_passes_through(s3_server, s3_url):
 
 
 def test_s3_write_to_a_missing_bucket_says_so(s3_env):
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     store = FsspecStore("s3://no-such-bucket-here/r")
     assert store.exists("x") is False and store.listdir("") == []
@@ -264,7 +264,7 @@ def test_s3_write_to_a_missing_bucket_says_so(s3_env):
 
 
 def test_s3_missing_credentials_is_a_store_error_not_anonymous_access(s3_server, s3_url, monkeypatch):
-    from ckpt_archive.storage_fsspec import FsspecStore
+    from ckpt_archive.store.fsspec_store import FsspecStore
 
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")

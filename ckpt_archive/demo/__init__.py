@@ -4,7 +4,7 @@
   dropout, Adam + StepLR, three random streams). It follows the check-resume contract
   (``docs/check-resume.md``): ``--steps N --output DIR [--resume-from FILE] [--omit-rng-restore]``.
 * :func:`ckpt_archive.demo.run.run_demo`: runs the continuous, interrupted, resumed and negative
-  control runs through :func:`ckpt_archive.resume_check.check_resume` and writes the proof.
+  control runs through :func:`ckpt_archive.resume.check.check_resume` and writes the proof.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Callable
 
-from . import BATCH, INTERRUPT_AT, ROWS, STEPS
+from ckpt_archive.demo import BATCH, INTERRUPT_AT, ROWS, STEPS
 
 #: The demo's command template: the same contract as any ``check-resume`` script.
 COMMAND = [sys.executable, "-m", "ckpt_archive.demo.train", "--steps", "{steps}", "--output", "{output}",
@@ -53,7 +53,7 @@ def run_demo(output: str | os.PathLike | None = None, *, jobs: int | None = None
 
     Runs, each in a fresh process: 10 updates continuous; 5 updates, then pack + deep verify + restore
     through a repository in ``output/archive``; 5 more from the restored checkpoint; the same resume with
-    the RNG restore omitted; and the tool-made negative controls of :func:`ckpt_archive.resume_check.check_resume`.
+    the RNG restore omitted; and the tool-made negative controls of :func:`ckpt_archive.resume.check.check_resume`.
 
     Args:
         output: a new or empty folder; default ``./ckpt-archive-demo-<UTC timestamp>``.
@@ -67,7 +67,7 @@ def run_demo(output: str | os.PathLike | None = None, *, jobs: int | None = None
         OutputExists: ``output`` exists and is not empty (an earlier proof is never overwritten).
         SourceError: a run failed; IntegrityError: the archived checkpoint failed verification.
     """
-    from ..resume_check import REPORT_FILE, check_resume, write_report
+    from ckpt_archive.resume.check import REPORT_FILE, check_resume, write_report
 
     if jobs is None:
         jobs = max(1, min(4, os.cpu_count() or 1))

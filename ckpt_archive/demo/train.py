@@ -12,7 +12,7 @@ It follows the check-resume contract (``docs/check-resume.md``)::
 
     python -m ckpt_archive.demo.train --steps N --output DIR [--resume-from FILE] [--omit-rng-restore]
 
-It adds ``N`` optimizer updates, records them with :class:`ckpt_archive.trajectory.Trajectory`, and
+It adds ``N`` optimizer updates, records them with :class:`ckpt_archive.resume.trajectory.Trajectory`, and
 writes ``DIR/checkpoint.pt`` after the last complete update: ``model``, ``optimizer``,
 ``scheduler``, ``rng`` (``python``, ``numpy``, ``torch``), ``data`` (``permutation``, ``cursor``,
 ``epoch``), ``progress`` (``step``, ``epoch``, ``samples_seen``) and ``config``, all taken at one
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ckpt_archive.trajectory import CHECKPOINT_FILE, Trajectory
+    from ckpt_archive.resume.trajectory import CHECKPOINT_FILE, Trajectory
 
     config = dict(CONFIG)
     x, y, model, optimizer, scheduler, np_rng = build(config)

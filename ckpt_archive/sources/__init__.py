@@ -19,7 +19,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import SourceError
+from ckpt_archive.errors import SourceError
 
 #: The kinds a source file may have (see module docstring).
 FILE_KINDS = ("torch", "safetensors", "raw", "opaque")
@@ -86,7 +86,7 @@ def register(name: str, detect: Callable[[Path], bool], read: Callable[..., Sour
 
 def _load_builtin_readers() -> None:
     # Import for their register() side effects; later modules may add folder formats.
-    from . import torchfile  # noqa: F401
+    from ckpt_archive.sources import torchfile  # noqa: F401
     for mod in ("hf", "lightning", "dcp", "folders"):
         try:
             __import__(f"{__name__}.{mod}")

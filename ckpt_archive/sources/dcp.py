@@ -27,8 +27,8 @@ import os
 import pickle
 from pathlib import Path
 
-from ..errors import RefusedPickle, SourceError
-from . import SourceCheckpoint, register
+from ckpt_archive.errors import RefusedPickle, SourceError
+from ckpt_archive.sources import SourceCheckpoint, register
 
 METADATA_NAME = ".metadata"
 SHARD_SUFFIX = ".distcp"
@@ -330,7 +330,7 @@ def _detect(path: Path) -> bool:
 
 
 def _read(path: Path, *, allow_numpy: bool = False, **_options) -> SourceCheckpoint:
-    from .folders import file_sizes, read_folder
+    from ckpt_archive.sources.folders import file_sizes, read_folder
 
     if not (path / METADATA_NAME).is_file():
         raise SourceError("not a DCP folder: no .metadata file", where=str(path))

@@ -28,9 +28,9 @@ import zipfile
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import RefusedPickle, SourceError
-from . import SourceCheckpoint, SourceFile, register
-from .torchfile import load_torch_file
+from ckpt_archive.errors import RefusedPickle, SourceError
+from ckpt_archive.sources import SourceCheckpoint, SourceFile, register
+from ckpt_archive.sources.torchfile import load_torch_file
 
 #: File suffixes ``torch.save`` files usually carry (a file with another suffix is still recognised by
 #: its first bytes).
@@ -276,9 +276,9 @@ def attach_dcp_info(info: dict, root: Path, files: list[SourceFile], warnings: l
                    if r.rsplit("/", 1)[-1] == ".metadata" and is_dcp_file(r, rels, root)})
     if not dirs:
         return
-    from .dcp import describe_dcp
+    from ckpt_archive.sources.dcp import describe_dcp
 
-    from .dcp import check_dcp_record
+    from ckpt_archive.sources.dcp import check_dcp_record
 
     sizes = file_sizes(files)
     rec = {}

@@ -30,9 +30,9 @@ import math
 import re
 from pathlib import Path
 
-from ..errors import SourceError
-from . import SourceCheckpoint, SourceFile, register
-from .folders import attach_dcp_info, read_folder
+from ckpt_archive.errors import SourceError
+from ckpt_archive.sources import SourceCheckpoint, SourceFile, register
+from ckpt_archive.sources.folders import attach_dcp_info, read_folder
 
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.bin"

@@ -20,10 +20,10 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from ..errors import SourceError
-from . import SourceCheckpoint, SourceFile, register
-from .hf import _num, optimizer_facts, scaler_facts, scheduler_facts
-from .torchfile import load_torch_file
+from ckpt_archive.errors import SourceError
+from ckpt_archive.sources import SourceCheckpoint, SourceFile, register
+from ckpt_archive.sources.hf import _num, optimizer_facts, scaler_facts, scheduler_facts
+from ckpt_archive.sources.torchfile import load_torch_file
 
 _MARKER = b"pytorch-lightning_version"
 _MAX_PICKLE_SCAN = 64 << 20  # bytes of data.pkl scanned for the marker during detection

@@ -12,8 +12,8 @@ import re
 import zipfile
 from pathlib import Path
 
-from ..errors import RefusedPickle, SourceError
-from . import SourceCheckpoint, SourceFile, register
+from ckpt_archive.errors import RefusedPickle, SourceError
+from ckpt_archive.sources import SourceCheckpoint, SourceFile, register
 
 _PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"}
 

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ckpt_archive.trajectory import CHECKPOINT_FILE, Trajectory
+from ckpt_archive.resume.trajectory import CHECKPOINT_FILE, Trajectory
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, required=True)

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import torch
 
-from ckpt_archive.trajectory import CHECKPOINT_FILE, Trajectory
+from ckpt_archive.resume.trajectory import CHECKPOINT_FILE, Trajectory
 
 N, BATCH = 10, 2
 p = argparse.ArgumentParser()

@@ -1,0 +1,1 @@
+"""The ``ckpt-archive`` command line: parsing and rendering only; the work is done by :mod:`ckpt_archive.ops`."""

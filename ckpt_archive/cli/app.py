@@ -1,0 +1,53 @@
+"""The ``ckpt-archive`` command line: a thin Typer shell over the library.
+
+Commands live one per module in :mod:`ckpt_archive.cli.commands`; each maps library errors to exit codes
+through :func:`ckpt_archive.cli.common.command`. Human output goes to stderr, ``--json`` output
+to stdout.
+"""
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from ckpt_archive.cli.commands import COMMAND_MODULES
+
+app = typer.Typer(
+    name="ckpt-archive",
+    help="Pack a training checkpoint (a resume point) into a verified, trial-reloaded archive; "
+         "verify, restore, rotate and export it. Exit codes: 0 ok, 1 check failed, 2 could not check.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from ckpt_archive import __version__
+
+        typer.echo(f"ckpt-archive {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Pack a training checkpoint (a resume point) into a verified, trial-reloaded archive."""
+
+
+def _register_all() -> None:
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"ckpt_archive.cli.{name}_cmd").register(app)
+
+
+_register_all()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

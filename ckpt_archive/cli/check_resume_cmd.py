@@ -1,0 +1,150 @@
+"""``ckpt-archive check-resume``: prove that a training script resumes exactly, with the archive in the loop."""
+from __future__ import annotations
+
+import typer
+
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command
+
+HELP = (
+    "Run a training command continuous, interrupted, archived + restored + resumed, and under negative "
+    "controls, in fresh processes; compare per update (sample ids, LR, loss) and the final state; write "
+    "verification.json. The command template after '--' uses {steps} (updates this run adds), {output} "
+    "(folder for checkpoint.pt and trajectory.json) and {resume} (the checkpoint path; an argument holding "
+    "it is dropped when not resuming, '{resume:--resume-from {}}' expands to two arguments). "
+    "See docs/check-resume.md. "
+    "Here 0 means the resume matches and every negative control diverged; 1 that the resume diverged or a "
+    "control changed nothing; 2 that a run failed, the template is incomplete or the output folder is not empty."
+)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.7g}"
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], float):
+        return f"{v[0]:.7g}"
+    return str(v)
+
+
+def proof_table(report: dict, title: str = "resume check"):
+    """A short rich table of what the report shows (for stderr)."""
+    from rich.table import Table
+
+    ok, bad = "[green]yes[/green]", "[red]NO[/red]"
+    pos = report["positive"]
+    t = Table(title=title, show_lines=False)
+    t.add_column("check")
+    t.add_column("result")
+    t.add_column("ok", justify="center")
+    a = report["archive"]
+    t.add_row("interruption checkpoint archived",
+              f"{a['repository']} generation {a['generation']}: packed, deep-verified, restored"
+              + (", bit-exact" if a.get("round_trip_exact") else ""), ok if a.get("verified") else bad)
+    det = report["determinism"]
+    t.add_row(f"runs deterministic (updates 1..{report['interrupt_at']})",
+              "continuous = interrupted" if det["matched"] else
+              f"differ at update {det['first_divergence']['step']} ({det['first_divergence']['field']})",
+              ok if det["matched"] else bad)
+    it = report["interruption"]
+    if it.get("cursor") is not None:
+        where = f"{it['cursor']} of {it['samples_per_epoch']}" if it.get("samples_per_epoch") else str(it["cursor"])
+        if it.get("mid_epoch"):
+            where += " (mid-epoch)"
+        t.add_row(f"data cursor at interruption (update {report['interrupt_at']})", where, "")
+    data = report.get("data") or {}
+    if data.get("continuous"):
+        c, r = data["continuous"], data.get("resumed_line") or {}
+        line = f"continuous {c['samples_consumed']}, interrupted+resumed {r.get('samples_consumed')}"
+        if c.get("new_epoch_at_step"):
+            line += f"; new permutation at update {c['new_epoch_at_step']}"
+        t.add_row(f"samples consumed in {report['steps']} updates", line, "")
+    steps = pos["steps_compared"]
+    span = f"{steps[0]}..{steps[-1]}" if steps else "none"
+    for label, key, field in (("sample ids per update", "data_order", None), ("LR per update", "lr_divergence", None),
+                              ("loss per update", "loss_divergence", None)):
+        d = pos.get(key)
+        if d is None:
+            t.add_row(f"{label} ({span})", "identical", ok)
+        elif key == "data_order":
+            t.add_row(f"{label} ({span})", f"first divergent batch: update {d['first_divergent_step']}; "
+                                           f"{d['duplicated']} duplicated, {d['never_seen']} never seen", bad)
+        else:
+            t.add_row(f"{label} ({span})", f"update {d['step']}: expected {_fmt(d['expected'])}, got {_fmt(d['got'])}", bad)
+    fs = pos["final_state"]
+    t.add_row("final state (" + ", ".join(fs["compared"]) + ")",
+              "identical" if fs["matched"] else f"{fs['differences_total']} differences, first {fs['first_divergent_field']}",
+              ok if fs["matched"] else bad)
+    if pos.get("max_param_abs_diff") is not None:
+        t.add_row("max parameter abs diff", _fmt(pos["max_param_abs_diff"]),
+                  ok if fs["matched"] else bad)
+    t.add_row("next draws of every RNG stream", "identical" if pos["next_draws"]["matched"] else
+              "differ: " + ", ".join(d["stream"] for d in pos["next_draws"]["differences"]),
+              ok if pos["next_draws"]["matched"] else bad)
+    nl = report["next_lr_after_final_step"]
+    if nl["continuous"] is not None or nl["resumed"] is not None:
+        t.add_row(f"LR after update {report['steps']}", f"continuous {_fmt(nl['continuous'])}, resumed {_fmt(nl['resumed'])}",
+                  ok if nl["continuous"] == nl["resumed"] else bad)
+    if pos.get("non_finite"):
+        t.add_row("non-finite values", ", ".join(pos["non_finite"][:4]), bad)
+    for e in report["negative_controls"]:
+        mark = {"diverged": ok, "no-effect-expected": "[yellow]declared[/yellow]", "skipped": "[yellow]n/a[/yellow]",
+                "no-effect": bad, "not-run": "-"}[e["status"]]
+        text = e["message"]
+        if e["status"] == "diverged" and e.get("first_divergent_step") is not None:
+            text = f"diverged at update {e['first_divergent_step']} ({e['field']})"
+        t.add_row(f"negative control: {e['name']}", text, mark)
+    return t
+
+
+def report_human(out: Output, report: dict, title: str) -> None:
+    out.table(proof_table(report, title))
+    for w in report["warnings"]:
+        out.warn(w)
+    for p in report["problems"]:
+        out.say(f"problem: {p}", style="red")
+    verdict = "PASSED" if report["all_checks_passed"] else "FAILED"
+    out.say(f"{title} {verdict}; details in {report['output']}/verification.json",
+            style="green" if report["all_checks_passed"] else "red")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("check-resume", help=HELP + " " + EXIT_CODES_HELP,
+                 context_settings={"allow_interspersed_args": False})
+    @command
+    def check_resume_cmd(
+        cmd: list[str] = typer.Argument(None, metavar="-- CMD...", help="the training command template"),
+        steps: int = typer.Option(..., "--steps", help="updates of the continuous run"),
+        interrupt_at: int = typer.Option(..., "--interrupt-at", help="updates before the interruption"),
+        atol: float = typer.Option(1e-12, "--atol", help="absolute tolerance for floats"),
+        rtol: float = typer.Option(0.0, "--rtol", help="relative tolerance for floats"),
+        output: str = typer.Option(None, "--output", "-o",
+                                   help="new or empty folder (default ./ckpt-archive-check-resume-<UTC time>)"),
+        control: list[str] = typer.Option(None, "--control",
+                                          help="run only these tool-made controls (python, numpy, torch, "
+                                               "optimizer, scheduler, data); default all"),
+        no_controls: bool = typer.Option(False, "--no-controls", help="run no tool-made control"),
+        expect_no_effect: list[str] = typer.Option(None, "--expect-no-effect",
+                                                   help="a control that may change nothing (an unused stream: "
+                                                        "numpy, python, torch, ...); repeatable or comma-separated"),
+        script_control: list[str] = typer.Option(None, "--script-control",
+                                                 help="extra arguments for a script-side negative control, e.g. "
+                                                      "--script-control=--omit-rng-restore; repeatable"),
+        jobs: int = typer.Option(1, "--jobs", "-j", help="runs at once (each a separate process)"),
+        timeout: float = typer.Option(None, "--timeout", help="seconds per run"),
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        from ckpt_archive.resume.check import check_resume
+
+        out = Output(json_output)
+        controls = [] if no_controls else (_split(control) or None)
+        report = check_resume(cmd or [], steps=steps, interrupt_at=interrupt_at, output=output, atol=atol,
+                              rtol=rtol, controls=controls, expect_no_effect=_split(expect_no_effect),
+                              script_controls=list(script_control or []), jobs=jobs, timeout=timeout,
+                              on_event=out.say)
+        report_human(out, report, "resume check")
+        out.json(report)
+        if not report["all_checks_passed"]:
+            raise typer.Exit(1)
+
+
+def _split(values) -> list[str]:
+    return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]

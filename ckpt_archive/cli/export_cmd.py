@@ -1,0 +1,85 @@
+"""``ckpt-archive export REPO[@GEN] --to DEST``: copy usable generations elsewhere and prove them
+recoverable there (re-read from DEST, trial reload from DEST, marker last). See docs/export.md."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, split_repo_spec
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("export", help="Copy usable generations to DEST (a local path or s3://bucket/prefix), re-read "
+                 "every member from DEST (size, sha256 of every chunk and whole), trial-reload from DEST, then "
+                 "write DEST's USABLE marker last. A re-run after an interruption finishes its own partial copy. "
+                 "Credentials, region and endpoint come from the standard AWS environment (AWS_ACCESS_KEY_ID, "
+                 "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_ENDPOINT_URL). " + EXIT_CODES_HELP)
+    @command
+    def export_cmd(
+        spec: str = typer.Argument(..., metavar="REPO[@GEN]", help="Source repository and generation (number, "
+                                   "latest or tag:NAME; default the newest usable)."),
+        to: str = typer.Option(..., "--to", metavar="DEST", help="Destination: a path or an fsspec URL "
+                               "(s3://bucket/prefix). Its repository.json is created if absent."),
+        all_usable: bool = typer.Option(False, "--all-usable", help="Export every usable generation."),
+        latest: Optional[int] = typer.Option(None, "--latest", metavar="N", min=1,
+                                             help="Export the N newest usable generations."),
+        endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", metavar="URL",
+                                                   help="S3-compatible endpoint for DEST (MinIO, Ceph, R2...); "
+                                                        "default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / AWS."),
+        sse: Optional[str] = typer.Option(None, "--sse", metavar="ALGO", help="Server-side encryption of the "
+                                          "objects written to DEST: AES256 or aws:kms (s3 only)."),
+        sse_kms_key_id: Optional[str] = typer.Option(None, "--sse-kms-key-id", metavar="KEY",
+                                                     help="KMS key for --sse aws:kms."),
+        report: Optional[Path] = typer.Option(None, "--report", metavar="FILE", help="Write the recovery proof "
+                                              "here: Markdown, or JSON with --json."),
+        wait: float = typer.Option(0.0, "--wait", metavar="SECONDS", help="Wait this long for DEST's writer lock."),
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        from ckpt_archive.errors import UsageError
+        from ckpt_archive.ops.export import export, select_generations
+        from ckpt_archive.repo.repository import Repository
+
+        out = Output(json_output)
+        repo, gen = split_repo_spec(spec)
+        explicit = repo != spec
+        if sum([explicit, all_usable, latest is not None]) > 1:
+            raise UsageError("give one of REPO@GEN, --all-usable, --latest N")
+        selection = "all" if all_usable else f"latest:{latest}" if latest is not None else gen
+        storage_options = None
+        if sse_kms_key_id and not sse:
+            sse = "aws:kms"
+        if sse:
+            if sse not in ("AES256", "aws:kms", "aws:kms:dsse"):
+                raise UsageError(f"--sse {sse!r}: use AES256 or aws:kms")
+            if "://" not in to or not to.startswith(("s3://", "s3a://")):
+                raise UsageError("--sse applies to s3:// destinations only")
+            extra = {"ServerSideEncryption": sse}
+            if sse_kms_key_id:
+                extra["SSEKMSKeyId"] = sse_kms_key_id
+            storage_options = {"s3_additional_kwargs": extra}
+
+        source = Repository.open(repo)
+        picked = select_generations(source, selection)
+        total = sum(g.manifest["summary"]["stored_bytes"] for g in picked)
+        out.say(f"exporting {len(picked)} generation(s) ({', '.join(str(g.number) for g in picked)}; "
+                f"{total} stored bytes) from {source.location} to {to}")
+        argv = "ckpt-archive " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        with out.progress(total, "export") as advance:
+            result = export(source, to, generations=[g.number for g in picked], endpoint_url=endpoint_url,
+                            storage_options=storage_options, report=report,
+                            report_format="json" if json_output else "markdown", on_bytes=advance,
+                            command=argv, lock_wait=wait)
+        for g in result.generations:
+            checks = sum(c.ok for c in g.checks)
+            out.say(f"generation {g.generation} (step {g.step}): {g.status}, {g.bytes_copied} bytes copied, "
+                    f"{checks}/{len(g.checks)} checks ok, usable at {result.destination}")
+        out.say(f"restore on a new machine: {result.restore_command}")
+        if report is not None:
+            out.say(f"recovery proof written to {report}")
+        out.json(result.to_json())
+        if not result.ok:
+            raise typer.Exit(1)

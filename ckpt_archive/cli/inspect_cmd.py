@@ -1,0 +1,109 @@
+"""``ckpt-archive inspect``: what a generation holds, from its manifest, plus the policy audit (which reads the
+state tree and the small scalar tensors such as step counters, never the weights)."""
+from __future__ import annotations
+
+import json
+
+import typer
+
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes, split_repo_spec
+
+
+def _readable(tree):
+    """An encoded config/metrics tree as a reader expects it: NumPy scalars and non-finite floats as
+    numbers / "nan", not the manifest's ``{"$t": "npscalar", "hex": ...}`` tags."""
+    import math
+
+    from ckpt_archive.format.state_tree import decode
+
+    try:
+        value = decode(tree, lambda key: None)
+    except Exception:  # noqa: BLE001 - an odd tree is shown as stored
+        return tree
+
+    def plain(v):
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if hasattr(v, "item") and not isinstance(v, (str, bytes)):
+            try:
+                v = v.item()
+            except (TypeError, ValueError):
+                return str(v)
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
+
+    return plain(value)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("inspect", help="Show a generation's manifest: progress, config, metrics, code, environment, "
+                                 "members (opaque ones flagged), tensors, loading instructions. " + EXIT_CODES_HELP)
+    @command
+    def inspect_cmd(
+        spec: str = typer.Argument(..., metavar="REPO[@GEN]"),
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        import ckpt_archive
+        from rich.table import Table
+
+        out = Output(json_output)
+        repo, gen = split_repo_spec(spec)
+        info = ckpt_archive.inspect(repo, gen)
+        m = info["manifest"]
+        out.say(f"generation {info['generation']} ({info['status']}) of {info['location']}", style="bold")
+        out.say(f"  created {m['created']}  source {m['source']['format']} ({m['source']['layout']})  "
+                f"archive id {m['archive_id']}")
+        p = m["progress"]
+        out.say("  progress: " + "  ".join(f"{k} {'-' if p.get(k) is None else p.get(k)}"
+                                             for k in ("step", "epoch", "cursor")))
+        code = m["code"]
+        out.say(f"  code: {code.get('git_commit') or '-'}{' (dirty)' if code.get('dirty') else ''}"
+                f"{'  version ' + code['version'] if code.get('version') else ''}")
+        env = m["environment"]
+        out.say(f"  environment: python {env.get('python')}, torch {env.get('torch')}, numpy {env.get('numpy')}")
+        if m["tags"]:
+            out.say(f"  tags: {', '.join(m['tags'])}")
+        if m["config"]:
+            out.say(f"  config: {json.dumps(m['config'], ensure_ascii=False)[:2000]}")
+        if m["metrics"]:
+            out.say(f"  metrics: {json.dumps(_readable(m['metrics']), ensure_ascii=False)}")
+        if m.get("data"):
+            d = m["data"]
+            out.say(f"  data ids: {d.get('count')} (sha256 {str(d.get('fingerprint'))[:16]}…)")
+        s = m["summary"]
+        out.say(f"  {s['tensor_count']} tensors in {s['member_count']} members: {human_bytes(s['raw_bytes'])} raw, "
+                f"{human_bytes(s['stored_bytes'])} stored")
+        table = Table(title="members")
+        for col in ("member", "role", "raw", "stored", "codecs", "raw sha256"):
+            table.add_column(col)
+        for mem in m["members"]:
+            role = mem["role"] + (" (opaque: never loaded)" if mem.get("opaque") else "")
+            table.add_row(mem["path"], role, human_bytes(mem["raw_bytes"]), human_bytes(mem["stored_bytes"]),
+                          ",".join(mem.get("chunk_codecs", [])), mem["raw_sha256"][:16])
+        out.table(table)
+        if info["opaque_members"]:
+            out.say(f"  opaque files (fingerprinted, restored byte for byte, never unpickled): "
+                    f"{', '.join(info['opaque_members'])}")
+        out.say("loading instructions:", style="bold")
+        out.say(m["instructions"]["text"])
+        extra = _extend_inspect(info, repo, out)
+        out.json({**info, **extra})
+
+
+def _extend_inspect(info: dict, repo: str, out: Output) -> dict:
+    """Hook for the policy audit (LR the next step will use, counters)."""
+    # --- policy audit (ckpt_archive/policy.py): table, counters, findings; "policy" in --json ---
+    from ckpt_archive.training.policy import cli_inspect
+
+    extra = cli_inspect(info, repo, out)
+    # --- end policy ---
+    try:
+        from ckpt_archive.checks import extend_inspect
+    except ModuleNotFoundError as exc:
+        if exc.name != "ckpt_archive.checks":
+            raise
+        return extra
+    return {**extra, **extend_inspect(info, repo, out)}

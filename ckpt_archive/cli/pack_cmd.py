@@ -1,0 +1,90 @@
+"""``ckpt-archive pack``: pack a checkpoint file/folder into a new usable generation."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes
+from ckpt_archive.cli.prune_cmd import (BEST_BY, KEEP_BEST, KEEP_DAILY, KEEP_HOURLY, KEEP_LAST, KEEP_MONTHLY, KEEP_TAG, KEEP_WEEKLY,
+                    KEEP_WITHIN, policy_from_flags)
+
+
+_RETENTION_NOTE = ("Retention flags (restic's names, UTC calendar buckets, as for prune) apply only after the new "
+                   "generation is usable; the newest usable generation is never removed.")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("pack", help="Pack a checkpoint (a torch.save file or a trainer's checkpoint folder) into a "
+                              "new generation of REPO: written unseen, verified, trial-reloaded, then marked "
+                              "usable. " + _RETENTION_NOTE + " " + EXIT_CODES_HELP)
+    @command
+    def pack_cmd(
+        source: Path = typer.Argument(..., help="A torch.save file or a checkpoint folder."),
+        repo: str = typer.Option(..., "--repo", help="Repository path or URL (created if absent)."),
+        config: Optional[Path] = typer.Option(None, "--config", help="Experiment config (JSON/YAML/TOML)."),
+        metrics: Optional[Path] = typer.Option(None, "--metrics", help="Metrics (JSON/YAML/TOML)."),
+        data_ids: Optional[Path] = typer.Option(None, "--data-ids", help="Sample ids / dataset identity."),
+        instructions: Optional[Path] = typer.Option(None, "--instructions", help="Loading instructions (text)."),
+        code_version: Optional[str] = typer.Option(None, "--code-version", help="Code version text."),
+        tag: List[str] = typer.Option([], "--tag", help="Tag (repeatable)."),
+        step: Optional[int] = typer.Option(None, "--step", min=0, help="Progress step to record in the manifest "
+                                           "(overrides the step found in the state)."),
+        epoch: Optional[int] = typer.Option(None, "--epoch", min=0, help="Progress epoch to record (overrides "
+                                            "the epoch found in the state)."),
+        fmt: Optional[str] = typer.Option(None, "--format", help="Force a source format (auto-detected)."),
+        allow_numpy: bool = typer.Option(False, "--allow-numpy",
+                                         help="Admit NumPy's own types (arrays, scalars, dtypes) in a .pt; "
+                                              "nothing else is ever unpickled."),
+        jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Threads (default: all cores)."),
+        level: Optional[int] = typer.Option(None, "--level", help="zstd level (default 3)."),
+        wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for another writer's lock."),
+        keep_last: Optional[int] = KEEP_LAST, keep_hourly: Optional[int] = KEEP_HOURLY,
+        keep_daily: Optional[int] = KEEP_DAILY, keep_weekly: Optional[int] = KEEP_WEEKLY,
+        keep_monthly: Optional[int] = KEEP_MONTHLY, keep_within: Optional[str] = KEEP_WITHIN,
+        keep_tag: Optional[List[str]] = KEEP_TAG, keep_best: Optional[int] = KEEP_BEST,
+        best_by: Optional[str] = BEST_BY,
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        import ckpt_archive
+
+        out = Output(json_output)
+        from ckpt_archive.cli.common import split_repo_spec
+
+        if split_repo_spec(repo)[0] != repo:
+            out.warn(f"the repository path {repo!r} ends like a generation selector (@N, @latest, @tag:NAME): "
+                     f"other commands will read it as one; address this repository as {repo}@latest")
+        policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
+                                   keep_tag, keep_best, best_by)
+        total = _source_bytes(source)
+        with out.progress(total, "pack") as bar:
+            res = ckpt_archive.pack(source, repo, config=config, metrics=metrics, data_ids=data_ids,
+                                    instructions=instructions, code_version=code_version, tags=tag,
+                                    progress={"step": step, "epoch": epoch}, fmt=fmt, allow_numpy=allow_numpy,
+                                    jobs=jobs, level=level, retention=policy, on_bytes=bar, wait=wait)
+        for line in res.leftovers:
+            out.warn(f"leftover of an interrupted write: {line} (ckpt-archive gc removes it)")
+        for line in res.warnings:
+            out.warn(line)
+        s = res.manifest["summary"]
+        ratio = s["raw_bytes"] / s["stored_bytes"] if s["stored_bytes"] else 0.0
+        out.say(f"generation {res.generation} usable: {s['tensor_count']} tensors, {human_bytes(s['raw_bytes'])} "
+                f"raw -> {human_bytes(s['stored_bytes'])} stored ({ratio:.2f}x), verified and trial-reloaded at "
+                f"{res.trial_reload['where']}", style="green")
+        if res.retention:
+            removed = res.retention.get("removed") or []
+            if removed:
+                out.say(f"retention removed generation(s) {', '.join(str(n) for n in removed)}")
+        out.json(res.to_json())
+
+
+def _source_bytes(p: Path) -> int | None:
+    try:
+        if p.is_file():
+            return p.stat().st_size
+        if p.is_dir():
+            return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    except OSError:
+        return None
+    return None

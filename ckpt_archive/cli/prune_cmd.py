@@ -1,0 +1,210 @@
+"""``ckpt-archive prune REPO [policy flags] [--dry-run]``: apply a retention policy.
+
+The policy flags are defined here once and reused by ``backup`` (and available to ``pack``):
+:data:`POLICY_OPTIONS` documents them, :func:`policy_from_flags` builds the policy.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command
+
+KEEP_LAST = typer.Option(None, "--keep-last", min=0, metavar="N", help="Keep the N newest usable generations.",
+                         rich_help_panel="Retention policy")
+KEEP_HOURLY = typer.Option(None, "--keep-hourly", min=0, metavar="N", help="Keep the newest generation of each of the last N "
+                           "hours (UTC) that have one.", rich_help_panel="Retention policy")
+KEEP_DAILY = typer.Option(None, "--keep-daily", min=0, metavar="N", help="Same for the last N days (UTC).",
+                          rich_help_panel="Retention policy")
+KEEP_WEEKLY = typer.Option(None, "--keep-weekly", min=0, metavar="N", help="Same for the last N ISO weeks (UTC).",
+                           rich_help_panel="Retention policy")
+KEEP_MONTHLY = typer.Option(None, "--keep-monthly", min=0, metavar="N", help="Same for the last N months (UTC).",
+                            rich_help_panel="Retention policy")
+KEEP_WITHIN = typer.Option(None, "--keep-within", metavar="DURATION", help="Keep every generation created within "
+                           "DURATION of the newest usable one, e.g. 2d3h, 1w, 1y6m (y, m=months, w, d, h).",
+                           rich_help_panel="Retention policy")
+KEEP_TAG = typer.Option(None, "--keep-tag", metavar="TAG", help="Keep every generation with this tag (repeatable; "
+                        "'a,b' needs both).", rich_help_panel="Retention policy")
+KEEP_BEST = typer.Option(None, "--keep-best", min=0, metavar="N", help="Keep the N best generations by --best-by.",
+                         rich_help_panel="Retention policy")
+BEST_BY = typer.Option(None, "--best-by", metavar="METRIC:min|max", help="Metric from the manifest, e.g. "
+                       "val_loss:min. A generation without it (or NaN) is never best.",
+                       rich_help_panel="Retention policy")
+WAIT = typer.Option(0.0, "--wait", metavar="SECONDS", min=0.0, help="Wait up to SECONDS for another writer's lock "
+                    "(default: fail at once with exit 2).")
+
+POLICY_HELP = ("The newest usable generation is always kept; generations that are not usable are never counted "
+               "and never removed here (gc removes leftovers); a policy that would keep none of the usable "
+               "generations is refused. Before removing anything, the kept generations are verified newest "
+               "first (stored sizes and sha256) until one passes; if none passes, nothing is removed and the "
+               "prune exits 1 naming what failed (never delete the only verified copy). Calendar buckets are "
+               "in UTC.")
+
+
+def policy_from_flags(keep_last: Optional[int], keep_hourly: Optional[int], keep_daily: Optional[int],
+                      keep_weekly: Optional[int], keep_monthly: Optional[int], keep_within: Optional[str],
+                      keep_tag: Optional[List[str]], keep_best: Optional[int], best_by: Optional[str]):
+    """Return a :class:`~ckpt_archive.retention.policy.RetentionPolicy` from the flags, or ``None`` when none was given.
+
+    Raises:
+        UsageError: a malformed flag value (bad duration, bad --best-by, --keep-best without --best-by).
+    """
+    from ckpt_archive.retention.policy import RetentionPolicy
+
+    given = [keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within, keep_best, best_by]
+    if all(v is None for v in given) and not keep_tag:
+        return None
+    return RetentionPolicy.from_flags(keep_last=keep_last, keep_hourly=keep_hourly, keep_daily=keep_daily,
+                                      keep_weekly=keep_weekly, keep_monthly=keep_monthly, keep_within=keep_within,
+                                      keep_tag=keep_tag, keep_best=keep_best, best_by=best_by)
+
+
+def decision_table(decision, generations, title: str, check=None):
+    """A rich table of a retention decision: generation, created, step, stored size, action, why.
+
+    ``check`` (a :class:`~ckpt_archive.retention.policy.KeptCheck`) adds what the kept-generation check found
+    to the "why" of each kept generation it read (or trusted).
+    """
+    from rich.table import Table
+
+    by_number = {g.number: g for g in generations}
+    table = Table(title=title, title_justify="left")
+    for col, kw in (("gen", {"justify": "right"}), ("created (UTC)", {}), ("step", {"justify": "right"}),
+                    ("stored", {"justify": "right"}), ("action", {}), ("why", {"overflow": "fold"})):
+        table.add_column(col, **kw)
+    styles = {"keep": "green", "remove": "red", "not usable": "yellow"}
+    failed = dict(check.failed) if check is not None else {}
+    for number, action, reasons in decision.rows():
+        if check is not None and number == check.verified:
+            reasons = list(reasons) + ["verified at pack" if check.trusted else "verified (sizes + sha256)"]
+        elif number in failed:
+            where = sorted({line.split(": ", 1)[0] for line in failed[number]})
+            reasons = list(reasons) + ["FAILS verify (" + ", ".join(where) + ")"]
+        g = by_number.get(number)
+        created = g.created.strftime("%Y-%m-%d %H:%M") if g is not None and g.created else "-"
+        step = str(g.step) if g is not None and g.step is not None else "-"
+        size = _human_bytes(g.stored_bytes) if g is not None and g.stored_bytes is not None else "-"
+        label = {"keep": "keep", "remove": "REMOVE", "not usable": "left for gc"}[action]
+        table.add_row(str(number), created, step, size, f"[{styles[action]}]{label}[/]", "; ".join(reasons))
+    return table
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def run_prune(repo_url: str, policy, *, dry_run: bool, wait: float, now=None, save_default: bool = False) -> dict:
+    """Apply ``policy`` (or the repository's default when ``None``) to the repository.
+
+    Before anything is removed, a kept generation must verify (newest kept first, shallow verify:
+    stored sizes and sha256; :func:`~ckpt_archive.retention.policy.check_kept`): never delete the only
+    verified copy. ``dry_run`` makes the same check and reports it.
+
+    Args:
+        repo_url: repository path or URL.
+        policy: a :class:`~ckpt_archive.retention.policy.RetentionPolicy`, or ``None`` for the default.
+        dry_run: decide, check the kept generations and report only; take no lock, delete nothing.
+        wait: seconds to wait for the writer lock.
+        now: decision time (default now, UTC).
+        save_default: also store ``policy`` as the repository's default (``repository.json``), once
+            the decision has been accepted (not with ``dry_run``, not when the prune is refused).
+
+    Returns:
+        ``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed", "saved_default",
+        "verify_kept", "warnings", "refused"}``; ``refused`` is ``None`` or (dry run only) the reason the
+        prune would be refused.
+
+    Raises:
+        NotFound: no repository there. UsageError: empty or refused policy. LockError: another writer.
+        IntegrityError: (not with ``dry_run``) no kept generation verifies; nothing removed (exit 1).
+    """
+    from ckpt_archive.errors import IntegrityError, UsageError
+    from ckpt_archive.repo.repository import Repository
+    from ckpt_archive.retention.policy import (GenerationFacts, RetentionPolicy, apply_policy, check_kept, execute_prune,
+                             refuse_unless_verified)
+
+    repo = Repository.open(repo_url)
+    if policy is None:
+        if save_default:
+            raise UsageError("--save-default needs policy flags (the policy to store)")
+        policy = RetentionPolicy.from_dict(repo.config.get("retention"), where=f"{repo.location}/repository.json")
+
+    def decide():
+        gens = repo.generations()
+        return gens, apply_policy([GenerationFacts.from_generation(g) for g in gens], policy, now)
+
+    saved = False
+    refused = None
+    if dry_run:
+        gens, decision = decide()
+        check = check_kept(repo, decision)
+        try:
+            refuse_unless_verified(check, decision, where=repo.location)
+        except IntegrityError as exc:
+            refused = str(exc)
+        removed: list[int] = []
+    else:
+        with repo.lock(wait=wait):
+            gens, decision = decide()
+            check = check_kept(repo, decision)
+            refuse_unless_verified(check, decision, where=repo.location)  # before saving or removing anything
+            if save_default:
+                repo.set_default_retention(policy.to_dict())
+                saved = True
+            removed = execute_prune(repo, decision, check=check)
+    return {"repository": repo.location, "dry_run": dry_run, **decision.to_json(), "removed": removed,
+            "saved_default": saved, "verify_kept": check.to_json(), "warnings": check.warnings(),
+            "refused": refused, "_decision": decision, "_generations": gens, "_check": check}
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("prune", help="Apply a retention policy (restic's vocabulary) to a repository's generations. "
+                 "Without policy flags, the repository's default policy (repository.json) is used; an empty "
+                 "policy is refused. --dry-run prints what stays and what goes, and why, and deletes nothing. "
+                 + POLICY_HELP + " " + EXIT_CODES_HELP)
+    @command
+    def prune_cmd(
+        repo: str = typer.Argument(..., metavar="REPO", help="Repository path or URL."),
+        keep_last: Optional[int] = KEEP_LAST, keep_hourly: Optional[int] = KEEP_HOURLY,
+        keep_daily: Optional[int] = KEEP_DAILY, keep_weekly: Optional[int] = KEEP_WEEKLY,
+        keep_monthly: Optional[int] = KEEP_MONTHLY, keep_within: Optional[str] = KEEP_WITHIN,
+        keep_tag: Optional[List[str]] = KEEP_TAG, keep_best: Optional[int] = KEEP_BEST,
+        best_by: Optional[str] = BEST_BY,
+        dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Print the decision; delete nothing."),
+        save_default: bool = typer.Option(False, "--save-default", help="Also store this policy as the "
+                                          "repository's default (used by pack, backup and prune without flags)."),
+        wait: float = WAIT,
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        out = Output(json_output)
+        policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
+                                   keep_tag, keep_best, best_by)
+        result = run_prune(repo, policy, dry_run=dry_run, wait=wait, save_default=save_default)
+        decision = result.pop("_decision")
+        gens = result.pop("_generations")
+        check = result.pop("_check")
+        if not json_output:
+            verb = "would remove" if dry_run else "removed"
+            out.table(decision_table(decision, gens, f"{decision.policy.describe()} ({'dry run' if dry_run else 'prune'})",
+                                     check=check))
+            if not result["refused"]:
+                out.say(f"check before removing: {check.describe()}")
+        for w in result["warnings"]:
+            out.warn(w)
+        if result["refused"]:
+            out.say(f"error: a prune would be refused: {result['refused']}", style="red")
+            out.json({"ok": False, **result, "exit_code": 1})
+            raise typer.Exit(1)
+        if not json_output:
+            done = decision.remove_numbers if dry_run else result["removed"]
+            out.say(f"{verb} {len(done)} generation(s){': ' + ', '.join(map(str, sorted(done))) if done else ''}; "
+                    f"kept {len(decision.keep)}; {len(decision.not_usable)} not usable left for gc")
+            if result["saved_default"]:
+                out.say(f"saved as the repository's default policy: {decision.policy.describe()}")
+        out.json({"ok": True, **result})

@@ -1,0 +1,63 @@
+"""``ckpt-archive restore``: write a generation back as a .pt file or a folder, atomically."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes, split_repo_spec
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("restore", help="Restore a generation to FILE.pt (loads with torch.load(weights_only=True); a "
+                                 "state holding NumPy objects also needs NumPy's allowlist, "
+                                 "ckpt_archive.sources.torchfile.numpy_safe_globals()) or, "
+                                 "for a folder source, to a folder. Never overwrites without --force; writes a "
+                                 "temporary name then renames; checks free space first. " + EXIT_CODES_HELP)
+    @command
+    def restore_cmd(
+        spec: str = typer.Argument(..., metavar="REPO[@GEN]"),
+        output: Path = typer.Option(..., "--output", "-o", help="The .pt file or folder to create."),
+        force: bool = typer.Option(False, "--force", help="Replace an existing output (after the new one is complete)."),
+        only: Optional[str] = typer.Option(None, "--only", help="Restore part of the state, e.g. 'model' "
+                                                                "(a '/'-separated path)."),
+        fallback: bool = typer.Option(False, "--fallback", help="If @latest fails its checks, use the newest "
+                                                                "generation that verifies."),
+        map_location: Optional[str] = typer.Option(None, "--map-location", help="Device for tensors (default cpu)."),
+        jobs: Optional[int] = typer.Option(None, "--jobs", "-j"),
+        consolidate: Optional[Path] = typer.Option(
+            None, "--consolidate", help="For a torch.distributed.checkpoint (DCP) folder source: also write the "
+                                        "whole state as one torch.save file at this path."),
+        # --- policy (ckpt_archive/policy.py) ---
+        session_config: Optional[Path] = typer.Option(
+            None, "--session-config", help="This session's config (JSON/YAML/TOML): warn where the archived "
+                                           "lr/weight_decay/... differ, naming the field and which value wins."),
+        expect_lr: Optional[float] = typer.Option(
+            None, "--expect-lr", help="The LR you expect the next step to use; warn if the archive says otherwise."),
+        policy: str = typer.Option(
+            "checkpoint", "--policy", help="'checkpoint' (default: the archived lr wins, as load_state_dict does) "
+                                           "or 'session': rewrite lr/initial_lr/base_lrs in the output from "
+                                           "--session-config (moments untouched)."),
+        # --- end policy ---
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        import ckpt_archive
+        from ckpt_archive.training.policy import cli_restore_finish, cli_restore_prepare
+
+        out = Output(json_output)
+        repo, gen = split_repo_spec(spec)
+        transform, policy_json = cli_restore_prepare(repo, gen, session_config=session_config,
+                                                     expect_lr=expect_lr, policy=policy, out=out)
+        res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
+                                   map_location=map_location, jobs=jobs, transform=transform,
+                                   consolidate=consolidate)
+        res.extra.update(cli_restore_finish(policy_json, out))
+        for w in res.warnings:
+            out.warn(w)
+        what = f" ({only})" if only else ""
+        out.say(f"restored generation {res.generation}{what} to {res.output} ({human_bytes(res.bytes_written)})",
+                style="green")
+        if res.extra.get("consolidated"):
+            out.say(f"consolidated the DCP state into {res.extra['consolidated']}", style="green")
+        out.json(res.to_json())

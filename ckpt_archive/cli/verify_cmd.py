@@ -1,0 +1,58 @@
+"""``ckpt-archive verify``: check a generation (sizes + sha256; ``--deep``: the full trial reload)."""
+from __future__ import annotations
+
+import typer
+
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, split_repo_spec
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("verify", help="Check a generation: manifest schema and version, marker, every member's size "
+                                "and sha256; --deep also decodes every chunk and rebuilds every tensor (the "
+                                "trial reload) and marks a copied generation usable here. " + EXIT_CODES_HELP)
+    @command
+    def verify_cmd(
+        spec: str = typer.Argument(..., metavar="REPO[@GEN]", help="GEN: a number, 'latest' or 'tag:NAME'."),
+        deep: bool = typer.Option(False, "--deep", help="Decode everything and rebuild every tensor."),
+        fallback: bool = typer.Option(False, "--fallback",
+                                      help="If @latest fails, verify the newest generation that passes instead."),
+        strict: bool = typer.Option(False, "--strict", help="Completeness warnings fail the check (exit 1)."),
+        jobs: int = typer.Option(None, "--jobs", "-j", help="Threads (default: all cores)."),
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        import ckpt_archive
+
+        out = Output(json_output)
+        repo, gen = split_repo_spec(spec)
+        with out.progress(None, "verify") as bar:
+            report = ckpt_archive.verify(repo, gen, deep=deep, jobs=jobs, fallback=fallback, on_bytes=bar)
+        _extend_report(report, repo, strict=strict, out=out)
+        for w in report.warnings:
+            out.warn(w)
+        if report.ok:
+            what = "deep check (trial reload)" if deep else "sizes and sha256"
+            extra = " and marked usable here" if report.marked_usable else ""
+            out.say(f"generation {report.generation}: ok ({what}){extra}", style="green")
+        else:
+            out.say(f"generation {report.generation}: {len(report.problems)} problem(s)", style="red")
+            for p in report.problems:
+                where = " ".join(x for x in (p.member, p.field) if x)
+                out.say(f"  {where}: {p.reason}", style="red")
+        out.json(report.to_json())
+        raise typer.Exit(0 if report.ok else 1)
+
+
+def _extend_report(report, repo: str, *, strict: bool, out: Output) -> None:
+    """Hook for checks beyond bytes (policy audit, completeness lint, layout checks)."""
+    # --- policy audit + completeness lint (ckpt_archive/policy.py; --strict: lint findings fail) ---
+    from ckpt_archive.training.policy import cli_verify
+
+    cli_verify(report, repo, strict=strict, out=out)
+    # --- end policy ---
+    try:
+        from ckpt_archive.checks import extend_verify_report
+    except ModuleNotFoundError as exc:
+        if exc.name != "ckpt_archive.checks":
+            raise
+        return
+    extend_verify_report(report, repo, strict=strict, out=out)

@@ -1,0 +1,83 @@
+"""The manifest: one JSON document per generation, validated against ``schemas/manifest.v1.schema.json``
+on write and on every read; format versions and the refusal of newer ones.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from importlib import resources
+
+from ckpt_archive.errors import FormatError, ManifestInvalid, NewerFormatError
+
+FORMAT = "ckpt-archive"
+FORMAT_VERSION = 1
+#: Versions this reader understands (every older one stays readable forever).
+KNOWN_VERSIONS = (1,)
+
+
+@functools.lru_cache(maxsize=None)
+def schema(name: str = "manifest.v1.schema.json") -> dict:
+    """Load a JSON Schema shipped in ``ckpt_archive/schemas`` (also at the repository's ``schemas/``)."""
+    return json.loads(resources.files("ckpt_archive").joinpath("schemas", name).read_text("utf-8"))
+
+
+def _validator(name: str):
+    import jsonschema
+
+    s = schema(name)
+    cls = jsonschema.validators.validator_for(s)
+    return cls(s, format_checker=cls.FORMAT_CHECKER)
+
+
+def validate(doc: dict, *, where: str = "manifest.json", schema_name: str = "manifest.v1.schema.json") -> None:
+    """Validate against a schema; raise ManifestInvalid (exit 1) naming the first failing field path."""
+    errors = sorted(_validator(schema_name).iter_errors(doc), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        field = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ManifestInvalid(f"breaks the schema at field {field}: {e.message[:300]}{more}", where=where)
+
+
+def dumps(doc: dict) -> bytes:
+    """Strict JSON (RFC 8259: no NaN/Infinity), UTF-8, stable key order as built."""
+    try:
+        return (json.dumps(doc, indent=1, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
+    except ValueError as exc:
+        raise FormatError(f"manifest is not strict JSON: {exc}") from None
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def parse(data: bytes, *, where: str = "manifest.json") -> dict:
+    """Parse and check a manifest: JSON, format name, version (refuse newer), schema.
+
+    Raises:
+        ManifestInvalid: not JSON, not a ckpt-archive manifest, or breaks the schema (exit 1).
+        NewerFormatError: written by a newer format version than this reader knows.
+    """
+    if not data:
+        raise ManifestInvalid("empty manifest", where=where)
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ManifestInvalid(f"not valid JSON ({exc})", where=where) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ManifestInvalid("not a ckpt-archive manifest (field 'format' is not 'ckpt-archive')", where=where)
+    version = doc.get("format_version")
+    if not isinstance(version, int):
+        raise ManifestInvalid("field format_version is missing or not an integer", where=where)
+    if version > max(KNOWN_VERSIONS):
+        raise NewerFormatError(f"written by format {version}, this reader knows up to {max(KNOWN_VERSIONS)}; "
+                               f"upgrade ckpt-archive to read it", where=where)
+    if version not in KNOWN_VERSIONS:
+        raise FormatError(f"unknown format version {version}", where=where)
+    validate(doc, where=where)
+    return doc

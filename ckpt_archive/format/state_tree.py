@@ -1,0 +1,417 @@
+"""Nested training state <-> (strict-JSON tree, tensor table).
+
+:func:`encode` walks a nested state (dict / OrderedDict / list / tuple, tensors, NumPy arrays and
+scalars, plain values) and returns a JSON-able tree whose tensor leaves point at keys of a
+:class:`TensorTable`; :func:`decode` rebuilds the exact object from the tree and a tensor getter. The
+encoding rules are in docs/FORMAT.md ("State tree"): what JSON lacks (non-finite floats, ints beyond
+2^53, tuples, bytes, non-str keys) is tagged with ``"$t"``.
+
+Storage sharing follows torch's own model: tensors are grouped by their underlying storage. A storage
+viewed by exactly one tensor that covers it contiguously is stored under the tensor's shape ("natural");
+a storage shared by several tensors (tied weights, views) or viewed non-contiguously is stored once and
+each tensor records its view, so aliasing comes back on restore.
+"""
+from __future__ import annotations
+
+import base64
+import collections
+import dataclasses
+import math
+from typing import Any, Callable
+
+from ckpt_archive.errors import FormatError, SourceError
+
+MAX_SAFE_INT = 2**53
+
+# torch dtype name -> safetensors dtype string (safetensors spec, "dtype" field).
+TORCH_TO_ST = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
+}
+# numpy dtype.str (native little-endian forms) -> safetensors dtype string
+NUMPY_TO_ST = {
+    "<f8": "F64", "<f4": "F32", "<f2": "F16", "<i8": "I64", "<i4": "I32", "<i2": "I16", "|i1": "I8",
+    "|u1": "U8", "|b1": "BOOL", "<u2": "U16", "<u4": "U32", "<u8": "U64", "<c8": "C64",
+}
+FLOAT_ST = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "C64": 4}
+
+
+@dataclasses.dataclass
+class Entry:
+    """One tensor stored in a tensors shard.
+
+    Attributes:
+        key: the entry's name in the safetensors header.
+        st_dtype: safetensors dtype string (``"F32"``, ``"BF16"``, ... or ``"U8"`` for raw bytes).
+        shape: the stored shape (flat ``[n]`` for shared storages).
+        source: a zero-copy way to get the bytes: a callable returning a 1-D uint8 NumPy array
+            (contiguous, CPU). Called once, when the entry is written.
+        nbytes: number of bytes (== prod(shape) * itemsize).
+    """
+
+    key: str
+    st_dtype: str
+    shape: list[int]
+    source: Callable[[], Any]
+    nbytes: int
+
+
+@dataclasses.dataclass
+class TensorTable:
+    """What :func:`encode` found: stored entries and, per tree leaf, how to rebuild it.
+
+    ``leaves`` maps a leaf key to its manifest record (without ``raw_sha256`` of natural entries, which
+    the writer fills from the stored bytes): ``entry``, ``kind`` ("torch" | "numpy"), ``dtype`` (torch
+    dtype name or NumPy ``dtype.str``), ``shape``, and for views ``view`` = {storage_offset, stride}
+    (in elements), for non-CPU tensors ``device``; ``leaf_bytes`` gives view leaves' contiguous bytes
+    for their own sha256.
+    """
+
+    entries: dict[str, Entry] = dataclasses.field(default_factory=dict)
+    leaves: dict[str, dict] = dataclasses.field(default_factory=dict)
+    leaf_bytes: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _is_tensor(obj) -> bool:
+    torch = _torch()
+    return isinstance(obj, torch.Tensor)
+
+
+def _tensor_u8(t):
+    """Contiguous CPU bytes of a tensor as a 1-D uint8 NumPy array (no copy when already contiguous)."""
+    torch = _torch()
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        import numpy as np
+
+        return np.zeros(0, dtype=np.uint8)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _storage_u8(t):
+    """The whole untyped storage under ``t`` as a 1-D uint8 NumPy array (CPU)."""
+    torch = _torch()
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.numpy()
+
+
+def _path_name(path: tuple) -> str:
+    parts = [str(p) for p in path]
+    return "/".join(parts) if parts else "value"
+
+
+class _Encoder:
+    def __init__(self):
+        self.table = TensorTable()
+        self._tensor_leaves: list[tuple[str, Any]] = []  # (leaf key, tensor)
+        self._used: set[str] = set()
+
+    def _leaf_key(self, path: tuple) -> str:
+        base = _path_name(path)
+        key, n = base, 1
+        while key in self._used:
+            n += 1
+            key = f"{base}#{n}"
+        self._used.add(key)
+        return key
+
+    def enc(self, obj: Any, path: tuple) -> Any:
+        torch = _torch()
+        import numpy as np
+
+        if obj is None or type(obj) is str:
+            return obj
+        if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
+            if obj.dtype.kind == "O":
+                raise SourceError("NumPy object scalar is not plain data", where=_path_name(path))
+            return {"$t": "npscalar", "dtype": obj.dtype.str, "hex": obj.tobytes().hex()}
+        if isinstance(obj, str):
+            self.table.warnings.append(f"{_path_name(path)}: {type(obj).__name__} stored as str")
+            return str(obj)
+        if isinstance(obj, bool):
+            return obj
+        if isinstance(obj, int):
+            v = int(obj)
+            return v if -MAX_SAFE_INT <= v <= MAX_SAFE_INT else {"$t": "int", "v": str(v)}
+        if isinstance(obj, float):
+            v = float(obj)
+            if math.isfinite(v):
+                return v
+            return {"$t": "float", "v": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if isinstance(obj, torch.Tensor):
+            key = self._leaf_key(path)
+            self._tensor_leaves.append((key, obj))
+            return {"$t": "tensor", "key": key}
+        if isinstance(obj, np.ndarray):
+            return self._ndarray(obj, path)
+        if isinstance(obj, np.dtype):
+            return {"$t": "npdtype", "v": obj.str}
+        if isinstance(obj, torch.dtype):
+            return {"$t": "dtype", "v": str(obj).replace("torch.", "")}
+        if isinstance(obj, torch.Size):
+            return {"$t": "size", "v": [int(x) for x in obj]}
+        if isinstance(obj, torch.device):
+            return {"$t": "device", "v": str(obj)}
+        if isinstance(obj, (bytes, bytearray)):
+            tag = "bytes" if isinstance(obj, bytes) else "bytearray"
+            return {"$t": tag, "b64": base64.b64encode(bytes(obj)).decode("ascii")}
+        if isinstance(obj, tuple):
+            if type(obj) is not tuple:
+                self.table.warnings.append(f"{_path_name(path)}: {type(obj).__name__} stored as a tuple")
+            return {"$t": "tuple", "v": [self.enc(v, path + (i,)) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            if type(obj) is not list:
+                self.table.warnings.append(f"{_path_name(path)}: {type(obj).__name__} stored as a list")
+            return [self.enc(v, path + (i,)) for i, v in enumerate(obj)]
+        if isinstance(obj, collections.OrderedDict):
+            node = {"$t": "odict", "items": [[self.enc(k, path + ("key",)), self.enc(v, path + (k,))]
+                                             for k, v in obj.items()]}
+            attrs = {k: v for k, v in vars(obj).items()} if hasattr(obj, "__dict__") else {}
+            if attrs:
+                node["attrs"] = {k: self.enc(v, path + ("attrs", k)) for k, v in attrs.items()}
+            return node
+        if isinstance(obj, dict):
+            if type(obj) is not dict:
+                self.table.warnings.append(f"{_path_name(path)}: {type(obj).__name__} stored as a dict")
+            if all(isinstance(k, str) for k in obj) and "$t" not in obj:
+                return {k: self.enc(v, path + (k,)) for k, v in obj.items()}
+            return {"$t": "dict", "items": [[self.enc(k, path + ("key",)), self.enc(v, path + (k,))]
+                                            for k, v in obj.items()]}
+        raise SourceError(f"unsupported value of type {type(obj).__module__}.{type(obj).__qualname__}: "
+                          f"only dict/list/tuple, tensors, NumPy arrays/scalars and plain values are "
+                          f"state", where=_path_name(path))
+
+    def _ndarray(self, a, path):
+        import numpy as np
+
+        if a.dtype.hasobject or a.dtype.kind == "V":
+            raise SourceError(f"NumPy array of dtype {a.dtype} is not plain numeric data", where=_path_name(path))
+        key = self._leaf_key(path)
+        arr = np.ascontiguousarray(a)
+        st = NUMPY_TO_ST.get(arr.dtype.str)
+        shape = [int(x) for x in arr.shape]
+        if st is None:  # unusual dtype (big-endian, unicode, datetime): raw bytes, dtype in the record
+            st, st_shape = "U8", [arr.nbytes]
+        else:
+            st_shape = shape
+        self.table.entries[key] = Entry(key, st, st_shape, lambda arr=arr: arr.reshape(-1).view(np.uint8),
+                                        int(arr.nbytes))
+        self.table.leaves[key] = {"entry": key, "kind": "numpy", "dtype": arr.dtype.str, "shape": shape}
+        return {"$t": "ndarray", "key": key}
+
+    def finish_tensors(self) -> None:
+        """Group tensor leaves by storage and decide natural vs shared entries."""
+        torch = _torch()
+        groups: dict[tuple, list[tuple[str, Any]]] = {}
+        order: list[tuple] = []
+        for key, t in self._tensor_leaves:
+            if t.layout != torch.strided or t.is_quantized:
+                raise SourceError(f"{t.layout} / quantized tensors are not supported yet; convert to dense",
+                                  where=key)
+            st = t.untyped_storage()
+            gid = (str(t.device), st.data_ptr(), st.nbytes()) if st.nbytes() > 0 else ("empty", key)
+            if gid not in groups:
+                groups[gid] = []
+                order.append(gid)
+            groups[gid].append((key, t))
+        n_shared = 0
+        for gid in order:
+            views = groups[gid]
+            key0, t0 = views[0]
+            nbytes_storage = t0.untyped_storage().nbytes()
+            dname = str(t0.dtype).replace("torch.", "")
+
+            def natural(t):
+                return (t.is_contiguous() and t.storage_offset() == 0
+                        and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+
+            same_geometry = all(t.dtype == t0.dtype and t.shape == t0.shape and t.stride() == t0.stride()
+                                and t.storage_offset() == t0.storage_offset() for _, t in views)
+            if (len(views) == 1 or same_geometry) and (natural(t0) or nbytes_storage == 0) \
+                    and dname in TORCH_TO_ST:
+                self.table.entries[key0] = Entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape],
+                                                 lambda t=t0: _tensor_u8(t), t0.numel() * t0.element_size())
+                for i, (key, t) in enumerate(views):
+                    rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape],
+                           **_leaf_flags(t)}
+                    if i > 0:
+                        rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride()]}
+                        self.table.leaf_bytes[key] = lambda t=t: _tensor_u8(t)
+                    self.table.leaves[key] = rec
+                continue
+            # A shared or non-contiguously viewed storage: store it once, flat.
+            n_shared += 1
+            dtypes = {t.dtype for _, t in views}
+            flat_dtype = t0.dtype if len(dtypes) == 1 else torch.uint8
+            fname = str(flat_dtype).replace("torch.", "")
+            itemsize = torch.empty(0, dtype=flat_dtype).element_size()
+            if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
+                fname, itemsize = "uint8", 1
+            entry_key = f"storage/{n_shared}:{key0}"
+            self.table.entries[entry_key] = Entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize],
+                                                  lambda t=t0: _storage_u8(t), nbytes_storage)
+            for key, t in views:
+                rec = {"entry": entry_key, "kind": "torch", "dtype": str(t.dtype).replace("torch.", ""),
+                       "shape": [int(x) for x in t.shape],
+                       "view": {"storage_offset": int(t.storage_offset()), "stride": [int(s) for s in t.stride()],
+                                "entry_dtype": fname}, **_leaf_flags(t)}
+                self.table.leaves[key] = rec
+                self.table.leaf_bytes[key] = lambda t=t: _tensor_u8(t)
+
+
+def _leaf_flags(t) -> dict:
+    """What a tensor leaf's record says beyond dtype/shape: a non-CPU device, requires_grad, Parameter."""
+    torch = _torch()
+    flags: dict = {}
+    if t.device.type != "cpu":
+        flags["device"] = str(t.device)
+    if t.requires_grad:
+        flags["requires_grad"] = True
+    if isinstance(t, torch.nn.Parameter):
+        flags["parameter"] = True
+    return flags
+
+
+def encode(state: Any) -> tuple[Any, TensorTable]:
+    """Encode a nested state.
+
+    Args:
+        state: any nesting of dict / OrderedDict / list / tuple with tensors (any device), NumPy arrays
+            and scalars, and plain values (int incl. > 2^53, float incl. inf/nan, bool, str, None,
+            bytes).
+
+    Returns:
+        (tree, table): ``tree`` is strict-JSON-able (``json.dumps(tree, allow_nan=False)`` works);
+        ``table`` holds the tensor entries to store and a record per tensor leaf.
+
+    Raises:
+        SourceError: an unsupported value (custom class, object array, sparse tensor), naming its path.
+    """
+    enc = _Encoder()
+    tree = enc.enc(state, ())
+    enc.finish_tensors()
+    return tree, enc.table
+
+
+def encode_value(value: Any) -> Any:
+    """Encode a tensor-free value (config, metrics) to strict JSON with the same tags."""
+    enc = _Encoder()
+    tree = enc.enc(value, ())
+    if enc._tensor_leaves or enc.table.entries:
+        names = ", ".join(key for key, _ in enc._tensor_leaves[:5])
+        raise SourceError("tensors are not allowed here (config/metrics must be plain values)"
+                          + (f": {names}" if names else ""),
+                          hint="pass numbers, e.g. loss.item() instead of loss" if names else None)
+    return tree
+
+
+def walk_refs(tree: Any):
+    """Yield every tensor/ndarray key referenced by an encoded tree (for reference checks)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            t = node.get("$t")
+            if t in ("tensor", "ndarray"):
+                yield node["key"]
+            elif t in ("tuple",):
+                stack.extend(node["v"])
+            elif t in ("dict", "odict"):
+                for k, v in node["items"]:
+                    stack.append(k)
+                    stack.append(v)
+                stack.extend((node.get("attrs") or {}).values())
+            elif t is None:
+                stack.extend(node.values())
+
+
+def decode(tree: Any, get_tensor: Callable[[str], Any]) -> Any:
+    """Rebuild the nested state from an encoded tree.
+
+    Args:
+        tree: the output of :func:`encode` (after a JSON round trip).
+        get_tensor: returns the tensor (or ndarray) for a leaf key.
+
+    Raises:
+        FormatError: an unknown tag or malformed node (names the tag).
+    """
+
+    def dec(node):
+        if node is None or isinstance(node, (str, bool, int, float)):
+            return node
+        if isinstance(node, list):
+            return [dec(v) for v in node]
+        if not isinstance(node, dict):
+            raise FormatError(f"malformed tree node {node!r}")
+        t = node.get("$t")
+        if t is None:
+            return {k: dec(v) for k, v in node.items()}
+        if t == "int":
+            return int(node["v"])
+        if t == "float":
+            return float(node["v"])
+        if t == "tuple":
+            return tuple(dec(v) for v in node["v"])
+        if t == "dict":
+            return {_hashable(dec(k)): dec(v) for k, v in node["items"]}
+        if t == "odict":
+            od = collections.OrderedDict((_hashable(dec(k)), dec(v)) for k, v in node["items"])
+            for name, val in (node.get("attrs") or {}).items():
+                setattr(od, name, dec(val))
+            return od
+        if t in ("tensor", "ndarray"):
+            return get_tensor(node["key"])
+        if t == "bytes":
+            return base64.b64decode(node["b64"])
+        if t == "bytearray":
+            return bytearray(base64.b64decode(node["b64"]))
+        if t == "npscalar":
+            import numpy as np
+
+            return np.frombuffer(bytes.fromhex(node["hex"]), dtype=np.dtype(node["dtype"]))[0]
+        if t == "npdtype":
+            import numpy as np
+
+            return np.dtype(node["v"])
+        if t == "dtype":
+            return getattr(_torch(), node["v"])
+        if t == "size":
+            return _torch().Size(node["v"])
+        if t == "device":
+            return _torch().device(node["v"])
+        raise FormatError(f"unknown tree tag {t!r}")
+
+    return dec(tree)
+
+
+def _hashable(k):
+    if isinstance(k, list):
+        return tuple(_hashable(x) for x in k)
+    return k
+
+
+def torch_dtype(name: str):
+    """torch dtype from its name (``"bfloat16"``)."""
+    torch = _torch()
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise FormatError(f"unknown torch dtype {name!r}")
+    return dt

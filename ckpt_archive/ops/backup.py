@@ -1,0 +1,550 @@
+"""Scheduled backups: ``ckpt-archive backup SOURCE --repo REPO`` for cron and systemd timers.
+
+A cron tick must be cheap and safe:
+
+* **cheap**: the decision is made from ``size``, ``mtime_ns`` and ``inode`` of every file of the
+  checkpoint first (remembered in ``REPO/backup-state.json``, replaced atomically). Only when those
+  changed are the files read (sha256), and only when the content differs from the newest usable
+  generation's source (``manifest.source.files[].sha256``) is anything packed.
+* **safe**: a checkpoint still being written is never packed. It must be unchanged over a short
+  settle window (``settle`` seconds: no size/mtime/inode change, no entry added or removed) and
+  complete (a ``torch.save`` zip whose central directory is whole, a safetensors file whose size
+  matches its header, every shard an index names, parseable JSON, no temporary names). Otherwise the
+  run is skipped with exit 75 (``EX_TEMPFAIL``) so cron reports it and the next tick retries.
+  A file that changes while it is being packed makes the new generation be forgotten again (exit 75).
+* **never stuck**: an incomplete checkpoint that has not changed for longer than ``stale_after``
+  (default ``max(600 s, 10 x settle)``, judged by its newest mtime) is not being written, it is
+  broken (a trainer killed mid-save): it is skipped with a warning naming it and why, and the newest
+  complete checkpoint in SOURCE is backed up instead; when there is none, the run fails with exit 2.
+  Exit 75 is kept for a checkpoint that is incomplete *and* recent, so a scheduled backup never
+  returns "still being written" forever.
+
+SOURCE is a checkpoint file, a checkpoint folder, or a training output folder, from which the
+newest checkpoint is picked: the ``checkpoint-N/`` folder with the highest N (Hugging Face Trainer),
+else the newest ``*.pt``/``*.pth``/``*.ckpt`` file (top level or ``checkpoints/``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+import zipfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ckpt_archive.errors import NotFound, SourceError, UsageError
+
+EX_TEMPFAIL = 75
+#: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
+#: the default is ``max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * settle)``.
+STALE_AFTER_MIN = 600.0
+STALE_AFTER_SETTLES = 10
+STATE_KEY = "backup-state.json"
+STATE_VERSION = 1
+
+_CKPT_DIR = re.compile(r"^checkpoint[-_](\d+)$")
+_CKPT_SUFFIXES = (".pt", ".pth", ".ckpt")
+_TEMP_NAME = re.compile(r"(\.tmp|\.temp|\.part|\.partial|\.incomplete|\.lock|~)$|^(tmp[-_.]|\.tmp)", re.I)
+
+
+# --------------------------------------------------------------------------------------------------
+# which checkpoint
+def _looks_like_checkpoint_folder(path: Path) -> bool:
+    """A folder that is itself one checkpoint (HF/Accelerate/DCP/Lightning layout), not an output folder."""
+    names = {p.name for p in path.iterdir()}
+    markers = {"trainer_state.json", "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+               "pytorch_model.bin.index.json", ".metadata", "optimizer.bin", "random_states_0.pkl"}
+    if names & markers:
+        return True
+    return any(n.endswith(".distcp") or n.endswith(".safetensors") for n in names)
+
+
+def checkpoint_candidates(source: str | os.PathLike) -> list[Path]:
+    """Every checkpoint SOURCE offers, newest first (the first is what :func:`find_checkpoint` picks).
+
+    Args:
+        source: a checkpoint file, a checkpoint folder, or a training output folder.
+
+    Returns:
+        ``[SOURCE]`` when it is a file or a checkpoint folder; else the ``checkpoint-N/`` subfolders
+        by N, highest first (``tmp-checkpoint-*`` ignored); else the ``*.pt``/``*.pth``/``*.ckpt`` files
+        at the top level or in ``checkpoints/``, newest mtime first. Never empty.
+
+    Raises:
+        NotFound: SOURCE does not exist.
+        SourceError: a folder holding no checkpoint this rule finds (the message says what was sought).
+    """
+    src = Path(source)
+    if not src.exists():
+        raise NotFound("no such file or folder", where=str(src))
+    if src.is_file():
+        return [src]
+    if not src.is_dir():
+        raise SourceError("not a regular file or folder", where=str(src))
+    numbered = []
+    for p in src.iterdir():
+        m = _CKPT_DIR.match(p.name)
+        if m and p.is_dir():
+            numbered.append((int(m.group(1)), p))
+    if numbered:
+        return [p for _, p in sorted(numbered, reverse=True)]
+    if _looks_like_checkpoint_folder(src):
+        return [src]
+    files = []
+    for folder in (src, src / "checkpoints"):
+        if folder.is_dir():
+            for p in folder.iterdir():
+                if p.is_file() and p.suffix.lower() in _CKPT_SUFFIXES and not _TEMP_NAME.search(p.name):
+                    st = p.stat()
+                    files.append((st.st_mtime_ns, p.name, p))
+    if files:
+        return [p for _, _, p in sorted(files, reverse=True)]
+    raise SourceError("no checkpoint found: looked for checkpoint-N/ folders and *.pt, *.pth, *.ckpt files "
+                      "(top level and checkpoints/)", where=str(src))
+
+
+def find_checkpoint(source: str | os.PathLike) -> Path:
+    """Pick the checkpoint to back up from SOURCE: the newest of :func:`checkpoint_candidates`.
+
+    Args:
+        source: a checkpoint file, a checkpoint folder, or a training output folder.
+
+    Returns:
+        The file or folder to pack: SOURCE itself when it is a file or a checkpoint folder; else the
+        ``checkpoint-N/`` subfolder with the highest N (``tmp-checkpoint-*`` ignored); else the newest
+        (mtime) ``*.pt``/``*.pth``/``*.ckpt`` file at the top level or in ``checkpoints/``.
+
+    Raises:
+        NotFound: SOURCE does not exist.
+        SourceError: a folder holding no checkpoint this rule finds (the message says what was sought).
+    """
+    return checkpoint_candidates(source)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# stat snapshot, settle, completeness
+def _walk_files(root: Path) -> list[tuple[str, Path]]:
+    """Every regular file under a folder, as (POSIX relpath, path), sorted; a file gives [("", file)]."""
+    if root.is_file():
+        return [("", root)]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            if p.is_file():  # as the folder reader: regular files (or links to them) only
+                out.append((p.relative_to(root).as_posix(), p))
+    return out
+
+
+def stat_snapshot(checkpoint: Path) -> list[list]:
+    """``[[relpath, size, mtime_ns, inode], ...]`` for every file and sub-folder of the checkpoint.
+
+    Folders are included (size ``-1``) so that an entry being added or removed changes the snapshot.
+    Reads no file content.
+    """
+    snap: list[list] = []
+    if checkpoint.is_file():
+        st = checkpoint.stat()
+        return [["", st.st_size, st.st_mtime_ns, st.st_ino]]
+    for dirpath, dirnames, filenames in os.walk(checkpoint):
+        dirnames.sort()
+        d = Path(dirpath)
+        st = d.stat()
+        snap.append([d.relative_to(checkpoint).as_posix() + "/", -1, st.st_mtime_ns, st.st_ino])
+        for name in sorted(filenames):
+            p = d / name
+            st = p.stat()
+            snap.append([p.relative_to(checkpoint).as_posix(), st.st_size, st.st_mtime_ns, st.st_ino])
+    return snap
+
+
+def _snapshot_or_none(checkpoint: Path) -> list[list] | None:
+    """:func:`stat_snapshot`, or ``None`` when a file vanished meanwhile (compares unequal to any snapshot)."""
+    try:
+        return stat_snapshot(checkpoint)
+    except FileNotFoundError:
+        return None
+
+
+def _zip_problem(path: Path) -> str | None:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, OSError) as exc:
+        return f"zip is not whole ({exc}): still being written?"
+    if not infos:
+        return "zip holds no entries"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"safetensors file of {size} bytes has no header"
+        n = int.from_bytes(head, "little")
+        if n > size - 8 or n > (100 << 20):
+            return f"safetensors header claims {n} bytes but the file has {size}"
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError:
+            return "safetensors header is not whole JSON"
+    end = 0
+    for key, meta in header.items():
+        if key != "__metadata__" and isinstance(meta, dict):
+            end = max(end, int(meta.get("data_offsets", [0, 0])[1]))
+    if 8 + n + end != size:
+        return f"safetensors data ends at byte {8 + n + end} but the file has {size} bytes"
+    return None
+
+
+def completeness_problem(checkpoint: Path) -> str | None:
+    """Return why the checkpoint is not complete yet, or ``None`` when it looks whole.
+
+    Checks (cheap, bounded reads): no empty files, no temporary names (``*.tmp``, ``*.part``, ``~``,
+    ``tmp-*``); a ``torch.save`` zip opens (its central directory, written last, is there); a
+    ``.safetensors`` file's size matches its header; an ``*.index.json`` names only shards that
+    exist; small ``*.json`` files parse; a DCP folder has its ``.metadata``.
+    """
+    files = _walk_files(checkpoint)
+    if not files:
+        return "folder holds no files yet"
+    rels = {rel for rel, _ in files}
+    for rel, p in files:
+        name = p.name
+        where = rel or p.name
+        if _TEMP_NAME.search(name):
+            return f"{where}: temporary file name: a write is in progress"
+        size = p.stat().st_size
+        if size == 0:
+            return f"{where}: empty file: still being written?"
+        with open(p, "rb") as fh:
+            head = fh.read(4)
+        if head[:4] == b"PK\x03\x04":
+            problem = _zip_problem(p)
+            if problem:
+                return f"{where}: {problem}"
+        elif name.endswith(".safetensors"):
+            problem = _safetensors_problem(p)
+            if problem:
+                return f"{where}: {problem}"
+        elif name.endswith(".json") and size <= (16 << 20):
+            try:
+                data = json.loads(p.read_bytes())
+            except ValueError:
+                return f"{where}: JSON does not parse: still being written?"
+            if name.endswith(".index.json") and isinstance(data, dict) and isinstance(data.get("weight_map"), dict):
+                base = Path(rel).parent
+                for shard in sorted(set(map(str, data["weight_map"].values()))):
+                    shard_rel = (base / shard).as_posix() if str(base) != "." else shard
+                    if shard_rel not in rels:
+                        return f"{where}: names shard {shard} which is not there yet"
+    if any(rel.endswith(".distcp") for rel in rels) and not any(rel.endswith(".metadata") for rel in rels):
+        return "DCP folder without its .metadata (written last): still being written?"
+    return None
+
+
+def hash_files(checkpoint: Path, on_bytes: Callable[[int], None] | None = None) -> dict[str, str]:
+    """sha256 of every file of the checkpoint: ``{relpath: hex}`` (``""`` for a single file).
+
+    Reads every byte once, in 8 MiB pieces.
+    """
+    from ckpt_archive.repo.archive import file_sha256  # the same digest pack records as source.files[].sha256
+
+    return {rel: file_sha256(p, on_bytes) for rel, p in _walk_files(checkpoint)}
+
+
+def manifest_source_hashes(manifest: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """``{relpath: sha256}`` of a generation's source files as the manifest records them, or ``None``."""
+    if not manifest:
+        return None
+    files = (manifest.get("source") or {}).get("files")
+    if not isinstance(files, list) or not files:
+        return None
+    out = {}
+    for f in files:
+        if not isinstance(f, Mapping) or not isinstance(f.get("sha256"), str):
+            return None
+        out[str(f.get("relpath", ""))] = f["sha256"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# state file
+def read_state(store: Any) -> dict[str, Any]:
+    """Read ``backup-state.json`` from the repository's store; an absent or unreadable one is empty."""
+    try:
+        if not store.exists(STATE_KEY):
+            return {"version": STATE_VERSION, "sources": {}}
+        data = json.loads(store.read_bytes(STATE_KEY))
+    except (OSError, ValueError):
+        return {"version": STATE_VERSION, "sources": {}}
+    if not isinstance(data, dict) or data.get("version") != STATE_VERSION or not isinstance(data.get("sources"), dict):
+        return {"version": STATE_VERSION, "sources": {}}
+    return data
+
+
+def write_state(store: Any, state: Mapping[str, Any]) -> None:
+    """Replace ``backup-state.json`` atomically (the store's ``replace_bytes``)."""
+    store.replace_bytes(STATE_KEY, (json.dumps(state, indent=1, sort_keys=True) + "\n").encode())
+
+
+# --------------------------------------------------------------------------------------------------
+# the run
+@dataclasses.dataclass
+class BackupResult:
+    """What one backup run did.
+
+    Attributes:
+        action: ``"packed"`` (a new usable generation), ``"unchanged"`` (the source equals the newest
+            usable generation's; nothing written) or ``"busy"`` (still being written; skipped).
+        source: the SOURCE argument (absolute path).
+        checkpoint: the checkpoint picked in it (absolute path).
+        generation: the new generation (packed) or the matching one (unchanged); ``None`` when busy.
+        reason: one line saying why.
+        read_bytes: bytes of the source hashed by this run (0 when decided from stat alone).
+        retention: what retention did (``{"policy", "kept", "removed", "warnings", ...}``) or ``None``.
+        warnings: human-readable notes (broken checkpoints skipped, pack warnings, leftovers found).
+        skipped: newer checkpoints skipped as broken (incomplete and unchanged for longer than the
+            stale threshold): ``[{"checkpoint": path, "reason": str, "unchanged_s": seconds}]``.
+    """
+
+    action: str
+    source: str
+    checkpoint: str
+    generation: int | None
+    reason: str
+    read_bytes: int = 0
+    retention: dict | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        """0 for packed/unchanged, 75 (EX_TEMPFAIL) for busy."""
+        return EX_TEMPFAIL if self.action == "busy" else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.action != "busy", **dataclasses.asdict(self), "exit_code": self.exit_code}
+
+
+def _settled(checkpoint: Path, settle: float, sleep: Callable[[float], None]) -> tuple[list[list] | None, str]:
+    """Return (snapshot, "") when the checkpoint did not change over ``settle`` seconds, else (None, why)."""
+    try:
+        first = stat_snapshot(checkpoint)
+        sleep(max(0.0, settle))
+        second = stat_snapshot(checkpoint)
+    except FileNotFoundError as exc:
+        return None, f"{exc.filename}: vanished while being examined (being rewritten?)"
+    if first != second:
+        changed = sorted({row[0] or checkpoint.name for row in first + second
+                          if row not in first or row not in second})
+        return None, f"still being written: {', '.join(changed[:3])} changed within {settle:g} s"
+    return second, ""
+
+
+def default_stale_after(settle: float) -> float:
+    """The default stale threshold in seconds: ``max(600, 10 * settle)``."""
+    return max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * float(settle))
+
+
+def unchanged_for(snapshot: list[list], now: float | None = None) -> float:
+    """Seconds since the newest mtime in a :func:`stat_snapshot` (files and folders), by this machine's clock.
+
+    Negative when an mtime lies in the future (a file server whose clock is ahead).
+    """
+    newest_ns = max(row[2] for row in snapshot)
+    return (time.time() if now is None else now) - newest_ns / 1e9
+
+
+def _human_seconds(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+@dataclasses.dataclass
+class _Examined:
+    kind: str  # "ready" | "busy" | "broken"
+    reason: str = ""
+    snap: list[list] | None = None
+    hashes: dict[str, str] | None = None
+    recorded: dict | None = None
+    read_bytes: int = 0
+    unchanged_s: float = 0.0
+
+
+def _examine(checkpoint: Path, entry: Mapping[str, Any], *, settle: float, stale_after: float,
+             sleep: Callable[[float], None], on_bytes: Callable[[int], None] | None) -> _Examined:
+    """Decide whether one checkpoint can be backed up now: ``ready`` (with its hashes), ``busy`` (being
+    written: changed within the settle window, or incomplete and recent) or ``broken`` (incomplete and
+    unchanged for longer than ``stale_after``)."""
+    snap_now = _snapshot_or_none(checkpoint)
+    if snap_now is None:
+        return _Examined("busy", "vanished while being examined (rotated?)")
+    recorded = dict(entry) if entry.get("checkpoint") == str(checkpoint) and entry.get("stat") == snap_now else None
+    if recorded is not None and isinstance(recorded.get("files"), dict):
+        return _Examined("ready", snap=snap_now, hashes=recorded["files"], recorded=recorded)
+    # Always observe the window (two stats `settle` seconds apart) rather than trusting an old
+    # mtime: on network file systems mtimes come from another machine's clock.
+    snap, why = _settled(checkpoint, settle, sleep)
+    if snap is None:
+        return _Examined("busy", why)
+    counter = [0]
+
+    def count(n):
+        counter[0] += n
+        if on_bytes:
+            on_bytes(n)
+
+    try:
+        problem = completeness_problem(checkpoint)
+        if problem:
+            # Unchanged over the settle window and incomplete: a trainer pausing between writes, or one
+            # killed mid-save. Only the age tells them apart: a checkpoint nobody touched for longer than
+            # the stale threshold is broken, and must not block backups forever.
+            age = unchanged_for(snap)
+            if age > stale_after:
+                problem = problem.replace(": still being written?", "")
+                return _Examined("broken", f"not complete ({problem}) and unchanged for {_human_seconds(age)} "
+                                 f"(longer than --stale-after {stale_after:g} s): broken, not being written",
+                                 unchanged_s=round(age, 3))
+            return _Examined("busy", f"not complete: {problem}")
+        hashes = hash_files(checkpoint, count)
+    except FileNotFoundError as exc:  # e.g. the trainer's rotation removed it meanwhile
+        return _Examined("busy", f"{exc.filename}: vanished while being read (rotated or rewritten?)",
+                         read_bytes=counter[0])
+    if _snapshot_or_none(checkpoint) != snap:
+        return _Examined("busy", "changed while being read: still being written", read_bytes=counter[0])
+    return _Examined("ready", snap=snap, hashes=hashes, read_bytes=counter[0])
+
+
+def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settle: float = 10.0,
+           wait: float = 0.0, tags: tuple[str, ...] | list[str] = (), now: datetime | None = None,
+           sleep: Callable[[float], None] = time.sleep, on_bytes: Callable[[int], None] | None = None,
+           stale_after: float | None = None) -> BackupResult:
+    """Back up the newest complete checkpoint in SOURCE to REPO, if it changed.
+
+    The newest checkpoint is examined first. Changed within ``settle`` seconds, or incomplete and
+    changed within ``stale_after`` seconds: it is being written, the run is skipped (``busy``, exit
+    75). Incomplete and unchanged for longer than ``stale_after``: it is broken (a save that was
+    killed); it is skipped with a warning and the next newest checkpoint is examined the same way.
+
+    Args:
+        source: a checkpoint file or folder, or a training output folder (see :func:`checkpoint_candidates`).
+        repo: repository path or URL (created if absent).
+        retention: a retention policy (dict or :class:`~ckpt_archive.retention.policy.RetentionPolicy`) to
+            apply after a new generation is usable; ``None`` uses the repository's default policy.
+        settle: seconds the checkpoint must stay unchanged (size, mtime_ns, inode, entries) before it
+            is packed.
+        wait: seconds to wait for the repository lock (0: fail at once with :class:`LockError`).
+        tags: tags for a new generation.
+        now: decision time for retention (default now, UTC).
+        sleep: the sleep function (tests pass a fake).
+        on_bytes: progress callback, called with a byte count while hashing.
+        stale_after: seconds (by the newest mtime of its files) after which an incomplete checkpoint
+            counts as broken rather than being written; ``None``: ``max(600, 10 * settle)``.
+
+    Returns:
+        A :class:`BackupResult`; ``exit_code`` is 75 when the checkpoint was still being written.
+
+    Raises:
+        NotFound, SourceError: SOURCE missing or holding no checkpoint, or holding no complete one
+            (every checkpoint in it is broken; exit 2, naming each and why).
+        LockError: another writer holds the repository lock longer than ``wait``.
+        UsageError: a malformed retention policy, a negative ``settle`` or a non-positive ``stale_after``.
+        CheckFailed: the new generation failed verification or trial reload (nothing published).
+    """
+    from ckpt_archive.ops import api as api
+    from ckpt_archive.repo.repository import Repository
+    from ckpt_archive.retention.policy import RetentionPolicy, apply_after_pack
+
+    if settle < 0:
+        raise UsageError(f"--settle must be >= 0 seconds, got {settle}")
+    if stale_after is None:
+        stale_after = default_stale_after(settle)
+    if not stale_after > 0:
+        raise UsageError(f"--stale-after must be > 0 seconds, got {stale_after}")
+    policy = None if retention is None else RetentionPolicy.from_dict(retention)
+    src = Path(source).absolute()
+    candidates = [c.absolute() for c in checkpoint_candidates(src)]
+    key = str(src)
+    rep = Repository.open(repo, create=True)
+    state = read_state(rep.store)
+    entry = state["sources"].get(key) or {}
+
+    skipped: list[dict] = []
+    warnings: list[str] = []
+    for checkpoint in candidates:
+        seen = _examine(checkpoint, entry, settle=settle, stale_after=stale_after, sleep=sleep, on_bytes=on_bytes)
+        if seen.kind == "broken":
+            skipped.append({"checkpoint": str(checkpoint), "reason": seen.reason, "unchanged_s": seen.unchanged_s})
+            warnings.append(f"skipped {checkpoint}: {seen.reason}")
+            continue
+        if seen.kind == "busy":
+            return BackupResult("busy", key, str(checkpoint), None, seen.reason, read_bytes=seen.read_bytes,
+                                warnings=warnings, skipped=skipped)
+        break
+    else:
+        names = "; ".join(f"{x['checkpoint']}: {x['reason']}" for x in skipped)
+        raise SourceError(f"no complete checkpoint to back up: {names}", where=key,
+                          hint="remove or repair the broken checkpoint(s); exit 75 is only for one still being written")
+    if skipped:
+        warnings.append(f"backing up the newest complete checkpoint instead: {checkpoint}")
+    snap, hashes, recorded, read_bytes = seen.snap, seen.hashes, seen.recorded, seen.read_bytes
+
+    def newest_usable():
+        gens = rep.usable()
+        return gens[-1] if gens else None
+
+    def remember(generation: int | None) -> None:
+        state["sources"][key] = {"checkpoint": str(checkpoint), "stat": snap, "files": hashes,
+                                 "generation": generation, "at": datetime.now(timezone.utc).isoformat()}
+        write_state(rep.store, state)
+
+    newest = newest_usable()
+    if newest is not None and manifest_source_hashes(newest.manifest) == hashes:
+        if recorded is None or recorded.get("generation") != newest.number:
+            with rep.lock(wait=wait):
+                remember(newest.number)
+        return BackupResult("unchanged", key, str(checkpoint), newest.number,
+                            f"source equals generation {newest.number}; nothing to do", read_bytes=read_bytes,
+                            warnings=warnings, skipped=skipped)
+
+    # retention={} : no retention inside pack; it runs below, once the source is known not to have moved
+    result = api.pack(str(checkpoint), repo, retention={}, wait=wait, tags=tuple(tags))
+    gen = result.generation
+    warnings += list(result.warnings) + [f"leftover of an interrupted write: {x} (ckpt-archive gc removes it)"
+                                         for x in result.leftovers]
+    packed_hashes = manifest_source_hashes(result.manifest)
+    with rep.lock(wait=max(wait, 60.0)):
+        if _snapshot_or_none(checkpoint) != snap or (packed_hashes is not None and packed_hashes != hashes):
+            rep.remove_generation(gen)
+            return BackupResult("busy", key, str(checkpoint), None,
+                                f"changed while being packed: generation {gen} forgotten again",
+                                read_bytes=read_bytes, warnings=warnings, skipped=skipped)
+        earlier = [g for g in rep.usable() if g.number < gen]
+        if earlier and manifest_source_hashes(earlier[-1].manifest) == hashes:
+            # a concurrent backup of the same content published just before us: keep theirs only
+            rep.remove_generation(gen)
+            remember(earlier[-1].number)
+            return BackupResult("unchanged", key, str(checkpoint), earlier[-1].number,
+                                f"a concurrent backup packed the same content as generation {earlier[-1].number}; "
+                                f"duplicate generation {gen} removed", read_bytes=read_bytes, warnings=warnings,
+                                skipped=skipped)
+        remember(gen)
+        # pack verified and trial-reloaded `gen` moments ago: it counts as the kept verified copy unread
+        ret = apply_after_pack(rep, policy.to_dict() if policy is not None else None, now=now, verified=(gen,))
+    warnings += ret.get("warnings", [])
+    return BackupResult("packed", key, str(checkpoint), gen, f"packed as generation {gen}", read_bytes=read_bytes,
+                        retention=ret, warnings=warnings, skipped=skipped)

@@ -1,0 +1,559 @@
+"""Export: copy usable generations to another destination and prove them recoverable *there*.
+
+"Copied" is not "recoverable". For each generation, in this order (docs/export.md):
+
+1. claim ``generations/N/CLAIM`` at DEST (the same number N as at the source);
+2. write ``manifest.json`` (byte-identical, so its sha256 is the source's) -- first, so that a re-run
+   recognises its own partial generation by ``archive_id``; harmless, because without the marker no
+   reader lists the generation;
+3. copy every member write-once, then re-read it **from DEST**: size, sha256 of every chunk and of the
+   whole stored member;
+4. trial reload from DEST (the core's :meth:`~ckpt_archive.repo.archive.ArchiveReader.trial_reload` over
+   DEST's store: decode every member, rebuild every tensor, compare raw sha256, dtype, shape, rebuild
+   the tree);
+5. write DEST's ``USABLE.json`` last, recording DEST as where the trial reload ran; then re-open DEST
+   as a reader would and confirm the generation is listed ``usable``.
+
+Resumable: a re-run finds its own partial generation (same ``archive_id``), keeps the members that
+are present and match, replaces any that do not, copies the rest and finishes. A DEST holding another
+archive under the same number is refused (exit 2); nothing there is touched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any, Callable
+
+from ckpt_archive.store import faults as faults
+from ckpt_archive.errors import IntegrityError, NoUsableGeneration, NotFound, OutputExists, UsageError
+
+COPY_PIECE_BYTES = 8 << 20
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclasses.dataclass
+class Check:
+    """One check and its result, for the recovery proof."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+    member: str | None = None
+
+    def to_json(self) -> dict:
+        return {"check": self.name, "result": "ok" if self.ok else "failed", "detail": self.detail,
+                "member": self.member}
+
+
+@dataclasses.dataclass
+class ExportedGeneration:
+    """What happened to one generation.
+
+    Attributes:
+        generation: its number (the same at the source and at DEST).
+        archive_id: the archive's uuid (from the manifest).
+        step, epoch: training progress recorded in the manifest (None when not given).
+        status: ``exported`` (copied now and proven), ``resumed`` (a partial copy was finished),
+            ``already-usable`` (DEST already held it, usable there; nothing copied).
+        members: one dict per stored object at DEST: ``key``, ``member``, ``bytes``, ``sha256``,
+            ``action`` (``copied`` | ``present`` | ``replaced`` | ``kept``).
+        bytes_copied: stored bytes sent to DEST now.
+        checks: every check made, in order.
+        marker: DEST's marker (dict) once written.
+    """
+
+    generation: int
+    archive_id: str
+    step: int | None
+    epoch: int | None
+    status: str = "exported"
+    members: list[dict] = dataclasses.field(default_factory=list)
+    bytes_copied: int = 0
+    checks: list[Check] = dataclasses.field(default_factory=list)
+    marker: dict | None = None
+
+    def to_json(self) -> dict:
+        return {"generation": self.generation, "archive_id": self.archive_id, "step": self.step,
+                "epoch": self.epoch, "status": self.status, "bytes_copied": self.bytes_copied,
+                "objects": self.members, "checks": [c.to_json() for c in self.checks],
+                "marker": self.marker}
+
+
+@dataclasses.dataclass
+class ExportResult:
+    """The recovery proof of one export.
+
+    Attributes:
+        source: the source repository's location; destination: DEST's location.
+        generations: per generation, oldest first.
+        bytes_copied: stored bytes sent to DEST in this run.
+        restore_command: the exact command that restores the newest exported generation on a new machine.
+        command: the command line that ran (when the CLI ran it).
+        started, finished: ISO-8601 UTC.
+    """
+
+    source: str
+    destination: str
+    generations: list[ExportedGeneration]
+    bytes_copied: int
+    restore_command: str
+    verify_command: str
+    command: str | None
+    started: str
+    finished: str
+    endpoint_url: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for g in self.generations for c in g.checks)
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "command": self.command, "source": self.source, "destination": self.destination,
+                "endpoint_url": self.endpoint_url, "started": self.started, "finished": self.finished,
+                "bytes_copied": self.bytes_copied,
+                "generations": [g.to_json() for g in self.generations],
+                "restore_command": self.restore_command, "verify_command": self.verify_command}
+
+    def to_markdown(self) -> str:
+        return render_markdown(self)
+
+
+# ------------------------------------------------------------------------------------------------
+# selection
+# ------------------------------------------------------------------------------------------------
+def select_generations(repo, generations: Any = None) -> list:
+    """Pick the source generations to export; every one must be usable at the source.
+
+    Args:
+        repo: the source :class:`~ckpt_archive.repo.repository.Repository`.
+        generations: ``None`` or ``"latest"`` (newest usable), ``"all"`` (every usable one),
+            ``"latest:N"`` (the N newest usable), a number (int or digits), ``"tag:NAME"``, or a list of
+            numbers.
+
+    Returns:
+        usable :class:`~ckpt_archive.repo.repository.Generation` objects, oldest first.
+
+    Raises:
+        NoUsableGeneration: nothing usable matches, or a named generation is not usable at the source.
+        NotFound: a named generation does not exist. UsageError: a malformed selection.
+    """
+    if generations is None:
+        generations = "latest"
+    if isinstance(generations, (list, tuple)):
+        picked = [_usable_one(repo, str(n)) for n in generations]
+    elif isinstance(generations, int) or (isinstance(generations, str) and generations.isdigit()):
+        picked = [_usable_one(repo, str(generations))]
+    elif generations in ("all", "all-usable", "all_usable"):
+        picked = repo.usable()
+        if not picked:
+            raise NoUsableGeneration(repo._none_usable_reason(), where=repo.location)
+    elif isinstance(generations, str) and generations.startswith("latest:"):
+        try:
+            n = int(generations.split(":", 1)[1])
+        except ValueError:
+            raise UsageError(f"bad selection {generations!r}: use latest:N with N >= 1") from None
+        if n < 1:
+            raise UsageError(f"bad selection {generations!r}: use latest:N with N >= 1")
+        usable = repo.usable()
+        if not usable:
+            raise NoUsableGeneration(repo._none_usable_reason(), where=repo.location)
+        picked = usable[-n:]
+    elif isinstance(generations, str):
+        picked = [_usable_one(repo, generations)]
+    else:
+        raise UsageError(f"bad generation selection {generations!r}")
+    by_number = {g.number: g for g in picked}
+    return [by_number[n] for n in sorted(by_number)]
+
+
+def _usable_one(repo, spec: str):
+    g = repo.resolve(spec)
+    if not g.usable:
+        raise NoUsableGeneration(f"generation {g.number} is {g.status} at the source ({g.reason}); only usable "
+                                 f"generations are exported", where=repo.location)
+    return g
+
+
+# ------------------------------------------------------------------------------------------------
+# export
+# ------------------------------------------------------------------------------------------------
+def _check_destination(src, dest) -> None:
+    """Refuse a destination that is empty, or that is/contains/lies inside the source repository."""
+    import os
+    from pathlib import Path
+
+    from ckpt_archive.store.local import has_scheme
+
+    text = os.fspath(dest).strip() if dest is not None else ""
+    if not text:
+        raise UsageError("empty destination: give a folder or a URL such as s3://bucket/prefix")
+    if has_scheme(text) or not getattr(src.store, "is_local", False):
+        return
+    real = Path(os.path.realpath(Path(text).expanduser()))
+    root = Path(os.path.realpath(src.store.location))
+    if real == root or root in real.parents or real in root.parents:
+        raise UsageError(f"the destination must lie outside the source repository ({root})", where=text)
+
+
+def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = None,
+           storage_options: dict | None = None, report: str | os.PathLike | None = None,
+           report_format: str = "markdown", on_bytes: Callable[[int], None] | None = None,
+           on_generation: Callable[[int, int, int], None] | None = None, command: str | None = None,
+           lock_wait: float = 0) -> ExportResult:
+    """Copy usable generations to ``dest``, verify the copy there, trial-reload it there, mark it usable.
+
+    Args:
+        repo: the source repository (path, URL, or an open :class:`~ckpt_archive.repo.repository.Repository`).
+        dest: the destination: a local path or an fsspec URL (``s3://bucket/prefix``). Its
+            ``repository.json`` is created if absent.
+        generations: which usable generations (see :func:`select_generations`); default the newest.
+        endpoint_url: S3-compatible endpoint for DEST (overrides ``AWS_ENDPOINT_URL``).
+        storage_options: extra fsspec options for DEST (e.g. ``{"s3_additional_kwargs":
+            {"ServerSideEncryption": "aws:kms"}}``).
+        report: write the recovery proof to this file (Markdown, or JSON with ``report_format="json"``).
+        on_bytes: progress callback, called with stored bytes copied to DEST.
+        on_generation: called ``(generation, index, count)`` when a generation starts.
+        command: the command line to record in the proof.
+        lock_wait: seconds to wait for DEST's writer lock.
+
+    Returns:
+        :class:`ExportResult`, the recovery proof.
+
+    Raises:
+        NoUsableGeneration / NotFound: nothing to export at the source.
+        OutputExists: DEST holds another archive (or a partial of unknown origin) at a generation number.
+        IntegrityError: a member's bytes at the source or at DEST do not match the manifest, or the trial
+            reload at DEST failed (names the member); DEST's marker is then not written.
+        StoreError: DEST refused access (credentials, permissions, network).
+        LockError: another writer holds DEST.
+    """
+    from ckpt_archive.repo.repository import Repository
+
+    started = _now()
+    src = repo if isinstance(repo, Repository) else Repository.open(repo)
+    picked = select_generations(src, generations)
+    _check_destination(src, dest)
+    options: dict = {}
+    if endpoint_url:
+        options["endpoint_url"] = endpoint_url
+    if storage_options:
+        options["storage_options"] = storage_options
+    dst = Repository.open(dest, create=True, **options)
+    if dst.location == src.location:
+        raise UsageError(f"source and destination are the same repository ({src.location})")
+    done: list[ExportedGeneration] = []
+    with dst.lock(wait=lock_wait):
+        for i, g in enumerate(picked):
+            if on_generation:
+                on_generation(g.number, i, len(picked))
+            done.append(_export_one(src, dst, g, on_bytes=on_bytes))
+    result = ExportResult(
+        source=src.location, destination=dst.location, generations=done,
+        bytes_copied=sum(g.bytes_copied for g in done),
+        restore_command=restore_command(dst.location, picked[-1], endpoint_url),
+        verify_command=_env_prefix(dst.location, endpoint_url)
+        + f"ckpt-archive verify {shlex.quote(dst.location + '@' + str(picked[-1].number))} --deep",
+        command=command, started=started, finished=_now(), endpoint_url=endpoint_url)
+    if report is not None:
+        write_report(result, report, report_format)
+    return result
+
+
+def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
+    from ckpt_archive.repo.archive import ArchiveReader
+    from ckpt_archive.repo.repository import CLAIM, MANIFEST, MARKER, gen_key, host_record, raise_if_problems
+
+    manifest = g.manifest
+    number = g.number
+    key = gen_key(number)
+    progress = manifest.get("progress") or {}
+    out = ExportedGeneration(number, manifest["archive_id"], progress.get("step"), progress.get("epoch"))
+    raw_manifest = src.store.read_bytes(f"{key}/{MANIFEST}")
+    manifest_sha = hashlib.sha256(raw_manifest).hexdigest()
+    if manifest_sha != g.manifest_sha256:
+        raise IntegrityError(f"manifest.json of generation {number} changed while exporting", where=src.location)
+
+    # -- what DEST already holds at this number ---------------------------------------------------------
+    names = set(dst.store.listdir(key))
+    if MANIFEST in names:
+        theirs = dst.store.read_bytes(f"{key}/{MANIFEST}")
+        if hashlib.sha256(theirs).hexdigest() != manifest_sha:
+            other = _archive_id_of(theirs)
+            if other != out.archive_id:
+                raise OutputExists(
+                    f"generation {number} there holds another archive ({other or 'unreadable manifest'}), not "
+                    f"{out.archive_id} (step {out.step}) from {src.location}; nothing was changed. Export to "
+                    f"another destination, or remove it there first (ckpt-archive forget)", where=dst.location)
+            if MARKER in names:
+                raise OutputExists(f"generation {number} there has a manifest that differs from the source's "
+                                   f"and a marker: it is damaged there; remove it (ckpt-archive forget --force) "
+                                   f"and export again", where=dst.location)
+            dst.store.remove(f"{key}/{MANIFEST}")  # our own partial copy, damaged: replace it
+            names.discard(MANIFEST)
+        else:
+            existing = dst.generation(number)
+            if existing.usable:
+                return _already_usable(dst, existing, out, key)
+            out.status = "resumed"
+    elif names - {CLAIM}:
+        raise OutputExists(f"generation {number} there is a partial generation of unknown origin (no manifest): "
+                           f"run ckpt-archive gc on the destination first; nothing was changed", where=dst.location)
+    elif names:
+        out.status = "resumed"
+
+    # -- 1. claim, 2. manifest first (identifies our partial copy by archive id) ---------------------------
+    if CLAIM not in names:
+        dst.store.claim(f"{key}/{CLAIM}")
+    faults.point("export-claim")
+    if MANIFEST not in names:
+        dst.store.write_bytes_once(f"{key}/{MANIFEST}", raw_manifest)
+    out.members.append({"key": f"{key}/{MANIFEST}", "member": None, "bytes": len(raw_manifest),
+                        "sha256": manifest_sha, "action": "present" if MANIFEST in names else "copied"})
+    faults.point("export-after-manifest")
+
+    # -- 3. members: copy write-once, re-read from DEST (size, sha256 per chunk and whole) -----------------
+    for rec in manifest["members"]:
+        mkey = f"{key}/{rec['stored_path']}"
+        action = "copied"
+        if rec["stored_path"] in names or dst.store.exists(mkey):
+            bad = _check_at(dst.store, mkey, rec)
+            if bad is None:
+                action = "present"
+            else:
+                dst.store.remove(mkey)  # a damaged piece of our own partial copy (no marker): redo it
+                action = "replaced"
+        if action != "present":
+            _copy_member(src.store, dst.store, mkey, rec, on_bytes)
+            out.bytes_copied += rec["stored_bytes"]
+            faults.point("export-after-member")
+        bad = _check_at(dst.store, mkey, rec)
+        out.checks.append(Check("size and sha256 re-read from destination (every chunk and whole)", bad is None,
+                                bad or f"{rec['stored_bytes']} bytes, {len(rec.get('chunks', []))} chunk(s)",
+                                member=rec["path"]))
+        if bad is not None:
+            raise IntegrityError(f"copy at {dst.location} does not match the manifest: {bad}; generation "
+                                 f"{number} stays partial there", where=rec["path"])
+        out.members.append({"key": mkey, "member": rec["path"], "bytes": rec["stored_bytes"],
+                            "sha256": rec["stored_sha256"], "action": action})
+    if getattr(dst.store, "is_local", False):
+        dst.store.fsync_dir(key)  # the members' and manifest's directory entries are durable too
+    faults.point("export-after-members")
+    faults.point("export-after-verify")
+    verified = {"when": _now(), "result": "ok", "members": len(manifest["members"]),
+                "where": dst.location, "how": "size and sha256 of every chunk and member re-read from here"}
+
+    # -- 4. trial reload from DEST (the core's reader; no second decoder) --------------------------------------
+    problems: list = []
+    counts = ArchiveReader(dst.store, key, manifest).trial_reload(problems)
+    out.checks.append(Check("trial reload from destination (decode every member, rebuild every tensor, "
+                            "compare raw sha256/dtype/shape, rebuild the tree)", not problems,
+                            f"{counts['tensors']} tensor(s), {counts['bytes']} raw bytes decoded" if not problems
+                            else "; ".join(f"{p.member or p.field}: {p.reason}" for p in problems[:5])))
+    raise_if_problems(f"trial reload at {dst.location}", problems, number)
+    faults.point("export-after-trial-reload")
+
+    # -- 5. marker last, naming DEST -------------------------------------------------------------------------
+    record = {"verified": verified,
+              "trial_reload": {**host_record(dst.location), "result": "ok", "tensors": counts["tensors"],
+                               "bytes": counts["bytes"]},
+              "exported_from": {"location": src.location, "generation": number, "when": _now()}}
+    marker = dst.write_marker(number, manifest_sha, out.archive_id, record)
+    faults.point("export-after-publish")
+    raw_marker = dst.store.read_bytes(f"{key}/{MARKER}")
+    out.members.append({"key": f"{key}/{MARKER}", "member": None, "bytes": len(raw_marker),
+                        "sha256": hashlib.sha256(raw_marker).hexdigest(), "action": "written"})
+    out.marker = marker
+    listed = dst.generation(number)
+    out.checks.append(Check("listed as usable by a reader of the destination", listed.usable,
+                            listed.reason or f"marker names {dst.location}"))
+    if not listed.usable:
+        raise IntegrityError(f"generation {number} is {listed.status} at the destination after publishing: "
+                             f"{listed.reason}", where=dst.location)
+    return out
+
+
+def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> ExportedGeneration:
+    """DEST already holds this archive, usable there: re-check sizes (cheap), copy nothing."""
+    from ckpt_archive.repo.repository import MANIFEST, MARKER
+
+    out.status = "already-usable"
+    out.marker = existing.marker
+    out.members.append({"key": f"{key}/{MANIFEST}", "member": None, "bytes": None,
+                        "sha256": existing.manifest_sha256, "action": "kept"})
+    for rec in existing.manifest["members"]:
+        mkey = f"{key}/{rec['stored_path']}"
+        try:
+            size = dst.store.size(mkey)
+        except NotFound:
+            size = None
+        ok = size == rec["stored_bytes"]
+        out.checks.append(Check("already usable at destination: size re-checked", ok,
+                                f"{size} bytes" if ok else f"{size} bytes stored, manifest says {rec['stored_bytes']}"
+                                                            f"; run ckpt-archive verify --deep there",
+                                member=rec["path"]))
+        out.members.append({"key": mkey, "member": rec["path"], "bytes": rec["stored_bytes"],
+                            "sha256": rec["stored_sha256"], "action": "kept"})
+    trial = (existing.marker or {}).get("trial_reload") or {}
+    out.checks.append(Check("marker at destination matches the manifest and names the destination", True,
+                            f"trial reload there on {trial.get('when')} by {trial.get('host')}"))
+    out.members.append({"key": f"{key}/{MARKER}", "member": None, "bytes": None, "sha256": None, "action": "kept"})
+    if not all(c.ok for c in out.checks):
+        bad = next(c for c in out.checks if not c.ok)
+        raise IntegrityError(f"generation {out.generation} is marked usable at the destination but {bad.detail}",
+                             where=bad.member)
+    return out
+
+
+def _archive_id_of(raw: bytes) -> str | None:
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return doc.get("archive_id") if isinstance(doc, dict) else None
+
+
+def _copy_member(src_store, dst_store, key: str, rec: dict, on_bytes) -> None:
+    """Stream one stored member from the source to DEST (write-once), checking the source's bytes on the
+    way: a source that does not match its manifest aborts the write, so no bad copy is committed."""
+    h = hashlib.sha256()
+    total = 0
+    try:
+        fin = src_store.open_read(key)
+    except NotFound:
+        raise IntegrityError(f"missing at the source ({src_store.location})", where=rec["path"]) from None
+    with fin, dst_store.write_once(key) as fout:
+        first = True
+        while True:
+            piece = fin.read(COPY_PIECE_BYTES)
+            if not piece:
+                break
+            fout.write(piece)
+            h.update(piece)
+            total += len(piece)
+            if on_bytes:
+                on_bytes(len(piece))
+            if first:
+                faults.point("export-member-write")
+                first = False
+        if total != rec["stored_bytes"] or h.hexdigest() != rec["stored_sha256"]:
+            raise IntegrityError(f"the source copy does not match its manifest ({total} bytes, sha256 "
+                                 f"{h.hexdigest()}); run ckpt-archive verify on the source", where=rec["path"])
+
+
+def _check_at(store, key: str, rec: dict) -> str | None:
+    """Re-read a stored member: size, then sha256 of every chunk and of the whole. None when all match,
+    else the first thing wrong (one line)."""
+    try:
+        size = store.size(key)
+    except NotFound:
+        return f"missing: {rec['stored_path']}"
+    if size != rec["stored_bytes"]:
+        return f"{size} bytes stored, manifest says {rec['stored_bytes']}"
+    whole = hashlib.sha256()
+    with store.open_read(key) as fh:
+        for i, chunk in enumerate(rec.get("chunks") or []):
+            data = _read_exact(fh, chunk["stored_bytes"])
+            whole.update(data)
+            got = hashlib.sha256(data).hexdigest()
+            if got != chunk["stored_sha256"]:
+                return (f"chunk {i} (stored bytes {chunk.get('stored_offset')}..+{chunk['stored_bytes']}) sha256 "
+                        f"{got}, manifest says {chunk['stored_sha256']}")
+        while rest := fh.read(COPY_PIECE_BYTES):
+            whole.update(rest)
+    if whole.hexdigest() != rec["stored_sha256"]:
+        return f"stored sha256 {whole.hexdigest()}, manifest says {rec['stored_sha256']}"
+    return None
+
+
+def _read_exact(fh, n: int) -> bytes:
+    parts = []
+    while n > 0:
+        piece = fh.read(min(n, COPY_PIECE_BYTES))
+        if not piece:
+            break
+        parts.append(piece)
+        n -= len(piece)
+    return b"".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# the recovery proof
+# ------------------------------------------------------------------------------------------------
+def _env_prefix(location: str, endpoint_url: str | None) -> str:
+    return f"AWS_ENDPOINT_URL={shlex.quote(endpoint_url)} " if endpoint_url and "://" in location else ""
+
+
+def restore_command(location: str, g, endpoint_url: str | None = None) -> str:
+    """The exact command that restores generation ``g`` from ``location`` on a new machine."""
+    source = (g.manifest or {}).get("source") or {}
+    if source.get("layout") == "folder":
+        out = Path(source.get("path") or "").name or f"checkpoint-step{g.step}"
+    else:
+        name = str((source.get("info") or {}).get("filename") or "")
+        out = name if name.endswith((".pt", ".pth")) else "checkpoint.pt"
+    spec = f"{location}@{g.number}"
+    return f"{_env_prefix(location, endpoint_url)}ckpt-archive restore {shlex.quote(spec)} --output {shlex.quote(out)}"
+
+
+def write_report(result: ExportResult, path, fmt: str = "markdown") -> None:
+    """Write the recovery proof (Markdown or JSON) atomically next to ``path``."""
+    path = Path(path)
+    text = (json.dumps(result.to_json(), indent=2, default=str) + "\n") if fmt == "json" else render_markdown(result)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _cell(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def render_markdown(r: ExportResult) -> str:
+    """The recovery proof a person keeps, as Markdown."""
+    lines = [f"# Recovery proof: {r.destination}", ""]
+    lines.append(f"Result: **{'OK, recoverable from the destination' if r.ok else 'FAILED'}**")
+    lines += ["", f"- command: `{r.command or 'ckpt_archive.export(...)'}`",
+              f"- source: `{r.source}`", f"- destination: `{r.destination}`"]
+    if r.endpoint_url:
+        lines.append(f"- endpoint: `{r.endpoint_url}`")
+    lines += [f"- started: {r.started}, finished: {r.finished}",
+              f"- bytes copied in this run: {r.bytes_copied}", "", "## Generations", "",
+              "| generation | step | epoch | archive id | status | bytes copied |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for g in r.generations:
+        lines.append(f"| {g.generation} | {_cell(g.step)} | {_cell(g.epoch)} | `{g.archive_id}` | {g.status} | "
+                     f"{g.bytes_copied} |")
+    for g in r.generations:
+        lines += ["", f"## Generation {g.generation}: destination listing", "",
+                  "| object | bytes | sha256 | action |", "| --- | --- | --- | --- |"]
+        for m in g.members:
+            lines.append(f"| `{m['key']}` | {m['bytes'] if m['bytes'] is not None else ''} | "
+                         f"`{m['sha256'] or ''}` | {m['action']} |")
+        lines += ["", f"### Generation {g.generation}: checks", "", "| check | member | result | detail |",
+                  "| --- | --- | --- | --- |"]
+        for c in g.checks:
+            lines.append(f"| {c.name} | {('`' + c.member + '`') if c.member else ''} | "
+                         f"{'ok' if c.ok else '**FAILED**'} | {c.detail} |")
+        if g.marker:
+            tr = g.marker.get("trial_reload") or {}
+            lines += ["", f"Marker `USABLE.json`: trial reload at `{tr.get('where')}` on {tr.get('when')} "
+                          f"(host {tr.get('host')}), manifest sha256 `{g.marker.get('manifest_sha256')}`."]
+    lines += ["", "## Restore on a new machine", "", "```sh", "pip install 'ckpt-archive[s3]'"
+              if "://" in r.destination else "pip install ckpt-archive", r.verify_command, r.restore_command, "```"]
+    if "://" in r.destination:
+        lines += ["", "Credentials come from the standard AWS environment (`AWS_ACCESS_KEY_ID`, "
+                      "`AWS_SECRET_ACCESS_KEY`, or `AWS_PROFILE`)."]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["export", "ExportResult", "ExportedGeneration", "Check", "select_generations", "restore_command",
+           "write_report", "render_markdown"]

@@ -1,0 +1,769 @@
+"""Retention policy: a pure function from generations + a policy to keep / remove, with reasons.
+
+restic's ``ApplyPolicy`` habit (``internal/data/snapshot_policy.go``): the decision is computed from plain
+facts with no I/O, so it is tested against golden files and property tests, and ``prune --dry-run``
+simply prints it. Deleting is someone else's job (:func:`apply_after_pack`, ``ckpt-archive prune``).
+
+Vocabulary (restic's): ``keep_last``, ``keep_hourly``, ``keep_daily``, ``keep_weekly``, ``keep_monthly``,
+``keep_within``, ``keep_tag``, plus ``keep_best N`` with ``best_by "METRIC:min|max"``.
+
+Rules, in the order they are applied:
+
+* Only **usable** generations are counted. A generation that is not usable (partial, copied, damaged)
+  never counts toward a keep rule, never takes a bucket from a usable one, and is never removed by
+  prune: leftovers of interrupted writes are ``ckpt-archive gc``'s business. They are reported in
+  :attr:`Decision.not_usable` with that reason (borg: a checkpoint archive never pushes out a complete one).
+* Generations are walked newest first; "newest" means the highest generation number (the publish
+  order), which is also the order ``@latest`` uses.
+* ``keep_last N``: the N newest usable generations.
+* ``keep_hourly/daily/weekly/monthly N``: walking newest first, the newest generation of each of the
+  N most recent calendar buckets that hold a usable generation. Buckets are in UTC; weeks are ISO weeks
+  (Monday first, ``2026-W48``). As restic does, when a bucket rule still has counts left at the oldest
+  usable generation, that generation is kept too ("oldest daily"): the longest history is kept.
+* ``keep_within DURATION`` (``"2d3h"``, ``"1w"``, ``"1y6m"``; units y, m = months, w, d, h): every
+  usable generation created within DURATION before the newest usable generation's creation time (not
+  before ``now``: a prune run long after training stopped cannot empty the window). A creation time in
+  the future of ``now`` (clock skew) is not used as the reference.
+* ``keep_tag [T, ...]``: every usable generation carrying one of the tags; an entry ``"a,b"`` needs
+  both tags (restic's tag lists).
+* ``keep_best N`` + ``best_by "val_loss:min"``: the N usable generations with the lowest (``min``) or
+  highest (``max``) finite value of the metric; ties go to the newer. A generation without the metric,
+  or with NaN/inf or a non-number there, is never "best" (another rule may still keep it). Metric
+  names may be dotted paths into nested metrics (``"val.loss"``).
+
+Invariants (each has a test):
+
+* the newest usable generation is always kept (reason ``"newest usable"``);
+* a policy whose rules keep none of the usable generations is refused (:class:`UsageError`) rather
+  than leaving only the safety rule standing: that is nearly always a typo in a tag or metric name;
+* an empty policy is refused (:class:`UsageError`).
+
+Deleting (:func:`execute_prune`, used by ``prune`` and by pack/backup-time retention) adds one more
+rule, with I/O, so it lives outside :func:`apply_policy`: **never delete the only verified copy**.
+Before removing anything, :func:`check_kept` verifies the kept usable generations newest first
+(shallow ``verify``: stored sizes and sha256 of every member) and stops at the first that passes; a
+generation that pack verified and trial-reloaded moments ago counts as verified without being read
+again. If none of the kept generations passes, the whole prune is refused (:class:`IntegrityError`,
+naming each kept generation and what failed) and nothing is removed; a kept generation newer than
+the one that passed and that fails is reported as a warning.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Iterable, Mapping, Sequence
+
+from ckpt_archive.errors import CkptArchiveError, IntegrityError, UsageError
+
+__all__ = [
+    "GenerationFacts", "RetentionPolicy", "Decision", "WithinDuration", "apply_policy",
+    "parse_within", "parse_best_by", "metric_value", "apply_after_pack", "NEWEST_USABLE", "KeptCheck",
+    "check_kept", "refuse_unless_verified", "execute_prune",
+]
+
+NEWEST_USABLE = "newest usable"
+NOT_USABLE_REASON = ("not usable ({status}): never counted by retention, never removed by prune; "
+                     "`ckpt-archive gc` removes leftovers of interrupted writes")
+NO_RULE = "matched no keep rule"
+
+
+# --------------------------------------------------------------------------------------------------
+# facts
+@dataclass(frozen=True)
+class GenerationFacts:
+    """What retention needs to know about one generation.
+
+    Attributes:
+        number: generation number (publish order; higher is newer).
+        created: creation time, timezone-aware (converted to UTC); ``None`` when unknown (time-based
+            rules then skip it, ``keep_last``/``keep_tag``/``keep_best`` still apply).
+        usable: True when the generation's marker matches its manifest at this destination.
+        tags: tags given at pack time.
+        metrics: the manifest's metrics (nested dicts allowed); values should be numbers.
+        status: the repository's status word (``usable``, ``partial``, ``copied``, ``damaged``),
+            used only in reasons.
+    """
+
+    number: int
+    created: datetime | None
+    usable: bool = True
+    tags: tuple[str, ...] = ()
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    status: str = ""
+
+    @classmethod
+    def from_generation(cls, gen: Any) -> "GenerationFacts":
+        """Build facts from a :class:`ckpt_archive.repo.repository.Generation` (duck-typed).
+
+        Reads ``number``, ``status``, ``created``, ``tags`` and ``metrics``; missing attributes count
+        as unknown.
+        """
+        status = str(getattr(gen, "status", "") or "")
+        created = getattr(gen, "created", None)
+        if created is not None and created.tzinfo is None:
+            created = created.replace(tzinfo=timezone.utc)
+        return cls(number=int(gen.number), created=created, usable=(status == "usable"),
+                   tags=tuple(getattr(gen, "tags", None) or ()), metrics=dict(getattr(gen, "metrics", None) or {}),
+                   status=status)
+
+
+# --------------------------------------------------------------------------------------------------
+# durations and metrics
+_DUR_PART = re.compile(r"(\d+)([ymwdh])")
+_DUR_FULL = re.compile(r"^(?:\d+[ymwdh])+$")
+
+
+@dataclass(frozen=True)
+class WithinDuration:
+    """A calendar-aware duration: years, months, weeks, days, hours (restic's ``--keep-within``)."""
+
+    years: int = 0
+    months: int = 0
+    weeks: int = 0
+    days: int = 0
+    hours: int = 0
+
+    def is_zero(self) -> bool:
+        return not (self.years or self.months or self.weeks or self.days or self.hours)
+
+    def before(self, t: datetime) -> datetime:
+        """Return ``t`` minus this duration (months/years by the calendar, day clamped to month end)."""
+        total_months = t.year * 12 + (t.month - 1) - (self.years * 12 + self.months)
+        year, month = divmod(total_months, 12)
+        month += 1
+        if year < 1:
+            return datetime(1, 1, 1, tzinfo=t.tzinfo)
+        import calendar
+
+        day = min(t.day, calendar.monthrange(year, month)[1])
+        shifted = t.replace(year=year, month=month, day=day)
+        try:
+            return shifted - timedelta(weeks=self.weeks, days=self.days, hours=self.hours)
+        except OverflowError:
+            return datetime(1, 1, 1, tzinfo=t.tzinfo)
+
+    def __str__(self) -> str:
+        parts = [(self.years, "y"), (self.months, "m"), (self.weeks, "w"), (self.days, "d"), (self.hours, "h")]
+        return "".join(f"{n}{u}" for n, u in parts if n) or "0h"
+
+
+def parse_within(text: str) -> WithinDuration:
+    """Parse ``"2d3h"``, ``"1w"``, ``"1y6m"`` (y years, m months, w weeks, d days, h hours).
+
+    Raises:
+        UsageError: the text is not such a duration, or is zero.
+    """
+    s = str(text).strip().lower()
+    if not _DUR_FULL.match(s):
+        raise UsageError(f"bad duration {text!r}: expected e.g. '2d3h', '1w', '1y6m' "
+                         "(units: y years, m months, w weeks, d days, h hours)", where="keep_within")
+    values = {"y": 0, "m": 0, "w": 0, "d": 0, "h": 0}
+    for num, unit in _DUR_PART.findall(s):
+        values[unit] += int(num)
+    dur = WithinDuration(years=values["y"], months=values["m"], weeks=values["w"], days=values["d"],
+                         hours=values["h"])
+    if dur.is_zero():
+        raise UsageError(f"duration {text!r} is zero", where="keep_within")
+    return dur
+
+
+def parse_best_by(text: str) -> tuple[str, str]:
+    """Parse ``"METRIC:min"`` / ``"METRIC:max"`` into ``(metric, direction)``.
+
+    Raises:
+        UsageError: no ``:min``/``:max`` suffix or an empty metric name.
+    """
+    metric, sep, direction = str(text).rpartition(":")
+    direction = direction.strip().lower()
+    if not sep or not metric.strip() or direction not in ("min", "max"):
+        raise UsageError(f"bad --best-by {text!r}: expected METRIC:min or METRIC:max, e.g. val_loss:min",
+                         where="best_by")
+    return metric.strip(), direction
+
+
+def metric_value(metrics: Mapping[str, Any] | None, name: str) -> float | None:
+    """Return the finite float value of metric ``name`` (a key, or a dotted path into nested dicts).
+
+    Returns ``None`` when the metric is absent, not a number (bools and strings are not numbers),
+    NaN or infinite: such a generation is never "best".
+    """
+    if not metrics:
+        return None
+    value: Any
+    if name in metrics:
+        value = metrics[name]
+    else:
+        value = metrics
+        for part in name.split("."):
+            if isinstance(value, Mapping) and part in value:
+                value = value[part]
+            else:
+                return None
+    if isinstance(value, Mapping) and value.get("$t") in ("npscalar", "int", "float"):
+        # a tagged scalar: metrics packed as NumPy scalars (``np.mean(losses)``) or a big int
+        from ckpt_archive.format.state_tree import decode
+
+        try:
+            value = decode(value, lambda key: None)
+            value = value.item() if hasattr(value, "item") else value
+        except Exception:  # noqa: BLE001 - a malformed tag is just not a number
+            return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        f = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+# --------------------------------------------------------------------------------------------------
+# policy
+_COUNT_FIELDS = ("keep_last", "keep_hourly", "keep_daily", "keep_weekly", "keep_monthly", "keep_best")
+_ALL_FIELDS = _COUNT_FIELDS + ("keep_within", "keep_tag", "best_by")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """A retention policy in restic's vocabulary. Counts are numbers of generations (0 = rule off).
+
+    Attributes:
+        keep_last: keep the N newest usable generations.
+        keep_hourly, keep_daily, keep_weekly, keep_monthly: keep the newest generation of each of the N
+            most recent UTC calendar buckets (ISO weeks).
+        keep_within: keep all within this duration of the newest usable one (``"2d3h"``); ``None`` = off.
+        keep_tag: keep all carrying one of these tags (``"a,b"`` = both a and b).
+        keep_best: keep the N best by ``best_by``.
+        best_by: ``"METRIC:min"`` or ``"METRIC:max"``; required with ``keep_best``.
+    """
+
+    keep_last: int = 0
+    keep_hourly: int = 0
+    keep_daily: int = 0
+    keep_weekly: int = 0
+    keep_monthly: int = 0
+    keep_within: str | None = None
+    keep_tag: tuple[str, ...] = ()
+    keep_best: int = 0
+    best_by: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in _COUNT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(f"must be a whole number >= 0, got {value!r}", where=name)
+        if isinstance(self.keep_tag, str):
+            object.__setattr__(self, "keep_tag", (self.keep_tag,))
+        tags = tuple(str(t).strip() for t in (self.keep_tag or ()))
+        if any(not t or any(not p.strip() for p in t.split(",")) for t in tags):
+            raise UsageError(f"empty tag in {list(tags)!r}", where="keep_tag")
+        object.__setattr__(self, "keep_tag", tags)
+        if self.keep_within is not None:
+            if self.keep_within == "":
+                object.__setattr__(self, "keep_within", None)
+            else:
+                object.__setattr__(self, "keep_within", str(parse_within(self.keep_within)))
+        if self.best_by is not None:
+            metric, direction = parse_best_by(self.best_by)
+            object.__setattr__(self, "best_by", f"{metric}:{direction}")
+        if self.keep_best and not self.best_by:
+            raise UsageError("--keep-best needs --best-by METRIC:min|max (e.g. val_loss:min)", where="best_by")
+        if self.best_by and not self.keep_best:
+            raise UsageError("--best-by given without --keep-best N", where="keep_best")
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "retention") -> "RetentionPolicy":
+        """Build a policy from a dict (``repository.json``'s ``retention``; ``pack(retention=...)``).
+
+        Accepts the field names above; ``keep_tag`` may be a string or a list. ``None``/``{}`` gives an
+        empty policy (check :meth:`is_empty`).
+
+        Raises:
+            UsageError: an unknown key or a value of the wrong type, naming the field.
+        """
+        if data is None:
+            return cls()
+        if isinstance(data, RetentionPolicy):
+            return data
+        if not isinstance(data, Mapping):
+            raise UsageError(f"retention policy must be an object, got {type(data).__name__}", where=where)
+        unknown = sorted(set(data) - set(_ALL_FIELDS))
+        if unknown:
+            raise UsageError(f"unknown retention field(s) {', '.join(unknown)}; known: {', '.join(_ALL_FIELDS)}",
+                             where=where)
+        kwargs: dict[str, Any] = {}
+        for name in _COUNT_FIELDS:
+            if data.get(name) is not None:
+                kwargs[name] = data[name]
+        for name in ("keep_within", "best_by"):
+            value = data.get(name)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise UsageError(f"must be a string, got {value!r}", where=f"{where}.{name}")
+                kwargs[name] = value
+        tags = data.get("keep_tag")
+        if tags is not None:
+            if isinstance(tags, str):
+                tags = [tags]
+            if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
+                raise UsageError(f"must be a list of strings, got {tags!r}", where=f"{where}.keep_tag")
+            kwargs["keep_tag"] = tuple(tags)
+        try:
+            return cls(**kwargs)
+        except UsageError as exc:
+            raise UsageError(exc.message, where=f"{where}.{exc.where}" if exc.where else where) from None
+
+    @classmethod
+    def from_flags(cls, *, keep_last: int | None = None, keep_hourly: int | None = None,
+                   keep_daily: int | None = None, keep_weekly: int | None = None,
+                   keep_monthly: int | None = None, keep_within: str | None = None,
+                   keep_tag: Sequence[str] | None = None, keep_best: int | None = None,
+                   best_by: str | None = None) -> "RetentionPolicy":
+        """Build a policy from CLI flags (``None`` = flag not given)."""
+        return cls(keep_last=keep_last or 0, keep_hourly=keep_hourly or 0, keep_daily=keep_daily or 0,
+                   keep_weekly=keep_weekly or 0, keep_monthly=keep_monthly or 0, keep_within=keep_within or None,
+                   keep_tag=tuple(keep_tag or ()), keep_best=keep_best or 0, best_by=best_by or None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The policy as a JSON-ready dict holding only the rules that are on (round-trips :meth:`from_dict`)."""
+        out: dict[str, Any] = {}
+        for name in ("keep_last", "keep_hourly", "keep_daily", "keep_weekly", "keep_monthly"):
+            if getattr(self, name):
+                out[name] = getattr(self, name)
+        if self.keep_within:
+            out["keep_within"] = self.keep_within
+        if self.keep_tag:
+            out["keep_tag"] = list(self.keep_tag)
+        if self.keep_best:
+            out["keep_best"] = self.keep_best
+            out["best_by"] = self.best_by
+        return out
+
+    def is_empty(self) -> bool:
+        """True when no rule is on."""
+        return not self.to_dict()
+
+    def describe(self) -> str:
+        """One line for humans, e.g. ``keep last 3, daily 7, best 1 by val_loss:min``."""
+        parts = []
+        for name, word in (("keep_last", "last"), ("keep_hourly", "hourly"), ("keep_daily", "daily"),
+                           ("keep_weekly", "weekly"), ("keep_monthly", "monthly")):
+            if getattr(self, name):
+                parts.append(f"{word} {getattr(self, name)}")
+        if self.keep_within:
+            parts.append(f"within {self.keep_within} of the newest")
+        if self.keep_tag:
+            parts.append("tag " + " or ".join(self.keep_tag))
+        if self.keep_best:
+            parts.append(f"best {self.keep_best} by {self.best_by}")
+        return "keep " + ", ".join(parts) if parts else "(empty policy)"
+
+
+# --------------------------------------------------------------------------------------------------
+# decision
+@dataclass
+class Decision:
+    """The outcome of :func:`apply_policy`. Every list is newest first; every entry is
+    ``(generation number, reasons)``.
+
+    Attributes:
+        keep: usable generations that stay, with the rules that keep them.
+        remove: usable generations no rule keeps (``["matched no keep rule"]``).
+        not_usable: generations that are not usable: not counted, not removed by prune (gc's business).
+        policy: the policy applied.
+    """
+
+    keep: list[tuple[int, list[str]]]
+    remove: list[tuple[int, list[str]]]
+    not_usable: list[tuple[int, list[str]]]
+    policy: RetentionPolicy
+
+    @property
+    def keep_numbers(self) -> list[int]:
+        return [n for n, _ in self.keep]
+
+    @property
+    def remove_numbers(self) -> list[int]:
+        return [n for n, _ in self.remove]
+
+    def rows(self) -> list[tuple[int, str, list[str]]]:
+        """All generations newest first as ``(number, "keep"|"remove"|"not usable", reasons)``."""
+        rows = [(n, "keep", r) for n, r in self.keep] + [(n, "remove", r) for n, r in self.remove] + \
+               [(n, "not usable", r) for n, r in self.not_usable]
+        return sorted(rows, key=lambda row: -row[0])
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``policy``, ``keep``/``remove``/``not_usable`` as ``[{generation, reasons}]``."""
+        def entries(items):
+            return [{"generation": n, "reasons": list(r)} for n, r in items]
+
+        return {"policy": self.policy.to_dict(), "keep": entries(self.keep), "remove": entries(self.remove),
+                "not_usable": entries(self.not_usable)}
+
+
+def _utc(t: datetime | None) -> datetime | None:
+    if t is None:
+        return None
+    if t.tzinfo is None:
+        return t.replace(tzinfo=timezone.utc)
+    return t.astimezone(timezone.utc)
+
+
+def _bucket_hourly(t: datetime) -> str:
+    return t.strftime("%Y-%m-%d %Hh")
+
+
+def _bucket_daily(t: datetime) -> str:
+    return t.strftime("%Y-%m-%d")
+
+
+def _bucket_weekly(t: datetime) -> str:
+    year, week, _ = t.isocalendar()
+    return f"{year}-W{week:02d}"
+
+
+def _bucket_monthly(t: datetime) -> str:
+    return t.strftime("%Y-%m")
+
+
+_BUCKET_RULES = (
+    ("keep_hourly", "hourly", _bucket_hourly),
+    ("keep_daily", "daily", _bucket_daily),
+    ("keep_weekly", "weekly", _bucket_weekly),
+    ("keep_monthly", "monthly", _bucket_monthly),
+)
+
+
+def _has_tags(gen_tags: Iterable[str], spec: str) -> bool:
+    have = set(gen_tags)
+    return all(part.strip() in have for part in spec.split(","))
+
+
+def apply_policy(generations: Sequence[GenerationFacts], policy: RetentionPolicy | Mapping[str, Any],
+                 now: datetime | None = None) -> Decision:
+    """Decide which generations a retention policy keeps and which it removes, and why.
+
+    Pure: no I/O, no clock (``now`` is passed in). See the module docstring for the rules.
+
+    Args:
+        generations: every generation of the repository, any order, usable or not.
+        policy: a :class:`RetentionPolicy` or its dict form.
+        now: the time of the decision, timezone-aware (default: the current UTC time). Only used so
+            that a creation time in the future (clock skew) is not taken as ``keep_within``'s reference.
+
+    Returns:
+        A :class:`Decision`; every input generation appears in exactly one of its three lists.
+
+    Raises:
+        UsageError: the policy is empty or malformed; two generations share a number; or the rules
+            keep none of the usable generations (the policy would remove every generation).
+
+    Example:
+        >>> from datetime import datetime, timedelta, timezone
+        >>> t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+        >>> gens = [GenerationFacts(i, t0 + timedelta(hours=i), metrics={"val_loss": v})
+        ...         for i, v in zip(range(1, 6), [0.9, 0.5, 0.7, 0.8, 0.85])]
+        >>> d = apply_policy(gens, RetentionPolicy(keep_last=1, keep_best=1, best_by="val_loss:min"))
+        >>> d.keep_numbers, d.remove_numbers
+        ([5, 2], [4, 3, 1])
+    """
+    if not isinstance(policy, RetentionPolicy):
+        policy = RetentionPolicy.from_dict(policy)
+    if policy.is_empty():
+        raise UsageError("empty retention policy: give at least one of --keep-last, --keep-hourly, --keep-daily, "
+                         "--keep-weekly, --keep-monthly, --keep-within, --keep-tag, --keep-best")
+    now = _utc(now) or datetime.now(timezone.utc)
+    numbers = [g.number for g in generations]
+    if len(set(numbers)) != len(numbers):
+        dup = sorted({n for n in numbers if numbers.count(n) > 1})
+        raise UsageError(f"generation number(s) {dup} appear more than once")
+
+    ordered = sorted(generations, key=lambda g: -g.number)
+    usable = [g for g in ordered if g.usable]
+    not_usable = [(g.number, [NOT_USABLE_REASON.format(status=g.status or "not usable")])
+                  for g in ordered if not g.usable]
+    if not usable:
+        return Decision(keep=[], remove=[], not_usable=not_usable, policy=policy)
+
+    reasons: dict[int, list[str]] = {g.number: [] for g in usable}
+
+    # keep_last
+    for rank, g in enumerate(usable[:policy.keep_last], start=1):
+        reasons[g.number].append(f"last {rank} of {policy.keep_last}")
+
+    # calendar buckets (UTC), restic's walk: newest first, a new bucket value takes one count
+    timed = [(g, _utc(g.created)) for g in usable if g.created is not None]
+    for fname, word, bucket_of in _BUCKET_RULES:
+        count = getattr(policy, fname)
+        if not count:
+            continue
+        last_value = None
+        for idx, (g, t) in enumerate(timed):
+            if count <= 0:
+                break
+            value = bucket_of(t)
+            is_oldest = idx == len(timed) - 1
+            if value != last_value:
+                reasons[g.number].append(f"{word} {value}")
+                last_value = value
+                count -= 1
+            elif is_oldest:
+                # counts left at the oldest usable generation: keep it too (longest history, restic)
+                reasons[g.number].append(f"oldest {word} {value}")
+
+    # keep_within, counted back from the newest usable creation time that is not in the future
+    if policy.keep_within:
+        dur = parse_within(policy.keep_within)
+        past = [t for _, t in timed if t <= now]
+        if past:
+            reference = max(past)
+            cutoff = dur.before(reference)
+            for g, t in timed:
+                if cutoff < t:
+                    reasons[g.number].append(f"within {policy.keep_within} of newest ({reference:%Y-%m-%d %H:%M}Z)")
+
+    # keep_tag
+    for spec in policy.keep_tag:
+        for g in usable:
+            if _has_tags(g.tags, spec):
+                reasons[g.number].append(f"tag {spec}")
+
+    # keep_best
+    if policy.keep_best:
+        metric, direction = parse_best_by(policy.best_by or "")
+        scored = [(metric_value(g.metrics, metric), g) for g in usable]
+        scored = [(v, g) for v, g in scored if v is not None]
+        sign = 1.0 if direction == "min" else -1.0
+        scored.sort(key=lambda vg: (sign * vg[0], -vg[1].number))
+        for rank, (v, g) in enumerate(scored[:policy.keep_best], start=1):
+            reasons[g.number].append(f"best {rank} of {policy.keep_best} by {metric}:{direction} ({v:.6g})")
+
+    if not any(reasons[g.number] for g in usable):
+        raise UsageError(f"policy '{policy.describe()}' keeps none of the {len(usable)} usable generation(s); "
+                         "refusing a policy that would remove every generation (check tag and metric names)",
+                         where="retention")
+
+    newest = usable[0]
+    reasons[newest.number].insert(0, NEWEST_USABLE)
+
+    keep = [(g.number, reasons[g.number]) for g in usable if reasons[g.number]]
+    remove = [(g.number, [NO_RULE]) for g in usable if not reasons[g.number]]
+    return Decision(keep=keep, remove=remove, not_usable=not_usable, policy=policy)
+
+
+# --------------------------------------------------------------------------------------------------
+# never delete the only verified copy (I/O: reads the kept generations' stored members)
+@dataclass
+class KeptCheck:
+    """Whether a generation that a prune keeps verifies, established before anything is removed.
+
+    Attributes:
+        needed: False when the decision removes nothing (then nothing is read and nothing is refused).
+        verified: the kept generation that passed (the newest kept one that did), or ``None``.
+        trusted: True when ``verified`` was counted as verified without being read again (pack
+            verified and trial-reloaded it moments ago, under the same lock).
+        failed: kept generations newer than ``verified`` (or all of them when none passed) that
+            failed the check, newest first, each with one line per problem (member: reason).
+    """
+
+    needed: bool
+    verified: int | None = None
+    trusted: bool = False
+    failed: list[tuple[int, list[str]]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when removing is allowed: nothing to remove, or a kept generation verifies."""
+        return not self.needed or self.verified is not None
+
+    def warnings(self) -> list[str]:
+        """One line per kept generation that failed while an older kept one passed."""
+        if self.verified is None:
+            return []
+        return [f"kept generation {n} does not verify ({'; '.join(problems)}); generation {self.verified} is "
+                f"the newest kept generation that does" for n, problems in self.failed]
+
+    def describe(self) -> str:
+        """One line for humans: what the check found."""
+        if not self.needed:
+            return "nothing to remove: kept generations not checked"
+        if self.verified is None:
+            return ("no kept generation verifies: " +
+                    "; ".join(f"generation {n}: {', '.join(p)}" for n, p in self.failed))
+        how = "verified and trial-reloaded by this pack" if self.trusted else "verified (stored sizes + sha256)"
+        text = f"kept generation {self.verified} {how}"
+        if self.failed:
+            text += "; newer kept generation(s) " + ", ".join(str(n) for n, _ in self.failed) + " FAIL verify"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"needed", "ok", "verified_generation", "trusted", "failed": [{"generation", "problems"}]}``."""
+        return {"needed": self.needed, "ok": self.ok, "verified_generation": self.verified, "trusted": self.trusted,
+                "failed": [{"generation": n, "problems": list(p)} for n, p in self.failed]}
+
+
+def _verify_problems(repo: Any, number: int) -> list[str]:
+    """Shallow-verify one generation (stored sizes and sha256 of every member; ``ckpt_archive.verify``).
+
+    Returns one line per problem (``member: reason``); ``[]`` when it verifies. A generation that could
+    not be checked at all (unreadable, vanished) counts as failing, with the reason.
+    """
+    from ckpt_archive.ops import api as api
+
+    try:
+        report = api.verify(repo, str(number))
+    except (CkptArchiveError, OSError) as exc:
+        return [f"could not be verified: {exc}"]
+    lines = []
+    for p in report.problems:
+        where = p.member or p.field
+        lines.append(f"{where}: {p.reason}" if where else str(p.reason))
+    return lines
+
+
+def check_kept(repo: Any, decision: Decision, *, verified: Iterable[int] = ()) -> KeptCheck:
+    """Establish that a generation ``decision`` keeps verifies, before any of ``decision.remove`` goes.
+
+    Walks the kept (usable) generations newest first and stops at the first that passes a shallow
+    verify (every stored member's size and sha256, as ``ckpt-archive verify REPO@N``). A generation in
+    ``verified`` counts as passing without being read again: pack passes the generation it has just
+    verified and trial-reloaded under the same lock. Reads nothing when the decision removes nothing.
+
+    Args:
+        repo: an open :class:`ckpt_archive.repo.repository.Repository` (or its path/URL).
+        decision: from :func:`apply_policy` on this repository's generations.
+        verified: generation numbers known to verify right now (not re-read).
+
+    Returns:
+        A :class:`KeptCheck`; ``.ok`` is False when no kept generation verifies.
+    """
+    if not decision.remove:
+        return KeptCheck(needed=False)
+    trusted = {int(n) for n in verified}
+    failed: list[tuple[int, list[str]]] = []
+    for number in decision.keep_numbers:  # newest first
+        if number in trusted:
+            return KeptCheck(needed=True, verified=number, trusted=True, failed=failed)
+        problems = _verify_problems(repo, number)
+        if not problems:
+            return KeptCheck(needed=True, verified=number, failed=failed)
+        failed.append((number, problems))
+    return KeptCheck(needed=True, verified=None, failed=failed)
+
+
+def refuse_unless_verified(check: KeptCheck, decision: Decision, where: str | None = None) -> None:
+    """Raise when removing ``decision.remove`` could delete the only intact generations.
+
+    Raises:
+        IntegrityError: ``check`` found no kept generation that verifies (exit 1); the message names
+            each kept generation and what failed, and says nothing was removed.
+    """
+    if check.ok:
+        return
+    removing = ", ".join(str(n) for n in sorted(decision.remove_numbers))
+    failures = "; ".join(f"generation {n}: {', '.join(p)}" for n, p in check.failed)
+    raise IntegrityError(
+        f"refusing to prune: none of the kept generation(s) {', '.join(map(str, decision.keep_numbers))} verifies "
+        f"({failures}); removing {removing} could delete the only intact copies, so nothing was removed",
+        where=where,
+        hint="keep an older generation that verifies (e.g. a larger --keep-last), or find one with "
+             "`ckpt-archive verify REPO@N` and `forget` the damaged one first")
+
+
+# --------------------------------------------------------------------------------------------------
+# the hook pack calls (I/O lives here, not in apply_policy)
+def apply_after_pack(repo: Any, policy: RetentionPolicy | Mapping[str, Any] | None, *,
+                     now: datetime | None = None, verified: Iterable[int] = ()) -> dict[str, Any]:
+    """Apply a retention policy right after ``pack`` made a new generation usable.
+
+    The caller (``api.pack``) already holds the repository lock. ``policy=None`` uses the
+    repository's default policy (``repository.json`` ``retention``); no policy there means nothing
+    is removed. A policy the repository refuses (see :func:`apply_policy`) never fails the pack: it
+    comes back as a warning. Nothing is removed unless a kept generation verifies (:func:`check_kept`);
+    otherwise that comes back as a warning too.
+
+    Args:
+        repo: an open :class:`ckpt_archive.repo.repository.Repository` (lock held).
+        policy: the policy for this pack, or ``None``.
+        now: the decision time (default: now, UTC).
+        verified: generation numbers that passed verify and trial reload moments ago under this lock
+            (the one pack just published): counted as verified without being read again. Without it
+            the newest kept generation is read (shallow verify) before anything is removed.
+
+    Returns:
+        ``{"policy": dict, "kept": [numbers], "removed": [numbers], "warnings": [str],
+        "verify_kept": dict}`` (``verify_kept``: :meth:`KeptCheck.to_json`, absent when no policy ran).
+    """
+    if policy is None:
+        cfg = getattr(repo, "config", None) or {}
+        policy = cfg.get("retention") if isinstance(cfg, Mapping) else None
+    try:
+        pol = RetentionPolicy.from_dict(policy)
+    except UsageError as exc:
+        return {"policy": None, "kept": [], "removed": [], "warnings": [f"retention not applied: {exc}"]}
+    if pol.is_empty():
+        return {"policy": {}, "kept": [], "removed": [], "warnings": []}
+    try:
+        decision = apply_policy([GenerationFacts.from_generation(g) for g in repo.generations()], pol, now)
+    except UsageError as exc:
+        return {"policy": pol.to_dict(), "kept": [], "removed": [], "warnings": [f"retention not applied: {exc}"]}
+    removed: list[int] = []
+    warnings: list[str] = []
+    check = check_kept(repo, decision, verified=verified)
+    warnings += check.warnings()
+    try:
+        execute_prune(repo, decision, removed=removed, check=check)
+    except IntegrityError as exc:
+        warnings.append(f"retention not applied, nothing removed: {exc.message}")
+    except (CkptArchiveError, OSError) as exc:
+        # the new generation is usable already; a failed removal leaves at worst a partial one for gc
+        warnings.append(f"retention stopped after removing {removed or 'nothing'}: {exc}; the new generation is "
+                        "usable, run `ckpt-archive gc` to remove any half-removed generation")
+    return {"policy": pol.to_dict(), "kept": decision.keep_numbers, "removed": removed, "warnings": warnings,
+            "verify_kept": check.to_json()}
+
+
+def execute_prune(repo: Any, decision: Decision, *, removed: list[int] | None = None,
+                  check: KeptCheck | None = None, verified: Iterable[int] = ()) -> list[int]:
+    """Remove the generations ``decision.remove`` names, oldest first; the caller holds the lock.
+
+    Nothing is removed unless a generation the decision keeps verifies: ``check`` (from
+    :func:`check_kept`), or, when not given, a fresh :func:`check_kept` run here (``verified``: numbers
+    that count as verified without being read). Each removal goes through ``repo.remove_generation``
+    (marker first, then members, then manifest, then the folder), so a kill part-way leaves the
+    half-removed generation without its marker, i.e. recognisably not usable, and every kept
+    generation untouched. The newest usable generation is checked once more here and never removed,
+    whatever the decision says.
+
+    Args:
+        repo: an open repository whose lock the caller holds.
+        decision: from :func:`apply_policy` on this repository's generations.
+        removed: a list to append each removed number to as it goes (so a caller sees the progress
+            even when a removal fails part-way).
+        check: the kept-generation check already made for this decision under the same lock.
+        verified: with ``check=None``: generation numbers known to verify right now.
+
+    Returns:
+        The numbers removed, in the order removed.
+
+    Raises:
+        IntegrityError: no kept generation verifies; nothing was removed (exit 1).
+        OSError, StoreError: a removal failed; earlier removals stand, the failed generation is left
+        without its marker (``partial``) or untouched.
+    """
+    if check is None:
+        check = check_kept(repo, decision, verified=verified)
+    refuse_unless_verified(check, decision, where=getattr(repo, "location", None))
+    usable = [g.number for g in repo.generations() if getattr(g, "status", None) == "usable"]
+    newest = max(usable) if usable else None
+    if removed is None:
+        removed = []
+    for number in sorted(decision.remove_numbers):
+        if number == newest:  # defence in depth: apply_policy never puts it there
+            continue
+        repo.remove_generation(number)
+        removed.append(number)
+    return removed
