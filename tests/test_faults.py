@@ -125,16 +125,13 @@ def run_in_process(case, template, repo: Path) -> tuple[int, str, str]:
     """ENOSPC / EROFS are exceptions: the same CLI code path runs in-process (Typer's CliRunner)."""
     from typer.testing import CliRunner
 
-    from ckpt_archive.store import faults as faults
     from ckpt_archive.cli.app import app
 
     saved = os.environ.get("CKPT_ARCHIVE_INJECT")
     os.environ["CKPT_ARCHIVE_INJECT"] = f"{case[1]}={case[2]}"
-    faults._counts.clear()
     try:
         res = CliRunner().invoke(app, [str(a) for a in case_args(case, template[1], repo)])
     finally:
-        faults._counts.clear()
         if saved is None:
             os.environ.pop("CKPT_ARCHIVE_INJECT", None)
         else:

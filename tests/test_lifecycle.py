@@ -40,9 +40,6 @@ def test_a_failure_at_any_step_leaves_earlier_generations_and_no_usable_partial(
     r = tmp_path / "repo"
     ckpt_archive.pack(state(1), r)
     monkeypatch.setenv("CKPT_ARCHIVE_INJECT", f"{point}=raise")
-    from ckpt_archive.store import faults as faults
-
-    faults._counts.clear()
     with pytest.raises(RuntimeError, match=point):
         ckpt_archive.pack(state(2), r)
     monkeypatch.delenv("CKPT_ARCHIVE_INJECT")
@@ -59,9 +56,6 @@ def test_disk_full_during_write_is_exit_2_with_the_step_named(tmp_path, monkeypa
     r = tmp_path / "repo"
     ckpt_archive.pack(state(1), r)
     monkeypatch.setenv("CKPT_ARCHIVE_INJECT", "after-members=enospc")
-    from ckpt_archive.store import faults as faults
-
-    faults._counts.clear()
     with pytest.raises(StoreError, match="disk full") as exc:
         ckpt_archive.pack(state(2), r)
     assert "write members" in str(exc.value) and exc.value.exit_code == 2

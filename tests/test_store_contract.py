@@ -37,7 +37,8 @@ def store(request, tmp_path):
 
 
 def test_open_store_dispatches_urls_to_fsspec_and_paths_to_local(tmp_path, s3_url):
-    from ckpt_archive.store.local import LocalStore, open_store
+    from ckpt_archive.store.base import open_store
+    from ckpt_archive.store.local import LocalStore
     from ckpt_archive.store.fsspec_store import FsspecStore
 
     assert isinstance(open_store(tmp_path / "r"), LocalStore)
@@ -150,6 +151,25 @@ def test_fsync_dir_is_accepted(store):
     store.write_bytes_once("d/x", b"1")
     store.fsync_dir("d")
     store.fsync_dir("")
+
+
+def test_store_says_where_it_locks_its_free_space_and_its_local_path(store, tmp_path):
+    """Callers must not branch on the kind of store: what they need (a lock file, free space, a local
+    path to refuse writing into) comes from the protocol, the same way for every store."""
+    from ckpt_archive.store.local import LocalStore
+
+    lock = store.lock_file()
+    assert lock.name.endswith(".lock")
+    assert lock.parent.is_dir() or isinstance(store, LocalStore)
+    free = store.free_bytes()
+    assert free is None or (isinstance(free, int) and free > 0)
+    local = store.local_path("g/x")
+    if isinstance(store, LocalStore):
+        assert local == tmp_path / "store" / "g" / "x" and lock == tmp_path / "store" / ".lock"
+        assert isinstance(free, int)
+    else:
+        assert local is None and free is None
+        assert lock == _twin(store).lock_file()  # one lock per URL, whatever the instance
 
 
 def _twin(store):

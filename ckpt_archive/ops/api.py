@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 from ckpt_archive import __version__
 
-from ckpt_archive.store import faults as faults
 from ckpt_archive.repo.archive import ArchiveReader, Problem, write_members
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from ckpt_archive.errors import (CkptArchiveError, InsufficientSpace, IntegrityError, NoUsableGeneration, OutputExists,
@@ -178,12 +177,12 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
                      if g.status in ("partial", "damaged")]
         number = r.claim_next()
         key = gen_key(number)
-        faults.point("claim")
+        r.faults.point("claim")
         step = "write members"
         try:
             body = write_members(r.store, key, source, data_ids=ids_v, level=level or DEFAULT_LEVEL, jobs=jobs,
                                  chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=on_bytes,
-                                 encoded=encoded)
+                                 encoded=encoded, faults=r.faults)
             warnings = body.pop("warnings")
             from ckpt_archive.format.state_tree import encode_value
 
@@ -203,7 +202,7 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
             raw = dumps(manifest)
             r.store.write_bytes_once(f"{key}/{MANIFEST}", raw)
             r.store.fsync_dir(key)
-            faults.point("after-seal")
+            r.faults.point("after-seal")
             step = "verify"
             reader = ArchiveReader(r.store, key, manifest, jobs=jobs)
             problems: list[Problem] = []
@@ -211,11 +210,11 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
             reader.check_stored(problems, hash_files=False)
             raise_if_problems("verify", problems, number)
             verified = {"when": iso(utcnow()), "result": "ok", "members": len(manifest["members"])}
-            faults.point("after-verify")
+            r.faults.point("after-verify")
             step = "trial reload"
             stats = reader.trial_reload(problems)
             raise_if_problems("trial reload", problems, number)
-            faults.point("after-trial-reload")
+            r.faults.point("after-trial-reload")
             step = "publish"
             trial = {**host_record(r.location), "result": "ok", **stats}
             r.write_marker(number, sha256_hex(raw), manifest["archive_id"], {"verified": verified, "trial_reload": trial})
@@ -233,10 +232,10 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
         # warnings, never "left partial".
         retention_result = None
         try:
-            faults.point("after-publish")
+            r.faults.point("after-publish")
             policy = retention if retention is not None else r.config.get("retention")
             if policy:
-                faults.point("retention")
+                r.faults.point("retention")
                 from ckpt_archive.retention import policy as _retention
 
                 retention_result = _retention.apply_after_pack(r, policy, verified=(number,))
@@ -349,7 +348,8 @@ def verify(repo, generation: str | int = "latest", *, deep: bool = False, jobs: 
     report = VerifyReport(not problems, gen.number, gen.status, deep, problems, stats=stats)
     if not problems and deep and gen.status == "copied":
         trial = {**host_record(r.location), "result": "ok", **(stats or {})}
-        r.write_marker(gen.number, gen.manifest_sha256, gen.manifest["archive_id"],
+        with r.lock():
+          r.write_marker(gen.number, gen.manifest_sha256, gen.manifest["archive_id"],
                        {"verified": {"when": iso(utcnow()), "result": "ok"}, "trial_reload": trial,
                         "copied_from": (gen.marker or {}).get("location")})
         report.marked_usable = True
@@ -544,9 +544,9 @@ def restore(repo, generation: str | int = "latest", output: str | os.PathLike | 
         _remove(old)
     else:
         os.replace(tmp, out)
-    from ckpt_archive.store.local import _fsync_dir
+    from ckpt_archive.store.local import fsync_directory
 
-    _fsync_dir(out.parent)
+    fsync_directory(out.parent)
     result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only)
     if consolidate is not None:
         from ckpt_archive.sources.dcp import consolidate_dcp
@@ -564,8 +564,9 @@ def _check_output_target(out: Path, r: Repository, *, writes_folder: bool) -> No
         UsageError (exit 2): naming the output and why; nothing is written.
     """
     real = Path(os.path.realpath(out))
-    if getattr(r.store, "is_local", False):
-        repo_root = Path(os.path.realpath(r.store.location))
+    local_root = r.store.local_path("")
+    if local_root is not None:
+        repo_root = Path(os.path.realpath(local_root))
         if real == repo_root or repo_root in real.parents or real in repo_root.parents:
             raise UsageError("refusing to restore over or inside the repository being restored from "
                              f"({repo_root}); choose an output outside it", where=str(out))

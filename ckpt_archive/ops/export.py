@@ -29,7 +29,6 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
-from ckpt_archive.store import faults as faults
 from ckpt_archive.errors import IntegrityError, NoUsableGeneration, NotFound, OutputExists, UsageError
 
 COPY_PIECE_BYTES = 8 << 20
@@ -190,15 +189,16 @@ def _check_destination(src, dest) -> None:
     import os
     from pathlib import Path
 
-    from ckpt_archive.store.local import has_scheme
+    from ckpt_archive.store.base import has_scheme
 
     text = os.fspath(dest).strip() if dest is not None else ""
     if not text:
         raise UsageError("empty destination: give a folder or a URL such as s3://bucket/prefix")
-    if has_scheme(text) or not getattr(src.store, "is_local", False):
+    local_root = src.store.local_path("")
+    if has_scheme(text) or local_root is None:
         return
     real = Path(os.path.realpath(Path(text).expanduser()))
-    root = Path(os.path.realpath(src.store.location))
+    root = Path(os.path.realpath(local_root))
     if real == root or root in real.parents or real in root.parents:
         raise UsageError(f"the destination must lie outside the source repository ({root})", where=text)
 
@@ -312,12 +312,12 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
     # -- 1. claim, 2. manifest first (identifies our partial copy by archive id) ---------------------------
     if CLAIM not in names:
         dst.store.claim(f"{key}/{CLAIM}")
-    faults.point("export-claim")
+    dst.faults.point("export-claim")
     if MANIFEST not in names:
         dst.store.write_bytes_once(f"{key}/{MANIFEST}", raw_manifest)
     out.members.append({"key": f"{key}/{MANIFEST}", "member": None, "bytes": len(raw_manifest),
                         "sha256": manifest_sha, "action": "present" if MANIFEST in names else "copied"})
-    faults.point("export-after-manifest")
+    dst.faults.point("export-after-manifest")
 
     # -- 3. members: copy write-once, re-read from DEST (size, sha256 per chunk and whole) -----------------
     for rec in manifest["members"]:
@@ -331,9 +331,9 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
                 dst.store.remove(mkey)  # a damaged piece of our own partial copy (no marker): redo it
                 action = "replaced"
         if action != "present":
-            _copy_member(src.store, dst.store, mkey, rec, on_bytes)
+            _copy_member(src.store, dst.store, mkey, rec, on_bytes, dst.faults)
             out.bytes_copied += rec["stored_bytes"]
-            faults.point("export-after-member")
+            dst.faults.point("export-after-member")
         bad = _check_at(dst.store, mkey, rec)
         out.checks.append(Check("size and sha256 re-read from destination (every chunk and whole)", bad is None,
                                 bad or f"{rec['stored_bytes']} bytes, {len(rec.get('chunks', []))} chunk(s)",
@@ -343,10 +343,9 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
                                  f"{number} stays partial there", where=rec["path"])
         out.members.append({"key": mkey, "member": rec["path"], "bytes": rec["stored_bytes"],
                             "sha256": rec["stored_sha256"], "action": action})
-    if getattr(dst.store, "is_local", False):
-        dst.store.fsync_dir(key)  # the members' and manifest's directory entries are durable too
-    faults.point("export-after-members")
-    faults.point("export-after-verify")
+    dst.store.fsync_dir(key)  # the members' and manifest's directory entries are durable too
+    dst.faults.point("export-after-members")
+    dst.faults.point("export-after-verify")
     verified = {"when": _now(), "result": "ok", "members": len(manifest["members"]),
                 "where": dst.location, "how": "size and sha256 of every chunk and member re-read from here"}
 
@@ -358,7 +357,7 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
                             f"{counts['tensors']} tensor(s), {counts['bytes']} raw bytes decoded" if not problems
                             else "; ".join(f"{p.member or p.field}: {p.reason}" for p in problems[:5])))
     raise_if_problems(f"trial reload at {dst.location}", problems, number)
-    faults.point("export-after-trial-reload")
+    dst.faults.point("export-after-trial-reload")
 
     # -- 5. marker last, naming DEST -------------------------------------------------------------------------
     record = {"verified": verified,
@@ -366,7 +365,7 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
                                "bytes": counts["bytes"]},
               "exported_from": {"location": src.location, "generation": number, "when": _now()}}
     marker = dst.write_marker(number, manifest_sha, out.archive_id, record)
-    faults.point("export-after-publish")
+    dst.faults.point("export-after-publish")
     raw_marker = dst.store.read_bytes(f"{key}/{MARKER}")
     out.members.append({"key": f"{key}/{MARKER}", "member": None, "bytes": len(raw_marker),
                         "sha256": hashlib.sha256(raw_marker).hexdigest(), "action": "written"})
@@ -420,7 +419,7 @@ def _archive_id_of(raw: bytes) -> str | None:
     return doc.get("archive_id") if isinstance(doc, dict) else None
 
 
-def _copy_member(src_store, dst_store, key: str, rec: dict, on_bytes) -> None:
+def _copy_member(src_store, dst_store, key: str, rec: dict, on_bytes, faults) -> None:
     """Stream one stored member from the source to DEST (write-once), checking the source's bytes on the
     way: a source that does not match its manifest aborts the write, so no bad copy is committed."""
     h = hashlib.sha256()

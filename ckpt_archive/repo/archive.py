@@ -15,7 +15,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-from ckpt_archive.store import faults as faults
+from ckpt_archive.store.faults import NO_FAULTS, Faults
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, MemberWriter, chunks_match, default_jobs, iter_decoded
 from ckpt_archive.errors import CkptArchiveError, FormatError, IntegrityError, NotFound
 from ckpt_archive.format.state_tree import FLOAT_ST, TensorTable, decode, encode, torch_dtype
@@ -50,8 +50,10 @@ def stored_name(path: str) -> str:
 # writing
 # ------------------------------------------------------------------------------------------------
 class _Writer:
-    def __init__(self, store, gen_key: str, *, level: int, jobs: int, chunk_bytes: int, on_bytes):
+    def __init__(self, store, gen_key: str, *, level: int, jobs: int, chunk_bytes: int, on_bytes,
+                 faults: Faults = NO_FAULTS):
         self.store = store
+        self.faults = faults
         self.gen_key = gen_key
         self.level = level
         self.jobs = jobs
@@ -70,7 +72,7 @@ class _Writer:
                 for i, (data, hint) in enumerate(pieces):
                     w.add(data, hint)
                     if i == 1:
-                        faults.point("member-write")
+                        self.faults.point("member-write")
                 rec = w.finish()
             except BaseException:
                 w.abort()
@@ -102,7 +104,8 @@ def _file_pieces(path, hasher_out: list):
 
 def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: int = DEFAULT_LEVEL,
                   jobs: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  on_bytes: Callable[[int], None] | None = None, encoded: tuple | None = None) -> dict:
+                  on_bytes: Callable[[int], None] | None = None, encoded: tuple | None = None,
+                  faults: Faults = NO_FAULTS) -> dict:
     """Write every member of a generation from a :class:`~ckpt_archive.sources.SourceCheckpoint`.
 
     ``encoded`` is ``state_tree.encode(source.state)`` when the caller already encoded it (pack does,
@@ -115,6 +118,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         data_ids: optional data identity (any strict-JSON value) stored as member ``data-ids.json``.
         level: zstandard level; jobs: encoder threads; chunk_bytes: raw bytes per chunk.
         on_bytes: progress callback (raw bytes).
+        faults: the repository's fault-injection hook (points ``member-write``, ``after-members``).
 
     Returns:
         the manifest's archive part: ``members``, ``tensors``, ``tree_member``, ``source``, ``data``,
@@ -125,7 +129,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
     """
     jobs = jobs or default_jobs()
     tree, table = encoded if encoded is not None else encode(source.state)
-    w = _Writer(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes)
+    w = _Writer(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes, faults=faults)
     try:
         tensors = _write_tensors(w, table)
         files_meta = []

@@ -21,11 +21,11 @@ from typing import Any, Iterator
 
 from ckpt_archive import __version__
 
-from ckpt_archive.store import faults as faults
 from ckpt_archive.errors import (CheckFailed, CkptArchiveError, IntegrityError, LockError, ManifestInvalid, NewerFormatError,
                      NoUsableGeneration, NotFound, StoreError, UsageError)
 from ckpt_archive.format.manifest import parse as parse_manifest
-from ckpt_archive.store.local import Store, open_store
+from ckpt_archive.store.base import Store, open_store
+from ckpt_archive.store.faults import NO_FAULTS, Faults
 
 REPO_FILE = "repository.json"
 GEN_DIR = "generations"
@@ -122,16 +122,35 @@ class Generation:
 
 
 class Repository:
-    """A repository of generations at a local path or URL. Open with :meth:`open`."""
+    """A repository of generations at a local path or URL. Open with :meth:`open`.
 
-    def __init__(self, store: Store, config: dict):
+    Args:
+        store: where its bytes live.
+        config: the parsed ``repository.json``.
+        faults: the fault-injection hook the lifecycle calls at each step (:data:`NO_FAULTS`: none).
+    """
+
+    def __init__(self, store: Store, config: dict, faults: Faults = NO_FAULTS):
         self.store = store
         self.config = config
+        self.faults = faults
+        self._lock_depth = 0
 
     # -- opening -------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, url: str | os.PathLike, *, create: bool = False, **store_options) -> "Repository":
+    def open(cls, url: str | os.PathLike, *, create: bool = False, faults: Faults | None = None,
+             **store_options) -> "Repository":
         """Open (or with ``create=True``, create) a repository.
+
+        Args:
+            url: a local path or a URL (``s3://bucket/prefix``).
+            create: create ``repository.json`` when absent.
+            faults: the fault-injection hook; ``None`` reads the plan from ``CKPT_ARCHIVE_INJECT`` (once,
+                here: this is the entry point every operation opens a repository through).
+            **store_options: for URL stores (``endpoint_url=``, ``storage_options=``).
+
+        Returns:
+            the open :class:`Repository`.
 
         Raises:
             NotFound: no ``repository.json`` there and ``create`` is false.
@@ -139,8 +158,10 @@ class Repository:
             StoreError: the store refused access.
         """
         store = open_store(url, **store_options)
+        if faults is None:
+            faults = Faults.from_env()
         if store.exists(REPO_FILE):
-            return cls(store, cls._read_config(store))
+            return cls(store, cls._read_config(store), faults)
         if not create:
             if store.exists(GEN_DIR):
                 raise NotFound("repository.json is missing (a damaged or foreign repository?)", where=store.location)
@@ -151,7 +172,7 @@ class Repository:
             store.write_bytes_once(REPO_FILE, (json.dumps(config, indent=1) + "\n").encode())
         except StoreError:
             pass  # created concurrently by another writer: read theirs
-        return cls(store, cls._read_config(store))
+        return cls(store, cls._read_config(store), faults)
 
     @staticmethod
     def _read_config(store: Store) -> dict:
@@ -264,12 +285,14 @@ class Repository:
     # -- writer lock -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def lock(self, wait: float = 0) -> Iterator[None]:
-        """Hold the repository's single-writer lock.
+        """Hold the repository's single-writer lock (re-entrant for this object).
 
-        Local repositories lock ``REPO/.lock`` (filelock: an OS lock the kernel releases when the holder
+        The store says which file to lock (:meth:`~ckpt_archive.store.base.Store.lock_file`): local
+        repositories lock ``REPO/.lock`` (filelock: an OS lock the kernel releases when the holder
         dies, so a killed writer never leaves a lock behind); remote ones lock a file in the user's
         cache keyed by the URL (one writer per machine). The holder's pid/host/time are written to
-        ``.lock.owner`` to say who holds it.
+        ``.lock.owner`` to say who holds it. Entered again while this object holds it (the publish
+        lifecycle inside ``pack``'s lock), it just holds on.
 
         Args:
             wait: seconds to wait for another writer (0: fail at once).
@@ -279,12 +302,14 @@ class Repository:
         """
         import filelock
 
-        if getattr(self.store, "is_local", False):
-            lock_path = Path(self.store.location) / ".lock"
-        else:
-            cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckpt-archive" / "locks"
-            cache.mkdir(parents=True, exist_ok=True)
-            lock_path = cache / (hashlib.sha256(self.location.encode()).hexdigest()[:24] + ".lock")
+        if self._lock_depth:
+            self._lock_depth += 1
+            try:
+                yield
+            finally:
+                self._lock_depth -= 1
+            return
+        lock_path = self.store.lock_file()
         owner_path = lock_path.with_name(lock_path.name + ".owner")
         lock = filelock.FileLock(str(lock_path))
         try:
@@ -308,8 +333,10 @@ class Repository:
                                                   "since": iso(utcnow())}))
             except OSError:
                 pass
+            self._lock_depth = 1
             yield
         finally:
+            self._lock_depth = 0
             try:
                 owner_path.unlink()
             except OSError:
@@ -337,11 +364,23 @@ class Repository:
             n += 1
         raise StoreError("could not claim a generation number", where=self.location)
 
+    @property
+    def locked(self) -> bool:
+        """True while this object holds the writer lock."""
+        return self._lock_depth > 0
+
     def write_marker(self, number: int, manifest_sha256: str, archive_id: str, record: dict) -> dict:
-        """Publish: write ``USABLE.json`` (the commit point)."""
+        """Publish: write ``USABLE.json`` (the commit point). Only :mod:`ckpt_archive.repo.publish`
+        calls this, with the lock held.
+
+        Raises:
+            RuntimeError: the lock is not held (a programming error: the marker is written under the lock).
+        """
+        if not self.locked:
+            raise RuntimeError("write_marker needs the repository lock (use ckpt_archive.repo.publish)")
         marker = {"manifest_sha256": manifest_sha256, "archive_id": archive_id, "generation": number,
                   "location": self.location, **record}
-        faults.point("publish")
+        self.faults.point("publish")
         self.store.replace_bytes(f"{gen_key(number)}/{MARKER}", (json.dumps(marker, indent=1) + "\n").encode())
         return marker
 
@@ -352,16 +391,15 @@ class Repository:
         A crash part-way leaves a ``partial`` generation, never a usable one with missing members.
         """
         key = gen_key(number)
-        faults.point("prune-before-marker-removal")
+        self.faults.point("prune-before-marker-removal")
         self.store.remove(f"{key}/{MARKER}")
-        if getattr(self.store, "is_local", False):
-            self.store.fsync_dir(key)
-        faults.point("prune-after-marker-removal")
+        self.store.fsync_dir(key)  # durable where that means anything (a no-op on object stores)
+        self.faults.point("prune-after-marker-removal")
         names = [n for n in self.store.listdir(key) if n not in (MANIFEST, CLAIM)]
         for i, name in enumerate(sorted(names)):
             self.store.remove_prefix(f"{key}/{name}")
             if i == 0:
-                faults.point("prune-mid-delete")
+                self.faults.point("prune-mid-delete")
         self.store.remove(f"{key}/{MANIFEST}")
         self.store.remove(f"{key}/{CLAIM}")
         self.store.remove_prefix(key)

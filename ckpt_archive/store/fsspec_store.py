@@ -1,4 +1,4 @@
-"""A :class:`~ckpt_archive.store.local.Store` over any fsspec URL (``s3://bucket/prefix`` through s3fs, and
+"""A :class:`~ckpt_archive.store.base.Store` over any fsspec URL (``s3://bucket/prefix`` through s3fs, and
 whatever else fsspec offers), with the same publish protocol as a local folder.
 
 Object stores have no atomic rename, so nothing here renames: members are *write-once* objects, the
@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import os
 import posixpath
+from pathlib import Path
 from typing import IO, Iterator
 
 from ckpt_archive.errors import CkptArchiveError, NotFound, StoreError
@@ -58,7 +61,7 @@ class FsspecStore:
         b'hi'
     """
 
-    is_local = False
+    is_local = False  # informational; callers use local_path() / lock_file(), never this flag
 
     def __init__(self, url: str, *, endpoint_url: str | None = None, storage_options: dict | None = None):
         import fsspec
@@ -258,6 +261,21 @@ class FsspecStore:
 
     def fsync_dir(self, key: str = "") -> None:
         """No-op: an object store's PUT is durable once it returns."""
+
+    def free_bytes(self) -> int | None:
+        """``None``: an object store does not say how much room is left."""
+        return None
+
+    def local_path(self, key: str = "") -> None:
+        """``None``: not a local folder."""
+        return None
+
+    def lock_file(self) -> Path:
+        """A file in the user's cache keyed by the URL (``~/.cache/ckpt-archive/locks``): one writer per
+        machine (an object store offers no lock the kernel would release for a killed writer)."""
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckpt-archive" / "locks"
+        cache.mkdir(parents=True, exist_ok=True)
+        return cache / (hashlib.sha256(self.location.encode()).hexdigest()[:24] + ".lock")
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.location!r})"

@@ -1,11 +1,8 @@
-"""Stores: where a repository's bytes live. One interface, every store passes one contract test suite.
+"""A local (or mounted) folder as a :class:`~ckpt_archive.store.base.Store`.
 
-Keys are POSIX paths relative to the store root (``generations/00000001/manifest.json``). Members
-are write-once (exclusive create); the marker is the commit (object stores have no atomic rename),
-so :meth:`Store.replace_bytes` is used only for the marker and ``repository.json``.
-
-:class:`LocalStore` also fsyncs every file it writes and the folders it changes. URLs with a scheme
-(``s3://bucket/prefix``, ``memory://...``) go to :mod:`ckpt_archive.store.fsspec_store`.
+:class:`LocalStore` fsyncs every file it writes and the folders it changes; its writer lock is
+``REPO/.lock``. The protocol, :func:`~ckpt_archive.store.base.open_store` and
+:func:`~ckpt_archive.store.base.has_scheme` live in :mod:`ckpt_archive.store.base` (re-exported here).
 """
 from __future__ import annotations
 
@@ -13,32 +10,21 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import BinaryIO, Iterator, Protocol
+from typing import BinaryIO, Iterator
 
 from ckpt_archive.errors import NotFound, StoreError
+from ckpt_archive.store.base import Store, has_scheme, open_store  # noqa: F401  (re-exported)
 
 
-class Store(Protocol):
-    """What every store offers (see module docstring)."""
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Make a local folder's entries (files created, renamed or removed in it) durable.
 
-    location: str
-    is_local: bool
+    Best effort: a folder that cannot be opened (absent, or a platform without directory fsync) is
+    skipped silently, as there is nothing more to make durable.
 
-    def exists(self, key: str) -> bool: ...
-    def listdir(self, key: str) -> list[str]: ...
-    def size(self, key: str) -> int: ...
-    def open_read(self, key: str) -> BinaryIO: ...
-    def read_bytes(self, key: str) -> bytes: ...
-    def write_once(self, key: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
-    def write_bytes_once(self, key: str, data: bytes) -> None: ...
-    def replace_bytes(self, key: str, data: bytes) -> None: ...
-    def remove(self, key: str) -> None: ...
-    def remove_prefix(self, key: str) -> None: ...
-    def claim(self, key: str) -> bool: ...
-    def fsync_dir(self, key: str) -> None: ...
-
-
-def _fsync_dir(path: Path) -> None:
+    Args:
+        path: the folder.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
@@ -58,7 +44,7 @@ class LocalStore:
         root: the repository folder; need not exist yet (writes create parents).
     """
 
-    is_local = True
+    is_local = True  # informational; callers use local_path() / lock_file(), never this flag
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).expanduser().absolute()
@@ -121,7 +107,7 @@ class LocalStore:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, p)
-        _fsync_dir(p.parent)
+        fsync_directory(p.parent)
 
     def remove(self, key: str) -> None:
         try:
@@ -135,7 +121,7 @@ class LocalStore:
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
-        _fsync_dir(p.parent)
+        fsync_directory(p.parent)
 
     def claim(self, key: str) -> bool:
         p = self.path(key)
@@ -146,43 +132,30 @@ class LocalStore:
             return False
         os.fsync(fd)
         os.close(fd)
-        _fsync_dir(p.parent)
-        _fsync_dir(p.parent.parent)
+        fsync_directory(p.parent)
+        fsync_directory(p.parent.parent)
         return True
 
     def fsync_dir(self, key: str) -> None:
-        _fsync_dir(self.path(key))
+        fsync_directory(self.path(key))
 
     def free_bytes(self) -> int | None:
+        """Free bytes on the file system holding the folder (its nearest existing parent)."""
         p = self.root
         while not p.exists() and p != p.parent:
             p = p.parent
         return shutil.disk_usage(p).free
 
+    def local_path(self, key: str = "") -> Path:
+        """The file system path of ``key`` (the root for ``""``)."""
+        return self.path(key)
 
-def has_scheme(url: str) -> bool:
-    """True for ``s3://...`` style URLs (a Windows drive letter ``C:\\`` is not a scheme)."""
-    head, sep, _ = str(url).partition("://")
-    return bool(sep) and len(head) > 1 and head.replace("+", "").replace("-", "").isalnum()
+    def lock_file(self) -> Path:
+        """``REPO/.lock``: an OS lock the kernel releases when the holder dies."""
+        return self.root / ".lock"
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.location!r})"
 
 
-def open_store(url: str | os.PathLike, **options) -> Store:
-    """Open the store for a path or URL.
-
-    Args:
-        url: a local path (``str`` or path-like) or a URL with a scheme (``s3://bucket/prefix``).
-        **options: for URL stores, e.g. ``endpoint_url=``, ``storage_options=``.
-
-    Raises:
-        StoreError: a URL scheme without an fsspec implementation installed (e.g. s3 without s3fs).
-    """
-    text = os.fspath(url)
-    if text.startswith("file://"):
-        return LocalStore(text[len("file://"):])
-    if has_scheme(text):
-        try:
-            from ckpt_archive.store.fsspec_store import FsspecStore
-        except ModuleNotFoundError as exc:
-            raise StoreError(f"remote stores need the fsspec backend ({exc.name} is missing)", where=text) from None
-        return FsspecStore(text, **options)
-    return LocalStore(text)
+__all__ = ["LocalStore", "fsync_directory", "Store", "has_scheme", "open_store"]
