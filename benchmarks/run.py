@@ -89,7 +89,7 @@ def worker(op: str, a: argparse.Namespace) -> dict:
         import zstandard  # noqa: F401
 
         import ckpt_archive.ops.api  # noqa: F401
-        import ckpt_archive.repo.archive  # noqa: F401
+        import ckpt_archive.repo.reader  # noqa: F401
         import ckpt_archive.format.manifest  # noqa: F401
         import ckpt_archive.sources  # noqa: F401
     before = _self_anon()

@@ -162,7 +162,7 @@ def test_safetensors_header_metadata_must_be_str_to_str(repo):
     import zstandard
 
     from ckpt_archive.ops.api import _repo
-    from ckpt_archive.repo.archive import ArchiveReader
+    from ckpt_archive.repo.reader import ArchiveReader
 
     r = _repo(repo)
     gen = r.resolve("latest")
@@ -170,7 +170,7 @@ def test_safetensors_header_metadata_must_be_str_to_str(repo):
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
     header["__metadata__"] = {"format": 1}
-    from ckpt_archive.repo.archive import _check_header
+    from ckpt_archive.format.shard import check_header as _check_header
     from ckpt_archive.errors import IntegrityError
 
     hb = json.dumps(header).encode()
@@ -251,3 +251,43 @@ def test_api_pack_takes_a_single_tag_string_as_one_tag_not_its_letters(tmp_path)
     res = ckpt_archive.pack({"w": torch.zeros(2)}, tmp_path / "r", tags="nightly")
     assert res.manifest["tags"] == ["nightly"]
     assert ckpt_archive.load(tmp_path / "r", generation="tag:nightly")["w"].shape == (2,)
+
+
+def test_shard_header_entry_without_its_fields_is_an_integrity_error_not_a_crash():
+    """A hostile shard header whose entry lacks dtype/shape/offsets (or is not an object) must fail the
+    check naming the member, never escape as KeyError/TypeError."""
+    import struct
+
+    from ckpt_archive.errors import IntegrityError
+    from ckpt_archive.format.shard import check_header
+
+    want = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    for entry in ({"shape": [2], "data_offsets": [0, 8]}, "not an object", None):
+        hb = json.dumps({"w": entry}).encode()
+        with pytest.raises(IntegrityError, match="disagrees with the manifest") as exc:
+            check_header(struct.pack("<Q", len(hb)) + hb, want, "tensors-00000.safetensors")
+        assert exc.value.where == "tensors-00000.safetensors"
+    hb = b"[1, 2]"
+    with pytest.raises(IntegrityError, match="not valid JSON"):
+        check_header(struct.pack("<Q", len(hb)) + hb, want, "tensors-00000.safetensors")
+
+
+def test_the_one_header_writer_is_read_by_safetensors_and_by_the_completeness_check(tmp_path):
+    """Writer and parser are one module: what encode_header writes must load with the safetensors
+    library, and file_problem (backup's completeness check) must accept it whole and refuse it cut."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from ckpt_archive.format.shard import encode_header, file_problem, parse_header
+
+    data = np.arange(6, dtype=np.float32)
+    prefix = encode_header({"x": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}, {"format": "t"})
+    assert (len(prefix) - 8) % 8 == 0
+    assert parse_header(prefix) == ({"x": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}},
+                                    {"format": "t"})
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(prefix + data.tobytes())
+    assert np.array_equal(load_file(str(path))["x"], data.reshape(2, 3))
+    assert file_problem(path) is None
+    path.write_bytes(prefix + data.tobytes()[:-4])
+    assert "data ends at byte" in file_problem(path)

@@ -141,7 +141,7 @@ def test_decoded_tensors_member_is_a_valid_safetensors_file_with_str_metadata(tm
     from safetensors.torch import load
 
     from ckpt_archive.ops.api import _repo
-    from ckpt_archive.repo.archive import ArchiveReader
+    from ckpt_archive.repo.reader import ArchiveReader
 
     state = {"a": torch.randn(4, 4), "b": torch.ones(3, dtype=torch.bfloat16)}
     res = ckpt_archive.pack(state, tmp_path / "repo")

@@ -48,8 +48,9 @@ def dumps(doc: dict) -> bytes:
         raise FormatError(f"manifest is not strict JSON: {exc}") from None
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha256_hex(data) -> str:
+    """sha256 (hex) of any bytes-like object (``bytes``, ``bytearray``, ``memoryview`` of any format, mmap)."""
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
 
 
 def _reject_constant(name: str):

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from ckpt_archive import __version__
 
-from ckpt_archive.repo.archive import ArchiveReader, Problem, write_members
+from ckpt_archive.repo.reader import ArchiveReader, Problem
+from ckpt_archive.repo.writer import write_members
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from ckpt_archive.errors import (CkptArchiveError, InsufficientSpace, IntegrityError, NoUsableGeneration, OutputExists,
                      SourceError, StoreError, UsageError)

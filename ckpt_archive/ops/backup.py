@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ckpt_archive.errors import NotFound, SourceError, UsageError
+from ckpt_archive.format.shard import file_problem
 
 EX_TEMPFAIL = 75
 #: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
@@ -181,28 +182,6 @@ def _zip_problem(path: Path) -> str | None:
     return None
 
 
-def _safetensors_problem(path: Path) -> str | None:
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            return f"safetensors file of {size} bytes has no header"
-        n = int.from_bytes(head, "little")
-        if n > size - 8 or n > (100 << 20):
-            return f"safetensors header claims {n} bytes but the file has {size}"
-        try:
-            header = json.loads(fh.read(n))
-        except ValueError:
-            return "safetensors header is not whole JSON"
-    end = 0
-    for key, meta in header.items():
-        if key != "__metadata__" and isinstance(meta, dict):
-            end = max(end, int(meta.get("data_offsets", [0, 0])[1]))
-    if 8 + n + end != size:
-        return f"safetensors data ends at byte {8 + n + end} but the file has {size} bytes"
-    return None
-
-
 def completeness_problem(checkpoint: Path) -> str | None:
     """Return why the checkpoint is not complete yet, or ``None`` when it looks whole.
 
@@ -230,7 +209,7 @@ def completeness_problem(checkpoint: Path) -> str | None:
             if problem:
                 return f"{where}: {problem}"
         elif name.endswith(".safetensors"):
-            problem = _safetensors_problem(p)
+            problem = file_problem(p)
             if problem:
                 return f"{where}: {problem}"
         elif name.endswith(".json") and size <= (16 << 20):
@@ -254,7 +233,7 @@ def hash_files(checkpoint: Path, on_bytes: Callable[[int], None] | None = None) 
 
     Reads every byte once, in 8 MiB pieces.
     """
-    from ckpt_archive.repo.archive import file_sha256  # the same digest pack records as source.files[].sha256
+    from ckpt_archive.repo.writer import file_sha256  # the same digest pack records as source.files[].sha256
 
     return {rel: file_sha256(p, on_bytes) for rel, p in _walk_files(checkpoint)}
 

@@ -8,7 +8,7 @@
    reader lists the generation;
 3. copy every member write-once, then re-read it **from DEST**: size, sha256 of every chunk and of the
    whole stored member;
-4. trial reload from DEST (the core's :meth:`~ckpt_archive.repo.archive.ArchiveReader.trial_reload` over
+4. trial reload from DEST (the core's :func:`~ckpt_archive.repo.trial_reload.trial_reload` over
    DEST's store: decode every member, rebuild every tensor, compare raw sha256, dtype, shape, rebuild
    the tree);
 5. write DEST's ``USABLE.json`` last, recording DEST as where the trial reload ran; then re-open DEST
@@ -268,7 +268,7 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
 
 
 def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
-    from ckpt_archive.repo.archive import ArchiveReader
+    from ckpt_archive.repo.reader import ArchiveReader
     from ckpt_archive.repo.repository import CLAIM, MANIFEST, MARKER, gen_key, host_record, raise_if_problems
 
     manifest = g.manifest

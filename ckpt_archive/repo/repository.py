@@ -16,8 +16,7 @@ import os
 import re
 import socket
 import uuid
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from ckpt_archive import __version__
 

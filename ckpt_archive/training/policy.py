@@ -1922,7 +1922,7 @@ def state_for_audit(repo: Any, generation: str | int = "latest", *, budget: int 
         IntegrityError (exit 1), NotFound / NoUsableGeneration (exit 2): as :func:`ckpt_archive.load`.
     """
     from ckpt_archive.ops.api import _pick, _repo
-    from ckpt_archive.repo.archive import ArchiveReader
+    from ckpt_archive.repo.reader import ArchiveReader
     from ckpt_archive.format.state_tree import decode
 
     r = _repo(repo)
@@ -2020,7 +2020,7 @@ def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
     byte checks is not audited (its state cannot be trusted). ``report.extra["policy"]`` holds the audit,
     the completeness findings and ``strict``.
     """
-    from ckpt_archive.repo.archive import Problem
+    from ckpt_archive.repo.reader import Problem
     from ckpt_archive.errors import CkptArchiveError
 
     if not report.ok:

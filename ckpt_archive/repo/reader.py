@@ -1,9 +1,11 @@
-"""Write and read one archive (one generation's members and manifest body).
+"""Read one archive (one generation's members) with every check on the way.
 
-Writing streams: every tensor entry's bytes go straight from the (memory-mapped) source through the
-chunk encoder to the store, one tensor at a time; nothing holds the whole checkpoint. Reading checks
-as it goes: every stored chunk's sha256, every member's raw sha256, every tensor's raw sha256, dtype and
-shape (docs/FORMAT.md, "Write order" steps 4 and 5).
+Every stored chunk's sha256, every member's raw sha256, every tensor's raw sha256, dtype and shape are
+checked as the bytes stream by (docs/FORMAT.md, "Write order" steps 4 and 5); nothing wrong is ever
+returned. :func:`ckpt_archive.repo.trial_reload.trial_reload` is the full check of a whole generation.
+
+This module is a little over 600 lines: :meth:`ArchiveReader.iter_entries` (zero-copy entry assembly
+across chunks) is one long, hot function that reads best in one piece.
 """
 from __future__ import annotations
 
@@ -11,18 +13,14 @@ import collections
 import dataclasses
 import hashlib
 import json
-import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-from ckpt_archive.store.faults import NO_FAULTS, Faults
-from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, MemberWriter, chunks_match, default_jobs, iter_decoded
-from ckpt_archive.errors import CkptArchiveError, FormatError, IntegrityError, NotFound
-from ckpt_archive.format.state_tree import FLOAT_ST, TensorTable, decode, encode, torch_dtype
-
-SHARD_BYTES = 4 << 30          # split tensors into shards of at most this many raw bytes
-FILE_READ_BYTES = 8 << 20      # read raw/opaque source files in pieces of this size
-TREE_MEMBER = "tree.json"
+from ckpt_archive.errors import FormatError, IntegrityError, NotFound
+from ckpt_archive.format.codec import chunks_match, default_jobs, iter_decoded
+from ckpt_archive.format.manifest import sha256_hex
+from ckpt_archive.format.shard import check_header as _check_header
+from ckpt_archive.format.state_tree import decode, torch_dtype
 
 
 @dataclasses.dataclass
@@ -37,218 +35,7 @@ class Problem:
         return {"member": self.member, "field": self.field, "reason": self.reason}
 
 
-def _hint(st_dtype: str) -> str:
-    size = FLOAT_ST.get(st_dtype)
-    return f"bg{size}" if size in (2, 4, 8) else "zstd"
 
-
-def stored_name(path: str) -> str:
-    return path + ".ckz"
-
-
-# ------------------------------------------------------------------------------------------------
-# writing
-# ------------------------------------------------------------------------------------------------
-class _Writer:
-    def __init__(self, store, gen_key: str, *, level: int, jobs: int, chunk_bytes: int, on_bytes,
-                 faults: Faults = NO_FAULTS):
-        self.store = store
-        self.faults = faults
-        self.gen_key = gen_key
-        self.level = level
-        self.jobs = jobs
-        self.chunk_bytes = chunk_bytes
-        self.on_bytes = on_bytes
-        self.pool = ThreadPoolExecutor(jobs, thread_name_prefix="ckpt-enc")
-        self.hash_pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="ckpt-hash")
-        self.members: list[dict] = []
-
-    def member(self, path: str, role: str, pieces: Iterator[tuple[Any, str]], **extra) -> dict:
-        key = f"{self.gen_key}/{stored_name(path)}"
-        with self.store.write_once(key) as fh:
-            w = MemberWriter(fh, level=self.level, jobs=self.jobs, chunk_bytes=self.chunk_bytes,
-                             on_bytes=self.on_bytes, pool=self.pool)
-            try:
-                for i, (data, hint) in enumerate(pieces):
-                    w.add(data, hint)
-                    if i == 1:
-                        self.faults.point("member-write")
-                rec = w.finish()
-            except BaseException:
-                w.abort()
-                raise
-        record = {"path": path, "stored_path": stored_name(path), "role": role, **rec, **extra}
-        self.members.append(record)
-        return record
-
-    def close(self):
-        self.pool.shutdown(wait=True)
-        self.hash_pool.shutdown(wait=True)
-
-
-def _sha(data) -> str:
-    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
-
-
-def _file_pieces(path, hasher_out: list):
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            piece = fh.read(FILE_READ_BYTES)
-            if not piece:
-                break
-            h.update(piece)
-            yield piece, "zstd"
-    hasher_out.append(h.hexdigest())
-
-
-def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: int = DEFAULT_LEVEL,
-                  jobs: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  on_bytes: Callable[[int], None] | None = None, encoded: tuple | None = None,
-                  faults: Faults = NO_FAULTS) -> dict:
-    """Write every member of a generation from a :class:`~ckpt_archive.sources.SourceCheckpoint`.
-
-    ``encoded`` is ``state_tree.encode(source.state)`` when the caller already encoded it (pack does,
-    before claiming a generation number, so that refused input leaves nothing behind).
-
-    Args:
-        store: the repository's :class:`~ckpt_archive.store.local.Store`.
-        gen_key: the generation's folder key (``generations/00000007``).
-        source: what to pack.
-        data_ids: optional data identity (any strict-JSON value) stored as member ``data-ids.json``.
-        level: zstandard level; jobs: encoder threads; chunk_bytes: raw bytes per chunk.
-        on_bytes: progress callback (raw bytes).
-        faults: the repository's fault-injection hook (points ``member-write``, ``after-members``).
-
-    Returns:
-        the manifest's archive part: ``members``, ``tensors``, ``tree_member``, ``source``, ``data``,
-        ``summary``, plus ``warnings`` (list of str, popped by the caller).
-
-    Raises:
-        SourceError: a value that cannot be archived (names its path). OSError from the store.
-    """
-    jobs = jobs or default_jobs()
-    tree, table = encoded if encoded is not None else encode(source.state)
-    w = _Writer(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes, faults=faults)
-    try:
-        tensors = _write_tensors(w, table)
-        files_meta = []
-        for sf in source.files:
-            entry = {"relpath": sf.relpath, "kind": sf.kind, "member": None, "raw_bytes": None, "sha256": None}
-            if sf.metadata is not None:
-                entry["metadata"] = dict(sf.metadata)
-            if sf.kind in ("raw", "opaque"):
-                digest: list[str] = []
-                rec = w.member(f"files/{sf.relpath}", "file", _file_pieces(sf.path, digest),
-                               opaque=(sf.kind == "opaque"))
-                entry.update(member=rec["path"], raw_bytes=rec["raw_bytes"], sha256=rec["raw_sha256"])
-            elif sf.path is not None:
-                entry["raw_bytes"] = sf.path.stat().st_size
-                entry["sha256"] = w.hash_pool.submit(file_sha256, sf.path)
-            files_meta.append(entry)
-        tree_bytes = json.dumps(tree, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-        w.member(TREE_MEMBER, "tree", iter([(tree_bytes, "zstd")]))
-        data = {}
-        if data_ids is not None:
-            ids_bytes = json.dumps(data_ids, allow_nan=False, ensure_ascii=False).encode("utf-8")
-            rec = w.member("data-ids.json", "data-ids", iter([(ids_bytes, "zstd")]))
-            data = {"ids_member": rec["path"], "fingerprint": rec["raw_sha256"],
-                    "count": len(data_ids) if isinstance(data_ids, (list, dict)) else None}
-        for entry in files_meta:
-            if hasattr(entry["sha256"], "result"):
-                entry["sha256"] = entry["sha256"].result()
-    finally:
-        w.close()
-    faults.point("after-members")
-    members = w.members
-    return {
-        "tree_member": TREE_MEMBER,
-        "members": members,
-        "tensors": tensors,
-        "source": {"format": source.format, "layout": source.layout,
-                   "path": str(source.root) if source.root else None, "files": files_meta,
-                   "info": source.info or {}},
-        "data": data,
-        "summary": {"raw_bytes": sum(m["raw_bytes"] for m in members),
-                    "stored_bytes": sum(m["stored_bytes"] for m in members),
-                    "tensor_count": len(tensors), "member_count": len(members)},
-        "warnings": list(table.warnings) + list(getattr(source, "warnings", []) or []),
-    }
-
-
-def file_sha256(path, on_bytes: Callable[[int], None] | None = None) -> str:
-    """sha256 (hex) of a file, read in pieces of ``FILE_READ_BYTES``; ``on_bytes`` gets each piece's size."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            piece = fh.read(FILE_READ_BYTES)
-            if not piece:
-                return h.hexdigest()
-            h.update(piece)
-            if on_bytes:
-                on_bytes(len(piece))
-
-
-def _write_tensors(w: _Writer, table: TensorTable) -> dict:
-    shards: list[list] = [[]]
-    size = 0
-    for entry in table.entries.values():
-        if shards[-1] and size + entry.nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += entry.nbytes
-    entry_sha: dict[str, Any] = {}
-    entry_member: dict[str, str] = {}
-    if not table.entries:
-        shards = []
-    for i, entries in enumerate(shards):
-        path = f"tensors-{i:05d}.safetensors"
-        header: dict[str, Any] = {}
-        offset = 0
-        for e in entries:
-            header[e.key] = {"dtype": e.st_dtype, "shape": e.shape, "data_offsets": [offset, offset + e.nbytes]}
-            offset += e.nbytes
-        header_json = json.dumps({"__metadata__": {"format": "ckpt-archive"}, **header},
-                                 separators=(",", ":")).encode("utf-8")
-        header_json += b" " * (-len(header_json) % 8)   # safetensors: header padded to 8 bytes
-        prefix = struct.pack("<Q", len(header_json)) + header_json
-
-        def pieces(entries=entries, prefix=prefix):
-            yield prefix, "zstd"
-            for e in entries:
-                data = e.source()
-                if len(data) != e.nbytes:
-                    raise FormatError(f"tensor changed size while packing ({len(data)} != {e.nbytes} bytes)",
-                                      where=e.key)
-                entry_sha[e.key] = w.hash_pool.submit(_sha, data)
-                yield data, _hint(e.st_dtype)
-
-        rec = w.member(path, "tensors", pieces(), header_bytes=len(prefix),
-                       entries={k: dict(v) for k, v in header.items()})
-        for e in entries:
-            entry_member[e.key] = path
-    for key, fut in entry_sha.items():
-        entry_sha[key] = fut.result()
-    for m in w.members:
-        if m["role"] == "tensors":
-            for k, v in m["entries"].items():
-                v["raw_sha256"] = entry_sha[k]
-    tensors = {}
-    for leaf, rec in table.leaves.items():
-        rec = dict(rec)
-        rec["member"] = entry_member[rec["entry"]]
-        if leaf in table.leaf_bytes:
-            rec["raw_sha256"] = _sha(table.leaf_bytes[leaf]())
-        else:
-            rec["raw_sha256"] = entry_sha[rec["entry"]]
-        tensors[leaf] = rec
-    return tensors
-
-
-# ------------------------------------------------------------------------------------------------
-# reading
-# ------------------------------------------------------------------------------------------------
 class ArchiveReader:
     """Read one generation's members with every check on the way.
 
@@ -489,90 +276,12 @@ class ArchiveReader:
             raise IntegrityError(f"state tree is not valid JSON ({exc})", where=self.manifest["tree_member"]) from None
 
     # -- trial reload --------------------------------------------------------------------------------
+    # -- trial reload --------------------------------------------------------------------------------
     def trial_reload(self, problems: list[Problem], on_bytes=None) -> dict:
-        """Decode every member; rebuild every tensor one at a time and check raw sha256, dtype, shape;
-        rebuild the tree and resolve every tensor reference. Appends what is wrong to ``problems``.
+        """The full check of this generation: see :func:`ckpt_archive.repo.trial_reload.trial_reload`."""
+        from ckpt_archive.repo.trial_reload import trial_reload
 
-        Returns:
-            counts: ``tensors`` checked, ``bytes`` decoded, ``members``.
-        """
-        tensors = self.manifest["tensors"]
-        by_entry: dict[str, list[str]] = {}
-        for leaf, rec in tensors.items():
-            by_entry.setdefault(rec["entry"], []).append(leaf)
-        checked = 0
-        decoded = 0
-        for rec in self.manifest["members"]:
-            if rec["role"] == "tensors":
-                # [codec/benchmarks helper] Fast path: the member's raw sha256 (checked by iter_member
-                # at its end) covers every entry's bytes, so entries are not hashed one by one. Only
-                # when that check fails is the member re-read entry by entry (below) to name the
-                # tensor(s) at fault.
-                fast: list[Problem] = []
-                fast_checked = fast_decoded = 0
-                try:
-                    for key, erec, buf in self.iter_entries(rec, on_bytes=on_bytes, transient=True):
-                        fast_decoded += len(buf)
-                        fast_checked += self._check_entry_leaves(rec, erec, buf, by_entry.get(key, []),
-                                                                 erec.get("raw_sha256"), fast)
-                except CkptArchiveError as exc:
-                    if exc.message.startswith("raw sha256 mismatch"):
-                        fast = None  # fall through to the entry-by-entry pass
-                    else:
-                        fast.append(Problem(exc.message, member=exc.where or rec["path"]))
-                if fast is not None:
-                    problems.extend(fast)
-                    checked += fast_checked
-                    decoded += fast_decoded
-                    continue
-            try:
-                if rec["role"] == "tensors":
-                    for key, erec, buf in self.iter_entries(rec, on_bytes=on_bytes):
-                        decoded += len(buf)
-                        got = hashlib.sha256(buf).hexdigest()
-                        if got != erec.get("raw_sha256"):
-                            problems.append(Problem(f"tensor bytes sha256 mismatch: expected {erec.get('raw_sha256')}, "
-                                                    f"got {got}", member=rec["path"], field=f"tensors/{key}"))
-                            continue
-                        checked += self._check_entry_leaves(rec, erec, buf, by_entry.get(key, []), got, problems)
-                else:
-                    for _, chunk in self.iter_member(rec, on_bytes=on_bytes):
-                        decoded += len(chunk)
-            except CkptArchiveError as exc:
-                problems.append(Problem(exc.message, member=exc.where or rec["path"]))
-        try:
-            tree = self.tree()
-            missing = [k for k in _refs(tree) if k not in tensors]
-            if missing:
-                problems.append(Problem(f"state tree references {len(missing)} tensor(s) not in the manifest: "
-                                        f"{', '.join(missing[:5])}", member=self.manifest["tree_member"]))
-            decode(tree, lambda k: None)
-        except CkptArchiveError as exc:
-            problems.append(Problem(exc.message, member=self.manifest["tree_member"]))
-        return {"tensors": checked, "bytes": decoded, "members": len(self.manifest["members"])}
-
-    def _check_entry_leaves(self, rec: dict, erec: dict, buf, leaves: list[str], entry_sha: str | None,
-                            problems: list[Problem]) -> int:
-        """Rebuild each tree leaf stored in one entry and check its dtype, shape and raw sha256.
-
-        ``entry_sha`` is the entry's raw sha256, already known to hold for ``buf`` (hashed, or covered by
-        the member's raw sha256): a leaf that is the entry itself is not hashed again. Returns the number
-        of leaves that passed; appends a Problem per leaf that did not.
-        """
-        tensors = self.manifest["tensors"]
-        base = None
-        passed = 0
-        for leaf in leaves:
-            lrec = tensors[leaf]
-            try:
-                if base is None:
-                    base = _entry_tensor(buf, erec, lrec)
-                t = _leaf_from_base(base, lrec)
-                _check_leaf(t, lrec, leaf, known_sha=None if lrec.get("view") else entry_sha)
-                passed += 1
-            except CkptArchiveError as exc:
-                problems.append(Problem(exc.message, member=rec["path"], field=f"tensors/{leaf}"))
-        return passed
+        return trial_reload(self, problems, on_bytes=on_bytes)
 
     # -- load ------------------------------------------------------------------------------------------
     def load(self, only: str | None = None, *, map_location=None, on_bytes=None, spill_dir=None) -> Any:
@@ -596,7 +305,7 @@ class ArchiveReader:
         larger than RAM stays within the chunk pipeline's memory. Needs free space for the raw bytes.
         [codec/benchmarks helper]
         """
-        wanted_leaves = set(_refs(tree))
+        wanted_leaves = set(tensor_refs(tree))
         tensors = self.manifest["tensors"]
         wanted_entries: dict[str, set] = {}
         for leaf in wanted_leaves:
@@ -646,16 +355,17 @@ class ArchiveReader:
                                            into=into)
             for key, erec, buf in source:
                 if spill_dir is None:
-                    checks.append((path, key, erec, hash_pool.submit(_sha, buf)))
+                    checks.append((path, key, erec, hash_pool.submit(sha256_hex, buf)))
                 for leaf in by_entry[key]:
                     lrec = tensors[leaf]
                     if key not in bases:
-                        bases[key] = _entry_tensor(buf, erec, lrec)
-                    t = _leaf_from_base(bases[key], lrec)
+                        bases[key] = entry_tensor(buf, erec, lrec)
+                    t = leaf_from_base(bases[key], lrec)
                     if map_location is not None and lrec["kind"] == "torch":
                         t = t.to(map_location)
                     built[leaf] = t
         return built
+
 
 
 def _spill_member(reader: "ArchiveReader", rec: dict, spill_dir, on_bytes=None):
@@ -681,29 +391,15 @@ def _spill_member(reader: "ArchiveReader", rec: dict, spill_dir, on_bytes=None):
         os.unlink(name)
 
 
-def _check_header(prefix: bytes, entries: dict, member: str) -> None:
-    (n,) = struct.unpack("<Q", prefix[:8])
-    try:
-        header = json.loads(prefix[8:8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise IntegrityError("safetensors header is not valid JSON", where=member) from None
-    meta = header.pop("__metadata__", {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise IntegrityError("safetensors __metadata__ must map str to str", where=member)
-    for k, e in entries.items():
-        h = header.get(k)
-        if h is None or h["dtype"] != e["dtype"] or list(h["shape"]) != list(e["shape"]) \
-                or list(h["data_offsets"]) != list(e["data_offsets"]):
-            raise IntegrityError(f"safetensors header disagrees with the manifest for {k!r}", where=member)
 
-
-def _refs(tree):
+def tensor_refs(tree) -> list[str]:
+    """The tensor keys an encoded state tree references, in walk order."""
     from ckpt_archive.format.state_tree import walk_refs
 
     return list(walk_refs(tree))
 
 
-def _entry_tensor(buf: bytearray, erec: dict, lrec: dict):
+def entry_tensor(buf: bytearray, erec: dict, lrec: dict):
     """The stored entry as a tensor/ndarray (flat for shared storages)."""
     import numpy as np
 
@@ -723,7 +419,7 @@ def _entry_tensor(buf: bytearray, erec: dict, lrec: dict):
     return torch.frombuffer(buf, dtype=dt).reshape(erec["shape"])
 
 
-def _leaf_from_base(base, lrec: dict):
+def leaf_from_base(base, lrec: dict):
     view = lrec.get("view")
     if lrec["kind"] == "numpy" or not view:
         t = base
@@ -742,7 +438,7 @@ def _leaf_from_base(base, lrec: dict):
     return t
 
 
-def _check_leaf(t, lrec: dict, leaf: str, known_sha: str | None = None) -> None:
+def check_leaf(t, lrec: dict, leaf: str, known_sha: str | None = None) -> None:
     from ckpt_archive.format.state_tree import _tensor_u8
 
     shape = list(t.shape)
@@ -809,3 +505,4 @@ def _child(node, part: str, where: str):
         keys = [str(k.get("v") if isinstance(k, dict) else k) for k, _ in node["items"]]
     shown = ", ".join(keys[:12]) + (", ..." if len(keys) > 12 else "")
     raise NotFound(f"no key {part!r} in the state" + (f"; keys there: {shown}" if keys else ""), where=where)
+

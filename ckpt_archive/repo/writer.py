@@ -1,0 +1,228 @@
+"""Write one generation's members: tensor shards, source files, the state tree, data ids.
+
+Writing streams: every tensor entry's bytes go straight from the (memory-mapped) source through the
+chunk encoder to the store, one tensor at a time; nothing holds the whole checkpoint. Each member is
+write-once, fingerprinted on the way (stored and raw sha256, per chunk and whole); the records come
+back for the manifest (docs/FORMAT.md, "Write order" step 2). The manifest itself is written by
+:mod:`ckpt_archive.repo.publish` (seal).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+from ckpt_archive.errors import FormatError
+from ckpt_archive.format.manifest import sha256_hex
+from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, MemberWriter, default_jobs
+from ckpt_archive.format.shard import encode_header
+from ckpt_archive.format.state_tree import FLOAT_ST, TensorTable, encode
+from ckpt_archive.store.faults import NO_FAULTS, Faults
+
+SHARD_BYTES = 4 << 30          # split tensors into shards of at most this many raw bytes
+FILE_READ_BYTES = 8 << 20      # read raw/opaque source files in pieces of this size
+TREE_MEMBER = "tree.json"
+
+
+def _hint(st_dtype: str) -> str:
+    size = FLOAT_ST.get(st_dtype)
+    return f"bg{size}" if size in (2, 4, 8) else "zstd"
+
+
+def stored_name(path: str) -> str:
+    return path + ".ckz"
+
+
+
+class GenerationWriter:
+    """Writes the members of one generation, one write-once object each (see :func:`write_members`)."""
+
+    def __init__(self, store, gen_key: str, *, level: int, jobs: int, chunk_bytes: int, on_bytes,
+                 faults: Faults = NO_FAULTS):
+        self.store = store
+        self.faults = faults
+        self.gen_key = gen_key
+        self.level = level
+        self.jobs = jobs
+        self.chunk_bytes = chunk_bytes
+        self.on_bytes = on_bytes
+        self.pool = ThreadPoolExecutor(jobs, thread_name_prefix="ckpt-enc")
+        self.hash_pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="ckpt-hash")
+        self.members: list[dict] = []
+
+    def member(self, path: str, role: str, pieces: Iterator[tuple[Any, str]], **extra) -> dict:
+        key = f"{self.gen_key}/{stored_name(path)}"
+        with self.store.write_once(key) as fh:
+            w = MemberWriter(fh, level=self.level, jobs=self.jobs, chunk_bytes=self.chunk_bytes,
+                             on_bytes=self.on_bytes, pool=self.pool)
+            try:
+                for i, (data, hint) in enumerate(pieces):
+                    w.add(data, hint)
+                    if i == 1:
+                        self.faults.point("member-write")
+                rec = w.finish()
+            except BaseException:
+                w.abort()
+                raise
+        record = {"path": path, "stored_path": stored_name(path), "role": role, **rec, **extra}
+        self.members.append(record)
+        return record
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+        self.hash_pool.shutdown(wait=True)
+
+
+def _file_pieces(path, hasher_out: list):
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            piece = fh.read(FILE_READ_BYTES)
+            if not piece:
+                break
+            h.update(piece)
+            yield piece, "zstd"
+    hasher_out.append(h.hexdigest())
+
+
+def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: int = DEFAULT_LEVEL,
+                  jobs: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  on_bytes: Callable[[int], None] | None = None, encoded: tuple | None = None,
+                  faults: Faults = NO_FAULTS) -> dict:
+    """Write every member of a generation from a :class:`~ckpt_archive.sources.SourceCheckpoint`.
+
+    ``encoded`` is ``state_tree.encode(source.state)`` when the caller already encoded it (pack does,
+    before claiming a generation number, so that refused input leaves nothing behind).
+
+    Args:
+        store: the repository's :class:`~ckpt_archive.store.local.Store`.
+        gen_key: the generation's folder key (``generations/00000007``).
+        source: what to pack.
+        data_ids: optional data identity (any strict-JSON value) stored as member ``data-ids.json``.
+        level: zstandard level; jobs: encoder threads; chunk_bytes: raw bytes per chunk.
+        on_bytes: progress callback (raw bytes).
+        faults: the repository's fault-injection hook (points ``member-write``, ``after-members``).
+
+    Returns:
+        the manifest's archive part: ``members``, ``tensors``, ``tree_member``, ``source``, ``data``,
+        ``summary``, plus ``warnings`` (list of str, popped by the caller).
+
+    Raises:
+        SourceError: a value that cannot be archived (names its path). OSError from the store.
+    """
+    jobs = jobs or default_jobs()
+    tree, table = encoded if encoded is not None else encode(source.state)
+    w = GenerationWriter(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes, faults=faults)
+    try:
+        tensors = _write_tensors(w, table)
+        files_meta = []
+        for sf in source.files:
+            entry = {"relpath": sf.relpath, "kind": sf.kind, "member": None, "raw_bytes": None, "sha256": None}
+            if sf.metadata is not None:
+                entry["metadata"] = dict(sf.metadata)
+            if sf.kind in ("raw", "opaque"):
+                digest: list[str] = []
+                rec = w.member(f"files/{sf.relpath}", "file", _file_pieces(sf.path, digest),
+                               opaque=(sf.kind == "opaque"))
+                entry.update(member=rec["path"], raw_bytes=rec["raw_bytes"], sha256=rec["raw_sha256"])
+            elif sf.path is not None:
+                entry["raw_bytes"] = sf.path.stat().st_size
+                entry["sha256"] = w.hash_pool.submit(file_sha256, sf.path)
+            files_meta.append(entry)
+        tree_bytes = json.dumps(tree, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        w.member(TREE_MEMBER, "tree", iter([(tree_bytes, "zstd")]))
+        data = {}
+        if data_ids is not None:
+            ids_bytes = json.dumps(data_ids, allow_nan=False, ensure_ascii=False).encode("utf-8")
+            rec = w.member("data-ids.json", "data-ids", iter([(ids_bytes, "zstd")]))
+            data = {"ids_member": rec["path"], "fingerprint": rec["raw_sha256"],
+                    "count": len(data_ids) if isinstance(data_ids, (list, dict)) else None}
+        for entry in files_meta:
+            if hasattr(entry["sha256"], "result"):
+                entry["sha256"] = entry["sha256"].result()
+    finally:
+        w.close()
+    faults.point("after-members")
+    members = w.members
+    return {
+        "tree_member": TREE_MEMBER,
+        "members": members,
+        "tensors": tensors,
+        "source": {"format": source.format, "layout": source.layout,
+                   "path": str(source.root) if source.root else None, "files": files_meta,
+                   "info": source.info or {}},
+        "data": data,
+        "summary": {"raw_bytes": sum(m["raw_bytes"] for m in members),
+                    "stored_bytes": sum(m["stored_bytes"] for m in members),
+                    "tensor_count": len(tensors), "member_count": len(members)},
+        "warnings": list(table.warnings) + list(getattr(source, "warnings", []) or []),
+    }
+
+
+def file_sha256(path, on_bytes: Callable[[int], None] | None = None) -> str:
+    """sha256 (hex) of a file, read in pieces of ``FILE_READ_BYTES``; ``on_bytes`` gets each piece's size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            piece = fh.read(FILE_READ_BYTES)
+            if not piece:
+                return h.hexdigest()
+            h.update(piece)
+            if on_bytes:
+                on_bytes(len(piece))
+
+
+def _write_tensors(w: GenerationWriter, table: TensorTable) -> dict:
+    shards: list[list] = [[]]
+    size = 0
+    for entry in table.entries.values():
+        if shards[-1] and size + entry.nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    entry_sha: dict[str, Any] = {}
+    entry_member: dict[str, str] = {}
+    if not table.entries:
+        shards = []
+    for i, entries in enumerate(shards):
+        path = f"tensors-{i:05d}.safetensors"
+        header: dict[str, Any] = {}
+        offset = 0
+        for e in entries:
+            header[e.key] = {"dtype": e.st_dtype, "shape": e.shape, "data_offsets": [offset, offset + e.nbytes]}
+            offset += e.nbytes
+        prefix = encode_header(header, {"format": "ckpt-archive"})
+
+        def pieces(entries=entries, prefix=prefix):
+            yield prefix, "zstd"
+            for e in entries:
+                data = e.source()
+                if len(data) != e.nbytes:
+                    raise FormatError(f"tensor changed size while packing ({len(data)} != {e.nbytes} bytes)",
+                                      where=e.key)
+                entry_sha[e.key] = w.hash_pool.submit(sha256_hex, data)
+                yield data, _hint(e.st_dtype)
+
+        rec = w.member(path, "tensors", pieces(), header_bytes=len(prefix),
+                       entries={k: dict(v) for k, v in header.items()})
+        for e in entries:
+            entry_member[e.key] = path
+    for key, fut in entry_sha.items():
+        entry_sha[key] = fut.result()
+    for m in w.members:
+        if m["role"] == "tensors":
+            for k, v in m["entries"].items():
+                v["raw_sha256"] = entry_sha[k]
+    tensors = {}
+    for leaf, rec in table.leaves.items():
+        rec = dict(rec)
+        rec["member"] = entry_member[rec["entry"]]
+        if leaf in table.leaf_bytes:
+            rec["raw_sha256"] = sha256_hex(table.leaf_bytes[leaf]())
+        else:
+            rec["raw_sha256"] = entry_sha[rec["entry"]]
+        tensors[leaf] = rec
+    return tensors
+
