@@ -14,7 +14,7 @@ baselines
   ``safetensors_load`` ``safetensors.torch.load_file(ckpt.safetensors)``
   ``zipnn``           ZipNN compress of every tensor (threads = jobs), if installed
 ours
-  ``pack``            ``ckpt_archive.pack(ckpt.pt, repo, jobs=N)`` incl. verify + trial reload + publish
+  ``pack``            ``ckpt_archive.pack(ckpt.pt, repo, PackOptions(jobs=N))`` incl. verify + trial reload + publish
   ``verify`` / ``verify_deep`` / ``restore`` (to a ``.pt``) / ``load`` (to memory)
 
 Times: medians over reps; Python operations time only the operation itself (interpreter start and
@@ -88,7 +88,10 @@ def worker(op: str, a: argparse.Namespace) -> dict:
         import numpy  # noqa: F401
         import zstandard  # noqa: F401
 
-        import ckpt_archive.ops.api  # noqa: F401
+        import ckpt_archive.ops.load  # noqa: F401
+        import ckpt_archive.ops.pack  # noqa: F401
+        import ckpt_archive.ops.restore  # noqa: F401
+        import ckpt_archive.ops.verify  # noqa: F401
         import ckpt_archive.repo.reader  # noqa: F401
         import ckpt_archive.format.manifest  # noqa: F401
         import ckpt_archive.sources  # noqa: F401
@@ -128,9 +131,10 @@ def worker(op: str, a: argparse.Namespace) -> dict:
         import ckpt_archive
         repo = Path(a.repo)
         src = wd / ("ckpt.pt" if op == "pack" else "weights.pt")
-        kw = {"jobs": a.jobs} if a.jobs else {}
+        from ckpt_archive.ops.pack import PackOptions
+        opts = PackOptions(jobs=a.jobs or None)
         t0 = time.perf_counter()
-        r = ckpt_archive.pack(str(src), str(repo), **kw)
+        r = ckpt_archive.pack(str(src), str(repo), opts)
         dt = time.perf_counter() - t0
         gdir = _generation_dir(repo)
         res["stored_bytes"] = sum(p.stat().st_size for p in gdir.iterdir()

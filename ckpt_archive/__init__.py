@@ -2,7 +2,8 @@
 
 Public API (plain functions; the CLI is a thin shell over them)::
 
-    pack(state_or_path, repo, ...)          -> PackResult   (generation, status "usable", ...)
+    pack(source, repo, PackOptions(...), Annotations(...), retention=RetentionPolicy(...))
+                                            -> PackResult   (generation, status "usable", ...)
     load(repo, generation="latest")         -> the nested state (dict/list/tuple/tensors/values)
     verify(repo, generation="latest", deep) -> VerifyReport (ok, problems)
     restore(repo, generation, output, ...)  -> RestoreResult
@@ -18,9 +19,11 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _API = {
-    "pack": "ops.api", "load": "ops.api", "verify": "ops.api", "restore": "ops.api", "inspect": "ops.api",
-    "list_generations": "ops.api", "PackResult": "ops.api", "VerifyReport": "ops.api", "Problem": "repo.reader",
-    "RestoreResult": "ops.api", "Repository": "repo.repository", "Generation": "repo.repository",
+    "pack": "ops.pack", "PackOptions": "ops.pack", "Annotations": "ops.pack", "PackResult": "ops.pack",
+    "load": "ops.load", "verify": "ops.verify", "VerifyReport": "ops.verify", "restore": "ops.restore",
+    "RestoreResult": "ops.restore", "inspect": "ops.inspect", "list_generations": "ops.list",
+    "Problem": "repo.reader", "Repository": "repo.repository", "Generation": "repo.repository",
+    "RetentionPolicy": "retention.policy",
     "restore_training_state": "training.policy", "export": "ops.export", "check_resume": "resume.check",
     "Trajectory": "resume.trajectory",
 }

@@ -161,7 +161,7 @@ def test_safetensors_header_metadata_must_be_str_to_str(repo):
 
     import zstandard
 
-    from ckpt_archive.ops.api import _repo
+    from ckpt_archive.ops.common import open_repo as _repo
     from ckpt_archive.repo.reader import ArchiveReader
 
     r = _repo(repo)
@@ -241,14 +241,20 @@ def test_api_pack_refuses_a_misspelt_retention_field_before_claiming_a_generatio
     # "retention not applied" on every pack while every generation piles up
     from ckpt_archive.errors import UsageError
 
+    # retention is a RetentionPolicy (built from a dict by from_dict, which refuses the misspelt field);
+    # a dict handed to pack directly is refused too, before anything is claimed
+    from ckpt_archive.retention.policy import RetentionPolicy
+
     repo = tmp_path / "r"
     with pytest.raises(UsageError, match="keep_lasts"):
-        ckpt_archive.pack({"w": torch.zeros(2)}, repo, retention={"keep_lasts": 2})
+        ckpt_archive.pack({"w": torch.zeros(2)}, repo, retention=RetentionPolicy.from_dict({"keep_lasts": 2}))
+    with pytest.raises(UsageError, match="RetentionPolicy"):
+        ckpt_archive.pack({"w": torch.zeros(2)}, repo, retention={"keep_last": 2})
     assert not (repo / "generations").exists() or not any((repo / "generations").iterdir())
 
 
 def test_api_pack_takes_a_single_tag_string_as_one_tag_not_its_letters(tmp_path):
-    res = ckpt_archive.pack({"w": torch.zeros(2)}, tmp_path / "r", tags="nightly")
+    res = ckpt_archive.pack({"w": torch.zeros(2)}, tmp_path / "r", annotations=ckpt_archive.Annotations(tags="nightly"))
     assert res.manifest["tags"] == ["nightly"]
     assert ckpt_archive.load(tmp_path / "r", generation="tag:nightly")["w"].shape == (2,)
 

@@ -80,7 +80,7 @@ def template(tmp_path_factory):
     root = tmp_path_factory.mktemp("fault-template")
     repo = root / "repo"
     for i in range(1, BASE_GENERATIONS + 1):
-        ckpt_archive.pack(state(i), repo, metrics={"val_loss": 1.0 / i})
+        ckpt_archive.pack(state(i), repo, annotations=ckpt_archive.Annotations(metrics={"val_loss": 1.0 / i}))
     src = root / "next.pt"
     torch.save(state(BASE_GENERATIONS + 1), src)
     return repo, src

@@ -128,7 +128,7 @@ def test_restore_of_a_corrupt_generation_writes_nothing(tmp_path):
 
 def test_tag_selects_the_newest_usable_generation_so_tagged(tmp_path):
     r = tmp_path / "repo"
-    ckpt_archive.pack(state(1), r, tags=["best"])
+    ckpt_archive.pack(state(1), r, annotations=ckpt_archive.Annotations(tags=["best"]))
     ckpt_archive.pack(state(2), r)
     assert ckpt_archive.load(r, "tag:best")["step"] == 1
     res = runner.invoke(app, ["list", str(r), "--json"])
@@ -159,7 +159,7 @@ def test_second_writer_gets_lock_error_exit_2(tmp_path):
 
 def test_restore_refuses_a_generation_missing_a_member_it_does_not_need(tmp_path):
     r = tmp_path / "repo"
-    ckpt_archive.pack(state(1), r, data_ids=[1, 2, 3])
+    ckpt_archive.pack(state(1), r, annotations=ckpt_archive.Annotations(data_ids=[1, 2, 3]))
     (r / "generations" / "00000001" / "data-ids.json.ckz").unlink()
     with pytest.raises(IntegrityError, match="data-ids.json"):
         ckpt_archive.restore(r, "1", tmp_path / "o.pt")
@@ -205,3 +205,108 @@ def test_a_published_generation_that_lost_its_manifest_is_damaged_not_a_leftover
     (r / "generations" / "00000001" / "manifest.json").unlink()
     g = Repository.open(r).generation(1)
     assert g.status == "damaged" and "USABLE marker present" in g.reason
+
+
+# --- the one publish lifecycle (ckpt_archive/repo/publish.py) ---------------------------------------------
+def test_marking_a_copied_generation_usable_waits_for_the_repository_lock(tmp_path):
+    """verify --deep used to write the marker of a copied generation without the writer lock, racing a
+    prune or pack; now the check and the marker run under the lock, and a held lock refuses (exit 2)."""
+    from ckpt_archive.errors import LockError
+
+    src = tmp_path / "repo"
+    ckpt_archive.pack(state(1), src)
+    dst = tmp_path / "moved"
+    shutil.copytree(src, dst)
+    with Repository.open(dst).lock():
+        with pytest.raises(LockError):
+            ckpt_archive.verify(dst, "1", deep=True)
+    assert Repository.open(dst).generation(1).status == "copied"
+    assert ckpt_archive.verify(dst, "1", deep=True).marked_usable
+
+
+def test_the_marker_is_never_written_without_the_lock(tmp_path):
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    repo = Repository.open(r)
+    g = repo.generation(1)
+    with pytest.raises(RuntimeError, match="lock"):
+        repo.write_marker(1, g.manifest_sha256, g.manifest["archive_id"], {})
+
+
+def test_a_before_publish_hook_that_withdraws_leaves_no_generation_that_was_ever_usable(tmp_path):
+    """backup used to publish and then retract; a hook decides before the marker exists instead."""
+    from ckpt_archive.repo.publish import Withdrawn
+
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    seen = []
+
+    def hook(candidate):
+        marker = r / "generations" / f"{candidate.number:08d}" / "USABLE.json"
+        seen.append((candidate.number, candidate.repo.locked, marker.exists(), candidate.trial_reload["tensors"]))
+        return "the source moved"
+
+    with pytest.raises(Withdrawn, match="the source moved") as exc:
+        ckpt_archive.pack(state(2), r, before_publish=hook)
+    assert exc.value.number == 2 and exc.value.exit_code == 2
+    assert seen == [(2, True, False, 1)]
+    assert [(g.number, g.status) for g in ckpt_archive.list_generations(r, all=True)] == [(1, "usable")]
+    assert ckpt_archive.pack(state(3), r, before_publish=lambda c: None).generation == 3
+
+
+def test_metrics_are_stored_as_plain_json_numbers_and_non_finite_as_strings(tmp_path):
+    """Retention must never decode format tags: NumPy scalars are numbers in the manifest, NaN/inf the
+    strings "nan"/"inf"/"-inf"."""
+    import numpy as np
+
+    r = tmp_path / "repo"
+    res = ckpt_archive.pack(state(1), r, annotations=ckpt_archive.Annotations(metrics={
+        "val_loss": np.float64(0.25), "acc": float("nan"), "up": float("inf"), "n": np.int64(3),
+        "ok": np.bool_(True), "nested": {"a": (np.float32(0.5), float("-inf"))}}))
+    stored = json.loads((r / "generations" / "00000001" / "manifest.json").read_text())["metrics"]
+    assert stored == {"val_loss": 0.25, "acc": "nan", "up": "inf", "n": 3, "ok": True,
+                      "nested": {"a": [0.5, "-inf"]}}
+    assert res.manifest["metrics"] == stored and "$t" not in json.dumps(stored)
+    assert ckpt_archive.list_generations(r)[0].metrics == stored
+
+
+def test_metrics_json_cannot_hold_are_refused_before_anything_is_written(tmp_path):
+    from ckpt_archive.errors import UsageError
+
+    r = tmp_path / "repo"
+    for bad in ({"blob": b"\x00"}, {1: 0.5}):
+        with pytest.raises(UsageError, match="metric"):
+            ckpt_archive.pack(state(1), r, annotations=ckpt_archive.Annotations(metrics=bad))
+    assert not (r / "generations").exists() or not any((r / "generations").iterdir())
+
+
+def test_tagged_metrics_of_older_manifests_read_as_plain_values():
+    """Manifests written before metrics were plain hold the state tree's tags; they are read in one place
+    (Generation.metrics) into the values a new manifest would hold."""
+    from ckpt_archive.repo.repository import Generation
+
+    tagged = {"val_loss": {"$t": "npscalar", "dtype": "<f8", "hex": "000000000000d03f"},
+              "acc": {"$t": "float", "v": "nan"}, "big": {"$t": "int", "v": str(2**60)},
+              "pair": {"$t": "tuple", "v": [1, {"$t": "float", "v": "-inf"}]},
+              "flag": {"$t": "npscalar", "dtype": "|b1", "hex": "01"}, "odd": {"$t": "bytes", "b64": "AA=="}}
+    g = Generation(1, "usable", manifest={"metrics": tagged})
+    assert g.metrics == {"val_loss": 0.25, "acc": "nan", "big": 2**60, "pair": [1, "-inf"], "flag": True,
+                         "odd": {"$t": "bytes", "b64": "AA=="}}
+
+
+def test_a_fault_plan_is_read_once_when_the_repository_is_opened(tmp_path, monkeypatch):
+    """Production modules do not read CKPT_ARCHIVE_INJECT: Repository.open builds the hook object once
+    and the lifecycle fires it; a repository opened without the variable has no faults."""
+    from ckpt_archive.store.faults import NO_FAULTS, Faults
+
+    r = tmp_path / "repo"
+    ckpt_archive.pack(state(1), r)
+    assert Repository.open(r).faults is NO_FAULTS
+    monkeypatch.setenv("CKPT_ARCHIVE_INJECT", "after-seal=raise@2")
+    repo = Repository.open(r)
+    monkeypatch.delenv("CKPT_ARCHIVE_INJECT")
+    assert repo.faults.plan == {"after-seal": ("raise", 2)}
+    ckpt_archive.pack(state(2), repo)  # first visit: no fault
+    with pytest.raises(RuntimeError, match="after-seal"):
+        ckpt_archive.pack(state(3), repo)  # second visit through the same hook object
+    assert Faults.parse("claim=kill,publish").plan == {"claim": ("kill", 1), "publish": ("raise", 1)}

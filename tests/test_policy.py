@@ -509,7 +509,7 @@ def test_broken_rng_entry_warns_instead_of_crashing():
 # --- through the archive -----------------------------------------------------------------------------------
 
 def test_audit_runs_on_a_state_round_tripped_through_pack_and_load(seq_25, tmp_path):
-    api = pytest.importorskip("ckpt_archive.ops.api")
+    api = pytest.importorskip("ckpt_archive")
     if not hasattr(api, "pack"):
         pytest.skip("core API not available yet")
     res = api.pack(dict(seq_25), tmp_path / "repo")
@@ -534,7 +534,7 @@ def repo_case1(adam_6000, tmp_path_factory):
     import ckpt_archive
 
     repo = tmp_path_factory.mktemp("p") / "repo"
-    ckpt_archive.pack(dict(adam_6000), repo, config={"optimizer": {"lr": 1e-3}})
+    ckpt_archive.pack(dict(adam_6000), repo, annotations=ckpt_archive.Annotations(config={"optimizer": {"lr": 1e-3}}))
     return repo
 
 
@@ -545,7 +545,7 @@ def repo_incomplete(cosine_45, tmp_path_factory):
 
     repo = tmp_path_factory.mktemp("q") / "repo"
     state = {k: v for k, v in cosine_45.items() if k != "scheduler"}
-    ckpt_archive.pack(state, repo, config={"fp16": True})
+    ckpt_archive.pack(state, repo, annotations=ckpt_archive.Annotations(config={"fp16": True}))
     return repo
 
 

@@ -14,6 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 import ckpt_archive
+import ckpt_archive.ops.pack
+import ckpt_archive.ops.verify
 from ckpt_archive.ops import backup as backup_mod
 from ckpt_archive.cli.app import app
 from ckpt_archive.errors import LockError
@@ -41,7 +43,7 @@ def state(i: int) -> dict:
 
 def make_repo(path: Path, losses=LOSSES, **kw) -> Path:
     for i, v in enumerate(losses, start=1):
-        ckpt_archive.pack(state(i), path, metrics={"val_loss": v}, **kw)
+        ckpt_archive.pack(state(i), path, annotations=ckpt_archive.Annotations(metrics={"val_loss": v}), **kw)
     return path
 
 
@@ -181,14 +183,14 @@ def _lock_contended_prune(repo):
 
 def test_pack_with_retention_applies_it_only_after_the_new_generation_is_usable(tmp_path):
     repo = make_repo(tmp_path / "r", [0.5, 0.4, 0.3])
-    res = ckpt_archive.pack(state(9), repo, metrics={"val_loss": 0.9}, retention={"keep_last": 1})
+    res = ckpt_archive.pack(state(9), repo, annotations=ckpt_archive.Annotations(metrics={"val_loss": 0.9}), retention=ckpt_archive.RetentionPolicy.from_dict({"keep_last": 1}))
     assert res.retention["removed"] == [1, 2, 3]
     assert usable(repo) == [4]
 
 
 def test_pack_with_a_policy_that_keeps_nothing_old_still_packs_and_warns(tmp_path):
     repo = make_repo(tmp_path / "r", [0.5])
-    res = ckpt_archive.pack(state(2), repo, retention={"keep_tag": ["release"]})
+    res = ckpt_archive.pack(state(2), repo, retention=ckpt_archive.RetentionPolicy.from_dict({"keep_tag": ["release"]}))
     assert res.status == "usable"
     assert usable(repo) == [1, 2]
     assert any("retention not applied" in w for w in res.retention["warnings"])
@@ -267,7 +269,7 @@ def test_prune_with_nothing_to_remove_reads_no_generation(repo5, monkeypatch):
     def no_reading(*a, **k):
         raise AssertionError("a generation was read although nothing is removed")
 
-    monkeypatch.setattr(ckpt_archive.ops.api, "verify", no_reading)
+    monkeypatch.setattr(ckpt_archive.ops.verify, "verify", no_reading)
     res, out = cli_json("prune", repo5, "--keep-last", 5)
     assert res.exit_code == 0, res.stderr
     assert out["verify_kept"]["needed"] is False and usable(repo5) == [1, 2, 3, 4, 5]
@@ -275,13 +277,13 @@ def test_prune_with_nothing_to_remove_reads_no_generation(repo5, monkeypatch):
 
 def test_prune_checks_kept_generations_newest_first_and_stops_at_the_first_that_verifies(repo5, monkeypatch):
     read = []
-    real_verify = ckpt_archive.ops.api.verify
+    real_verify = ckpt_archive.ops.verify.verify
 
     def recording(repo, generation, **kw):
         read.append(int(generation))
         return real_verify(repo, generation, **kw)
 
-    monkeypatch.setattr(ckpt_archive.ops.api, "verify", recording)
+    monkeypatch.setattr(ckpt_archive.ops.verify, "verify", recording)
     flip_byte(repo5, 5)
     res, out = cli_json("prune", repo5, "--keep-last", 3)
     assert res.exit_code == 0, res.stderr
@@ -297,7 +299,7 @@ def test_pack_time_retention_counts_the_just_published_generation_as_verified_wi
     def no_reading(*a, **k):
         raise AssertionError("the generation pack just verified was read again")
 
-    monkeypatch.setattr(ckpt_archive.ops.api, "verify", no_reading)
+    monkeypatch.setattr(ckpt_archive.ops.verify, "verify", no_reading)
     r = Repository.open(repo)
     with r.lock():
         ret = retention.apply_after_pack(r, {"keep_last": 1}, verified=(3,))
@@ -327,7 +329,7 @@ def test_backup_retention_does_not_reread_the_generation_it_just_packed(tmp_path
     def no_reading(*a, **k):
         raise AssertionError("the generation backup just packed was read again")
 
-    monkeypatch.setattr(ckpt_archive.ops.api, "verify", no_reading)
+    monkeypatch.setattr(ckpt_archive.ops.verify, "verify", no_reading)
     save_pt(src, 2)
     res, out = backup_cli(src, repo, "--keep-last", 1)
     assert res.exit_code == 0, res.stderr
@@ -483,7 +485,7 @@ def test_backup_tick_with_nothing_new_reads_no_file_content(tmp_path, monkeypatc
         raise AssertionError("an unchanged source was read")
 
     monkeypatch.setattr(backup_mod, "hash_files", no_reading)
-    monkeypatch.setattr(ckpt_archive.ops.api, "pack", no_reading)
+    monkeypatch.setattr(ckpt_archive.ops.pack, "pack", no_reading)
     res, out = backup_cli(src, repo)
     assert res.exit_code == 0 and out["action"] == "unchanged"
 
@@ -613,14 +615,16 @@ def test_backup_waits_the_settle_window_before_packing(tmp_path):
 def test_backup_forgets_a_generation_whose_source_changed_while_packing(tmp_path, monkeypatch):
     src = save_pt(tmp_path / "run" / "last.pt", 1)
     repo = tmp_path / "repo"
-    real_pack = ckpt_archive.ops.api.pack
+    real_pack = ckpt_archive.ops.pack.pack
 
-    def pack_while_trainer_writes(*a, **k):
-        res = real_pack(*a, **k)
-        save_pt(src, 2)  # the trainer rewrote the file meanwhile
-        return res
+    def pack_while_trainer_writes(*a, before_publish=None, **k):
+        def trainer_writes_meanwhile(candidate):
+            save_pt(src, 2)  # the trainer rewrote the file while it was being packed
+            return before_publish(candidate)
 
-    monkeypatch.setattr(ckpt_archive.ops.api, "pack", pack_while_trainer_writes)
+        return real_pack(*a, before_publish=trainer_writes_meanwhile, **k)
+
+    monkeypatch.setattr(ckpt_archive.ops.pack, "pack", pack_while_trainer_writes)
     res, out = backup_cli(src, repo)
     assert res.exit_code == 75 and "changed while being packed" in out["reason"]
     assert usable(repo) == []
@@ -685,7 +689,7 @@ def test_pack_applies_the_repository_default_policy_after_publish(tmp_path):
 # worth one real run there; the rules themselves are store-independent and tested locally above.
 def test_prune_forget_gc_and_backup_work_on_an_s3_repository(s3_url, tmp_path):
     for i, v in enumerate([0.9, 0.5, 0.8], start=1):
-        ckpt_archive.pack(state(i), s3_url, metrics={"val_loss": v})
+        ckpt_archive.pack(state(i), s3_url, annotations=ckpt_archive.Annotations(metrics={"val_loss": v}))
     res, out = cli_json("prune", s3_url, "--keep-last", 1, "--keep-best", 1, "--best-by", "val_loss:min")
     assert res.exit_code == 0, res.stderr
     assert out["removed"] == [1]
@@ -822,7 +826,7 @@ def test_inspect_shows_numpy_metrics_as_numbers_and_unknown_progress_as_dash(tmp
     import torch
 
     repo = tmp_path / "r"
-    ckpt_archive.pack({"w": torch.zeros(1)}, repo, metrics={"val_loss": np.float64(0.25), "acc": float("nan")})
+    ckpt_archive.pack({"w": torch.zeros(1)}, repo, annotations=ckpt_archive.Annotations(metrics={"val_loss": np.float64(0.25), "acc": float("nan")}))
     res = CliRunner().invoke(app, ["inspect", str(repo)])
     assert res.exit_code == 0, res.output
     text = res.stderr

@@ -550,7 +550,7 @@ def test_keep_best_reads_numpy_scalar_metrics_and_keeps_the_best_generation(tmp_
     repo = str(tmp_path / "repo")
     policy = {"keep_best": 1, "best_by": "val_loss:min", "keep_last": 1}
     for loss in (np.mean([0.05]), np.float32(0.2), 0.3):
-        ckpt_archive.pack({"w": torch.zeros(2)}, repo, metrics={"val_loss": loss}, retention=policy)
+        ckpt_archive.pack({"w": torch.zeros(2)}, repo, annotations=ckpt_archive.Annotations(metrics={"val_loss": loss}), retention=ckpt_archive.RetentionPolicy.from_dict(policy))
     assert [g.number for g in ckpt_archive.list_generations(repo)] == [1, 3]
     assert metric_value({"val_loss": {"$t": "npscalar", "dtype": "<f4", "hex": "9a99993e"}}, "val_loss") \
         == pytest.approx(0.3)

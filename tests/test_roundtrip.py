@@ -110,7 +110,7 @@ def test_non_contiguous_tensor_keeps_its_strides(tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_every_dtype_round_trips_bit_exact_through_restore(tmp_path, dtype):
     t = _tensor(dtype, (257,))  # odd size: chunk and byte-group boundaries
-    ckpt_archive.pack({"t": t}, tmp_path / "repo", chunk_bytes=64)
+    ckpt_archive.pack({"t": t}, tmp_path / "repo", options=ckpt_archive.PackOptions(chunk_bytes=64))
     ckpt_archive.restore(tmp_path / "repo", "latest", tmp_path / "o.pt")
     assert_same({"t": t}, torch.load(tmp_path / "o.pt", weights_only=True))
 
@@ -127,7 +127,7 @@ def test_manifest_records_progress_and_every_tensor_fingerprint(tmp_path):
     import hashlib
 
     state = full_state()
-    res = ckpt_archive.pack(state, tmp_path / "repo", progress={"epoch": 2})
+    res = ckpt_archive.pack(state, tmp_path / "repo", annotations=ckpt_archive.Annotations(progress={"epoch": 2}))
     m = res.manifest
     assert m["progress"] == {"step": 5, "epoch": 2, "cursor": None}
     rec = m["tensors"]["model/t_float32"]
@@ -140,7 +140,7 @@ def test_manifest_records_progress_and_every_tensor_fingerprint(tmp_path):
 def test_decoded_tensors_member_is_a_valid_safetensors_file_with_str_metadata(tmp_path):
     from safetensors.torch import load
 
-    from ckpt_archive.ops.api import _repo
+    from ckpt_archive.ops.common import open_repo as _repo
     from ckpt_archive.repo.reader import ArchiveReader
 
     state = {"a": torch.randn(4, 4), "b": torch.ones(3, dtype=torch.bfloat16)}
@@ -173,8 +173,7 @@ def test_config_metrics_and_data_ids_keep_their_types(tmp_path):
     (tmp_path / "c.yaml").write_text("lr: 1e-4\nwarmup: 4\nnothing: null\nflag: false\nname: run\n")
     (tmp_path / "m.toml").write_text("val_loss = 0.5\nstep = 4\n")
     (tmp_path / "ids.json").write_text("[3, 1, 2]")
-    res = ckpt_archive.pack({"w": torch.ones(1)}, tmp_path / "repo", config=tmp_path / "c.yaml",
-                            metrics=tmp_path / "m.toml", data_ids=tmp_path / "ids.json")
+    res = ckpt_archive.pack({"w": torch.ones(1)}, tmp_path / "repo", annotations=ckpt_archive.Annotations(config=tmp_path / "c.yaml", metrics=tmp_path / "m.toml", data_ids=tmp_path / "ids.json"))
     c = res.manifest["config"]
     assert c == {"lr": 1e-4, "warmup": 4, "nothing": None, "flag": False, "name": "run"}
     assert type(c["lr"]) is float and type(c["warmup"]) is int and c["flag"] is False

@@ -184,7 +184,7 @@ def test_consolidate_is_refused_for_a_source_that_is_not_dcp(tmp_path):
 
 
 def test_verify_names_a_shard_the_manifest_lost(dcp_dir, tmp_path):
-    from ckpt_archive.ops.api import _source_layout_problems
+    from ckpt_archive.ops.verify import source_layout_problems as _source_layout_problems
 
     repo = tmp_path / "repo"
     manifest = ckpt_archive.pack(dcp_dir, repo).manifest

@@ -38,7 +38,7 @@ def test_numpy_pcg64_and_legacy_rng_states_resume_the_same_draws(tmp_path):
     src = tmp_path / "rng.pt"
     torch.save(state, src)
     repo = tmp_path / "repo"
-    ckpt_archive.pack(src, repo, allow_numpy=True)
+    ckpt_archive.pack(src, repo, options=ckpt_archive.PackOptions(allow_numpy=True))
     back = ckpt_archive.load(repo)
     assert_same(state, back)
     assert back["rng"]["legacy"][1].dtype == np.uint32 and back["rng"]["legacy"][1].shape == (624,)
@@ -103,7 +103,7 @@ def test_grad_scaler_state_round_trips_exactly_into_a_live_scaler(tmp_path):
     src = tmp_path / "amp.pt"
     torch.save({"model": m.state_dict(), "optimizer": opt.state_dict(), "scaler": sd, "step": 37}, src)
     repo = tmp_path / "repo"
-    ckpt_archive.pack(src, repo, config={"fp16": True})
+    ckpt_archive.pack(src, repo, annotations=ckpt_archive.Annotations(config={"fp16": True}))
     out = tmp_path / "restored.pt"
     ckpt_archive.restore(repo, output=out)
     back = torch.load(out, weights_only=True)
@@ -121,8 +121,8 @@ def test_fp16_config_without_scaler_state_is_flagged_by_verify(tmp_path):
     base = {"model": m.state_dict(), "optimizer": opt.state_dict(), "step": 3,
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}
     bad, good = tmp_path / "bad", tmp_path / "good"
-    ckpt_archive.pack(base, bad, config={"fp16": True})
-    ckpt_archive.pack({**base, "scaler": scaler.state_dict()}, good, config={"fp16": True})
+    ckpt_archive.pack(base, bad, annotations=ckpt_archive.Annotations(config={"fp16": True}))
+    ckpt_archive.pack({**base, "scaler": scaler.state_dict()}, good, annotations=ckpt_archive.Annotations(config={"fp16": True}))
 
     res, payload = _cli_json("verify", bad)
     assert res.exit_code == 0
@@ -193,7 +193,7 @@ def test_cuda_rng_states_for_two_devices_restore_on_cpu_with_both_counts(tmp_pat
     src = tmp_path / "rng.pt"
     torch.save(state, src)
     repo = tmp_path / "repo"
-    ckpt_archive.pack(src, repo, allow_numpy=True)
+    ckpt_archive.pack(src, repo, options=ckpt_archive.PackOptions(allow_numpy=True))
     back = ckpt_archive.load(repo)
     assert_same(state, back)
 

@@ -48,6 +48,7 @@ def register(app: typer.Typer) -> None:
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
+        from ckpt_archive.ops.pack import Annotations, PackOptions
 
         out = Output(json_output)
         from ckpt_archive.cli.common import split_repo_spec
@@ -59,10 +60,13 @@ def register(app: typer.Typer) -> None:
                                    keep_tag, keep_best, best_by)
         total = _source_bytes(source)
         with out.progress(total, "pack") as bar:
-            res = ckpt_archive.pack(source, repo, config=config, metrics=metrics, data_ids=data_ids,
-                                    instructions=instructions, code_version=code_version, tags=tag,
-                                    progress={"step": step, "epoch": epoch}, fmt=fmt, allow_numpy=allow_numpy,
-                                    jobs=jobs, level=level, retention=policy, on_bytes=bar, wait=wait)
+            res = ckpt_archive.pack(
+                source, repo,
+                PackOptions(level=level, jobs=jobs, wait=wait, source_format=fmt, allow_numpy=allow_numpy),
+                Annotations(config=config, metrics=metrics, data_ids=data_ids, tags=tuple(tag),
+                            code_version=code_version, instructions=instructions,
+                            progress={"step": step, "epoch": epoch}),
+                retention=policy, on_bytes=bar)
         for line in res.leftovers:
             out.warn(f"leftover of an interrupted write: {line} (ckpt-archive gc removes it)")
         for line in res.warnings:

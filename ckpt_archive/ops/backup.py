@@ -11,7 +11,8 @@ A cron tick must be cheap and safe:
   complete (a ``torch.save`` zip whose central directory is whole, a safetensors file whose size
   matches its header, every shard an index names, parseable JSON, no temporary names). Otherwise the
   run is skipped with exit 75 (``EX_TEMPFAIL``) so cron reports it and the next tick retries.
-  A file that changes while it is being packed makes the new generation be forgotten again (exit 75).
+  A file that changes while it is being packed makes the new generation be withdrawn before it is
+  published (pack's before-publish hook; exit 75).
 * **never stuck**: an incomplete checkpoint that has not changed for longer than ``stale_after``
   (default ``max(600 s, 10 x settle)``, judged by its newest mtime) is not being written, it is
   broken (a trainer killed mid-save): it is skipped with a warning naming it and why, and the newest
@@ -444,7 +445,9 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         UsageError: a malformed retention policy, a negative ``settle`` or a non-positive ``stale_after``.
         CheckFailed: the new generation failed verification or trial reload (nothing published).
     """
-    from ckpt_archive.ops import api as api
+    from ckpt_archive.ops import pack as pack_op
+    from ckpt_archive.ops.pack import Annotations, PackOptions
+    from ckpt_archive.repo.publish import Withdrawn
     from ckpt_archive.repo.repository import Repository
     from ckpt_archive.retention.policy import RetentionPolicy, apply_after_pack
 
@@ -500,27 +503,44 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
                             f"source equals generation {newest.number}; nothing to do", read_bytes=read_bytes,
                             warnings=warnings, skipped=skipped)
 
-    # retention={} : no retention inside pack; it runs below, once the source is known not to have moved
-    result = api.pack(str(checkpoint), repo, retention={}, wait=wait, tags=tuple(tags))
-    gen = result.generation
-    warnings += list(result.warnings) + [f"leftover of an interrupted write: {x} (ckpt-archive gc removes it)"
-                                         for x in result.leftovers]
-    packed_hashes = manifest_source_hashes(result.manifest)
-    with rep.lock(wait=max(wait, 60.0)):
-        if _snapshot_or_none(checkpoint) != snap or (packed_hashes is not None and packed_hashes != hashes):
-            rep.remove_generation(gen)
+    # The source must not have moved while it was packed: decided through pack's before-publish hook,
+    # under the lock, so a generation of a moving source is withdrawn before it is ever usable.
+    withdrawn_as: dict[str, int] = {}
+
+    def before_publish(candidate) -> str | None:
+        packed = manifest_source_hashes(candidate.manifest)
+        if _snapshot_or_none(checkpoint) != snap or (packed is not None and packed != hashes):
+            return "changed while being packed"
+        earlier = [g for g in candidate.repo.usable() if g.number < candidate.number]
+        if earlier and manifest_source_hashes(earlier[-1].manifest) == hashes:
+            # a concurrent backup of the same content published just before us: keep theirs only
+            withdrawn_as["duplicate_of"] = earlier[-1].number
+            return f"a concurrent backup packed the same content as generation {earlier[-1].number}"
+        return None
+
+    # an empty policy: no retention inside pack; it runs below, after the backup state is remembered
+    try:
+        result = pack_op.pack(str(checkpoint), rep, PackOptions(wait=wait), Annotations(tags=tuple(tags)),
+                              retention=RetentionPolicy(), before_publish=before_publish)
+    except Withdrawn as exc:
+        gen = exc.number
+        warnings += list(exc.warnings) + [f"leftover of an interrupted write: {x} (ckpt-archive gc removes it)"
+                                          for x in exc.leftovers]
+        if "duplicate_of" not in withdrawn_as:
             return BackupResult("busy", key, str(checkpoint), None,
                                 f"changed while being packed: generation {gen} forgotten again",
                                 read_bytes=read_bytes, warnings=warnings, skipped=skipped)
-        earlier = [g for g in rep.usable() if g.number < gen]
-        if earlier and manifest_source_hashes(earlier[-1].manifest) == hashes:
-            # a concurrent backup of the same content published just before us: keep theirs only
-            rep.remove_generation(gen)
-            remember(earlier[-1].number)
-            return BackupResult("unchanged", key, str(checkpoint), earlier[-1].number,
-                                f"a concurrent backup packed the same content as generation {earlier[-1].number}; "
-                                f"duplicate generation {gen} removed", read_bytes=read_bytes, warnings=warnings,
-                                skipped=skipped)
+        theirs = withdrawn_as["duplicate_of"]
+        with rep.lock(wait=max(wait, 60.0)):
+            remember(theirs)
+        return BackupResult("unchanged", key, str(checkpoint), theirs,
+                            f"a concurrent backup packed the same content as generation {theirs}; "
+                            f"duplicate generation {gen} removed", read_bytes=read_bytes, warnings=warnings,
+                            skipped=skipped)
+    gen = result.generation
+    warnings += list(result.warnings) + [f"leftover of an interrupted write: {x} (ckpt-archive gc removes it)"
+                                         for x in result.leftovers]
+    with rep.lock(wait=max(wait, 60.0)):
         remember(gen)
         # pack verified and trial-reloaded `gen` moments ago: it counts as the kept verified copy unread
         ret = apply_after_pack(rep, policy.to_dict() if policy is not None else None, now=now, verified=(gen,))

@@ -268,8 +268,7 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
 
 
 def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
-    from ckpt_archive.repo.reader import ArchiveReader
-    from ckpt_archive.repo.repository import CLAIM, MANIFEST, MARKER, gen_key, host_record, raise_if_problems
+    from ckpt_archive.repo.repository import CLAIM, MANIFEST, MARKER, gen_key
 
     manifest = g.manifest
     number = g.number
@@ -309,67 +308,16 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
     elif names:
         out.status = "resumed"
 
-    # -- 1. claim, 2. manifest first (identifies our partial copy by archive id) ---------------------------
-    if CLAIM not in names:
-        dst.store.claim(f"{key}/{CLAIM}")
-    dst.faults.point("export-claim")
-    if MANIFEST not in names:
-        dst.store.write_bytes_once(f"{key}/{MANIFEST}", raw_manifest)
-    out.members.append({"key": f"{key}/{MANIFEST}", "member": None, "bytes": len(raw_manifest),
-                        "sha256": manifest_sha, "action": "present" if MANIFEST in names else "copied"})
-    dst.faults.point("export-after-manifest")
+    # -- 1. claim, 2. manifest first, 3. members, 4. trial reload, 5. marker: the one publish lifecycle ---------
+    from ckpt_archive.repo.publish import EXPORT_POINTS, Lifecycle
 
-    # -- 3. members: copy write-once, re-read from DEST (size, sha256 per chunk and whole) -----------------
-    for rec in manifest["members"]:
-        mkey = f"{key}/{rec['stored_path']}"
-        action = "copied"
-        if rec["stored_path"] in names or dst.store.exists(mkey):
-            bad = _check_at(dst.store, mkey, rec)
-            if bad is None:
-                action = "present"
-            else:
-                dst.store.remove(mkey)  # a damaged piece of our own partial copy (no marker): redo it
-                action = "replaced"
-        if action != "present":
-            _copy_member(src.store, dst.store, mkey, rec, on_bytes, dst.faults)
-            out.bytes_copied += rec["stored_bytes"]
-            dst.faults.point("export-after-member")
-        bad = _check_at(dst.store, mkey, rec)
-        out.checks.append(Check("size and sha256 re-read from destination (every chunk and whole)", bad is None,
-                                bad or f"{rec['stored_bytes']} bytes, {len(rec.get('chunks', []))} chunk(s)",
-                                member=rec["path"]))
-        if bad is not None:
-            raise IntegrityError(f"copy at {dst.location} does not match the manifest: {bad}; generation "
-                                 f"{number} stays partial there", where=rec["path"])
-        out.members.append({"key": mkey, "member": rec["path"], "bytes": rec["stored_bytes"],
-                            "sha256": rec["stored_sha256"], "action": action})
-    dst.store.fsync_dir(key)  # the members' and manifest's directory entries are durable too
-    dst.faults.point("export-after-members")
-    dst.faults.point("export-after-verify")
-    verified = {"when": _now(), "result": "ok", "members": len(manifest["members"]),
-                "where": dst.location, "how": "size and sha256 of every chunk and member re-read from here"}
-
-    # -- 4. trial reload from DEST (the core's reader; no second decoder) --------------------------------------
-    problems: list = []
-    counts = ArchiveReader(dst.store, key, manifest).trial_reload(problems)
-    out.checks.append(Check("trial reload from destination (decode every member, rebuild every tensor, "
-                            "compare raw sha256/dtype/shape, rebuild the tree)", not problems,
-                            f"{counts['tensors']} tensor(s), {counts['bytes']} raw bytes decoded" if not problems
-                            else "; ".join(f"{p.member or p.field}: {p.reason}" for p in problems[:5])))
-    raise_if_problems(f"trial reload at {dst.location}", problems, number)
-    dst.faults.point("export-after-trial-reload")
-
-    # -- 5. marker last, naming DEST -------------------------------------------------------------------------
-    record = {"verified": verified,
-              "trial_reload": {**host_record(dst.location), "result": "ok", "tensors": counts["tensors"],
-                               "bytes": counts["bytes"]},
-              "exported_from": {"location": src.location, "generation": number, "when": _now()}}
-    marker = dst.write_marker(number, manifest_sha, out.archive_id, record)
+    steps = _ExportSteps(src, g, out, names, raw_manifest, manifest_sha, on_bytes)
+    published = Lifecycle(dst, steps, EXPORT_POINTS, reload_where=f"trial reload at {dst.location}").run()
     dst.faults.point("export-after-publish")
     raw_marker = dst.store.read_bytes(f"{key}/{MARKER}")
     out.members.append({"key": f"{key}/{MARKER}", "member": None, "bytes": len(raw_marker),
                         "sha256": hashlib.sha256(raw_marker).hexdigest(), "action": "written"})
-    out.marker = marker
+    out.marker = published.marker
     listed = dst.generation(number)
     out.checks.append(Check("listed as usable by a reader of the destination", listed.usable,
                             listed.reason or f"marker names {dst.location}"))
@@ -377,6 +325,85 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
         raise IntegrityError(f"generation {number} is {listed.status} at the destination after publishing: "
                              f"{listed.reason}", where=dst.location)
     return out
+
+
+class _ExportSteps:
+    """The publish lifecycle's steps for a generation copied from ``src`` (see
+    :class:`ckpt_archive.repo.publish.Steps`): the manifest first (a re-run recognises its own partial
+    copy by archive id; harmless, as no reader lists a generation without its marker), then every member
+    copied write-once and re-read from DEST (size, sha256 of every chunk and of the whole)."""
+
+    def __init__(self, src, g, out: "ExportedGeneration", names: set, raw_manifest: bytes, manifest_sha: str,
+                 on_bytes):
+        self.src = src
+        self.g = g
+        self.out = out
+        self.names = names
+        self.raw_manifest = raw_manifest
+        self.manifest_sha = manifest_sha
+        self.on_bytes = on_bytes
+
+    def claim(self, dst) -> int:
+        from ckpt_archive.repo.repository import CLAIM, gen_key
+
+        if CLAIM not in self.names:
+            dst.store.claim(f"{gen_key(self.g.number)}/{CLAIM}")
+        return self.g.number
+
+    def write_members(self, dst, number: int) -> None:
+        from ckpt_archive.repo.repository import MANIFEST, gen_key
+
+        key, names, out = gen_key(number), self.names, self.out
+        if MANIFEST not in names:
+            dst.store.write_bytes_once(f"{key}/{MANIFEST}", self.raw_manifest)
+        out.members.append({"key": f"{key}/{MANIFEST}", "member": None, "bytes": len(self.raw_manifest),
+                            "sha256": self.manifest_sha, "action": "present" if MANIFEST in names else "copied"})
+        dst.faults.point("export-after-manifest")
+        for rec in self.g.manifest["members"]:
+            mkey = f"{key}/{rec['stored_path']}"
+            action = "copied"
+            if rec["stored_path"] in names or dst.store.exists(mkey):
+                bad = _check_at(dst.store, mkey, rec)
+                if bad is None:
+                    action = "present"
+                else:
+                    dst.store.remove(mkey)  # a damaged piece of our own partial copy (no marker): redo it
+                    action = "replaced"
+            if action != "present":
+                _copy_member(self.src.store, dst.store, mkey, rec, self.on_bytes, dst.faults)
+                out.bytes_copied += rec["stored_bytes"]
+                dst.faults.point("export-after-member")
+            bad = _check_at(dst.store, mkey, rec)
+            out.checks.append(Check("size and sha256 re-read from destination (every chunk and whole)", bad is None,
+                                    bad or f"{rec['stored_bytes']} bytes, {len(rec.get('chunks', []))} chunk(s)",
+                                    member=rec["path"]))
+            if bad is not None:
+                raise IntegrityError(f"copy at {dst.location} does not match the manifest: {bad}; generation "
+                                     f"{number} stays partial there", where=rec["path"])
+            out.members.append({"key": mkey, "member": rec["path"], "bytes": rec["stored_bytes"],
+                                "sha256": rec["stored_sha256"], "action": action})
+
+    def seal(self, dst, number: int) -> tuple[dict, bytes]:
+        return self.g.manifest, self.raw_manifest  # written first, byte-identical to the source's
+
+    def verify(self, dst, number: int, reader) -> dict:
+        # every member was re-read from DEST as it was copied (write_members)
+        return {"when": _now(), "result": "ok", "members": len(self.g.manifest["members"]),
+                "where": dst.location, "how": "size and sha256 of every chunk and member re-read from here"}
+
+    def reloaded(self, problems: list, counts: dict) -> None:
+        self.out.checks.append(Check("trial reload from destination (decode every member, rebuild every tensor, "
+                                     "compare raw sha256/dtype/shape, rebuild the tree)", not problems,
+                                     f"{counts['tensors']} tensor(s), {counts['bytes']} raw bytes decoded"
+                                     if not problems else
+                                     "; ".join(f"{p.member or p.field}: {p.reason}" for p in problems[:5])))
+
+    def record(self, dst, counts: dict) -> dict:
+        from ckpt_archive.repo.repository import host_record
+
+        return {"trial_reload": {**host_record(dst.location), "result": "ok", "tensors": counts["tensors"],
+                                 "bytes": counts["bytes"]},
+                "exported_from": {"location": self.src.location, "generation": self.g.number, "when": _now()}}
 
 
 def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> ExportedGeneration:

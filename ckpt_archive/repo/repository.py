@@ -23,6 +23,7 @@ from ckpt_archive import __version__
 from ckpt_archive.errors import (CheckFailed, CkptArchiveError, IntegrityError, LockError, ManifestInvalid, NewerFormatError,
                      NoUsableGeneration, NotFound, StoreError, UsageError)
 from ckpt_archive.format.manifest import parse as parse_manifest
+from ckpt_archive.format.metrics import read_metrics
 from ckpt_archive.store.base import Store, open_store
 from ckpt_archive.store.faults import NO_FAULTS, Faults
 
@@ -96,7 +97,9 @@ class Generation:
 
     @property
     def metrics(self) -> dict:
-        return dict((self.manifest or {}).get("metrics", {}) or {})
+        """The manifest's metrics as plain JSON values (old manifests' tagged values read here, once:
+        :func:`ckpt_archive.format.metrics.read_metrics`)."""
+        return read_metrics((self.manifest or {}).get("metrics"))
 
     @property
     def raw_bytes(self) -> int | None:

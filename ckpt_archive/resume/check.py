@@ -260,9 +260,10 @@ class ArchiveLoop:
             IntegrityError: the new generation failed verification.
         """
         import ckpt_archive
+        from ckpt_archive.ops.pack import Annotations
 
-        res = ckpt_archive.pack(str(checkpoint), self.repo, tags=("check-resume",),
-                                progress={"step": step} if step is not None else None)
+        res = ckpt_archive.pack(str(checkpoint), self.repo, annotations=Annotations(
+            tags=("check-resume",), progress={"step": step} if step is not None else None))
         self.generation = int(res.generation)
         rep = ckpt_archive.verify(self.repo, str(self.generation), deep=True)
         if not rep.ok:

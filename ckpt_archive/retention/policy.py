@@ -611,10 +611,10 @@ def _verify_problems(repo: Any, number: int) -> list[str]:
     Returns one line per problem (``member: reason``); ``[]`` when it verifies. A generation that could
     not be checked at all (unreadable, vanished) counts as failing, with the reason.
     """
-    from ckpt_archive.ops import api as api
+    from ckpt_archive.ops import verify as verify_op
 
     try:
-        report = api.verify(repo, str(number))
+        report = verify_op.verify(repo, str(number))
     except (CkptArchiveError, OSError) as exc:
         return [f"could not be verified: {exc}"]
     lines = []
@@ -679,7 +679,7 @@ def apply_after_pack(repo: Any, policy: RetentionPolicy | Mapping[str, Any] | No
                      now: datetime | None = None, verified: Iterable[int] = ()) -> dict[str, Any]:
     """Apply a retention policy right after ``pack`` made a new generation usable.
 
-    The caller (``api.pack``) already holds the repository lock. ``policy=None`` uses the
+    The caller (``ckpt_archive.ops.pack.pack``) already holds the repository lock. ``policy=None`` uses the
     repository's default policy (``repository.json`` ``retention``); no policy there means nothing
     is removed. A policy the repository refuses (see :func:`apply_policy`) never fails the pack: it
     comes back as a warning. Nothing is removed unless a kept generation verifies (:func:`check_kept`);

@@ -1921,7 +1921,7 @@ def state_for_audit(repo: Any, generation: str | int = "latest", *, budget: int 
     Raises:
         IntegrityError (exit 1), NotFound / NoUsableGeneration (exit 2): as :func:`ckpt_archive.load`.
     """
-    from ckpt_archive.ops.api import _pick, _repo
+    from ckpt_archive.ops.common import open_repo as _repo, pick as _pick
     from ckpt_archive.repo.reader import ArchiveReader
     from ckpt_archive.format.state_tree import decode
 
@@ -2013,7 +2013,7 @@ def cli_inspect(info: dict, repo: Any, out: Any) -> dict:
 
 
 def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
-    """``verify``: add the audit and lint to a :class:`~ckpt_archive.ops.api.VerifyReport`.
+    """``verify``: add the audit and lint to a :class:`~ckpt_archive.ops.verify.VerifyReport`.
 
     Semantics: audit findings of severity ``error`` are problems (exit 1); audit warnings are warnings;
     completeness findings are warnings, and problems under ``--strict``. A generation that failed its

@@ -1,0 +1,338 @@
+"""``pack``: a checkpoint into a new generation, returned only once it is usable.
+
+The input is checked and encoded first (anything that refuses it runs before a generation number is
+claimed, so a refusal leaves nothing behind); then the one publish lifecycle runs
+(:mod:`ckpt_archive.repo.publish`: claim -> members -> seal -> verify -> trial reload -> marker, under
+the lock); then retention, still under the lock, only after the new generation is usable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from ckpt_archive import __version__
+from ckpt_archive.errors import CkptArchiveError, SourceError, StoreError, UsageError
+from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
+from ckpt_archive.format.manifest import FORMAT, FORMAT_VERSION, dumps, validate
+from ckpt_archive.format.metrics import metrics_to_json
+from ckpt_archive.ops.common import RepoLike, open_repo
+from ckpt_archive.ops.meta import code_identity, default_instructions, environment, find_progress, value_or_file
+from ckpt_archive.repo.publish import PACK_POINTS, BeforePublish, Lifecycle, Withdrawn
+from ckpt_archive.repo.reader import ArchiveReader, Problem
+from ckpt_archive.repo.repository import MANIFEST, Repository, gen_key, host_record, iso, raise_if_problems, utcnow
+from ckpt_archive.repo.writer import write_members
+
+if TYPE_CHECKING:
+    from ckpt_archive.retention.policy import RetentionPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class PackOptions:
+    """How to read the source and write the generation (none of it is recorded as the archive's meaning).
+
+    Attributes:
+        level: zstd level, -7..22 (default 3).
+        jobs: encoder/decoder threads (default: cores).
+        chunk_bytes: raw bytes per compressed chunk (default 4 MiB).
+        wait: seconds to wait for another writer's lock (0: fail at once with LockError).
+        source_format: force a source reader (see :data:`ckpt_archive.sources.READERS`); None detects it.
+        allow_numpy: admit NumPy's own types in a ``.pt`` (a narrow allowlist; never other classes).
+    """
+
+    level: int | None = None
+    jobs: int | None = None
+    chunk_bytes: int | None = None
+    wait: float = 0.0
+    source_format: str | None = None
+    allow_numpy: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Annotations:
+    """What the manifest records about the checkpoint besides its state.
+
+    Attributes:
+        config: the experiment's parameters: a dict, or the path of a JSON/YAML/TOML file (types kept).
+        metrics: a dict (NumPy scalars become numbers; non-finite floats the strings "nan", "inf",
+            "-inf"; see :mod:`ckpt_archive.format.metrics`), or the path of such a file.
+        data_ids: list/dict, or a path (JSON/YAML/TOML, or ``.txt`` one id per line): stored as a member
+            and fingerprinted (sha256).
+        tags: labels (``tag:NAME`` selects the newest usable generation so tagged); a str is one tag.
+        code_version: free text; the git commit and dirty flag are recorded when run in a work tree.
+        instructions: text, a path to a text file, or ``{"text", "snippet"}``; generated when None.
+        progress: ``{"step", "epoch", "cursor"}`` overriding what is found in the state (None values
+            are ignored).
+    """
+
+    config: Any = None
+    metrics: Any = None
+    data_ids: Any = None
+    tags: tuple[str, ...] | str = ()
+    code_version: str | None = None
+    instructions: Any = None
+    progress: Mapping[str, int | None] | None = None
+
+
+@dataclasses.dataclass
+class PackResult:
+    """What :func:`pack` made.
+
+    Attributes:
+        generation: the new generation's number.
+        status: ``"usable"`` (pack returns only after the marker is written).
+        path: the generation's location (``REPO/generations/00000007``).
+        manifest: the manifest as written.
+        warnings: notes worth reading (e.g. a dict subclass stored as dict).
+        leftovers: non-usable generations found (interrupted writes; ``ckpt-archive gc`` removes them).
+        retention: what retention removed/kept, when a policy ran.
+        trial_reload: the marker's trial-reload record (where, when, host, counts).
+    """
+
+    generation: int
+    status: str
+    path: str
+    manifest: dict
+    warnings: list[str]
+    leftovers: list[str]
+    retention: dict | None = None
+    trial_reload: dict | None = None
+
+    def to_json(self) -> dict:
+        m = self.manifest
+        return {"generation": self.generation, "status": self.status, "path": self.path,
+                "archive_id": m["archive_id"], "step": m["progress"].get("step"),
+                "raw_bytes": m["summary"]["raw_bytes"], "stored_bytes": m["summary"]["stored_bytes"],
+                "tensor_count": m["summary"]["tensor_count"], "source_format": m["source"]["format"],
+                "warnings": self.warnings, "leftovers": self.leftovers, "retention": self.retention,
+                "trial_reload": self.trial_reload}
+
+
+def _instructions(instructions: Any, source) -> dict:
+    top = [str(k) for k in source.state.keys()] if isinstance(source.state, dict) else []
+    base = default_instructions(source.format, source.layout, top)
+    if instructions is None:
+        return base
+    if isinstance(instructions, dict):
+        return {"text": str(instructions.get("text", base["text"])),
+                "snippet": str(instructions.get("snippet", base["snippet"]))}
+    p = Path(str(instructions))
+    try:
+        text = p.read_text(encoding="utf-8") if p.is_file() else str(instructions)
+    except UnicodeDecodeError:
+        raise SourceError("instructions file is not UTF-8 text", where=str(p)) from None
+    return {"text": text, "snippet": base["snippet"]}
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """The input, read, checked and encoded before anything is claimed."""
+
+    source: Any
+    encoded: tuple
+    progress: dict
+    config: Any
+    metrics: dict
+    data_ids: Any
+    tags: list[str]
+    instructions: dict
+    code_version: str | None
+
+
+def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, retention: Any) -> _Prepared:
+    from ckpt_archive.sources import from_object, read_source
+
+    if retention is not None:
+        from ckpt_archive.retention.policy import RetentionPolicy
+
+        if not isinstance(retention, RetentionPolicy):
+            raise UsageError(f"retention must be a RetentionPolicy or None, not {type(retention).__name__} "
+                             f"(RetentionPolicy.from_dict({retention!r}) reads a dict)")
+    if isinstance(source_or_path, (str, os.PathLike)):
+        source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy)
+    else:
+        source = from_object(source_or_path)
+    config_v = value_or_file(notes.config, what="config file")
+    metrics_v = value_or_file(notes.metrics, what="metrics file")
+    ids_v = value_or_file(notes.data_ids, what="data-ids file")
+    found = find_progress(source.state) if source.layout == "file" else {}
+    given = {k: v for k, v in (notes.progress or {}).items() if v is not None}
+    prog = {**found, **(source.progress or {}), **given}
+    prog = {k: prog.get(k) for k in ("step", "epoch", "cursor")}
+    if options.level is not None and not -7 <= int(options.level) <= 22:
+        raise UsageError(f"zstd level must be between -7 and 22, not {options.level}")
+    if options.jobs is not None and int(options.jobs) < 1:
+        raise UsageError(f"--jobs must be at least 1, not {options.jobs}")
+    tags = notes.tags
+    if isinstance(tags, (str, bytes)):
+        tags = (tags,)  # tags="nightly" is one tag, not seven one-letter tags
+    for name in ("step", "epoch", "cursor"):
+        value = prog.get(name)
+        if value is not None and value < 0:
+            raise UsageError(f"progress {name} must not be negative ({value})")
+    import json
+
+    from ckpt_archive.format.state_tree import encode, encode_value
+
+    encoded = encode(source.state)
+    config_enc = encode_value(config_v) if config_v is not None else {}
+    metrics_plain = metrics_to_json(metrics_v)
+    try:
+        json.dumps(ids_v, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"data ids must be plain JSON values: {exc}") from None
+    return _Prepared(source, encoded, prog, config_enc, metrics_plain, ids_v, [str(t) for t in tags],
+                     _instructions(notes.instructions, source), notes.code_version)
+
+
+class _PackSteps:
+    """The publish lifecycle's steps for a source packed here (see :class:`ckpt_archive.repo.publish.Steps`)."""
+
+    def __init__(self, prep: _Prepared, options: PackOptions, on_bytes):
+        self.prep = prep
+        self.options = options
+        self.on_bytes = on_bytes
+        self.manifest: dict | None = None
+        self.warnings: list[str] = []
+
+    def claim(self, repo: Repository) -> int:
+        return repo.claim_next()
+
+    def write_members(self, repo: Repository, number: int) -> None:
+        p, o = self.prep, self.options
+        body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
+                             level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
+                             chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
+                             encoded=p.encoded, faults=repo.faults)
+        self.warnings = body.pop("warnings")
+        self.manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "archive_id": uuid.uuid4().hex,
+            "generation": number, "created": iso(utcnow()),
+            "tool": {"name": "ckpt-archive", "version": __version__},
+            "source": body["source"], "progress": p.progress,
+            "config": p.config, "metrics": p.metrics,
+            "data": body["data"], "instructions": p.instructions,
+            "code": code_identity(p.code_version), "environment": environment(),
+            "tags": p.tags, "tree_member": body["tree_member"],
+            "members": body["members"], "tensors": body["tensors"], "summary": body["summary"],
+        }
+
+    def seal(self, repo: Repository, number: int) -> tuple[dict, bytes]:
+        key = gen_key(number)
+        validate(self.manifest, where=f"{key}/{MANIFEST}")
+        raw = dumps(self.manifest)
+        repo.store.write_bytes_once(f"{key}/{MANIFEST}", raw)
+        return self.manifest, raw
+
+    def verify(self, repo: Repository, number: int, reader: ArchiveReader) -> dict:
+        problems: list[Problem] = []
+        # sizes here; every chunk's stored sha256 is checked by the trial reload's single read
+        reader.check_stored(problems, hash_files=False)
+        raise_if_problems("verify", problems, number)
+        return {"when": iso(utcnow()), "result": "ok", "members": len(self.manifest["members"])}
+
+    def reloaded(self, problems: list[Problem], counts: dict) -> None:
+        pass
+
+    def record(self, repo: Repository, counts: dict) -> dict:
+        return {"trial_reload": {**host_record(repo.location), "result": "ok", **counts}}
+
+
+def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annotations: Annotations | None = None,
+         *, retention: "RetentionPolicy | None" = None, on_bytes: Callable[[int], None] | None = None,
+         before_publish: BeforePublish | None = None) -> PackResult:
+    """Pack a checkpoint into a new generation of ``repo``; return only once it is usable.
+
+    Lifecycle (docs/FORMAT.md; :mod:`ckpt_archive.repo.publish`): claim -> write members -> seal
+    (manifest) -> verify (re-read: sizes, sha256) -> trial reload (every tensor decoded one at a time:
+    raw sha256, dtype, shape; tree rebuilt) -> publish (``USABLE.json`` last) -> retention (only after
+    publish), all under the repository lock.
+
+    Args:
+        source: a nested state (dict/list/tuple with tensors, NumPy arrays/scalars and plain values)
+            or a path to a ``torch.save`` file or a checkpoint folder.
+        repo: repository path/URL (created if absent) or an open Repository.
+        options: :class:`PackOptions` (compression, threads, lock wait, source reader).
+        annotations: :class:`Annotations` (config, metrics, data ids, tags, code version, instructions,
+            progress overrides).
+        retention: a :class:`~ckpt_archive.retention.policy.RetentionPolicy` applied after publish;
+            ``None`` applies the repository's default policy, if any; an empty ``RetentionPolicy()``
+            applies none even when the repository has a default (``backup`` runs retention itself).
+        on_bytes: progress callback, raw bytes processed.
+        before_publish: called under the lock with the checked generation before its marker is written
+            (:data:`~ckpt_archive.repo.publish.BeforePublish`); a returned reason withdraws it.
+
+    Returns:
+        :class:`PackResult`.
+
+    Raises:
+        SourceError / RefusedPickle: unreadable or refused input (exit 2). UsageError: bad options, or a
+        ``retention`` that is not a RetentionPolicy (exit 2). LockError: another writer.
+        IntegrityError: the new generation failed verify or trial reload (exit 1; left partial).
+        StoreError: the store failed (disk full, read-only, permissions) (exit 2; left partial).
+        Withdrawn: ``before_publish`` withdrew the generation (removed; exit 2).
+
+    Example:
+        >>> import torch, ckpt_archive, tempfile
+        >>> from ckpt_archive.ops.pack import Annotations
+        >>> r = ckpt_archive.pack({"model": {"w": torch.ones(2)}, "step": 3}, tempfile.mkdtemp(),
+        ...                       annotations=Annotations(metrics={"val_loss": 0.25}, tags=("nightly",)))
+        >>> r.status, r.manifest["progress"]["step"], r.manifest["metrics"]
+        ('usable', 3, {'val_loss': 0.25})
+    """
+    options = options or PackOptions()
+    annotations = annotations or Annotations()
+    # Everything that can refuse the input runs before a generation number is claimed, so a refusal
+    # leaves nothing behind in the repository.
+    prep = _prepare(source, options, annotations, retention)
+    r = open_repo(repo, create=True)
+    steps = _PackSteps(prep, options, on_bytes)
+    with r.lock(options.wait):
+        leftovers = [f"generation {g.number} is {g.status}: {g.reason}" for g in r.generations()
+                     if g.status in ("partial", "damaged")]
+        life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait, jobs=options.jobs)
+        try:
+            published = life.run()
+        except Withdrawn as exc:
+            exc.warnings = steps.warnings
+            exc.leftovers = leftovers
+            raise
+        except CkptArchiveError as exc:
+            if life.step == "claim":
+                raise
+            if not exc.message.startswith("pack failed"):
+                exc.message = (f"pack failed at step '{life.step}' (generation {life.number} left partial): "
+                               f"{exc.message}")
+            raise
+        except OSError as exc:
+            if life.step == "claim":
+                raise
+            why = {errno.ENOSPC: "disk full", errno.EROFS: "read-only destination",
+                   errno.EACCES: "permission denied", errno.EDQUOT: "quota exceeded"}.get(exc.errno, "I/O error")
+            raise StoreError(f"pack failed at step '{life.step}' ({why}: {exc.strerror or exc}); generation "
+                             f"{life.number} left partial, earlier generations untouched; `ckpt-archive gc` "
+                             f"removes it", where=getattr(exc, "filename", None) or r.location) from None
+        number = published.number
+        warnings = steps.warnings
+        # Published: from here on the new generation is usable whatever happens, so later failures are
+        # warnings, never "left partial".
+        retention_result = None
+        try:
+            r.faults.point("after-publish")
+            policy = retention if retention is not None else r.config.get("retention")
+            if policy and not (hasattr(policy, "is_empty") and policy.is_empty()):
+                r.faults.point("retention")
+                from ckpt_archive.retention import policy as _retention
+
+                retention_result = _retention.apply_after_pack(r, policy, verified=(number,))
+                warnings += list(retention_result.get("warnings", []) if isinstance(retention_result, dict) else [])
+        except (CkptArchiveError, OSError) as exc:
+            warnings.append(f"generation {number} is usable, but retention did not run to completion: {exc}")
+    return PackResult(number, "usable", f"{r.location}/{gen_key(number)}", published.manifest, warnings, leftovers,
+                      retention_result, published.trial_reload)
+
+
+__all__ = ["pack", "PackOptions", "Annotations", "PackResult"]

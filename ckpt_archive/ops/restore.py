@@ -1,0 +1,230 @@
+"""``restore``: write an archived generation back as the files it came from (a ``torch.save`` file, a
+``.safetensors`` file, or a checkpoint folder), atomically, never over the repository itself."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from ckpt_archive.errors import InsufficientSpace, IntegrityError, OutputExists, UsageError
+from ckpt_archive.ops.common import RepoLike, open_repo, pick, with_fallback
+from ckpt_archive.repo.reader import ArchiveReader
+from ckpt_archive.repo.repository import Generation, Repository
+
+
+@dataclasses.dataclass
+class RestoreResult:
+    """What :func:`restore` wrote: ``output`` path, ``generation``, ``bytes_written``, ``layout``."""
+
+    generation: int
+    output: str
+    bytes_written: int
+    layout: str
+    only: str | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"ok": True, "generation": self.generation, "output": self.output,
+                "bytes_written": self.bytes_written, "layout": self.layout, "only": self.only,
+                "warnings": self.warnings, **self.extra}
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _check_space(path: Path, need: int) -> None:
+    import shutil
+
+    p = path.parent
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if free < need:
+        raise InsufficientSpace(f"needs about {need} bytes, {free} free", where=str(p))
+
+
+def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.PathLike | None = None, *,
+            force: bool = False, only: str | None = None, fallback: bool = False, map_location=None,
+            jobs: int | None = None, transform: Callable[[Any], Any] | None = None,
+            consolidate: str | os.PathLike | None = None, **store_options) -> RestoreResult:
+    """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
+    sources), atomically: temporary name in the same folder, fsync, rename.
+
+    A ``.safetensors`` file source is restored as a ``.safetensors`` file with its header metadata.
+
+    Args:
+        repo: repository path/URL or Repository.
+        generation: ``"latest"``, a number, or ``"tag:NAME"``.
+        output: the ``.pt`` file or folder to create.
+        force: replace an existing output (only after the new one is complete).
+        only: restore part of the state (``"model"``: the weights alone, for inference) as a ``.pt``.
+        fallback: when ``latest`` fails its checks, restore the newest older generation that verifies.
+        map_location: move torch tensors there (default: CPU). jobs: decoder threads.
+        transform: applied to a file source's state before it is saved (used by ``--policy session``).
+        consolidate: for a torch.distributed.checkpoint (DCP) folder source, also write its whole state
+            as one ``torch.save`` file at this path (``sources/dcp.py: consolidate_dcp``).
+        **store_options: for URL repositories.
+
+    Returns:
+        :class:`RestoreResult`.
+
+    Raises:
+        OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1);
+        UsageError (exit 2): no output, or an output that would destroy the repository or the current folder.
+
+    Example:
+        >>> import os, torch, ckpt_archive, tempfile
+        >>> repo, out = tempfile.mkdtemp(), os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> _ = ckpt_archive.pack({"w": torch.ones(2), "step": 1}, repo)
+        >>> r = ckpt_archive.restore(repo, output=out)
+        >>> r.generation, torch.load(out, weights_only=True)["step"]
+        (1, 1)
+    """
+    import torch
+
+    if output is None:
+        raise UsageError("restore needs an output path (--output)")
+    out = Path(output).expanduser().absolute()
+    if (out.exists() or out.is_symlink()) and not force:
+        raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
+    r = open_repo(repo, **store_options)
+    gen0 = pick(r, generation, fallback)
+    # the output plus the spill files tensors are mapped from while torch.save writes it
+    _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))
+    layout = gen0.manifest["source"]["layout"]
+    _check_output_target(out, r, writes_folder=(layout == "folder" and not only))
+    if consolidate is not None:
+        if layout != "folder" or only or "" not in (gen0.manifest["source"].get("info") or {}).get("dcp", {}):
+            raise UsageError("--consolidate applies to a torch.distributed.checkpoint (DCP) folder source only "
+                             f"(this generation's source is {gen0.manifest['source']['format']})")
+        consolidate = Path(consolidate).expanduser().absolute()
+        if consolidate.exists() and not force:
+            raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(consolidate))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+
+    def write(gen: Generation) -> int:
+        reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
+        if layout == "folder" and not only:
+            return _restore_folder(reader, gen.manifest, tmp, map_location)
+        # tensors over memory-mapped spill files next to the output: anonymous memory stays bounded
+        state = reader.load(only, map_location=map_location, spill_dir=tmp.parent)
+        if transform is not None:
+            state = transform(state)
+        src_files = gen.manifest["source"].get("files") or [{}]
+        if layout == "file" and not only and src_files[0].get("kind") == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(state, str(tmp), metadata=src_files[0].get("metadata") or None)
+            _fsync_file(tmp)
+            return tmp.stat().st_size
+        torch.save(state, tmp)
+        _fsync_file(tmp)
+        return tmp.stat().st_size
+
+    try:
+        gen, nbytes = with_fallback(r, generation, fallback, write)
+    except BaseException:
+        _remove(tmp)
+        raise
+    if out.exists() or out.is_symlink():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        _remove(old)
+    else:
+        os.replace(tmp, out)
+    from ckpt_archive.store.local import fsync_directory
+
+    fsync_directory(out.parent)
+    result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only)
+    if consolidate is not None:
+        from ckpt_archive.sources.dcp import consolidate_dcp
+
+        target = consolidate_dcp(out, consolidate)
+        result.extra["consolidated"] = str(target)
+    return result
+
+
+def _check_output_target(out: Path, r: Repository, *, writes_folder: bool) -> None:
+    """Refuse outputs that would destroy something: the repository itself (or a folder holding it, or a
+    path inside it), or a folder replaced by a file / a file by a folder, even with ``--force``.
+
+    Raises:
+        UsageError (exit 2): naming the output and why; nothing is written.
+    """
+    real = Path(os.path.realpath(out))
+    local_root = r.store.local_path("")
+    if local_root is not None:
+        repo_root = Path(os.path.realpath(local_root))
+        if real == repo_root or repo_root in real.parents or real in repo_root.parents:
+            raise UsageError("refusing to restore over or inside the repository being restored from "
+                             f"({repo_root}); choose an output outside it", where=str(out))
+    if real == Path(os.path.realpath(os.getcwd())) or real in Path(os.path.realpath(os.getcwd())).parents:
+        raise UsageError("refusing to replace the current folder or one of its parents", where=str(out))
+    if out.is_dir() and not out.is_symlink() and not writes_folder:
+        raise UsageError("is a folder; this generation restores to a file (give a file path, e.g. out.pt)",
+                         where=str(out))
+    if out.exists() and not out.is_dir() and writes_folder:
+        raise UsageError("is a file; this generation restores to a folder (a folder source)", where=str(out))
+    if out.is_dir() and writes_folder and any(out.iterdir()):
+        # --force replacing a folder: only one that looks like an earlier restore of a folder source
+        if (out / "repository.json").exists() or (out / "generations").is_dir():
+            raise UsageError("holds a ckpt-archive repository; refusing to replace it", where=str(out))
+
+
+def _remove(p: Path) -> None:
+    import shutil
+
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_location=None) -> int:
+    """Recreate a folder source: torch files via torch.save, safetensors files via safetensors with
+    their metadata, raw/opaque files byte for byte. Returns bytes written."""
+    import torch
+
+    dest.mkdir(parents=True)
+    tree = reader.tree()
+    total = 0
+    for f in manifest["source"]["files"]:
+        target = dest / f["relpath"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if f["kind"] in ("raw", "opaque"):
+            rec = reader.by_path[f["member"]]
+            with open(target, "wb") as fh:
+                for _, chunk in reader.iter_member(rec):
+                    fh.write(chunk)
+        else:
+            node = _folder_node(tree, f["relpath"])
+            obj = reader.load_node(node, map_location=map_location)
+            if f["kind"] == "safetensors":
+                from safetensors.torch import save_file
+
+                save_file(obj, str(target), metadata=f.get("metadata") or None)
+            else:
+                torch.save(obj, target)
+        _fsync_file(target)
+        total += target.stat().st_size
+    return total
+
+
+def _folder_node(tree: Any, relpath: str) -> Any:
+    if isinstance(tree, dict) and "$t" not in tree:
+        if relpath in tree:
+            return tree[relpath]
+    elif isinstance(tree, dict) and tree.get("$t") in ("dict", "odict"):
+        for k, v in tree["items"]:
+            if k == relpath:
+                return v
+    raise IntegrityError(f"state tree has no entry for source file {relpath!r}", where="tree.json")
+
+
+__all__ = ["restore", "RestoreResult"]

@@ -1,0 +1,166 @@
+"""``verify``: check a generation, shallow (stored bytes) or deep (trial reload); mark a copied one usable.
+
+Reading needs no lock. Marking a ``copied`` generation usable is a publish, so it goes through
+:func:`ckpt_archive.repo.publish.adopt` (under the lock, marker last).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ckpt_archive.errors import IntegrityError
+from ckpt_archive.ops.common import RepoLike, open_repo
+from ckpt_archive.repo.reader import ArchiveReader, Problem
+from ckpt_archive.repo.repository import MANIFEST, Generation, Repository
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """Result of :func:`verify`.
+
+    Attributes:
+        ok: True when nothing is wrong.
+        generation: the generation checked.
+        status: its status before the check (``usable``, ``copied``, ...).
+        deep: whether members were decoded and every tensor rebuilt (trial reload).
+        problems: what is wrong, each naming the member and/or field.
+        warnings: notes that do not fail the check (completeness lint, policy audit, ...).
+        fallback: when ``@latest`` fails: the newest older generation that verifies, else None.
+        marked_usable: a ``copied`` generation that passed ``--deep`` and was marked usable here.
+    """
+
+    ok: bool
+    generation: int
+    status: str
+    deep: bool
+    problems: list[Problem]
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    fallback: int | None = None
+    marked_usable: bool = False
+    stats: dict | None = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "generation": self.generation, "status": self.status, "deep": self.deep,
+                "problems": [p.to_json() for p in self.problems], "warnings": self.warnings,
+                "fallback_generation": self.fallback, "marked_usable": self.marked_usable, "stats": self.stats,
+                **self.extra}
+
+
+def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | None = None,
+                     on_bytes=None) -> tuple[list[Problem], dict | None]:
+    """Check one generation: shallow (stored sizes and sha256) or deep (the trial reload), plus the
+    source layout (DCP shards).
+
+    Returns:
+        ``(problems, trial-reload counts or None)``.
+
+    Raises:
+        the generation's own read error when it could not be checked at all (exit 2).
+    """
+    problems: list[Problem] = []
+    if gen.manifest is None:
+        if gen.error is not None and not isinstance(gen.error, IntegrityError) and gen.error.exit_code == 2:
+            raise gen.error
+        problems.append(Problem(f"not usable: {gen.reason}", member=MANIFEST))
+        return problems, None
+    if gen.status == "damaged":
+        problems.append(Problem(gen.reason or "damaged", member="USABLE.json"))
+    elif gen.status == "partial":
+        problems.append(Problem(f"not usable: {gen.reason}", member="USABLE.json"))
+    reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
+    stats = None
+    if deep:
+        stats = reader.trial_reload(problems, on_bytes=on_bytes)
+    else:
+        reader.check_stored(problems, on_bytes=on_bytes)
+    problems.extend(source_layout_problems(gen.manifest))
+    return problems, stats
+
+
+def source_layout_problems(manifest: dict) -> list[Problem]:
+    """DCP folders in a folder source: every shard the ``.metadata`` references is among the archived
+    files and long enough for the byte ranges it reads (``sources/dcp.py: check_dcp_folder``)."""
+    src = manifest.get("source") or {}
+    info = src.get("info") or {}
+    if not info.get("dcp"):
+        return []
+    from ckpt_archive.sources.dcp import check_dcp_folder
+
+    present = {f["relpath"]: f["raw_bytes"] for f in src.get("files", []) if f.get("raw_bytes") is not None}
+    return [Problem(line, member=line.split(":", 1)[0], field="source.info.dcp")
+            for line in check_dcp_folder(present, info)]
+
+
+def find_fallback(r: Repository, newer_than_bad: int, deep: bool, jobs=None) -> int | None:
+    """The newest usable generation older than ``newer_than_bad`` that passes :func:`check_generation`."""
+    for g in reversed(r.usable()):
+        if g.number >= newer_than_bad:
+            continue
+        problems, _ = check_generation(r, g, deep, jobs)
+        if not problems:
+            return g.number
+    return None
+
+
+def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = False, jobs: int | None = None,
+           on_bytes=None, fallback: bool = False, wait: float = 0.0, **store_options) -> VerifyReport:
+    """Check a generation.
+
+    Shallow: manifest (schema, version), marker, every stored member's size and sha256. Deep
+    (``deep=True``): the trial reload as well -- every chunk decoded, raw sha256 of every member and
+    tensor, dtype and shape, the tree rebuilt and every tensor reference resolved. A ``copied``
+    generation that passes a deep check is marked usable at this location: that check and the marker
+    run under the repository lock, through the publish lifecycle (:func:`ckpt_archive.repo.publish.adopt`).
+
+    When ``generation`` is ``"latest"`` and it fails, the report names the newest older generation
+    that verifies (``fallback``); with ``fallback=True`` that one is checked and reported instead.
+
+    Args:
+        repo: repository path/URL or Repository.
+        generation: ``"latest"``, a number, or ``"tag:NAME"``.
+        deep: decode everything (trial reload) rather than hash the stored bytes.
+        jobs: decoder threads. on_bytes: progress callback (bytes read or decoded).
+        fallback: report the newest older generation that verifies instead of a failing ``latest``.
+        wait: seconds to wait for the writer lock when a ``copied`` generation is to be marked usable.
+
+    Returns:
+        :class:`VerifyReport` (``ok`` False: exit 1).
+
+    Raises:
+        NotFound / NoUsableGeneration / NewerFormatError: could not check (exit 2).
+        LockError: marking a copied generation usable, another writer held the lock (exit 2).
+
+    Example:
+        >>> import torch, ckpt_archive, tempfile
+        >>> repo = tempfile.mkdtemp()
+        >>> _ = ckpt_archive.pack({"w": torch.ones(2)}, repo)
+        >>> report = ckpt_archive.verify(repo, deep=True)
+        >>> report.ok, report.generation, report.problems
+        (True, 1, [])
+    """
+    r = open_repo(repo, **store_options)
+    gen = r.resolve(generation)
+    marked = False
+    if deep and gen.status == "copied":
+        from ckpt_archive.repo.publish import adopt
+
+        gen, problems, stats, marked = adopt(
+            r, gen.number, lambda g: check_generation(r, g, deep, jobs, on_bytes), wait=wait)
+    else:
+        problems, stats = check_generation(r, gen, deep, jobs, on_bytes)
+    report = VerifyReport(not problems, gen.number, gen.status, deep, problems, stats=stats, marked_usable=marked)
+    if problems and str(generation) == "latest":
+        fb = find_fallback(r, gen.number, deep, jobs)
+        report.fallback = fb
+        if fb is not None:
+            report.warnings.append(f"generation {gen.number} (latest) does not verify; the newest generation "
+                                   f"that verifies is {fb} (use --fallback)")
+            if fallback:
+                fb_gen = r.generation(fb)
+                fb_problems, fb_stats = check_generation(r, fb_gen, deep, jobs)
+                report = VerifyReport(not fb_problems, fb, fb_gen.status, deep, fb_problems,
+                                      warnings=report.warnings, fallback=fb, stats=fb_stats)
+    return report
+
+
+__all__ = ["verify", "VerifyReport", "check_generation", "find_fallback", "source_layout_problems"]
