@@ -44,8 +44,8 @@ def source(tmp_path):
     states = {}
     for seed in (1, 2):
         st = _state(seed)
-        r = ca.pack(st, repo, progress={"step": st["step"], "epoch": seed}, data_ids=list(range(40 * seed)),
-                    chunk_bytes=8192)
+        r = ca.pack(st, repo, ca.PackOptions(chunk_bytes=8192),
+                    ca.Annotations(progress={"step": st["step"], "epoch": seed}, data_ids=list(range(40 * seed))))
         states[r.generation] = st
     return repo, states
 

@@ -310,3 +310,22 @@ def test_a_fault_plan_is_read_once_when_the_repository_is_opened(tmp_path, monke
     with pytest.raises(RuntimeError, match="after-seal"):
         ckpt_archive.pack(state(3), repo)  # second visit through the same hook object
     assert Faults.parse("claim=kill,publish").plan == {"claim": ("kill", 1), "publish": ("raise", 1)}
+
+
+def test_the_public_operations_examples_run_as_written():
+    """pack, load, verify, restore, inspect, list_generations and export each carry a runnable Example:
+    a docstring that no longer matches the API fails here."""
+    import doctest
+
+    import ckpt_archive.ops.export
+    import ckpt_archive.ops.inspect
+    import ckpt_archive.ops.list
+    import ckpt_archive.ops.load
+    import ckpt_archive.ops.pack
+    import ckpt_archive.ops.restore
+    import ckpt_archive.ops.verify
+
+    for mod in (ckpt_archive.ops.pack, ckpt_archive.ops.load, ckpt_archive.ops.verify, ckpt_archive.ops.restore,
+                ckpt_archive.ops.inspect, ckpt_archive.ops.list, ckpt_archive.ops.export):
+        res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+        assert res.attempted > 0 and res.failed == 0, mod.__name__

@@ -234,6 +234,14 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
             reload at DEST failed (names the member); DEST's marker is then not written.
         StoreError: DEST refused access (credentials, permissions, network).
         LockError: another writer holds DEST.
+
+    Example:
+        >>> import os, torch, ckpt_archive, tempfile
+        >>> src, dest = tempfile.mkdtemp(), os.path.join(tempfile.mkdtemp(), "offsite")
+        >>> _ = ckpt_archive.pack({"w": torch.ones(2)}, src)
+        >>> proof = ckpt_archive.export(src, dest)
+        >>> proof.ok, [(g.generation, g.status) for g in proof.generations]
+        (True, [(1, 'exported')])
     """
     from ckpt_archive.repo.repository import Repository
 

@@ -3,9 +3,6 @@
 Every stored chunk's sha256, every member's raw sha256, every tensor's raw sha256, dtype and shape are
 checked as the bytes stream by (docs/FORMAT.md, "Write order" steps 4 and 5); nothing wrong is ever
 returned. :func:`ckpt_archive.repo.trial_reload.trial_reload` is the full check of a whole generation.
-
-This module is a little over 600 lines: :meth:`ArchiveReader.iter_entries` (zero-copy entry assembly
-across chunks) is one long, hot function that reads best in one piece.
 """
 from __future__ import annotations
 
