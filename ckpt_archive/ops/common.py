@@ -1,4 +1,4 @@
-"""What every operation needs: open the repository it is given, pick a generation, fall back.
+"""What every operation needs: open the repository it is given, pick a generation, check it is whole.
 
 Each public operation accepts a repository path/URL or an open
 :class:`~ckpt_archive.repo.repository.Repository`; errors are :mod:`ckpt_archive.errors` classes, each
@@ -7,14 +7,13 @@ carrying its CLI exit code.
 from __future__ import annotations
 
 import os
-from typing import Callable, TypeVar, Union
+from typing import Union
 
 from ckpt_archive.errors import IntegrityError, NoUsableGeneration
 from ckpt_archive.repo.repository import Generation, Repository
 
 #: A repository argument: a local path, a URL (``s3://bucket/prefix``) or an open Repository.
 RepoLike = Union[str, os.PathLike, Repository]
-T = TypeVar("T")
 
 
 def open_repo(repo: RepoLike, *, create: bool = False, **store_options) -> Repository:
@@ -68,37 +67,4 @@ def check_present(r: Repository, gen: Generation) -> None:
             raise IntegrityError(f"{size} bytes stored, manifest says {rec['stored_bytes']}", where=rec["path"])
 
 
-def with_fallback(r: Repository, generation: str | int, fallback: bool,
-                  fn: Callable[[Generation], T]) -> tuple[Generation, T]:
-    """Run ``fn`` on the picked generation; when ``latest`` fails its checks, name (or with ``fallback``
-    use) the newest older generation that verifies.
-
-    Returns:
-        ``(generation used, fn's result)``.
-
-    Raises:
-        IntegrityError: the generation fails (and, for ``latest``, says which older one verifies).
-    """
-    from ckpt_archive.ops.verify import find_fallback
-
-    gen = pick(r, generation, fallback)
-
-    def checked(g: Generation):
-        check_present(r, g)
-        return fn(g)
-
-    try:
-        return gen, checked(gen)
-    except IntegrityError as exc:
-        if str(generation) != "latest":
-            raise
-        fb = find_fallback(r, gen.number, deep=False)
-        if fallback and fb is not None:
-            return r.generation(fb), checked(r.generation(fb))
-        hint = (f"the newest generation that verifies is {fb}: use --fallback or @{fb}" if fb is not None
-                else "no older usable generation verifies either")
-        raise IntegrityError(f"generation {gen.number} (latest) does not verify: {exc.message}; {hint}",
-                             where=exc.where) from None
-
-
-__all__ = ["RepoLike", "open_repo", "pick", "check_present", "with_fallback"]
+__all__ = ["RepoLike", "open_repo", "pick", "check_present"]

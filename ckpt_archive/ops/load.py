@@ -1,10 +1,47 @@
-"""``load``: rebuild an archived state in memory, every chunk and tensor checked on the way."""
+"""``load``: rebuild an archived state in memory, every chunk and tensor checked on the way; and the
+``latest``-falls-back rule that ``load`` and ``restore`` share."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from ckpt_archive.ops.common import RepoLike, open_repo, with_fallback
+from ckpt_archive.errors import IntegrityError
+from ckpt_archive.ops.common import RepoLike, check_present, open_repo, pick
+from ckpt_archive.ops.verify import find_fallback
 from ckpt_archive.repo.reader import ArchiveReader
+from ckpt_archive.repo.repository import Generation, Repository
+
+T = TypeVar("T")
+
+
+def with_fallback(r: Repository, generation: str | int, fallback: bool,
+                  fn: Callable[[Generation], T]) -> tuple[Generation, T]:
+    """Run ``fn`` on the picked generation; when ``latest`` fails its checks, name (or with ``fallback``
+    use) the newest older generation that verifies.
+
+    Returns:
+        ``(generation used, fn's result)``.
+
+    Raises:
+        IntegrityError: the generation fails (and, for ``latest``, says which older one verifies).
+    """
+    gen = pick(r, generation, fallback)
+
+    def checked(g: Generation):
+        check_present(r, g)
+        return fn(g)
+
+    try:
+        return gen, checked(gen)
+    except IntegrityError as exc:
+        if str(generation) != "latest":
+            raise
+        fb = find_fallback(r, gen.number, deep=False)
+        if fallback and fb is not None:
+            return r.generation(fb), checked(r.generation(fb))
+        hint = (f"the newest generation that verifies is {fb}: use --fallback or @{fb}" if fb is not None
+                else "no older usable generation verifies either")
+        raise IntegrityError(f"generation {gen.number} (latest) does not verify: {exc.message}; {hint}",
+                             where=exc.where) from None
 
 
 def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None = None, fallback: bool = False,
@@ -41,4 +78,4 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
     return state
 
 
-__all__ = ["load"]
+__all__ = ["load", "with_fallback"]

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_archive.errors import InsufficientSpace, IntegrityError, OutputExists, UsageError
-from ckpt_archive.ops.common import RepoLike, open_repo, pick, with_fallback
+from ckpt_archive.ops.common import RepoLike, open_repo, pick
+from ckpt_archive.ops.load import with_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
 
