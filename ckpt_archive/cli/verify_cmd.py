@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, split_repo_spec
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_with, split_repo_spec
 
 
 def register(app: typer.Typer) -> None:
@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
                 where = " ".join(x for x in (p.member, p.field) if x)
                 out.say(f"  {where}: {p.reason}", style="red")
         out.json(report.to_json())
-        raise typer.Exit(0 if report.ok else 1)
+        exit_with(report)
 
 
 def _extend_report(report, repo: str, *, strict: bool, out: Output) -> None:

@@ -35,9 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ckpt_archive.errors import NotFound, SourceError, UsageError
+from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceError, UsageError
 
-EX_TEMPFAIL = 75
 #: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
 #: the default is ``max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * settle)``.
 STALE_AFTER_MIN = 600.0
@@ -327,7 +326,7 @@ class BackupResult:
     @property
     def exit_code(self) -> int:
         """0 for packed/unchanged, 75 (EX_TEMPFAIL) for busy."""
-        return EX_TEMPFAIL if self.action == "busy" else 0
+        return EX_TEMPFAIL if self.action == "busy" else EXIT_OK
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.action != "busy", **dataclasses.asdict(self), "exit_code": self.exit_code}
