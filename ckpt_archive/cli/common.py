@@ -120,6 +120,10 @@ def make_progress(total: int | None, description: str, enabled: bool):
     return _RichProgress(total, description) if enabled else _NoProgress()
 
 
+__all__ = ["EXIT_CODES_HELP", "JSON_OPTION", "Output", "command", "exit_code_for", "exit_with", "human_bytes",
+           "make_progress", "split_repo_spec"]
+
+
 def exit_with(result: Any) -> None:
     """End a command with the exit code :func:`ckpt_archive.errors.exit_code_for` gives ``result``.
 

@@ -237,9 +237,9 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
             policy = retention if retention is not None else r.config.get("retention")
             if policy:
                 faults.point("retention")
-                from ckpt_archive.retention import policy as _retention
+                from ckpt_archive.ops import prune as _prune
 
-                retention_result = _retention.apply_after_pack(r, policy, verified=(number,))
+                retention_result = _prune.apply_after_pack(r, policy, verified=(number,))
                 warnings += list(retention_result.get("warnings", []) if isinstance(retention_result, dict) else [])
         except (CkptArchiveError, OSError) as exc:
             warnings.append(f"generation {number} is usable, but retention did not run to completion: {exc}")

@@ -466,7 +466,8 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
     """
     from ckpt_archive.ops import api as api
     from ckpt_archive.repo.repository import Repository
-    from ckpt_archive.retention.policy import RetentionPolicy, apply_after_pack
+    from ckpt_archive.ops.prune import apply_after_pack
+    from ckpt_archive.retention.policy import RetentionPolicy
 
     if settle < 0:
         raise UsageError(f"--settle must be >= 0 seconds, got {settle}")
