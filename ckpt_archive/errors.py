@@ -61,6 +61,12 @@ class ManifestInvalid(CheckFailed):
     """A manifest or marker is not valid JSON or breaks its schema (it was examined and is wrong)."""
 
 
+class InvalidJSON(ManifestInvalid, ValueError):
+    """A JSON document read from an archive or repository is not strict JSON (RFC 8259), repeats a key,
+    holds NaN/Infinity, or is nested deeper or larger than allowed. Also a ``ValueError``, so code that
+    treats "not JSON" as one case keeps doing so."""
+
+
 class IncoherentState(CheckFailed):
     """The parts of a state do not describe the same instant, or a structure does not match."""
 

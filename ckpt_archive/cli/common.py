@@ -4,7 +4,6 @@ progress bars. Commands stay thin: parse, call the library, report.
 from __future__ import annotations
 
 import functools
-import json
 import re
 import sys
 from typing import Any, Callable
@@ -73,7 +72,9 @@ class Output:
 
     def json(self, obj: dict) -> None:
         if self.json_mode:
-            sys.stdout.write(json.dumps(obj, indent=2, allow_nan=False, default=str) + "\n")
+            from ckpt_archive.format.jsonio import dumps
+
+            sys.stdout.write(dumps(obj, indent=2, ensure_ascii=True, default=str).decode("utf-8"))
             sys.stdout.flush()
 
     def progress(self, total: int | None, description: str):

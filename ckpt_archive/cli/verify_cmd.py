@@ -43,16 +43,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _extend_report(report, repo: str, *, strict: bool, out: Output) -> None:
-    """Hook for checks beyond bytes (policy audit, completeness lint, layout checks)."""
-    # --- policy audit + completeness lint (ckpt_archive/policy.py; --strict: lint findings fail) ---
+    """Checks beyond bytes: the policy audit and completeness lint (``--strict``: lint findings fail)."""
     from ckpt_archive.training.policy import cli_verify
 
     cli_verify(report, repo, strict=strict, out=out)
-    # --- end policy ---
-    try:
-        from ckpt_archive.checks import extend_verify_report
-    except ModuleNotFoundError as exc:
-        if exc.name != "ckpt_archive.checks":
-            raise
-        return
-    extend_verify_report(report, repo, strict=strict, out=out)

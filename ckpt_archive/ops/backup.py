@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceError, UsageError
+from ckpt_archive.format import jsonio
 
 #: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
 #: the default is ``max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * settle)``.
@@ -280,7 +281,7 @@ def read_state(store: Any) -> dict[str, Any]:
     try:
         if not store.exists(STATE_KEY):
             return {"version": STATE_VERSION, "sources": {}}
-        data = json.loads(store.read_bytes(STATE_KEY))
+        data = jsonio.loads(store.read_bytes(STATE_KEY), where=STATE_KEY)
     except (OSError, ValueError):
         return {"version": STATE_VERSION, "sources": {}}
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION or not isinstance(data.get("sources"), dict):
@@ -290,7 +291,7 @@ def read_state(store: Any) -> dict[str, Any]:
 
 def write_state(store: Any, state: Mapping[str, Any]) -> None:
     """Replace ``backup-state.json`` atomically (the store's ``replace_bytes``)."""
-    store.replace_bytes(STATE_KEY, (json.dumps(state, indent=1, sort_keys=True) + "\n").encode())
+    store.replace_bytes(STATE_KEY, jsonio.dumps(state, indent=1, sort_keys=True, ensure_ascii=True))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -301,22 +301,17 @@ def consolidate_dcp(folder: str | os.PathLike, output: str | os.PathLike) -> Pat
 
     folder = Path(folder)
     output = Path(output)
+    from ckpt_archive.store.local import atomic_path
+
     read_dcp_metadata(folder / METADATA_NAME)
-    tmp = output.with_name(f".{output.name}.partial")
     try:
-        with warnings.catch_warnings():
+        with atomic_path(output) as tmp, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp_to_torch_save(folder, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, output)
     except (RefusedPickle, SourceError):
         raise
     except Exception as exc:
         raise SourceError(f"could not consolidate the DCP checkpoint: {exc}", where=str(folder)) from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return output
 
 
