@@ -9,6 +9,10 @@ Public API (plain functions; the CLI is a thin shell over them)::
     restore(repo, generation, output, ...)  -> RestoreResult
     list_generations(repo, all=False)       -> list[Generation]
     export(repo, dest, ...)                 -> ExportResult (copied, re-read and trial-reloaded at dest)
+    prune(repo, policy=None, dry_run=False) -> PruneResult  (retention; never deletes the only verified copy)
+    forget(repo, generation, force=False)   -> ForgetResult (one generation, marker first, under the lock)
+    gc(repo, dry_run=False)                 -> GcResult     (leftovers of interrupted writes)
+    backup(source, repo, ...)               -> BackupResult (one idempotent run, for cron; exit_code 75 = retry)
     restore_training_state(state, model=, optimizer=, scheduler=, ...) -> RestoreReport
     check_resume(...)                       -> resume check of a training command (see docs/check-resume.md)
 
@@ -26,6 +30,9 @@ _API = {
     "RetentionPolicy": "retention.policy",
     "restore_training_state": "training.policy", "export": "ops.export", "check_resume": "resume.check",
     "Trajectory": "resume.trajectory",
+    "prune": "ops.prune", "PruneResult": "ops.prune", "forget": "ops.forget", "ForgetResult": "ops.forget",
+    "gc": "ops.gc", "GcResult": "ops.gc", "backup": "ops.backup", "BackupResult": "ops.backup",
+    "RetentionPolicy": "retention.policy",
 }
 
 

@@ -1,21 +1,35 @@
-"""One exception hierarchy for ckpt-archive.
+"""One exception hierarchy and every exit code of ckpt-archive, in one place.
 
 Every error says what is wrong, where (file, member, field) and, where it helps, what to do. Each
-class carries the CLI exit code it maps to, in one place (borg's ``helpers/errors.py`` habit):
+class carries the CLI exit code it maps to (borg's ``helpers/errors.py`` habit). The codes:
 
-* ``0`` ok;
-* ``1`` something was examined and found wrong (:class:`CheckFailed` and its subclasses);
-* ``2`` the operation could not be carried out (:class:`CannotCheck` and its subclasses).
+* :data:`EXIT_OK` ``0`` ok;
+* :data:`EXIT_CHECK_FAILED` ``1`` something was examined and found wrong (:class:`CheckFailed` and its
+  subclasses, or a result whose ``ok`` is false);
+* :data:`EXIT_CANNOT_CHECK` ``2`` the operation could not be carried out (:class:`CannotCheck` and its
+  subclasses, an ``OSError``, an unexpected error);
+* :data:`EX_TEMPFAIL` ``75`` a temporary failure, retry later (``backup`` of a checkpoint still being
+  written; sysexits.h's ``EX_TEMPFAIL``);
+* :data:`EXIT_INTERRUPTED` ``130`` interrupted (Ctrl-C; 128 + SIGINT, the shell's convention).
 
-Codes are never reused for another meaning.
+Codes are never reused for another meaning. :func:`exit_code_for` is the one rule that turns a result
+or an exception into its code; the CLI uses nothing else.
 """
 from __future__ import annotations
+
+from typing import Any, Mapping
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_CANNOT_CHECK = 2
+EX_TEMPFAIL = 75
+EXIT_INTERRUPTED = 130
 
 
 class CkptArchiveError(Exception):
     """Base class. ``exit_code`` is what the CLI exits with; ``where`` names the file/member/field."""
 
-    exit_code = 2
+    exit_code = EXIT_CANNOT_CHECK
 
     def __init__(self, message: str, *, where: str | None = None, hint: str | None = None):
         super().__init__(message)
@@ -33,11 +47,10 @@ class CkptArchiveError(Exception):
         return {"error": type(self).__name__, "where": self.where, "reason": self.message, "hint": self.hint}
 
 
-# --- exit code 1: examined and found wrong -------------------------------------------------------
 class CheckFailed(CkptArchiveError):
     """Something was examined and found wrong (exit 1)."""
 
-    exit_code = 1
+    exit_code = EXIT_CHECK_FAILED
 
 
 class IntegrityError(CheckFailed):
@@ -48,6 +61,12 @@ class ManifestInvalid(CheckFailed):
     """A manifest or marker is not valid JSON or breaks its schema (it was examined and is wrong)."""
 
 
+class InvalidJSON(ManifestInvalid, ValueError):
+    """A JSON document read from an archive or repository is not strict JSON (RFC 8259), repeats a key,
+    holds NaN/Infinity, or is nested deeper or larger than allowed. Also a ``ValueError``, so code that
+    treats "not JSON" as one case keeps doing so."""
+
+
 class IncoherentState(CheckFailed):
     """The parts of a state do not describe the same instant, or a structure does not match."""
 
@@ -56,11 +75,10 @@ class ResumeDivergence(CheckFailed):
     """A resumed run did not match the continuous one, or a negative control did not diverge."""
 
 
-# --- exit code 2: could not be carried out ---------------------------------------------------------
 class CannotCheck(CkptArchiveError):
     """The operation could not be carried out (exit 2)."""
 
-    exit_code = 2
+    exit_code = EXIT_CANNOT_CHECK
 
 
 class SourceError(CannotCheck):
@@ -105,3 +123,55 @@ class UsageError(CannotCheck):
 
 class StoreError(CannotCheck):
     """A destination store refused or failed an operation (credentials, permissions, network)."""
+
+
+def exit_code_for(result: Any) -> int:
+    """The one rule from a result (or an exception) to the CLI's exit code.
+
+    In order:
+
+    * a :class:`CkptArchiveError` -> its class's ``exit_code`` (1 or 2);
+    * ``KeyboardInterrupt`` -> :data:`EXIT_INTERRUPTED` (130);
+    * any other exception (``OSError``, a bug) -> :data:`EXIT_CANNOT_CHECK` (2);
+    * a result carrying an explicit ``exit_code`` (attribute or mapping key; e.g. ``BackupResult``,
+      whose 75 means "retry later") -> that code;
+    * a result with ``ok`` (attribute or key; for a resume-check report ``all_checks_passed``) ->
+      0 when true, :data:`EXIT_CHECK_FAILED` (1) when false;
+    * a bool -> 0 / 1.
+
+    Args:
+        result: a typed result (``VerifyReport``, ``ExportResult``, ``PruneResult``, ``BackupResult``),
+            a report dict, a bool, or an exception.
+
+    Returns:
+        The exit code (0, 1, 2, 75 or 130).
+
+    Raises:
+        TypeError: ``result`` carries none of ``exit_code``, ``ok``, ``all_checks_passed`` (a
+            programming error: every result must say whether it is ok).
+
+    Example:
+        >>> exit_code_for(IntegrityError("sha256 mismatch")), exit_code_for(NotFound("no repo"))
+        (1, 2)
+        >>> exit_code_for({"ok": False}), exit_code_for(True)
+        (1, 0)
+    """
+    if isinstance(result, CkptArchiveError):
+        return int(result.exit_code)
+    if isinstance(result, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(result, BaseException):
+        return EXIT_CANNOT_CHECK
+    if isinstance(result, bool):
+        return EXIT_OK if result else EXIT_CHECK_FAILED
+    if isinstance(result, Mapping):
+        code = result.get("exit_code")
+        ok = result.get("ok", result.get("all_checks_passed"))
+    else:
+        code = getattr(result, "exit_code", None)
+        ok = getattr(result, "ok", None)
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code
+    if ok is None:
+        raise TypeError(f"{type(result).__name__} says neither ok nor exit_code: cannot map it to an exit code")
+    return EXIT_OK if ok else EXIT_CHECK_FAILED

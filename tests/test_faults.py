@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 import ckpt_archive
-from ckpt_archive.cli.gc_cmd import collect_garbage
-from ckpt_archive.cli.prune_cmd import run_prune
+from ckpt_archive.ops.gc import gc as collect_garbage
+from ckpt_archive.ops.prune import prune as run_prune
 from ckpt_archive.retention.policy import RetentionPolicy
 from ckpt_archive.repo.repository import Repository
 
@@ -230,7 +230,7 @@ def check_recovery(case, run) -> None:
     assert res.status == "usable" and ckpt_archive.verify(repo, res.generation, deep=True).ok
     if partial:
         assert res.leftovers, f"{case_id(case)}: pack did not report leftovers {partial}"
-    removed = [x["generation"] for x in collect_garbage(str(repo))["removed"]]
+    removed = [x["generation"] for x in collect_garbage(str(repo)).removed]
     assert sorted(removed) == sorted(partial)
     r = Repository.open(repo)
     assert all(g.status == "usable" for g in r.generations())

@@ -292,7 +292,7 @@ def test_prune_checks_kept_generations_newest_first_and_stops_at_the_first_that_
 
 def test_pack_time_retention_counts_the_just_published_generation_as_verified_without_rereading_it(tmp_path,
                                                                                                    monkeypatch):
-    from ckpt_archive.retention import policy as retention
+    from ckpt_archive.ops import prune as prune_ops
 
     repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
 
@@ -302,19 +302,19 @@ def test_pack_time_retention_counts_the_just_published_generation_as_verified_wi
     monkeypatch.setattr(ckpt_archive.ops.verify, "verify", no_reading)
     r = Repository.open(repo)
     with r.lock():
-        ret = retention.apply_after_pack(r, {"keep_last": 1}, verified=(3,))
+        ret = prune_ops.apply_after_pack(r, {"keep_last": 1}, verified=(3,))
     assert ret["removed"] == [1, 2] and ret["verify_kept"]["trusted"] is True
     assert usable(repo) == [3]
 
 
 def test_pack_time_retention_without_a_verified_generation_removes_nothing_when_the_kept_one_is_corrupt(tmp_path):
-    from ckpt_archive.retention import policy as retention
+    from ckpt_archive.ops import prune as prune_ops
 
     repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
     flip_byte(repo, 3)
     r = Repository.open(repo)
     with r.lock():
-        ret = retention.apply_after_pack(r, {"keep_last": 1})
+        ret = prune_ops.apply_after_pack(r, {"keep_last": 1})
     assert ret["removed"] == []
     assert any("retention not applied, nothing removed" in w and "generation 3" in w for w in ret["warnings"])
     assert usable(repo) == [1, 2, 3]

@@ -487,18 +487,18 @@ class FakeRepo:
 
 @pytest.fixture
 def fake_verify(monkeypatch):
-    from ckpt_archive.retention import policy as retention
+    from ckpt_archive.ops import prune as prune_ops
 
     def verify_problems(repo, number):
         repo.read.append(number)
         return [f"tensors-00000.safetensors: stored sha256 mismatch (gen {number})"] if number in repo.bad else []
 
-    monkeypatch.setattr(retention, "_verify_problems", verify_problems)
+    monkeypatch.setattr(prune_ops, "_verify_problems", verify_problems)
 
 
 def test_execute_prune_refuses_and_removes_nothing_when_no_kept_generation_verifies(fake_verify):
     from ckpt_archive.errors import IntegrityError
-    from ckpt_archive.retention.policy import execute_prune
+    from ckpt_archive.ops.prune import execute_prune
 
     repo = FakeRepo(3, bad={3})
     decision = apply_policy(gens_with_losses([0.9, 0.8, 0.7]), RetentionPolicy(keep_last=1))
@@ -509,7 +509,7 @@ def test_execute_prune_refuses_and_removes_nothing_when_no_kept_generation_verif
 
 
 def test_check_kept_walks_kept_generations_newest_first_and_stops_at_the_first_that_verifies(fake_verify):
-    from ckpt_archive.retention.policy import check_kept, execute_prune
+    from ckpt_archive.ops.prune import check_kept, execute_prune
 
     repo = FakeRepo(6, bad={6, 5})
     decision = apply_policy(gens_with_losses([0.9] * 6), RetentionPolicy(keep_last=4))
@@ -521,7 +521,7 @@ def test_check_kept_walks_kept_generations_newest_first_and_stops_at_the_first_t
 
 
 def test_check_kept_trusts_a_just_verified_generation_without_reading_it(fake_verify):
-    from ckpt_archive.retention.policy import check_kept
+    from ckpt_archive.ops.prune import check_kept
 
     repo = FakeRepo(3, bad={3})  # even if it would fail now: pack verified it under this very lock
     decision = apply_policy(gens_with_losses([0.9, 0.8, 0.7]), RetentionPolicy(keep_last=1))
@@ -530,7 +530,7 @@ def test_check_kept_trusts_a_just_verified_generation_without_reading_it(fake_ve
 
 
 def test_check_kept_reads_nothing_when_nothing_is_removed(fake_verify):
-    from ckpt_archive.retention.policy import check_kept, execute_prune
+    from ckpt_archive.ops.prune import check_kept, execute_prune
 
     repo = FakeRepo(3, bad={1, 2, 3})
     decision = apply_policy(gens_with_losses([0.9, 0.8, 0.7]), RetentionPolicy(keep_last=3))
@@ -555,3 +555,21 @@ def test_keep_best_reads_numpy_scalar_metrics_and_keeps_the_best_generation(tmp_
     assert metric_value({"val_loss": {"$t": "npscalar", "dtype": "<f4", "hex": "9a99993e"}}, "val_loss") \
         == pytest.approx(0.3)
     assert metric_value({"ok": {"$t": "npscalar", "dtype": "|b1", "hex": "01"}}, "ok") is None
+
+
+def test_retention_policy_imports_no_repository_store_or_operation():
+    # the pure policy once imported ops.api to verify kept generations: an import cycle, and I/O in
+    # the function that golden files and property tests treat as pure
+    import subprocess
+    import sys
+
+    code = ("import sys, ckpt_archive.retention.policy as p; "
+            "print(sorted(m for m in sys.modules if m.startswith(('ckpt_archive.repo', 'ckpt_archive.store', "
+            "'ckpt_archive.ops', 'ckpt_archive.cli'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_apply_policy_refuses_a_dict_instead_of_guessing_what_it_means():
+    with pytest.raises(UsageError, match="must be a RetentionPolicy"):
+        apply_policy(gens_with_losses([0.1, 0.2]), {"keep_last": 1}, T0)

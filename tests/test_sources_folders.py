@@ -189,3 +189,47 @@ def test_forced_format_that_does_not_fit_is_named(tmp_path):
         read_source(p, fmt="lightning")
     assert read_source(p).format == "torch-file"
     assert Path(read_source(p).files[0].path) == p
+
+
+def test_a_reader_module_that_is_missing_fails_the_import_instead_of_silently_dropping_its_format():
+    # a packaging error (a reader module left out of the wheel) once made its format vanish from
+    # detection without a word; now importing ckpt_archive.sources fails and names the module
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib.abc\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'ckpt_archive.sources.lightning':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "import ckpt_archive.sources\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0 and "ckpt_archive.sources.lightning" in proc.stderr
+
+
+def test_source_modules_import_each_other_in_one_direction():
+    # sources/__init__ <-> torchfile and dcp <-> folders once imported each other
+    import ast
+
+    pkg = Path(__file__).resolve().parents[1] / "ckpt_archive" / "sources"
+    graph = {}
+    for p in pkg.glob("*.py"):
+        name = p.stem
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name.rsplit(".", 1)[-1] for a in node.names if a.name.startswith("ckpt_archive.sources."))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ckpt_archive.sources"):
+                deps.add(node.module.rsplit(".", 1)[-1] if node.module != "ckpt_archive.sources" else "__init__")
+                if node.module == "ckpt_archive.sources":
+                    deps.update(a.name for a in node.names)
+        graph[name] = deps - {name}
+
+    def reaches(a, b, seen=()):
+        return any(d == b or (d not in seen and d in graph and reaches(d, b, seen + (d,))) for d in graph.get(a, ()))
+
+    cycles = sorted(m for m in graph if reaches(m, m))
+    assert cycles == []

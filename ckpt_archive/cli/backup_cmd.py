@@ -5,7 +5,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_with
 from ckpt_archive.cli.prune_cmd import (BEST_BY, KEEP_BEST, KEEP_DAILY, KEEP_HOURLY, KEEP_LAST, KEEP_MONTHLY, KEEP_TAG, KEEP_WEEKLY,
                     KEEP_WITHIN, WAIT, policy_from_flags)
 
@@ -68,5 +68,4 @@ def register(app: typer.Typer) -> None:
             if ret.get("removed"):
                 out.say(f"retention removed generation(s) {', '.join(map(str, ret['removed']))}")
         out.json(result.to_json())
-        if result.exit_code:
-            raise typer.Exit(result.exit_code)
+        exit_with(result)

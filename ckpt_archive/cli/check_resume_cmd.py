@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_with
 
 HELP = (
     "Run a training command continuous, interrupted, archived + restored + resumed, and under negative "
@@ -142,8 +142,7 @@ def register(app: typer.Typer) -> None:
                               on_event=out.say)
         report_human(out, report, "resume check")
         out.json(report)
-        if not report["all_checks_passed"]:
-            raise typer.Exit(1)
+        exit_with(report)
 
 
 def _split(values) -> list[str]:

@@ -4,14 +4,13 @@ progress bars. Commands stay thin: parse, call the library, report.
 from __future__ import annotations
 
 import functools
-import json
 import re
 import sys
 from typing import Any, Callable
 
 import typer
 
-from ckpt_archive.errors import CkptArchiveError, UsageError
+from ckpt_archive.errors import CkptArchiveError, UsageError, exit_code_for
 
 #: Shown in every command's --help (each command may add its own).
 EXIT_CODES_HELP = ("Exit codes: 0 ok; 1 something was examined and found wrong (corrupt, tampered or "
@@ -73,7 +72,9 @@ class Output:
 
     def json(self, obj: dict) -> None:
         if self.json_mode:
-            sys.stdout.write(json.dumps(obj, indent=2, allow_nan=False, default=str) + "\n")
+            from ckpt_archive.format.jsonio import dumps
+
+            sys.stdout.write(dumps(obj, indent=2, ensure_ascii=True, default=str).decode("utf-8"))
             sys.stdout.flush()
 
     def progress(self, total: int | None, description: str):
@@ -120,8 +121,23 @@ def make_progress(total: int | None, description: str, enabled: bool):
     return _RichProgress(total, description) if enabled else _NoProgress()
 
 
+__all__ = ["EXIT_CODES_HELP", "JSON_OPTION", "Output", "command", "exit_code_for", "exit_with", "human_bytes",
+           "make_progress", "split_repo_spec"]
+
+
+def exit_with(result: Any) -> None:
+    """End a command with the exit code :func:`ckpt_archive.errors.exit_code_for` gives ``result``.
+
+    Returns normally (exit 0) when the result is ok; raises ``typer.Exit(code)`` otherwise.
+    """
+    code = exit_code_for(result)
+    if code:
+        raise typer.Exit(code)
+
+
 def command(fn: Callable) -> Callable:
-    """Wrap a command body: map :class:`CkptArchiveError` to its exit code, never show a traceback.
+    """Wrap a command body: map any exception to its exit code (:func:`~ckpt_archive.errors.exit_code_for`),
+    never show a traceback.
 
     The wrapped function must accept ``json_output: bool`` as a keyword argument.
     """
@@ -135,22 +151,25 @@ def command(fn: Callable) -> Callable:
         except typer.Exit:
             raise
         except CkptArchiveError as exc:
+            code = exit_code_for(exc)
             out.say(f"error: {exc}", style="red")
             if json_mode:
-                out.json({"ok": False, **exc.to_json(), "exit_code": exc.exit_code})
-            raise typer.Exit(exc.exit_code)
-        except KeyboardInterrupt:
+                out.json({"ok": False, **exc.to_json(), "exit_code": code})
+            raise typer.Exit(code)
+        except KeyboardInterrupt as exc:
             out.say("interrupted", style="red")
-            raise typer.Exit(130)
+            raise typer.Exit(exit_code_for(exc))
         except OSError as exc:
+            code = exit_code_for(exc)
             where = getattr(exc, "filename", None)
             reason = f"{where}: {exc.strerror or exc}" if where else str(exc)
             out.say(f"error: {reason}", style="red")
             if json_mode:
                 out.json({"ok": False, "error": type(exc).__name__, "where": where, "reason": str(exc),
-                          "exit_code": 2})
-            raise typer.Exit(2)
+                          "exit_code": code})
+            raise typer.Exit(code)
         except Exception as exc:  # last resort: still no traceback for a user, but say it is a bug
+            code = exit_code_for(exc)
             out.say(f"internal error ({type(exc).__name__}): {exc}. This is a bug in ckpt-archive; "
                     f"set CKPT_ARCHIVE_DEBUG=1 for a traceback.", style="red")
             import os
@@ -158,8 +177,8 @@ def command(fn: Callable) -> Callable:
             if os.environ.get("CKPT_ARCHIVE_DEBUG"):
                 raise
             if json_mode:
-                out.json({"ok": False, "error": type(exc).__name__, "reason": str(exc), "exit_code": 2})
-            raise typer.Exit(2)
+                out.json({"ok": False, "error": type(exc).__name__, "reason": str(exc), "exit_code": code})
+            raise typer.Exit(code)
 
     return wrapper
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_with
 
 HELP = (
     "Prove a resume end to end on a tiny real training run (24 rows, MLP 2->8->1 with dropout, Adam + "
@@ -38,5 +38,4 @@ def register(app: typer.Typer) -> None:
             out.say(("  ok   " if f["ok"] else "  FAIL ") + f"{f['fact']}: {f['observed']}",
                     style=None if f["ok"] else "red")
         out.json(report)
-        if not report["all_checks_passed"]:
-            raise typer.Exit(1)
+        exit_with(report)

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, split_repo_spec
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_with, split_repo_spec
 
 
 def register(app: typer.Typer) -> None:
@@ -81,5 +81,4 @@ def register(app: typer.Typer) -> None:
         if report is not None:
             out.say(f"recovery proof written to {report}")
         out.json(result.to_json())
-        if not result.ok:
-            raise typer.Exit(1)
+        exit_with(result)

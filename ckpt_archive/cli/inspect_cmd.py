@@ -94,16 +94,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _extend_inspect(info: dict, repo: str, out: Output) -> dict:
-    """Hook for the policy audit (LR the next step will use, counters)."""
-    # --- policy audit (ckpt_archive/policy.py): table, counters, findings; "policy" in --json ---
+    """The policy audit (LR the next step will use, counters, findings): a table, and ``"policy"`` in --json."""
     from ckpt_archive.training.policy import cli_inspect
 
-    extra = cli_inspect(info, repo, out)
-    # --- end policy ---
-    try:
-        from ckpt_archive.checks import extend_inspect
-    except ModuleNotFoundError as exc:
-        if exc.name != "ckpt_archive.checks":
-            raise
-        return extra
-    return {**extra, **extend_inspect(info, repo, out)}
+    return cli_inspect(info, repo, out)

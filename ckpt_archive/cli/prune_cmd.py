@@ -1,7 +1,8 @@
 """``ckpt-archive prune REPO [policy flags] [--dry-run]``: apply a retention policy.
 
-The policy flags are defined here once and reused by ``backup`` (and available to ``pack``):
-:data:`POLICY_OPTIONS` documents them, :func:`policy_from_flags` builds the policy.
+The policy flags are defined here once and reused by ``backup`` and ``pack``; :func:`policy_from_flags`
+builds the policy. The prune itself is :func:`ckpt_archive.ops.prune.prune`; this module parses options
+and renders the decision (:func:`decision_table`).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_code_for, human_bytes
 
 KEEP_LAST = typer.Option(None, "--keep-last", min=0, metavar="N", help="Keep the N newest usable generations.",
                          rich_help_panel="Retention policy")
@@ -63,7 +64,7 @@ def policy_from_flags(keep_last: Optional[int], keep_hourly: Optional[int], keep
 def decision_table(decision, generations, title: str, check=None):
     """A rich table of a retention decision: generation, created, step, stored size, action, why.
 
-    ``check`` (a :class:`~ckpt_archive.retention.policy.KeptCheck`) adds what the kept-generation check found
+    ``check`` (a :class:`~ckpt_archive.ops.prune.KeptCheck`) adds what the kept-generation check found
     to the "why" of each kept generation it read (or trusted).
     """
     from rich.table import Table
@@ -84,83 +85,10 @@ def decision_table(decision, generations, title: str, check=None):
         g = by_number.get(number)
         created = g.created.strftime("%Y-%m-%d %H:%M") if g is not None and g.created else "-"
         step = str(g.step) if g is not None and g.step is not None else "-"
-        size = _human_bytes(g.stored_bytes) if g is not None and g.stored_bytes is not None else "-"
+        size = human_bytes(g.stored_bytes) if g is not None and g.stored_bytes is not None else "-"
         label = {"keep": "keep", "remove": "REMOVE", "not usable": "left for gc"}[action]
         table.add_row(str(number), created, step, size, f"[{styles[action]}]{label}[/]", "; ".join(reasons))
     return table
-
-
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
-def run_prune(repo_url: str, policy, *, dry_run: bool, wait: float, now=None, save_default: bool = False) -> dict:
-    """Apply ``policy`` (or the repository's default when ``None``) to the repository.
-
-    Before anything is removed, a kept generation must verify (newest kept first, shallow verify:
-    stored sizes and sha256; :func:`~ckpt_archive.retention.policy.check_kept`): never delete the only
-    verified copy. ``dry_run`` makes the same check and reports it.
-
-    Args:
-        repo_url: repository path or URL.
-        policy: a :class:`~ckpt_archive.retention.policy.RetentionPolicy`, or ``None`` for the default.
-        dry_run: decide, check the kept generations and report only; take no lock, delete nothing.
-        wait: seconds to wait for the writer lock.
-        now: decision time (default now, UTC).
-        save_default: also store ``policy`` as the repository's default (``repository.json``), once
-            the decision has been accepted (not with ``dry_run``, not when the prune is refused).
-
-    Returns:
-        ``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed", "saved_default",
-        "verify_kept", "warnings", "refused"}``; ``refused`` is ``None`` or (dry run only) the reason the
-        prune would be refused.
-
-    Raises:
-        NotFound: no repository there. UsageError: empty or refused policy. LockError: another writer.
-        IntegrityError: (not with ``dry_run``) no kept generation verifies; nothing removed (exit 1).
-    """
-    from ckpt_archive.errors import IntegrityError, UsageError
-    from ckpt_archive.repo.repository import Repository
-    from ckpt_archive.retention.policy import (GenerationFacts, RetentionPolicy, apply_policy, check_kept, execute_prune,
-                             refuse_unless_verified)
-
-    repo = Repository.open(repo_url)
-    if policy is None:
-        if save_default:
-            raise UsageError("--save-default needs policy flags (the policy to store)")
-        policy = RetentionPolicy.from_dict(repo.config.get("retention"), where=f"{repo.location}/repository.json")
-
-    def decide():
-        gens = repo.generations()
-        return gens, apply_policy([GenerationFacts.from_generation(g) for g in gens], policy, now)
-
-    saved = False
-    refused = None
-    if dry_run:
-        gens, decision = decide()
-        check = check_kept(repo, decision)
-        try:
-            refuse_unless_verified(check, decision, where=repo.location)
-        except IntegrityError as exc:
-            refused = str(exc)
-        removed: list[int] = []
-    else:
-        with repo.lock(wait=wait):
-            gens, decision = decide()
-            check = check_kept(repo, decision)
-            refuse_unless_verified(check, decision, where=repo.location)  # before saving or removing anything
-            if save_default:
-                repo.set_default_retention(policy.to_dict())
-                saved = True
-            removed = execute_prune(repo, decision, check=check)
-    return {"repository": repo.location, "dry_run": dry_run, **decision.to_json(), "removed": removed,
-            "saved_default": saved, "verify_kept": check.to_json(), "warnings": check.warnings(),
-            "refused": refused, "_decision": decision, "_generations": gens, "_check": check}
 
 
 def register(app: typer.Typer) -> None:
@@ -182,29 +110,31 @@ def register(app: typer.Typer) -> None:
         wait: float = WAIT,
         json_output: bool = JSON_OPTION,
     ) -> None:
+        from ckpt_archive.ops.prune import prune
+
         out = Output(json_output)
         policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
                                    keep_tag, keep_best, best_by)
-        result = run_prune(repo, policy, dry_run=dry_run, wait=wait, save_default=save_default)
-        decision = result.pop("_decision")
-        gens = result.pop("_generations")
-        check = result.pop("_check")
+        result = prune(repo, policy, dry_run=dry_run, wait=wait, save_default=save_default)
+        decision, check = result.decision, result.check
         if not json_output:
             verb = "would remove" if dry_run else "removed"
-            out.table(decision_table(decision, gens, f"{decision.policy.describe()} ({'dry run' if dry_run else 'prune'})",
+            out.table(decision_table(decision, result.generations,
+                                     f"{decision.policy.describe()} ({'dry run' if dry_run else 'prune'})",
                                      check=check))
-            if not result["refused"]:
+            if not result.refused:
                 out.say(f"check before removing: {check.describe()}")
-        for w in result["warnings"]:
+        for w in result.warnings:
             out.warn(w)
-        if result["refused"]:
-            out.say(f"error: a prune would be refused: {result['refused']}", style="red")
-            out.json({"ok": False, **result, "exit_code": 1})
-            raise typer.Exit(1)
+        if not result.ok:
+            code = exit_code_for(result)
+            out.say(f"error: a prune would be refused: {result.refused}", style="red")
+            out.json({"ok": False, **result.to_json(), "exit_code": code})
+            raise typer.Exit(code)
         if not json_output:
-            done = decision.remove_numbers if dry_run else result["removed"]
+            done = decision.remove_numbers if dry_run else result.removed
             out.say(f"{verb} {len(done)} generation(s){': ' + ', '.join(map(str, sorted(done))) if done else ''}; "
                     f"kept {len(decision.keep)}; {len(decision.not_usable)} not usable left for gc")
-            if result["saved_default"]:
+            if result.saved_default:
                 out.say(f"saved as the repository's default policy: {decision.policy.describe()}")
-        out.json({"ok": True, **result})
+        out.json({"ok": True, **result.to_json()})

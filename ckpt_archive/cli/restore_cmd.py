@@ -29,7 +29,6 @@ def register(app: typer.Typer) -> None:
         consolidate: Optional[Path] = typer.Option(
             None, "--consolidate", help="For a torch.distributed.checkpoint (DCP) folder source: also write the "
                                         "whole state as one torch.save file at this path."),
-        # --- policy (ckpt_archive/policy.py) ---
         session_config: Optional[Path] = typer.Option(
             None, "--session-config", help="This session's config (JSON/YAML/TOML): warn where the archived "
                                            "lr/weight_decay/... differ, naming the field and which value wins."),
@@ -39,7 +38,6 @@ def register(app: typer.Typer) -> None:
             "checkpoint", "--policy", help="'checkpoint' (default: the archived lr wins, as load_state_dict does) "
                                            "or 'session': rewrite lr/initial_lr/base_lrs in the output from "
                                            "--session-config (moments untouched)."),
-        # --- end policy ---
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive

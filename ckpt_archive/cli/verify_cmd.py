@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, split_repo_spec
+from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_with, split_repo_spec
 
 
 def register(app: typer.Typer) -> None:
@@ -39,20 +39,11 @@ def register(app: typer.Typer) -> None:
                 where = " ".join(x for x in (p.member, p.field) if x)
                 out.say(f"  {where}: {p.reason}", style="red")
         out.json(report.to_json())
-        raise typer.Exit(0 if report.ok else 1)
+        exit_with(report)
 
 
 def _extend_report(report, repo: str, *, strict: bool, out: Output) -> None:
-    """Hook for checks beyond bytes (policy audit, completeness lint, layout checks)."""
-    # --- policy audit + completeness lint (ckpt_archive/policy.py; --strict: lint findings fail) ---
+    """Checks beyond bytes: the policy audit and completeness lint (``--strict``: lint findings fail)."""
     from ckpt_archive.training.policy import cli_verify
 
     cli_verify(report, repo, strict=strict, out=out)
-    # --- end policy ---
-    try:
-        from ckpt_archive.checks import extend_verify_report
-    except ModuleNotFoundError as exc:
-        if exc.name != "ckpt_archive.checks":
-            raise
-        return
-    extend_verify_report(report, repo, strict=strict, out=out)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from importlib import resources
 
 from ckpt_archive.errors import FormatError, ManifestInvalid, NewerFormatError
+from ckpt_archive.format import jsonio
 
 FORMAT = "ckpt-archive"
 FORMAT_VERSION = 1
@@ -19,7 +19,7 @@ KNOWN_VERSIONS = (1,)
 @functools.lru_cache(maxsize=None)
 def schema(name: str = "manifest.v1.schema.json") -> dict:
     """Load a JSON Schema shipped in ``ckpt_archive/schemas`` (also at the repository's ``schemas/``)."""
-    return json.loads(resources.files("ckpt_archive").joinpath("schemas", name).read_text("utf-8"))
+    return jsonio.loads(resources.files("ckpt_archive").joinpath("schemas", name).read_bytes(), where=name)
 
 
 def _validator(name: str):
@@ -41,9 +41,10 @@ def validate(doc: dict, *, where: str = "manifest.json", schema_name: str = "man
 
 
 def dumps(doc: dict) -> bytes:
-    """Strict JSON (RFC 8259: no NaN/Infinity), UTF-8, stable key order as built."""
+    """Strict JSON (RFC 8259: no NaN/Infinity; :func:`ckpt_archive.format.jsonio.dumps`), UTF-8, stable key
+    order as built."""
     try:
-        return (json.dumps(doc, indent=1, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
+        return jsonio.dumps(doc, indent=1)
     except ValueError as exc:
         raise FormatError(f"manifest is not strict JSON: {exc}") from None
 
@@ -53,23 +54,17 @@ def sha256_hex(data) -> str:
     return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
 def parse(data: bytes, *, where: str = "manifest.json") -> dict:
     """Parse and check a manifest: JSON, format name, version (refuse newer), schema.
 
     Raises:
-        ManifestInvalid: not JSON, not a ckpt-archive manifest, or breaks the schema (exit 1).
+        ManifestInvalid: not strict JSON (:func:`ckpt_archive.format.jsonio.loads`: also a duplicate key,
+            NaN/Infinity, too large or too deep), not a ckpt-archive manifest, or breaks the schema (exit 1).
         NewerFormatError: written by a newer format version than this reader knows.
     """
     if not data:
         raise ManifestInvalid("empty manifest", where=where)
-    try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ManifestInvalid(f"not valid JSON ({exc})", where=where) from None
+    doc = jsonio.loads(data, where=where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestInvalid("not a ckpt-archive manifest (field 'format' is not 'ckpt-archive')", where=where)
     version = doc.get("format_version")

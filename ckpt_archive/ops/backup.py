@@ -36,10 +36,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ckpt_archive.errors import NotFound, SourceError, UsageError
+from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceError, UsageError
+from ckpt_archive.format import jsonio
 from ckpt_archive.format.shard import file_problem
 
-EX_TEMPFAIL = 75
 #: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
 #: the default is ``max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * settle)``.
 STALE_AFTER_MIN = 600.0
@@ -261,7 +261,7 @@ def read_state(store: Any) -> dict[str, Any]:
     try:
         if not store.exists(STATE_KEY):
             return {"version": STATE_VERSION, "sources": {}}
-        data = json.loads(store.read_bytes(STATE_KEY))
+        data = jsonio.loads(store.read_bytes(STATE_KEY), where=STATE_KEY)
     except (OSError, ValueError):
         return {"version": STATE_VERSION, "sources": {}}
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION or not isinstance(data.get("sources"), dict):
@@ -271,7 +271,7 @@ def read_state(store: Any) -> dict[str, Any]:
 
 def write_state(store: Any, state: Mapping[str, Any]) -> None:
     """Replace ``backup-state.json`` atomically (the store's ``replace_bytes``)."""
-    store.replace_bytes(STATE_KEY, (json.dumps(state, indent=1, sort_keys=True) + "\n").encode())
+    store.replace_bytes(STATE_KEY, jsonio.dumps(state, indent=1, sort_keys=True, ensure_ascii=True))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,7 +307,7 @@ class BackupResult:
     @property
     def exit_code(self) -> int:
         """0 for packed/unchanged, 75 (EX_TEMPFAIL) for busy."""
-        return EX_TEMPFAIL if self.action == "busy" else 0
+        return EX_TEMPFAIL if self.action == "busy" else EXIT_OK
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.action != "busy", **dataclasses.asdict(self), "exit_code": self.exit_code}
@@ -449,7 +449,8 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
     from ckpt_archive.ops.pack import Annotations, PackOptions
     from ckpt_archive.repo.publish import Withdrawn
     from ckpt_archive.repo.repository import Repository
-    from ckpt_archive.retention.policy import RetentionPolicy, apply_after_pack
+    from ckpt_archive.ops.prune import apply_after_pack
+    from ckpt_archive.retention.policy import RetentionPolicy
 
     if settle < 0:
         raise UsageError(f"--settle must be >= 0 seconds, got {settle}")

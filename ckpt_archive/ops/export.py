@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
-import json
 import os
 import shlex
 from pathlib import Path
@@ -447,9 +446,11 @@ def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> Exporte
 
 
 def _archive_id_of(raw: bytes) -> str | None:
+    from ckpt_archive.format.jsonio import loads
+
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+        doc = loads(raw, where="manifest.json")
+    except ValueError:
         return None
     return doc.get("archive_id") if isinstance(doc, dict) else None
 
@@ -539,12 +540,12 @@ def restore_command(location: str, g, endpoint_url: str | None = None) -> str:
 
 def write_report(result: ExportResult, path, fmt: str = "markdown") -> None:
     """Write the recovery proof (Markdown or JSON) atomically next to ``path``."""
-    path = Path(path)
-    text = (json.dumps(result.to_json(), indent=2, default=str) + "\n") if fmt == "json" else render_markdown(result)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    from ckpt_archive.format.jsonio import dumps
+    from ckpt_archive.store.local import write_atomic
+
+    data = (dumps(result.to_json(), indent=2, ensure_ascii=True, default=str) if fmt == "json"
+            else render_markdown(result).encode("utf-8"))
+    write_atomic(Path(path), data)
 
 
 def _cell(value) -> str:

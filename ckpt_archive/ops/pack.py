@@ -325,9 +325,9 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
             policy = retention if retention is not None else r.config.get("retention")
             if policy and not (hasattr(policy, "is_empty") and policy.is_empty()):
                 r.faults.point("retention")
-                from ckpt_archive.retention import policy as _retention
+                from ckpt_archive.ops.prune import apply_after_pack
 
-                retention_result = _retention.apply_after_pack(r, policy, verified=(number,))
+                retention_result = apply_after_pack(r, policy, verified=(number,))
                 warnings += list(retention_result.get("warnings", []) if isinstance(retention_result, dict) else [])
         except (CkptArchiveError, OSError) as exc:
             warnings.append(f"generation {number} is usable, but retention did not run to completion: {exc}")

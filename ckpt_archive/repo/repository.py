@@ -22,6 +22,7 @@ from ckpt_archive import __version__
 
 from ckpt_archive.errors import (CheckFailed, CkptArchiveError, IntegrityError, LockError, ManifestInvalid, NewerFormatError,
                      NoUsableGeneration, NotFound, StoreError, UsageError)
+from ckpt_archive.format import jsonio
 from ckpt_archive.format.manifest import parse as parse_manifest
 from ckpt_archive.format.metrics import read_metrics
 from ckpt_archive.store.base import Store, open_store
@@ -171,17 +172,15 @@ class Repository:
         config = {"format": "ckpt-archive-repository", "format_version": REPO_FORMAT_VERSION,
                   "id": uuid.uuid4().hex, "created": iso(utcnow()), "retention": None}
         try:
-            store.write_bytes_once(REPO_FILE, (json.dumps(config, indent=1) + "\n").encode())
+            store.write_bytes_once(REPO_FILE, jsonio.dumps(config, indent=1, ensure_ascii=True))
         except StoreError:
             pass  # created concurrently by another writer: read theirs
         return cls(store, cls._read_config(store), faults)
 
     @staticmethod
     def _read_config(store: Store) -> dict:
-        try:
-            config = json.loads(store.read_bytes(REPO_FILE).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise ManifestInvalid(f"not valid JSON ({exc})", where=f"{store.location}/{REPO_FILE}") from None
+        # InvalidJSON (a ManifestInvalid): "not valid JSON (...)", also for a duplicate key or NaN
+        config = jsonio.loads(store.read_bytes(REPO_FILE), where=f"{store.location}/{REPO_FILE}")
         if not isinstance(config, dict) or config.get("format") != "ckpt-archive-repository":
             raise ManifestInvalid("not a ckpt-archive repository file", where=f"{store.location}/{REPO_FILE}")
         v = config.get("format_version")
@@ -197,7 +196,7 @@ class Repository:
     def set_default_retention(self, policy: dict | None) -> None:
         """Store a default retention policy in ``repository.json`` (atomic replace; hold the lock)."""
         self.config["retention"] = policy
-        self.store.replace_bytes(REPO_FILE, (json.dumps(self.config, indent=1) + "\n").encode())
+        self.store.replace_bytes(REPO_FILE, jsonio.dumps(self.config, indent=1, ensure_ascii=True))
 
     # -- listing ---------------------------------------------------------------------------------------
     def numbers(self) -> list[int]:
@@ -229,7 +228,7 @@ class Repository:
         if MARKER not in names:
             return Generation(number, "partial", "sealed but never published (no USABLE marker)", manifest, None, sha)
         try:
-            marker = json.loads(self.store.read_bytes(f"{key}/{MARKER}").decode("utf-8"))
+            marker = jsonio.loads(self.store.read_bytes(f"{key}/{MARKER}"), where=f"{key}/{MARKER}")
         except NotFound:
             return Generation(number, "partial", "marker removed (being deleted?)", manifest, None, sha)
         except (UnicodeDecodeError, ValueError):
@@ -361,7 +360,7 @@ class Repository:
         for _ in range(1000):
             if self.store.claim(f"{gen_key(n)}/{CLAIM}"):
                 self.config["highest_generation"] = n
-                self.store.replace_bytes(REPO_FILE, (json.dumps(self.config, indent=1) + "\n").encode())
+                self.store.replace_bytes(REPO_FILE, jsonio.dumps(self.config, indent=1, ensure_ascii=True))
                 return n
             n += 1
         raise StoreError("could not claim a generation number", where=self.location)
@@ -383,7 +382,7 @@ class Repository:
         marker = {"manifest_sha256": manifest_sha256, "archive_id": archive_id, "generation": number,
                   "location": self.location, **record}
         self.faults.point("publish")
-        self.store.replace_bytes(f"{gen_key(number)}/{MARKER}", (json.dumps(marker, indent=1) + "\n").encode())
+        self.store.replace_bytes(f"{gen_key(number)}/{MARKER}", jsonio.dumps(marker, indent=1, ensure_ascii=True))
         return marker
 
     def remove_generation(self, number: int) -> None:

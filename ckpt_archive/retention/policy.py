@@ -2,7 +2,7 @@
 
 restic's ``ApplyPolicy`` habit (``internal/data/snapshot_policy.go``): the decision is computed from plain
 facts with no I/O, so it is tested against golden files and property tests, and ``prune --dry-run``
-simply prints it. Deleting is someone else's job (:func:`apply_after_pack`, ``ckpt-archive prune``).
+simply prints it. Deleting is someone else's job (:mod:`ckpt_archive.ops.prune`).
 
 Vocabulary (restic's): ``keep_last``, ``keep_hourly``, ``keep_daily``, ``keep_weekly``, ``keep_monthly``,
 ``keep_within``, ``keep_tag``, plus ``keep_best N`` with ``best_by "METRIC:min|max"``.
@@ -38,14 +38,10 @@ Invariants (each has a test):
   than leaving only the safety rule standing: that is nearly always a typo in a tag or metric name;
 * an empty policy is refused (:class:`UsageError`).
 
-Deleting (:func:`execute_prune`, used by ``prune`` and by pack/backup-time retention) adds one more
-rule, with I/O, so it lives outside :func:`apply_policy`: **never delete the only verified copy**.
-Before removing anything, :func:`check_kept` verifies the kept usable generations newest first
-(shallow ``verify``: stored sizes and sha256 of every member) and stops at the first that passes; a
-generation that pack verified and trial-reloaded moments ago counts as verified without being read
-again. If none of the kept generations passes, the whole prune is refused (:class:`IntegrityError`,
-naming each kept generation and what failed) and nothing is removed; a kept generation newer than
-the one that passed and that fails is reported as a warning.
+Deleting is not done here: this module reads nothing and writes nothing (it imports no repository,
+store or operation). :mod:`ckpt_archive.ops.prune` applies a decision under the repository lock and adds
+one more rule, with I/O: **never delete the only verified copy** (``check_kept`` verifies the kept
+generations newest first before anything is removed).
 """
 from __future__ import annotations
 
@@ -55,12 +51,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Mapping, Sequence
 
-from ckpt_archive.errors import CkptArchiveError, IntegrityError, UsageError
+from ckpt_archive.errors import UsageError
 
 __all__ = [
     "GenerationFacts", "RetentionPolicy", "Decision", "WithinDuration", "apply_policy",
-    "parse_within", "parse_best_by", "metric_value", "apply_after_pack", "NEWEST_USABLE", "KeptCheck",
-    "check_kept", "refuse_unless_verified", "execute_prune",
+    "parse_within", "parse_best_by", "metric_value", "NEWEST_USABLE",
 ]
 
 NEWEST_USABLE = "newest usable"
@@ -69,8 +64,6 @@ NOT_USABLE_REASON = ("not usable ({status}): never counted by retention, never r
 NO_RULE = "matched no keep rule"
 
 
-# --------------------------------------------------------------------------------------------------
-# facts
 @dataclass(frozen=True)
 class GenerationFacts:
     """What retention needs to know about one generation.
@@ -109,8 +102,6 @@ class GenerationFacts:
                    status=status)
 
 
-# --------------------------------------------------------------------------------------------------
-# durations and metrics
 _DUR_PART = re.compile(r"(\d+)([ymwdh])")
 _DUR_FULL = re.compile(r"^(?:\d+[ymwdh])+$")
 
@@ -219,8 +210,6 @@ def metric_value(metrics: Mapping[str, Any] | None, name: str) -> float | None:
     return f if math.isfinite(f) else None
 
 
-# --------------------------------------------------------------------------------------------------
-# policy
 _COUNT_FIELDS = ("keep_last", "keep_hourly", "keep_daily", "keep_weekly", "keep_monthly", "keep_best")
 _ALL_FIELDS = _COUNT_FIELDS + ("keep_within", "keep_tag", "best_by")
 
@@ -273,7 +262,6 @@ class RetentionPolicy:
         if self.best_by and not self.keep_best:
             raise UsageError("--best-by given without --keep-best N", where="keep_best")
 
-    # -- construction --------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "retention") -> "RetentionPolicy":
         """Build a policy from a dict (``repository.json``'s ``retention``; ``pack(retention=...)``).
@@ -362,8 +350,6 @@ class RetentionPolicy:
         return "keep " + ", ".join(parts) if parts else "(empty policy)"
 
 
-# --------------------------------------------------------------------------------------------------
-# decision
 @dataclass
 class Decision:
     """The outcome of :func:`apply_policy`. Every list is newest first; every entry is
@@ -442,7 +428,7 @@ def _has_tags(gen_tags: Iterable[str], spec: str) -> bool:
     return all(part.strip() in have for part in spec.split(","))
 
 
-def apply_policy(generations: Sequence[GenerationFacts], policy: RetentionPolicy | Mapping[str, Any],
+def apply_policy(generations: Sequence[GenerationFacts], policy: RetentionPolicy,
                  now: datetime | None = None) -> Decision:
     """Decide which generations a retention policy keeps and which it removes, and why.
 
@@ -450,7 +436,8 @@ def apply_policy(generations: Sequence[GenerationFacts], policy: RetentionPolicy
 
     Args:
         generations: every generation of the repository, any order, usable or not.
-        policy: a :class:`RetentionPolicy` or its dict form.
+        policy: a :class:`RetentionPolicy` (build one with :meth:`RetentionPolicy.from_dict` or
+            :meth:`RetentionPolicy.from_flags`).
         now: the time of the decision, timezone-aware (default: the current UTC time). Only used so
             that a creation time in the future (clock skew) is not taken as ``keep_within``'s reference.
 
@@ -458,8 +445,8 @@ def apply_policy(generations: Sequence[GenerationFacts], policy: RetentionPolicy
         A :class:`Decision`; every input generation appears in exactly one of its three lists.
 
     Raises:
-        UsageError: the policy is empty or malformed; two generations share a number; or the rules
-            keep none of the usable generations (the policy would remove every generation).
+        UsageError: the policy is not a :class:`RetentionPolicy` or is empty; two generations share a
+            number; or the rules keep none of the usable generations (the policy would remove every generation).
 
     Example:
         >>> from datetime import datetime, timedelta, timezone
@@ -471,7 +458,8 @@ def apply_policy(generations: Sequence[GenerationFacts], policy: RetentionPolicy
         ([5, 2], [4, 3, 1])
     """
     if not isinstance(policy, RetentionPolicy):
-        policy = RetentionPolicy.from_dict(policy)
+        raise UsageError(f"a retention policy must be a RetentionPolicy, got {type(policy).__name__} (build one with "
+                         "RetentionPolicy.from_dict or RetentionPolicy.from_flags)", where="retention")
     if policy.is_empty():
         raise UsageError("empty retention policy: give at least one of --keep-last, --keep-hourly, --keep-daily, "
                          "--keep-weekly, --keep-monthly, --keep-within, --keep-tag, --keep-best")
@@ -552,218 +540,3 @@ def apply_policy(generations: Sequence[GenerationFacts], policy: RetentionPolicy
     keep = [(g.number, reasons[g.number]) for g in usable if reasons[g.number]]
     remove = [(g.number, [NO_RULE]) for g in usable if not reasons[g.number]]
     return Decision(keep=keep, remove=remove, not_usable=not_usable, policy=policy)
-
-
-# --------------------------------------------------------------------------------------------------
-# never delete the only verified copy (I/O: reads the kept generations' stored members)
-@dataclass
-class KeptCheck:
-    """Whether a generation that a prune keeps verifies, established before anything is removed.
-
-    Attributes:
-        needed: False when the decision removes nothing (then nothing is read and nothing is refused).
-        verified: the kept generation that passed (the newest kept one that did), or ``None``.
-        trusted: True when ``verified`` was counted as verified without being read again (pack
-            verified and trial-reloaded it moments ago, under the same lock).
-        failed: kept generations newer than ``verified`` (or all of them when none passed) that
-            failed the check, newest first, each with one line per problem (member: reason).
-    """
-
-    needed: bool
-    verified: int | None = None
-    trusted: bool = False
-    failed: list[tuple[int, list[str]]] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """True when removing is allowed: nothing to remove, or a kept generation verifies."""
-        return not self.needed or self.verified is not None
-
-    def warnings(self) -> list[str]:
-        """One line per kept generation that failed while an older kept one passed."""
-        if self.verified is None:
-            return []
-        return [f"kept generation {n} does not verify ({'; '.join(problems)}); generation {self.verified} is "
-                f"the newest kept generation that does" for n, problems in self.failed]
-
-    def describe(self) -> str:
-        """One line for humans: what the check found."""
-        if not self.needed:
-            return "nothing to remove: kept generations not checked"
-        if self.verified is None:
-            return ("no kept generation verifies: " +
-                    "; ".join(f"generation {n}: {', '.join(p)}" for n, p in self.failed))
-        how = "verified and trial-reloaded by this pack" if self.trusted else "verified (stored sizes + sha256)"
-        text = f"kept generation {self.verified} {how}"
-        if self.failed:
-            text += "; newer kept generation(s) " + ", ".join(str(n) for n, _ in self.failed) + " FAIL verify"
-        return text
-
-    def to_json(self) -> dict[str, Any]:
-        """``{"needed", "ok", "verified_generation", "trusted", "failed": [{"generation", "problems"}]}``."""
-        return {"needed": self.needed, "ok": self.ok, "verified_generation": self.verified, "trusted": self.trusted,
-                "failed": [{"generation": n, "problems": list(p)} for n, p in self.failed]}
-
-
-def _verify_problems(repo: Any, number: int) -> list[str]:
-    """Shallow-verify one generation (stored sizes and sha256 of every member; ``ckpt_archive.verify``).
-
-    Returns one line per problem (``member: reason``); ``[]`` when it verifies. A generation that could
-    not be checked at all (unreadable, vanished) counts as failing, with the reason.
-    """
-    from ckpt_archive.ops import verify as verify_op
-
-    try:
-        report = verify_op.verify(repo, str(number))
-    except (CkptArchiveError, OSError) as exc:
-        return [f"could not be verified: {exc}"]
-    lines = []
-    for p in report.problems:
-        where = p.member or p.field
-        lines.append(f"{where}: {p.reason}" if where else str(p.reason))
-    return lines
-
-
-def check_kept(repo: Any, decision: Decision, *, verified: Iterable[int] = ()) -> KeptCheck:
-    """Establish that a generation ``decision`` keeps verifies, before any of ``decision.remove`` goes.
-
-    Walks the kept (usable) generations newest first and stops at the first that passes a shallow
-    verify (every stored member's size and sha256, as ``ckpt-archive verify REPO@N``). A generation in
-    ``verified`` counts as passing without being read again: pack passes the generation it has just
-    verified and trial-reloaded under the same lock. Reads nothing when the decision removes nothing.
-
-    Args:
-        repo: an open :class:`ckpt_archive.repo.repository.Repository` (or its path/URL).
-        decision: from :func:`apply_policy` on this repository's generations.
-        verified: generation numbers known to verify right now (not re-read).
-
-    Returns:
-        A :class:`KeptCheck`; ``.ok`` is False when no kept generation verifies.
-    """
-    if not decision.remove:
-        return KeptCheck(needed=False)
-    trusted = {int(n) for n in verified}
-    failed: list[tuple[int, list[str]]] = []
-    for number in decision.keep_numbers:  # newest first
-        if number in trusted:
-            return KeptCheck(needed=True, verified=number, trusted=True, failed=failed)
-        problems = _verify_problems(repo, number)
-        if not problems:
-            return KeptCheck(needed=True, verified=number, failed=failed)
-        failed.append((number, problems))
-    return KeptCheck(needed=True, verified=None, failed=failed)
-
-
-def refuse_unless_verified(check: KeptCheck, decision: Decision, where: str | None = None) -> None:
-    """Raise when removing ``decision.remove`` could delete the only intact generations.
-
-    Raises:
-        IntegrityError: ``check`` found no kept generation that verifies (exit 1); the message names
-            each kept generation and what failed, and says nothing was removed.
-    """
-    if check.ok:
-        return
-    removing = ", ".join(str(n) for n in sorted(decision.remove_numbers))
-    failures = "; ".join(f"generation {n}: {', '.join(p)}" for n, p in check.failed)
-    raise IntegrityError(
-        f"refusing to prune: none of the kept generation(s) {', '.join(map(str, decision.keep_numbers))} verifies "
-        f"({failures}); removing {removing} could delete the only intact copies, so nothing was removed",
-        where=where,
-        hint="keep an older generation that verifies (e.g. a larger --keep-last), or find one with "
-             "`ckpt-archive verify REPO@N` and `forget` the damaged one first")
-
-
-# --------------------------------------------------------------------------------------------------
-# the hook pack calls (I/O lives here, not in apply_policy)
-def apply_after_pack(repo: Any, policy: RetentionPolicy | Mapping[str, Any] | None, *,
-                     now: datetime | None = None, verified: Iterable[int] = ()) -> dict[str, Any]:
-    """Apply a retention policy right after ``pack`` made a new generation usable.
-
-    The caller (``ckpt_archive.ops.pack.pack``) already holds the repository lock. ``policy=None`` uses the
-    repository's default policy (``repository.json`` ``retention``); no policy there means nothing
-    is removed. A policy the repository refuses (see :func:`apply_policy`) never fails the pack: it
-    comes back as a warning. Nothing is removed unless a kept generation verifies (:func:`check_kept`);
-    otherwise that comes back as a warning too.
-
-    Args:
-        repo: an open :class:`ckpt_archive.repo.repository.Repository` (lock held).
-        policy: the policy for this pack, or ``None``.
-        now: the decision time (default: now, UTC).
-        verified: generation numbers that passed verify and trial reload moments ago under this lock
-            (the one pack just published): counted as verified without being read again. Without it
-            the newest kept generation is read (shallow verify) before anything is removed.
-
-    Returns:
-        ``{"policy": dict, "kept": [numbers], "removed": [numbers], "warnings": [str],
-        "verify_kept": dict}`` (``verify_kept``: :meth:`KeptCheck.to_json`, absent when no policy ran).
-    """
-    if policy is None:
-        cfg = getattr(repo, "config", None) or {}
-        policy = cfg.get("retention") if isinstance(cfg, Mapping) else None
-    try:
-        pol = RetentionPolicy.from_dict(policy)
-    except UsageError as exc:
-        return {"policy": None, "kept": [], "removed": [], "warnings": [f"retention not applied: {exc}"]}
-    if pol.is_empty():
-        return {"policy": {}, "kept": [], "removed": [], "warnings": []}
-    try:
-        decision = apply_policy([GenerationFacts.from_generation(g) for g in repo.generations()], pol, now)
-    except UsageError as exc:
-        return {"policy": pol.to_dict(), "kept": [], "removed": [], "warnings": [f"retention not applied: {exc}"]}
-    removed: list[int] = []
-    warnings: list[str] = []
-    check = check_kept(repo, decision, verified=verified)
-    warnings += check.warnings()
-    try:
-        execute_prune(repo, decision, removed=removed, check=check)
-    except IntegrityError as exc:
-        warnings.append(f"retention not applied, nothing removed: {exc.message}")
-    except (CkptArchiveError, OSError) as exc:
-        # the new generation is usable already; a failed removal leaves at worst a partial one for gc
-        warnings.append(f"retention stopped after removing {removed or 'nothing'}: {exc}; the new generation is "
-                        "usable, run `ckpt-archive gc` to remove any half-removed generation")
-    return {"policy": pol.to_dict(), "kept": decision.keep_numbers, "removed": removed, "warnings": warnings,
-            "verify_kept": check.to_json()}
-
-
-def execute_prune(repo: Any, decision: Decision, *, removed: list[int] | None = None,
-                  check: KeptCheck | None = None, verified: Iterable[int] = ()) -> list[int]:
-    """Remove the generations ``decision.remove`` names, oldest first; the caller holds the lock.
-
-    Nothing is removed unless a generation the decision keeps verifies: ``check`` (from
-    :func:`check_kept`), or, when not given, a fresh :func:`check_kept` run here (``verified``: numbers
-    that count as verified without being read). Each removal goes through ``repo.remove_generation``
-    (marker first, then members, then manifest, then the folder), so a kill part-way leaves the
-    half-removed generation without its marker, i.e. recognisably not usable, and every kept
-    generation untouched. The newest usable generation is checked once more here and never removed,
-    whatever the decision says.
-
-    Args:
-        repo: an open repository whose lock the caller holds.
-        decision: from :func:`apply_policy` on this repository's generations.
-        removed: a list to append each removed number to as it goes (so a caller sees the progress
-            even when a removal fails part-way).
-        check: the kept-generation check already made for this decision under the same lock.
-        verified: with ``check=None``: generation numbers known to verify right now.
-
-    Returns:
-        The numbers removed, in the order removed.
-
-    Raises:
-        IntegrityError: no kept generation verifies; nothing was removed (exit 1).
-        OSError, StoreError: a removal failed; earlier removals stand, the failed generation is left
-        without its marker (``partial``) or untouched.
-    """
-    if check is None:
-        check = check_kept(repo, decision, verified=verified)
-    refuse_unless_verified(check, decision, where=getattr(repo, "location", None))
-    usable = [g.number for g in repo.generations() if getattr(g, "status", None) == "usable"]
-    newest = max(usable) if usable else None
-    if removed is None:
-        removed = []
-    for number in sorted(decision.remove_numbers):
-        if number == newest:  # defence in depth: apply_policy never puts it there
-            continue
-        repo.remove_generation(number)
-        removed.append(number)
-    return removed

@@ -2,128 +2,29 @@
 
 A source is either one file (a ``torch.save`` file, a ``.safetensors`` file) or a folder (a Hugging
 Face Trainer ``checkpoint-N/``, an Accelerate ``save_state`` folder, per-rank files, a
-torch.distributed.checkpoint folder). Every file of a source is one of:
+torch.distributed.checkpoint folder). The shared types, the registry and :func:`read_source` live in
+:mod:`ckpt_archive.sources.base`; one module per format registers its reader:
 
-* ``torch``: decomposed with ``torch.load(weights_only=True)`` into the state tree;
-* ``safetensors``: decomposed with safetensors into the state tree (its str->str metadata kept);
-* ``raw``: kept byte for byte (JSON, text), readable;
-* ``opaque``: kept byte for byte, fingerprinted, **never loaded** (a pickled ``training_args.bin``,
-  DCP's pickled ``.metadata`` as far as the archive is concerned).
+* :mod:`~ckpt_archive.sources.torchfile`: one ``torch.save`` file (``weights_only`` loads only);
+* :mod:`~ckpt_archive.sources.folders`: a ``.safetensors`` file, per-rank files, any other folder;
+* :mod:`~ckpt_archive.sources.hf`: Hugging Face Trainer and Accelerate folders;
+* :mod:`~ckpt_archive.sources.lightning`: Lightning ``.ckpt`` files;
+* :mod:`~ckpt_archive.sources.dcp`: torch.distributed.checkpoint folders.
 
-Readers register themselves in :data:`READERS`; :func:`read_source` detects the format (or takes
-``fmt``) and returns the checkpoint. The archive writer needs nothing else.
+:mod:`~ckpt_archive.sources.files` walks a folder and gives every file a kind (the machinery the
+folder readers share). The built-in readers are imported here explicitly: a reader that fails to
+import is a packaging error and fails loudly, never a silently missing format.
 """
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-from typing import Any, Callable
+from ckpt_archive.sources.base import (FILE_KINDS, READERS, SourceCheckpoint, SourceFile, from_object, read_source,
+                                       register)
 
-from ckpt_archive.errors import SourceError
+# Each built-in reader registers itself on import. Plain imports, so a missing module fails here, by name.
+import ckpt_archive.sources.torchfile  # noqa: E402,F401
+import ckpt_archive.sources.folders  # noqa: E402,F401
+import ckpt_archive.sources.hf  # noqa: E402,F401
+import ckpt_archive.sources.lightning  # noqa: E402,F401
+import ckpt_archive.sources.dcp  # noqa: E402,F401
 
-#: The kinds a source file may have (see module docstring).
-FILE_KINDS = ("torch", "safetensors", "raw", "opaque")
-
-
-@dataclasses.dataclass
-class SourceFile:
-    """One file of a source.
-
-    Attributes:
-        relpath: POSIX path relative to the source folder; ``""`` for a single-file source.
-        kind: one of :data:`FILE_KINDS`.
-        path: where the file is on disk (``None`` for a Python object handed to the API).
-        metadata: for ``safetensors`` files, the header's str->str metadata (kept for restore).
-    """
-
-    relpath: str
-    kind: str
-    path: Path | None
-    metadata: dict[str, str] | None = None
-
-
-@dataclasses.dataclass
-class SourceCheckpoint:
-    """What a reader found: the nested state plus the files that make up the source.
-
-    Attributes:
-        format: e.g. ``"torch-file"``, ``"python-object"``, ``"safetensors-file"``, ``"hf-trainer"``,
-            ``"accelerate"``, ``"lightning"``, ``"rank-files"``, ``"dcp"``.
-        layout: ``"file"`` (``state`` is the one file's object) or ``"folder"`` (``state`` maps each
-            decomposed file's relpath to its object; raw/opaque files are not in ``state``).
-        state: the nested state (dict/list/tuple/tensors/plain values).
-        files: every file of the source, in a stable order.
-        progress: ``step`` / ``epoch`` / ``cursor`` (ints) found in the source, for the manifest.
-        info: format-specific facts for the manifest's ``source`` section (strict-JSON values only).
-        warnings: human-readable notes found while reading (e.g. "2 CUDA RNG states saved").
-    """
-
-    format: str
-    layout: str
-    state: Any
-    files: list[SourceFile]
-    root: Path | None = None
-    progress: dict = dataclasses.field(default_factory=dict)
-    info: dict = dataclasses.field(default_factory=dict)
-    warnings: list[str] = dataclasses.field(default_factory=list)
-
-
-#: name -> (detect(path) -> bool, read(path, **options) -> SourceCheckpoint).
-READERS: dict[str, tuple[Callable[[Path], bool], Callable[..., SourceCheckpoint]]] = {}
-_PRIORITY: dict[str, int] = {}
-
-
-def register(name: str, detect: Callable[[Path], bool], read: Callable[..., SourceCheckpoint],
-             priority: int = 50) -> None:
-    """Register a reader under ``name`` (used by ``--format``).
-
-    Detection tries readers by ascending ``priority``: specific folder layouts (HF Trainer,
-    Accelerate, DCP) should use low numbers, generic fallbacks (any ``.pt`` file) high ones.
-    """
-    READERS[name] = (detect, read)
-    _PRIORITY[name] = priority
-
-
-def _load_builtin_readers() -> None:
-    # Import for their register() side effects; later modules may add folder formats.
-    from ckpt_archive.sources import torchfile  # noqa: F401
-    for mod in ("hf", "lightning", "dcp", "folders"):
-        try:
-            __import__(f"{__name__}.{mod}")
-        except ModuleNotFoundError as exc:  # a reader module not (yet) present
-            if exc.name != f"{__name__}.{mod}":
-                raise
-
-
-def read_source(path: str | Path, fmt: str | None = None, **options) -> SourceCheckpoint:
-    """Read a checkpoint file or folder from disk.
-
-    Args:
-        path: a file or folder.
-        fmt: a reader name from :data:`READERS` to force; ``None`` detects.
-        **options: passed to the reader (e.g. ``allow_numpy=True``).
-
-    Raises:
-        SourceError: missing path, unknown format, unreadable or refused content.
-    """
-    _load_builtin_readers()
-    p = Path(path)
-    if not p.exists():
-        raise SourceError("no such file or folder", where=str(p))
-    if fmt is not None:
-        if fmt not in READERS:
-            raise SourceError(f"unknown format {fmt!r}; known: {', '.join(sorted(READERS))}", where=str(p))
-        return READERS[fmt][1](p, **options)
-    for _name in sorted(READERS, key=lambda n: _PRIORITY.get(n, 50)):
-        detect, read = READERS[_name]
-        if detect(p):
-            return read(p, **options)
-    kind = "folder" if p.is_dir() else "file"
-    raise SourceError(f"not a checkpoint this tool recognises ({kind}); use --format to force one of "
-                      f"{', '.join(sorted(READERS))}", where=str(p))
-
-
-def from_object(state: Any, *, progress: dict | None = None) -> SourceCheckpoint:
-    """Wrap a nested state handed to the Python API."""
-    return SourceCheckpoint(format="python-object", layout="file", state=state,
-                            files=[SourceFile("", "torch", None)], progress=dict(progress or {}))
+__all__ = ["FILE_KINDS", "READERS", "SourceCheckpoint", "SourceFile", "from_object", "read_source", "register"]

@@ -28,7 +28,8 @@ import pickle
 from pathlib import Path
 
 from ckpt_archive.errors import RefusedPickle, SourceError
-from ckpt_archive.sources import SourceCheckpoint, register
+from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
+from ckpt_archive.sources.files import file_sizes, is_dcp_file, read_folder
 
 METADATA_NAME = ".metadata"
 SHARD_SUFFIX = ".distcp"
@@ -251,6 +252,31 @@ def check_dcp_folder(files_present: dict[str, int], info: dict) -> list[str]:
     return problems
 
 
+def attach_dcp_info(info: dict, root: Path, files: list[SourceFile], warnings: list[str]) -> None:
+    """Record, for every sub-folder holding a DCP checkpoint, the shards its ``.metadata`` references.
+
+    Raises :class:`SourceError` when a referenced shard is missing or shorter than the metadata
+    needs (a damaged checkpoint is not archived). Sets ``info["dcp"] = {subdir: record}`` (``""`` for the folder itself); see
+    :func:`describe_dcp`. Used by the folder readers (HF Trainer, Accelerate, any folder) for DCP
+    checkpoints inside them.
+    """
+    rels = [f.relpath for f in files]
+    dirs = sorted({r.rsplit("/", 1)[0] if "/" in r else "" for r in rels
+                   if r.rsplit("/", 1)[-1] == ".metadata" and is_dcp_file(r, rels, root)})
+    if not dirs:
+        return
+    sizes = file_sizes(files)
+    rec = {}
+    for d in dirs:
+        rec[d] = describe_dcp(root / d if d else root, sizes_prefix=d, sizes=sizes)
+        problems = check_dcp_record(sizes, rec[d], d)
+        if problems:
+            raise SourceError(f"damaged DCP checkpoint: {problems[0]}"
+                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+                              where=str(root / d if d else root))
+    info["dcp"] = rec
+
+
 def consolidate_dcp(folder: str | os.PathLike, output: str | os.PathLike) -> Path:
     """Write one ``torch.save`` file holding the whole state of a DCP folder (``restore --consolidate``).
 
@@ -275,22 +301,17 @@ def consolidate_dcp(folder: str | os.PathLike, output: str | os.PathLike) -> Pat
 
     folder = Path(folder)
     output = Path(output)
+    from ckpt_archive.store.local import atomic_path
+
     read_dcp_metadata(folder / METADATA_NAME)
-    tmp = output.with_name(f".{output.name}.partial")
     try:
-        with warnings.catch_warnings():
+        with atomic_path(output) as tmp, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp_to_torch_save(folder, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, output)
     except (RefusedPickle, SourceError):
         raise
     except Exception as exc:
         raise SourceError(f"could not consolidate the DCP checkpoint: {exc}", where=str(folder)) from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return output
 
 
@@ -330,8 +351,6 @@ def _detect(path: Path) -> bool:
 
 
 def _read(path: Path, *, allow_numpy: bool = False, **_options) -> SourceCheckpoint:
-    from ckpt_archive.sources.folders import file_sizes, read_folder
-
     if not (path / METADATA_NAME).is_file():
         raise SourceError("not a DCP folder: no .metadata file", where=str(path))
     state, files, warnings = read_folder(path, allow_numpy=allow_numpy)

@@ -1,8 +1,8 @@
 """Readers for a ``.safetensors`` model file, a folder of per-rank ``.pt`` files, and any other folder.
 
-Also the shared machinery every folder reader uses (:func:`read_folder`): walk the folder, give each
-file a kind (see :data:`ckpt_archive.sources.FILE_KINDS`) and decompose what can be decomposed
-safely:
+They read folders with the shared machinery of :mod:`ckpt_archive.sources.files`
+(:func:`~ckpt_archive.sources.files.read_folder`), which gives each file a kind and decomposes what can
+be decomposed safely:
 
 * ``*.safetensors`` -> ``safetensors`` (tensors plus the header's str->str metadata);
 * a ``torch.save`` file (zip with a ``data.pkl`` record, or a legacy pickle stream) ->
@@ -20,279 +20,15 @@ Relative paths are POSIX, sorted, and include hidden files (DCP's ``.metadata``)
 """
 from __future__ import annotations
 
-import codecs
-import os
 import re
-import warnings as warnings_mod
-import zipfile
 from pathlib import Path
-from typing import Iterable
 
-from ckpt_archive.errors import RefusedPickle, SourceError
-from ckpt_archive.sources import SourceCheckpoint, SourceFile, register
-from ckpt_archive.sources.torchfile import load_torch_file
-
-#: File suffixes ``torch.save`` files usually carry (a file with another suffix is still recognised by
-#: its first bytes).
-TORCH_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".pkl", ".tar"}
-_TEXT_CHUNK = 1 << 20
+from ckpt_archive.errors import SourceError
+from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
+from ckpt_archive.sources.dcp import attach_dcp_info
+from ckpt_archive.sources.files import TORCH_SUFFIXES, load_safetensors, read_folder
 
 
-def torch_magic(path: Path) -> str | None:
-    """``"zip"`` for a zip-format ``torch.save`` file, ``"pickle"`` for a legacy/plain pickle stream.
-
-    Returns ``None`` for anything else (including empty files).
-    """
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(4)
-    except OSError:
-        return None
-    if head[:2] == b"PK":
-        return "zip"
-    if head[:1] == b"\x80":
-        return "pickle"
-    return None
-
-
-def _is_utf8_text(path: Path) -> bool:
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    try:
-        with open(path, "rb") as fh:
-            while True:
-                chunk = fh.read(_TEXT_CHUNK)
-                if not chunk:
-                    decoder.decode(b"", final=True)
-                    return True
-                if b"\x00" in chunk:
-                    return False
-                decoder.decode(chunk)
-    except UnicodeDecodeError:
-        return False
-
-
-def _walk(root: Path) -> tuple[list[str], list[str]]:
-    """All regular files under ``root`` as sorted POSIX relpaths, plus warnings for skipped entries."""
-    rels: list[str] = []
-    warnings: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dpath = Path(dirpath)
-        for d in list(dirnames):
-            if (dpath / d).is_symlink():
-                warnings.append(f"{(dpath / d).relative_to(root).as_posix()}: symlinked folder not followed "
-                                f"(not archived)")
-                dirnames.remove(d)
-        for name in filenames:
-            full = dpath / name
-            rel = full.relative_to(root).as_posix()
-            if full.is_symlink():
-                if not full.is_file():
-                    warnings.append(f"{rel}: dangling symlink skipped (not archived)")
-                    continue
-                warnings.append(f"{rel}: symlink archived as the file it points to")
-            elif not full.is_file():
-                warnings.append(f"{rel}: not a regular file (skipped)")
-                continue
-            rels.append(rel)
-    rels.sort()
-    return rels, warnings
-
-
-_DCP_MARKER = b"torch.distributed.checkpoint.metadata"
-
-
-def is_dcp_file(relpath: str, siblings: Iterable[str], root: Path | None = None) -> bool:
-    """True for a torch.distributed.checkpoint file: ``*.distcp``, or a ``.metadata`` beside one or
-    whose first bytes name DCP's metadata module (so a folder whose shards are all gone is still
-    recognised, and reported, as DCP)."""
-    name = relpath.rsplit("/", 1)[-1]
-    if name.endswith(".distcp"):
-        return True
-    if name == ".metadata":
-        parent = relpath.rsplit("/", 1)[0] if "/" in relpath else ""
-        prefix = f"{parent}/" if parent else ""
-        if any(s.startswith(prefix) and "/" not in s[len(prefix):] and s.endswith(".distcp") for s in siblings):
-            return True
-        if root is not None:
-            try:
-                with open(root / relpath, "rb") as fh:
-                    return _DCP_MARKER in fh.read(4096)
-            except OSError:
-                return False
-    return False
-
-
-def load_safetensors(path: Path) -> tuple[dict, dict[str, str]]:
-    """Read a ``.safetensors`` file: ``(name -> CPU tensor, header metadata str->str)``.
-
-    Raises:
-        SourceError: the header or data cannot be read (truncated, not safetensors).
-    """
-    from safetensors import safe_open
-
-    try:
-        tensors = {}
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            metadata = dict(fh.metadata() or {})
-            for key in fh.keys():
-                tensors[key] = fh.get_tensor(key)
-    except Exception as exc:  # safetensors raises SafetensorError/OSError/...: one line naming the file
-        raise SourceError(f"unreadable safetensors file: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                          where=str(path)) from None
-    return tensors, metadata
-
-
-def classify_file(root: Path, rel: str, *, allow_numpy: bool = False, opaque: bool = False,
-                  siblings: Iterable[str] = ()) -> tuple[SourceFile, object, list[str]]:
-    """Give one file of a folder its kind and, for decomposable kinds, its object.
-
-    Args:
-        root: the source folder.
-        rel: POSIX path of the file relative to ``root``.
-        allow_numpy: admit NumPy's own types when loading a ``torch.save`` file.
-        opaque: the caller knows this file is a foreign pickle (never opened by a loader).
-        siblings: every relpath in the folder (to recognise DCP's ``.metadata``).
-
-    Returns:
-        ``(SourceFile, object or None, warnings)``; the object is ``None`` for raw/opaque files.
-
-    Raises:
-        SourceError: a damaged ``torch.save`` or safetensors file (truncated, bad CRC, empty).
-    """
-    path = root / rel
-    name = rel.rsplit("/", 1)[-1]
-    suffix = Path(name).suffix.lower()
-    if opaque or is_dcp_file(rel, siblings, root):
-        return SourceFile(rel, "opaque", path), None, []
-    if suffix == ".safetensors":
-        tensors, metadata = load_safetensors(path)
-        return SourceFile(rel, "safetensors", path, metadata=metadata), tensors, []
-    magic = torch_magic(path)
-    size = path.stat().st_size
-    if suffix in TORCH_SUFFIXES and size == 0:
-        raise SourceError("empty file (0 bytes) where a torch.save file was expected: an interrupted write?",
-                          where=str(path))
-    if magic == "zip":
-        if not zipfile.is_zipfile(path):
-            if suffix not in TORCH_SUFFIXES:  # some other damaged zip (logs.zip): carried as it is
-                return SourceFile(rel, "opaque", path), None, []
-            # Let the torch reader name the damage (truncated zip directory, ...).
-            load_torch_file(path, mmap=False)
-        with zipfile.ZipFile(path) as zf:
-            is_torch = any(n.endswith("data.pkl") for n in zf.namelist())
-        if not is_torch:
-            return SourceFile(rel, "opaque", path), None, []
-        try:
-            obj = load_torch_file(path, allow_numpy=allow_numpy)
-        except RefusedPickle as exc:
-            return SourceFile(rel, "opaque", path), None, [_opaque_note(rel, exc)]
-        return SourceFile(rel, "torch", path), obj, []
-    if magic == "pickle":
-        try:
-            with warnings_mod.catch_warnings():  # "Detected pickle protocol 4": a plain pickle, refused below
-                warnings_mod.simplefilter("ignore", UserWarning)
-                obj = load_torch_file(path, allow_numpy=allow_numpy, mmap=False)
-        except RefusedPickle as exc:
-            return SourceFile(rel, "opaque", path), None, [_opaque_note(rel, exc)]
-        except SourceError as exc:
-            # A plain pickle (not torch.save) or a legacy file torch cannot read: never unpickled.
-            return SourceFile(rel, "opaque", path), None, [
-                f"{rel}: kept opaque (byte for byte, never loaded): not loadable with "
-                f"torch.load(weights_only=True): {exc.message}"]
-        return SourceFile(rel, "torch", path), obj, []
-    if _is_utf8_text(path):
-        return SourceFile(rel, "raw", path), None, []
-    return SourceFile(rel, "opaque", path), None, []
-
-
-def _opaque_note(rel: str, exc: RefusedPickle) -> str:
-    m = re.search(r"references ([\w.]+)", exc.message)
-    what = m.group(1) if m else "a non-data global"
-    note = f"{rel}: kept opaque (byte for byte, never loaded): its pickle references {what}"
-    if exc.hint:
-        note += f"; {exc.hint}"
-    return note
-
-
-def read_folder(root: Path, *, allow_numpy: bool = False, numpy_files: Iterable[str] = (),
-                opaque_files: Iterable[str] = ()) -> tuple[dict, list[SourceFile], list[str]]:
-    """Walk a folder and classify every file (see the module docstring).
-
-    Args:
-        root: the folder.
-        allow_numpy: admit NumPy's own types in every ``torch.save`` file.
-        numpy_files: relpaths or ``fnmatch`` patterns (one without ``/`` names top-level files
-            only) of files whose library writes NumPy RNG state by design and loads it with the
-            same NumPy allowlist (HF ``rng_state*.pth``, Accelerate ``random_states_*.pkl``):
-            admitted even without ``allow_numpy``.
-        opaque_files: relpaths (or patterns) of known foreign pickles, never opened by a loader.
-
-    Returns:
-        ``(state, files, warnings)``: ``state`` maps each decomposed file's relpath to its object.
-
-    Raises:
-        SourceError: the folder is empty, or a file is damaged.
-    """
-    from fnmatch import fnmatchcase as _fnmatchcase
-
-    rels, warnings = _walk(root)
-    if not rels:
-        raise SourceError("empty folder: no files to archive", where=str(root))
-    numpy_pats = list(numpy_files)
-    opaque_pats = list(opaque_files)
-
-    def fnmatchcase(rel: str, pat: str) -> bool:  # a pattern without "/" names top-level files only
-        return ("/" in pat or "/" not in rel) and _fnmatchcase(rel, pat)
-
-    state: dict = {}
-    files: list[SourceFile] = []
-    for rel in rels:
-        sf, obj, notes = classify_file(
-            root, rel,
-            allow_numpy=allow_numpy or any(fnmatchcase(rel, p) for p in numpy_pats),
-            opaque=any(fnmatchcase(rel, p) for p in opaque_pats),
-            siblings=rels)
-        files.append(sf)
-        warnings.extend(notes)
-        if sf.kind in ("torch", "safetensors"):
-            state[rel] = obj
-    return state, files, warnings
-
-
-def file_sizes(files: Iterable[SourceFile]) -> dict[str, int]:
-    """relpath -> size in bytes for files on disk."""
-    return {f.relpath: f.path.stat().st_size for f in files if f.path is not None}
-
-
-def attach_dcp_info(info: dict, root: Path, files: list[SourceFile], warnings: list[str]) -> None:
-    """Record, for every sub-folder holding a DCP checkpoint, the shards its ``.metadata`` references.
-
-    Raises :class:`SourceError` when a referenced shard is missing or shorter than the metadata
-    needs (a damaged checkpoint is not archived). Sets ``info["dcp"] = {subdir: record}`` (``""`` for the folder itself); see
-    :func:`ckpt_archive.sources.dcp.describe_dcp`.
-    """
-    rels = [f.relpath for f in files]
-    dirs = sorted({r.rsplit("/", 1)[0] if "/" in r else "" for r in rels
-                   if r.rsplit("/", 1)[-1] == ".metadata" and is_dcp_file(r, rels, root)})
-    if not dirs:
-        return
-    from ckpt_archive.sources.dcp import describe_dcp
-
-    from ckpt_archive.sources.dcp import check_dcp_record
-
-    sizes = file_sizes(files)
-    rec = {}
-    for d in dirs:
-        rec[d] = describe_dcp(root / d if d else root, sizes_prefix=d, sizes=sizes)
-        problems = check_dcp_record(sizes, rec[d], d)
-        if problems:
-            raise SourceError(f"damaged DCP checkpoint: {problems[0]}"
-                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
-                              where=str(root / d if d else root))
-    info["dcp"] = rec
-
-
-# --- single .safetensors file --------------------------------------------------------------------
 def _detect_safetensors(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".safetensors"
 
@@ -307,8 +43,7 @@ def _read_safetensors(path: Path, **_options) -> SourceCheckpoint:
                             files=[SourceFile("", "safetensors", path, metadata=metadata)], info=info)
 
 
-# --- a folder of per-rank torch.save files ---------------------------------------------------------
-# "rank0.pt", "model_rank_1.pt", "rank1-of-4-optimizer.pt" (HF's SageMaker naming); never the
+# A folder of per-rank torch.save files: "rank0.pt", "model_rank_1.pt", "rank1-of-4-optimizer.pt" (HF's SageMaker naming); never the
 # "-00001-of-00002" numbering of sharded model files, which starts at 1 and is not a rank.
 _RANK_RE = re.compile(r"rank[_-]?(\d+)(?:[_-]?of[_-]?(\d+))?", re.IGNORECASE)
 
@@ -377,7 +112,6 @@ def _common_progress(objs: list, warnings: list[str]) -> dict:
     return progress
 
 
-# --- any folder ----------------------------------------------------------------------------------
 def _detect_folder(path: Path) -> bool:
     return path.is_dir()
 

@@ -31,8 +31,9 @@ import re
 from pathlib import Path
 
 from ckpt_archive.errors import SourceError
-from ckpt_archive.sources import SourceCheckpoint, SourceFile, register
-from ckpt_archive.sources.folders import attach_dcp_info, read_folder
+from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
+from ckpt_archive.sources.dcp import attach_dcp_info
+from ckpt_archive.sources.files import read_folder
 
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.bin"
@@ -40,7 +41,6 @@ _HF_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
 _ACC_DIR_RE = re.compile(r"^checkpoint_(\d+)$")
 
 
-# --- facts shared by both readers -----------------------------------------------------------------
 def _num(x):
     """A strict-JSON number from a tensor/number, or ``None``."""
     try:
@@ -178,7 +178,6 @@ def _model_files(files: list[SourceFile]) -> list[str]:
             or f.relpath.startswith(("pytorch_model_fsdp", "global_step"))]
 
 
-# --- Hugging Face Trainer ----------------------------------------------------------------------------
 def _detect_hf(path: Path) -> bool:
     if not path.is_dir():
         return False
@@ -265,7 +264,6 @@ def _collect_training_facts(state: dict, info: dict, warnings: list[str]) -> Non
         info["rng"] = rng
 
 
-# --- Accelerate ------------------------------------------------------------------------------------
 _ACC_MODEL = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
 _ACC_OPT = re.compile(r"^optimizer(_\d+)?\.bin$")
 

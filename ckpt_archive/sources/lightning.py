@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 from ckpt_archive.errors import SourceError
-from ckpt_archive.sources import SourceCheckpoint, SourceFile, register
+from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
 from ckpt_archive.sources.hf import _num, optimizer_facts, scaler_facts, scheduler_facts
 from ckpt_archive.sources.torchfile import load_torch_file
 

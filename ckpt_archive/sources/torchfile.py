@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 from ckpt_archive.errors import RefusedPickle, SourceError
-from ckpt_archive.sources import SourceCheckpoint, SourceFile, register
+from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
 
 _PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"}
 

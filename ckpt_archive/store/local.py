@@ -37,6 +37,59 @@ def fsync_directory(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def temp_sibling(path: Path) -> Path:
+    """The temporary name an atomic replace of ``path`` writes first: ``.NAME.tmp-PID`` beside it
+    (``ckpt-archive gc`` removes such leftovers of an interrupted write)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` to write; on success fsync it, rename it over ``path`` and
+    fsync the folder, so a reader sees the old file or the whole new one, never a part.
+
+    The folder is created if absent. On an exception the temporary file is removed and ``path`` is
+    left as it was.
+
+    Args:
+        path: the file to create or replace.
+
+    Yields:
+        The temporary path (``.NAME.tmp-PID`` beside ``path``); the caller writes the whole file there.
+
+    Raises:
+        OSError: the temporary file was not written, or the rename failed.
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(p)
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_directory(p.parent)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Create or replace the file ``path`` with ``data`` atomically (temporary sibling, fsync, rename,
+    fsync of the folder): the one temp-file-then-rename writer.
+
+    Args:
+        path: the file to write.
+        data: its whole new content.
+
+    Raises:
+        OSError: the write or the rename failed; ``path`` is unchanged and no temporary file is left.
+    """
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)  # atomic_path fsyncs it before the rename
+
+
 class LocalStore:
     """A folder on a local (or mounted) file system.
 
@@ -98,16 +151,8 @@ class LocalStore:
             fh.write(data)
 
     def replace_bytes(self, key: str, data: bytes) -> None:
-        """Atomic replace: write a temporary sibling, fsync, rename over, fsync the folder."""
-        p = self.path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-        fsync_directory(p.parent)
+        """Atomic replace: write a temporary sibling, fsync, rename over, fsync the folder (:func:`write_atomic`)."""
+        write_atomic(self.path(key), data)
 
     def remove(self, key: str) -> None:
         try:

@@ -1,0 +1,143 @@
+"""Strict JSON, one way in and one way out: every JSON document ckpt-archive writes or reads goes here.
+
+* :func:`dumps` writes RFC 8259 JSON (``allow_nan=False``) as UTF-8 bytes ending in a newline. A
+  non-finite float is written the way the format tags it in a state tree
+  (``{"$t": "float", "v": "nan" | "inf" | "-inf"}``, see ``docs/FORMAT.md``), never as the
+  non-standard ``NaN``/``Infinity`` tokens other parsers refuse.
+* :func:`loads` reads hostile bytes: it refuses duplicate keys (which of two values would a reader
+  take?), the ``NaN``/``Infinity`` constants, documents larger than ``max_bytes`` and nesting deeper
+  than ``max_depth``, with :class:`~ckpt_archive.errors.InvalidJSON` naming where. A valid document
+  parses exactly as ``json.loads`` parses it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+from ckpt_archive.errors import InvalidJSON
+
+__all__ = ["dumps", "loads", "tag_float", "MAX_BYTES", "MAX_DEPTH"]
+
+#: Largest JSON document :func:`loads` reads by default (bytes). A manifest of a model with 100,000
+#: tensors is a few tens of MiB.
+MAX_BYTES = 256 << 20
+#: Deepest nesting :func:`loads` accepts by default (objects and arrays). Python's own parser gives up
+#: near 1,000 levels with a RecursionError; nothing we write comes near this.
+MAX_DEPTH = 512
+
+
+def tag_float(value: float) -> Any:
+    """A float as the format stores it: itself when finite, else ``{"$t": "float", "v": "nan"|"inf"|"-inf"}``."""
+    if math.isfinite(value):
+        return value
+    return {"$t": "float", "v": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+
+
+def _tag_nonfinite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return tag_float(obj)
+    if isinstance(obj, dict):
+        return {k: _tag_nonfinite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_tag_nonfinite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any, *, indent: int | None = 1, sort_keys: bool = False, ensure_ascii: bool = False,
+          default: Callable[[Any], Any] | None = None) -> bytes:
+    """Encode ``obj`` as strict JSON (RFC 8259), UTF-8, with a trailing newline.
+
+    Args:
+        obj: dicts, lists, tuples, str, int, float (non-finite ones are tagged), bool, None.
+        indent: spaces per level (``None``: one line).
+        sort_keys: sort object keys (else the order as built).
+        ensure_ascii: escape non-ASCII characters as ``\\uXXXX``.
+        default: called for values JSON cannot hold (e.g. ``str`` for paths); ``None`` refuses them.
+
+    Returns:
+        The document as bytes.
+
+    Raises:
+        TypeError: a value JSON cannot hold and no ``default``.
+        ValueError: a circular reference.
+
+    Example:
+        >>> dumps({"loss": float("nan"), "step": 3}, indent=None)
+        b'{"loss": {"$t": "float", "v": "nan"}, "step": 3}\\n'
+    """
+    kw = dict(indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii, default=default, allow_nan=False)
+    try:
+        text = json.dumps(obj, **kw)
+    except ValueError:
+        # only now walk the value: a non-finite float somewhere (or a circular reference, raised again)
+        text = json.dumps(_tag_nonfinite(obj), **kw)
+    return (text + "\n").encode("utf-8")
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup!r}")
+    return out
+
+
+def _depth_exceeds(doc: Any, limit: int) -> bool:
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse one strict JSON document read from an archive, a repository or a report.
+
+    Args:
+        data: the document (UTF-8 bytes, or text).
+        where: the file or key it came from, named in every error.
+        max_bytes: refuse a larger document (bytes).
+        max_depth: refuse deeper nesting (levels of objects/arrays).
+
+    Returns:
+        The parsed value, as ``json.loads`` gives it.
+
+    Raises:
+        InvalidJSON: not UTF-8, not JSON, a duplicate key, ``NaN``/``Infinity``, too large or too deep
+            (exit 1; also a ``ValueError``).
+
+    Example:
+        >>> loads(b'{"a": 1}', where="x.json")
+        {'a': 1}
+        >>> loads(b'{"a": 1, "a": 2}', where="x.json")
+        Traceback (most recent call last):
+        ...
+        ckpt_archive.errors.InvalidJSON: x.json: not valid JSON (duplicate key 'a')
+    """
+    if len(data) > max_bytes:
+        raise InvalidJSON(f"not read: {len(data)} bytes, more than the {max_bytes} a JSON document may have here",
+                          where=where)
+    try:
+        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+        doc = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise InvalidJSON(f"not read: nested more than {max_depth} levels deep", where=where) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidJSON(f"not valid JSON ({exc})", where=where) from None
+    if _depth_exceeds(doc, max_depth):
+        raise InvalidJSON(f"not read: nested more than {max_depth} levels deep", where=where)
+    return doc

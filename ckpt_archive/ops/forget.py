@@ -1,0 +1,82 @@
+"""Forget: remove one generation, marker first, under the repository lock."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ForgetResult", "forget"]
+
+
+@dataclass
+class ForgetResult:
+    """What :func:`forget` removed.
+
+    Attributes:
+        repository: the repository's location.
+        generation: the number of the generation removed.
+        status: its status before removal (``usable``, ``partial``, ``copied``, ``damaged``).
+        newest_usable: the newest usable generation afterwards, or ``None`` when none is left.
+    """
+
+    repository: str
+    generation: int
+    status: str
+    newest_usable: int | None
+
+    @property
+    def ok(self) -> bool:
+        """Always True: a refused or failed forget raises instead."""
+        return True
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"repository", "generation", "status", "newest_usable"}`` (JSON-ready)."""
+        return {"repository": self.repository, "generation": self.generation, "status": self.status,
+                "newest_usable": self.newest_usable}
+
+
+def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = False,
+           wait: float = 0.0) -> ForgetResult:
+    """Remove one generation (any status) in reverse publish order, holding the lock.
+
+    The ``USABLE.json`` marker goes first (from that instant the generation is not usable), then its
+    members, manifest and folder; a kill part-way leaves a ``partial`` generation for ``gc``.
+
+    Args:
+        repo: repository path or URL.
+        generation: a generation number, ``latest`` or ``tag:NAME``.
+        force: allow removing the newest usable generation.
+        wait: seconds to wait for the writer lock.
+
+    Returns:
+        A :class:`ForgetResult` (``status`` before removal; ``newest_usable`` afterwards).
+
+    Raises:
+        NotFound: no such repository or generation. UsageError: it is the newest usable one and
+            ``force`` is false. LockError: another writer holds the lock.
+
+    Example:
+        >>> import ckpt_archive, tempfile
+        >>> repo = tempfile.mkdtemp() + "/repo"
+        >>> for step in range(2):
+        ...     _ = ckpt_archive.pack({"step": step}, repo)
+        >>> ckpt_archive.forget(repo, 1).newest_usable
+        2
+    """
+    from ckpt_archive.errors import UsageError
+    from ckpt_archive.repo.repository import Repository
+
+    r = Repository.open(repo)
+    with r.lock(wait=wait):
+        gen = r.resolve(str(generation))
+        usable = [g.number for g in r.usable()]
+        if usable and gen.number == usable[-1] and not force:
+            older = f" (the next newest usable would be {usable[-2]})" if len(usable) > 1 else \
+                " (it is the only usable generation)"
+            raise UsageError(f"refusing to forget generation {gen.number}: it is the newest usable generation"
+                             f"{older}; pass --force to remove it anyway", where=r.location)
+        status = gen.status
+        r.remove_generation(gen.number)
+        remaining = [g.number for g in r.usable()]
+    return ForgetResult(repository=r.location, generation=gen.number, status=status,
+                        newest_usable=remaining[-1] if remaining else None)

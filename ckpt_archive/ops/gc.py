@@ -1,0 +1,99 @@
+"""Garbage collection: remove what interrupted writes left behind, holding the repository lock."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["GcResult", "gc", "TMP_NAME"]
+
+#: A temporary sibling left by an interrupted atomic replace (``write_atomic``/``LocalStore.replace_bytes``:
+#: ``.NAME.tmp-PID``).
+TMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
+
+
+@dataclass
+class GcResult:
+    """What :func:`gc` removed (or, with ``dry_run``, would remove) and what it left in place.
+
+    Attributes:
+        repository: the repository's location.
+        dry_run: True when nothing was removed on purpose.
+        removed: partial generations, ``[{"generation": N, "reason": str}]``.
+        removed_files: store keys of temporary files of interrupted atomic replaces.
+        kept_not_usable: generations that are not usable but are not leftovers (damaged, copied),
+            ``[{"generation", "status", "reason"}]``: reported, never removed here.
+    """
+
+    repository: str
+    dry_run: bool
+    removed: list[dict[str, Any]] = field(default_factory=list)
+    removed_files: list[str] = field(default_factory=list)
+    kept_not_usable: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Always True: finding leftovers is not a failure (a failed removal raises instead)."""
+        return True
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"repository", "dry_run", "removed", "removed_files", "kept_not_usable"}`` (JSON-ready)."""
+        return {"repository": self.repository, "dry_run": self.dry_run, "removed": list(self.removed),
+                "removed_files": list(self.removed_files), "kept_not_usable": list(self.kept_not_usable)}
+
+
+def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> GcResult:
+    """Remove what interrupted writes left behind.
+
+    Leftovers are ``partial`` generations (claimed but never published, or half-removed by an
+    interrupted forget/prune: no ``USABLE.json``) and temporary files of an interrupted atomic replace
+    (``.NAME.tmp-PID``) at the repository root and in generation folders. Holding the writer lock
+    guarantees no write is in progress on this machine. ``damaged`` generations (a marker that no longer
+    matches its manifest) are evidence, not leftovers: they are reported, never removed here (use
+    ``forget``); ``copied`` ones become usable with ``verify --deep``.
+
+    Args:
+        repo: repository path or URL.
+        dry_run: list what would be removed; remove nothing (the lock is still taken, so the listing
+            does not race a writer).
+        wait: seconds to wait for the writer lock.
+
+    Returns:
+        A :class:`GcResult`.
+
+    Raises:
+        NotFound: no repository. LockError: another writer holds the lock.
+        OSError, StoreError: a removal failed; earlier removals stand.
+
+    Example:
+        >>> import ckpt_archive, tempfile
+        >>> repo = tempfile.mkdtemp() + "/repo"
+        >>> _ = ckpt_archive.pack({"step": 1}, repo)
+        >>> ckpt_archive.gc(repo).removed
+        []
+    """
+    from ckpt_archive.repo.repository import Repository, gen_key
+
+    r = Repository.open(repo)
+    removed, removed_files, kept = [], [], []
+    with r.lock(wait=wait):
+        for g in r.generations():
+            if g.status == "partial":
+                removed.append({"generation": g.number, "reason": g.reason})
+                if not dry_run:
+                    r.remove_generation(g.number)
+            else:
+                if g.status != "usable":
+                    kept.append({"generation": g.number, "status": g.status, "reason": g.reason})
+                for name in r.store.listdir(gen_key(g.number)):
+                    if TMP_NAME.match(name):
+                        removed_files.append(f"{gen_key(g.number)}/{name}")
+        for name in r.store.listdir(""):
+            if TMP_NAME.match(name):
+                removed_files.append(name)
+        if not dry_run:
+            for key in removed_files:
+                r.store.remove(key)
+    return GcResult(repository=r.location, dry_run=dry_run, removed=removed, removed_files=removed_files,
+                    kept_not_usable=kept)

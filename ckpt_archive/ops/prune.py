@@ -1,0 +1,353 @@
+"""Prune: apply a retention decision to a repository, never deleting the only verified copy.
+
+The decision itself is pure (:func:`ckpt_archive.retention.policy.apply_policy`); this module adds the
+I/O around it, under the repository's writer lock:
+
+* :func:`check_kept` verifies the kept usable generations newest first (shallow ``verify``: stored
+  sizes and sha256 of every member) and stops at the first that passes; a generation that pack verified
+  and trial-reloaded moments ago counts as verified without being read again;
+* :func:`refuse_unless_verified` refuses the whole prune (:class:`IntegrityError`, exit 1) when none
+  passes, naming each kept generation and what failed; nothing is removed;
+* :func:`execute_prune` removes what the decision removes, oldest first, marker first;
+* :func:`prune` is ``ckpt-archive prune``: decide, check, (save the default policy), remove;
+* :func:`apply_after_pack` is the hook ``pack`` and ``backup`` call once a new generation is usable.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Iterable, Mapping
+
+from ckpt_archive.errors import CkptArchiveError, IntegrityError, UsageError
+from ckpt_archive.retention.policy import Decision, GenerationFacts, RetentionPolicy, apply_policy
+
+__all__ = ["KeptCheck", "PruneResult", "prune", "check_kept", "refuse_unless_verified", "execute_prune",
+           "apply_after_pack"]
+
+
+@dataclass
+class KeptCheck:
+    """Whether a generation that a prune keeps verifies, established before anything is removed.
+
+    Attributes:
+        needed: False when the decision removes nothing (then nothing is read and nothing is refused).
+        verified: the kept generation that passed (the newest kept one that did), or ``None``.
+        trusted: True when ``verified`` was counted as verified without being read again (pack
+            verified and trial-reloaded it moments ago, under the same lock).
+        failed: kept generations newer than ``verified`` (or all of them when none passed) that
+            failed the check, newest first, each with one line per problem (member: reason).
+    """
+
+    needed: bool
+    verified: int | None = None
+    trusted: bool = False
+    failed: list[tuple[int, list[str]]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when removing is allowed: nothing to remove, or a kept generation verifies."""
+        return not self.needed or self.verified is not None
+
+    def warnings(self) -> list[str]:
+        """One line per kept generation that failed while an older kept one passed."""
+        if self.verified is None:
+            return []
+        return [f"kept generation {n} does not verify ({'; '.join(problems)}); generation {self.verified} is "
+                f"the newest kept generation that does" for n, problems in self.failed]
+
+    def describe(self) -> str:
+        """One line for humans: what the check found."""
+        if not self.needed:
+            return "nothing to remove: kept generations not checked"
+        if self.verified is None:
+            return ("no kept generation verifies: " +
+                    "; ".join(f"generation {n}: {', '.join(p)}" for n, p in self.failed))
+        how = "verified and trial-reloaded by this pack" if self.trusted else "verified (stored sizes + sha256)"
+        text = f"kept generation {self.verified} {how}"
+        if self.failed:
+            text += "; newer kept generation(s) " + ", ".join(str(n) for n, _ in self.failed) + " FAIL verify"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"needed", "ok", "verified_generation", "trusted", "failed": [{"generation", "problems"}]}``."""
+        return {"needed": self.needed, "ok": self.ok, "verified_generation": self.verified, "trusted": self.trusted,
+                "failed": [{"generation": n, "problems": list(p)} for n, p in self.failed]}
+
+
+def _verify_problems(repo: Any, number: int) -> list[str]:
+    """Shallow-verify one generation (stored sizes and sha256 of every member; ``ckpt_archive.verify``).
+
+    Returns one line per problem (``member: reason``); ``[]`` when it verifies. A generation that could
+    not be checked at all (unreadable, vanished) counts as failing, with the reason.
+    """
+    from ckpt_archive.ops import verify as verify_op  # looked up at call time: tests replace verify_op.verify
+
+    try:
+        report = verify_op.verify(repo, str(number))
+    except (CkptArchiveError, OSError) as exc:
+        return [f"could not be verified: {exc}"]
+    lines = []
+    for p in report.problems:
+        where = p.member or p.field
+        lines.append(f"{where}: {p.reason}" if where else str(p.reason))
+    return lines
+
+
+def check_kept(repo: Any, decision: Decision, *, verified: Iterable[int] = ()) -> KeptCheck:
+    """Establish that a generation ``decision`` keeps verifies, before any of ``decision.remove`` goes.
+
+    Walks the kept (usable) generations newest first and stops at the first that passes a shallow
+    verify (every stored member's size and sha256, as ``ckpt-archive verify REPO@N``). A generation in
+    ``verified`` counts as passing without being read again: pack passes the generation it has just
+    verified and trial-reloaded under the same lock. Reads nothing when the decision removes nothing.
+
+    Args:
+        repo: an open :class:`ckpt_archive.repo.repository.Repository` (or its path/URL).
+        decision: from :func:`apply_policy` on this repository's generations.
+        verified: generation numbers known to verify right now (not re-read).
+
+    Returns:
+        A :class:`KeptCheck`; ``.ok`` is False when no kept generation verifies.
+    """
+    if not decision.remove:
+        return KeptCheck(needed=False)
+    trusted = {int(n) for n in verified}
+    failed: list[tuple[int, list[str]]] = []
+    for number in decision.keep_numbers:  # newest first
+        if number in trusted:
+            return KeptCheck(needed=True, verified=number, trusted=True, failed=failed)
+        problems = _verify_problems(repo, number)
+        if not problems:
+            return KeptCheck(needed=True, verified=number, failed=failed)
+        failed.append((number, problems))
+    return KeptCheck(needed=True, verified=None, failed=failed)
+
+
+def refuse_unless_verified(check: KeptCheck, decision: Decision, where: str | None = None) -> None:
+    """Raise when removing ``decision.remove`` could delete the only intact generations.
+
+    Raises:
+        IntegrityError: ``check`` found no kept generation that verifies (exit 1); the message names
+            each kept generation and what failed, and says nothing was removed.
+    """
+    if check.ok:
+        return
+    removing = ", ".join(str(n) for n in sorted(decision.remove_numbers))
+    failures = "; ".join(f"generation {n}: {', '.join(p)}" for n, p in check.failed)
+    raise IntegrityError(
+        f"refusing to prune: none of the kept generation(s) {', '.join(map(str, decision.keep_numbers))} verifies "
+        f"({failures}); removing {removing} could delete the only intact copies, so nothing was removed",
+        where=where,
+        hint="keep an older generation that verifies (e.g. a larger --keep-last), or find one with "
+             "`ckpt-archive verify REPO@N` and `forget` the damaged one first")
+
+
+def apply_after_pack(repo: Any, policy: RetentionPolicy | Mapping[str, Any] | None, *,
+                     now: datetime | None = None, verified: Iterable[int] = ()) -> dict[str, Any]:
+    """Apply a retention policy right after ``pack`` made a new generation usable.
+
+    The caller (``ckpt_archive.ops.pack.pack``) already holds the repository lock. ``policy=None`` uses the
+    repository's default policy (``repository.json`` ``retention``); no policy there means nothing
+    is removed. A policy the repository refuses (see :func:`apply_policy`) never fails the pack: it
+    comes back as a warning. Nothing is removed unless a kept generation verifies (:func:`check_kept`);
+    otherwise that comes back as a warning too.
+
+    Args:
+        repo: an open :class:`ckpt_archive.repo.repository.Repository` (lock held).
+        policy: the policy for this pack, or ``None``.
+        now: the decision time (default: now, UTC).
+        verified: generation numbers that passed verify and trial reload moments ago under this lock
+            (the one pack just published): counted as verified without being read again. Without it
+            the newest kept generation is read (shallow verify) before anything is removed.
+
+    Returns:
+        ``{"policy": dict, "kept": [numbers], "removed": [numbers], "warnings": [str],
+        "verify_kept": dict}`` (``verify_kept``: :meth:`KeptCheck.to_json`, absent when no policy ran).
+    """
+    if policy is None:
+        cfg = getattr(repo, "config", None) or {}
+        policy = cfg.get("retention") if isinstance(cfg, Mapping) else None
+    try:
+        pol = RetentionPolicy.from_dict(policy)
+    except UsageError as exc:
+        return {"policy": None, "kept": [], "removed": [], "warnings": [f"retention not applied: {exc}"]}
+    if pol.is_empty():
+        return {"policy": {}, "kept": [], "removed": [], "warnings": []}
+    try:
+        decision = apply_policy([GenerationFacts.from_generation(g) for g in repo.generations()], pol, now)
+    except UsageError as exc:
+        return {"policy": pol.to_dict(), "kept": [], "removed": [], "warnings": [f"retention not applied: {exc}"]}
+    removed: list[int] = []
+    warnings: list[str] = []
+    check = check_kept(repo, decision, verified=verified)
+    warnings += check.warnings()
+    try:
+        execute_prune(repo, decision, removed=removed, check=check)
+    except IntegrityError as exc:
+        warnings.append(f"retention not applied, nothing removed: {exc.message}")
+    except (CkptArchiveError, OSError) as exc:
+        # the new generation is usable already; a failed removal leaves at worst a partial one for gc
+        warnings.append(f"retention stopped after removing {removed or 'nothing'}: {exc}; the new generation is "
+                        "usable, run `ckpt-archive gc` to remove any half-removed generation")
+    return {"policy": pol.to_dict(), "kept": decision.keep_numbers, "removed": removed, "warnings": warnings,
+            "verify_kept": check.to_json()}
+
+
+def execute_prune(repo: Any, decision: Decision, *, removed: list[int] | None = None,
+                  check: KeptCheck | None = None, verified: Iterable[int] = ()) -> list[int]:
+    """Remove the generations ``decision.remove`` names, oldest first; the caller holds the lock.
+
+    Nothing is removed unless a generation the decision keeps verifies: ``check`` (from
+    :func:`check_kept`), or, when not given, a fresh :func:`check_kept` run here (``verified``: numbers
+    that count as verified without being read). Each removal goes through ``repo.remove_generation``
+    (marker first, then members, then manifest, then the folder), so a kill part-way leaves the
+    half-removed generation without its marker, i.e. recognisably not usable, and every kept
+    generation untouched. The newest usable generation is checked once more here and never removed,
+    whatever the decision says.
+
+    Args:
+        repo: an open repository whose lock the caller holds.
+        decision: from :func:`apply_policy` on this repository's generations.
+        removed: a list to append each removed number to as it goes (so a caller sees the progress
+            even when a removal fails part-way).
+        check: the kept-generation check already made for this decision under the same lock.
+        verified: with ``check=None``: generation numbers known to verify right now.
+
+    Returns:
+        The numbers removed, in the order removed.
+
+    Raises:
+        IntegrityError: no kept generation verifies; nothing was removed (exit 1).
+        OSError, StoreError: a removal failed; earlier removals stand, the failed generation is left
+        without its marker (``partial``) or untouched.
+    """
+    if check is None:
+        check = check_kept(repo, decision, verified=verified)
+    refuse_unless_verified(check, decision, where=getattr(repo, "location", None))
+    usable = [g.number for g in repo.generations() if getattr(g, "status", None) == "usable"]
+    newest = max(usable) if usable else None
+    if removed is None:
+        removed = []
+    for number in sorted(decision.remove_numbers):
+        if number == newest:  # defence in depth: apply_policy never puts it there
+            continue
+        repo.remove_generation(number)
+        removed.append(number)
+    return removed
+
+
+@dataclass
+class PruneResult:
+    """What :func:`prune` decided, checked and removed.
+
+    Attributes:
+        repository: the repository's location.
+        dry_run: True when nothing was removed on purpose (decision and check only).
+        decision: the retention decision (keep / remove / not usable, with reasons).
+        generations: the repository's generations the decision was made from (newest last).
+        check: what the kept-generation check found (:class:`KeptCheck`).
+        removed: generation numbers removed, in the order removed (``[]`` with ``dry_run``).
+        saved_default: True when the policy was stored as the repository's default.
+        refused: ``None``, or (dry run only) why a real prune would be refused.
+    """
+
+    repository: str
+    dry_run: bool
+    decision: Decision
+    generations: list
+    check: KeptCheck
+    removed: list[int] = field(default_factory=list)
+    saved_default: bool = False
+    refused: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """False when the prune is (or, with ``dry_run``, would be) refused: no kept generation verifies."""
+        return self.refused is None
+
+    @property
+    def warnings(self) -> list[str]:
+        """Kept generations that fail verify while an older kept one passes."""
+        return self.check.warnings()
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed", "saved_default",
+        "verify_kept", "warnings", "refused"}`` (JSON-ready)."""
+        return {"repository": self.repository, "dry_run": self.dry_run, **self.decision.to_json(),
+                "removed": list(self.removed), "saved_default": self.saved_default,
+                "verify_kept": self.check.to_json(), "warnings": self.warnings, "refused": self.refused}
+
+
+def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry_run: bool = False,
+          wait: float = 0.0, now: datetime | None = None, save_default: bool = False) -> PruneResult:
+    """Apply ``policy`` (or the repository's default when ``None``) to the repository.
+
+    Before anything is removed, a kept generation must verify (newest kept first, shallow verify:
+    stored sizes and sha256; :func:`check_kept`): never delete the only verified copy. ``dry_run``
+    makes the same check and reports it.
+
+    Args:
+        repo: repository path or URL.
+        policy: a :class:`~ckpt_archive.retention.policy.RetentionPolicy`, or ``None`` for the
+            repository's default (``repository.json`` ``retention``).
+        dry_run: decide, check the kept generations and report only; take no lock, delete nothing.
+        wait: seconds to wait for the writer lock.
+        now: decision time, timezone-aware (default now, UTC).
+        save_default: also store ``policy`` as the repository's default (``repository.json``), once
+            the decision has been accepted (not with ``dry_run``, not when the prune is refused).
+
+    Returns:
+        A :class:`PruneResult`; ``refused`` is ``None`` or (dry run only) the reason the prune would
+        be refused (``ok`` is then False).
+
+    Raises:
+        NotFound: no repository there. UsageError: empty or refused policy, a policy that is not a
+            ``RetentionPolicy``, or ``save_default`` without a policy. LockError: another writer.
+        IntegrityError: (not with ``dry_run``) no kept generation verifies; nothing removed (exit 1).
+
+    Example:
+        >>> import ckpt_archive, tempfile
+        >>> from ckpt_archive.retention.policy import RetentionPolicy
+        >>> repo = tempfile.mkdtemp() + "/repo"
+        >>> for step in range(3):
+        ...     _ = ckpt_archive.pack({"step": step}, repo)
+        >>> ckpt_archive.prune(repo, RetentionPolicy(keep_last=1)).removed
+        [1, 2]
+    """
+    from ckpt_archive.repo.repository import Repository
+
+    r = Repository.open(repo)
+    if policy is None:
+        if save_default:
+            raise UsageError("--save-default needs policy flags (the policy to store)")
+        policy = RetentionPolicy.from_dict(r.config.get("retention"), where=f"{r.location}/repository.json")
+    elif not isinstance(policy, RetentionPolicy):
+        raise UsageError(f"a retention policy must be a RetentionPolicy or None, got {type(policy).__name__}",
+                         where="retention")
+
+    def decide():
+        gens = r.generations()
+        return gens, apply_policy([GenerationFacts.from_generation(g) for g in gens], policy, now)
+
+    saved = False
+    refused = None
+    if dry_run:
+        gens, decision = decide()
+        check = check_kept(r, decision)
+        try:
+            refuse_unless_verified(check, decision, where=r.location)
+        except IntegrityError as exc:
+            refused = str(exc)
+        removed: list[int] = []
+    else:
+        with r.lock(wait=wait):
+            gens, decision = decide()
+            check = check_kept(r, decision)
+            refuse_unless_verified(check, decision, where=r.location)  # before saving or removing anything
+            if save_default:
+                r.set_default_retention(policy.to_dict())
+                saved = True
+            removed = execute_prune(r, decision, check=check)
+    return PruneResult(repository=r.location, dry_run=dry_run, decision=decision, generations=gens, check=check,
+                       removed=removed, saved_default=saved, refused=refused)
