@@ -21,7 +21,7 @@ _API = {
     "pack": "ops.api", "load": "ops.api", "verify": "ops.api", "restore": "ops.api", "inspect": "ops.api",
     "list_generations": "ops.api", "PackResult": "ops.api", "VerifyReport": "ops.api", "Problem": "repo.archive",
     "RestoreResult": "ops.api", "Repository": "repo.repository", "Generation": "repo.repository",
-    "restore_training_state": "training.policy", "export": "ops.export", "check_resume": "resume.check",
+    "restore_training_state": "training.restore", "export": "ops.export", "check_resume": "resume.check",
     "Trajectory": "resume.trajectory",
 }
 

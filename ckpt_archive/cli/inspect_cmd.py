@@ -96,7 +96,7 @@ def register(app: typer.Typer) -> None:
 def _extend_inspect(info: dict, repo: str, out: Output) -> dict:
     """Hook for the policy audit (LR the next step will use, counters)."""
     # --- policy audit (ckpt_archive/policy.py): table, counters, findings; "policy" in --json ---
-    from ckpt_archive.training.policy import cli_inspect
+    from ckpt_archive.cli.policy_views import cli_inspect
 
     extra = cli_inspect(info, repo, out)
     # --- end policy ---

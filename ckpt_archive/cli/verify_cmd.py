@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
 def _extend_report(report, repo: str, *, strict: bool, out: Output) -> None:
     """Hook for checks beyond bytes (policy audit, completeness lint, layout checks)."""
     # --- policy audit + completeness lint (ckpt_archive/policy.py; --strict: lint findings fail) ---
-    from ckpt_archive.training.policy import cli_verify
+    from ckpt_archive.cli.policy_views import cli_verify
 
     cli_verify(report, repo, strict=strict, out=out)
     # --- end policy ---
