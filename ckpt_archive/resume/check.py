@@ -49,8 +49,8 @@ from ckpt_archive.resume.compare import (MAX_LISTED, TreeDiff, compact, compare_
 from ckpt_archive.resume.controls import (CONTROL_LABELS, STREAMS, TOOL_CONTROLS, canonical_control, control_verdict,
                                           perturb, script_control_name)
 from ckpt_archive.resume.report import REPORT_FILE, build_report, interruption_facts, write_report
-from ckpt_archive.resume.runner import (ArchiveLoop, RunRecord, load_checkpoint, prepare_output, require_ok, run_command,
-                                        run_name)
+from ckpt_archive.resume.runner import (ArchiveLoop, RunRecord, load_checkpoint, prepare_output, require_ok,
+                                        run_command, run_name)
 from ckpt_archive.resume.template import check_template, expand_command
 from ckpt_archive.resume.trajectory import CHECKPOINT_FILE, TRAJECTORY_FILE, load_trajectory
 
@@ -235,7 +235,8 @@ def _archive_round_trip(loop: ArchiveLoop, intr: RunRecord, interrupt_at: int, r
     """
     int_ckpt = load_checkpoint(intr.output / CHECKPOINT_FILE)
     facts = interruption_facts(int_ckpt, interrupt_at)
-    archive = loop.store(intr.output / CHECKPOINT_FILE, step=facts["step"] if facts["step"] is not None else interrupt_at)
+    step = facts["step"] if facts["step"] is not None else interrupt_at
+    archive = loop.store(intr.output / CHECKPOINT_FILE, step=step)
     restored = loop.restore(resume_dir / "restored.pt")
     archive["restored_to"] = str(restored)
     archived_state = loop.load()
