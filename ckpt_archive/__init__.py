@@ -28,7 +28,7 @@ _API = {
     "RestoreResult": "ops.restore", "inspect": "ops.inspect", "list_generations": "ops.list",
     "Problem": "repo.reader", "Repository": "repo.repository", "Generation": "repo.repository",
     "RetentionPolicy": "retention.policy",
-    "restore_training_state": "training.policy", "export": "ops.export", "check_resume": "resume.check",
+    "restore_training_state": "training.restore", "export": "ops.export", "check_resume": "resume.check",
     "Trajectory": "resume.trajectory",
     "prune": "ops.prune", "PruneResult": "ops.prune", "forget": "ops.forget", "ForgetResult": "ops.forget",
     "gc": "ops.gc", "GcResult": "ops.gc", "backup": "ops.backup", "BackupResult": "ops.backup",

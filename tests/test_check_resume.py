@@ -19,9 +19,12 @@ import pytest
 import torch
 
 from ckpt_archive.errors import OutputExists, UsageError
-from ckpt_archive.resume.check import (_control_verdict, _TreeDiff, check_template, compare_runs,
-                                       compare_trajectories, expand_command, perturb, prepare_output,
-                                       rng_streams, validate_report)
+from ckpt_archive.resume.compare import TreeDiff, compare_runs, compare_trajectories
+from ckpt_archive.resume.controls import control_verdict, perturb
+from ckpt_archive.resume.report import validate_report
+from ckpt_archive.resume.runner import prepare_output
+from ckpt_archive.resume.template import check_template, expand_command
+from ckpt_archive.training.parts import rng_streams
 
 SCRIPTS = Path(__file__).parent / "resume_scripts"
 
@@ -244,7 +247,7 @@ def test_nan_loss_in_both_runs_is_flagged_never_accepted():
 
 
 def test_structure_differences_are_flagged_tuple_vs_list_int_vs_float_missing_keys():
-    td = _TreeDiff(1e-12, 0)
+    td = TreeDiff(1e-12, 0)
     td.compare({"a": (1, 2), "b": 3, "c": 1, "t": torch.zeros(2)},
                {"a": [1, 2], "b": 3.0, "t": torch.zeros(3)})
     kinds = {d["field"]: d["kind"] for d in td.diffs}
@@ -275,10 +278,10 @@ def test_duplicated_and_never_seen_samples_are_counted_per_epoch():
 
 def test_control_that_changes_nothing_fails_naming_the_stream():
     cmp = {"first_divergence": None, "diverged": False, "structure": []}
-    e = _control_verdict(cmp, name="numpy-rng", kind="tool", label="the NumPy RNG", expected_no_effect=False)
+    e = control_verdict(cmp, name="numpy-rng", kind="tool", label="the NumPy RNG", expected_no_effect=False)
     assert not e["ok"] and e["status"] == "no-effect"
     assert e["message"].startswith("perturbing the NumPy RNG changed nothing: either it is not restored or not used")
-    e = _control_verdict(cmp, name="numpy-rng", kind="tool", label="the NumPy RNG", expected_no_effect=True)
+    e = control_verdict(cmp, name="numpy-rng", kind="tool", label="the NumPy RNG", expected_no_effect=True)
     assert e["ok"] and e["status"] == "no-effect-expected"
 
 
@@ -408,12 +411,12 @@ def test_legacy_numpy_rng_tuple_in_checkpoint_is_named_with_the_refused_global_a
     import torch
 
     from ckpt_archive.errors import RefusedPickle
-    from ckpt_archive.resume.check import _load_checkpoint
+    from ckpt_archive.resume.runner import load_checkpoint
 
     path = tmp_path / "checkpoint.pt"
     torch.save({"rng": {"numpy": np.random.RandomState(0).get_state()}}, path)
     with pytest.raises(RefusedPickle) as info:
-        _load_checkpoint(path)
+        load_checkpoint(path)
     text = str(info.value)
     assert "multiarray._reconstruct" in text and str(path) in text
     assert ".tolist()" in text and "Weights only load failed" not in text and "\x1b[" not in text
@@ -422,7 +425,7 @@ def test_legacy_numpy_rng_tuple_in_checkpoint_is_named_with_the_refused_global_a
 
 def test_crashed_run_is_reported_by_its_exception_and_place_not_a_mangled_traceback(tmp_path):
     from ckpt_archive.errors import SourceError
-    from ckpt_archive.resume.check import RunRecord, _require_ok
+    from ckpt_archive.resume.runner import RunRecord, require_ok
 
     (tmp_path / "stderr.log").write_text(
         "step 1\nTraceback (most recent call last):\n"
@@ -433,7 +436,7 @@ def test_crashed_run_is_reported_by_its_exception_and_place_not_a_mangled_traceb
     rec = RunRecord("continuous", ["python", "train.py"], tmp_path)
     rec.exit_code = 1
     with pytest.raises(SourceError) as info:
-        _require_ok(rec)
+        require_ok(rec)
     text = str(info.value)
     assert "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB (at /work/my dir/train.py:39)" in text
     assert "Traceback" not in text and "^^^" not in text and "stderr.log" in text

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_archive.resume.check import validate_report
+from ckpt_archive.resume.report import validate_report
 
 SCRIPTS = Path(__file__).parent / "resume_scripts"
 

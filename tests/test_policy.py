@@ -16,8 +16,11 @@ import torch
 from torch.optim import lr_scheduler as L
 
 from ckpt_archive.errors import IncoherentState
-from ckpt_archive.training.policy import (apply_session_policy, audit, compare_with_session, derive_lrs,
-                                 lint_completeness, restore_training_state)
+from ckpt_archive.training.audit import audit
+from ckpt_archive.training.completeness import lint_completeness
+from ckpt_archive.training.restore import restore_training_state
+from ckpt_archive.training.schedulers import derive_lrs
+from ckpt_archive.training.session import apply_session_policy, compare_with_session
 
 
 def _loss(model):
@@ -348,8 +351,10 @@ def test_audit_json_is_strict_and_rows_render():
     text = json.dumps(a.to_json(), allow_nan=False)
     assert '"nan"' in text and a.findings[0].severity == "error"
     assert a.rows()[0]["lr"] == "nan"
+    from ckpt_archive.cli.policy_views import audit_renderable
+
     con = Console(file=__import__("io").StringIO(), width=150)
-    con.print(a)
+    con.print(audit_renderable(a))
     assert "next_lr" in con.file.getvalue()
 
 
@@ -395,17 +400,23 @@ def test_bare_model_state_dict_restores_into_a_model():
     assert rep.restored == ["model"] and torch.equal(live[0].weight, src[0].weight)
 
 
-@pytest.mark.parametrize("names", [
-    ("model_state_dict", "optimizer_state_dict", "scheduler_state_dict", "epoch"),
-    ("model.safetensors", "optimizer.pt", "scheduler.pt", "epoch"),  # a Hugging Face Trainer folder
-    ("net", "optim", "lr_scheduler", "global_step"),
+@pytest.mark.parametrize("names, shown", [
+    (("model_state_dict", "optimizer_state_dict", "scheduler_state_dict", "epoch"),
+     ("model_state_dict", "optimizer_state_dict", "scheduler_state_dict")),
+    # a Hugging Face Trainer folder: a file name is one key, so its dot must not read as a separator
+    (("model.safetensors", "optimizer.pt", "scheduler.pt", "epoch"),
+     ('["model.safetensors"]', '["optimizer.pt"]', '["scheduler.pt"]')),
+    (("net", "optim", "lr_scheduler", "global_step"), ("net", "optim", "lr_scheduler")),
 ])
-def test_parts_found_under_common_key_variants(cosine_45, names):
+def test_parts_found_under_common_key_variants(cosine_45, names, shown):
+    from ckpt_archive.format.state_path import StatePath
+
     m, o, s, counter = names
     state = {m: cosine_45["model"], o: cosine_45["optimizer"], s: cosine_45["scheduler"], counter: 45}
     a = audit(state)
-    assert (a.parts["model"], a.parts["optimizer"], a.parts["scheduler"]) == (m, o, s)
-    assert a.groups[0].field == f"{o}.param_groups[0]" and a.scheduler["field"] == s
+    assert (a.parts["model"], a.parts["optimizer"], a.parts["scheduler"]) == shown
+    assert a.groups[0].field == f"{shown[1]}.param_groups[0]" and a.scheduler["field"] == shown[2]
+    assert StatePath.parse(a.groups[0].field) == (o, "param_groups", 0)  # names exactly one key, o
     assert not a.findings and math.isclose(a.next_lrs[0], 5.782172e-4, rel_tol=1e-6)
 
 
@@ -624,7 +635,9 @@ def test_restore_expect_lr_equal_is_silent_and_bad_policy_is_exit_2(repo_case1, 
 
 
 def test_audit_view_decodes_small_tensors_within_budget_only(repo_case1):
-    from ckpt_archive.training.policy import TensorStub, policy_section, state_for_audit
+    from ckpt_archive.format.tensor_stub import TensorStub
+    from ckpt_archive.ops.audit_read import state_for_audit
+    from ckpt_archive.training.completeness import policy_section
 
     info: dict = {}
     state, manifest, gen = state_for_audit(repo_case1, info=info)

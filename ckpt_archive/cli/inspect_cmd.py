@@ -95,6 +95,6 @@ def register(app: typer.Typer) -> None:
 
 def _extend_inspect(info: dict, repo: str, out: Output) -> dict:
     """The policy audit (LR the next step will use, counters, findings): a table, and ``"policy"`` in --json."""
-    from ckpt_archive.training.policy import cli_inspect
+    from ckpt_archive.cli.policy_views import cli_inspect
 
     return cli_inspect(info, repo, out)

@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
-        from ckpt_archive.training.policy import cli_restore_finish, cli_restore_prepare
+        from ckpt_archive.cli.policy_views import cli_restore_finish, cli_restore_prepare
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)

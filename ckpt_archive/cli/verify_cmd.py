@@ -44,6 +44,6 @@ def register(app: typer.Typer) -> None:
 
 def _extend_report(report, repo: str, *, strict: bool, out: Output) -> None:
     """Checks beyond bytes: the policy audit and completeness lint (``--strict``: lint findings fail)."""
-    from ckpt_archive.training.policy import cli_verify
+    from ckpt_archive.cli.policy_views import cli_verify
 
     cli_verify(report, repo, strict=strict, out=out)

@@ -3,81 +3,17 @@ code identity, environment, loading instructions.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-from ckpt_archive.errors import SourceError
+from ckpt_archive.format.config_file import load_value_file
+from ckpt_archive.format.progress import find_progress
 
-
-def load_value_file(path: str | os.PathLike, *, what: str = "file") -> Any:
-    """Read a JSON, YAML (1.2) or TOML file keeping value types.
-
-    YAML is read with ruamel.yaml's YAML 1.2 safe loader, so ``1e-4`` is a float (PyYAML's 1.1 rules
-    read it as a string), ``null`` stays None, ``4`` an int and ``false`` a bool. A ``.txt`` file of
-    one id per line (data ids) gives a list of str.
-
-    Raises:
-        SourceError: missing or unparsable, naming the file and the parser's message.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise SourceError(f"{what} not found", where=str(p))
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise SourceError(f"{what} is not UTF-8 text (JSON, YAML, TOML or one id per line)", where=str(p)) from None
-    suffix = p.suffix.lower()
-    try:
-        if suffix == ".json":
-            return json.loads(text)
-        if suffix in (".yaml", ".yml"):
-            return _yaml(text)
-        if suffix == ".toml":
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python < 3.11
-                import tomli as tomllib
-            return _plain(tomllib.loads(text))
-        if suffix in (".txt", ".ids", ".lst"):
-            return [line.strip() for line in text.splitlines() if line.strip()]
-        # unknown suffix: try JSON, then YAML
-        try:
-            return json.loads(text)
-        except ValueError:
-            return _yaml(text)
-    except SourceError:
-        raise
-    except Exception as exc:  # parsers raise many types; report one line naming the file
-        raise SourceError(f"cannot parse {what}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                          where=str(p)) from None
-
-
-def _yaml(text: str) -> Any:
-    from ruamel.yaml import YAML
-
-    y = YAML(typ="safe", pure=True)
-    y.version = (1, 2)
-    return _plain(y.load(text))
-
-
-def _plain(value: Any) -> Any:
-    """Turn parser-specific containers/scalars into plain JSON-able Python values."""
-    import datetime as _dt
-
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
-        return value.isoformat()
-    if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
-        return value
-    return str(value)
+__all__ = ["load_value_file", "value_or_file", "find_progress", "code_identity", "environment",
+           "default_instructions"]
 
 
 def value_or_file(value: Any, *, what: str) -> Any:
@@ -86,39 +22,6 @@ def value_or_file(value: Any, *, what: str) -> Any:
     if isinstance(value, (str, os.PathLike)):
         return load_value_file(value, what=what)
     return value
-
-
-_STEP_KEYS = ("step", "global_step", "iteration", "iter", "num_updates", "update")
-_EPOCH_KEYS = ("epoch", "current_epoch")
-_CURSOR_KEYS = ("cursor", "data_cursor", "batch_idx", "sample_idx", "position")
-
-
-def find_progress(state: Any) -> dict:
-    """Progress (step / epoch / cursor) found at conventional places of a checkpoint dict.
-
-    Looks at the top level, then at ``progress``, ``trainer_state``, ``data``, ``loops`` sub-dicts.
-    Only ints (and a float epoch) are taken.
-    """
-    found: dict = {}
-    if not isinstance(state, dict):
-        return found
-    places = [state] + [state[k] for k in ("progress", "trainer_state", "data", "sampler", "loader")
-                        if isinstance(state.get(k), dict)]
-    for place in places:
-        for names, field in ((_STEP_KEYS, "step"), (_EPOCH_KEYS, "epoch"), (_CURSOR_KEYS, "cursor")):
-            if field in found:
-                continue
-            for name in names:
-                v = place.get(name)
-                if isinstance(v, bool):
-                    continue
-                if isinstance(v, int) or (field == "epoch" and isinstance(v, float)):
-                    found[field] = v
-                    break
-                if hasattr(v, "numel") and getattr(v, "numel")() == 1 and not v.is_floating_point():
-                    found[field] = int(v.item())
-                    break
-    return found
 
 
 def code_identity(code_version: str | None, cwd: str | os.PathLike | None = None) -> dict:

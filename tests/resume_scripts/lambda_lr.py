@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from ckpt_archive.resume.trajectory import CHECKPOINT_FILE, Trajectory
+from ckpt_archive import Trajectory  # the public import users' scripts rely on
+from ckpt_archive.resume.trajectory import CHECKPOINT_FILE
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, required=True)

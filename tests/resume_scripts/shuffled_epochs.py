@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import torch
 
-from ckpt_archive.resume.trajectory import CHECKPOINT_FILE, Trajectory
+from ckpt_archive import Trajectory  # the public import users' scripts rely on
+from ckpt_archive.resume.trajectory import CHECKPOINT_FILE
 
 N, BATCH = 10, 2
 p = argparse.ArgumentParser()

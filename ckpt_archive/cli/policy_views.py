@@ -1,0 +1,171 @@
+"""The policy audit in the CLI: ``inspect``, ``verify`` and ``restore`` print and extend their reports.
+
+Rendering only: the analysis is :mod:`ckpt_archive.training` (audit, completeness lint, session
+policy) and reading a generation for it is :func:`ckpt_archive.ops.audit_read.state_for_audit`. Rich is
+imported inside the functions, so importing this module stays cheap.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ckpt_archive.errors import UsageError
+from ckpt_archive.ops.audit_read import state_for_audit
+from ckpt_archive.training.audit import Finding, PolicyAudit
+from ckpt_archive.training.completeness import policy_section
+from ckpt_archive.training.session import HYPER_NAMES, apply_session_policy, compare_with_session, session_values
+
+
+def audit_table(a: PolicyAudit):
+    """A :class:`rich.table.Table` of :meth:`PolicyAudit.rows` (one row per param group)."""
+    from rich import box
+    from rich.table import Table
+
+    kind = a.scheduler.get("kind") or "none"
+    t = Table(title=f"LR policy (scheduler: {kind})", title_justify="left", box=box.SIMPLE_HEAD,
+              pad_edge=False)
+    for col in ("group", "params", "lr", "initial_lr", "base_lr", "last_lr", "derived_lr", "next_lr"):
+        t.add_column(col, justify="right" if col != "group" else "left")
+    for r in a.rows():
+        t.add_row(*r.values())
+    return t
+
+
+def audit_renderable(a: PolicyAudit):
+    """The whole audit for a rich console: the table, the counters, the findings (errors red)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    counters = ", ".join(f"{k} {v}" for k, v in a.counter_rows())
+    items: list = [audit_table(a), Text(f"counters: {counters}")]
+    for f in a.findings:
+        items.append(Text(str(f), style="red" if f.severity == "error" else "yellow"))
+    return Group(*items)
+
+
+def _say_counters(a: PolicyAudit, out: Any) -> None:
+    """The counters line, and the partial-decoding note when some step counters were not read."""
+    out.say("  counters: " + ", ".join(f"{k} {v}" for k, v in a.counter_rows()))
+    if a.counters.get("partial"):
+        out.say(f"  ({a.counters['partial']})")
+
+
+def _dedup(a: PolicyAudit, lint: list[Finding]) -> list[Finding]:
+    """Audit findings not repeated by the lint (the missing-scheduler line is in both)."""
+    texts = [f.message for f in lint]
+    return [f for f in a.findings if not any(f.message in t for t in texts)]
+
+
+def cli_inspect(info: dict, repo: Any, out: Any) -> dict:
+    """``inspect``: print the audit table, counters and findings; return ``{"policy": ...}`` for ``--json``.
+
+    An archive whose state cannot be read for the audit still inspects (the reason is printed).
+    """
+    from ckpt_archive.errors import CkptArchiveError
+
+    try:
+        decoded: dict = {}
+        state, manifest, _ = state_for_audit(repo, info["generation"], info=decoded)
+    except CkptArchiveError as exc:
+        out.warn(f"policy audit skipped: {exc}")
+        return {"policy": {"skipped": str(exc)}}
+    a, lint, section = policy_section(state, manifest, decoded)
+    out.table(audit_table(a))
+    _say_counters(a, out)
+    for f in _dedup(a, lint) + lint:
+        out.warn(f"{f.field}: {f.message}")
+    return {"policy": section}
+
+
+def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
+    """``verify``: add the audit and lint to a :class:`~ckpt_archive.ops.verify.VerifyReport`.
+
+    Semantics: audit findings of severity ``error`` are problems (exit 1); audit warnings are warnings;
+    completeness findings are warnings, and problems under ``--strict``. A generation that failed its
+    byte checks is not audited (its state cannot be trusted). ``report.extra["policy"]`` holds the audit,
+    the completeness findings and ``strict``.
+    """
+    from ckpt_archive.repo.reader import Problem
+    from ckpt_archive.errors import CkptArchiveError
+
+    if not report.ok:
+        report.extra["policy"] = {"skipped": "the generation failed its checks"}
+        return
+    try:
+        decoded: dict = {}
+        state, manifest, _ = state_for_audit(repo, report.generation, info=decoded)
+    except CkptArchiveError as exc:
+        report.extra["policy"] = {"skipped": str(exc)}
+        report.warnings.append(f"policy audit skipped: {exc}")
+        return
+    a, lint, section = policy_section(state, manifest, decoded)
+    out.table(audit_table(a))
+    _say_counters(a, out)
+    for f in _dedup(a, lint):
+        if f.severity == "error":
+            report.problems.append(Problem(f"policy: {f.message}", field=f.field))
+        else:
+            report.warnings.append(f"policy: {f.field}: {f.message}")
+    for f in lint:
+        if strict:
+            report.problems.append(Problem(f"completeness (--strict): {f.message}", field=f.field))
+        else:
+            report.warnings.append(f"completeness: {f.field}: {f.message}")
+    report.ok = not report.problems
+    report.extra["policy"] = {**section, "strict": strict}
+
+
+def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str | None, expect_lr: float | None,
+                        policy: str, out: Any):
+    """``restore --session-config F / --expect-lr LR / --policy session``: print the differences first.
+
+    Returns:
+        ``(transform, section)``: ``transform`` (or None) rewrites the state under ``--policy session``
+        and records its changes in ``section["changes"]``; ``section`` goes under ``"policy"`` in the JSON.
+
+    Raises:
+        UsageError: a bad ``--policy``; ``--policy session`` on a folder source or with nothing to impose.
+    """
+    if policy not in ("checkpoint", "session"):
+        raise UsageError(f"--policy must be 'checkpoint' or 'session', not {policy!r}")
+    if expect_lr is not None and not (math.isfinite(expect_lr) and expect_lr >= 0):
+        raise UsageError(f"--expect-lr must be a finite, non-negative number, not {expect_lr}")
+    if session_config is None and expect_lr is None and policy == "checkpoint":
+        return None, {}
+    state, manifest, _ = state_for_audit(repo, generation)
+    diffs = compare_with_session(state, session_config=session_config, expect_lr=expect_lr, policy=policy)
+    for d in diffs:
+        out.warn(d.message)
+    section: dict = {"mode": policy, "differences": [d.to_json() for d in diffs], "changes": []}
+    if policy == "checkpoint":
+        return None, section
+    if manifest["source"]["layout"] == "folder":
+        raise UsageError("--policy session rewrites a single-file state; this generation is a folder source "
+                         f"({manifest['source']['format']}): restore it, then use "
+                         "ckpt_archive.restore_training_state(..., policy='session')")
+    sess = session_values(session_config)
+    if not any(k in sess for k in ("lr", *HYPER_NAMES, "betas")):
+        raise UsageError("--policy session needs --session-config with an lr (or weight_decay, momentum, eps, "
+                         "betas) to impose; --expect-lr only checks")
+
+    def transform(st: Any) -> Any:
+        new, changes = apply_session_policy(st, session_config=session_config)
+        section["changes"] = [c.to_json() for c in changes]
+        section["_changes"] = changes
+        return new
+
+    return transform, section
+
+
+def cli_restore_finish(section: dict, out: Any) -> dict:
+    """Say what ``--policy session`` rewrote; return the JSON section (``{}`` when no policy flag)."""
+    changes = section.pop("_changes", None)
+    if section.get("mode") == "session":
+        if changes:
+            out.say(f"--policy session: rewrote {len(changes)} field(s) in the restored output (optimizer moments "
+                    f"and step counters untouched):")
+            for c in changes:
+                out.say(f"  {c}")
+        else:
+            out.say("--policy session: the archived values already equal the session's; nothing rewritten")
+    return {"policy": section} if section else {}

@@ -1,0 +1,89 @@
+"""Reading a generation for the policy audit: the state tree with only its small tensors decoded.
+
+The audit needs the structure of the state, the LRs and the optimizer's ``step`` counters, never the
+weights. :func:`state_for_audit` reads the state tree member and decodes only tensors of at most
+:data:`SMALL_TENSOR_ELEMENTS` elements, from the smallest members first, within a byte budget; every
+other tensor is a :class:`~ckpt_archive.format.tensor_stub.TensorStub`. The analysis itself is pure and
+lives in :mod:`ckpt_archive.training`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ckpt_archive.format.tensor_stub import TensorStub
+
+#: Tensors up to this many elements are decoded for the audit (optimizer ``step`` scalars, tensor LRs).
+SMALL_TENSOR_ELEMENTS = 8
+
+#: At most this many raw bytes of tensor members are decoded to reach those small tensors (smallest
+#: members first). Step scalars of a large optimizer are spread over its multi-GiB shards: past the
+#: budget they stay :class:`TensorStub` and the counters say how many were read.
+AUDIT_DECODE_BUDGET = 256 << 20
+
+
+def _tree_refs(node: Any, out: list) -> list:
+    """The tensor keys an encoded state tree references, appended to ``out``."""
+    if isinstance(node, dict):
+        if node.get("$t") in ("tensor", "ndarray") and "key" in node:
+            out.append(node["key"])
+        else:
+            for v in node.values():
+                _tree_refs(v, out)
+    elif isinstance(node, list):
+        for v in node:
+            _tree_refs(v, out)
+    return out
+
+
+def state_for_audit(repo: Any, generation: str | int = "latest", *, budget: int = AUDIT_DECODE_BUDGET,
+                    info: dict | None = None) -> tuple[Any, dict, int]:
+    """The archived state with only small tensors decoded (others are :class:`TensorStub`).
+
+    Reads the state tree member and the tensors of at most :data:`SMALL_TENSOR_ELEMENTS` elements from
+    the smallest tensor members whose raw sizes add up to at most ``budget`` bytes (every chunk checked on
+    the way). Enough for the policy audit, the completeness lint and the session comparison
+    (:mod:`ckpt_archive.training`).
+
+    Args:
+        repo: a repository location or :class:`~ckpt_archive.repo.repository.Repository`.
+        generation: ``"latest"``, a number, or a tag, as :func:`ckpt_archive.load` takes.
+        budget: raw bytes of tensor members that may be decoded.
+        info: if given, receives ``small_tensors`` (found), ``small_tensors_decoded`` and ``budget``.
+
+    Returns:
+        ``(state, manifest, generation_number)``.
+
+    Raises:
+        IntegrityError (exit 1), NotFound / NoUsableGeneration (exit 2): as :func:`ckpt_archive.load`.
+    """
+    from ckpt_archive.ops.common import open_repo as _repo, pick as _pick
+    from ckpt_archive.repo.reader import ArchiveReader
+    from ckpt_archive.format.state_tree import decode
+
+    r = _repo(repo)
+    gen = _pick(r, generation, False)
+    reader = ArchiveReader(r.store, gen.key, gen.manifest)
+    tree = reader.tree()
+    recs = gen.manifest["tensors"]
+    small = sorted({k for k in _tree_refs(tree, []) if k in recs
+                    and math.prod(int(x) for x in recs[k].get("shape", ())) <= SMALL_TENSOR_ELEMENTS})
+    by_member: dict[str, list[str]] = {}
+    for k in small:
+        by_member.setdefault(recs[k]["member"], []).append(k)
+    chosen: list[str] = []
+    spent = 0
+    for member in sorted(by_member, key=lambda m: reader.by_path.get(m, {}).get("raw_bytes", 0)):
+        size = int(reader.by_path.get(member, {}).get("raw_bytes", 0))
+        if spent + size > budget:
+            break
+        spent += size
+        chosen.extend(by_member[member])
+    loaded = dict(zip(chosen, reader.load_node([{"$t": "tensor", "key": k} for k in chosen]))) if chosen else {}
+    if info is not None:
+        info.update(small_tensors=len(small), small_tensors_decoded=len(loaded), budget=budget)
+
+    def get(key: str) -> Any:
+        return loaded[key] if key in loaded else TensorStub(recs.get(key, {}))
+
+    return decode(tree, get), gen.manifest, gen.number

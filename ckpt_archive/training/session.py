@@ -1,0 +1,427 @@
+"""The session's policy against the checkpoint's: read it from a config, compare, re-impose it.
+
+``optimizer.load_state_dict`` restores the archived ``lr`` (and ``initial_lr``, the scheduler's
+``base_lrs``), so a session that lowered its LR in its config silently trains with the archived one.
+:func:`session_values` reads what a config asks for, :func:`compare_with_session` names every field
+that differs and which value wins, :func:`apply_session_policy` rewrites them in a copy of the state
+(moments and step counters untouched); :func:`impose_lrs` is the rule, shared with the live restore.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+from ckpt_archive.errors import UsageError
+from ckpt_archive.format.config_file import load_config
+from ckpt_archive.training.audit import audit
+from ckpt_archive.training.parts import find_parts, is_tensor
+from ckpt_archive.training.schedulers import derive_lrs
+from ckpt_archive.training.values import as_float, coerce_float, flatten, fmt_pair, fmt_value, jsonable, nearly_equal
+
+_LR_NAMES = ("lr", "learning_rate", "base_lr", "max_lr")
+
+HYPER_NAMES = {
+    "weight_decay": ("weight_decay", "wd"),
+    "momentum": ("momentum",),
+    "eps": ("eps", "adam_epsilon", "epsilon"),
+}
+
+
+@dataclasses.dataclass
+class PolicyDifference:
+    """One archived-vs-session difference (:func:`compare_with_session`).
+
+    Attributes:
+        field: path in the state, e.g. ``"optimizer.param_groups[0].lr"``.
+        archived: the value in the checkpoint.
+        session: the value the session asks for.
+        wins: ``"checkpoint"`` or ``"session"``: which value the next step uses under the policy.
+        switch: the CLI switch that selects the other one (``"--policy session"`` / ``"--policy
+            checkpoint"``).
+        message: one line with all of the above.
+    """
+
+    field: str
+    archived: Any
+    session: Any
+    wins: str
+    switch: str
+    message: str
+
+    def to_json(self) -> dict:
+        """The fields as strict JSON."""
+        return jsonable(dataclasses.asdict(self))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclasses.dataclass
+class PolicyChange:
+    """One field rewritten by :func:`apply_session_policy` (``old`` -> ``new``)."""
+
+    field: str
+    old: Any
+    new: Any
+
+    def to_json(self) -> dict:
+        """The fields as strict JSON."""
+        return jsonable(dataclasses.asdict(self))
+
+    def __str__(self) -> str:
+        return f"{self.field}: {fmt_value(self.old)} -> {fmt_value(self.new)}"
+
+
+def session_values(session_config: dict | str | Path | None) -> dict:
+    """The policy values a session config asks for.
+
+    Looks (case-insensitively) for ``lr`` / ``learning_rate`` / ``base_lr`` / ``max_lr``, preferring keys under
+    ``optimizer``/``optim``, then top level, then anywhere; likewise ``weight_decay``, ``momentum``, ``eps``
+    (``adam_epsilon``), and ``betas`` (or ``adam_beta1``/``adam_beta2``, as in Hugging Face
+    TrainingArguments). Per-group values: ``optimizer.param_groups: [{lr: ...}, ...]``.
+
+    Returns:
+        ``{"lr": float | list[float] | None, "weight_decay": ..., "momentum": ..., "eps": ..., "betas": ...}``
+        with absent values left out, and ``"source"``: field -> config key path used.
+
+    Raises:
+        SourceError: unreadable config file.
+    """
+    cfg = load_config(session_config)
+    flat = list(flatten(cfg))
+
+    def pick(names: tuple[str, ...]) -> tuple[str, Any] | None:
+        best = None
+        for path, v in flat:
+            if not path or path[-1].lower() not in names:
+                continue
+            if "param_groups" in path:
+                continue
+            rank = 0 if any(p.lower() in ("optimizer", "optim", "opt") for p in path[:-1]) else (
+                1 if len(path) == 1 else 2)
+            if best is None or rank < best[0]:
+                best = (rank, ".".join(path), v)
+        return None if best is None else (best[1], best[2])
+
+    out: dict = {"source": {}}
+    pg = None
+    for key in ("optimizer", "optim"):
+        sub = cfg.get(key) if isinstance(cfg, dict) else None
+        if isinstance(sub, dict) and isinstance(sub.get("param_groups"), list):
+            pg = sub["param_groups"]
+    if isinstance(cfg.get("param_groups"), list):
+        pg = cfg["param_groups"]
+    if pg:
+        lrs = [coerce_float(g.get("lr")) if isinstance(g, dict) else None for g in pg]
+        if all(x is not None for x in lrs):
+            out["lr"] = lrs
+            out["source"]["lr"] = "param_groups[*].lr"
+    if "lr" not in out:
+        hit = pick(_LR_NAMES)
+        if hit is not None:
+            v = hit[1]
+            val = [coerce_float(x) for x in v] if isinstance(v, (list, tuple)) else coerce_float(v)
+            if val is not None and not (isinstance(val, list) and None in val):
+                out["lr"] = val
+                out["source"]["lr"] = hit[0]
+    for name, aliases in HYPER_NAMES.items():
+        hit = pick(aliases)
+        if hit is not None and coerce_float(hit[1]) is not None:
+            out[name] = coerce_float(hit[1])
+            out["source"][name] = hit[0]
+    hit = pick(("betas",))
+    if hit is not None and isinstance(hit[1], (list, tuple)) and len(hit[1]) == 2:
+        out["betas"] = tuple(coerce_float(x) for x in hit[1])
+        out["source"]["betas"] = hit[0]
+    else:
+        b1, b2 = pick(("adam_beta1", "beta1")), pick(("adam_beta2", "beta2"))
+        if b1 and b2 and coerce_float(b1[1]) is not None and coerce_float(b2[1]) is not None:
+            out["betas"] = (coerce_float(b1[1]), coerce_float(b2[1]))
+            out["source"]["betas"] = f"{b1[0]}, {b2[0]}"
+    return out
+
+
+def per_group(value: Any, n: int) -> list:
+    """One value per param group: a list of ``n``, a list of one (repeated), or a scalar (repeated).
+
+    Raises:
+        UsageError: a list of neither 1 nor ``n`` values.
+    """
+    if isinstance(value, (list, tuple)):
+        if len(value) == n:
+            return list(value)
+        if len(value) == 1:
+            return list(value) * n
+        raise UsageError(f"session gives {len(value)} LRs for {n} param groups")
+    return [value] * n
+
+
+def lr_base_field(g: dict) -> str:
+    """Which group field holds the *base* LR a config's ``lr`` sets."""
+    if "max_lr" in g:  # OneCycleLR: its max_lr is the configured LR
+        return "max_lr"
+    if "initial_lr" in g:
+        return "initial_lr"
+    return "lr"
+
+
+def compare_with_session(state: Any, *, session_config: dict | str | Path | None = None,
+                         expect_lr: float | Sequence[float] | None = None, policy: str = "checkpoint",
+                         keys: dict | None = None) -> list[PolicyDifference]:
+    """Compare the archived policy with the session's.
+
+    Args:
+        state: nested checkpoint.
+        session_config: the session's config (dict or JSON/YAML/TOML path): ``lr`` is the *base* LR
+            (compared with the group's ``initial_lr`` when a scheduler was attached, with ``max_lr`` for
+            OneCycleLR, else with ``lr``); ``weight_decay``, ``momentum``, ``eps``, ``betas`` with the
+            group's fields. See :func:`session_values`.
+        expect_lr: the LR the session expects the *next step* to use (float, or one per group); compared
+            with the audit's ``next_lr`` (field ``...param_groups[i].lr``).
+        policy: ``"checkpoint"`` (default: ``optimizer.load_state_dict`` overrides the session's values) or
+            ``"session"``; decides ``wins`` and the switch named for the other choice.
+        keys: part -> path overrides (see :func:`find_parts`).
+
+    Returns:
+        One :class:`PolicyDifference` per field whose values differ (relative tolerance
+        :data:`LR_RTOL`); equal values give nothing.
+
+    Raises:
+        UsageError: bad ``policy``, or as many LRs as neither 1 nor the number of groups.
+        SourceError: unreadable config file.
+    """
+    if policy not in ("checkpoint", "session"):
+        raise UsageError(f"policy must be 'checkpoint' or 'session', not {policy!r}")
+    wins = policy
+    switch = "--policy session" if policy == "checkpoint" else "--policy checkpoint"
+    entries = find_parts(state, keys).get("optimizer", [])
+    sess = session_values(session_config)
+    diffs: list[PolicyDifference] = []
+
+    def add(field: str, archived: Any, session: Any, what: str) -> None:
+        a, s = fmt_pair(archived, session)
+        if wins == "checkpoint":
+            tail = (f"the checkpoint's value wins (optimizer.load_state_dict restores it); {switch} keeps the "
+                    f"session's")
+        else:
+            tail = f"the session's value wins (--policy session rewrites it); {switch} keeps the checkpoint's"
+        diffs.append(PolicyDifference(field, archived, session, wins, switch,
+                                      f"{field}: archived {a}, session {s} ({what}); {tail}"))
+
+    for opt_path, opt in entries:
+        opt_field = str(opt_path) or "optimizer"
+        groups = [g for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
+        if "lr" in sess:
+            for i, (g, want) in enumerate(zip(groups, per_group(sess["lr"], len(groups)))):
+                fname = lr_base_field(g)
+                have = as_float(g.get(fname))
+                if want is not None and have is not None and not nearly_equal(have, want):
+                    what = f"config {sess['source']['lr']}"
+                    if fname != "lr":
+                        what += f"; {fname} is the schedule's base LR"
+                    add(f"{opt_field}.param_groups[{i}].{fname}", have, want, what)
+        for name in ("weight_decay", "momentum", "eps"):
+            if name in sess:
+                for i, g in enumerate(groups):
+                    have = as_float(g.get(name))
+                    if have is not None and not nearly_equal(have, sess[name]):
+                        add(f"{opt_field}.param_groups[{i}].{name}", have, sess[name],
+                            f"config {sess['source'][name]}")
+        if "betas" in sess:
+            for i, g in enumerate(groups):
+                b = g.get("betas")
+                if isinstance(b, (list, tuple)) and len(b) == 2:
+                    have = tuple(as_float(x) for x in b)
+                    if not all(nearly_equal(x, y) for x, y in zip(have, sess["betas"])):
+                        add(f"{opt_field}.param_groups[{i}].betas", have, tuple(sess["betas"]),
+                            f"config {sess['source']['betas']}")
+    if expect_lr is not None:
+        a = audit(state, keys=keys)
+        for i, (gp, want) in enumerate(zip(a.groups, per_group(expect_lr, len(a.groups)))):
+            want = coerce_float(want)
+            if gp.next_lr is not None and want is not None and not nearly_equal(gp.next_lr, want):
+                field = f"{gp.field}.lr" if gp.lr is not None else f"{a.scheduler.get('field')}._last_lr[{i}]"
+                add(field, gp.next_lr, want, "--expect-lr: the LR of the next step")
+    return diffs
+
+
+def _rescale(value: float, old_base: float, new_base: float) -> float:
+    """``value`` at the same point of the schedule with base ``new_base`` (exact when value == old_base)."""
+    if value == old_base:
+        return new_base
+    if old_base == 0:
+        return value
+    return value / old_base * new_base
+
+
+def _copy_tree(obj: Any) -> Any:
+    """Copy dicts/lists/tuples (keeping dict subclasses' types); tensors and arrays are shared, not copied."""
+    if isinstance(obj, dict):
+        try:
+            new = copy.copy(obj)
+        except Exception:
+            new = dict(obj)
+        for k, v in obj.items():
+            new[k] = _copy_tree(v)
+        return new
+    if isinstance(obj, list):
+        return [_copy_tree(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_copy_tree(v) for v in obj)
+    return obj
+
+
+def _same_type(template: Any, value: float) -> Any:
+    """Keep a tensor LR a tensor (fused/capturable optimizers store lr as a 0-d tensor)."""
+    if is_tensor(template):
+        import torch
+
+        return torch.tensor(value, dtype=template.dtype, device=template.device)
+    return value
+
+
+def impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str) -> list[PolicyChange]:
+    """Re-impose session base LRs on param groups (dicts) and a scheduler (state dict or live object).
+
+    The rule of :func:`apply_session_policy`; used on a copied state and on live objects alike.
+    """
+    changes: list[PolicyChange] = []
+    sd = None if sch is None else (sch if isinstance(sch, dict) else getattr(sch, "__dict__", None))
+    sched_bases = list((sd or {}).get("base_lrs") or [])
+    olds: list = []
+    news: list = []
+    for i, g in enumerate(groups):
+        fname = lr_base_field(g)
+        old = as_float(g.get(fname))
+        if fname == "lr" and i < len(sched_bases) and as_float(sched_bases[i]) is not None:
+            old = as_float(sched_bases[i])
+        want = coerce_float(wants[i]) if i < len(wants) else None
+        olds.append(old)
+        news.append(want)
+        if old is None or want is None:
+            continue
+        for key in ("lr", "initial_lr", "max_lr", "min_lr"):
+            if key in g and as_float(g[key]) is not None:
+                fv = as_float(g[key])
+                nv = _rescale(fv, old, want)
+                if nv != fv:
+                    g[key] = _same_type(g[key], nv)
+                    changes.append(PolicyChange(f"{ofield}.param_groups[{i}].{key}", fv, nv))
+    if isinstance(sd, dict):
+        _rescale_scheduler(sd, sfield, olds, news, changes)
+        # Where the schedule has a closed form, the LR at the archived position is the closed form with the
+        # session's base (exact also for absolute floors such as eta_min, which a ratio would scale).
+        view = sch if isinstance(sch, dict) else (sch.state_dict() if hasattr(sch, "state_dict") else None)
+        _, lrs, _ = derive_lrs(view, list(groups)) if isinstance(view, dict) else (None, None, "")
+        if lrs is not None and len(lrs) == len(groups):
+            for i, (g, v) in enumerate(zip(groups, lrs)):
+                if news[i] is None or olds[i] is None or as_float(g.get("lr")) is None:
+                    continue
+                fv = as_float(g["lr"])
+                if v != fv:
+                    g["lr"] = _same_type(g["lr"], v)
+                    _replace_change(changes, f"{ofield}.param_groups[{i}].lr", fv, v)
+            last = sd.get("_last_lr")
+            if isinstance(last, list) and len(last) == len(groups):
+                for i, g in enumerate(groups):
+                    if news[i] is not None and as_float(g.get("lr")) is not None and as_float(last[i]) != as_float(g["lr"]):
+                        _replace_change(changes, f"{sfield}._last_lr[{i}]", as_float(last[i]), as_float(g["lr"]))
+                        last[i] = _same_type(last[i], as_float(g["lr"]))
+    return changes
+
+
+def _replace_change(changes: list[PolicyChange], field: str, old: float, new: float) -> None:
+    """Record ``field: old -> new``, merging with an earlier change of the same field (keeps its ``old``)."""
+    for c in changes:
+        if c.field == field:
+            c.new = new
+            return
+    changes.append(PolicyChange(field, old, new))
+
+
+def _rescale_scheduler(sd: dict, path: str, olds: list, news: list, changes: list) -> None:
+    """Rescale ``base_lrs`` and ``_last_lr`` (also of SequentialLR/ChainedScheduler sub-schedulers)."""
+    for key in ("base_lrs", "_last_lr"):
+        vals = sd.get(key)
+        if isinstance(vals, (list, tuple)):
+            new_vals = list(vals)
+            for i, v in enumerate(vals):
+                fv = as_float(v)
+                if fv is None or i >= len(olds) or olds[i] is None or news[i] is None:
+                    continue
+                nv = _rescale(fv, olds[i], news[i])
+                if nv != fv:
+                    new_vals[i] = _same_type(v, nv)
+                    changes.append(PolicyChange(f"{path}.{key}[{i}]", fv, nv))
+            sd[key] = type(vals)(new_vals) if isinstance(vals, tuple) else new_vals
+    for j, sub in enumerate(sd.get("_schedulers") or []):
+        sub_d = sub if isinstance(sub, dict) else getattr(sub, "__dict__", None)
+        if isinstance(sub_d, dict):
+            _rescale_scheduler(sub_d, f"{path}._schedulers[{j}]", olds, news, changes)
+
+
+def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = None,
+                         session_config: dict | str | Path | None = None,
+                         keys: dict | None = None) -> tuple[Any, list[PolicyChange]]:
+    """Re-impose the session's LR (and hyperparameters) on a copy of the checkpoint.
+
+    The session's LR is the *base* LR (what a config's ``lr`` means). For each param group with archived
+    base ``B`` (``max_lr`` for OneCycleLR, else ``initial_lr``, else the scheduler's ``base_lrs[i]``, else
+    ``lr``) and session base ``S``, every LR field ``v`` of the group (``lr``, ``initial_lr``, ``max_lr``,
+    ``min_lr``) and of the scheduler (``base_lrs``, ``_last_lr``, also inside SequentialLR/ChainedScheduler
+    sub-schedulers) becomes ``S`` where ``v == B`` and ``v / B * S`` otherwise; where the scheduler has a
+    closed form (:func:`derive_lrs`), ``lr`` and ``_last_lr`` are then that closed form at ``last_epoch``
+    with the session's base (exact with absolute floors such as ``eta_min``). The schedule continues at the
+    same point from the session's base. Without a scheduler the LR is exactly ``S``. Session
+    ``weight_decay``/``momentum``/``eps``/``betas`` replace the group's values. Optimizer moments and
+    step counters are not touched: the returned state shares those tensor objects with ``state``.
+
+    Args:
+        state: nested checkpoint (not modified).
+        lr: session base LR (float, or one per param group); overrides the config's.
+        session_config: dict or JSON/YAML/TOML path (see :func:`session_values`).
+        keys: part -> path overrides.
+
+    Returns:
+        ``(new_state, changes)``: a structural copy and the list of :class:`PolicyChange`.
+
+    Raises:
+        UsageError: no optimizer state, or as many LRs as neither 1 nor the number of groups.
+        SourceError: unreadable config file.
+    """
+    sess = session_values(session_config)
+    if lr is not None:
+        sess["lr"] = lr
+    new_state = _copy_tree(state)
+    parts = find_parts(new_state, keys)
+    changes: list[PolicyChange] = []
+    opt_entries = parts.get("optimizer", [])
+    if not opt_entries:
+        if "lr" in sess or any(k in sess for k in HYPER_NAMES):
+            raise UsageError("the checkpoint has no optimizer state: there is no policy to rewrite")
+        return new_state, changes
+    sch_entries = parts.get("scheduler", [])
+    for n, (opt_path, opt) in enumerate(opt_entries):
+        opt_field = str(opt_path) or "optimizer"
+        groups = [g for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
+        sch = sch_entries[n][1] if n < len(sch_entries) else None
+        sch_field = str(sch_entries[n][0]) if n < len(sch_entries) else "scheduler"
+        if "lr" in sess:
+            changes += impose_lrs(groups, sch, per_group(sess["lr"], len(groups)), opt_field, sch_field)
+        for name in ("weight_decay", "momentum", "eps"):
+            if name in sess:
+                for i, g in enumerate(groups):
+                    if name in g and as_float(g[name]) is not None and as_float(g[name]) != sess[name]:
+                        changes.append(PolicyChange(f"{opt_field}.param_groups[{i}].{name}", as_float(g[name]),
+                                                    sess[name]))
+                        g[name] = sess[name]
+        if "betas" in sess:
+            for i, g in enumerate(groups):
+                b = g.get("betas")
+                if isinstance(b, (list, tuple)) and tuple(as_float(x) for x in b) != tuple(sess["betas"]):
+                    changes.append(PolicyChange(f"{opt_field}.param_groups[{i}].betas",
+                                                tuple(as_float(x) for x in b), tuple(sess["betas"])))
+                    g["betas"] = type(b)(sess["betas"])
+    return new_state, changes
