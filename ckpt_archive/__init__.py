@@ -32,7 +32,6 @@ _API = {
     "Trajectory": "resume.trajectory",
     "prune": "ops.prune", "PruneResult": "ops.prune", "forget": "ops.forget", "ForgetResult": "ops.forget",
     "gc": "ops.gc", "GcResult": "ops.gc", "backup": "ops.backup", "BackupResult": "ops.backup",
-    "RetentionPolicy": "retention.policy",
 }
 
 
