@@ -542,7 +542,7 @@ class ArchiveReader:
             if missing:
                 problems.append(Problem(f"state tree references {len(missing)} tensor(s) not in the manifest: "
                                         f"{', '.join(missing[:5])}", member=self.manifest["tree_member"]))
-            decode(tree, lambda k: None)
+            decode(tree, lambda k: None, objects="check")
         except CkptArchiveError as exc:
             problems.append(Problem(exc.message, member=self.manifest["tree_member"]))
         return {"tensors": checked, "bytes": decoded, "members": len(self.manifest["members"])}
