@@ -37,6 +37,10 @@ def register(app: typer.Typer) -> None:
         allow_numpy: bool = typer.Option(False, "--allow-numpy",
                                          help="Admit NumPy's own types (arrays, scalars, dtypes) in a .pt; "
                                               "nothing else is ever unpickled."),
+        allow: List[str] = typer.Option([], "--allow", metavar="MODULE.CLASS",
+                                        help="Admit a plain-data class (repeatable), e.g. --allow argparse.Namespace "
+                                             "(timm, torchvision reference scripts): stored and restored as the same "
+                                             "class; only classes whose state is a plain __dict__, never code."),
         jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Threads (default: all cores)."),
         level: Optional[int] = typer.Option(None, "--level", help="zstd level (default 3)."),
         wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for another writer's lock."),
@@ -62,7 +66,7 @@ def register(app: typer.Typer) -> None:
             res = ckpt_archive.pack(source, repo, config=config, metrics=metrics, data_ids=data_ids,
                                     instructions=instructions, code_version=code_version, tags=tag,
                                     progress={"step": step, "epoch": epoch}, fmt=fmt, allow_numpy=allow_numpy,
-                                    jobs=jobs, level=level, retention=policy, on_bytes=bar, wait=wait)
+                                    allow=allow, jobs=jobs, level=level, retention=policy, on_bytes=bar, wait=wait)
         for line in res.leftovers:
             out.warn(f"leftover of an interrupted write: {line} (ckpt-archive gc removes it)")
         for line in res.warnings:

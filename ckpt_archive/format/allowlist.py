@@ -36,7 +36,7 @@ BUILTIN_PLAIN_CLASSES = ("argparse.Namespace",)
 _CODE_HOOKS = ("__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__getnewargs__",
                "__getnewargs_ex__", "__new__", "__init_subclass__", "__class_getitem__", "__set_name__")
 
-_current: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("ckpt_archive_allow", default=())
+_current: contextvars.ContextVar[dict] = contextvars.ContextVar("ckpt_archive_allow", default={})
 
 
 @functools.lru_cache(maxsize=1)
@@ -176,13 +176,27 @@ def resolve_allow(allow: Iterable[Any] = ()) -> dict[str, type]:
 
 @contextlib.contextmanager
 def allowing(allow: Iterable[Any] = ()) -> Iterator[dict[str, type]]:
-    """Admit these plain-data classes while decoding state trees in this context (see :func:`decode_class`)."""
-    resolved = resolve_allow(allow)
-    token = _current.set(tuple(sorted(set(_current.get()) | set(resolved))))
+    """Admit these plain-data classes in this context: source readers pass them to
+    ``torch.serialization.safe_globals``, :func:`ckpt_archive.format.state_tree.encode` stores their
+    instances, and decoding rebuilds them (see :func:`decode_class`).
+
+    Yields:
+        every class admitted in this context, ``{"module.Class": cls}``.
+
+    Raises:
+        UsageError: see :func:`resolve_allow`.
+    """
+    resolved = {**_current.get(), **resolve_allow(allow)}
+    token = _current.set(resolved)
     try:
         yield resolved
     finally:
         _current.reset(token)
+
+
+def current_allowed() -> dict[str, type]:
+    """The plain-data classes admitted in this context (:func:`allowing`)."""
+    return dict(_current.get())
 
 
 def decode_class(name: str) -> type:
@@ -205,9 +219,13 @@ def decode_class(name: str) -> type:
     return cls
 
 
-def torch_safe_globals(allow: dict[str, type]) -> list:
-    """What to pass to ``torch.serialization.safe_globals`` for these plain-data classes."""
-    return list(allow.values())
+def refused_global_hint(name: str) -> str:
+    """What to tell a user whose file references the global ``name`` (``weights_only`` refused it)."""
+    if name in BUILTIN_PLAIN_CLASSES:
+        return (f"it holds {name} objects (plain data): re-run with --allow {name} (Python: allow=[{name!r}]) "
+                f"to store and restore them as {name}, building nothing else")
+    return (f"if {name} is a plain-data class you trust, re-run with --allow {name}; only classes whose state "
+            f"is a plain __dict__ are admitted, never code")
 
 
 def refusal(path: str, obj: Any, why: str = "") -> SourceError:

@@ -20,8 +20,8 @@ import math
 from typing import Any, Callable
 
 from ckpt_archive.errors import FormatError, SourceError
-from ckpt_archive.format.allowlist import (class_name, decode_class, global_name, plain_class_problem, refusal,
-                                           resolve_global)
+from ckpt_archive.format.allowlist import (class_name, current_allowed, decode_class, global_name,
+                                           plain_class_problem, refusal, resolve_global)
 
 MAX_SAFE_INT = 2**53
 
@@ -136,8 +136,9 @@ def _path_name(path: tuple) -> str:
 
 
 class _Encoder:
-    def __init__(self, allow=()):
-        self.allow = {class_name(c) if isinstance(c, type) else str(c) for c in (allow or ())}
+    def __init__(self, allow=None):
+        allow = current_allowed() if allow is None else allow
+        self.allow = {class_name(c) if isinstance(c, type) else str(c) for c in allow}
         self.table = TensorTable()
         self._tensor_leaves: list[tuple[str, Any]] = []  # (leaf key, tensor)
         self._used: set[str] = set()
@@ -350,7 +351,7 @@ def _leaf_flags(t) -> dict:
     return flags
 
 
-def encode(state: Any, *, allow=()) -> tuple[Any, TensorTable]:
+def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
     """Encode a nested state so that :func:`decode` gives back the same types, values, order and aliasing.
 
     Args:
@@ -361,7 +362,8 @@ def encode(state: Any, *, allow=()) -> tuple[Any, TensorTable]:
             tensors of every kind (dense of any dtype and device, sparse, quantized, nested, meta;
             Parameters; views and shared storages; Python attributes), storages; plus NumPy arrays,
             scalars and dtypes.
-        allow: names (``"argparse.Namespace"``) or classes of admitted plain-data classes.
+        allow: names (``"argparse.Namespace"``) or classes of admitted plain-data classes; default: those
+            admitted by :func:`ckpt_archive.format.allowlist.allowing` in this context.
 
     Returns:
         (tree, table): ``tree`` is strict-JSON-able (``json.dumps(tree, allow_nan=False)`` works);
@@ -380,7 +382,7 @@ def encode(state: Any, *, allow=()) -> tuple[Any, TensorTable]:
 
 def encode_value(value: Any) -> Any:
     """Encode a tensor-free value (config, metrics) to strict JSON with the same tags."""
-    enc = _Encoder()
+    enc = _Encoder(())
     tree = enc.enc(value, ())
     if enc._tensor_leaves or enc.table.entries:
         names = ", ".join(key for key, _ in enc._tensor_leaves[:5])

@@ -89,7 +89,7 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
          instructions: Any = None, code_version: str | None = None, tags=(), progress: dict | None = None,
          fmt: str | None = None, allow_numpy: bool = False, jobs: int | None = None, level: int | None = None,
          retention: Any = None, on_bytes: Callable[[int], None] | None = None, wait: float = 0.0,
-         chunk_bytes: int | None = None) -> PackResult:
+         chunk_bytes: int | None = None, allow=()) -> PackResult:
     """Pack a checkpoint into a new generation of ``repo``; return only once it is usable.
 
     Lifecycle (docs/FORMAT.md): claim -> write members -> seal (manifest) -> verify (re-read: sizes,
@@ -109,6 +109,8 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
         progress: ``{"step", "epoch", "cursor"}`` overriding what is found in the state.
         fmt: force a source reader (see :data:`ckpt_archive.sources.READERS`).
         allow_numpy: admit NumPy's own types in a ``.pt`` (narrow allowlist; never other classes).
+        allow: plain-data classes to admit, as ``"module.Class"`` names or classes (``argparse.Namespace``;
+            see :mod:`ckpt_archive.format.allowlist`): read from files and stored as the same class.
         jobs: threads (default: cores). level: zstd level (default 3). chunk_bytes: raw bytes per chunk.
         retention: a retention policy (dict with restic's names: keep_last, keep_daily, ...) applied after
             publish; None uses the repository's default policy, if any; ``{}`` means no retention even
@@ -130,12 +132,17 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
         >>> r.status, r.manifest["progress"]["step"]
         ('usable', 3)
     """
+    from ckpt_archive.format.allowlist import allowing
     from ckpt_archive.sources import from_object, read_source
 
-    if isinstance(state_or_path, (str, os.PathLike)):
-        source = read_source(state_or_path, fmt, allow_numpy=allow_numpy)
-    else:
-        source = from_object(state_or_path)
+    with allowing(allow) as allowed:  # [issue 11] plain-data classes admitted for reading and encoding
+        if isinstance(state_or_path, (str, os.PathLike)):
+            source = read_source(state_or_path, fmt, allow_numpy=allow_numpy)
+        else:
+            source = from_object(state_or_path)
+        from ckpt_archive.format.state_tree import encode
+
+        encoded = encode(source.state)
     config_v = value_or_file(config, what="config file")
     metrics_v = value_or_file(metrics, what="metrics file")
     ids_v = value_or_file(data_ids, what="data-ids file")
@@ -159,9 +166,8 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
     for name, value in (("step", prog.get("step")), ("epoch", prog.get("epoch")), ("cursor", prog.get("cursor"))):
         if value is not None and value < 0:
             raise UsageError(f"progress {name} must not be negative ({value})")
-    from ckpt_archive.format.state_tree import encode, encode_value
+    from ckpt_archive.format.state_tree import encode_value
 
-    encoded = encode(source.state)
     config_enc = encode_value(config_v) if config_v is not None else {}
     metrics_enc = encode_value(metrics_v) if metrics_v is not None else {}
     if not isinstance(metrics_enc, dict) or "$t" in metrics_enc:
@@ -185,6 +191,8 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
                                  chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=on_bytes,
                                  encoded=encoded)
             warnings = body.pop("warnings")
+            if allowed:
+                body["source"]["allow"] = sorted(allowed)
             from ckpt_archive.format.state_tree import encode_value
 
             manifest = {
@@ -413,7 +421,7 @@ def _with_fallback(r: Repository, generation, fallback: bool, fn):
 
 
 def load(repo, generation: str | int = "latest", *, only: str | None = None, fallback: bool = False,
-         map_location=None, jobs: int | None = None, **store_options) -> Any:
+         map_location=None, jobs: int | None = None, allow=(), **store_options) -> Any:
     """Rebuild the archived state in memory, checking every chunk and tensor on the way.
 
     Args:
@@ -422,6 +430,7 @@ def load(repo, generation: str | int = "latest", *, only: str | None = None, fal
         only: a ``/``-separated path into the state (``"model"``) to load just that part.
         fallback: when ``latest`` fails its checks, use the newest older generation that verifies.
         map_location: move torch tensors there (default: CPU).
+        allow: plain-data classes to rebuild (``"module.Class"``); ``argparse.Namespace`` needs none.
 
     Returns:
         the nested state, equal to what was packed in structure, types, dtypes, shapes and bits.
@@ -429,10 +438,13 @@ def load(repo, generation: str | int = "latest", *, only: str | None = None, fal
     Raises:
         IntegrityError (exit 1) -- never returns wrong data; NotFound / NoUsableGeneration (exit 2).
     """
+    from ckpt_archive.format.allowlist import allowing
+
     r = _repo(repo, **store_options)
-    _, state = _with_fallback(r, generation, fallback,
-                              lambda g: ArchiveReader(r.store, g.key, g.manifest, jobs=jobs).load(
-                                  only, map_location=map_location))
+    with allowing(allow):
+        _, state = _with_fallback(r, generation, fallback,
+                                  lambda g: ArchiveReader(r.store, g.key, g.manifest, jobs=jobs).load(
+                                      only, map_location=map_location))
     return state
 
 
@@ -473,7 +485,7 @@ def _check_space(path: Path, need: int) -> None:
 def restore(repo, generation: str | int = "latest", output: str | os.PathLike | None = None, *,
             force: bool = False, only: str | None = None, fallback: bool = False, map_location=None,
             jobs: int | None = None, transform: Callable[[Any], Any] | None = None,
-            consolidate: str | os.PathLike | None = None, **store_options) -> RestoreResult:
+            consolidate: str | os.PathLike | None = None, allow=(), **store_options) -> RestoreResult:
     """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
     sources), atomically: temporary name in the same folder, fsync, rename.
 
@@ -484,6 +496,7 @@ def restore(repo, generation: str | int = "latest", output: str | os.PathLike | 
         transform: applied to a file source's state before it is saved (used by ``--policy session``).
         consolidate: for a torch.distributed.checkpoint (DCP) folder source, also write its whole state
             as one ``torch.save`` file at this path (``sources/dcp.py: consolidate_dcp``).
+        allow: plain-data classes to rebuild where a file must be re-serialised (``"module.Class"``).
 
     A ``.safetensors`` file source is restored as a ``.safetensors`` file with its header metadata.
 
@@ -532,8 +545,11 @@ def restore(repo, generation: str | int = "latest", output: str | os.PathLike | 
         _fsync_file(tmp)
         return tmp.stat().st_size
 
+    from ckpt_archive.format.allowlist import allowing
+
     try:
-        gen, nbytes = _with_fallback(r, generation, fallback, write)
+        with allowing(allow):
+            gen, nbytes = _with_fallback(r, generation, fallback, write)
     except BaseException:
         _remove(tmp)
         raise

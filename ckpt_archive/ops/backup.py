@@ -432,7 +432,7 @@ def _examine(checkpoint: Path, entry: Mapping[str, Any], *, settle: float, stale
 def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settle: float = 10.0,
            wait: float = 0.0, tags: tuple[str, ...] | list[str] = (), now: datetime | None = None,
            sleep: Callable[[float], None] = time.sleep, on_bytes: Callable[[int], None] | None = None,
-           stale_after: float | None = None) -> BackupResult:
+           stale_after: float | None = None, allow=()) -> BackupResult:
     """Back up the newest complete checkpoint in SOURCE to REPO, if it changed.
 
     The newest checkpoint is examined first. Changed within ``settle`` seconds, or incomplete and
@@ -454,6 +454,7 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         on_bytes: progress callback, called with a byte count while hashing.
         stale_after: seconds (by the newest mtime of its files) after which an incomplete checkpoint
             counts as broken rather than being written; ``None``: ``max(600, 10 * settle)``.
+        allow: plain-data classes to admit when packing (``"argparse.Namespace"``; see ``pack``).
 
     Returns:
         A :class:`BackupResult`; ``exit_code`` is 75 when the checkpoint was still being written.
@@ -522,7 +523,7 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
                             warnings=warnings, skipped=skipped)
 
     # retention={} : no retention inside pack; it runs below, once the source is known not to have moved
-    result = api.pack(str(checkpoint), repo, retention={}, wait=wait, tags=tuple(tags))
+    result = api.pack(str(checkpoint), repo, retention={}, wait=wait, tags=tuple(tags), allow=allow)
     gen = result.generation
     warnings += list(result.warnings) + [f"leftover of an interrupted write: {x} (ckpt-archive gc removes it)"
                                          for x in result.leftovers]
