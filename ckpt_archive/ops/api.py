@@ -530,6 +530,9 @@ def restore(repo, generation: str | int = "latest", output: str | os.PathLike | 
         reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
         if layout == "folder" and not only:
             return _restore_folder(reader, gen.manifest, tmp, map_location)
+        first = (gen.manifest["source"].get("files") or [{}])[0]
+        if layout == "file" and not only and transform is None and map_location is None and first.get("exact"):
+            return _restore_exact(reader, first, tmp)  # [issue 11] the source file byte for byte
         # tensors over memory-mapped spill files next to the output: anonymous memory stays bounded
         state = reader.load(only, map_location=map_location, spill_dir=tmp.parent)
         if transform is not None:
@@ -618,7 +621,11 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
     for f in manifest["source"]["files"]:
         target = dest / f["relpath"]
         target.parent.mkdir(parents=True, exist_ok=True)
-        if f["kind"] in ("raw", "opaque"):
+        if f.get("hardlink_of"):  # [issue 11] hardlinks come back as hardlinks
+            os.link(dest / f["hardlink_of"], target)
+        elif f.get("exact") and map_location is None:  # [issue 11] byte for byte
+            _restore_exact(reader, f, target)
+        elif f["kind"] in ("raw", "opaque"):
             rec = reader.by_path[f["member"]]
             with open(target, "wb") as fh:
                 for _, chunk in reader.iter_member(rec):
@@ -635,6 +642,25 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
         _fsync_file(target)
         total += target.stat().st_size
     return total
+
+
+def _restore_exact(reader: ArchiveReader, f: dict, target: Path) -> int:
+    """[issue 11] Rebuild a decomposed source file byte for byte from its skeleton member and the tensor
+    entries (format/exact_bytes.py); its sha256 is checked against the source's. Returns bytes written."""
+    from ckpt_archive.format import exact_bytes
+
+    skeleton = reader.by_path.get(f["exact"]["member"])
+    if skeleton is None:
+        raise IntegrityError(f"manifest lists no member {f['exact']['member']!r}", where="manifest.json")
+
+    def entry_bytes(wanted: set):
+        for m in reader.manifest["members"]:
+            mine = wanted & set(m.get("entries") or ()) if m["role"] == "tensors" else set()
+            if mine:
+                for key, _, buf in reader.iter_entries(m, wanted=mine):
+                    yield key, buf
+
+    return exact_bytes.rebuild(target, f, (chunk for _, chunk in reader.iter_member(skeleton)), entry_bytes)
 
 
 def _folder_node(tree: Any, relpath: str) -> Any:
@@ -664,5 +690,7 @@ def inspect(repo, generation: str | int = "latest", **store_options) -> dict:
     gen = _pick(r, generation, False)
     m = gen.manifest
     opaque = [f["relpath"] for f in m["source"]["files"] if f["kind"] == "opaque"]
+    from ckpt_archive.format.exact_bytes import exact_summary
+
     return {"generation": gen.number, "status": gen.status, "reason": gen.reason, "location": r.location,
-            "manifest": m, "marker": gen.marker, "opaque_members": opaque}
+            "manifest": m, "marker": gen.marker, "opaque_members": opaque, "exact_bytes": exact_summary(m)}

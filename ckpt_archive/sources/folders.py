@@ -18,7 +18,8 @@ safely:
 * any other file -> ``raw`` when it is UTF-8 text without NUL bytes (JSON, YAML, tokenizer
   files), else ``opaque``.
 
-Relative paths are POSIX, sorted, and include hidden files (DCP's ``.metadata``).
+Relative paths are POSIX, sorted, and include hidden files (DCP's ``.metadata``). A file that is a
+hardlink of an earlier one (same inode) is recorded with ``link_of`` and restored as a hardlink.
 """
 from __future__ import annotations
 
@@ -248,7 +249,13 @@ def read_folder(root: Path, *, allow_numpy: bool = False, numpy_files: Iterable[
 
     state: dict = {}
     files: list[SourceFile] = []
+    inodes: dict[tuple[int, int], SourceFile] = {}
     for rel in rels:
+        st = os.lstat(root / rel)
+        first = inodes.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+        if first is not None:  # a hardlink of an earlier file: kept as a link, not stored twice
+            files.append(SourceFile(rel, first.kind, root / rel, metadata=first.metadata, link_of=first.relpath))
+            continue
         sf, obj, notes = classify_file(
             root, rel,
             allow_numpy=allow_numpy or any(fnmatchcase(rel, p) for p in numpy_pats),
@@ -262,6 +269,8 @@ def read_folder(root: Path, *, allow_numpy: bool = False, numpy_files: Iterable[
                 sf, obj = SourceFile(rel, "opaque", sf.path), None
                 notes = notes + [f"{rel}: kept opaque (byte for byte, fingerprinted, not decomposed): {why}"]
         files.append(sf)
+        if st.st_nlink > 1 and not (root / rel).is_symlink():
+            inodes[(st.st_dev, st.st_ino)] = sf
         warnings.extend(notes)
         if sf.kind in ("torch", "safetensors"):
             state[rel] = obj
