@@ -147,6 +147,10 @@ def pack(state_or_path: Any, repo, *, config: Any = None, metrics: Any = None, d
     metrics_v = value_or_file(metrics, what="metrics file")
     ids_v = value_or_file(data_ids, what="data-ids file")
     found = find_progress(source.state) if source.layout == "file" else {}
+    if metrics_v is None and source.layout == "file":  # [issue 11] nanoGPT best_val_loss, timm metric
+        from ckpt_archive.ops.meta import find_metrics
+
+        metrics_v = find_metrics(source.state) or None
     prog = {**found, **(source.progress or {}), **{k: v for k, v in (progress or {}).items() if v is not None}}
     prog = {k: prog.get(k) for k in ("step", "epoch", "cursor")}
     # Everything that can refuse the input runs before a generation number is claimed, so a refusal

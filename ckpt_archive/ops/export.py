@@ -358,6 +358,14 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
                             f"{counts['tensors']} tensor(s), {counts['bytes']} raw bytes decoded" if not problems
                             else "; ".join(f"{p.member or p.field}: {p.reason}" for p in problems[:5])))
     raise_if_problems(f"trial reload at {dst.location}", problems, number)
+    from ckpt_archive.format.exact_bytes import exact_summary  # [issue 11] say when exact bytes are not had
+
+    exact = exact_summary(manifest)
+    not_exact = [name for name, how in exact["files"].items() if how.startswith("not kept")]
+    out.checks.append(Check("source files restore byte for byte (sha256 equal to the originals)", True,
+                            "yes, every file" if exact["all_exact"] else
+                            f"NOT for {', '.join(not_exact[:5])}: re-serialised on restore (equal content, not "
+                            f"equal bytes; packed before exact bytes were kept)"))
     faults.point("export-after-trial-reload")
 
     # -- 5. marker last, naming DEST -------------------------------------------------------------------------

@@ -88,22 +88,59 @@ def value_or_file(value: Any, *, what: str) -> Any:
     return value
 
 
-_STEP_KEYS = ("step", "global_step", "iteration", "iter", "num_updates", "update")
+# Progress keys of common trainers (one table; training/policy.py has its own copy until format/progress.py
+# unifies them): nanoGPT saves ``iter_num``; timm's CheckpointSaver and torchvision's reference scripts
+# ``epoch``; fairseq ``optimizer_history[-1]["num_updates"]`` and ``extra_state["train_iterator"]["epoch"]``
+# (and ``iterations_in_epoch``, a cursor).
+_STEP_KEYS = ("step", "global_step", "iteration", "iter", "iter_num", "num_updates", "update")
 _EPOCH_KEYS = ("epoch", "current_epoch")
-_CURSOR_KEYS = ("cursor", "data_cursor", "batch_idx", "sample_idx", "position")
+_CURSOR_KEYS = ("cursor", "data_cursor", "batch_idx", "sample_idx", "position", "iterations_in_epoch")
+# Metrics trainers save next to progress: nanoGPT ``best_val_loss``, timm ``metric`` (the eval metric of
+# that epoch) and ``best_metric``, torchvision classification ``best_acc1`` (older scripts).
+_METRIC_KEYS = ("best_val_loss", "metric", "best_metric", "best_acc1", "best_loss", "val_loss")
+
+
+def _progress_places(state: dict) -> list:
+    places = [state] + [state[k] for k in ("progress", "trainer_state", "data", "sampler", "loader", "extra_state")
+                        if isinstance(state.get(k), dict)]
+    extra = state.get("extra_state")
+    if isinstance(extra, dict) and isinstance(extra.get("train_iterator"), dict):
+        places.append(extra["train_iterator"])  # fairseq
+    hist = state.get("optimizer_history")
+    if isinstance(hist, list) and hist and isinstance(hist[-1], dict):
+        places.append(hist[-1])  # fairseq: num_updates of the last optimizer
+    return places
+
+
+def find_metrics(state: Any) -> dict:
+    """Metrics found at the top level of a checkpoint dict (:data:`_METRIC_KEYS`): finite or not, plain
+    numbers (int/float, or a one-element tensor) only."""
+    found: dict = {}
+    if not isinstance(state, dict):
+        return found
+    for name in _METRIC_KEYS:
+        v = state.get(name)
+        if isinstance(v, bool):
+            continue
+        if type(v) in (int, float):
+            found[name] = v
+        elif hasattr(v, "numel") and getattr(v, "numel")() == 1 and not getattr(v, "is_quantized", False):
+            found[name] = v.item()
+    return found
 
 
 def find_progress(state: Any) -> dict:
     """Progress (step / epoch / cursor) found at conventional places of a checkpoint dict.
 
-    Looks at the top level, then at ``progress``, ``trainer_state``, ``data``, ``loops`` sub-dicts.
-    Only ints (and a float epoch) are taken.
+    Looks at the top level, then at ``progress``, ``trainer_state``, ``data``, ``sampler``, ``loader``,
+    ``extra_state`` (and fairseq's ``extra_state.train_iterator`` and last ``optimizer_history``
+    entry). Only ints (and a float epoch) are taken. Keys: :data:`_STEP_KEYS` (nanoGPT ``iter_num``,
+    fairseq ``num_updates``, ...), :data:`_EPOCH_KEYS`, :data:`_CURSOR_KEYS`.
     """
     found: dict = {}
     if not isinstance(state, dict):
         return found
-    places = [state] + [state[k] for k in ("progress", "trainer_state", "data", "sampler", "loader")
-                        if isinstance(state.get(k), dict)]
+    places = _progress_places(state)
     for place in places:
         for names, field in ((_STEP_KEYS, "step"), (_EPOCH_KEYS, "epoch"), (_CURSOR_KEYS, "cursor")):
             if field in found:
@@ -115,7 +152,9 @@ def find_progress(state: Any) -> dict:
                 if isinstance(v, int) or (field == "epoch" and isinstance(v, float)):
                     found[field] = v
                     break
-                if hasattr(v, "numel") and getattr(v, "numel")() == 1 and not v.is_floating_point():
+                if hasattr(v, "numel") and getattr(v, "is_sparse", False) is False and getattr(v, "layout", None) \
+                        is not None and str(v.layout) == "torch.strided" and not v.is_quantized \
+                        and v.device.type != "meta" and v.numel() == 1 and not v.is_floating_point():
                     found[field] = int(v.item())
                     break
     return found
