@@ -4,7 +4,10 @@
 scalars, plain values) and returns a JSON-able tree whose tensor leaves point at keys of a
 :class:`TensorTable`; :func:`decode` rebuilds the exact object from the tree and a tensor getter. The
 encoding rules are in docs/FORMAT.md ("State tree"): what JSON lacks (non-finite floats, ints beyond
-2^53, tuples, bytes, non-str keys) is tagged with ``"$t"``.
+2^53, tuples, bytes, non-str keys) is tagged with ``"$t"``. What may be encoded is the rule of
+docs/FORMAT.md ("What round-trips"): everything ``torch.load(weights_only=True)`` accepts, with its
+exact type (see :mod:`ckpt_archive.format.allowlist`), plus admitted NumPy and plain-data classes;
+anything else is refused naming its path and type, never stored as a lookalike.
 
 Storage sharing follows torch's own model: tensors are grouped by their underlying storage. A storage
 viewed by exactly one tensor that covers it contiguously is stored under the tensor's shape ("natural");

@@ -45,7 +45,7 @@ class PackResult:
         status: ``"usable"`` (pack returns only after the marker is written).
         path: the generation's location (``REPO/generations/00000007``).
         manifest: the manifest as written.
-        warnings: notes worth reading (e.g. a dict subclass stored as dict).
+        warnings: notes worth reading (e.g. a file of a folder kept opaque, naming why).
         leftovers: non-usable generations found (interrupted writes; ``ckpt-archive gc`` removes them).
         retention: what retention removed/kept, when a policy ran.
     """
