@@ -47,6 +47,10 @@ def register(app: typer.Typer) -> None:
         keep_tag: Optional[List[str]] = KEEP_TAG, keep_best: Optional[int] = KEEP_BEST,
         best_by: Optional[str] = BEST_BY,
         tag: List[str] = typer.Option([], "--tag", metavar="TAG", help="Tag for a new generation (repeatable)."),
+        allow: List[str] = typer.Option([], "--allow", metavar="MODULE.CLASS",
+                                        help="Admit a plain-data class (repeatable), e.g. --allow argparse.Namespace "
+                                             "(timm, torchvision reference scripts): stored and restored as the same "
+                                             "class; only classes whose state is a plain __dict__, never code."),
         wait: float = WAIT,
         json_output: bool = JSON_OPTION,
     ) -> None:
@@ -55,7 +59,8 @@ def register(app: typer.Typer) -> None:
         out = Output(json_output)
         policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
                                    keep_tag, keep_best, best_by)
-        result = backup(source, repo, retention=policy, settle=settle, wait=wait, tags=tag, stale_after=stale_after)
+        result = backup(source, repo, retention=policy, settle=settle, wait=wait, tags=tag, stale_after=stale_after,
+                        allow=allow)
         for w in result.warnings:
             out.warn(w)
         if result.action == "busy":

@@ -87,6 +87,14 @@ def register(app: typer.Typer) -> None:
         if info["opaque_members"]:
             out.say(f"  opaque files (fingerprinted, restored byte for byte, never unpickled): "
                     f"{', '.join(info['opaque_members'])}")
+        exact = info.get("exact_bytes") or {}
+        if exact.get("files"):
+            if exact.get("all_exact"):
+                out.say("  exact bytes: restore gives back every source file byte for byte (sha256 checked)")
+            else:
+                for name, how in exact["files"].items():
+                    if how.startswith("not kept"):
+                        out.say(f"  exact bytes NOT kept for {name}: {how}", style="yellow")
         out.say("loading instructions:", style="bold")
         out.say(m["instructions"]["text"])
         extra = _extend_inspect(info, repo, out)

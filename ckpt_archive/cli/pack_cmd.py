@@ -37,6 +37,10 @@ def register(app: typer.Typer) -> None:
         allow_numpy: bool = typer.Option(False, "--allow-numpy",
                                          help="Admit NumPy's own types (arrays, scalars, dtypes) in a .pt; "
                                               "nothing else is ever unpickled."),
+        allow: List[str] = typer.Option([], "--allow", metavar="MODULE.CLASS",
+                                        help="Admit a plain-data class (repeatable), e.g. --allow argparse.Namespace "
+                                             "(timm, torchvision reference scripts): stored and restored as the same "
+                                             "class; only classes whose state is a plain __dict__, never code."),
         jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Threads (default: all cores)."),
         level: Optional[int] = typer.Option(None, "--level", help="zstd level (default 3)."),
         wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for another writer's lock."),
@@ -62,7 +66,8 @@ def register(app: typer.Typer) -> None:
         with out.progress(total, "pack") as bar:
             res = ckpt_archive.pack(
                 source, repo,
-                PackOptions(level=level, jobs=jobs, wait=wait, source_format=fmt, allow_numpy=allow_numpy),
+                PackOptions(level=level, jobs=jobs, wait=wait, source_format=fmt, allow_numpy=allow_numpy,
+                            allow=tuple(allow)),
                 Annotations(config=config, metrics=metrics, data_ids=data_ids, tags=tuple(tag),
                             code_version=code_version, instructions=instructions,
                             progress={"step": step, "epoch": epoch}),

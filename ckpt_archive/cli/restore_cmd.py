@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -29,6 +29,9 @@ def register(app: typer.Typer) -> None:
         consolidate: Optional[Path] = typer.Option(
             None, "--consolidate", help="For a torch.distributed.checkpoint (DCP) folder source: also write the "
                                         "whole state as one torch.save file at this path."),
+        allow: List[str] = typer.Option([], "--allow", metavar="MODULE.CLASS",
+                                        help="Rebuild objects of this plain-data class where a file is re-serialised (repeatable; "
+                                             "argparse.Namespace needs none); only classes whose state is a plain __dict__, never code."),
         session_config: Optional[Path] = typer.Option(
             None, "--session-config", help="This session's config (JSON/YAML/TOML): warn where the archived "
                                            "lr/weight_decay/... differ, naming the field and which value wins."),
@@ -49,7 +52,7 @@ def register(app: typer.Typer) -> None:
                                                      expect_lr=expect_lr, policy=policy, out=out)
         res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
                                    map_location=map_location, jobs=jobs, transform=transform,
-                                   consolidate=consolidate)
+                                   consolidate=consolidate, allow=allow)
         res.extra.update(cli_restore_finish(policy_json, out))
         for w in res.warnings:
             out.warn(w)

@@ -4,7 +4,10 @@
 scalars, plain values) and returns a JSON-able tree whose tensor leaves point at keys of a
 :class:`TensorTable`; :func:`decode` rebuilds the exact object from the tree and a tensor getter. The
 encoding rules are in docs/FORMAT.md ("State tree"): what JSON lacks (non-finite floats, ints beyond
-2^53, tuples, bytes, non-str keys) is tagged with ``"$t"``.
+2^53, tuples, bytes, non-str keys) is tagged with ``"$t"``. What may be encoded is the rule of
+docs/FORMAT.md ("What round-trips"): everything ``torch.load(weights_only=True)`` accepts, with its
+exact type (see :mod:`ckpt_archive.format.allowlist`), plus admitted NumPy and plain-data classes;
+anything else is refused naming its path and type, never stored as a lookalike.
 
 Storage sharing follows torch's own model: tensors are grouped by their underlying storage. A storage
 viewed by exactly one tensor that covers it contiguously is stored under the tensor's shape ("natural");
@@ -20,6 +23,8 @@ import math
 from typing import Any, Callable
 
 from ckpt_archive.errors import FormatError, SourceError
+from ckpt_archive.format.allowlist import (class_name, current_allowed, decode_class, global_name,
+                                           plain_class_problem, refusal, resolve_global)
 
 MAX_SAFE_INT = 2**53
 
@@ -111,13 +116,32 @@ def _storage_u8(t):
     return flat.numpy()
 
 
+def _float(v: float):
+    if math.isfinite(v):
+        return v
+    return {"$t": "float", "v": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+
+
+def _plain_state(obj, path) -> dict:
+    """The ``__dict__`` of an admitted plain-data object (str keys only)."""
+    why = plain_class_problem(type(obj))
+    if why is not None:
+        raise refusal(_path_name(path), obj, why)
+    state = vars(obj)
+    if not all(type(k) is str for k in state):
+        raise refusal(_path_name(path), obj, "its __dict__ has non-str keys")
+    return dict(state)
+
+
 def _path_name(path: tuple) -> str:
     parts = [str(p) for p in path]
     return "/".join(parts) if parts else "value"
 
 
 class _Encoder:
-    def __init__(self):
+    def __init__(self, allow=None):
+        allow = current_allowed() if allow is None else allow
+        self.allow = {class_name(c) if isinstance(c, type) else str(c) for c in allow}
         self.table = TensorTable()
         self._tensor_leaves: list[tuple[str, Any]] = []  # (leaf key, tensor)
         self._used: set[str] = set()
@@ -132,70 +156,112 @@ class _Encoder:
         return key
 
     def enc(self, obj: Any, path: tuple) -> Any:
+        """Encode one value; every type is matched exactly (a subclass is never stored as its base)."""
         torch = _torch()
         import numpy as np
 
-        if obj is None or type(obj) is str:
+        tp = type(obj)
+        if obj is None or tp is str or tp is bool:
             return obj
         if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
             if obj.dtype.kind == "O":
                 raise SourceError("NumPy object scalar is not plain data", where=_path_name(path))
             return {"$t": "npscalar", "dtype": obj.dtype.str, "hex": obj.tobytes().hex()}
-        if isinstance(obj, str):
-            self.table.warnings.append(f"{_path_name(path)}: {type(obj).__name__} stored as str")
-            return str(obj)
-        if isinstance(obj, bool):
-            return obj
-        if isinstance(obj, int):
-            v = int(obj)
-            return v if -MAX_SAFE_INT <= v <= MAX_SAFE_INT else {"$t": "int", "v": str(v)}
-        if isinstance(obj, float):
-            v = float(obj)
-            if math.isfinite(v):
-                return v
-            return {"$t": "float", "v": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if tp is int:
+            return obj if -MAX_SAFE_INT <= obj <= MAX_SAFE_INT else {"$t": "int", "v": str(obj)}
+        if tp is float:
+            return _float(obj)
+        if tp is complex:
+            return {"$t": "complex", "re": _float(obj.real), "im": _float(obj.imag)}
+        if tp is bytes or tp is bytearray:
+            return {"$t": tp.__name__, "b64": base64.b64encode(bytes(obj)).decode("ascii")}
         if isinstance(obj, torch.Tensor):
-            key = self._leaf_key(path)
-            self._tensor_leaves.append((key, obj))
-            return {"$t": "tensor", "key": key}
-        if isinstance(obj, np.ndarray):
+            return self._tensor(obj, path)
+        if tp is np.ndarray:
             return self._ndarray(obj, path)
         if isinstance(obj, np.dtype):
             return {"$t": "npdtype", "v": obj.str}
-        if isinstance(obj, torch.dtype):
+        if tp is torch.dtype:
             return {"$t": "dtype", "v": str(obj).replace("torch.", "")}
-        if isinstance(obj, torch.Size):
+        if tp is torch.Size:
             return {"$t": "size", "v": [int(x) for x in obj]}
-        if isinstance(obj, torch.device):
+        if tp is torch.device:
             return {"$t": "device", "v": str(obj)}
-        if isinstance(obj, (bytes, bytearray)):
-            tag = "bytes" if isinstance(obj, bytes) else "bytearray"
-            return {"$t": tag, "b64": base64.b64encode(bytes(obj)).decode("ascii")}
-        if isinstance(obj, tuple):
-            if type(obj) is not tuple:
-                self.table.warnings.append(f"{_path_name(path)}: {type(obj).__name__} stored as a tuple")
+        if tp is torch.layout:
+            return {"$t": "layout", "v": str(obj).replace("torch.", "")}
+        if tp is torch.UntypedStorage or tp is torch.TypedStorage:
+            return self._storage(obj, path)
+        name = global_name(obj)
+        if name is not None:  # an object torch's allowlist itself names: qscheme, legacy tensor class, ...
+            return {"$t": "global", "v": name}
+        if tp is tuple:
             return {"$t": "tuple", "v": [self.enc(v, path + (i,)) for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            if type(obj) is not list:
-                self.table.warnings.append(f"{_path_name(path)}: {type(obj).__name__} stored as a list")
+        if tp is list:
             return [self.enc(v, path + (i,)) for i, v in enumerate(obj)]
-        if isinstance(obj, collections.OrderedDict):
-            node = {"$t": "odict", "items": [[self.enc(k, path + ("key",)), self.enc(v, path + (k,))]
-                                             for k, v in obj.items()]}
-            attrs = {k: v for k, v in vars(obj).items()} if hasattr(obj, "__dict__") else {}
+        if tp is set:
+            return {"$t": "set", "v": [self.enc(v, path + (i,)) for i, v in enumerate(obj)]}
+        if tp is collections.OrderedDict or tp is collections.Counter:
+            node = {"$t": "odict" if tp is collections.OrderedDict else "counter",
+                    "items": self._items(obj, path)}
+            attrs = dict(vars(obj))
             if attrs:
                 node["attrs"] = {k: self.enc(v, path + ("attrs", k)) for k, v in attrs.items()}
             return node
-        if isinstance(obj, dict):
-            if type(obj) is not dict:
-                self.table.warnings.append(f"{_path_name(path)}: {type(obj).__name__} stored as a dict")
-            if all(isinstance(k, str) for k in obj) and "$t" not in obj:
+        if tp is dict:
+            if all(type(k) is str for k in obj) and "$t" not in obj:
                 return {k: self.enc(v, path + (k,)) for k, v in obj.items()}
-            return {"$t": "dict", "items": [[self.enc(k, path + ("key",)), self.enc(v, path + (k,))]
-                                            for k, v in obj.items()]}
-        raise SourceError(f"unsupported value of type {type(obj).__module__}.{type(obj).__qualname__}: "
-                          f"only dict/list/tuple, tensors, NumPy arrays/scalars and plain values are "
-                          f"state", where=_path_name(path))
+            return {"$t": "dict", "items": self._items(obj, path)}
+        cname = class_name(tp)
+        if cname in self.allow:
+            return {"$t": "object", "class": cname,
+                    "state": {k: self.enc(v, path + (k,)) for k, v in _plain_state(obj, path).items()}}
+        raise refusal(_path_name(path), obj)
+
+    def _items(self, obj, path) -> list:
+        return [[self.enc(k, path + ("key",)), self.enc(v, path + (k,))] for k, v in obj.items()]
+
+    def _tensor(self, t, path) -> dict:
+        """A tensor: dense ones go to the tensor table; sparse, quantized, nested and meta tensors are
+        taken apart the way ``torch.save`` does (its own rebuild function and arguments), so their
+        dense parts are stored by the codec and torch's rebuild function puts them back together."""
+        torch = _torch()
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise refusal(_path_name(path), t, "a tensor subclass; weights_only accepts torch.Tensor and "
+                                               "torch.nn.Parameter only")
+        attrs = dict(vars(t)) if getattr(t, "__dict__", None) else {}
+        dense = (t.layout == torch.strided and not t.is_quantized and not t.is_nested
+                 and t.device.type != "meta")
+        if dense:
+            key = self._leaf_key(path)
+            self._tensor_leaves.append((key, t))
+            node: dict = {"$t": "tensor", "key": key}
+        else:
+            func, args = torch.Tensor._reduce_ex_internal(t, 2)
+            fname = global_name(func)
+            if fname is None or not fname.startswith("torch._utils._rebuild"):
+                raise refusal(_path_name(path), t, f"torch.save rebuilds it with {func!r}, not an allowlisted "
+                                                   f"rebuild function")
+            node = {"$t": "rebuild", "f": fname,
+                    "args": [self.enc(a, path + (f"<{i}>",)) for i, a in enumerate(args)]}
+            if isinstance(t, torch.nn.Parameter):
+                node["parameter"] = True
+            if t.requires_grad:
+                node["requires_grad"] = True
+        if attrs:
+            node["attrs"] = {k: self.enc(v, path + ("attrs", k)) for k, v in attrs.items()}
+        return node
+
+    def _storage(self, s, path) -> dict:
+        """A storage as a value (``torch.save`` keeps it): its bytes as a uint8 tensor over the same
+        storage, so a storage shared with tensors is stored once and comes back shared."""
+        torch = _torch()
+        typed = type(s) is torch.TypedStorage
+        untyped = s._untyped_storage if typed else s
+        flat = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped)
+        node = {"$t": "storage", "data": self._tensor(flat, path + ("<storage>",))}
+        if typed:
+            node["dtype"] = str(s.dtype).replace("torch.", "")
+        return node
 
     def _ndarray(self, a, path):
         import numpy as np
@@ -288,22 +354,30 @@ def _leaf_flags(t) -> dict:
     return flags
 
 
-def encode(state: Any) -> tuple[Any, TensorTable]:
-    """Encode a nested state.
+def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
+    """Encode a nested state so that :func:`decode` gives back the same types, values, order and aliasing.
 
     Args:
-        state: any nesting of dict / OrderedDict / list / tuple with tensors (any device), NumPy arrays
-            and scalars, and plain values (int incl. > 2^53, float incl. inf/nan, bool, str, None,
-            bytes).
+        state: anything ``torch.load(weights_only=True)`` of the installed torch accepts (see
+            :mod:`ckpt_archive.format.allowlist` and docs/FORMAT.md, "What round-trips"): dict /
+            OrderedDict / Counter / list / tuple / set, int (any size) / float (incl. inf, nan) / bool /
+            complex / str / bytes / bytearray / None, torch.Size / dtype / device / layout / qscheme,
+            tensors of every kind (dense of any dtype and device, sparse, quantized, nested, meta;
+            Parameters; views and shared storages; Python attributes), storages; plus NumPy arrays,
+            scalars and dtypes.
+        allow: names (``"argparse.Namespace"``) or classes of admitted plain-data classes; default: those
+            admitted by :func:`ckpt_archive.format.allowlist.allowing` in this context.
 
     Returns:
         (tree, table): ``tree`` is strict-JSON-able (``json.dumps(tree, allow_nan=False)`` works);
         ``table`` holds the tensor entries to store and a record per tensor leaf.
 
     Raises:
-        SourceError: an unsupported value (custom class, object array, sparse tensor), naming its path.
+        SourceError: a value that cannot round-trip exactly (a subclass of a builtin container, a
+            custom class not admitted, a tensor subclass, an object array), naming its path, its type
+            and what to do. Nothing is ever stored as a lookalike of another type.
     """
-    enc = _Encoder()
+    enc = _Encoder(allow)
     tree = enc.enc(state, ())
     enc.finish_tensors()
     return tree, enc.table
@@ -311,7 +385,7 @@ def encode(state: Any) -> tuple[Any, TensorTable]:
 
 def encode_value(value: Any) -> Any:
     """Encode a tensor-free value (config, metrics) to strict JSON with the same tags."""
-    enc = _Encoder()
+    enc = _Encoder(())
     tree = enc.enc(value, ())
     if enc._tensor_leaves or enc.table.entries:
         names = ", ".join(key for key, _ in enc._tensor_leaves[:5])
@@ -329,30 +403,47 @@ def walk_refs(tree: Any):
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
-            t = node.get("$t")
-            if t in ("tensor", "ndarray"):
+            if node.get("$t") in ("tensor", "ndarray"):
                 yield node["key"]
-            elif t in ("tuple",):
-                stack.extend(node["v"])
-            elif t in ("dict", "odict"):
-                for k, v in node["items"]:
-                    stack.append(k)
-                    stack.append(v)
                 stack.extend((node.get("attrs") or {}).values())
-            elif t is None:
+            elif "$t" in node:
+                stack.extend(v for k, v in node.items() if k != "$t")
+            else:
                 stack.extend(node.values())
 
 
-def decode(tree: Any, get_tensor: Callable[[str], Any]) -> Any:
+def _torch_attr(name: str, kind: str):
+    """``torch.<name>`` when it is a ``kind`` (dtype / layout), never any other attribute of torch."""
+    torch = _torch()
+    obj = torch.__dict__.get(name) if isinstance(name, str) else None
+    want = {"dtype": torch.dtype, "layout": torch.layout}[kind]
+    if type(obj) is not want:
+        raise FormatError(f"unknown torch {kind} {name!r}")
+    return obj
+
+
+def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build") -> Any:
     """Rebuild the nested state from an encoded tree.
 
     Args:
         tree: the output of :func:`encode` (after a JSON round trip).
         get_tensor: returns the tensor (or ndarray) for a leaf key.
+        objects: ``"build"`` rebuilds admitted plain-data objects (classes admitted with
+            :func:`ckpt_archive.format.allowlist.allowing`, or built in such as
+            ``argparse.Namespace``); ``"check"`` only checks their shape (trial reload: the tree is
+            checked, not used), and builds no tensor from a rebuild function either.
 
     Raises:
-        FormatError: an unknown tag or malformed node (names the tag).
+        FormatError: an unknown tag, a malformed node, a name outside torch's allowlist, or a plain-data
+            class the reader did not admit (names the ``--allow`` that would).
     """
+    build = objects == "build"
+
+    def items(node):
+        its = node.get("items")
+        if not isinstance(its, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in its):
+            raise FormatError(f"malformed {node.get('$t')} node")
+        return [(_hashable(dec(k)), dec(v)) for k, v in its]
 
     def dec(node):
         if node is None or isinstance(node, (str, bool, int, float)):
@@ -368,17 +459,40 @@ def decode(tree: Any, get_tensor: Callable[[str], Any]) -> Any:
             return int(node["v"])
         if t == "float":
             return float(node["v"])
+        if t == "complex":
+            return complex(float(dec(node["re"])), float(dec(node["im"])))
         if t == "tuple":
             return tuple(dec(v) for v in node["v"])
+        if t == "set":
+            return {_hashable(dec(v)) for v in node["v"]}
         if t == "dict":
-            return {_hashable(dec(k)): dec(v) for k, v in node["items"]}
-        if t == "odict":
-            od = collections.OrderedDict((_hashable(dec(k)), dec(v)) for k, v in node["items"])
+            return dict(items(node))
+        if t in ("odict", "counter"):
+            cls = collections.OrderedDict if t == "odict" else collections.Counter
+            obj = cls()
+            for k, v in items(node):
+                obj[k] = v
             for name, val in (node.get("attrs") or {}).items():
-                setattr(od, name, dec(val))
-            return od
+                setattr(obj, name, dec(val))
+            return obj
         if t in ("tensor", "ndarray"):
-            return get_tensor(node["key"])
+            obj = get_tensor(node["key"])
+            if node.get("attrs") and obj is not None:
+                obj.__dict__.update({k: dec(v) for k, v in node["attrs"].items()})
+            return obj
+        if t == "rebuild":
+            return _rebuild(node, dec, build)
+        if t == "storage":
+            data = dec(node["data"])
+            if data is None:
+                return None
+            storage = data.untyped_storage()
+            if "dtype" in node:
+                import torch
+
+                return torch.TypedStorage(wrap_storage=storage, dtype=_torch_attr(node["dtype"], "dtype"),
+                                          _internal=True)
+            return storage
         if t == "bytes":
             return base64.b64decode(node["b64"])
         if t == "bytearray":
@@ -392,14 +506,58 @@ def decode(tree: Any, get_tensor: Callable[[str], Any]) -> Any:
 
             return np.dtype(node["v"])
         if t == "dtype":
-            return getattr(_torch(), node["v"])
+            return _torch_attr(node["v"], "dtype")
+        if t == "layout":
+            return _torch_attr(node["v"], "layout")
         if t == "size":
             return _torch().Size(node["v"])
         if t == "device":
             return _torch().device(node["v"])
+        if t == "global":
+            return resolve_global(node["v"])
+        if t == "object":
+            state = node.get("state")
+            if not isinstance(state, dict) or "$t" in state:
+                raise FormatError(f"malformed object node for {node.get('class')!r}")
+            values = {k: dec(v) for k, v in state.items()}
+            if not build:
+                return None
+            cls = decode_class(str(node.get("class")))
+            obj = object.__new__(cls)
+            obj.__dict__.update(values)
+            return obj
         raise FormatError(f"unknown tree tag {t!r}")
 
     return dec(tree)
+
+
+def _rebuild(node: dict, dec, build: bool):
+    """A non-dense tensor: torch's own allowlisted rebuild function applied to its decoded arguments,
+    exactly what ``torch.load(weights_only=True)`` does for it."""
+    name = node.get("f")
+    if not isinstance(name, str) or not name.startswith("torch._utils._rebuild"):
+        raise FormatError(f"rebuild node names {name!r}, not one of torch's tensor rebuild functions")
+    func = resolve_global(name)
+    args = [dec(a) for a in node.get("args") or []]
+    if not build:
+        return None
+    torch = _torch()
+    if name == "torch._utils._rebuild_sparse_tensor":
+        # what torch.load does for a sparse tensor, with the invariant checks always on: an archive is
+        # hostile until checked, and indices out of range would be memory errors later
+        with torch.sparse.check_sparse_tensor_invariants(enable=True):
+            t = func(*args)
+            try:
+                torch._utils._validate_loaded_sparse_tensors()
+            except (RuntimeError, ValueError, IndexError) as exc:
+                raise FormatError(f"sparse tensor fails torch's invariant checks: {exc}") from None
+    else:
+        t = func(*args)
+    if node.get("parameter"):
+        t = torch.nn.Parameter(t, requires_grad=bool(node.get("requires_grad")))
+    elif node.get("requires_grad") and not t.requires_grad:
+        t.requires_grad_(True)
+    return t
 
 
 def _hashable(k):

@@ -412,7 +412,7 @@ def _examine(checkpoint: Path, entry: Mapping[str, Any], *, settle: float, stale
 def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settle: float = 10.0,
            wait: float = 0.0, tags: tuple[str, ...] | list[str] = (), now: datetime | None = None,
            sleep: Callable[[float], None] = time.sleep, on_bytes: Callable[[int], None] | None = None,
-           stale_after: float | None = None) -> BackupResult:
+           stale_after: float | None = None, allow=()) -> BackupResult:
     """Back up the newest complete checkpoint in SOURCE to REPO, if it changed.
 
     The newest checkpoint is examined first. Changed within ``settle`` seconds, or incomplete and
@@ -434,6 +434,7 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         on_bytes: progress callback, called with a byte count while hashing.
         stale_after: seconds (by the newest mtime of its files) after which an incomplete checkpoint
             counts as broken rather than being written; ``None``: ``max(600, 10 * settle)``.
+        allow: plain-data classes to admit when packing (``"argparse.Namespace"``; see ``pack``).
 
     Returns:
         A :class:`BackupResult`; ``exit_code`` is 75 when the checkpoint was still being written.
@@ -521,7 +522,8 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
 
     # an empty policy: no retention inside pack; it runs below, after the backup state is remembered
     try:
-        result = pack_op.pack(str(checkpoint), rep, PackOptions(wait=wait), Annotations(tags=tuple(tags)),
+        result = pack_op.pack(str(checkpoint), rep, PackOptions(wait=wait, allow=tuple(allow)),
+                              Annotations(tags=tuple(tags)),
                               retention=RetentionPolicy(), before_publish=before_publish)
     except Withdrawn as exc:
         gen = exc.number

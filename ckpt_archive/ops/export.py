@@ -404,6 +404,11 @@ class _ExportSteps:
                                      f"{counts['tensors']} tensor(s), {counts['bytes']} raw bytes decoded"
                                      if not problems else
                                      "; ".join(f"{p.member or p.field}: {p.reason}" for p in problems[:5])))
+        if not problems:  # [issue 11] say when exact bytes are not had
+            from ckpt_archive.format.exact_bytes import exact_note
+
+            self.out.checks.append(Check("source files restore byte for byte (sha256 equal to the originals)",
+                                         True, exact_note(self.g.manifest)))
 
     def record(self, dst, counts: dict) -> dict:
         from ckpt_archive.repo.repository import host_record

@@ -13,6 +13,8 @@ class InspectInfo(TypedDict):
         generation, status, reason: the generation and its status (``reason`` None when usable).
         location: the repository. manifest: the parsed manifest. marker: the parsed marker or None.
         opaque_members: relpaths of source files archived as opaque bytes (e.g. a pickle never loaded).
+        exact_bytes: per source file, whether its exact bytes are kept
+            (:func:`ckpt_archive.format.exact_bytes.exact_summary`).
     """
 
     generation: int
@@ -22,6 +24,7 @@ class InspectInfo(TypedDict):
     manifest: dict
     marker: Optional[dict]
     opaque_members: list
+    exact_bytes: Any
 
 
 def inspect(repo: RepoLike, generation: str | int = "latest", **store_options: Any) -> InspectInfo:
@@ -50,8 +53,10 @@ def inspect(repo: RepoLike, generation: str | int = "latest", **store_options: A
     gen = pick(r, generation, False)
     m = gen.manifest
     opaque = [f["relpath"] for f in m["source"]["files"] if f["kind"] == "opaque"]
+    from ckpt_archive.format.exact_bytes import exact_summary
+
     return {"generation": gen.number, "status": gen.status, "reason": gen.reason, "location": r.location,
-            "manifest": m, "marker": gen.marker, "opaque_members": opaque}
+            "manifest": m, "marker": gen.marker, "opaque_members": opaque, "exact_bytes": exact_summary(m)}
 
 
 __all__ = ["inspect", "InspectInfo"]

@@ -45,7 +45,7 @@ def with_fallback(r: Repository, generation: str | int, fallback: bool,
 
 
 def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None = None, fallback: bool = False,
-         map_location=None, jobs: int | None = None, **store_options) -> Any:
+         map_location=None, jobs: int | None = None, allow=(), **store_options) -> Any:
     """Rebuild the archived state in memory, checking every chunk and tensor on the way.
 
     Args:
@@ -55,6 +55,8 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
         fallback: when ``latest`` fails its checks, use the newest older generation that verifies.
         map_location: move torch tensors there (default: CPU).
         jobs: decoder threads (default: cores).
+        allow: plain-data classes to rebuild (``"module.Class"`` names or classes); ``argparse.Namespace``
+            needs none (see :mod:`ckpt_archive.format.allowlist`).
         **store_options: for URL repositories (``endpoint_url=``, ``storage_options=``).
 
     Returns:
@@ -71,10 +73,13 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
         >>> state["step"], state["model"]["w"].tolist()
         (7, [0.0, 1.0, 2.0])
     """
+    from ckpt_archive.format.allowlist import allowing
+
     r = open_repo(repo, **store_options)
-    _, state = with_fallback(r, generation, fallback,
-                             lambda g: ArchiveReader(r.store, g.key, g.manifest, jobs=jobs).load(
-                                 only, map_location=map_location))
+    with allowing(allow):
+        _, state = with_fallback(r, generation, fallback,
+                                 lambda g: ArchiveReader(r.store, g.key, g.manifest, jobs=jobs).load(
+                                     only, map_location=map_location))
     return state
 
 

@@ -10,9 +10,9 @@ import sys
 from typing import Any
 
 from ckpt_archive.format.config_file import load_value_file
-from ckpt_archive.format.progress import find_progress
+from ckpt_archive.format.progress import find_metrics, find_progress
 
-__all__ = ["load_value_file", "value_or_file", "find_progress", "code_identity", "environment",
+__all__ = ["load_value_file", "value_or_file", "find_progress", "find_metrics", "code_identity", "environment",
            "default_instructions"]
 
 

@@ -20,7 +20,8 @@ from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from ckpt_archive.format.manifest import FORMAT, FORMAT_VERSION, dumps, validate
 from ckpt_archive.format.metrics import metrics_to_json
 from ckpt_archive.ops.common import RepoLike, open_repo
-from ckpt_archive.ops.meta import code_identity, default_instructions, environment, find_progress, value_or_file
+from ckpt_archive.ops.meta import (code_identity, default_instructions, environment, find_metrics, find_progress,
+                                   value_or_file)
 from ckpt_archive.repo.publish import PACK_POINTS, BeforePublish, Lifecycle, Withdrawn
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import MANIFEST, Repository, gen_key, host_record, iso, raise_if_problems, utcnow
@@ -41,6 +42,9 @@ class PackOptions:
         wait: seconds to wait for another writer's lock (0: fail at once with LockError).
         source_format: force a source reader (see :data:`ckpt_archive.sources.READERS`); None detects it.
         allow_numpy: admit NumPy's own types in a ``.pt`` (a narrow allowlist; never other classes).
+        allow: plain-data classes to admit, as ``"module.Class"`` names or classes (``argparse.Namespace``;
+            see :mod:`ckpt_archive.format.allowlist`): read from files and stored as the same class
+            (CLI ``--allow``); a str is one name.
     """
 
     level: int | None = None
@@ -49,6 +53,7 @@ class PackOptions:
     wait: float = 0.0
     source_format: str | None = None
     allow_numpy: bool = False
+    allow: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +91,7 @@ class PackResult:
         status: ``"usable"`` (pack returns only after the marker is written).
         path: the generation's location (``REPO/generations/00000007``).
         manifest: the manifest as written.
-        warnings: notes worth reading (e.g. a dict subclass stored as dict).
+        warnings: notes worth reading (e.g. a file of a folder kept opaque, naming why).
         leftovers: non-usable generations found (interrupted writes; ``ckpt-archive gc`` removes them).
         retention: what retention removed/kept, when a policy ran.
         trial_reload: the marker's trial-reload record (where, when, host, counts).
@@ -140,6 +145,7 @@ class _Prepared:
     tags: list[str]
     instructions: dict
     code_version: str | None
+    allowed: list[str] = dataclasses.field(default_factory=list)
 
 
 def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, retention: Any) -> _Prepared:
@@ -151,14 +157,22 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
         if not isinstance(retention, RetentionPolicy):
             raise UsageError(f"retention must be a RetentionPolicy or None, not {type(retention).__name__} "
                              f"(RetentionPolicy.from_dict({retention!r}) reads a dict)")
-    if isinstance(source_or_path, (str, os.PathLike)):
-        source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy)
-    else:
-        source = from_object(source_or_path)
+    from ckpt_archive.format.allowlist import allowing
+    from ckpt_archive.format.state_tree import encode, encode_value
+
+    allow = (options.allow,) if isinstance(options.allow, (str, type)) else tuple(options.allow or ())
+    with allowing(allow) as allowed:  # [issue 11] plain-data classes admitted for reading and encoding
+        if isinstance(source_or_path, (str, os.PathLike)):
+            source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy)
+        else:
+            source = from_object(source_or_path)
+        encoded = encode(source.state)
     config_v = value_or_file(notes.config, what="config file")
     metrics_v = value_or_file(notes.metrics, what="metrics file")
     ids_v = value_or_file(notes.data_ids, what="data-ids file")
     found = find_progress(source.state) if source.layout == "file" else {}
+    if metrics_v is None and source.layout == "file":  # [issue 11] nanoGPT best_val_loss, timm metric
+        metrics_v = find_metrics(source.state) or None
     given = {k: v for k, v in (notes.progress or {}).items() if v is not None}
     prog = {**found, **(source.progress or {}), **given}
     prog = {k: prog.get(k) for k in ("step", "epoch", "cursor")}
@@ -175,9 +189,6 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
             raise UsageError(f"progress {name} must not be negative ({value})")
     import json
 
-    from ckpt_archive.format.state_tree import encode, encode_value
-
-    encoded = encode(source.state)
     config_enc = encode_value(config_v) if config_v is not None else {}
     metrics_plain = metrics_to_json(metrics_v)
     try:
@@ -185,7 +196,7 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
     except (TypeError, ValueError) as exc:
         raise UsageError(f"data ids must be plain JSON values: {exc}") from None
     return _Prepared(source, encoded, prog, config_enc, metrics_plain, ids_v, [str(t) for t in tags],
-                     _instructions(notes.instructions, source), notes.code_version)
+                     _instructions(notes.instructions, source), notes.code_version, sorted(allowed or ()))
 
 
 class _PackSteps:
@@ -208,6 +219,8 @@ class _PackSteps:
                              chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
                              encoded=p.encoded, faults=repo.faults)
         self.warnings = body.pop("warnings")
+        if p.allowed:
+            body["source"]["allow"] = p.allowed
         self.manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "archive_id": uuid.uuid4().hex,
             "generation": number, "created": iso(utcnow()),

@@ -51,11 +51,14 @@ def _check_space(path: Path, need: int) -> None:
 def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.PathLike | None = None, *,
             force: bool = False, only: str | None = None, fallback: bool = False, map_location=None,
             jobs: int | None = None, transform: Callable[[Any], Any] | None = None,
-            consolidate: str | os.PathLike | None = None, **store_options) -> RestoreResult:
+            consolidate: str | os.PathLike | None = None, allow=(), **store_options) -> RestoreResult:
     """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
     sources), atomically: temporary name in the same folder, fsync, rename.
 
-    A ``.safetensors`` file source is restored as a ``.safetensors`` file with its header metadata.
+    A ``.safetensors`` file source is restored as a ``.safetensors`` file with its header metadata. A
+    source file whose exact bytes were kept (``source.files[].exact``) comes back byte for byte (sha256
+    checked), unless ``only``, ``transform`` or ``map_location`` asks for a different file; hardlinks in
+    a folder source come back as hardlinks.
 
     Args:
         repo: repository path/URL or Repository.
@@ -68,6 +71,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         transform: applied to a file source's state before it is saved (used by ``--policy session``).
         consolidate: for a torch.distributed.checkpoint (DCP) folder source, also write its whole state
             as one ``torch.save`` file at this path (``sources/dcp.py: consolidate_dcp``).
+        allow: plain-data classes to rebuild where a file must be re-serialised (``"module.Class"``).
         **store_options: for URL repositories.
 
     Returns:
@@ -112,6 +116,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
         if layout == "folder" and not only:
             return _restore_folder(reader, gen.manifest, tmp, map_location)
+        first = (gen.manifest["source"].get("files") or [{}])[0]
+        if layout == "file" and not only and transform is None and map_location is None and first.get("exact"):
+            return _restore_exact(reader, first, tmp)  # [issue 11] the source file byte for byte
         # tensors over memory-mapped spill files next to the output: anonymous memory stays bounded
         state = reader.load(only, map_location=map_location, spill_dir=tmp.parent)
         if transform is not None:
@@ -127,8 +134,11 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         _fsync_file(tmp)
         return tmp.stat().st_size
 
+    from ckpt_archive.format.allowlist import allowing
+
     try:
-        gen, nbytes = with_fallback(r, generation, fallback, write)
+        with allowing(allow):
+            gen, nbytes = with_fallback(r, generation, fallback, write)
     except BaseException:
         _remove(tmp)
         raise
@@ -198,7 +208,11 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
     for f in manifest["source"]["files"]:
         target = dest / f["relpath"]
         target.parent.mkdir(parents=True, exist_ok=True)
-        if f["kind"] in ("raw", "opaque"):
+        if f.get("hardlink_of"):  # [issue 11] hardlinks come back as hardlinks
+            os.link(dest / f["hardlink_of"], target)
+        elif f.get("exact") and map_location is None:  # [issue 11] byte for byte
+            _restore_exact(reader, f, target)
+        elif f["kind"] in ("raw", "opaque"):
             rec = reader.by_path[f["member"]]
             with open(target, "wb") as fh:
                 for _, chunk in reader.iter_member(rec):
@@ -215,6 +229,25 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
         _fsync_file(target)
         total += target.stat().st_size
     return total
+
+
+def _restore_exact(reader: ArchiveReader, f: dict, target: Path) -> int:
+    """[issue 11] Rebuild a decomposed source file byte for byte from its skeleton member and the tensor
+    entries (format/exact_bytes.py); its sha256 is checked against the source's. Returns bytes written."""
+    from ckpt_archive.format import exact_bytes
+
+    skeleton = reader.by_path.get(f["exact"]["member"])
+    if skeleton is None:
+        raise IntegrityError(f"manifest lists no member {f['exact']['member']!r}", where="manifest.json")
+
+    def entry_bytes(wanted: set):
+        for m in reader.manifest["members"]:
+            mine = wanted & set(m.get("entries") or ()) if m["role"] == "tensors" else set()
+            if mine:
+                for key, _, buf in reader.iter_entries(m, wanted=mine):
+                    yield key, buf
+
+    return exact_bytes.rebuild(target, f, (chunk for _, chunk in reader.iter_member(skeleton)), entry_bytes)
 
 
 def _folder_node(tree: Any, relpath: str) -> Any:

@@ -77,7 +77,10 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
         if missing:
             problems.append(Problem(f"state tree references {len(missing)} tensor(s) not in the manifest: "
                                     f"{', '.join(missing[:5])}", member=reader.manifest["tree_member"]))
-        decode(tree, lambda k: None)
+        decode(tree, lambda k: None, objects="check")
+        from ckpt_archive.format.exact_bytes import exact_problems  # [issue 11]
+
+        problems.extend(Problem(p, field="source.files") for p in exact_problems(reader.manifest))
     except CkptArchiveError as exc:
         problems.append(Problem(exc.message, member=reader.manifest["tree_member"]))
     return {"tensors": checked, "bytes": decoded, "members": len(reader.manifest["members"])}

@@ -117,11 +117,16 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
     try:
         tensors = _write_tensors(w, table)
         files_meta = []
+        stored_entries = _entries_by_sha(w.members)
         for sf in source.files:
             entry = {"relpath": sf.relpath, "kind": sf.kind, "member": None, "raw_bytes": None, "sha256": None}
             if sf.metadata is not None:
                 entry["metadata"] = dict(sf.metadata)
-            if sf.kind in ("raw", "opaque"):
+            if getattr(sf, "link_of", None):  # [issue 11] a hardlink of an earlier file: restored as a link
+                entry["hardlink_of"] = sf.link_of
+                entry["raw_bytes"] = sf.path.stat().st_size
+                entry["sha256"] = w.hash_pool.submit(file_sha256, sf.path)
+            elif sf.kind in ("raw", "opaque"):
                 digest: list[str] = []
                 rec = w.member(f"files/{sf.relpath}", "file", _file_pieces(sf.path, digest),
                                opaque=(sf.kind == "opaque"))
@@ -129,6 +134,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
             elif sf.path is not None:
                 entry["raw_bytes"] = sf.path.stat().st_size
                 entry["sha256"] = w.hash_pool.submit(file_sha256, sf.path)
+                entry["exact"] = _write_skeleton(w, sf, stored_entries)  # [issue 11] exact bytes
             files_meta.append(entry)
         tree_bytes = json.dumps(tree, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         w.member(TREE_MEMBER, "tree", iter([(tree_bytes, "zstd")]))
@@ -158,6 +164,29 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
                     "tensor_count": len(tensors), "member_count": len(members)},
         "warnings": list(table.warnings) + list(getattr(source, "warnings", []) or []),
     }
+
+
+def _entries_by_sha(members: list[dict]) -> dict[str, tuple[int, str]]:
+    """``{raw sha256: (raw bytes, entry key)}`` of every tensor entry written so far."""
+    out: dict[str, tuple[int, str]] = {}
+    for m in members:
+        if m["role"] == "tensors":
+            for key, e in m["entries"].items():
+                start, end = e["data_offsets"]
+                if end > start:
+                    out.setdefault(e["raw_sha256"], (end - start, key))
+    return out
+
+
+def _write_skeleton(w: GenerationWriter, sf, stored_entries: dict) -> dict:
+    """The skeleton member of a decomposed file (format/exact_bytes.py): its bytes minus the ranges
+    that equal stored tensor entries. Returns the ``source.files[].exact`` record."""
+    from ckpt_archive.format import exact_bytes
+
+    segments = exact_bytes.plan(sf.path, sf.kind, stored_entries, pool=w.hash_pool)
+    rec = w.member(f"exact/{sf.relpath or sf.path.name}", "file", exact_bytes.skeleton_pieces(sf.path, segments),
+                   skeleton=True)
+    return {"member": rec["path"], "segments": segments, "cut_bytes": sum(s[1] for s in segments)}
 
 
 def file_sha256(path, on_bytes: Callable[[int], None] | None = None) -> str:

@@ -38,12 +38,15 @@ class SourceFile:
         kind: one of :data:`FILE_KINDS`.
         path: where the file is on disk (``None`` for a Python object handed to the API).
         metadata: for ``safetensors`` files, the header's str->str metadata (kept for restore).
+        link_of: the relpath of an earlier file of the source this one is a hardlink of (same inode):
+            not stored again, restored as a hardlink of it.
     """
 
     relpath: str
     kind: str
     path: Path | None
     metadata: dict[str, str] | None = None
+    link_of: str | None = None
 
 
 @dataclasses.dataclass

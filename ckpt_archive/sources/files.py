@@ -7,7 +7,9 @@ safely is decomposed:
 * a ``torch.save`` file (zip with a ``data.pkl`` record, or a legacy pickle stream) ->
   ``torch`` via ``torch.load(weights_only=True)``. A pickle that ``weights_only`` refuses because it
   references code (a pickled sampler, a dataclass of arguments) is kept ``opaque`` with a warning
-  naming the global: it is fingerprinted and restored byte for byte, never loaded. A damaged
+  naming the global: it is fingerprinted and restored byte for byte, never loaded. So is a file
+  torch loads but whose state holds a value that cannot round-trip exactly (a warning names the
+  file, the path in its state and the type). A damaged
   ``torch.save`` file (truncated zip, CRC failure, empty) raises :class:`SourceError`: archiving a
   half-written checkpoint would only hide the damage;
 * files named by the reader as foreign pickles (``training_args.bin``) and DCP files
@@ -15,7 +17,8 @@ safely is decomposed:
 * any other file -> ``raw`` when it is UTF-8 text without NUL bytes (JSON, YAML, tokenizer
   files), else ``opaque``.
 
-Relative paths are POSIX, sorted, and include hidden files (DCP's ``.metadata``).
+Relative paths are POSIX, sorted, and include hidden files (DCP's ``.metadata``). A file that is a
+hardlink of an earlier one (same inode) is recorded with ``link_of`` and restored as a hardlink.
 """
 from __future__ import annotations
 
@@ -245,17 +248,45 @@ def read_folder(root: Path, *, allow_numpy: bool = False, numpy_files: Iterable[
 
     state: dict = {}
     files: list[SourceFile] = []
+    inodes: dict[tuple[int, int], SourceFile] = {}
     for rel in rels:
+        st = os.lstat(root / rel)
+        first = inodes.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+        if first is not None:  # a hardlink of an earlier file: kept as a link, not stored twice
+            files.append(SourceFile(rel, first.kind, root / rel, metadata=first.metadata, link_of=first.relpath))
+            continue
         sf, obj, notes = classify_file(
             root, rel,
             allow_numpy=allow_numpy or any(fnmatchcase(rel, p) for p in numpy_pats),
             opaque=any(fnmatchcase(rel, p) for p in opaque_pats),
             siblings=rels)
+        if sf.kind == "torch":
+            why = cannot_round_trip(obj)
+            if why is not None:
+                # torch loaded it, but a value in it cannot come back exactly: the file rides along
+                # byte for byte instead of failing the whole folder
+                sf, obj = SourceFile(rel, "opaque", sf.path), None
+                notes = notes + [f"{rel}: kept opaque (byte for byte, fingerprinted, not decomposed): {why}"]
         files.append(sf)
+        if st.st_nlink > 1 and not (root / rel).is_symlink():
+            inodes[(st.st_dev, st.st_ino)] = sf
         warnings.extend(notes)
         if sf.kind in ("torch", "safetensors"):
             state[rel] = obj
     return state, files, warnings
+
+
+def cannot_round_trip(obj) -> str | None:
+    """Why ``obj`` (a loaded file's state) cannot be stored exactly as a state tree, or None when it can.
+
+    Runs the state-tree encoder without storing anything (no tensor bytes are read)."""
+    from ckpt_archive.format.state_tree import encode
+
+    try:
+        encode(obj)
+    except SourceError as exc:
+        return f"{exc.where}: {exc.message}" if exc.where else exc.message
+    return None
 
 
 def file_sizes(files: Iterable[SourceFile]) -> dict[str, int]:

@@ -8,7 +8,9 @@ be decomposed safely:
 * a ``torch.save`` file (zip with a ``data.pkl`` record, or a legacy pickle stream) ->
   ``torch`` via ``torch.load(weights_only=True)``. A pickle that ``weights_only`` refuses because it
   references code (a pickled sampler, a dataclass of arguments) is kept ``opaque`` with a warning
-  naming the global: it is fingerprinted and restored byte for byte, never loaded. A damaged
+  naming the global: it is fingerprinted and restored byte for byte, never loaded. So is a file
+  torch loads but whose state holds a value that cannot round-trip exactly (a warning names the
+  file, the path in its state and the type). A damaged
   ``torch.save`` file (truncated zip, CRC failure, empty) raises :class:`SourceError`: archiving a
   half-written checkpoint would only hide the damage;
 * files named by the reader as foreign pickles (``training_args.bin``) and DCP files
@@ -16,7 +18,8 @@ be decomposed safely:
 * any other file -> ``raw`` when it is UTF-8 text without NUL bytes (JSON, YAML, tokenizer
   files), else ``opaque``.
 
-Relative paths are POSIX, sorted, and include hidden files (DCP's ``.metadata``).
+Relative paths are POSIX, sorted, and include hidden files (DCP's ``.metadata``). A file that is a
+hardlink of an earlier one (same inode) is recorded with ``link_of`` and restored as a hardlink.
 """
 from __future__ import annotations
 

@@ -3,8 +3,10 @@
 We never unpickle code: a pickle that references a class or function outside torch's weights-only
 allowlist is refused with the global's name. NumPy's own types (arrays, dtypes, scalars, the legacy
 RNG tuple's uint32 array) are admitted only on request (``allow_numpy=True``, CLI
-``--allow-numpy``), through :data:`NUMPY_SAFE_GLOBALS`, a narrow allowlist of NumPy reconstruction
-functions and classes; nothing else is ever admitted.
+``--allow-numpy``), through :func:`numpy_safe_globals`, a narrow allowlist of NumPy reconstruction
+functions and classes. Plain-data classes (``argparse.Namespace``, classes named with ``--allow``)
+are admitted only inside :func:`ckpt_archive.format.allowlist.allowing`, and only classes whose
+instances are a plain ``__dict__`` (see that module); nothing else is ever admitted.
 """
 from __future__ import annotations
 
@@ -67,12 +69,15 @@ def diagnose_unreadable(path: Path, exc: BaseException | None = None) -> SourceE
     glob = re.search(r"Unsupported global: GLOBAL ([\w.]+)", msg)
     if glob:
         name = glob.group(1)
-        hint = None
         if name.startswith("numpy"):
             hint = "it holds NumPy objects: re-run with --allow-numpy to admit NumPy's own types only"
+        else:
+            from ckpt_archive.format.allowlist import refused_global_hint
+
+            hint = refused_global_hint(name)
         return RefusedPickle(
-            f"refused: the pickle references {name}, which is not plain data; ckpt-archive never "
-            f"unpickles code from files (torch.load weights_only=True only)", where=where, hint=hint)
+            f"refused: the pickle references {name}, which torch.load(weights_only=True) does not admit; "
+            f"ckpt-archive never unpickles code from files", where=where, hint=hint)
     if head[:2] == b"PK":
         if not zipfile.is_zipfile(path):
             return SourceError(f"truncated torch.save file ({size} bytes, the zip directory at its end "
@@ -109,7 +114,9 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True)
 
     Args:
         path: a ``torch.save`` file.
-        allow_numpy: admit :func:`numpy_safe_globals` (NumPy's own types) and nothing else.
+        allow_numpy: admit :func:`numpy_safe_globals` (NumPy's own types); plain-data classes admitted
+            by :func:`ckpt_archive.format.allowlist.allowing` in this context are admitted too, and
+            nothing else.
         mmap: map tensor storages from the file instead of reading them (zip-format files only);
             falls back to a plain load for legacy files.
 
@@ -128,7 +135,10 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True)
         raise SourceError("no such file", where=str(path))
     if path.stat().st_size == 0:
         raise diagnose_unreadable(path)
-    ctx = torch.serialization.safe_globals(numpy_safe_globals()) if allow_numpy else contextlib.nullcontext()
+    from ckpt_archive.format.allowlist import current_allowed
+
+    extra = (numpy_safe_globals() if allow_numpy else []) + list(current_allowed().values())
+    ctx = torch.serialization.safe_globals(extra) if extra else contextlib.nullcontext()
     use_mmap = mmap and zipfile.is_zipfile(path)
     try:
         with ctx:
