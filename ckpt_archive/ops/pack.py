@@ -142,7 +142,9 @@ class _Prepared:
     code_version: str | None
 
 
-def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, retention: Any) -> _Prepared:
+def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, retention: Any,
+             encoder: Callable[[Any], tuple] | None = None) -> _Prepared:
+    """``encoder``: replaces ``state_tree.encode`` (the distributed checkpointer's shard-aware encoder)."""
     from ckpt_archive.sources import from_object, read_source
 
     if retention is not None:
@@ -177,7 +179,7 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
 
     from ckpt_archive.format.state_tree import encode, encode_value
 
-    encoded = encode(source.state)
+    encoded = (encoder or encode)(source.state)
     config_enc = encode_value(config_v) if config_v is not None else {}
     metrics_plain = metrics_to_json(metrics_v)
     try:
@@ -186,6 +188,23 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
         raise UsageError(f"data ids must be plain JSON values: {exc}") from None
     return _Prepared(source, encoded, prog, config_enc, metrics_plain, ids_v, [str(t) for t in tags],
                      _instructions(notes.instructions, source), notes.code_version)
+
+
+def build_manifest(p: _Prepared, number: int, body: dict) -> dict:
+    """The manifest of generation ``number`` from the prepared input and the writer's archive part
+    (``members``, ``tensors``, ``tree_member``, ``source``, ``data``, ``summary``); shared by pack and the
+    distributed checkpointer so both write the same fields."""
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "archive_id": uuid.uuid4().hex,
+        "generation": number, "created": iso(utcnow()),
+        "tool": {"name": "ckpt-archive", "version": __version__},
+        "source": body["source"], "progress": p.progress,
+        "config": p.config, "metrics": p.metrics,
+        "data": body["data"], "instructions": p.instructions,
+        "code": code_identity(p.code_version), "environment": environment(),
+        "tags": p.tags, "tree_member": body["tree_member"],
+        "members": body["members"], "tensors": body["tensors"], "summary": body["summary"],
+    }
 
 
 class _PackSteps:
@@ -208,17 +227,7 @@ class _PackSteps:
                              chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
                              encoded=p.encoded, faults=repo.faults)
         self.warnings = body.pop("warnings")
-        self.manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "archive_id": uuid.uuid4().hex,
-            "generation": number, "created": iso(utcnow()),
-            "tool": {"name": "ckpt-archive", "version": __version__},
-            "source": body["source"], "progress": p.progress,
-            "config": p.config, "metrics": p.metrics,
-            "data": body["data"], "instructions": p.instructions,
-            "code": code_identity(p.code_version), "environment": environment(),
-            "tags": p.tags, "tree_member": body["tree_member"],
-            "members": body["members"], "tensors": body["tensors"], "summary": body["summary"],
-        }
+        self.manifest = build_manifest(p, number, body)
 
     def seal(self, repo: Repository, number: int) -> tuple[dict, bytes]:
         key = gen_key(number)
