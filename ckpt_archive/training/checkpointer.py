@@ -114,7 +114,7 @@ class Checkpointer:
             wait, seconds) defaults to ``DEFAULT_LOCK_WAIT`` here.
         pin_memory: pinned host buffers for GPU tensors (default True).
         process_group: the torch.distributed group whose ranks write one generation together; None uses
-            the default group when one is initialised with more than one rank (then every rank must call
+            the default group when one is initialised (then every rank must call
             ``Checkpointer(...)``, ``save``, ``wait`` and ``close`` in the same order).
         distributed: force (True) or forbid (False) the many-process path; None decides as above.
         timeout: seconds a rank waits for the others at each step of a distributed save (default 600).
@@ -291,7 +291,20 @@ class Checkpointer:
             if str(generation) == "latest" and not self.repo.usable():
                 return None
             raise
-        state = ArchiveReader(self.repo.store, gen.key, gen.manifest, jobs=self.options.jobs).load()
+        reader = ArchiveReader(self.repo.store, gen.key, gen.manifest, jobs=self.options.jobs)
+        tree = reader.tree()
+        from ckpt_archive.training.distributed import is_distributed_tree
+
+        if is_distributed_tree(tree):  # written by several ranks: consolidated here (saved rank 0's RNG)
+            from ckpt_archive.training.dist_restore import apply_state, load_view
+
+            state = load_view(reader, tree, 0)
+            notes = [f"generation {gen.number} was saved by {len(tree['ranks'])} ranks and is restored on one "
+                     f"process: sharded tensors consolidated; per-rank values (RNG states) are saved rank 0's"]
+            report = apply_state(state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                 policy=policy, rng=rng, session_lr=session_lr, notes=notes)
+            return Restored(gen.number, (gen.manifest.get("progress") or {}).get("step"), state, report)
+        state = reader.load_node(tree)
         report = restore_training_state(state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                                         rng=rng, policy=policy, session_lr=session_lr, keys=keys)
         return Restored(gen.number, (gen.manifest.get("progress") or {}).get("step"), state, report)
@@ -345,9 +358,8 @@ def _use_distributed(distributed: bool | None, group: Any) -> bool:
     if distributed and not ready:
         raise UsageError("distributed=True needs an initialised torch.distributed process group "
                          "(torch.distributed.init_process_group)")
-    if not ready:
-        return False
-    return bool(distributed) or dist.get_world_size(group) > 1
+    # an initialised group of one rank takes the same path (its live DTensors need the resharding restore)
+    return ready
 
 
 __all__ = ["Checkpointer", "SaveHandle", "Restored", "DEFAULT_LOCK_WAIT"]
