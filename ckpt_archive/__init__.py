@@ -15,6 +15,8 @@ Public API (plain functions; the CLI is a thin shell over them)::
     backup(source, repo, ...)               -> BackupResult (one idempotent run, for cron; exit_code 75 = retry)
     restore_training_state(state, model=, optimizer=, scheduler=, ...) -> RestoreReport
     check_resume(...)                       -> resume check of a training command (see docs/check-resume.md)
+    Checkpointer(repo, retention=, config=, data_ids=)  -> save(step, state) from the training loop, in the
+                                            background; one process or torch.distributed (docs/checkpointer.md)
 
 Heavy imports (torch, safetensors) happen inside the functions, so ``import ckpt_archive`` is cheap.
 """
@@ -28,7 +30,7 @@ _API = {
     "RestoreResult": "ops.restore", "inspect": "ops.inspect", "list_generations": "ops.list",
     "Problem": "repo.reader", "Repository": "repo.repository", "Generation": "repo.repository",
     "RetentionPolicy": "retention.policy",
-    "restore_training_state": "training.restore", "export": "ops.export", "check_resume": "resume.check",
+    "restore_training_state": "training.restore", "Checkpointer": "training.checkpointer", "export": "ops.export", "check_resume": "resume.check",
     "Trajectory": "resume.trajectory",
     "prune": "ops.prune", "PruneResult": "ops.prune", "forget": "ops.forget", "ForgetResult": "ops.forget",
     "gc": "ops.gc", "GcResult": "ops.gc", "backup": "ops.backup", "BackupResult": "ops.backup",

@@ -347,6 +347,8 @@ def _leaf_flags(t) -> dict:
     flags: dict = {}
     if t.device.type != "cpu":
         flags["device"] = str(t.device)
+    elif getattr(t, "_ckpt_archive_device", None):  # a Checkpointer's host copy of a GPU tensor
+        flags["device"] = str(t._ckpt_archive_device)
     if t.requires_grad:
         flags["requires_grad"] = True
     if isinstance(t, torch.nn.Parameter):

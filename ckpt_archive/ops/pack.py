@@ -148,7 +148,9 @@ class _Prepared:
     allowed: list[str] = dataclasses.field(default_factory=list)
 
 
-def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, retention: Any) -> _Prepared:
+def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, retention: Any,
+             encoder: Callable[[Any], tuple] | None = None) -> _Prepared:
+    """``encoder``: replaces ``state_tree.encode`` (the distributed checkpointer's shard-aware encoder)."""
     from ckpt_archive.sources import from_object, read_source
 
     if retention is not None:
@@ -166,7 +168,7 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
             source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy)
         else:
             source = from_object(source_or_path)
-        encoded = encode(source.state)
+        encoded = (encoder or encode)(source.state)
     config_v = value_or_file(notes.config, what="config file")
     metrics_v = value_or_file(notes.metrics, what="metrics file")
     ids_v = value_or_file(notes.data_ids, what="data-ids file")
@@ -199,6 +201,25 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
                      _instructions(notes.instructions, source), notes.code_version, sorted(allowed or ()))
 
 
+def build_manifest(p: _Prepared, number: int, body: dict) -> dict:
+    """The manifest of generation ``number`` from the prepared input and the writer's archive part
+    (``members``, ``tensors``, ``tree_member``, ``source``, ``data``, ``summary``); shared by pack and the
+    distributed checkpointer so both write the same fields."""
+    if p.allowed:
+        body["source"]["allow"] = p.allowed
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "archive_id": uuid.uuid4().hex,
+        "generation": number, "created": iso(utcnow()),
+        "tool": {"name": "ckpt-archive", "version": __version__},
+        "source": body["source"], "progress": p.progress,
+        "config": p.config, "metrics": p.metrics,
+        "data": body["data"], "instructions": p.instructions,
+        "code": code_identity(p.code_version), "environment": environment(),
+        "tags": p.tags, "tree_member": body["tree_member"],
+        "members": body["members"], "tensors": body["tensors"], "summary": body["summary"],
+    }
+
+
 class _PackSteps:
     """The publish lifecycle's steps for a source packed here (see :class:`ckpt_archive.repo.publish.Steps`)."""
 
@@ -219,19 +240,7 @@ class _PackSteps:
                              chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
                              encoded=p.encoded, faults=repo.faults)
         self.warnings = body.pop("warnings")
-        if p.allowed:
-            body["source"]["allow"] = p.allowed
-        self.manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "archive_id": uuid.uuid4().hex,
-            "generation": number, "created": iso(utcnow()),
-            "tool": {"name": "ckpt-archive", "version": __version__},
-            "source": body["source"], "progress": p.progress,
-            "config": p.config, "metrics": p.metrics,
-            "data": body["data"], "instructions": p.instructions,
-            "code": code_identity(p.code_version), "environment": environment(),
-            "tags": p.tags, "tree_member": body["tree_member"],
-            "members": body["members"], "tensors": body["tensors"], "summary": body["summary"],
-        }
+        self.manifest = build_manifest(p, number, body)
 
     def seal(self, repo: Repository, number: int) -> tuple[dict, bytes]:
         key = gen_key(number)

@@ -132,6 +132,9 @@ class Steps(Protocol):
     def reloaded(self, problems: list[Problem], counts: dict) -> None:
         """Observe the trial reload's result (before a failure is raised)."""
 
+    # Optional: ``trial_reload(reader, problems) -> counts`` replaces ``reader.trial_reload(problems)``
+    # (the distributed checkpointer: each rank reloads what it wrote, rank 0 gathers the results).
+
     def record(self, repo: Repository, counts: dict) -> dict:
         """The marker's ``trial_reload`` record and any extra fields (``{"trial_reload": ..., ...}``)."""
 
@@ -193,7 +196,8 @@ class Lifecycle:
             self._point(self.points.verified)
             self.step = "trial reload"
             problems: list[Problem] = []
-            counts = reader.trial_reload(problems)
+            own_reload = getattr(steps, "trial_reload", None)  # optional Steps method (distributed saves)
+            counts = own_reload(reader, problems) if own_reload is not None else reader.trial_reload(problems)
             steps.reloaded(problems, counts)
             raise_if_problems(self.reload_where, problems, number)
             self._point(self.points.reloaded)

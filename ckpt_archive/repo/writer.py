@@ -202,7 +202,34 @@ def file_sha256(path, on_bytes: Callable[[int], None] | None = None) -> str:
                 on_bytes(len(piece))
 
 
-def _write_tensors(w: GenerationWriter, table: TensorTable) -> dict:
+def write_tensor_members(store, gen_key: str, table: TensorTable, *, prefix: str = "", level: int = DEFAULT_LEVEL,
+                         jobs: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                         on_bytes: Callable[[int], None] | None = None, faults: Faults = NO_FAULTS
+                         ) -> tuple[list[dict], dict]:
+    """Write only the tensor shards of ``table`` (one rank's part of a distributed generation).
+
+    Args:
+        store, gen_key, level, jobs, chunk_bytes, on_bytes, faults: as :func:`write_members`.
+        table: the tensors to write (``state_tree.encode``'s table, entry and leaf keys already unique
+            across every writer of the generation).
+        prefix: member path prefix (``rank00001/``), so several writers' shards never share a name.
+
+    Returns:
+        ``(members, tensors)``: the member records and the tensor index, as :func:`write_members` gives.
+
+    Raises:
+        OSError from the store; FormatError: a tensor changed size while being written.
+    """
+    w = GenerationWriter(store, gen_key, level=level, jobs=jobs or default_jobs(), chunk_bytes=chunk_bytes,
+                         on_bytes=on_bytes, faults=faults)
+    try:
+        tensors = _write_tensors(w, table, prefix=prefix)
+    finally:
+        w.close()
+    return w.members, tensors
+
+
+def _write_tensors(w: GenerationWriter, table: TensorTable, *, prefix: str = "") -> dict:
     shards: list[list] = [[]]
     size = 0
     for entry in table.entries.values():
@@ -216,7 +243,7 @@ def _write_tensors(w: GenerationWriter, table: TensorTable) -> dict:
     if not table.entries:
         shards = []
     for i, entries in enumerate(shards):
-        path = f"tensors-{i:05d}.safetensors"
+        path = f"{prefix}tensors-{i:05d}.safetensors"
         header: dict[str, Any] = {}
         offset = 0
         for e in entries:

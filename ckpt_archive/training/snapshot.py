@@ -1,0 +1,212 @@
+"""A consistent copy of a live training state, taken into buffers that are reused from one save to the next.
+
+:class:`Snapshotter` is what :class:`~ckpt_archive.training.checkpointer.Checkpointer` calls in the training
+thread: the only part of a save that blocks training. It copies every tensor's *storage* once (tensors that
+share a storage, tied weights and views, keep sharing it in the copy, so the archive is the one ``pack`` makes
+of the live state), into a buffer kept from the previous save when the storage has the same size and kind:
+no allocation and no page faults after the first save. Tensors on a GPU are copied device -> host into
+*pinned* buffers (``non_blocking``, then one synchronisation per device before returning), so the copy runs
+at the bus's speed and the live tensors may change as soon as :meth:`Snapshotter.take` returns. NumPy arrays
+are copied too; plain values (ints, floats, strings, tuples, RNG states) are deep-copied; containers are
+rebuilt (``copy.deepcopy`` with the tensor copies pre-seeded in its memo, so dict subclasses, OrderedDict
+attributes such as a state_dict's ``_metadata`` and aliasing between containers come back as they were).
+
+A tensor's copy keeps what the archive records of it: its dtype, shape, stride and storage offset, whether
+it is an ``nn.Parameter`` and ``requires_grad``, and its original device (attribute ``DEVICE_ATTR``, read
+by :func:`ckpt_archive.format.state_tree.encode`), so the manifest says ``cuda:0`` for a tensor that lived
+there, as ``pack`` of the live state would.
+
+A DTensor (``torch.distributed.tensor``) is snapshotted as its local shard; the caller (the distributed
+checkpointer) gets its layout through ``on_dtensor``.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable
+
+#: Attribute set on a snapshot tensor copied from a non-CPU device: that device, as a string.
+DEVICE_ATTR = "_ckpt_archive_device"
+
+
+@dataclasses.dataclass
+class SnapshotStats:
+    """What one :meth:`Snapshotter.take` did.
+
+    Attributes:
+        tensor_bytes: bytes of tensor storages copied. device_bytes: of those, bytes copied from a GPU.
+        allocated_bytes: bytes of new buffers allocated (0 when every buffer was reused).
+        tensors: tensor leaves found. storages: distinct storages copied.
+    """
+
+    tensor_bytes: int = 0
+    device_bytes: int = 0
+    allocated_bytes: int = 0
+    tensors: int = 0
+    storages: int = 0
+
+
+def _walk_tensors(obj: Any, out: list, seen: set) -> None:
+    """Every tensor and NumPy array reachable through dict/list/tuple/OrderedDict attributes, in order."""
+    import numpy as np
+    import torch
+
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (torch.Tensor, np.ndarray)):
+            if id(node) not in seen:
+                seen.add(id(node))
+                out.append(node)
+            continue
+        if isinstance(node, dict):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            extra = list(vars(node).values()) if hasattr(node, "__dict__") else []
+            stack.extend(reversed(extra))
+            for k, v in reversed(list(node.items())):
+                stack.append(v)
+                stack.append(k)
+        elif isinstance(node, (list, tuple)):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            stack.extend(reversed(node))
+
+
+class Snapshotter:
+    """Copies nested states into buffers reused across calls (one instance per checkpointer).
+
+    Args:
+        pin_memory: pin host buffers for GPU tensors (default True; pinned memory is what lets the
+            device -> host copy run asynchronously and at full bus speed).
+        on_dtensor: called ``(snapshot_local_tensor, dtensor)`` for every DTensor found (its local shard
+            is what the snapshot holds); None: DTensors are refused with a message naming the distributed
+            checkpointer.
+
+    The buffers of the previous :meth:`take` are overwritten by the next one: the caller must be done
+    with a snapshot (its background write finished) before taking the next. The Checkpointer guarantees
+    this by allowing one save in flight.
+    """
+
+    def __init__(self, *, pin_memory: bool = True, on_dtensor: Callable[[Any, Any], None] | None = None):
+        self.pin_memory = pin_memory
+        self.on_dtensor = on_dtensor
+        self._buffers: dict[tuple, Any] = {}  # (slot, kind, nbytes) -> uint8 tensor / ndarray
+        self.last = SnapshotStats()
+
+    def _buffer(self, slot: int, kind: str, nbytes: int, stats: SnapshotStats):
+        key = (slot, kind, nbytes)
+        buf = self._buffers.get(key)
+        if buf is None:
+            import numpy as np
+            import torch
+
+            if kind == "numpy":
+                buf = np.empty(nbytes, dtype=np.uint8)
+            else:
+                pin = kind == "pinned"
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            # drop any buffer this slot held at another size/kind (the state changed shape)
+            for old in [k for k in self._buffers if k[0] == slot]:
+                del self._buffers[old]
+            self._buffers[key] = buf
+            stats.allocated_bytes += nbytes
+        return buf
+
+    def take(self, state: Any) -> Any:
+        """Return a copy of ``state`` that no later change of the live tensors can alter.
+
+        Args:
+            state: nested dict/list/tuple of tensors (any device), NumPy arrays and plain values.
+
+        Returns:
+            the copy, same structure and types; tensors are CPU tensors over this snapshotter's buffers
+            (valid until the next :meth:`take`), with Parameter-ness, ``requires_grad``, dtype, shape,
+            stride, storage offset and storage sharing kept.
+
+        Raises:
+            TypeError: a DTensor without ``on_dtensor`` (use the distributed checkpointer).
+        """
+        import numpy as np
+        import torch
+
+        stats = SnapshotStats()
+        found: list = []
+        _walk_tensors(state, found, set())
+        memo: dict[int, Any] = {}
+        storages: dict[tuple, Any] = {}   # storage id -> (uint8 buffer tensor)
+        devices: set = set()
+        slot = 0
+        for obj in found:
+            if isinstance(obj, np.ndarray):
+                if obj.dtype.hasobject:
+                    memo[id(obj)] = copy.deepcopy(obj)  # refused later by the encoder, with its path
+                    continue
+                buf = self._buffer(slot, "numpy", obj.nbytes, stats)
+                slot += 1
+                view = buf.view(obj.dtype).reshape(obj.shape) if obj.nbytes else np.empty(obj.shape, obj.dtype)
+                np.copyto(view, obj)
+                memo[id(obj)] = view
+                stats.tensor_bytes += obj.nbytes
+                continue
+            stats.tensors += 1
+            t = obj
+            src = t
+            is_dtensor = _is_dtensor(t)
+            if is_dtensor:
+                if self.on_dtensor is None:
+                    raise TypeError("a DTensor is in the state: save it with the Checkpointer under an initialised "
+                                    "torch.distributed process group (it writes each rank's shards)")
+                src = t.to_local()
+            if src.layout != torch.strided or src.is_quantized or src.is_meta:
+                memo[id(t)] = src.detach().clone()  # the encoder refuses it later, naming its path
+                continue
+            st = src.untyped_storage()
+            nbytes = st.nbytes()
+            sid = (str(src.device), st.data_ptr(), nbytes)
+            if nbytes == 0:
+                copy_t = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype)
+            else:
+                base = storages.get(sid)
+                if base is None:
+                    on_gpu = src.device.type != "cpu"
+                    kind = "pinned" if (on_gpu and self.pin_memory and torch.cuda.is_available()) else "host"
+                    base = self._buffer(slot, kind, nbytes, stats)
+                    slot += 1
+                    whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(st)
+                    base.copy_(whole, non_blocking=on_gpu and kind == "pinned")
+                    storages[sid] = base
+                    stats.storages += 1
+                    stats.tensor_bytes += nbytes
+                    if on_gpu:
+                        stats.device_bytes += nbytes
+                        devices.add(src.device)
+                copy_t = torch.empty(0, dtype=src.dtype).set_(base.untyped_storage(), src.storage_offset(),
+                                                             src.shape, src.stride())
+            if isinstance(src, torch.nn.Parameter) or isinstance(t, torch.nn.Parameter):
+                copy_t = torch.nn.Parameter(copy_t, requires_grad=src.requires_grad)
+            elif src.requires_grad:
+                copy_t.requires_grad_(True)
+            if src.device.type != "cpu":
+                setattr(copy_t, DEVICE_ATTR, str(src.device))
+            if is_dtensor:
+                self.on_dtensor(copy_t, t)
+            memo[id(t)] = copy_t
+        for dev in devices:  # the copies were queued on each device's current stream: wait for them
+            torch.cuda.current_stream(dev).synchronize()
+        out = copy.deepcopy(state, memo)
+        self.last = stats
+        return out
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+__all__ = ["Snapshotter", "SnapshotStats", "DEVICE_ATTR"]

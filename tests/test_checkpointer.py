@@ -1,0 +1,236 @@
+"""Checkpointer on one process: the snapshot is consistent, the background publishes what pack would, and
+nothing that goes wrong in the background is lost."""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import pytest
+import torch
+
+import ckpt_archive
+from ckpt_archive.errors import IntegrityError, UsageError
+from ckpt_archive.repo.repository import Repository
+from ckpt_archive.store.faults import Faults
+from ckpt_archive.training.checkpointer import Checkpointer
+from ckpt_archive.training.snapshot import DEVICE_ATTR, Snapshotter
+
+
+def _trained(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def _state(model, opt, sched):
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "rng": {"torch": torch.get_rng_state()}, "progress": {"step": 3}}
+
+
+def _clone(obj):
+    import copy
+
+    return copy.deepcopy(obj)
+
+
+def _assert_same(a, b, path="state"):
+    assert type(a) is type(b), path
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}/{i}")
+    else:
+        assert a == b, path
+
+
+def test_mutating_live_state_right_after_save_does_not_change_the_archive(tmp_path):
+    model, opt, sched = _trained()
+    state = _state(model, opt, sched)
+    expected = _clone(state)
+    with Checkpointer(tmp_path / "repo") as ckpt:
+        handle = ckpt.save(3, state)
+        # the training loop goes on at once: parameters and Adam moments change in place
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(100.0)
+        for s in opt.state.values():
+            s["exp_avg"].mul_(-3.0)
+        state["rng"]["torch"].zero_()
+        result = handle.result()
+    got = ckpt_archive.load(tmp_path / "repo", result.generation)
+    _assert_same(got, expected)
+
+
+def test_checkpointer_generation_is_what_pack_makes_of_the_same_state(tmp_path):
+    model, opt, sched = _trained()
+    shared = torch.arange(12.0)
+    state = {**_state(model, opt, sched), "tied": {"a": shared, "b": shared, "view": shared[2:8].view(2, 3)},
+             "half": torch.randn(3, 4).to(torch.bfloat16), "f16": torch.randn(5).half()}
+    packed = ckpt_archive.pack(state, tmp_path / "packed",
+                               annotations=ckpt_archive.Annotations(metrics={"loss": 0.5}, progress={"step": 3}))
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        saved = ckpt.save(3, state, {"loss": 0.5}, block=True).result()
+    a, b = packed.manifest, saved.manifest
+    for field in ("format", "format_version", "source", "progress", "config", "metrics", "data", "tags",
+                  "tree_member", "tensors", "summary", "instructions"):
+        assert a[field] == b[field], field
+    strip = ("stored_sha256", "chunks", "stored_bytes")
+    assert [{k: v for k, v in m.items() if k not in strip} for m in a["members"]] == \
+           [{k: v for k, v in m.items() if k not in strip} for m in b["members"]]
+    gen = Repository.open(tmp_path / "ckpt").generation(saved.generation)
+    assert gen.status == "usable" and gen.marker["trial_reload"]["result"] == "ok"
+    got = ckpt_archive.load(tmp_path / "ckpt")
+    assert got["tied"]["a"].untyped_storage().data_ptr() == got["tied"]["b"].untyped_storage().data_ptr()
+    assert got["half"].dtype == torch.bfloat16 and torch.equal(got["half"], state["half"])
+    assert got["f16"].dtype == torch.float16 and torch.equal(got["f16"], state["f16"])
+
+
+def test_snapshot_keeps_parameters_views_and_reuses_its_buffers():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    base = torch.arange(10.0)
+    od = collections.OrderedDict(w=p, v=base[1:5], base=base)
+    od._metadata = {"": {"version": 1}}
+    snap = Snapshotter()
+    first = snap.take({"sd": od, "t": (1, 2.5)})
+    assert snap.last.allocated_bytes == p.numel() * 4 + base.numel() * 4
+    assert isinstance(first["sd"]["w"], torch.nn.Parameter) and first["sd"]["w"].requires_grad
+    assert first["sd"]._metadata == {"": {"version": 1}} and type(first["sd"]) is collections.OrderedDict
+    assert first["sd"]["v"].untyped_storage().data_ptr() == first["sd"]["base"].untyped_storage().data_ptr()
+    assert first["sd"]["v"].storage_offset() == 1 and first["t"] == (1, 2.5)
+    ptr = first["sd"]["w"].data_ptr()
+    second = snap.take({"sd": od, "t": (1, 2.5)})
+    assert snap.last.allocated_bytes == 0, "the second snapshot allocated instead of reusing its buffers"
+    assert second["sd"]["w"].data_ptr() == ptr
+
+
+def test_snapshot_records_the_gpu_device_of_a_host_copy():
+    # what a CUDA tensor's pinned copy carries to the encoder (the copy itself needs a GPU: tests/gpu/)
+    from ckpt_archive.format.state_tree import encode
+
+    t = torch.ones(3)
+    setattr(t, DEVICE_ATTR, "cuda:1")
+    _, table = encode({"w": t})
+    assert table.leaves["w"]["device"] == "cuda:1"
+
+
+def test_background_failure_is_raised_at_the_next_call_and_leaves_nothing_usable(tmp_path):
+    Repository.open(tmp_path / "repo", create=True)
+    repo = Repository.open(tmp_path / "repo", faults=Faults.parse("after-verify=raise"))
+    ckpt = Checkpointer(repo)
+    ckpt.save(1, {"w": torch.ones(3)})  # returns: the failure happens in the background
+    with pytest.raises(RuntimeError) as info:
+        ckpt.save(2, {"w": torch.ones(3)})
+    assert any("step 1" in n for n in getattr(info.value, "__notes__", []))
+    assert ckpt_archive.list_generations(tmp_path / "repo") == []
+    assert ckpt.wait() is None  # raised once, not again
+    ckpt.close()
+
+
+def test_a_save_waits_for_the_one_in_flight(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path / "repo")
+    gate = threading.Event()
+    real = Checkpointer._write
+
+    def slow(self, *a, **k):
+        gate.wait(10)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Checkpointer, "_write", slow)
+    h1 = ckpt.save(1, {"w": torch.zeros(2)})
+    threading.Timer(0.3, gate.set).start()
+    h2 = ckpt.save(2, {"w": torch.ones(2)})
+    assert h1.done() and h2.waited_s >= 0.2
+    ckpt.close()
+    gens = ckpt_archive.list_generations(tmp_path / "repo")
+    assert [g.manifest["progress"]["step"] for g in gens] == [1, 2]
+    assert torch.equal(ckpt_archive.load(tmp_path / "repo", 1)["w"], torch.zeros(2))
+
+
+def test_body_exception_keeps_a_note_of_the_background_failure(tmp_path):
+    Repository.open(tmp_path / "repo", create=True)
+    repo = Repository.open(tmp_path / "repo", faults=Faults.parse("after-trial-reload=raise"))
+    with pytest.raises(KeyError) as info:
+        with Checkpointer(repo) as ckpt:
+            ckpt.save(1, {"w": torch.ones(2)})
+            time.sleep(0.05)
+            raise KeyError("training blew up")
+    assert any("background save failed" in n for n in info.value.__notes__)
+
+
+def test_bad_metrics_and_steps_fail_in_the_callers_thread(tmp_path):
+    with Checkpointer(tmp_path / "repo") as ckpt:
+        with pytest.raises(UsageError):
+            ckpt.save(-1, {"w": torch.ones(1)})
+        with pytest.raises(Exception):
+            ckpt.save(1, {"w": torch.ones(1)}, {"loss": torch.ones(1)})
+    assert ckpt_archive.list_generations(tmp_path / "repo") == []
+
+
+def test_restore_round_trips_model_optimizer_scheduler_scaler_and_rng(tmp_path):
+    model, opt, sched = _trained()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    torch.manual_seed(123)
+    with Checkpointer(tmp_path / "repo") as ckpt:
+        assert ckpt.restore(model=model, optimizer=opt) is None  # fresh start
+        state = {**_state(model, opt, sched), "scaler": scaler.state_dict()}
+        ckpt.save(3, state)
+        ckpt.wait()
+        assert ckpt.latest().manifest["progress"]["step"] == 3
+    after = torch.rand(3)
+    m2, o2, s2 = _trained(seed=1)
+    sc2 = torch.amp.GradScaler("cpu")
+    with Checkpointer(tmp_path / "repo") as ckpt:
+        got = ckpt.restore(model=m2, optimizer=o2, scheduler=s2, scaler=sc2, policy="checkpoint")
+    assert got.step == 3 and got.generation == 1
+    for a, b in zip(model.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    assert s2.state_dict() == sched.state_dict()
+    assert sc2.state_dict() == scaler.state_dict()
+    assert torch.equal(torch.rand(3), after)  # the torch RNG stream continues where it was saved
+    assert set(got.report.restored) >= {"model", "optimizer", "scheduler", "scaler", "rng"}
+
+
+def test_restore_onto_fewer_cuda_devices_says_what_happened_to_the_extra_states(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs; tests/gpu/ covers the visible case")
+    cuda_states = [torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8)]
+    with Checkpointer(tmp_path / "repo") as ckpt:
+        ckpt.save(1, {"rng": {"torch": torch.get_rng_state(), "cuda": cuda_states}}, block=True)
+        got = ckpt.restore()
+    assert got.report.bitwise_resumable is False
+    assert any("2 saved, 0 visible" in w for w in got.report.warnings)
+
+
+def test_closed_checkpointer_refuses_to_save(tmp_path):
+    ckpt = Checkpointer(tmp_path / "repo")
+    ckpt.close()
+    with pytest.raises(UsageError):
+        ckpt.save(1, {"w": torch.ones(1)})
+
+
+def test_a_damaged_generation_is_never_restored(tmp_path):
+    with Checkpointer(tmp_path / "repo") as ckpt:
+        ckpt.save(1, {"model": {"w": torch.arange(1000.0)}}, block=True)
+    member = next((tmp_path / "repo" / "generations" / "00000001").glob("tensors-*.ckz"))
+    data = bytearray(member.read_bytes())
+    data[-5] ^= 0xFF
+    member.write_bytes(bytes(data))
+    with Checkpointer(tmp_path / "repo") as ckpt:
+        with pytest.raises(IntegrityError):
+            ckpt.restore()
