@@ -59,8 +59,10 @@ def looks_like(part: str, obj: Any) -> bool:
     if part == "optimizer":
         return isinstance(obj, dict) and "param_groups" in obj and "state" in obj
     if part == "scheduler":
-        return isinstance(obj, dict) and "last_epoch" in obj and (
-            "base_lrs" in obj or "_last_lr" in obj or "_schedulers" in obj or "patience" in obj)
+        # ChainedScheduler keeps no last_epoch of its own: its _schedulers list says what it is
+        return isinstance(obj, dict) and (("last_epoch" in obj and (
+            "base_lrs" in obj or "_last_lr" in obj or "_schedulers" in obj or "patience" in obj))
+            or (isinstance(obj.get("_schedulers"), (list, tuple)) and "_last_lr" in obj))
     if part == "scaler":
         return isinstance(obj, dict) and "scale" in obj and "growth_factor" in obj
     return False

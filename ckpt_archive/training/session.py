@@ -44,6 +44,7 @@ class PolicyDifference:
         switch: the CLI switch that selects the other one (``"--policy session"`` / ``"--policy
             checkpoint"``).
         message: one line with all of the above.
+        config_key: the session config's key path the session value comes from (``optimizer.lr``).
         when: when the archived value takes effect: ``"now"`` (the next optimizer step reads it) or
             ``"at the next scheduler.step()"``.
     """
@@ -55,6 +56,7 @@ class PolicyDifference:
     switch: str
     message: str
     when: str = "now"
+    config_key: str = ""
 
     def to_json(self) -> dict:
         """The fields as strict JSON."""
@@ -236,7 +238,7 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
             tail = f"the session's value wins (--policy session rewrites it); {switch} keeps the checkpoint's"
         diffs.append(PolicyDifference(field, archived, session, wins, switch,
                                       f"{field}: archived {a}, session {s} ({what}; takes effect {when}); {tail}",
-                                      when))
+                                      when, what.split(";", 1)[0].removeprefix("config ")))
 
     for opt_path, opt in entries:
         opt_field = str(opt_path) or "optimizer"
