@@ -273,7 +273,9 @@ def test_duplicated_and_never_seen_samples_are_counted_per_epoch():
     d = r["data_order"]
     assert (d["first_divergent_step"], d["batch"], d["expected_ids"], d["got_ids"]) == (4, 1, [6, 7], [5, 9])
     assert (d["duplicated"], d["never_seen"]) == (2, 2)  # 4 and 5 seen twice in epoch 1; 7 and 8 never
-    assert d["per_epoch"] == [{"epoch": 1, "duplicated": 2, "never_seen": 2}]
+    assert d["per_epoch"] == [{"epoch": 1, "duplicated": 2, "never_seen": 2, "duplicated_ids": [4, 5],
+                               "never_seen_ids": [7, 8]}]
+    assert (d["duplicated_ids"], d["never_seen_ids"]) == ([4, 5], [7, 8])
 
 
 def test_control_that_changes_nothing_fails_naming_the_stream():
@@ -351,8 +353,10 @@ def test_case5_restoring_the_generator_alone_is_caught_with_first_batch_and_coun
     assert d["first_divergent_step"] == 8 and d["batch"] == 1
     assert d["expected_ids"] == cont[7]["sample_ids"] and d["got_ids"] != d["expected_ids"]
     # epoch 1 restarted in full after 4 of its samples: those 4 twice; epoch 2 then cut short by 4
-    assert d["per_epoch"] == [{"epoch": 1, "duplicated": 4, "never_seen": 0},
-                              {"epoch": 2, "duplicated": 0, "never_seen": 4}]
+    counts = [{k: e[k] for k in ("epoch", "duplicated", "never_seen")} for e in d["per_epoch"]]
+    assert counts == [{"epoch": 1, "duplicated": 4, "never_seen": 0}, {"epoch": 2, "duplicated": 0, "never_seen": 4}]
+    # and which samples: the 4 of epoch 1 consumed before the interruption are the ones replayed
+    assert d["per_epoch"][0]["duplicated_ids"] == sorted(i for u in cont[:7] if u["epoch"] == 1 for i in u["sample_ids"])
     assert "update 8" in r.stderr and "4 duplicated, 4 never-seen" in r.stderr
     assert all(e["status"] == "not-run" for e in report["negative_controls"])
 
