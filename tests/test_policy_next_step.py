@@ -271,3 +271,31 @@ def test_audit_names_every_overriding_field_and_when_it_takes_effect():
                              session_config={"lr": 1e-5})
     assert [(x.field, x.archived, x.session) for x in d] == [("optimizer.param_groups[0].initial_lr", 1e-3, 1e-5)]
     assert "takes effect" in d[0].message
+
+
+def test_cli_policy_session_refuses_a_scheduler_only_state(tmp_path):
+    """`restore --session-config --policy session` used to exit 2 ("no optimizer state: no policy to rewrite")
+    and `restore --session-config` printed nothing for a state holding only the scheduler."""
+    opt = torch.optim.SGD(_net().parameters(), lr=1e-3)
+    sched = L.LambdaLR(opt, lambda e: 1.0)
+    _train(opt, sched, 2)
+    src = tmp_path / "sched_only.pt"
+    torch.save({"model": _net().state_dict(), "scheduler": sched.state_dict(), "step": 2}, src)
+    repo = tmp_path / "repo"
+    assert _cli("pack", str(src), "--repo", str(repo)).returncode == 0
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"lr": 1e-5}))
+    r = _cli("restore", str(repo), "-o", str(tmp_path / "a.pt"), "--session-config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert "scheduler.base_lrs[0]: archived 0.001, session 1e-05" in r.stderr
+    assert "at the next scheduler.step()" in r.stderr
+    r = _cli("restore", str(repo), "-o", str(tmp_path / "b.pt"), "--session-config", str(cfg), "--policy", "session")
+    assert r.returncode == 0, r.stderr
+    restored = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert restored["scheduler"]["base_lrs"] == [1e-5]
+    # the resumed session trains at 1e-5 after its next scheduler.step(), not at the archived 1e-3
+    s_opt = torch.optim.SGD(_net().parameters(), lr=1e-5)
+    s_sched = L.LambdaLR(s_opt, lambda e: 1.0)
+    s_sched.load_state_dict(restored["scheduler"])
+    _train(s_opt, s_sched, 1)
+    assert s_opt.param_groups[0]["lr"] == 1e-5
