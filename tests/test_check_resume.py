@@ -273,7 +273,9 @@ def test_duplicated_and_never_seen_samples_are_counted_per_epoch():
     d = r["data_order"]
     assert (d["first_divergent_step"], d["batch"], d["expected_ids"], d["got_ids"]) == (4, 1, [6, 7], [5, 9])
     assert (d["duplicated"], d["never_seen"]) == (2, 2)  # 4 and 5 seen twice in epoch 1; 7 and 8 never
-    assert d["per_epoch"] == [{"epoch": 1, "duplicated": 2, "never_seen": 2}]
+    assert d["per_epoch"] == [{"epoch": 1, "duplicated": 2, "never_seen": 2, "duplicated_ids": [4, 5],
+                               "never_seen_ids": [7, 8]}]
+    assert (d["duplicated_ids"], d["never_seen_ids"]) == ([4, 5], [7, 8])
 
 
 def test_control_that_changes_nothing_fails_naming_the_stream():
@@ -312,7 +314,7 @@ def test_case4_lambda_lr_resume_passes_and_stale_scheduler_control_names_update_
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report == _report(out)
-    assert report["all_checks_passed"] and report["positive"]["matched"]
+    assert report["all_checks_passed"] and report["positive"] and report["positive_comparison"]["matched"]
     resumed = _traj(out, "resumed")
     assert [u["step"] for u in resumed] == [6, 7, 8, 9, 10]
     assert [u["lr"][0] for u in resumed] == pytest.approx([5e-6, 4e-6, 3e-6, 2e-6, 1e-6], rel=1e-12, abs=0)
@@ -347,12 +349,14 @@ def test_case5_restoring_the_generator_alone_is_caught_with_first_batch_and_coun
     assert r.returncode == 1, r.stderr
     report = _report(out)
     cont = _traj(out, "continuous")
-    d = report["positive"]["data_order"]
+    d = report["positive_comparison"]["data_order"]
     assert d["first_divergent_step"] == 8 and d["batch"] == 1
     assert d["expected_ids"] == cont[7]["sample_ids"] and d["got_ids"] != d["expected_ids"]
     # epoch 1 restarted in full after 4 of its samples: those 4 twice; epoch 2 then cut short by 4
-    assert d["per_epoch"] == [{"epoch": 1, "duplicated": 4, "never_seen": 0},
-                              {"epoch": 2, "duplicated": 0, "never_seen": 4}]
+    counts = [{k: e[k] for k in ("epoch", "duplicated", "never_seen")} for e in d["per_epoch"]]
+    assert counts == [{"epoch": 1, "duplicated": 4, "never_seen": 0}, {"epoch": 2, "duplicated": 0, "never_seen": 4}]
+    # and which samples: the 4 of epoch 1 consumed before the interruption are the ones replayed
+    assert d["per_epoch"][0]["duplicated_ids"] == sorted(i for u in cont[:7] if u["epoch"] == 1 for i in u["sample_ids"])
     assert "update 8" in r.stderr and "4 duplicated, 4 never-seen" in r.stderr
     assert all(e["status"] == "not-run" for e in report["negative_controls"])
 
@@ -364,7 +368,7 @@ def test_unused_stream_perturbation_fails_the_check_unless_declared(tmp_path):
     assert r.returncode == 1, r.stderr
     assert "perturbing the torch RNG changed nothing: either it is not restored or not used" in r.stderr
     report = _report(out)
-    assert report["positive"]["matched"]  # the resume itself is fine: only the control is empty
+    assert report["positive"] and report["positive_comparison"]["matched"]  # the resume itself is fine: only the control is empty
     assert report["negative_divergence_detected"] is False and not report["all_checks_passed"]
 
 
@@ -479,3 +483,102 @@ def test_trajectory_records_next_draws_of_legacy_numpy_global_state(tmp_path):
     assert before[2] == after[2] and (before[1] == after[1]).all()
     rs = np.random.RandomState(5)
     assert Trajectory(tmp_path, meta={}).finish(numpy_generator=rs, write=False)["next_draws"]["numpy"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 12: several interruptions, cumulative data cursor, could-not-check, {total_steps}, booleans
+# ------------------------------------------------------------------------------------------------
+def test_cursor_counting_batches_since_the_last_resume_passes_a_second_interruption(tmp_path):
+    """The faulty script replays data only after a second interruption in one epoch: one interruption
+    passes, two (2,4) must fail naming the first divergent batch and the duplicated and skipped ids."""
+    one = cli("check-resume", "--steps", "8", "--interrupt-at", "2", "--output", str(tmp_path / "one"),
+              "--no-controls", "--script-control=--refuse-odd-cursor", "--json", "--",
+              *template("epoch_cursor.py", "--cursor-since-resume"))
+    assert json.loads(one.stdout)["positive"] is True, one.stderr  # one resume cannot show the fault
+    out = tmp_path / "two"
+    r = cli("check-resume", "--steps", "8", "--interrupt-at", "2,4", "--output", str(out), "--no-controls",
+            "--json", "--", *template("epoch_cursor.py", "--cursor-since-resume"))
+    assert r.returncode == 1, r.stderr
+    report = json.loads(r.stdout)
+    assert report == _report(out) and report["interrupt_points"] == [2, 4]
+    assert report["positive"] is False and report["all_checks_passed"] is False
+    d = report["positive_comparison"]["data_order"]
+    assert d["first_divergent_step"] == 5 and d["duplicated"] == 4 and d["never_seen"] == 4
+    # the cursor after the second resume: 4 (2 batches since the resume) where the epoch was 8 samples in
+    it = report["interruptions"][1]
+    assert (it["at"], it["cursor"], it["expected_cursor"]) == (4, 4, 8)
+    cont = _traj(out, "continuous")
+    perm_e0 = [i for u in cont[:6] for i in u["sample_ids"]]
+    # epoch 0: samples 4..7 of its permutation replayed; the 4 samples the continuous run drew from epoch 1's
+    # permutation in updates 7 and 8 were never seen (the resumed line was still finishing epoch 0)
+    assert d["duplicated_ids"] == sorted(perm_e0[4:8])
+    assert d["never_seen_ids"] == sorted(i for u in cont[6:8] for i in u["sample_ids"])
+    assert "duplicated ids" in r.stderr and any("data.cursor 4" in w for w in report["warnings"])
+    # the correct cursor passes the same two interruptions
+    ok = cli("check-resume", "--steps", "8", "--interrupt-at", "2", "--interrupt-at", "4", "--output",
+             str(tmp_path / "ok"), "--control", "data", "--json", "--", *template("epoch_cursor.py"))
+    assert ok.returncode == 0, ok.stderr
+    rep = json.loads(ok.stdout)
+    assert rep["interrupt_points"] == [2, 4] and rep["positive"] is True  # given twice: accumulated
+    assert [r["name"] for r in rep["runs"]][:4] == ["continuous", "interrupted", "resumed-1", "resumed"]
+
+
+def test_control_whose_run_refuses_the_perturbed_state_counts_as_diverged(tmp_path):
+    out = tmp_path / "o"
+    r = cli("check-resume", "--steps", "6", "--interrupt-at", "3", "--output", str(out), "--control", "data",
+            "--json", "--", *template("epoch_cursor.py", "--refuse-odd-cursor"))
+    assert r.returncode == 2, r.stderr
+    assert "could not check control data-cursor" in r.stderr and "not on a batch boundary" in r.stderr
+    assert "Traceback" not in r.stderr
+    report = _report(out)  # the report is still written, and says why
+    (e,) = report["negative_controls"]
+    assert e["status"] == "could-not-check" and e["diverged"] is False and not report["all_checks_passed"]
+    assert report["negative_divergence_detected"] is False
+
+
+def test_interrupt_at_given_twice_silently_keeps_the_last():
+    from ckpt_archive.cli.check_resume_cmd import _points
+    from ckpt_archive.resume.check import _interruptions
+
+    assert _points(["30", "40"]) == [30, 40] and _points(["30,40"]) == [30, 40]
+    with pytest.raises(UsageError, match="repeats"):
+        _interruptions([30, 30], 50)
+    with pytest.raises(UsageError, match="--interrupt-at"):
+        _interruptions([30, 50], 50)
+
+
+def test_total_steps_placeholder_missing_for_scripts_whose_steps_is_the_total(tmp_path):
+    t = ["python", "t.py", "--steps", "{total_steps}", "--output", "{output}", "{resume:--resume-from {}}"]
+    check_template(t)  # {total_steps} stands for {steps}
+    assert expand_command(t, steps=5, output="o", resume="c.pt", total_steps=10)[3] == "10"
+    out = tmp_path / "o"
+    r = cli("check-resume", "--steps", "8", "--interrupt-at", "3,5", "--output", str(out), "--control", "data",
+            "--json", "--", sys.executable, str(SCRIPTS / "epoch_cursor.py"), "--steps-is-total",
+            "--steps", "{total_steps}", "--output", "{output}", "{resume:--resume-from {}}")
+    assert r.returncode == 0, r.stderr
+    assert [u["step"] for u in _traj(out, "resumed")] == [6, 7, 8]
+
+
+def test_verification_booleans_are_objects_not_booleans(tmp_path):
+    out = tmp_path / "o"
+    r = cli("check-resume", "--steps", "6", "--interrupt-at", "3", "--output", str(out), "--control", "data",
+            "--json", "--", *template("epoch_cursor.py"))
+    assert r.returncode == 0, r.stderr
+    report = _report(out)
+    for key in ("all_checks_passed", "positive", "negative_divergence_detected"):
+        assert report[key] is True, key
+    assert report["positive_comparison"]["matched"] is True
+
+
+def test_check_resume_ignores_a_changed_data_identity(tmp_path):
+    ids, now = tmp_path / "ids.json", tmp_path / "now.json"
+    ids.write_text(json.dumps({"cat": 0, "person": 3}))
+    now.write_text(json.dumps({"person": 3, "cat": 0}))  # the same map in another key order: passes silently
+    r = cli("check-resume", "--steps", "6", "--interrupt-at", "3", "--output", str(tmp_path / "a"), "--control",
+            "data", "--data-ids", str(ids), "--resume-data-ids", str(now), "--json", "--", *template("epoch_cursor.py"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["data_ids"][0]["same"] is True and "data ids" not in r.stderr
+    now.write_text(json.dumps({"cat": 0, "person": 1}))
+    r = cli("check-resume", "--steps", "6", "--interrupt-at", "3", "--output", str(tmp_path / "b"), "--control",
+            "data", "--data-ids", str(ids), "--resume-data-ids", str(now), "--", *template("epoch_cursor.py"))
+    assert r.returncode == 1 and "person: archived 3, now 1" in r.stderr, r.stderr

@@ -321,13 +321,19 @@ def test_reduce_on_plateau_next_lr_is_the_reduced_group_lr():
     assert not a.findings
 
 
-def test_one_cycle_past_total_steps_is_an_error():
+def test_finished_one_cycle_is_information_not_a_verify_error():
+    """Issue 12: the valid final checkpoint of a finished OneCycleLR run resumes as saved; that its next
+    scheduler.step() raises is information (said, with the torch error), never an error."""
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     sched = L.OneCycleLR(opt, 1e-2, total_steps=5)
     _train(model, opt, sched, 5)
     a = audit({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
-    assert any(f.severity == "error" and "raises ValueError" in f.message for f in a.findings)
+    assert not [f for f in a.findings if f.severity == "error"]
+    (f,) = [f for f in a.findings if "raises ValueError" in f.message]
+    assert f.severity == "info" and "Tried to step 6 times" in f.message and "finished" in f.message
+    with pytest.raises(ValueError, match="Tried to step 6 times"):  # what real torch does next
+        sched.step()
 
 
 def test_scheduler_lagging_progress_is_flagged(cosine_45):

@@ -30,7 +30,7 @@ def proof_table(report: dict, title: str = "resume check"):
     from rich.table import Table
 
     ok, bad = "[green]yes[/green]", "[red]NO[/red]"
-    pos = report["positive"]
+    pos = report["positive_comparison"]
     t = Table(title=title, show_lines=False)
     t.add_column("check")
     t.add_column("result")
@@ -44,12 +44,17 @@ def proof_table(report: dict, title: str = "resume check"):
               "continuous = interrupted" if det["matched"] else
               f"differ at update {det['first_divergence']['step']} ({det['first_divergence']['field']})",
               ok if det["matched"] else bad)
-    it = report["interruption"]
-    if it.get("cursor") is not None:
+    for it in report.get("interruptions") or [dict(report["interruption"], at=report["interrupt_at"])]:
+        if it.get("cursor") is None:
+            continue
         where = f"{it['cursor']} of {it['samples_per_epoch']}" if it.get("samples_per_epoch") else str(it["cursor"])
         if it.get("mid_epoch"):
             where += " (mid-epoch)"
-        t.add_row(f"data cursor at interruption (update {report['interrupt_at']})", where, "")
+        exp = it.get("expected_cursor")
+        mark = "" if exp is None else (ok if exp == it["cursor"] else bad)
+        if exp is not None and exp != it["cursor"]:
+            where += f"; the continuous run was {exp} samples into the epoch"
+        t.add_row(f"data cursor at interruption (update {it['at']})", where, mark)
     data = report.get("data") or {}
     if data.get("continuous"):
         c, r = data["continuous"], data.get("resumed_line") or {}
@@ -65,8 +70,10 @@ def proof_table(report: dict, title: str = "resume check"):
         if d is None:
             t.add_row(f"{label} ({span})", "identical", ok)
         elif key == "data_order":
+            ids = "".join(f"; {what} ids {', '.join(map(str, d[k]))}" for what, k in
+                          (("duplicated", "duplicated_ids"), ("never-seen", "never_seen_ids")) if d.get(k))
             t.add_row(f"{label} ({span})", f"first divergent batch: update {d['first_divergent_step']}; "
-                                           f"{d['duplicated']} duplicated, {d['never_seen']} never seen", bad)
+                                           f"{d['duplicated']} duplicated, {d['never_seen']} never seen{ids}", bad)
         else:
             t.add_row(f"{label} ({span})", f"update {d['step']}: expected {_fmt(d['expected'])}, got {_fmt(d['got'])}", bad)
     fs = pos["final_state"]
@@ -87,7 +94,7 @@ def proof_table(report: dict, title: str = "resume check"):
         t.add_row("non-finite values", ", ".join(pos["non_finite"][:4]), bad)
     for e in report["negative_controls"]:
         mark = {"diverged": ok, "no-effect-expected": "[yellow]declared[/yellow]", "skipped": "[yellow]n/a[/yellow]",
-                "no-effect": bad, "not-run": "-"}[e["status"]]
+                "no-effect": bad, "not-run": "-", "could-not-check": "[red]could not check[/red]"}[e["status"]]
         text = e["message"]
         if e["status"] == "diverged" and e.get("first_divergent_step") is not None:
             text = f"diverged at update {e['first_divergent_step']} ({e['field']})"
@@ -113,7 +120,9 @@ def register(app: typer.Typer) -> None:
     def check_resume_cmd(
         cmd: list[str] = typer.Argument(None, metavar="-- CMD...", help="the training command template"),
         steps: int = typer.Option(..., "--steps", help="updates of the continuous run"),
-        interrupt_at: int = typer.Option(..., "--interrupt-at", help="updates before the interruption"),
+        interrupt_at: list[str] = typer.Option(..., "--interrupt-at",
+                                               help="updates before the interruption; several interruptions as "
+                                                    "30,40 (or the option repeated: they accumulate)"),
         atol: float = typer.Option(1e-12, "--atol", help="absolute tolerance for floats"),
         rtol: float = typer.Option(0.0, "--rtol", help="relative tolerance for floats"),
         output: str = typer.Option(None, "--output", "-o",
@@ -130,19 +139,37 @@ def register(app: typer.Typer) -> None:
                                                       "--script-control=--omit-rng-restore; repeatable"),
         jobs: int = typer.Option(1, "--jobs", "-j", help="runs at once (each a separate process)"),
         timeout: float = typer.Option(None, "--timeout", help="seconds per run"),
+        data_ids: str = typer.Option(None, "--data-ids", help="the run's data ids (JSON/YAML/TOML, or .txt one id per "
+                                                            "line), packed with every interruption checkpoint"),
+        resume_data_ids: str = typer.Option(None, "--resume-data-ids",
+                                            help="the resuming session's data ids (default: --data-ids), compared "
+                                                 "with the archived ones at every restore; a difference is exit 1"),
+        allow_data_change: bool = typer.Option(False, "--allow-data-change",
+                                               help="resume although the data ids differ (a warning)"),
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.resume.check import check_resume
 
         out = Output(json_output)
         controls = [] if no_controls else (_split(control) or None)
-        report = check_resume(cmd or [], steps=steps, interrupt_at=interrupt_at, output=output, atol=atol,
+        report = check_resume(cmd or [], steps=steps, interrupt_at=_points(interrupt_at), output=output, atol=atol,
                               rtol=rtol, controls=controls, expect_no_effect=_split(expect_no_effect),
                               script_controls=list(script_control or []), jobs=jobs, timeout=timeout,
-                              on_event=out.say)
+                              on_event=out.say, data_ids=data_ids, resume_data_ids=resume_data_ids,
+                              allow_data_change=allow_data_change)
         report_human(out, report, "resume check")
         out.json(report)
         exit_with(report)
+
+
+def _points(values) -> list[int]:
+    """``--interrupt-at 30,40`` and ``--interrupt-at 30 --interrupt-at 40`` alike: every point, accumulated."""
+    from ckpt_archive.errors import UsageError
+
+    try:
+        return [int(v) for v in _split(values)]
+    except ValueError:
+        raise UsageError(f"--interrupt-at takes whole numbers (30 or 30,40), got {', '.join(values)}") from None
 
 
 def _split(values) -> list[str]:

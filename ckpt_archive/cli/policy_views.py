@@ -24,7 +24,8 @@ def audit_table(a: PolicyAudit):
     kind = a.scheduler.get("kind") or "none"
     t = Table(title=f"LR policy (scheduler: {kind})", title_justify="left", box=box.SIMPLE_HEAD,
               pad_edge=False)
-    for col in ("group", "params", "lr", "initial_lr", "base_lr", "last_lr", "derived_lr", "next_lr"):
+    for col in ("group", "params", "lr", "initial_lr", "base_lr", "last_lr", "derived_lr", "next_lr",
+                "after_sched_step"):
         t.add_column(col, justify="right" if col != "group" else "left")
     for r in a.rows():
         t.add_row(*r.values())
@@ -44,10 +45,16 @@ def audit_renderable(a: PolicyAudit):
 
 
 def _say_counters(a: PolicyAudit, out: Any) -> None:
-    """The counters line, and the partial-decoding note when some step counters were not read."""
+    """The counters line, the partial-decoding note, what was audited, and what overrides the session."""
     out.say("  counters: " + ", ".join(f"{k} {v}" for k, v in a.counter_rows()))
     if a.counters.get("partial"):
         out.say(f"  ({a.counters['partial']})")
+    for note in a.notes:
+        out.say(f"  {note}")
+    if a.overrides:
+        out.say("  archived fields that override the session's:")
+        for o in a.overrides:
+            out.say(f"    {o}")
 
 
 def _dedup(a: PolicyAudit, lint: list[Finding]) -> list[Finding]:
@@ -73,15 +80,20 @@ def cli_inspect(info: dict, repo: Any, out: Any) -> dict:
     out.table(audit_table(a))
     _say_counters(a, out)
     for f in _dedup(a, lint) + lint:
-        out.warn(f"{f.field}: {f.message}")
+        if f.severity == "info":
+            out.say(f"  info: {f.field}: {f.message}")
+        else:
+            out.warn(f"{f.field}: {f.message}")
     return {"policy": section}
 
 
 def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
     """``verify``: add the audit and lint to a :class:`~ckpt_archive.ops.verify.VerifyReport`.
 
-    Semantics: audit findings of severity ``error`` are problems (exit 1); audit warnings are warnings;
-    completeness findings are warnings, and problems under ``--strict``. A generation that failed its
+    Semantics: audit findings of severity ``error`` (the state cannot be resumed as saved) are problems
+    (exit 1); warnings and ``info`` (a finished schedule, what could not be checked) are warnings;
+    completeness warnings are warnings, and problems under ``--strict``; completeness ``info`` (what
+    could not be seen, guesses) never fails. A generation that failed its
     byte checks is not audited (its state cannot be trusted). ``report.extra["policy"]`` holds the audit,
     the completeness findings and ``strict``.
     """
@@ -102,13 +114,16 @@ def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
     out.table(audit_table(a))
     _say_counters(a, out)
     for f in _dedup(a, lint):
-        if f.severity == "error":
+        if f.severity == "error":  # only a state that cannot be resumed as saved fails the check
             report.problems.append(Problem(f"policy: {f.message}", field=f.field))
         else:
-            report.warnings.append(f"policy: {f.field}: {f.message}")
+            report.warnings.append(f"policy ({f.severity}): {f.field}: {f.message}" if f.severity == "info"
+                                   else f"policy: {f.field}: {f.message}")
     for f in lint:
-        if strict:
+        if strict and f.severity == "warning":
             report.problems.append(Problem(f"completeness (--strict): {f.message}", field=f.field))
+        elif f.severity == "info":  # what could not be checked, or a guess: never a failure, even --strict
+            report.warnings.append(f"completeness (info): {f.field}: {f.message}")
         else:
             report.warnings.append(f"completeness: {f.field}: {f.message}")
     report.ok = not report.problems

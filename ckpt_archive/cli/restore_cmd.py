@@ -41,6 +41,13 @@ def register(app: typer.Typer) -> None:
             "checkpoint", "--policy", help="'checkpoint' (default: the archived lr wins, as load_state_dict does) "
                                            "or 'session': rewrite lr/initial_lr/base_lrs in the output from "
                                            "--session-config (moments untouched)."),
+        data_ids: Optional[Path] = typer.Option(
+            None, "--data-ids", help="This session's data ids (JSON/YAML/TOML, or .txt one id per line): compared "
+                                     "with those packed with the generation, key order aside; a difference "
+                                     "refuses the restore (exit 1), listing changed, added and removed entries."),
+        allow_data_change: bool = typer.Option(
+            False, "--allow-data-change", help="Restore although --data-ids differ from the archived ids (the "
+                                               "differences are printed as a warning)."),
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
@@ -52,7 +59,8 @@ def register(app: typer.Typer) -> None:
                                                      expect_lr=expect_lr, policy=policy, out=out)
         res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
                                    map_location=map_location, jobs=jobs, transform=transform,
-                                   consolidate=consolidate, allow=allow)
+                                   consolidate=consolidate, allow=allow, data_ids=data_ids,
+                                   allow_data_change=allow_data_change)
         res.extra.update(cli_restore_finish(policy_json, out))
         for w in res.warnings:
             out.warn(w)

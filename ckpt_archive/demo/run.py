@@ -37,8 +37,8 @@ def demo_facts(report: dict) -> list[dict]:
          "ok": nl["continuous"] is not None and nl["resumed"] is not None
                and all(math.isclose(x, NEXT_LR, rel_tol=0, abs_tol=1e-15) for x in nl["continuous"] + nl["resumed"])},
         {"fact": "the full resume matches exactly (max parameter deviation 0)",
-         "observed": f"max_param_abs_diff={report['max_param_abs_diff']}, matched={report['positive']['matched']}",
-         "ok": report["max_param_abs_diff"] == 0.0 and report["positive"]["matched"]},
+         "observed": f"max_param_abs_diff={report['max_param_abs_diff']}, matched={report['positive']}",
+         "ok": report["max_param_abs_diff"] == 0.0 and report["positive"]},
         {"fact": "the negative control (RNG restore omitted) diverges",
          "observed": "; ".join(f"{e['name']}: {e['status']}" for e in report["negative_controls"]
                                if e["kind"] == "script"),

@@ -51,7 +51,8 @@ def _check_space(path: Path, need: int) -> None:
 def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.PathLike | None = None, *,
             force: bool = False, only: str | None = None, fallback: bool = False, map_location=None,
             jobs: int | None = None, transform: Callable[[Any], Any] | None = None,
-            consolidate: str | os.PathLike | None = None, allow=(), **store_options) -> RestoreResult:
+            consolidate: str | os.PathLike | None = None, allow=(), data_ids: Any = None,
+            allow_data_change: bool = False, **store_options) -> RestoreResult:
     """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
     sources), atomically: temporary name in the same folder, fsync, rename.
 
@@ -72,6 +73,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         consolidate: for a torch.distributed.checkpoint (DCP) folder source, also write its whole state
             as one ``torch.save`` file at this path (``sources/dcp.py: consolidate_dcp``).
         allow: plain-data classes to rebuild where a file must be re-serialised (``"module.Class"``).
+        data_ids: the resuming session's data ids (a value, or a JSON/YAML/TOML/.txt path): compared, key
+            order aside, with the ids packed with the generation (:mod:`ckpt_archive.ops.data_identity`)
+            before anything is written. The result's ``extra["data_ids"]`` holds the comparison.
+        allow_data_change: restore even when the data ids differ (the differences become a warning).
         **store_options: for URL repositories.
 
     Returns:
@@ -80,6 +85,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     Raises:
         OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1);
         UsageError (exit 2): no output, or an output that would destroy the repository or the current folder.
+        DataIdentityMismatch (exit 1): ``data_ids`` differ from the archived ones (changed, added and removed
+            entries listed) and ``allow_data_change`` is False; nothing is written.
 
     Example:
         >>> import os, torch, ckpt_archive, tempfile
@@ -98,6 +105,11 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
     r = open_repo(repo, **store_options)
     gen0 = pick(r, generation, fallback)
+    ids_check = None
+    if data_ids is not None:
+        from ckpt_archive.ops.data_identity import check_data_ids
+
+        ids_check = check_data_ids(r, gen0.number, data_ids, allow_change=allow_data_change)
     # the output plus the spill files tensors are mapped from while torch.save writes it
     _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))
     layout = gen0.manifest["source"]["layout"]
@@ -153,6 +165,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
 
     fsync_directory(out.parent)
     result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only)
+    if ids_check is not None:
+        result.extra["data_ids"] = ids_check
+        if ids_check.get("warning"):
+            result.warnings.append(ids_check["warning"])
     if consolidate is not None:
         from ckpt_archive.sources.dcp import consolidate_dcp
 

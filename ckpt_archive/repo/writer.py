@@ -140,7 +140,10 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         w.member(TREE_MEMBER, "tree", iter([(tree_bytes, "zstd")]))
         data = {}
         if data_ids is not None:
-            ids_bytes = json.dumps(data_ids, allow_nan=False, ensure_ascii=False).encode("utf-8")
+            # canonical JSON (sorted keys): the same map in another key order has the same fingerprint
+            from ckpt_archive.format.data_ids import canonical_bytes
+
+            ids_bytes = canonical_bytes(data_ids)
             rec = w.member("data-ids.json", "data-ids", iter([(ids_bytes, "zstd")]))
             data = {"ids_member": rec["path"], "fingerprint": rec["raw_sha256"],
                     "count": len(data_ids) if isinstance(data_ids, (list, dict)) else None}

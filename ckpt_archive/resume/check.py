@@ -57,23 +57,26 @@ from ckpt_archive.resume.trajectory import CHECKPOINT_FILE, TRAJECTORY_FILE, loa
 Event = Callable[[str], None]
 
 
-def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int, output: str | os.PathLike | None = None,
+def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int | Sequence[int],
+                 output: str | os.PathLike | None = None,
                  atol: float = 1e-12, rtol: float = 0.0, controls: Sequence[str] | None = None,
                  expect_no_effect: Sequence[str] = (), script_controls: Sequence[Sequence[str] | str] = (),
                  jobs: int = 1, timeout: float | None = None, env: dict | None = None,
                  on_event: Event | None = None, kind: str = "check-resume",
-                 archive_loop: ArchiveLoop | None = None) -> dict:
+                 archive_loop: ArchiveLoop | None = None, data_ids: Any = None, resume_data_ids: Any = None,
+                 allow_data_change: bool = False) -> dict:
     """Run the resume check and write ``verification.json`` into ``output``.
 
     Args:
-        command: the command template (argv list) with ``{steps}``, ``{output}`` and a ``{resume}``
-            form (see :func:`expand_command`).
-        steps: total optimizer updates of the continuous run (> ``interrupt_at``).
-        interrupt_at: updates before the interruption (>= 1).
+        command: the command template (argv list) with ``{steps}`` (or ``{total_steps}``), ``{output}`` and
+            a ``{resume}`` form (see :func:`expand_command`).
+        steps: total optimizer updates of the continuous run (> every interruption).
+        interrupt_at: updates before the interruption (>= 1), or several (``[30, 40]``): the run is
+            interrupted, archived, restored and resumed at each, in order.
         output: a new or empty folder; default ``./ckpt-archive-check-resume-<UTC timestamp>``.
         atol / rtol: tolerance for floats: ``|expected - got| <= atol + rtol * |expected|``.
         controls: tool-made controls to run (names or aliases, see :data:`TOOL_CONTROLS`); all by
-            default, ``[]`` for none.
+            default, ``[]`` for none. They resume from the last interruption.
         expect_no_effect: controls declared unused (``numpy``: the script draws nothing from NumPy):
             a control that changes nothing is then accepted.
         script_controls: extra arguments (a string split like a shell, or a list) appended to the
@@ -83,8 +86,13 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int, outpu
         env: environment for the runs (default: this process's, with ``PYTHONHASHSEED=0`` unless set).
         on_event: called with one human line per phase (progress on stderr in the CLI).
         kind: ``"check-resume"`` or ``"demo"``, recorded in the report.
-        archive_loop: where the interruption checkpoint goes (default: a repository ``archive/`` in
+        archive_loop: where the interruption checkpoints go (default: a repository ``archive/`` in
             ``output``).
+        data_ids: the run's data identity (value or JSON/YAML/TOML/.txt path), packed with every
+            interruption checkpoint.
+        resume_data_ids: the resuming session's data ids, compared with the archived ones at every restore
+            (default: ``data_ids``); a difference refuses the resume (:class:`DataIdentityMismatch`, exit 1).
+        allow_data_change: resume although the data ids differ (reported as a warning).
 
     Returns:
         the report written to ``verification.json`` (see ``schemas/verification.v1.schema.json``);
@@ -94,12 +102,15 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int, outpu
         UsageError: bad arguments or command template.
         OutputExists: ``output`` exists and is not empty.
         SourceError: a run failed, timed out, or broke the contract (no checkpoint/trajectory, wrong
-            number of updates).
+            number of updates); the resumed run or a control run failed: the check could not be carried
+            out (the run's error line is in the message; the report, when one was written, says so too).
         IntegrityError: the archived interruption checkpoint failed verification.
+        DataIdentityMismatch: the resuming session's data ids differ from the archived ones.
     """
     say = on_event or (lambda s: None)
     command = list(command)
-    chosen, no_effect, scripted = _check_arguments(command, steps=steps, interrupt_at=interrupt_at, atol=atol,
+    points = _interruptions(interrupt_at, steps)
+    chosen, no_effect, scripted = _check_arguments(command, steps=steps, interrupt_at=points[0], atol=atol,
                                                    rtol=rtol, jobs=jobs, controls=controls,
                                                    expect_no_effect=expect_no_effect, script_controls=script_controls)
     out = prepare_output(output, default_prefix=f"ckpt-archive-{kind}")
@@ -109,44 +120,116 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int, outpu
     resume_dir.mkdir()
     runs = _Runs(command, out / "runs", timeout, run_env, ThreadPoolExecutor(max_workers=jobs))
     t_start = time.monotonic()
+    ids = _DataIds(data_ids, resume_data_ids, allow_data_change)
     try:
-        say(f"running continuous ({steps} updates) and interrupted ({interrupt_at} updates) in fresh processes")
-        cont, intr, cont_traj, int_traj, determinism = _run_baselines(runs, steps, interrupt_at, atol, rtol)
+        say(f"running continuous ({steps} updates) and interrupted ({points[0]} updates) in fresh processes")
+        cont, intr, cont_traj, int_traj, determinism = _run_baselines(runs, steps, points[0], atol, rtol)
 
-        say(f"packing the interruption checkpoint (update {interrupt_at}) into the archive, verifying, restoring")
         loop = archive_loop or ArchiveLoop(out / "archive")
-        trip = _archive_round_trip(loop, intr, interrupt_at, resume_dir)
-
-        say(f"resuming from the restored checkpoint for {steps - interrupt_at} more updates")
-        res = runs.launch("resumed", steps - interrupt_at, trip["restored"])
-        require_ok(res)
-        res_traj = load_trajectory(res.output)
+        segments: list[dict] = []
+        trips: list[dict] = []
+        prev, line = intr, list(int_traj["updates"])
+        for k, point in enumerate(points):
+            last = k == len(points) - 1
+            end = steps if last else points[k + 1]
+            say(f"packing the interruption checkpoint (update {point}) into the archive, verifying, restoring")
+            trip = _archive_round_trip(loop, prev, point, resume_dir, ids,
+                                       name="restored.pt" if last else f"restored-at-{point}.pt")
+            trips.append(trip)
+            name = "resumed" if last else f"resumed-{k + 1}"
+            say(f"resuming from the restored checkpoint for {end - point} more updates (to update {end})")
+            prev = runs.launch(name, end - point, trip["restored"], total=end)
+            require_ok(prev)
+            seg = load_trajectory(prev.output)
+            segments.append(seg)
+            line += seg["updates"]
+        res, res_traj = prev, segments[-1]
+        resumed_line = {"updates": [u for seg in segments for u in seg["updates"]], "final": res_traj.get("final")}
         cont_state = load_checkpoint(cont.output / CHECKPOINT_FILE)
         res_state = load_checkpoint(res.output / CHECKPOINT_FILE)
-        positive = compare_runs(cont_traj, res_traj, cont_state, res_state, interrupt_at=interrupt_at,
+        positive = compare_runs(cont_traj, resumed_line, cont_state, res_state, interrupt_at=points[0],
                                 atol=atol, rtol=rtol, prefix=int_traj["updates"], name="resumed",
                                 ignore_streams={STREAMS[c] for c in no_effect if c in STREAMS})
         positive_ok = positive["matched"] and determinism["matched"]
 
-        baseline = _Baseline(cont_traj, cont_state, int_traj["updates"], trip["restored"], steps - interrupt_at,
-                             interrupt_at, atol, rtol)
+        prefix = line[:points[-1]]
+        baseline = _Baseline(cont_traj, cont_state, prefix, trips[-1]["restored"], steps - points[-1],
+                             points[-1], atol, rtol)
         if positive_ok:
-            entries = _run_controls(runs, baseline, trip["archived_state"], chosen, scripted, no_effect,
+            entries = _run_controls(runs, baseline, trips[-1]["archived_state"], chosen, scripted, no_effect,
                                     resume_dir, say)
         else:
             entries = _not_run(chosen, scripted)
     finally:
         runs.pool.shutdown(wait=True)
 
-    verdict = _verdict(determinism, positive, positive_ok, entries, trip["facts"], interrupt_at)
-    report = build_report(kind=kind, command=command, steps=steps, interrupt_at=interrupt_at, atol=atol, rtol=rtol,
+    interruptions = [dict(t["facts"], at=p, expected_cursor=_expected_cursor(cont_traj, p))
+                     for t, p in zip(trips, points)]
+    verdict = _verdict(determinism, positive, positive_ok, entries, trips[0]["facts"], points[0], interruptions)
+    verdict["warnings"] += ids.warnings
+    report = build_report(kind=kind, command=command, steps=steps, interrupt_at=points[0], atol=atol, rtol=rtol,
                           verdict=verdict, positive=positive, determinism=determinism, entries=entries,
-                          facts=trip["facts"],
-                          trajectories={"continuous": cont_traj, "interrupted": int_traj, "resumed": res_traj},
-                          states={"continuous": cont_state, "resumed": res_state}, archive=trip["archive"],
+                          facts=trips[0]["facts"],
+                          trajectories={"continuous": cont_traj, "interrupted": int_traj, "resumed": resumed_line},
+                          states={"continuous": cont_state, "resumed": res_state}, archive=trips[-1]["archive"],
                           records=runs.records, seconds=time.monotonic() - t_start, output=out)
+    report["interrupt_points"] = points
+    report["interruptions"] = interruptions
+    if ids.checks:
+        report["data_ids"] = ids.checks
     write_report(report, out / REPORT_FILE)
+    failed = [e for e in entries if e["status"] == "could-not-check"]
+    if failed:
+        raise SourceError("; ".join(e["message"] for e in failed)
+                          + f" (report: {out / REPORT_FILE})")
     return report
+
+
+def _interruptions(interrupt_at: int | Sequence[int], steps: int) -> list[int]:
+    """The interruption points, in order.
+
+    Raises:
+        UsageError: none given, a repeated point, or one outside ``1 <= point < steps``.
+    """
+    pts = [interrupt_at] if isinstance(interrupt_at, int) else list(interrupt_at)
+    if not pts:
+        raise UsageError("no --interrupt-at given")
+    try:
+        pts = [int(p) for p in pts]
+    except (TypeError, ValueError):
+        raise UsageError(f"--interrupt-at takes whole numbers, got {interrupt_at!r}") from None
+    if len(set(pts)) != len(pts):
+        raise UsageError(f"--interrupt-at repeats a point: {', '.join(map(str, pts))}")
+    pts = sorted(pts)
+    if pts[0] < 1 or pts[-1] >= steps:
+        raise UsageError(f"need 1 <= --interrupt-at < --steps, got --interrupt-at {','.join(map(str, pts))} "
+                         f"--steps {steps}")
+    return pts
+
+
+def _expected_cursor(cont_traj: dict, point: int) -> int | None:
+    """Samples of the current epoch the continuous run had consumed after update ``point`` (None without
+    per-update epochs): what a ``data.cursor`` counting samples into the epoch must say there."""
+    ups = [u for u in cont_traj["updates"] if u["step"] <= point]
+    if not ups or any(u.get("epoch") is None for u in ups):
+        return None
+    epoch = ups[-1]["epoch"]
+    return sum(len(u["sample_ids"]) for u in ups if u["epoch"] == epoch)
+
+
+@dataclasses.dataclass
+class _DataIds:
+    """The data identity packed with each interruption checkpoint and compared at each restore."""
+
+    archived: Any
+    session: Any
+    allow_change: bool
+    checks: list = dataclasses.field(default_factory=list)
+    warnings: list = dataclasses.field(default_factory=list)
+
+    @property
+    def resuming(self) -> Any:
+        return self.session if self.session is not None else self.archived
 
 
 def _check_arguments(command: list[str], *, steps: int, interrupt_at: int, atol: float, rtol: float, jobs: int,
@@ -161,8 +244,7 @@ def _check_arguments(command: list[str], *, steps: int, interrupt_at: int, atol:
         UsageError: the template, the step counts, the tolerances, ``jobs`` or a control name is wrong.
     """
     check_template(command)
-    if interrupt_at < 1 or steps <= interrupt_at:
-        raise UsageError(f"need 1 <= --interrupt-at < --steps, got --interrupt-at {interrupt_at} --steps {steps}")
+    _interruptions(interrupt_at, steps)
     if atol < 0 or rtol < 0 or not (math.isfinite(atol) and math.isfinite(rtol)):
         raise UsageError(f"tolerances must be finite and >= 0, got atol {atol} rtol {rtol}")
     if jobs < 1:
@@ -186,16 +268,19 @@ class _Runs:
     pool: ThreadPoolExecutor
     records: list[RunRecord] = dataclasses.field(default_factory=list)
 
-    def launch(self, name: str, n: int, resume: Path | None, extra: Sequence[str] = ()) -> RunRecord:
-        """Run the command for ``n`` updates (resuming from ``resume``) in ``runs/<name>``; wait for it."""
-        argv = expand_command(self.command, steps=n, output=self.runs_dir / name, resume=resume) + list(extra)
+    def launch(self, name: str, n: int, resume: Path | None, extra: Sequence[str] = (),
+               total: int | None = None) -> RunRecord:
+        """Run the command for ``n`` updates (resuming from ``resume``, ending at global update ``total``) in
+        ``runs/<name>``; wait for it."""
+        argv = expand_command(self.command, steps=n, output=self.runs_dir / name, resume=resume,
+                              total_steps=total) + list(extra)
         rec = run_command(name, argv, self.runs_dir / name, timeout=self.timeout, env=self.env)
         self.records.append(rec)
         return rec
 
-    def submit(self, name: str, n: int, resume: Path | None, extra: Sequence[str] = ()):
+    def submit(self, name: str, n: int, resume: Path | None, extra: Sequence[str] = (), total: int | None = None):
         """:meth:`launch` in the pool; returns its future."""
-        return self.pool.submit(self.launch, name, n, resume, extra)
+        return self.pool.submit(self.launch, name, n, resume, extra, total)
 
 
 def _run_baselines(runs: _Runs, steps: int, interrupt_at: int, atol: float, rtol: float):
@@ -224,7 +309,8 @@ def _run_baselines(runs: _Runs, steps: int, interrupt_at: int, atol: float, rtol
     return cont, intr, cont_traj, int_traj, determinism
 
 
-def _archive_round_trip(loop: ArchiveLoop, intr: RunRecord, interrupt_at: int, resume_dir: Path) -> dict:
+def _archive_round_trip(loop: ArchiveLoop, intr: RunRecord, interrupt_at: int, resume_dir: Path,
+                        ids: _DataIds | None = None, name: str = "restored.pt") -> dict:
     """Pack the interruption checkpoint, verify it deeply, restore it, and check it comes back exactly.
 
     Returns:
@@ -236,8 +322,14 @@ def _archive_round_trip(loop: ArchiveLoop, intr: RunRecord, interrupt_at: int, r
     int_ckpt = load_checkpoint(intr.output / CHECKPOINT_FILE)
     facts = interruption_facts(int_ckpt, interrupt_at)
     step = facts["step"] if facts["step"] is not None else interrupt_at
-    archive = loop.store(intr.output / CHECKPOINT_FILE, step=step)
-    restored = loop.restore(resume_dir / "restored.pt")
+    archive = loop.store(intr.output / CHECKPOINT_FILE, step=step,
+                         data_ids=ids.archived if ids is not None else None)
+    if ids is not None and ids.resuming is not None:
+        check = loop.check_data_ids(ids.resuming, allow_change=ids.allow_change)
+        ids.checks.append(dict(check, at=interrupt_at))
+        if check.get("warning"):
+            ids.warnings.append(f"interruption at update {interrupt_at}: {check['warning']}")
+    restored = loop.restore(resume_dir / name)
     archive["restored_to"] = str(restored)
     archived_state = loop.load()
     cmp_restored = TreeDiff(0.0, 0.0)
@@ -272,6 +364,7 @@ def _run_controls(runs: _Runs, base: _Baseline, archived_state, chosen: list[str
     entries: list[dict] = []
     jobs_list = []
     previous_lr = base.prefix[-1]["lr"] if base.prefix else None
+    total = base.interrupt_at + base.updates
     for name in chosen:
         label = CONTROL_LABELS[name]
         new_state, pert = perturb(archived_state, name, previous_lr=previous_lr)
@@ -289,7 +382,7 @@ def _run_controls(runs: _Runs, base: _Baseline, archived_state, chosen: list[str
         jobs_list.append((name, "script", f"the script-side control {' '.join(args)!r}", None, base.restored, args))
     if jobs_list:
         say(f"running {len(jobs_list)} negative control(s): " + ", ".join(j[0] for j in jobs_list))
-    futures = [(j, runs.submit(run_name(j[0]), base.updates, j[4], j[5])) for j in jobs_list]
+    futures = [(j, runs.submit(run_name(j[0]), base.updates, j[4], j[5], total)) for j in jobs_list]
     for (name, ckind, label, pert, path, _), fut in futures:
         e = _judge_control(fut.result(), base, name=name, kind=ckind, label=label,
                            expected_no_effect=name in no_effect)
@@ -305,7 +398,8 @@ def _run_controls(runs: _Runs, base: _Baseline, archived_state, chosen: list[str
 
 def _judge_control(rec: RunRecord, base: _Baseline, *, name: str, kind: str, label: str,
                    expected_no_effect: bool) -> dict:
-    """The report entry of one control run: a crash counts as divergence, a timeout stops the check."""
+    """The report entry of one control run. A run that fails (non-zero exit, no checkpoint or trajectory)
+    tested nothing: the control *could not check* (never "diverged"); a timeout stops the check."""
     if rec.timed_out:
         raise SourceError(f"control run '{rec.name}' timed out after {rec.seconds:.0f} s")
     crashed = rec if (rec.exit_code != 0 or not (rec.output / CHECKPOINT_FILE).is_file()
@@ -331,9 +425,9 @@ def _not_run(chosen: list[str], scripted: list[list[str]]) -> list[dict]:
 
 
 def _verdict(determinism: dict, positive: dict, positive_ok: bool, entries: list[dict], facts: dict,
-             interrupt_at: int) -> dict:
+             interrupt_at: int, interruptions: list[dict] = ()) -> dict:
     """``all_ok``, ``negative_detected``, and the report's ``problems`` and ``warnings``."""
-    ran = [e for e in entries if e["status"] not in ("skipped", "not-run")]
+    ran = [e for e in entries if e["status"] not in ("skipped", "not-run", "could-not-check")]
     relevant = [e for e in ran if e["status"] != "no-effect-expected"]
     problems: list[str] = []
     warnings: list[str] = []
@@ -345,7 +439,7 @@ def _verdict(determinism: dict, positive: dict, positive_ok: bool, entries: list
     if not positive["matched"]:
         problems.append("the resumed run does not match the continuous run: " + describe(positive))
     for e in entries:
-        if e["status"] == "no-effect":
+        if e["status"] in ("no-effect", "could-not-check"):
             problems.append(e["message"])
         elif e["status"] == "skipped":
             warnings.append(f"control {e['name']} {e['message']}")
@@ -354,6 +448,14 @@ def _verdict(determinism: dict, positive: dict, positive_ok: bool, entries: list
                         "resume (the checkpoint holds none of rng/optimizer/scheduler/data)")
     if facts["step"] is not None and facts["step"] != interrupt_at:
         warnings.append(f"the interruption checkpoint says progress.step {facts['step']}, expected {interrupt_at}")
+    for it in interruptions:
+        if it.get("cursor") is not None and it.get("expected_cursor") is not None \
+                and it["cursor"] != it["expected_cursor"]:
+            warnings.append(f"interruption at update {it['at']}: data.cursor {it['cursor']}, but the continuous run "
+                            f"had consumed {it['expected_cursor']} samples of epoch {it.get('epoch')} there (a cursor "
+                            f"counted since the last resume rather than from the start of the epoch replays data)")
+    if any(e["status"] == "could-not-check" for e in entries):
+        relevant = []
     controls_ok = positive_ok and all(e["ok"] for e in entries)
     return {"all_ok": positive_ok and controls_ok and not problems,
             "negative_detected": bool(relevant) and all(e["diverged"] for e in relevant),

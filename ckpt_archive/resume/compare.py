@@ -245,6 +245,15 @@ def span(steps: list[int]) -> str:
     return ",".join(map(str, steps))
 
 
+def _sorted_ids(ids: Iterable) -> list:
+    """Sample ids in numeric order (ints), else by their text."""
+    ids = list(ids)
+    try:
+        return sorted(ids)
+    except TypeError:
+        return sorted(ids, key=str)
+
+
 def _data_counts(expected: list[dict], got: list[dict], prefix: list[dict]) -> dict:
     """Duplicated and never-seen samples of the resumed line (prefix + got) against the continuous one.
 
@@ -268,15 +277,23 @@ def _data_counts(expected: list[dict], got: list[dict], prefix: list[dict]) -> d
         ge, gg = groups(expected), groups(got)
     per_epoch = []
     dup_total = miss_total = 0
+    dup_ids: list = []
+    miss_ids: list = []
     for key in sorted(set(ge) | set(gg), key=str):
         e, g = ge.get(key, Counter()), gg.get(key, Counter())
-        dup = sum(max(0, c - max(1, e.get(i, 0))) for i, c in g.items())
-        miss = sum(1 for i in e if g.get(i, 0) == 0)
+        dups = _sorted_ids(i for i, c in g.items() if c > max(1, e.get(i, 0)))
+        dup = sum(g[i] - max(1, e.get(i, 0)) for i in dups)
+        missing = _sorted_ids(i for i in e if g.get(i, 0) == 0)
         dup_total += dup
-        miss_total += miss
-        if dup or miss:
-            per_epoch.append({"epoch": key if by_epoch else None, "duplicated": dup, "never_seen": miss})
+        miss_total += len(missing)
+        dup_ids += dups
+        miss_ids += missing
+        if dup or missing:
+            per_epoch.append({"epoch": key if by_epoch else None, "duplicated": dup, "never_seen": len(missing),
+                              "duplicated_ids": dups[:MAX_LISTED], "never_seen_ids": missing[:MAX_LISTED]})
+    # the sample ids themselves (at most MAX_LISTED of each): "which samples were replayed or skipped"
     return {"duplicated": dup_total, "never_seen": miss_total, "per_epoch": per_epoch,
+            "duplicated_ids": dup_ids[:MAX_LISTED], "never_seen_ids": miss_ids[:MAX_LISTED],
             "counted_by": "epoch" if by_epoch else "window"}
 
 
@@ -442,8 +459,13 @@ def describe(cmp: dict) -> str:
         parts.append(f"loss diverges at update {d['step']}")
     if cmp.get("data_order"):
         d = cmp["data_order"]
+        ids = ""
+        if d.get("duplicated_ids"):
+            ids += f"; duplicated ids {', '.join(map(str, d['duplicated_ids']))}"
+        if d.get("never_seen_ids"):
+            ids += f"; never-seen ids {', '.join(map(str, d['never_seen_ids']))}"
         parts.append(f"data order diverges at update {d['first_divergent_step']} (batch {d['batch']} of the resumed "
-                     f"run): {d['duplicated']} duplicated, {d['never_seen']} never-seen samples")
+                     f"run): {d['duplicated']} duplicated, {d['never_seen']} never-seen samples{ids}")
     if cmp.get("structure"):
         parts.extend(cmp["structure"])
     if cmp.get("non_finite"):

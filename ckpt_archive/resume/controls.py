@@ -303,9 +303,14 @@ def control_verdict(cmp: dict | None, *, name: str, kind: str, label: str, expec
         entry.update(status="skipped", ok=True, message=f"not run: {note}")
         return entry
     if crashed is not None:
-        entry.update(diverged=True, status="diverged", ok=True,
-                     message=f"the run refused the perturbed state (exit {crashed.exit_code}): "
-                             f"{crashed.stderr_tail(2)}", field="exit_code", expected=0, got=crashed.exit_code)
+        # A run that failed tested nothing: "could not check", never "diverged" (a control that passes
+        # because its script refused the perturbed file would show nothing about the resume).
+        what = (f"exited {crashed.exit_code}" if crashed.exit_code not in (0, None)
+                else "wrote no checkpoint.pt/trajectory.json")
+        tail = crashed.stderr_tail(2)
+        entry.update(status="could-not-check", ok=False, field="exit_code", expected=0, got=crashed.exit_code,
+                     message=f"could not check control {name}: its run {what}"
+                             + (f": {tail}" if tail else "") + f" (log: {crashed.output / 'stderr.log'})")
         return entry
     assert cmp is not None
     fd = cmp["first_divergence"]

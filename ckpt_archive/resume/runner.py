@@ -135,8 +135,8 @@ class ArchiveLoop:
         self.repo = str(repo)
         self.generation: int | None = None
 
-    def store(self, checkpoint: Path, *, step: int | None) -> dict:
-        """Pack ``checkpoint`` as a new generation and verify it deeply.
+    def store(self, checkpoint: Path, *, step: int | None, data_ids: Any = None) -> dict:
+        """Pack ``checkpoint`` (with ``data_ids`` when given) as a new generation and verify it deeply.
 
         Returns:
             ``{"repository", "generation", "status", "verified"}``.
@@ -148,7 +148,7 @@ class ArchiveLoop:
         from ckpt_archive.ops.pack import Annotations
 
         res = ckpt_archive.pack(str(checkpoint), self.repo, annotations=Annotations(
-            tags=("check-resume",), progress={"step": step} if step is not None else None))
+            tags=("check-resume",), progress={"step": step} if step is not None else None, data_ids=data_ids))
         self.generation = int(res.generation)
         rep = ckpt_archive.verify(self.repo, str(self.generation), deep=True)
         if not rep.ok:
@@ -157,6 +157,13 @@ class ArchiveLoop:
                                  where=f"{self.repo}@{self.generation}")
         return {"repository": self.repo, "generation": self.generation, "status": str(res.status),
                 "verified": True}
+
+    def check_data_ids(self, session_ids: Any, *, allow_change: bool = False) -> dict:
+        """Compare the resuming session's data ids with those stored with the generation
+        (:func:`ckpt_archive.ops.data_identity.check_data_ids`; raises DataIdentityMismatch on a difference)."""
+        from ckpt_archive.ops.data_identity import check_data_ids
+
+        return check_data_ids(self.repo, str(self.generation), session_ids, allow_change=allow_change)
 
     def restore(self, output: Path) -> Path:
         """Restore the stored generation to the ``.pt`` file ``output`` (which must not exist)."""

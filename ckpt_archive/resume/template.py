@@ -20,13 +20,15 @@ def check_template(template: Sequence[str]) -> None:
     """Check that a command template carries the three placeholders of the contract.
 
     Raises:
-        UsageError: empty command, or ``{steps}``, ``{output}`` or a ``{resume}`` form missing.
+        UsageError: empty command, or ``{steps}`` (or ``{total_steps}``), ``{output}`` or a ``{resume}`` form
+            missing.
     """
     if not template:
         raise UsageError("no training command given: put it after '--', e.g. "
                          "-- python train.py --steps {steps} --output {output} {resume:--resume-from {}}")
     joined = "\x00".join(template)
-    missing = [p for p in ("{steps}", "{output}") if p not in joined]
+    missing = [] if "{steps}" in joined or "{total_steps}" in joined else ["{steps} (or {total_steps})"]
+    missing += [p for p in ("{output}",) if p not in joined]
     if "{resume}" not in joined and not any(_RESUME_TEMPLATE.match(a) for a in template):
         missing.append("{resume} (or '{resume:--resume-from {}}')")
     if missing:
@@ -34,10 +36,12 @@ def check_template(template: Sequence[str]) -> None:
 
 
 def expand_command(template: Sequence[str], *, steps: int, output: str | os.PathLike,
-                   resume: str | os.PathLike | None) -> list[str]:
+                   resume: str | os.PathLike | None, total_steps: int | None = None) -> list[str]:
     """Fill a command template for one run.
 
-    * ``{steps}``: the number of optimizer updates this run adds; ``{output}``: the run's folder.
+    * ``{steps}``: the number of optimizer updates this run adds; ``{total_steps}``: the global update
+      number this run ends at (for scripts whose ``--steps`` is the total: a resumed run continues to
+      it; defaults to ``steps``); ``{output}``: the run's folder.
     * An argument holding ``{resume}`` (e.g. ``--resume-from={resume}``) is filled with the checkpoint
       path when the run resumes, and **dropped entirely** when it does not.
     * An argument that is exactly ``{resume:TEMPLATE}`` expands, when resuming, to ``TEMPLATE`` split
@@ -51,7 +55,9 @@ def expand_command(template: Sequence[str], *, steps: int, output: str | os.Path
         ['t.py', '--from', 'c.pt']
     """
     def fill(s: str) -> str:
-        return s.replace("{steps}", str(steps)).replace("{output}", str(output))
+        total = steps if total_steps is None else total_steps
+        return (s.replace("{total_steps}", str(total)).replace("{steps}", str(steps))
+                .replace("{output}", str(output)))
 
     argv: list[str] = []
     for arg in template:

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ckpt_archive.training.parts import find_parts
+from ckpt_archive.training.parts import find_parts, sub_checkpoints
 from ckpt_archive.training.schedulers import derive_lrs
 from ckpt_archive.training.values import DERIVED_RTOL, as_float, as_number, fmt_pair, fmt_value, jsonable, nearly_equal
 
@@ -22,8 +22,10 @@ class Finding:
     """One observation about a state.
 
     Attributes:
-        severity: ``"warning"`` (a resume may be wrong or lossy) or ``"error"`` (a resume from this state
-            is wrong or will raise).
+        severity: ``"error"`` (the state cannot be resumed as saved: a non-finite LR, optimizer and
+            scheduler from different optimizers), ``"warning"`` (a resume may be wrong or lossy) or
+            ``"info"`` (a fact worth knowing that is not a problem, e.g. a finished schedule; or what could
+            not be checked).
         field: path of the field in the state, e.g. ``"optimizer.param_groups[0].lr"``.
         message: one line saying what is wrong and what it costs.
     """
@@ -55,6 +57,10 @@ class GroupPolicy:
         derived_lr: the scheduler's closed form at its ``last_epoch`` (None where not derivable).
         next_lr: the LR the next optimizer step will use (see the module docstring), or None.
         next_lr_basis: where ``next_lr`` comes from, in words.
+        after_step_lr: the group's LR after the next ``scheduler.step()``, from real torch (the scheduler
+            rebuilt from its state on a dummy optimizer, restored as a script does, and stepped); None where
+            it raises, depends on what the session builds, or there is no scheduler.
+        after_step_basis: how ``after_step_lr`` was obtained or why it is missing.
         hyper: other group hyperparameters (weight_decay, momentum, betas, eps) as archived.
     """
 
@@ -68,12 +74,40 @@ class GroupPolicy:
     derived_lr: float | None = None
     next_lr: float | None = None
     next_lr_basis: str = ""
+    after_step_lr: float | None = None
+    after_step_basis: str = ""
     hyper: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         """The fields as strict JSON (non-finite floats as strings)."""
         d = dataclasses.asdict(self)
         return jsonable(d)
+
+
+@dataclasses.dataclass
+class Override:
+    """A field of the checkpoint that overrides what the session built, and when it takes effect.
+
+    Attributes:
+        field: path in the state (``optimizer.param_groups[0].lr``, ``scheduler.base_lrs[0]``).
+        archived: the archived value.
+        session: the session's value where known (a session config was given), else None.
+        when: ``"now"`` (the next ``optimizer.step()`` reads it), ``"at the next scheduler.step()"``, or
+            ``"when a scheduler is built on this optimizer"`` (``initial_lr``).
+    """
+
+    field: str
+    archived: Any
+    session: Any
+    when: str
+
+    def to_json(self) -> dict:
+        """The fields as strict JSON."""
+        return jsonable(dataclasses.asdict(self))
+
+    def __str__(self) -> str:
+        sess = "" if self.session is None else f", session {fmt_value(self.session)}"
+        return f"{self.field}: archived {fmt_value(self.archived)}{sess}; takes effect {self.when}"
 
 
 @dataclasses.dataclass
@@ -89,6 +123,10 @@ class PolicyAudit:
         counters: ``optimizer_step`` (int|None, Adam-like ``state[*]["step"]``, the max over parameters),
             ``optimizer_step_min``, ``scheduler_last_epoch``, ``progress_step``, ``progress_epoch``.
         findings: list of :class:`Finding`.
+        overrides: every archived field that overrides the session (:class:`Override`), for every
+            optimizer/scheduler pair.
+        schedulers: the ``scheduler`` dict of every pair (``scheduler`` is the first's).
+        notes: lines about what was audited (``audited the newest of 2 sub-checkpoints: ...``).
     """
 
     parts: dict
@@ -96,6 +134,9 @@ class PolicyAudit:
     scheduler: dict
     counters: dict
     findings: list[Finding]
+    overrides: list[Override] = dataclasses.field(default_factory=list)
+    schedulers: list[dict] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def next_lrs(self) -> list[float | None]:
@@ -110,6 +151,9 @@ class PolicyAudit:
             "scheduler": dict(self.scheduler),
             "counters": dict(self.counters),
             "findings": [f.to_json() for f in self.findings],
+            "overrides": [o.to_json() for o in self.overrides],
+            "schedulers": [dict(x) for x in self.schedulers],
+            "notes": list(self.notes),
         })
 
     def rows(self) -> list[dict]:
@@ -126,6 +170,7 @@ class PolicyAudit:
                 "last_lr": fmt_value(g.last_lr),
                 "derived_lr": fmt_value(g.derived_lr),
                 "next_lr": fmt_value(g.next_lr),
+                "after_sched_step": fmt_value(g.after_step_lr),
             })
         return out
 
@@ -146,6 +191,8 @@ class PolicyAudit:
             for r in rows:
                 out.append("  ".join(r[c].rjust(widths[c]) for c in cols))
         out.append("counters: " + ", ".join(f"{k} {v}" for k, v in self.counter_rows()))
+        out.extend(self.notes)
+        out.extend(f"overrides the session: {o}" for o in self.overrides)
         out.extend(str(f) for f in self.findings)
         return out
 
@@ -180,43 +227,74 @@ def missing_scheduler_message(counters: dict) -> str:
             f"scheduler restarts its schedule)")
 
 
-def _audit_pair(opt_field: str, opt: Any, sch_field: str, sch: Any, findings: list[Finding]
-                ) -> tuple[list[GroupPolicy], dict, list]:
-    """Groups of one optimizer (and its scheduler): LR facts and consistency findings."""
+def _audit_pair(opt_field: str, opt: Any, sch_field: str, sch: Any, findings: list[Finding],
+                overrides: list[Override]) -> tuple[list[GroupPolicy], dict, list]:
+    """Groups of one optimizer (and its scheduler): LR facts, what overrides the session, findings."""
+    from ckpt_archive.training.simulate import depends_on_session, simulate
+
     sched_info: dict = {"kind": None, "field": None, "last_epoch": None, "derivable": False, "note": ""}
     groups_sd = opt.get("param_groups") if isinstance(opt, dict) else None
     if groups_sd is not None and not isinstance(groups_sd, (list, tuple)):
         findings.append(Finding("error", f"{opt_field}.param_groups", "param_groups is not a list"))
         groups_sd = None
     groups_sd = list(groups_sd or [])
+    dict_groups = [g for g in groups_sd if isinstance(g, dict)]
 
     derived: list[float] | None = None
     bases: list = []
     last: list = []
+    after: list | None = None
+    after_basis = ""
     if isinstance(sch, dict):
-        kind, derived, note = derive_lrs(sch, [g for g in groups_sd if isinstance(g, dict)] or None)
+        kind, derived, note = derive_lrs(sch, dict_groups or None)
         le = as_number(sch.get("last_epoch"))
         sched_info.update(kind=kind, field=sch_field, last_epoch=le, derivable=derived is not None, note=note)
         bases = list(sch.get("base_lrs") or [])
         last = list(sch.get("_last_lr") or [])
-        if sched_info["kind"] == "OneCycleLR" and le is not None and "total_steps" in sch:
-            total = int(as_number(sch["total_steps"]))
-            if int(le) >= total:
-                findings.append(Finding("error", f"{sch_field}.last_epoch",
-                                        f"OneCycleLR at last_epoch {int(le)} of total_steps {total}: the next "
-                                        f"scheduler.step() raises ValueError (\"Tried to step {int(le) + 1} "
-                                        f"times\"); resume with a new schedule"))
         n_sched = len(last) or len(bases)
-        if groups_sd and n_sched and n_sched != len(groups_sd):
+        mismatch = bool(groups_sd and n_sched and n_sched != len(groups_sd))
+        if mismatch:
             findings.append(Finding("error", f"{sch_field}._last_lr",
                                     f"the scheduler has {n_sched} param group(s), the optimizer "
                                     f"{len(groups_sd)}: they do not come from the same optimizer"))
+        elif dict_groups:
+            sim = simulate(sch, archived_groups=dict_groups)
+            after, after_basis = sim.after_step, sim.note or "real torch: the scheduler rebuilt from its state and stepped"
+            if sim.raises:
+                after_basis = f"the next scheduler.step() raises {sim.raises}"
+                findings.append(Finding(
+                    "info", f"{sch_field}.last_epoch",
+                    f"the schedule is finished ({kind} at last_epoch {int(le) if le is not None else '?'}"
+                    + (f" of total_steps {int(as_number(sch['total_steps']))}" if "total_steps" in sch else "")
+                    + f"): the state resumes as saved, but the next scheduler.step() raises {sim.raises}; "
+                    f"to train on, build a new schedule (not a problem for a final checkpoint)"))
+        elif not groups_sd:
+            n = n_sched or 1
+            after, depends, raises = depends_on_session(sch, n)
+            if raises:
+                after_basis = f"the next scheduler.step() raises {raises}"
+            elif depends:
+                after, after_basis = None, ("depends on the LR the session builds its optimizer with (the "
+                                            f"{kind} step multiplies the group's current lr)")
+            else:
+                after_basis = "real torch: from the archived base_lrs, whatever the session's LR"
+            shown = ", ".join(fmt_value(as_float(b)) for b in bases) or "-"
+            then = (f"the next scheduler.step() sets the LR to {', '.join(fmt_value(x) for x in after)} "
+                    f"whatever the session's LR" if after is not None else
+                    f"the next scheduler.step() continues the archived schedule ({after_basis})")
+            findings.append(Finding(
+                "warning", f"{sch_field}.base_lrs",
+                f"no optimizer state: the next optimizer step runs at the session's LR, then {sch_field}.base_lrs "
+                f"[{shown}] (archived) override it: {then}; --policy session rewrites base_lrs to the session's"))
+            for i, b in enumerate(bases):
+                overrides.append(Override(f"{sch_field}.base_lrs[{i}]", as_float(b), None,
+                                          "at the next scheduler.step()"))
 
     groups: list[GroupPolicy] = []
     n = max(len(groups_sd), len(last), len(bases))
     for i in range(n):
         g = groups_sd[i] if i < len(groups_sd) and isinstance(groups_sd[i], dict) else None
-        gfield = f"{opt_field}.param_groups[{i}]"
+        gfield = f"{opt_field}.param_groups[{i}]" if g is not None or groups_sd else f"{sch_field}[{i}]"
         gp = GroupPolicy(index=i, field=gfield)
         if g is not None:
             params = g.get("params")
@@ -238,10 +316,16 @@ def _audit_pair(opt_field: str, opt: Any, sch_field: str, sch: Any, findings: li
         if gp.lr is not None:
             gp.next_lr = gp.lr
             gp.next_lr_basis = "optimizer group lr (load_state_dict restores it; optimizer.step() reads it)"
-        elif gp.last_lr is not None:
-            gp.next_lr = gp.last_lr
-            gp.next_lr_basis = "scheduler _last_lr (no optimizer state)"
+        elif not groups_sd:
+            gp.next_lr_basis = ("the session's LR: the checkpoint holds no optimizer state (the scheduler's "
+                                "_last_lr is not written into any group by load_state_dict)")
+        if after is not None and i < len(after):
+            gp.after_step_lr = after[i]
+        gp.after_step_basis = after_basis
         groups.append(gp)
+        if g is not None:
+            _group_overrides(g, gfield, sched_info["kind"], sch_field if isinstance(sch, dict) else None,
+                             gp, i, overrides)
 
         # -- consistency --------------------------------------------------------------------------
         if gp.lr is not None and gp.last_lr is not None and not nearly_equal(gp.lr, gp.last_lr):
@@ -267,6 +351,25 @@ def _audit_pair(opt_field: str, opt: Any, sch_field: str, sch: Any, findings: li
                                     f"states come from different configurations"))
 
     return groups, sched_info, groups_sd
+
+
+def _group_overrides(g: dict, gfield: str, kind: str | None, sch_field: str | None, gp: GroupPolicy, i: int,
+                     overrides: list[Override]) -> None:
+    """The archived fields of one optimizer group (and its scheduler) that override the session's."""
+    one_cycle = kind == "OneCycleLR"
+    if gp.lr is not None:
+        overrides.append(Override(f"{gfield}.lr", gp.lr, None, "now"))
+    if gp.initial_lr is not None:
+        overrides.append(Override(f"{gfield}.initial_lr", gp.initial_lr, None,
+                                  "at the next scheduler.step()" if one_cycle
+                                  else "when a scheduler is built on this optimizer"))
+    for key in ("max_lr", "min_lr"):
+        if as_float(g.get(key)) is not None:
+            overrides.append(Override(f"{gfield}.{key}", as_float(g[key]), None,
+                                      "at the next scheduler.step()" if one_cycle
+                                      else "when a scheduler is built on this optimizer"))
+    if sch_field is not None and gp.base_lr is not None:
+        overrides.append(Override(f"{sch_field}.base_lrs[{i}]", gp.base_lr, None, "at the next scheduler.step()"))
 
 
 def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict | None = None,
@@ -333,13 +436,19 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
     sched_info: dict = {"kind": None, "field": None, "last_epoch": None, "derivable": False, "note": ""}
     groups: list[GroupPolicy] = []
     groups_sd: list = []
-    for n, (o_path, o) in enumerate(opt_entries or [("", None)]):
+    overrides: list[Override] = []
+    schedulers: list[dict] = []
+    # every optimizer with its scheduler (paired by position: optimizer_1.bin with scheduler_1.bin), and
+    # schedulers without an optimizer (scripts that save only the scheduler)
+    for n in range(max(len(opt_entries), len(sch_entries), 1)):
+        o_path, o = opt_entries[n] if n < len(opt_entries) else ("", None)
         s_path, s = sch_entries[n] if n < len(sch_entries) else ("", None)
-        if o is None and n == 0 and s is None:
+        if o is None and s is None:
             break
         g_n, info_n, gsd_n = _audit_pair(str(o_path) or "optimizer", o, str(s_path) or "scheduler", s,
-                                         findings)
+                                         findings, overrides)
         groups.extend(g_n)
+        schedulers.append(info_n)
         if n == 0:
             sched_info, groups_sd = info_n, gsd_n
     le0 = sched_info.get("last_epoch")
@@ -378,5 +487,16 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
         sched_info["note"] = "missing (initial_lr present in param groups)"
 
     part_paths = {p: str(v[0][0]) or "(top level)" for p, v in parts.items() if v}
+    notes = []
+    subs = sub_checkpoints(state)
+    if subs and not keys:
+        where = opt_path if opt_entries else sch_path
+        newest = str(where[0]) if len(where) else "?"
+        notes.append(f"{len(subs)} sub-checkpoints ({', '.join(subs)}): audited the newest, {newest}")
+    if len(opt_entries) > 1 or len(sch_entries) > 1:
+        notes.append(f"{len(opt_entries)} optimizer(s) and {len(sch_entries)} scheduler(s), paired in order: "
+                     + "; ".join(f"{str(opt_entries[i][0]) if i < len(opt_entries) else '-'} with "
+                                 f"{str(sch_entries[i][0]) if i < len(sch_entries) else '-'}"
+                                 for i in range(max(len(opt_entries), len(sch_entries)))))
     return PolicyAudit(parts=part_paths, groups=groups, scheduler=sched_info, counters=counters,
-                       findings=findings)
+                       findings=findings, overrides=overrides, schedulers=schedulers, notes=notes)

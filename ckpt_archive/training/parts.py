@@ -59,8 +59,10 @@ def looks_like(part: str, obj: Any) -> bool:
     if part == "optimizer":
         return isinstance(obj, dict) and "param_groups" in obj and "state" in obj
     if part == "scheduler":
-        return isinstance(obj, dict) and "last_epoch" in obj and (
-            "base_lrs" in obj or "_last_lr" in obj or "_schedulers" in obj or "patience" in obj)
+        # ChainedScheduler keeps no last_epoch of its own: its _schedulers list says what it is
+        return isinstance(obj, dict) and (("last_epoch" in obj and (
+            "base_lrs" in obj or "_last_lr" in obj or "_schedulers" in obj or "patience" in obj))
+            or (isinstance(obj.get("_schedulers"), (list, tuple)) and "_last_lr" in obj))
     if part == "scaler":
         return isinstance(obj, dict) and "scale" in obj and "growth_factor" in obj
     return False
@@ -99,12 +101,22 @@ def find_parts(state: Any, keys: dict | None = None) -> dict[str, list[tuple[Sta
         found[part] = _expand(part, path, obj)
     if not isinstance(state, dict):
         return found
-    # 1. conventional names at the top level, then one level down (e.g. {"checkpoint": {...}}).
-    for depth_state, prefix in _containers(state):
+    given = set(found)
+    # 1. conventional names at the top level, then one level down (e.g. {"checkpoint": {...}}); of
+    # several such sub-checkpoints (a folder with epoch_1.pt and epoch_2.pt) only the newest.
+    containers = list(_containers(state))
+    if len(containers) > 2:
+        containers = [containers[0], newest_container(containers[1:])]
+    for depth_state, prefix in containers:
+        here: set[str] = set()
         for key, obj in depth_state.items():
             nk = norm_key(key)
             for part, names in ALIASES.items():
-                if part in found or nk not in names:
+                if part in given or nk not in names:
+                    continue
+                # several optimizers/schedulers/scalers in one container (Accelerate's optimizer.bin and
+                # optimizer_1.bin) are all kept; of any other part the first; an outer container wins.
+                if part in found and (part not in here or part not in _MULTI):
                     continue
                 if part == "model" and not isinstance(obj, dict):
                     continue
@@ -114,7 +126,11 @@ def find_parts(state: Any, keys: dict | None = None) -> dict[str, list[tuple[Sta
                     continue
                 if part == "scaler" and not isinstance(obj, dict):
                     continue
-                found[part] = _expand(part, prefix.child(key), obj)
+                found.setdefault(part, []).extend(_expand(part, prefix.child(key), obj))
+                here.add(part)
+    for part in _MULTI:
+        if part in found and part not in given:
+            found[part].sort(key=lambda e: _rank(e[0]))
     # 2. by shape, anywhere within three levels (an optimizer nested under an unusual key).
     for part in ("optimizer", "scheduler", "scaler"):
         if part not in found:
@@ -125,9 +141,49 @@ def find_parts(state: Any, keys: dict | None = None) -> dict[str, list[tuple[Sta
     if "model" not in found and state and all(is_tensor(v) or isinstance(v, TensorStub) for v in state.values()):
         found["model"] = [(StatePath(), state)]
     prog = _progress_of(state, found.get("progress"))
+    if prog is None and len(containers) > 1:  # a folder of sub-checkpoints: the newest one's progress
+        sub, sub_path = containers[1]
+        sub_prog = _progress_of(sub, None)
+        if sub_prog is not None:
+            prog = (StatePath(tuple(sub_path) + tuple(sub_prog[0])), sub_prog[1])
     if prog is not None:
         found["progress"] = [prog]
     return found
+
+
+#: Parts of which a checkpoint may hold several (one per optimizer), paired by their ``_<n>`` suffix.
+_MULTI = ("optimizer", "scheduler", "scaler")
+
+
+def _rank(path: StatePath) -> int:
+    """The ``_<n>`` suffix of the last key (``optimizer_1.bin`` -> 1; none -> 0); list positions as is."""
+    last = path[-1] if len(path) else ""
+    if isinstance(last, int):
+        return last
+    m = re.search(r"_(\d+)(\.[A-Za-z]+)?$", str(last))
+    return int(m.group(1)) if m else 0
+
+
+def newest_container(containers: list[tuple[dict, StatePath]]) -> tuple[dict, StatePath]:
+    """Of several sub-checkpoints (``epoch_1.pt``, ``epoch_2.pt`` in one folder) the newest: the highest
+    progress step, then epoch, then the last by natural name order (``epoch_10`` after ``epoch_9``)."""
+    def key(c: tuple[dict, StatePath]):
+        prog = _progress_of(c[0], None)
+        step, epoch = (prog[1]["step"], prog[1]["epoch"]) if prog else (None, None)
+        name = str(c[1])
+        natural = [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+        return (step if step is not None else -1, epoch if epoch is not None else -1, natural)
+
+    return max(containers, key=key)
+
+
+def sub_checkpoints(state: Any) -> list[str]:
+    """The keys of the sub-checkpoints of a folder state (each holds an optimizer or scheduler), when
+    there are several; ``[]`` otherwise. :func:`find_parts` reads only the newest of them."""
+    if not isinstance(state, dict):
+        return []
+    subs = list(_containers(state))[1:]
+    return [str(p) for _, p in subs] if len(subs) > 1 else []
 
 
 def _containers(state: dict) -> Iterable[tuple[dict, StatePath]]:

@@ -20,7 +20,10 @@ from ckpt_archive.training.parts import find_parts, is_tensor
 from ckpt_archive.training.schedulers import derive_lrs
 from ckpt_archive.training.values import as_float, coerce_float, flatten, fmt_pair, fmt_value, jsonable, nearly_equal
 
-_LR_NAMES = ("lr", "learning_rate", "base_lr", "max_lr")
+_LR_NAMES = ("lr", "learning_rate", "base_lr")
+#: Config keys of a OneCycleLR/CyclicLR peak LR: the base a OneCycle schedule takes its LRs from (the
+#: optimizer constructor's ``lr`` is overridden by OneCycleLR and must not be compared with ``max_lr``).
+_MAX_LR_NAMES = ("max_lr", "peak_lr")
 
 HYPER_NAMES = {
     "weight_decay": ("weight_decay", "wd"),
@@ -41,6 +44,9 @@ class PolicyDifference:
         switch: the CLI switch that selects the other one (``"--policy session"`` / ``"--policy
             checkpoint"``).
         message: one line with all of the above.
+        config_key: the session config's key path the session value comes from (``optimizer.lr``).
+        when: when the archived value takes effect: ``"now"`` (the next optimizer step reads it) or
+            ``"at the next scheduler.step()"``.
     """
 
     field: str
@@ -49,6 +55,8 @@ class PolicyDifference:
     wins: str
     switch: str
     message: str
+    when: str = "now"
+    config_key: str = ""
 
     def to_json(self) -> dict:
         """The fields as strict JSON."""
@@ -118,14 +126,18 @@ def session_values(session_config: dict | str | Path | None) -> dict:
         if all(x is not None for x in lrs):
             out["lr"] = lrs
             out["source"]["lr"] = "param_groups[*].lr"
-    if "lr" not in out:
-        hit = pick(_LR_NAMES)
+    for name, names in (("lr", _LR_NAMES), ("max_lr", _MAX_LR_NAMES)):
+        if name in out:
+            continue
+        hit = pick(names)
         if hit is not None:
             v = hit[1]
             val = [coerce_float(x) for x in v] if isinstance(v, (list, tuple)) else coerce_float(v)
             if val is not None and not (isinstance(val, list) and None in val):
-                out["lr"] = val
-                out["source"]["lr"] = hit[0]
+                out[name] = val
+                out["source"][name] = hit[0]
+    if "lr" not in out and "max_lr" in out:  # a config that names only a peak LR: that is its LR
+        out["lr"], out["source"]["lr"] = out["max_lr"], out["source"]["max_lr"]
     for name, aliases in HYPER_NAMES.items():
         hit = pick(aliases)
         if hit is not None and coerce_float(hit[1]) is not None:
@@ -167,6 +179,23 @@ def lr_base_field(g: dict) -> str:
     return "lr"
 
 
+def session_bases(groups: list, sess: dict) -> list | None:
+    """The session's base LR per param group, each read from the config key its base field takes it from:
+    ``max_lr`` for a OneCycleLR group (never the optimizer constructor's ``lr``, which OneCycleLR
+    overrides), else ``lr``. None when the config gives no LR.
+
+    Raises:
+        UsageError: as many LRs as neither 1 nor the number of groups.
+    """
+    if "lr" not in sess:
+        return None
+    n = len(groups)
+    lrs = per_group(sess["lr"], n)
+    peaks = per_group(sess["max_lr"], n) if "max_lr" in sess else lrs
+    return [peaks[i] if isinstance(g, dict) and lr_base_field(g) == "max_lr" else lrs[i]
+            for i, g in enumerate(groups)]
+
+
 def compare_with_session(state: Any, *, session_config: dict | str | Path | None = None,
                          expect_lr: float | Sequence[float] | None = None, policy: str = "checkpoint",
                          keys: dict | None = None) -> list[PolicyDifference]:
@@ -200,7 +229,7 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
     sess = session_values(session_config)
     diffs: list[PolicyDifference] = []
 
-    def add(field: str, archived: Any, session: Any, what: str) -> None:
+    def add(field: str, archived: Any, session: Any, what: str, when: str = "now") -> None:
         a, s = fmt_pair(archived, session)
         if wins == "checkpoint":
             tail = (f"the checkpoint's value wins (optimizer.load_state_dict restores it); {switch} keeps the "
@@ -208,20 +237,23 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
         else:
             tail = f"the session's value wins (--policy session rewrites it); {switch} keeps the checkpoint's"
         diffs.append(PolicyDifference(field, archived, session, wins, switch,
-                                      f"{field}: archived {a}, session {s} ({what}); {tail}"))
+                                      f"{field}: archived {a}, session {s} ({what}; takes effect {when}); {tail}",
+                                      when, what.split(";", 1)[0].removeprefix("config ")))
 
     for opt_path, opt in entries:
         opt_field = str(opt_path) or "optimizer"
         groups = [g for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
         if "lr" in sess:
-            for i, (g, want) in enumerate(zip(groups, per_group(sess["lr"], len(groups)))):
+            for i, (g, want) in enumerate(zip(groups, session_bases(groups, sess))):
                 fname = lr_base_field(g)
                 have = as_float(g.get(fname))
                 if want is not None and have is not None and not nearly_equal(have, want):
-                    what = f"config {sess['source']['lr']}"
+                    src = sess["source"]["max_lr" if fname == "max_lr" and "max_lr" in sess else "lr"]
+                    what = f"config {src}"
                     if fname != "lr":
                         what += f"; {fname} is the schedule's base LR"
-                    add(f"{opt_field}.param_groups[{i}].{fname}", have, want, what)
+                    when = "now" if fname == "lr" else "at the next scheduler.step()"
+                    add(f"{opt_field}.param_groups[{i}].{fname}", have, want, what, when)
         for name in ("weight_decay", "momentum", "eps"):
             if name in sess:
                 for i, g in enumerate(groups):
@@ -237,6 +269,19 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                     if not all(nearly_equal(x, y) for x, y in zip(have, sess["betas"])):
                         add(f"{opt_field}.param_groups[{i}].betas", have, tuple(sess["betas"]),
                             f"config {sess['source']['betas']}")
+    if not entries and "lr" in sess:
+        # No optimizer state: the session's optimizer keeps its LR for the next step, then the archived
+        # scheduler's base_lrs take over at the next scheduler.step() (scripts that restore only the scheduler).
+        for sch_path, sch in find_parts(state, keys).get("scheduler", []):
+            bases = [as_float(b) for b in (sch.get("base_lrs") or [])] if isinstance(sch, dict) else []
+            sfield = str(sch_path) or "scheduler"
+            for i, (have, want) in enumerate(zip(bases, per_group(sess["lr"], len(bases)))):
+                want = coerce_float(want)
+                if have is not None and want is not None and not nearly_equal(have, want):
+                    add(f"{sfield}.base_lrs[{i}]", have, want,
+                        f"config {sess['source']['lr']}; the checkpoint holds no optimizer state, so the next "
+                        f"step runs at the session's LR, then scheduler.step() switches to the archived base_lrs",
+                        "at the next scheduler.step()")
     if expect_lr is not None:
         a = audit(state, keys=keys)
         for i, (gp, want) in enumerate(zip(a.groups, per_group(expect_lr, len(a.groups)))):
@@ -285,22 +330,29 @@ def _same_type(template: Any, value: float) -> Any:
 def impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str) -> list[PolicyChange]:
     """Re-impose session base LRs on param groups (dicts) and a scheduler (state dict or live object).
 
-    The rule of :func:`apply_session_policy`; used on a copied state and on live objects alike.
+    The rule of :func:`apply_session_policy`; used on a copied state and on live objects alike. ``groups``
+    may be empty (a state without optimizer state): the scheduler's ``base_lrs`` are then the archived base.
+    Nothing changes where every session base equals the archived one.
     """
     changes: list[PolicyChange] = []
     sd = None if sch is None else (sch if isinstance(sch, dict) else getattr(sch, "__dict__", None))
-    sched_bases = list((sd or {}).get("base_lrs") or [])
-    olds: list = []
+    sched_bases = [as_float(b) for b in ((sd or {}).get("base_lrs") or [])]
+    olds: list = []      # the archived base of each group's own fields
+    sched_olds: list = []  # the base the scheduler's base_lrs/_last_lr are rescaled from
     news: list = []
-    for i, g in enumerate(groups):
-        fname = lr_base_field(g)
-        old = as_float(g.get(fname))
-        if fname == "lr" and i < len(sched_bases) and as_float(sched_bases[i]) is not None:
-            old = as_float(sched_bases[i])
+    for i in range(max(len(groups), len(sched_bases))):
+        g = groups[i] if i < len(groups) else None
+        sb = sched_bases[i] if i < len(sched_bases) else None
+        fname = lr_base_field(g) if g is not None else None
+        old = as_float(g.get(fname)) if g is not None else sb
+        if fname == "lr" and sb is not None:
+            old = sb
         want = coerce_float(wants[i]) if i < len(wants) else None
         olds.append(old)
         news.append(want)
-        if old is None or want is None:
+        # OneCycleLR's base_lrs are max_lr / div_factor: rescaled by the group's max_lr ratio
+        sched_olds.append(old if fname == "max_lr" or sb is None else sb)
+        if g is None or old is None or want is None:
             continue
         for key in ("lr", "initial_lr", "max_lr", "min_lr"):
             if key in g and as_float(g[key]) is not None:
@@ -309,13 +361,15 @@ def impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str) ->
                 if nv != fv:
                     g[key] = _same_type(g[key], nv)
                     changes.append(PolicyChange(f"{ofield}.param_groups[{i}].{key}", fv, nv))
+    if not any(o is not None and w is not None and o != w for o, w in zip(olds + sched_olds, news + news)):
+        return changes  # the session asks for what is archived: nothing to rewrite, not even by a closed form
     if isinstance(sd, dict):
-        _rescale_scheduler(sd, sfield, olds, news, changes)
+        _rescale_scheduler(sd, sfield, sched_olds, news, changes)
         # Where the schedule has a closed form, the LR at the archived position is the closed form with the
         # session's base (exact also for absolute floors such as eta_min, which a ratio would scale).
         view = sch if isinstance(sch, dict) else (sch.state_dict() if hasattr(sch, "state_dict") else None)
-        _, lrs, _ = derive_lrs(view, list(groups)) if isinstance(view, dict) else (None, None, "")
-        if lrs is not None and len(lrs) == len(groups):
+        _, lrs, _ = derive_lrs(view, list(groups) or None) if isinstance(view, dict) else (None, None, "")
+        if lrs is not None and groups and len(lrs) == len(groups):
             for i, (g, v) in enumerate(zip(groups, lrs)):
                 if news[i] is None or olds[i] is None or as_float(g.get("lr")) is None:
                     continue
@@ -323,12 +377,13 @@ def impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str) ->
                 if v != fv:
                     g["lr"] = _same_type(g["lr"], v)
                     _replace_change(changes, f"{ofield}.param_groups[{i}].lr", fv, v)
-            last = sd.get("_last_lr")
-            if isinstance(last, list) and len(last) == len(groups):
-                for i, g in enumerate(groups):
-                    if news[i] is not None and as_float(g.get("lr")) is not None and as_float(last[i]) != as_float(g["lr"]):
-                        _replace_change(changes, f"{sfield}._last_lr[{i}]", as_float(last[i]), as_float(g["lr"]))
-                        last[i] = _same_type(last[i], as_float(g["lr"]))
+        want_last = ([as_float(g.get("lr")) for g in groups] if groups else list(lrs or []))
+        last = sd.get("_last_lr")
+        if isinstance(last, list) and want_last and len(last) == len(want_last):
+            for i, v in enumerate(want_last):
+                if i < len(news) and news[i] is not None and v is not None and as_float(last[i]) != v:
+                    _replace_change(changes, f"{sfield}._last_lr[{i}]", as_float(last[i]), v)
+                    last[i] = _same_type(last[i], v)
     return changes
 
 
@@ -388,7 +443,7 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
         ``(new_state, changes)``: a structural copy and the list of :class:`PolicyChange`.
 
     Raises:
-        UsageError: no optimizer state, or as many LRs as neither 1 nor the number of groups.
+        UsageError: neither optimizer nor scheduler state, or as many LRs as neither 1 nor the number of groups.
         SourceError: unreadable config file.
     """
     sess = session_values(session_config)
@@ -398,18 +453,27 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
     parts = find_parts(new_state, keys)
     changes: list[PolicyChange] = []
     opt_entries = parts.get("optimizer", [])
-    if not opt_entries:
-        if "lr" in sess or any(k in sess for k in HYPER_NAMES):
-            raise UsageError("the checkpoint has no optimizer state: there is no policy to rewrite")
-        return new_state, changes
     sch_entries = parts.get("scheduler", [])
+    if not opt_entries:
+        # A scheduler alone: its base_lrs take over at the next scheduler.step(); rewrite them (and _last_lr).
+        if "lr" in sess and sch_entries:
+            for sch_path, sch in sch_entries:
+                n_groups = len((sch.get("base_lrs") or []) if isinstance(sch, dict) else [])
+                changes += impose_lrs([], sch, per_group(sess["lr"], n_groups), "optimizer",
+                                      str(sch_path) or "scheduler")
+            return new_state, changes
+        if "lr" in sess or any(k in sess for k in HYPER_NAMES):
+            raise UsageError("the checkpoint has neither optimizer nor scheduler state: there is no policy to "
+                             "rewrite")
+        return new_state, changes
     for n, (opt_path, opt) in enumerate(opt_entries):
         opt_field = str(opt_path) or "optimizer"
         groups = [g for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
         sch = sch_entries[n][1] if n < len(sch_entries) else None
         sch_field = str(sch_entries[n][0]) if n < len(sch_entries) else "scheduler"
         if "lr" in sess:
-            changes += impose_lrs(groups, sch, per_group(sess["lr"], len(groups)), opt_field, sch_field)
+            wants = per_group(lr, len(groups)) if lr is not None else session_bases(groups, sess)
+            changes += impose_lrs(groups, sch, wants, opt_field, sch_field)
         for name in ("weight_decay", "momentum", "eps"):
             if name in sess:
                 for i, g in enumerate(groups):
