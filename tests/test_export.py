@@ -108,12 +108,19 @@ def test_export_to_s3_is_usable_there_and_restores_bit_equal(source, s3_server, 
         [f"generations/00000002/{m}" for m in ["CLAIM", "USABLE.json", "manifest.json", *MEMBERS]]
         + ["repository.json"])
     text = report.read_text()
-    # the proof's own restore command, run as printed, on a "new machine" (a fresh folder)
-    (line,) = [ln for ln in text.splitlines() if ln.startswith("ckpt-archive restore ")]
-    args = shlex.split(line)[1:]
+    # the proof's own restore command, run as printed, on a "new machine" (a fresh folder) whose environment
+    # does not name the endpoint: the proof must carry it (it came from AWS_ENDPOINT_URL here)
+    (line,) = [ln for ln in text.splitlines() if "ckpt-archive restore " in ln]
+    words = shlex.split(line)
+    env = dict(w.split("=", 1) for w in words[:words.index("ckpt-archive")])
+    assert env["AWS_ENDPOINT_URL"] == s3_server.endpoint and env["AWS_REGION"] == "us-east-1"
+    args = words[words.index("ckpt-archive") + 1:]
     fresh = tmp_path / "new-machine"
     fresh.mkdir()
     monkeypatch.chdir(fresh)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     res = cli(*args)
     assert res.exit_code == 0, res.output
     _assert_bit_equal(states[2], torch.load(fresh / "checkpoint.pt", weights_only=True))
@@ -126,7 +133,7 @@ def test_export_to_s3_is_usable_there_and_restores_bit_equal(source, s3_server, 
     assert "step" in text and "| 2 | 102 |" in text
 
 
-def test_export_json_proof_lists_objects_checks_and_restore_command(source, s3_url, tmp_path):
+def test_export_json_proof_lists_objects_checks_and_restore_command(source, s3_server, s3_url, tmp_path):
     repo, _ = source
     res = cli("export", f"{repo}@1", "--to", s3_url, "--json", "--report", str(tmp_path / "proof.json"))
     assert res.exit_code == 0, res.output
@@ -142,7 +149,12 @@ def test_export_json_proof_lists_objects_checks_and_restore_command(source, s3_u
     assert sum(n.startswith("size and sha256 re-read from destination") for n in names) == len(MEMBERS)
     assert any(n.startswith("trial reload from destination") for n in names)
     assert all(c["result"] == "ok" for c in g["checks"])
-    assert doc["restore_command"] == f"ckpt-archive restore {s3_url}@1 --output checkpoint.pt"
+    assert doc["restore_command"] == (f"AWS_ENDPOINT_URL={s3_server.endpoint} AWS_REGION=us-east-1 "
+                                      f"ckpt-archive restore {s3_url}@1 --output checkpoint.pt")
+    assert doc["endpoint_url"] == s3_server.endpoint and doc["region"] == "us-east-1"
+    assert g["fingerprints"]["manifest_sha256"] == g["marker"]["manifest_sha256"]
+    assert g["trial_reload"]["where"] == s3_url and g["trial_reload"]["result"] == "ok"
+    assert doc["install_commands"][-1] == 'python -m pip install -c constraints.txt -e ".[s3]"'
 
 
 def test_export_all_usable_then_rerun_copies_nothing(source, s3_url):
@@ -293,11 +305,17 @@ def test_wrong_credentials_exit_2_clear_message_nothing_marked_usable(source, s3
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with s3_server.enforce_auth():
         res = cli("export", str(repo), "--to", s3_url, "--json")
+        human = cli("export", str(repo), "--to", s3_url)         # without --json: one line on stderr
     assert res.exit_code == 2, res.output
-    assert f"{s3_url}: access denied (" in res.stderr and "AWS_ACCESS_KEY_ID" in res.stderr
     assert "Traceback" not in res.output
+    assert res.stderr == ""                                      # --json: the error is the JSON object
     doc = json.loads(res.stdout)
     assert doc["ok"] is False and doc["error"] == "StoreError" and doc["exit_code"] == 2
+    assert doc["where"] == s3_url and doc["reason"].startswith("access denied (") and "AWS_ACCESS_KEY_ID" in doc["hint"]
+    assert human.exit_code == 2
+    assert f"{s3_url}: access denied (" in human.stderr and "AWS_ACCESS_KEY_ID" in human.stderr
+    (line,) = [ln for ln in human.stderr.splitlines() if ln.startswith("error:")]
+    assert "access denied" in line
     assert not any(k.endswith("USABLE.json") for k in _keys(s3_server, s3_url))
 
 
@@ -319,7 +337,8 @@ def test_endpoint_url_option_beats_a_wrong_environment(source, s3_server, s3_url
     res = cli("export", str(repo), "--to", s3_url, "--endpoint-url", s3_server.endpoint, "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert doc["restore_command"].startswith(f"AWS_ENDPOINT_URL={s3_server.endpoint} ckpt-archive restore")
+    assert doc["restore_command"].startswith(f"AWS_ENDPOINT_URL={s3_server.endpoint} AWS_REGION=us-east-1 "
+                                             f"ckpt-archive restore")
 
 
 # --- the other commands on an s3 repository -------------------------------------------------------------------
