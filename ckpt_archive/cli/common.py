@@ -193,6 +193,7 @@ class _RichProgress:
                            console=Console(stderr=True), transient=True)
         self._total = total
         self._desc = description
+        self._base = description.split(":", 1)[0]  # "pack: write" -> phases read "pack: trial reload"
 
     def __enter__(self):
         self._p.__enter__()
@@ -207,7 +208,7 @@ class _RichProgress:
 
     def phase(self, name: str, total: int | None = None) -> None:
         """A new phase of the work (``verify``, ``trial reload``, ``re-read``): the bar starts over."""
-        self._p.reset(self._task, total=total, completed=0, description=f"{self._desc}: {name}")
+        self._p.reset(self._task, total=total, completed=0, description=f"{self._base}: {name}")
 
 
 def make_progress(total: int | None, description: str, enabled: bool):
@@ -247,7 +248,8 @@ def interrupted_text(exc: BaseException) -> tuple[str, str | None, str | None]:
         if cleanup:
             text += f"; {cleanup}"
     else:
-        text = "interrupted before anything was written"
+        text = ("interrupted; nothing is known to be left half-written (`ckpt-archive list --all REPO` shows "
+                "any partial generation, `ckpt-archive gc REPO` removes it)")
     return text, left, cleanup
 
 

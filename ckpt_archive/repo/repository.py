@@ -522,6 +522,15 @@ class Repository:
         The caller holds the lock and has decided the generation may go (retention, forget, gc).
         A crash part-way leaves a ``partial`` generation, never a usable one with missing members.
         """
+        try:
+            self._remove_generation(number)
+        except KeyboardInterrupt as exc:
+            if not getattr(exc, "ckpt_left", None):  # what Ctrl-C left, for the CLI (publish.note_interrupt)
+                exc.ckpt_left = f"generation {number} of {self.location} left partial while being removed"
+                exc.ckpt_cleanup = f"`ckpt-archive gc {self.location}` removes it"
+            raise
+
+    def _remove_generation(self, number: int) -> None:
         key = gen_key(number)
         self.faults.point("prune-before-marker-removal")
         self.store.remove(f"{key}/{MARKER}")
