@@ -8,6 +8,8 @@ Public API (plain functions; the CLI is a thin shell over them)::
     verify(repo, generation="latest", deep) -> VerifyReport (ok, problems)
     restore(repo, generation, output, ...)  -> RestoreResult
     list_generations(repo, all=False)       -> list[Generation]
+    adopt(repo)                             -> AdoptReport  (every copied generation proven and marked usable here)
+    status(repo, max_age=...)               -> StatusReport (watchdog: newest usable generation fresh and advancing?)
     export(repo, dest, ...)                 -> ExportResult (copied, re-read and trial-reloaded at dest)
     prune(repo, policy=None, dry_run=False) -> PruneResult  (retention; never deletes the only verified copy)
     forget(repo, generation, force=False)   -> ForgetResult (one generation, marker first, under the lock)
@@ -32,6 +34,7 @@ _API = {
     "RetentionPolicy": "retention.policy",
     "restore_training_state": "training.restore", "Checkpointer": "training.checkpointer", "export": "ops.export", "check_resume": "resume.check",
     "Trajectory": "resume.trajectory",
+    "adopt": "ops.verify", "AdoptReport": "ops.verify", "status": "ops.status", "StatusReport": "ops.status",
     "prune": "ops.prune", "PruneResult": "ops.prune", "forget": "ops.forget", "ForgetResult": "ops.forget",
     "gc": "ops.gc", "GcResult": "ops.gc", "backup": "ops.backup", "BackupResult": "ops.backup",
 }

@@ -25,6 +25,16 @@ EXIT_CANNOT_CHECK = 2
 EX_TEMPFAIL = 75
 EXIT_INTERRUPTED = 130
 
+#: What each exit code means in general; each command's ``--help`` lists the codes it can return, in its
+#: own words where they say more (``ckpt_archive.cli.common.exit_codes_help``).
+EXIT_MEANINGS = {
+    EXIT_OK: "ok",
+    EXIT_CHECK_FAILED: "something was examined and found wrong",
+    EXIT_CANNOT_CHECK: "could not be carried out (bad arguments, missing path, refused access, lock held)",
+    EX_TEMPFAIL: "temporary failure: retry later",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C); the message names what was left and the command that cleans it",
+}
+
 
 class CkptArchiveError(Exception):
     """Base class. ``exit_code`` is what the CLI exits with; ``where`` names the file/member/field."""

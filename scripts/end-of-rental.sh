@@ -1,52 +1,70 @@
 #!/usr/bin/env bash
-# End of a rental: pack the newest checkpoint, export it to storage that outlives this machine, prove it
-# recoverable THERE (re-read + trial reload at the destination), and print the recovery proof.
+# End of a rental: back up the newest checkpoint, export it to storage that outlives this machine, prove
+# it recoverable THERE (re-read + trial reload at the destination), and print the recovery proof.
 #
 # Usage:
-#   scripts/end-of-rental.sh CHECKPOINT REPO DEST [EXPORT OPTIONS...]
+#   scripts/end-of-rental.sh SOURCE REPO DEST [EXPORT OPTIONS...]
 #   scripts/end-of-rental.sh --newest-in DIR REPO DEST [EXPORT OPTIONS...]
 #
-#   CHECKPOINT   a torch.save file or a checkpoint folder
-#   --newest-in  pick the most recently modified entry of DIR (e.g. output/ holding checkpoint-*/)
+#   SOURCE       a torch.save file, a checkpoint folder, or a training output folder
+#   --newest-in  DIR is a training output folder (the same as giving it as SOURCE)
+#                The checkpoint is picked the way `ckpt-archive backup` picks it: the checkpoint-N/ folder
+#                with the highest N, else the newest *.pt/*.pth/*.ckpt (top level or checkpoints/); never a
+#                log file or other entry that happens to be newer.
 #   REPO         the local repository to pack into (created if absent)
 #   DEST         s3://bucket/prefix (the bucket must exist) or a path on storage that survives the machine
 #   EXPORT OPTIONS are passed to `ckpt-archive export`, e.g. --endpoint-url URL, --sse aws:kms.
 #
+# Re-run it as often as you like; it is idempotent and resumable:
+#   - the checkpoint is packed only when it differs from the newest usable generation of REPO
+#     (`ckpt-archive backup`: size/mtime/inode, then sha256 against the generation's source fingerprints);
+#   - a generation already usable at DEST is not copied again; an interrupted export resumes by archive
+#     id, aborting the unfinished multipart uploads and removing the stray objects it left there.
+#
 # Environment: the standard AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE,
-# AWS_ENDPOINT_URL for MinIO/R2/Ceph); REPORT (default ./recovery-proof-<UTC time>.md);
+# AWS_REGION, AWS_ENDPOINT_URL for MinIO/R2/Ceph; the proof records endpoint and region);
+# REPORT (default ./recovery-proof-<UTC time>.md); SETTLE (seconds the checkpoint must be unchanged
+# before it is packed, default 2); WAIT (seconds to wait for a writer lock, default 60);
 # CKPT_ARCHIVE (default "ckpt-archive": the command to run).
 #
 # Exit status: 0 only when the destination holds the checkpoint, verified and trial-reloaded there.
-# Anything else: do NOT return the machine yet; the message says what failed.
+# 75: the checkpoint is still being written (run again once the save finished). Anything else: do NOT
+# return the machine yet; the message says what failed.
 set -euo pipefail
 
-die() { echo "end-of-rental: $*" >&2; echo "end-of-rental: NOT SAFE to return the machine yet." >&2; exit "${2:-2}"; }
+die() { echo "end-of-rental: $1" >&2; echo "end-of-rental: NOT SAFE to return the machine yet." >&2; exit "${2:-2}"; }
 
 read -r -a CA <<< "${CKPT_ARCHIVE:-ckpt-archive}"
 
 if [[ "${1:-}" == "--newest-in" ]]; then
     [[ $# -ge 4 ]] || die "usage: $0 --newest-in DIR REPO DEST [export options]"
-    dir=$2; shift 2
-    [[ -d "$dir" ]] || die "no such folder: $dir"
-    ckpt=$(find "$dir" -mindepth 1 -maxdepth 1 ! -name '.*' -printf '%T@ %p\n' | sort -n | tail -n 1 | cut -d' ' -f2-)
-    [[ -n "$ckpt" ]] || die "no checkpoint in $dir"
+    src=$2; shift 2
+    [[ -d "$src" ]] || die "no such folder: $src"
 else
-    [[ $# -ge 3 ]] || die "usage: $0 CHECKPOINT REPO DEST [export options]  (or --newest-in DIR REPO DEST)"
-    ckpt=$1; shift
+    [[ $# -ge 3 ]] || die "usage: $0 SOURCE REPO DEST [export options]  (or --newest-in DIR REPO DEST)"
+    src=$1; shift
 fi
 repo=$1; dest=$2; shift 2
-[[ -e "$ckpt" ]] || die "no such checkpoint: $ckpt"
+[[ -e "$src" ]] || die "no such checkpoint: $src"
 report=${REPORT:-recovery-proof-$(date -u +%Y%m%dT%H%M%SZ).md}
 
-echo "end-of-rental: packing $ckpt into $repo" >&2
-"${CA[@]}" pack "$ckpt" --repo "$repo" || die "pack failed (exit $?)" $?
-
-echo "end-of-rental: exporting the newest usable generation to $dest" >&2
+echo "end-of-rental: backing up the newest checkpoint of $src into $repo (packed only if it changed)" >&2
 set +e
-"${CA[@]}" export "$repo@latest" --to "$dest" --report "$report" "$@"
+"${CA[@]}" backup "$src" --repo "$repo" --settle "${SETTLE:-2}" --wait "${WAIT:-60}"
 rc=$?
 set -e
-[[ $rc -eq 0 ]] || die "export failed (exit $rc)" $rc
+case $rc in
+    0) ;;
+    75) die "the checkpoint is still being written; run this again once the save has finished" 75 ;;
+    *) die "backup failed (exit $rc)" "$rc" ;;
+esac
+
+echo "end-of-rental: exporting the newest usable generation to $dest (resumes an interrupted export)" >&2
+set +e
+"${CA[@]}" export "$repo@latest" --to "$dest" --report "$report" --wait "${WAIT:-60}" "$@"
+rc=$?
+set -e
+[[ $rc -eq 0 ]] || die "export failed (exit $rc); fix what the line above says and run this again: it resumes" "$rc"
 
 echo
 cat "$report"

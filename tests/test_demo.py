@@ -101,10 +101,16 @@ def test_demo_checkpoint_went_through_a_usable_verified_archive_generation(repor
     assert state["progress"]["step"] == 5 and state["data"]["cursor"] == 20
 
 
-def test_demo_prints_a_proof_table_on_stderr(demo):
+def test_demo_prints_a_proof_table_on_stderr(demo, report, capsys):
     r, _ = demo
+    assert r.stderr == ""  # the demo ran with --json: nothing but the JSON object
+    from ckpt_archive.cli.common import Output
+    from ckpt_archive.cli.demo_cmd import render_demo
+
+    render_demo(Output(False), report)  # what a run without --json prints, from the same report
+    err = capsys.readouterr().err
     for text in ("20 of 24 (mid-epoch)", "0.00375", "negative control: omit-rng-restore", "PASSED"):
-        assert text in r.stderr
+        assert text in err
 
 
 def test_demo_never_overwrites_an_earlier_proof(demo):
@@ -115,7 +121,7 @@ def test_demo_never_overwrites_an_earlier_proof(demo):
     assert (out / "verification.json").read_bytes() == before
 
 
-def test_resume_that_forgets_the_scheduler_exits_1_with_lr_apart_from_loss(tmp_path):
+def test_resume_that_forgets_the_scheduler_exits_1_with_lr_apart_from_loss(tmp_path, capsys):
     out = tmp_path / "broken"
     r = cli("check-resume", "--steps", "10", "--interrupt-at", "5", "--output", str(out), "--json", "--",
             sys.executable, str(SCRIPTS / "demo_forgets_scheduler.py"), "--steps", "{steps}", "--output", "{output}",
@@ -129,4 +135,9 @@ def test_resume_that_forgets_the_scheduler_exits_1_with_lr_apart_from_loss(tmp_p
     assert pos["first_divergence"] == {"step": 7, "field": "lr[0]", "expected": 0.0075, "got": 0.015}
     assert pos["lr_divergence"]["step"] == 7 and pos["loss_divergence"]["step"] == 8
     assert pos["data_order"] is None
-    assert "LR diverges at update 7" in r.stderr
+    assert r.stderr == ""  # --json: nothing but the JSON object
+    from ckpt_archive.cli.check_resume_cmd import report_human
+    from ckpt_archive.cli.common import Output
+
+    report_human(Output(False), report, "check-resume")  # what a run without --json prints
+    assert "LR diverges at update 7" in capsys.readouterr().err

@@ -108,12 +108,19 @@ def test_export_to_s3_is_usable_there_and_restores_bit_equal(source, s3_server, 
         [f"generations/00000002/{m}" for m in ["CLAIM", "USABLE.json", "manifest.json", *MEMBERS]]
         + ["repository.json"])
     text = report.read_text()
-    # the proof's own restore command, run as printed, on a "new machine" (a fresh folder)
-    (line,) = [ln for ln in text.splitlines() if ln.startswith("ckpt-archive restore ")]
-    args = shlex.split(line)[1:]
+    # the proof's own restore command, run as printed, on a "new machine" (a fresh folder) whose environment
+    # does not name the endpoint: the proof must carry it (it came from AWS_ENDPOINT_URL here)
+    (line,) = [ln for ln in text.splitlines() if "ckpt-archive restore " in ln]
+    words = shlex.split(line)
+    env = dict(w.split("=", 1) for w in words[:words.index("ckpt-archive")])
+    assert env["AWS_ENDPOINT_URL"] == s3_server.endpoint and env["AWS_REGION"] == "us-east-1"
+    args = words[words.index("ckpt-archive") + 1:]
     fresh = tmp_path / "new-machine"
     fresh.mkdir()
     monkeypatch.chdir(fresh)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     res = cli(*args)
     assert res.exit_code == 0, res.output
     _assert_bit_equal(states[2], torch.load(fresh / "checkpoint.pt", weights_only=True))
@@ -126,7 +133,7 @@ def test_export_to_s3_is_usable_there_and_restores_bit_equal(source, s3_server, 
     assert "step" in text and "| 2 | 102 |" in text
 
 
-def test_export_json_proof_lists_objects_checks_and_restore_command(source, s3_url, tmp_path):
+def test_export_json_proof_lists_objects_checks_and_restore_command(source, s3_server, s3_url, tmp_path):
     repo, _ = source
     res = cli("export", f"{repo}@1", "--to", s3_url, "--json", "--report", str(tmp_path / "proof.json"))
     assert res.exit_code == 0, res.output
@@ -142,7 +149,12 @@ def test_export_json_proof_lists_objects_checks_and_restore_command(source, s3_u
     assert sum(n.startswith("size and sha256 re-read from destination") for n in names) == len(MEMBERS)
     assert any(n.startswith("trial reload from destination") for n in names)
     assert all(c["result"] == "ok" for c in g["checks"])
-    assert doc["restore_command"] == f"ckpt-archive restore {s3_url}@1 --output checkpoint.pt"
+    assert doc["restore_command"] == (f"AWS_ENDPOINT_URL={s3_server.endpoint} AWS_REGION=us-east-1 "
+                                      f"ckpt-archive restore {s3_url}@1 --output checkpoint.pt")
+    assert doc["endpoint_url"] == s3_server.endpoint and doc["region"] == "us-east-1"
+    assert g["fingerprints"]["manifest_sha256"] == g["marker"]["manifest_sha256"]
+    assert g["trial_reload"]["where"] == s3_url and g["trial_reload"]["result"] == "ok"
+    assert doc["install_commands"][-1] == 'python -m pip install -c constraints.txt -e ".[s3]"'
 
 
 def test_export_all_usable_then_rerun_copies_nothing(source, s3_url):
@@ -293,11 +305,17 @@ def test_wrong_credentials_exit_2_clear_message_nothing_marked_usable(source, s3
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with s3_server.enforce_auth():
         res = cli("export", str(repo), "--to", s3_url, "--json")
+        human = cli("export", str(repo), "--to", s3_url)         # without --json: one line on stderr
     assert res.exit_code == 2, res.output
-    assert f"{s3_url}: access denied (" in res.stderr and "AWS_ACCESS_KEY_ID" in res.stderr
     assert "Traceback" not in res.output
+    assert res.stderr == ""                                      # --json: the error is the JSON object
     doc = json.loads(res.stdout)
     assert doc["ok"] is False and doc["error"] == "StoreError" and doc["exit_code"] == 2
+    assert doc["where"] == s3_url and doc["reason"].startswith("access denied (") and "AWS_ACCESS_KEY_ID" in doc["hint"]
+    assert human.exit_code == 2
+    assert f"{s3_url}: access denied (" in human.stderr and "AWS_ACCESS_KEY_ID" in human.stderr
+    (line,) = [ln for ln in human.stderr.splitlines() if ln.startswith("error:")]
+    assert "access denied" in line
     assert not any(k.endswith("USABLE.json") for k in _keys(s3_server, s3_url))
 
 
@@ -319,7 +337,8 @@ def test_endpoint_url_option_beats_a_wrong_environment(source, s3_server, s3_url
     res = cli("export", str(repo), "--to", s3_url, "--endpoint-url", s3_server.endpoint, "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert doc["restore_command"].startswith(f"AWS_ENDPOINT_URL={s3_server.endpoint} ckpt-archive restore")
+    assert doc["restore_command"].startswith(f"AWS_ENDPOINT_URL={s3_server.endpoint} AWS_REGION=us-east-1 "
+                                             f"ckpt-archive restore")
 
 
 # --- the other commands on an s3 repository -------------------------------------------------------------------
@@ -362,24 +381,82 @@ def test_generation_copied_by_another_tool_is_copied_until_verify_deep_there(sou
     _assert_bit_equal(states[1], ca.load(s3_url, 1))
 
 
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "end-of-rental.sh")
+
+
+def _rental_output(tmp_path):
+    """A training output folder: two checkpoints, and a log written after the newest of them."""
+    out = tmp_path / "output"
+    (out / "checkpoints").mkdir(parents=True)
+    torch.save(_state(1), out / "checkpoints" / "step100.pt")
+    torch.save(_state(2), out / "checkpoints" / "step200.pt")
+    os.utime(out / "checkpoints" / "step100.pt", (1, 1))
+    (out / "train.log").write_text("step 200 loss 0.1\n")          # the newest entry, not a checkpoint
+    return out
+
+
+def _run_script(*args, inject: str | None = None, report=None):
+    env = dict(os.environ, CKPT_ARCHIVE=f"{sys.executable} -m ckpt_archive", SETTLE="0")
+    env.pop("CKPT_ARCHIVE_INJECT", None)
+    if inject:
+        env["CKPT_ARCHIVE_INJECT"] = inject
+    if report is not None:
+        env["REPORT"] = str(report)
+    return subprocess.run(["bash", SCRIPT, *map(str, args)], env=env, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["s3", "local"])
-def test_end_of_rental_script_packs_exports_and_prints_the_proof(kind, request, tmp_path):
+def test_end_of_rental_script_packs_the_newest_checkpoint_not_the_newest_file_and_prints_the_proof(kind, request,
+                                                                                                  tmp_path):
     dest = request.getfixturevalue("s3_url") if kind == "s3" else str(tmp_path / "dest")
-    out = tmp_path / "output"
-    (out / "checkpoint-100").mkdir(parents=True)
-    torch.save(_state(1), out / "checkpoint-100" / "state.pt")
-    torch.save(_state(2), out / "checkpoint-200.pt")
-    os.utime(out / "checkpoint-100", (1, 1))                    # the .pt is the newest entry
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "end-of-rental.sh")
-    env = dict(os.environ, CKPT_ARCHIVE=f"{sys.executable} -m ckpt_archive", REPORT=str(tmp_path / "proof.md"))
-    env.pop("CKPT_ARCHIVE_INJECT", None)
-    proc = subprocess.run(["bash", script, "--newest-in", str(out), str(tmp_path / "repo"), dest], env=env,
-                          capture_output=True, text=True, timeout=300)
+    out = _rental_output(tmp_path)
+    proc = _run_script("--newest-in", out, tmp_path / "repo", dest, report=tmp_path / "proof.md")
     assert proc.returncode == 0, proc.stderr
     assert "OK, recoverable from the destination" in proc.stdout
-    assert f"ckpt-archive restore {dest}@1 --output checkpoint-200.pt" in proc.stdout
+    assert f"ckpt-archive restore {dest}@1 --output step200.pt" in proc.stdout
+    assert "python -m pip install -c constraints.txt -e" in proc.stdout
+    assert "pip install 'ckpt-archive[s3]'" not in proc.stdout
     assert "recoverable from" in proc.stderr
+    _assert_bit_equal(_state(2), ca.load(dest))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["s3", "local"])
+def test_end_of_rental_rerun_packs_nothing_twice_and_copies_nothing_twice(kind, request, tmp_path):
+    dest = request.getfixturevalue("s3_url") if kind == "s3" else str(tmp_path / "dest")
+    out = _rental_output(tmp_path)
+    first = _run_script(out, tmp_path / "repo", dest, report=tmp_path / "first.md")
+    assert first.returncode == 0, first.stderr
+    again = _run_script(out, tmp_path / "repo", dest, "--json", report=tmp_path / "again.json")
+    assert again.returncode == 0, again.stderr
+    assert [g.number for g in Repository.open(tmp_path / "repo").generations()] == [1]   # not packed twice
+    proof = json.loads((tmp_path / "again.json").read_text())
+    assert [(g["generation"], g["status"], g["bytes_copied"]) for g in proof["generations"]] == \
+        [(1, "already-usable", 0)]
+    assert [g.number for g in Repository.open(dest).generations()] == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["s3", "local"])
+def test_end_of_rental_killed_between_objects_resumes_on_rerun(kind, request, tmp_path):
+    dest = request.getfixturevalue("s3_url") if kind == "s3" else str(tmp_path / "dest")
+    out = _rental_output(tmp_path)
+    killed = _run_script(out, tmp_path / "repo", dest, inject="export-after-member=kill@1")
+    assert killed.returncode != 0 and "NOT SAFE to return the machine" in killed.stderr
+    (g,) = Repository.open(dest).generations()
+    assert g.status == "partial"
+    members = [m["stored_path"] for m in g.manifest["members"]]
+    assert len(members) >= 2
+    rerun = _run_script(out, tmp_path / "repo", dest, "--json", report=tmp_path / "proof.json")
+    assert rerun.returncode == 0, rerun.stderr
+    assert [g.number for g in Repository.open(tmp_path / "repo").generations()] == [1]   # packed once
+    (eg,) = json.loads((tmp_path / "proof.json").read_text())["generations"]
+    assert eg["status"] == "resumed"
+    actions = {o["key"].rsplit("/", 1)[1]: o["action"] for o in eg["objects"]}
+    assert [actions[m] for m in members] == ["present"] + ["copied"] * (len(members) - 1)
+    names = sorted(Repository.open(dest).store.listdir("generations/00000001"))
+    assert names == sorted(["CLAIM", "USABLE.json", "manifest.json", *members])
     _assert_bit_equal(_state(2), ca.load(dest))
 
 
@@ -387,11 +464,8 @@ def test_end_of_rental_script_packs_exports_and_prints_the_proof(kind, request, 
 def test_end_of_rental_script_fails_loudly_when_the_export_fails(source, s3_server, s3_url, tmp_path, monkeypatch):
     torch.save(_state(3), tmp_path / "last.pt")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG1")
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "end-of-rental.sh")
-    env = dict(os.environ, CKPT_ARCHIVE=f"{sys.executable} -m ckpt_archive", REPORT=str(tmp_path / "proof.md"))
     with s3_server.enforce_auth():
-        proc = subprocess.run(["bash", script, str(tmp_path / "last.pt"), str(tmp_path / "repo"), s3_url], env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = _run_script(tmp_path / "last.pt", tmp_path / "repo", s3_url, report=tmp_path / "proof.md")
     assert proc.returncode == 2, proc.stderr
     assert "access denied" in proc.stderr and "NOT SAFE to return the machine" in proc.stderr
     assert not (tmp_path / "proof.md").exists()
@@ -407,3 +481,55 @@ def test_export_refuses_an_empty_destination_or_one_overlapping_the_source(tmp_p
     with pytest.raises(UsageError):
         export(src, dest)
     assert not (src / "generations" / "x").exists()
+
+
+# --- an end of rental you can re-run: what a killed export leaves at DEST, and a missing bucket ---------------
+@pytest.mark.slow
+def test_rerun_aborts_the_multipart_upload_a_killed_export_left_at_dest(s3_server, s3_url, tmp_path, monkeypatch):
+    """A process killed mid-upload cannot abort its multipart upload: the parts stay, invisible and billed.
+    The re-run, holding DEST's lock, aborts the unfinished uploads below its own generation."""
+    repo = tmp_path / "big"
+    g = torch.Generator().manual_seed(5)
+    ca.pack({"w": torch.randn(3_000_000, generator=g), "step": 1}, repo)   # an ~11 MiB member: multipart
+    monkeypatch.setenv("FSSPEC_S3", json.dumps({"default_block_size": 5 << 20}))
+    killed = run_cli_subprocess("export", str(repo), "--to", s3_url, inject="export-member-write=kill")
+    assert killed.returncode == -9, killed.stderr
+    bucket, prefix = _split(s3_url)
+    client = s3_server.client()
+    uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    assert [u["Key"] for u in uploads] == [f"{prefix}/generations/00000001/tensors-00000.safetensors.ckz"]
+
+    res = cli("export", str(repo), "--to", s3_url, "--json")
+    assert res.exit_code == 0, res.output
+    (eg,) = json.loads(res.stdout)["generations"]
+    assert eg["status"] == "resumed"
+    assert eg["cleaned"]["aborted_uploads"] == ["generations/00000001/tensors-00000.safetensors.ckz"]
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert Repository.open(s3_url).generation(1).status == "usable"
+
+
+def test_rerun_removes_stray_objects_of_its_own_partial_generation(source, s3_server, s3_url):
+    repo, states = source
+    bucket, prefix = _split(s3_url)
+    first = run_cli_subprocess("export", f"{repo}@2", "--to", s3_url, inject="export-after-manifest=kill")
+    assert first.returncode == -9, first.stderr
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/generations/00000002/stray.tmp", Body=b"x")
+    res = cli("export", f"{repo}@2", "--to", s3_url, "--json")
+    assert res.exit_code == 0, res.output
+    (eg,) = json.loads(res.stdout)["generations"]
+    assert eg["cleaned"]["removed"] == ["generations/00000002/stray.tmp"]
+    assert "stray.tmp" not in Repository.open(s3_url).store.listdir("generations/00000002")
+    _assert_bit_equal(states[2], ca.load(s3_url))
+
+
+def test_a_missing_bucket_is_one_clear_line_with_exit_2(source, s3_server, s3_env, tmp_path):
+    repo, _ = source
+    url = "s3://no-such-bucket-for-ckpt-archive/run-1"
+    res = cli("export", str(repo), "--to", url)
+    assert res.exit_code == 2, res.output
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert "bucket does not exist" in line and url in line
+    assert "repository.json: missing" not in res.output
+    res = cli("export", str(repo), "--to", url, "--json")
+    assert res.exit_code == 2 and res.stderr == ""
+    assert "bucket does not exist" in json.loads(res.stdout)["reason"]

@@ -168,7 +168,8 @@ def fault_runs(template, tmp_path_factory):
 def assert_fault_fired(case, run) -> None:
     """The injected fault really happened at that point (else the case would prove nothing)."""
     command, point, action = case
-    rc, err = run["rc"], run["stderr"]
+    # with --json the report (warnings, or the error) is the JSON object on stdout, and stderr stays empty
+    rc, err = run["rc"], run["stderr"] + run["stdout"]
     assert rc is not None, f"{case_id(case)}: the command hung"
     if action == "kill":
         assert rc == -signal.SIGKILL, f"{case_id(case)}: expected SIGKILL at {point}, got rc={rc}: {err[-500:]}"
@@ -262,7 +263,7 @@ def test_second_pack_fails_with_lock_error_exit_2_and_writes_nothing(template, t
                               capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 2
     assert json.loads(proc.stdout)["error"] == "LockError"
-    assert "locked by another writer" in proc.stderr
+    assert "locked by another writer" in json.loads(proc.stdout)["reason"] and proc.stderr == ""
     assert sorted(os.listdir(repo / "generations")) == before
 
 

@@ -573,6 +573,8 @@ def test_inspect_shows_next_step_lr_and_puts_policy_in_json(repo_case1):
     g = doc["policy"]["audit"]["groups"][0]
     assert g["lr"] == 1e-3 and g["next_lr"] == 1e-3
     assert doc["policy"]["audit"]["counters"]["optimizer_step"] == 6000
+    assert res.stderr == ""                                   # --json: nothing but the JSON object
+    res = _cli("inspect", repo_case1)
     assert "next_lr" in res.stderr and "optimizer step 6000" in res.stderr
 
 
@@ -608,6 +610,8 @@ def test_restore_session_config_warns_naming_field_values_and_switch(repo_case1,
     (d,) = doc["policy"]["differences"]
     assert (d["field"], d["archived"], d["session"], d["wins"]) == ("optimizer.param_groups[0].lr", 0.001, 1e-05,
                                                                     "checkpoint")
+    assert res.stderr == ""                                   # --json: nothing but the JSON object
+    res = _cli("restore", repo_case1, "-o", tmp_path / "human.pt", "--session-config", cfg)
     assert "optimizer.param_groups[0].lr: archived 0.001, session 1e-05" in res.stderr
     assert "--policy session" in res.stderr
     restored = _load(out)
@@ -622,7 +626,9 @@ def test_restore_policy_session_rewrites_lr_and_keeps_moments(repo_case1, adam_6
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["policy"]["changes"] == [{"field": "optimizer.param_groups[0].lr", "old": 0.001, "new": 1e-05}]
-    assert "--policy session: rewrote 1 field(s)" in res.stderr
+    assert res.stderr == ""                                   # --json: nothing but the JSON object
+    human = _cli("restore", repo_case1, "-o", tmp_path / "human.pt", "--session-config", cfg, "--policy", "session")
+    assert "--policy session: rewrote 1 field(s)" in human.stderr
     restored = _load(out)
     assert restored["optimizer"]["param_groups"][0]["lr"] == 1e-5
     for k, st in adam_6000["optimizer"]["state"].items():

@@ -34,6 +34,7 @@ def cli(*args):
 
 def cli_json(*args):
     res = cli(*args, "--json")
+    assert res.stderr == "", res.stderr  # --json: the JSON object and nothing else, errors included
     return res, json.loads(res.stdout)  # exactly one JSON object on stdout, or this fails
 
 
@@ -111,8 +112,10 @@ def test_prune_dry_run_json_is_one_object_and_deletes_nothing(repo5):
 def test_prune_refuses_an_empty_policy_and_deletes_nothing(repo5):
     res, out = cli_json("prune", repo5)
     assert res.exit_code == 2
+    assert out["ok"] is False and out["error"] == "UsageError" and "empty retention policy" in out["reason"]
+    res = cli("prune", repo5)
+    assert res.exit_code == 2
     assert "empty retention policy" in res.stderr and "Traceback" not in res.stderr
-    assert out["ok"] is False and out["error"] == "UsageError"
     assert usable(repo5) == [1, 2, 3, 4, 5]
 
 
@@ -245,6 +248,10 @@ def test_prune_removes_only_after_an_older_kept_generation_verifies_and_warns_ab
     assert out["verify_kept"]["verified_generation"] == 2 and out["verify_kept"]["trusted"] is False
     assert [f["generation"] for f in out["verify_kept"]["failed"]] == [3]
     assert any("kept generation 3 does not verify" in w for w in out["warnings"])
+    human = make_repo(tmp_path / "r2", [0.9, 0.8, 0.7])
+    flip_byte(human, 3)
+    res = cli("prune", human, "--keep-last", 2)
+    assert res.exit_code == 0, res.stderr
     assert "warning: kept generation 3 does not verify" in " ".join(res.stderr.split())
 
 
@@ -470,7 +477,8 @@ def test_backup_packs_a_file_then_a_second_tick_does_nothing(tmp_path):
     res, out = backup_cli(src, repo)
     assert res.exit_code == 0
     assert out["action"] == "unchanged" and out["generation"] == 1 and out["read_bytes"] == 0
-    assert "nothing to do" in res.stderr
+    res = cli("backup", src, "--repo", repo, "--settle", 0)
+    assert res.exit_code == 0 and "nothing to do" in res.stderr
     assert usable(repo) == [1]
     state_file = json.loads((repo / "backup-state.json").read_text())
     assert state_file["sources"][str(src.absolute())]["generation"] == 1
@@ -542,6 +550,8 @@ def test_backup_of_a_folder_without_checkpoint_is_exit_2(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("hi")
     res, out = backup_cli(tmp_path / "out", tmp_path / "repo")
+    assert res.exit_code == 2 and "no checkpoint found" in out["reason"]
+    res = cli("backup", tmp_path / "out", "--repo", tmp_path / "repo", "--settle", 0)
     assert res.exit_code == 2 and "no checkpoint found" in res.stderr
 
 
@@ -557,7 +567,8 @@ def test_backup_skips_a_truncated_torch_zip_with_exit_75(tmp_path):
     res, out = backup_cli(src, tmp_path / "repo")
     assert res.exit_code == 75
     assert out["action"] == "busy" and "zip is not whole" in out["reason"]
-    assert "exit 75" in res.stderr
+    res = cli("backup", src, "--repo", tmp_path / "repo", "--settle", 0)
+    assert res.exit_code == 75 and "exit 75" in res.stderr
     assert not (tmp_path / "repo" / "generations").exists() or usable(tmp_path / "repo") == []
 
 
@@ -764,11 +775,12 @@ def test_backup_skips_a_stale_truncated_newest_checkpoint_and_backs_up_the_newes
     assert out["action"] == "packed" and out["checkpoint"] == str((runs / "a.pt").absolute())
     assert [x["checkpoint"] for x in out["skipped"]] == [str(z.absolute())]
     assert "zip is not whole" in out["skipped"][0]["reason"] and "broken" in out["skipped"][0]["reason"]
-    text = " ".join(res.stderr.split())
-    assert f"warning: skipped {z.absolute()}" in text and "--stale-after 600 s" in text
     assert ckpt_archive.load(repo)["step"] == 100
     res, out = backup_cli(runs, repo)  # the next tick is not stuck either
     assert res.exit_code == 0 and out["action"] == "unchanged" and out["skipped"], res.stderr
+    res = cli("backup", runs, "--repo", repo, "--settle", 0)  # and says why, in words, without --json
+    text = " ".join(res.stderr.split())
+    assert res.exit_code == 0 and f"warning: skipped {z.absolute()}" in text and "--stale-after 600 s" in text
 
 
 def test_backup_still_exits_75_for_a_recent_incomplete_checkpoint_even_with_an_older_complete_one(tmp_path):

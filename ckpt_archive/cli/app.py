@@ -9,13 +9,35 @@ from __future__ import annotations
 import importlib
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from ckpt_archive.cli.commands import COMMAND_MODULES
 
+
+def _no_flag_metavar(params: list) -> list:
+    """On/off flags take no value: show none (Typer prints ``<bool>`` in the type column otherwise)."""
+    for p in params:
+        if getattr(p, "is_flag", False) and getattr(p, "metavar", None) is None:
+            p.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    def get_params(self, ctx):
+        return _no_flag_metavar(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx):
+        return _no_flag_metavar(super().get_params(ctx))
+
+
 app = typer.Typer(
     name="ckpt-archive",
+    cls=_Group,
     help="Pack a training checkpoint (a resume point) into a verified, trial-reloaded archive; "
-         "verify, restore, rotate and export it. Exit codes: 0 ok, 1 check failed, 2 could not check.",
+         "verify, restore, rotate and export it. Each command's --help lists its options and exit codes "
+         "(0 ok, 1 something was found wrong, 2 could not be carried out, 130 interrupted).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -39,6 +61,9 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 def _register_all() -> None:
     for name in COMMAND_MODULES:
         importlib.import_module(f"ckpt_archive.cli.{name}_cmd").register(app)
+    for info in app.registered_commands:
+        if info.cls in (None, TyperCommand):
+            info.cls = _Command
 
 
 _register_all()

@@ -5,19 +5,20 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_with
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with
 from ckpt_archive.cli.prune_cmd import (BEST_BY, KEEP_BEST, KEEP_DAILY, KEEP_HOURLY, KEEP_LAST, KEEP_MONTHLY, KEEP_TAG, KEEP_WEEKLY,
                     KEEP_WITHIN, WAIT, policy_from_flags)
 
-BACKUP_EXIT_CODES = ("Exit codes: 0 a new generation was packed, or the source equals the newest usable generation "
-                     "(nothing done), also when a newer broken checkpoint was skipped (with a warning); 75 "
-                     "(EX_TEMPFAIL) the checkpoint is still being written (changed within the settle window, or "
-                     "incomplete - a zip without its directory, a truncated safetensors file, a missing shard, a "
-                     "temporary file - and changed within --stale-after): nothing packed, retry on the next tick; "
-                     "1 the new generation failed verification or trial reload (nothing published); 2 could not "
-                     "be carried out (SOURCE missing, holding no checkpoint, or holding only broken ones - "
-                     "incomplete and unchanged for longer than --stale-after; refused input, bad flags, lock held "
-                     "by another writer).")
+BACKUP_EXIT_CODES = exit_codes_help({
+    0: "a new generation was packed, or the source equals the newest usable generation (nothing done), also "
+       "when a newer broken checkpoint was skipped (with a warning)",
+    75: "(EX_TEMPFAIL) the checkpoint is still being written (changed within the settle window, or incomplete - "
+        "a zip without its directory, a truncated safetensors file, a missing shard, a temporary file - and "
+        "changed within --stale-after): nothing packed, retry on the next tick",
+    1: "the new generation failed verification or trial reload (nothing published)",
+    2: "could not be carried out (SOURCE missing, holding no checkpoint, or holding only broken ones - "
+       "incomplete and unchanged for longer than --stale-after; refused input, bad flags, lock held by another "
+       "writer)"})
 
 
 def register(app: typer.Typer) -> None:
@@ -29,7 +30,7 @@ def register(app: typer.Typer) -> None:
                  "and inode first (remembered in REPO/backup-state.json) and reads the files only when those "
                  "changed; when the content equals the newest usable generation's source, does nothing. Never "
                  "packs a checkpoint still being written. Retention (policy flags, else the repository's "
-                 "default) runs only after the new generation is usable. " + BACKUP_EXIT_CODES)
+                 "default) runs only after the new generation is usable." + BACKUP_EXIT_CODES)
     @command
     def backup_cmd(
         source: str = typer.Argument(..., metavar="SOURCE", help="Checkpoint file/folder or training output folder."),

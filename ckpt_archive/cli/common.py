@@ -1,22 +1,54 @@
 """Helpers every command uses: REPO@GEN parsing, output (human on stderr, JSON on stdout), exit codes,
-progress bars. Commands stay thin: parse, call the library, report.
+progress bars with phases. Commands stay thin: parse, call the library, report.
+
+Output modes, the same for every command:
+
+* default: human lines on stderr; a progress bar (phase, IEC bytes, MiB/s, ETA where the total is
+  known) when stderr is a terminal;
+* ``--json``: one JSON object on stdout and nothing on stderr -- errors too are that JSON object
+  (``ok: false``, ``error``, ``reason``, ``exit_code``);
+* ``--quiet`` (for cron): only warnings and errors on stderr, no progress.
+
+``--quiet`` is added to every command by :func:`command`, which also maps exceptions to exit codes and
+turns Ctrl-C into exit 130 with a line naming what was left and the command that cleans it.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
+import inspect
 import re
 import sys
 from typing import Any, Callable
 
 import typer
 
-from ckpt_archive.errors import CkptArchiveError, UsageError, exit_code_for
+from ckpt_archive.errors import EXIT_MEANINGS, CkptArchiveError, UsageError, exit_code_for
 
-#: Shown in every command's --help (each command may add its own).
-EXIT_CODES_HELP = ("Exit codes: 0 ok; 1 something was examined and found wrong (corrupt, tampered or "
-                   "missing member, incoherent state, divergent resume); 2 could not be carried out "
-                   "(unreadable or refused input, missing path, bad arguments, newer format, lock not "
-                   "obtained).")
+
+def exit_codes_help(meanings: dict[int, str] | None = None, codes: tuple[int, ...] = (0, 1, 2)) -> str:
+    """The exit-code paragraph of one command's ``--help``: the codes it returns, in its own words.
+
+    A paragraph of its own (after a blank line), so the top-level ``--help`` shows only each command's
+    first paragraph. Ctrl-C (130) is always listed.
+
+    Args:
+        meanings: ``{code: what it means for this command}``; codes not given use
+            :data:`ckpt_archive.errors.EXIT_MEANINGS`.
+        codes: the codes this command returns besides 130 (default 0, 1, 2).
+
+    Returns:
+        ``"\n\nExit codes: 0 ...; 1 ...; 2 ...; 130 ..."``.
+    """
+    meanings = dict(meanings or {})
+    wanted = sorted(set(codes) | set(meanings) | {130})
+    parts = [f"{c} {meanings.get(c, EXIT_MEANINGS[c])}" for c in wanted]
+    return "\n\nExit codes: " + "; ".join(parts) + "."
+
+
+#: The generic exit-code paragraph (commands that say nothing more specific).
+EXIT_CODES_HELP = exit_codes_help({1: "something was examined and found wrong (corrupt, tampered or missing "
+                                      "member, incoherent state)"})
 
 _GEN_SUFFIX = re.compile(r"^([0-9]+|latest|tag:[^/@]+)$", re.ASCII)
 
@@ -50,25 +82,48 @@ def split_repo_spec(spec: str) -> tuple[str, str]:
     return spec, "latest"
 
 
-class Output:
-    """Human lines to stderr (rich, no tracebacks); one JSON object to stdout in ``--json`` mode."""
+#: ``--quiet`` of the command now running (set by :func:`command`; read by :class:`Output`).
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_archive_quiet", default=False)
 
-    def __init__(self, json_mode: bool):
+
+class Output:
+    """Human lines to stderr (rich, no tracebacks); one JSON object to stdout in ``--json`` mode.
+
+    In ``--json`` mode nothing goes to stderr (the JSON object carries the warnings and the error);
+    with ``--quiet`` only warnings and errors do.
+
+    Args:
+        json_mode: ``--json`` was given.
+        quiet: ``--quiet`` was given (default: the running command's, see :func:`command`).
+    """
+
+    def __init__(self, json_mode: bool, quiet: bool | None = None):
         from rich.console import Console
 
         self.json_mode = json_mode
+        self.quiet = _QUIET.get() if quiet is None else quiet
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)
         if not self.err.is_terminal and "COLUMNS" not in __import__("os").environ:
             self.err.width = 200  # logs and pipes: do not cut paths and reasons at 80 columns
 
     def say(self, text: str = "", style: str | None = None) -> None:
-        self.err.print(text, style=style, markup=False)
+        """An information line (not in ``--json`` or ``--quiet`` mode)."""
+        if not (self.json_mode or self.quiet):
+            self.err.print(text, style=style, markup=False)
 
     def warn(self, text: str) -> None:
-        self.err.print(f"warning: {text}", style="yellow", markup=False)
+        """A warning (not in ``--json`` mode, where the JSON object carries it)."""
+        if not self.json_mode:
+            self.err.print(f"warning: {text}", style="yellow", markup=False)
+
+    def error(self, text: str) -> None:
+        """An error line (not in ``--json`` mode, where the JSON object carries it)."""
+        if not self.json_mode:
+            self.err.print(text, style="red", markup=False)
 
     def table(self, table) -> None:
-        self.err.print(table)
+        if not (self.json_mode or self.quiet):
+            self.err.print(table)
 
     def json(self, obj: dict) -> None:
         if self.json_mode:
@@ -78,8 +133,11 @@ class Output:
             sys.stdout.flush()
 
     def progress(self, total: int | None, description: str):
-        """A bytes/s progress bar when stderr is a terminal and not in JSON mode; else a no-op."""
-        return make_progress(total, description, enabled=(not self.json_mode) and self.err.is_terminal)
+        """A progress bar (phase, bytes in IEC units, MiB/s, ETA when ``total`` is known) when stderr is a
+        terminal and neither ``--json`` nor ``--quiet`` is given; else a no-op. The returned object is a
+        context manager, a callable ``advance(nbytes)`` and has ``phase(name, total)``."""
+        return make_progress(total, description,
+                             enabled=not (self.json_mode or self.quiet) and self.err.is_terminal)
 
 
 class _NoProgress:
@@ -92,17 +150,50 @@ class _NoProgress:
     def __call__(self, nbytes: int) -> None:
         pass
 
+    def phase(self, name: str, total: int | None = None) -> None:
+        pass
+
+
+def _speed_column():
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class IECSpeed(ProgressColumn):
+        """Bytes per second in IEC units (MiB/s), like every size the tool prints."""
+
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("" if speed is None else f"{human_bytes(int(speed))}/s", style="progress.data.speed")
+
+    return IECSpeed()
+
+
+def _size_column():
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class IECSize(ProgressColumn):
+        """``done / total`` in IEC units (``done`` alone while the total is unknown)."""
+
+        def render(self, task) -> Text:
+            done = human_bytes(int(task.completed))
+            text = done if task.total is None else f"{done} / {human_bytes(int(task.total))}"
+            return Text(text, style="progress.download")
+
+    return IECSize()
+
 
 class _RichProgress:
     def __init__(self, total, description):
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        self._p = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                           TransferSpeedColumn(), TimeRemainingColumn(),
-                           console=__import__("rich.console").console.Console(stderr=True), transient=True)
+        self._p = Progress(TextColumn("{task.description}"), BarColumn(), _size_column(), _speed_column(),
+                           TimeElapsedColumn(), TimeRemainingColumn(),
+                           console=Console(stderr=True), transient=True)
         self._total = total
         self._desc = description
+        self._base = description.split(":", 1)[0]  # "pack: write" -> phases read "pack: trial reload"
 
     def __enter__(self):
         self._p.__enter__()
@@ -115,14 +206,18 @@ class _RichProgress:
     def __call__(self, nbytes: int) -> None:
         self._p.advance(self._task, nbytes)
 
+    def phase(self, name: str, total: int | None = None) -> None:
+        """A new phase of the work (``verify``, ``trial reload``, ``re-read``): the bar starts over."""
+        self._p.reset(self._task, total=total, completed=0, description=f"{self._base}: {name}")
+
 
 def make_progress(total: int | None, description: str, enabled: bool):
-    """Return a context manager that is also a callable ``advance(nbytes)``."""
+    """Return a context manager that is also a callable ``advance(nbytes)`` with ``phase(name, total)``."""
     return _RichProgress(total, description) if enabled else _NoProgress()
 
 
-__all__ = ["EXIT_CODES_HELP", "JSON_OPTION", "Output", "command", "exit_code_for", "exit_with", "human_bytes",
-           "make_progress", "split_repo_spec"]
+__all__ = ["EXIT_CODES_HELP", "JSON_OPTION", "QUIET_OPTION", "Output", "command", "exit_code_for", "exit_codes_help",
+           "exit_with", "human_bytes", "make_progress", "split_repo_spec"]
 
 
 def exit_with(result: Any) -> None:
@@ -135,51 +230,87 @@ def exit_with(result: Any) -> None:
         raise typer.Exit(code)
 
 
-def command(fn: Callable) -> Callable:
-    """Wrap a command body: map any exception to its exit code (:func:`~ckpt_archive.errors.exit_code_for`),
-    never show a traceback.
+QUIET_OPTION = typer.Option(False, "--quiet", "-q", help="Only warnings and errors on stderr, no progress "
+                                                         "(for cron).")
 
-    The wrapped function must accept ``json_output: bool`` as a keyword argument.
+
+def interrupted_text(exc: BaseException) -> tuple[str, str | None, str | None]:
+    """What a Ctrl-C left behind, from the notes the library attached to the ``KeyboardInterrupt``
+    (``ckpt_left``: what was left, ``ckpt_cleanup``: the command that cleans it).
+
+    Returns:
+        ``(message, left, cleanup)``.
     """
+    left = getattr(exc, "ckpt_left", None)
+    cleanup = getattr(exc, "ckpt_cleanup", None)
+    if left:
+        text = f"interrupted: {left}"
+        if cleanup:
+            text += f"; {cleanup}"
+    else:
+        text = ("interrupted; nothing is known to be left half-written (`ckpt-archive list --all REPO` shows "
+                "any partial generation, `ckpt-archive gc REPO` removes it)")
+    return text, left, cleanup
+
+
+def command(fn: Callable) -> Callable:
+    """Wrap a command body: add ``--quiet``, map any exception to its exit code
+    (:func:`~ckpt_archive.errors.exit_code_for`), never show a traceback.
+
+    The wrapped function must accept ``json_output: bool`` as a keyword argument. In ``--json`` mode an
+    error is the one JSON object on stdout (nothing on stderr). Ctrl-C exits 130 naming what was left and
+    the command that cleans it.
+    """
+    sig = inspect.signature(fn)
+    takes_quiet = "quiet" in sig.parameters
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs) -> Any:
+        quiet = bool(kwargs.get("quiet", False)) if takes_quiet else bool(kwargs.pop("quiet", False))
         json_mode = bool(kwargs.get("json_output", False))
-        out = Output(json_mode)
+        token = _QUIET.set(quiet)
+        out = Output(json_mode, quiet)
         try:
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
         except CkptArchiveError as exc:
             code = exit_code_for(exc)
-            out.say(f"error: {exc}", style="red")
-            if json_mode:
-                out.json({"ok": False, **exc.to_json(), "exit_code": code})
+            out.error(f"error: {exc}")
+            out.json({"ok": False, **exc.to_json(), "exit_code": code})
             raise typer.Exit(code)
         except KeyboardInterrupt as exc:
-            out.say("interrupted", style="red")
-            raise typer.Exit(exit_code_for(exc))
+            code = exit_code_for(exc)
+            text, left, cleanup = interrupted_text(exc)
+            out.error(text)
+            out.json({"ok": False, "error": "Interrupted", "reason": text, "left": left, "cleanup": cleanup,
+                      "exit_code": code})
+            raise typer.Exit(code)
         except OSError as exc:
             code = exit_code_for(exc)
             where = getattr(exc, "filename", None)
             reason = f"{where}: {exc.strerror or exc}" if where else str(exc)
-            out.say(f"error: {reason}", style="red")
-            if json_mode:
-                out.json({"ok": False, "error": type(exc).__name__, "where": where, "reason": str(exc),
-                          "exit_code": code})
+            out.error(f"error: {reason}")
+            out.json({"ok": False, "error": type(exc).__name__, "where": where, "reason": str(exc),
+                      "exit_code": code})
             raise typer.Exit(code)
         except Exception as exc:  # last resort: still no traceback for a user, but say it is a bug
             code = exit_code_for(exc)
-            out.say(f"internal error ({type(exc).__name__}): {exc}. This is a bug in ckpt-archive; "
-                    f"set CKPT_ARCHIVE_DEBUG=1 for a traceback.", style="red")
             import os
 
             if os.environ.get("CKPT_ARCHIVE_DEBUG"):
                 raise
-            if json_mode:
-                out.json({"ok": False, "error": type(exc).__name__, "reason": str(exc), "exit_code": code})
+            out.error(f"internal error ({type(exc).__name__}): {exc}. This is a bug in ckpt-archive; "
+                      f"set CKPT_ARCHIVE_DEBUG=1 for a traceback.")
+            out.json({"ok": False, "error": type(exc).__name__, "reason": str(exc), "exit_code": code})
             raise typer.Exit(code)
+        finally:
+            _QUIET.reset(token)
 
+    if not takes_quiet:
+        params = list(sig.parameters.values())
+        quiet_param = inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, default=QUIET_OPTION, annotation=bool)
+        wrapper.__signature__ = sig.replace(parameters=[*params, quiet_param])
     return wrapper
 
 

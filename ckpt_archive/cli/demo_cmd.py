@@ -27,15 +27,21 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from ckpt_archive.demo.run import run_demo
         from ckpt_archive.errors import UsageError
-        from ckpt_archive.cli.check_resume_cmd import report_human
 
         if jobs is not None and jobs < 1:
             raise UsageError(f"--jobs must be >= 1, got {jobs}")
         out = Output(json_output)
         report = run_demo(output, jobs=jobs, on_event=out.say)
-        report_human(out, report, "ckpt-archive demo")
-        for f in report["demo_facts"]:
-            out.say(("  ok   " if f["ok"] else "  FAIL ") + f"{f['fact']}: {f['observed']}",
-                    style=None if f["ok"] else "red")
+        render_demo(out, report)
         out.json(report)
         exit_with(report)
+
+
+def render_demo(out: Output, report: dict) -> None:
+    """The demo's proof for a person: the check-resume table, then each demo fact (not in ``--json`` mode)."""
+    from ckpt_archive.cli.check_resume_cmd import report_human
+
+    report_human(out, report, "ckpt-archive demo")
+    for f in report["demo_facts"]:
+        out.say(("  ok   " if f["ok"] else "  FAIL ") + f"{f['fact']}: {f['observed']}",
+                style=None if f["ok"] else "red")

@@ -9,15 +9,22 @@ from typing import Optional
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_with, split_repo_spec
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes, split_repo_spec
 
 
 def register(app: typer.Typer) -> None:
     @app.command("export", help="Copy usable generations to DEST (a local path or s3://bucket/prefix), re-read "
                  "every member from DEST (size, sha256 of every chunk and whole), trial-reload from DEST, then "
-                 "write DEST's USABLE marker last. A re-run after an interruption finishes its own partial copy. "
-                 "Credentials, region and endpoint come from the standard AWS environment (AWS_ACCESS_KEY_ID, "
-                 "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_ENDPOINT_URL). " + EXIT_CODES_HELP)
+                 "write DEST's USABLE marker last. Idempotent and resumable: a generation already usable at DEST "
+                 "is not copied again; a re-run after an interruption finishes its own partial copy, aborting the "
+                 "unfinished multipart uploads it left. Credentials, region and endpoint come from the standard "
+                 "AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_REGION, "
+                 "AWS_ENDPOINT_URL); the recovery proof records the endpoint and region it used."
+                 + exit_codes_help({0: "every selected generation is usable at DEST",
+                                    1: "a member at the source or at DEST does not match its manifest, or the "
+                                       "trial reload at DEST failed (named; DEST's marker not written)",
+                                    2: "could not be carried out (no such bucket, access denied, DEST holds "
+                                       "another archive at that number, lock held, bad arguments)"}))
     @command
     def export_cmd(
         spec: str = typer.Argument(..., metavar="REPO[@GEN]", help="Source repository and generation (number, "
@@ -66,17 +73,21 @@ def register(app: typer.Typer) -> None:
         picked = select_generations(source, selection)
         total = sum(g.manifest["summary"]["stored_bytes"] for g in picked)
         out.say(f"exporting {len(picked)} generation(s) ({', '.join(str(g.number) for g in picked)}; "
-                f"{total} stored bytes) from {source.location} to {to}")
+                f"{human_bytes(total)} stored) from {source.location} to {to}")
         argv = "ckpt-archive " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        with out.progress(total, "export") as advance:
+        with out.progress(total, "export") as advance:  # phases: copy, re-read, trial reload (per generation)
             result = export(source, to, generations=[g.number for g in picked], endpoint_url=endpoint_url,
                             storage_options=storage_options, report=report,
                             report_format="json" if json_output else "markdown", on_bytes=advance,
                             command=argv, lock_wait=wait)
         for g in result.generations:
             checks = sum(c.ok for c in g.checks)
-            out.say(f"generation {g.generation} (step {g.step}): {g.status}, {g.bytes_copied} bytes copied, "
+            out.say(f"generation {g.generation} (step {g.step}): {g.status}, {human_bytes(g.bytes_copied)} copied, "
                     f"{checks}/{len(g.checks)} checks ok, usable at {result.destination}")
+            aborted, removed = g.cleaned.get("aborted_uploads") or [], g.cleaned.get("removed") or []
+            if aborted or removed:
+                out.say(f"  cleaned what an interrupted run left there: {len(aborted)} unfinished upload(s) "
+                        f"aborted, {len(removed)} stray object(s) removed")
         out.say(f"restore on a new machine: {result.restore_command}")
         if report is not None:
             out.say(f"recovery proof written to {report}")

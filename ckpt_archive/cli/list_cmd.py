@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, human_bytes
 
 
 def register(app: typer.Typer) -> None:
     @app.command("list", help="List usable generations (--all: also partial, copied and damaged ones, with "
-                              "why). " + EXIT_CODES_HELP)
+                              "why)."
+                 + exit_codes_help({0: "listed (also when nothing is usable)",
+                                    2: "could not list (not a repository, store refused)"}, codes=(0, 2)))
     @command
     def list_cmd(
         repo: str = typer.Argument(..., metavar="REPO"),
@@ -19,19 +21,25 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         out = Output(json_output)
-        gens = ckpt_archive.list_generations(repo, all=all_)
+        from ckpt_archive.repo.repository import Repository
+
+        r = Repository.open(repo)
+        every = r.generations()
+        gens = every if all_ else [g for g in every if g.usable]
         rows = [g.to_json() for g in gens]
         table = Table(title=f"{repo}", show_lines=False)
         for col in ("gen", "status", "step", "created (UTC)", "stored", "raw", "tags", "why"):
             table.add_column(col)
-        for r in rows:
-            table.add_row(str(r["generation"]), r["status"], "" if r["step"] is None else str(r["step"]),
-                          (r["created"] or "")[:19].replace("T", " "), human_bytes(r["stored_bytes"]),
-                          human_bytes(r["raw_bytes"]), ",".join(r["tags"]), r["reason"] or "")
+        for row in rows:
+            table.add_row(str(row["generation"]), row["status"], "" if row["step"] is None else str(row["step"]),
+                          (row["created"] or "")[:19].replace("T", " "), human_bytes(row["stored_bytes"]),
+                          human_bytes(row["raw_bytes"]), ",".join(row["tags"]), row["reason"] or "")
         if rows:
             out.table(table)
         else:
-            out.say("no usable generation" + ("" if all_ else " (--all shows the others)"))
-        from ckpt_archive.repo.repository import Repository
-
-        out.json({"repository": Repository.open(repo).location, "generations": rows})
+            out.say("no usable generation" + ("" if all_ else f" ({r.existing_summary(every)}; --all shows them)"))
+        copied = [g.number for g in every if g.status == "copied"]
+        if copied and not all_:
+            out.say(f"{len(copied)} generation(s) copied here from another place (restore reads them); "
+                    f"`ckpt-archive adopt {r.location}` makes them usable here")
+        out.json({"repository": r.location, "generations": rows})

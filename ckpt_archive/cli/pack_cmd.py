@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, human_bytes
 from ckpt_archive.cli.prune_cmd import (BEST_BY, KEEP_BEST, KEEP_DAILY, KEEP_HOURLY, KEEP_LAST, KEEP_MONTHLY, KEEP_TAG, KEEP_WEEKLY,
                     KEEP_WITHIN, policy_from_flags)
 
@@ -18,7 +18,12 @@ _RETENTION_NOTE = ("Retention flags (restic's names, UTC calendar buckets, as fo
 def register(app: typer.Typer) -> None:
     @app.command("pack", help="Pack a checkpoint (a torch.save file or a trainer's checkpoint folder) into a "
                               "new generation of REPO: written unseen, verified, trial-reloaded, then marked "
-                              "usable. " + _RETENTION_NOTE + " " + EXIT_CODES_HELP)
+                              "usable. " + _RETENTION_NOTE
+                 + exit_codes_help({0: "the new generation is usable",
+                                    1: "the new generation failed its verify or trial reload (left partial; "
+                                       "earlier generations untouched)",
+                                    2: "could not be carried out (unreadable or refused source, bad flags, lock "
+                                       "held, disk full)"}))
     @command
     def pack_cmd(
         source: Path = typer.Argument(..., help="A torch.save file or a checkpoint folder."),
@@ -41,7 +46,7 @@ def register(app: typer.Typer) -> None:
                                         help="Admit a plain-data class (repeatable), e.g. --allow argparse.Namespace "
                                              "(timm, torchvision reference scripts): stored and restored as the same "
                                              "class; only classes whose state is a plain __dict__, never code."),
-        jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Threads (default: all cores)."),
+        jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Encoder/decoder threads (default: all cores)."),
         level: Optional[int] = typer.Option(None, "--level", help="zstd level (default 3)."),
         wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for another writer's lock."),
         keep_last: Optional[int] = KEEP_LAST, keep_hourly: Optional[int] = KEEP_HOURLY,
@@ -63,7 +68,7 @@ def register(app: typer.Typer) -> None:
         policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
                                    keep_tag, keep_best, best_by)
         total = _source_bytes(source)
-        with out.progress(total, "pack") as bar:
+        with out.progress(total, "pack: write") as bar:
             res = ckpt_archive.pack(
                 source, repo,
                 PackOptions(level=level, jobs=jobs, wait=wait, source_format=fmt, allow_numpy=allow_numpy,

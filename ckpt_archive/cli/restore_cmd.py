@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes, split_repo_spec
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, human_bytes, split_repo_spec
 
 
 def register(app: typer.Typer) -> None:
@@ -14,7 +14,14 @@ def register(app: typer.Typer) -> None:
                                  "state holding NumPy objects also needs NumPy's allowlist, "
                                  "ckpt_archive.sources.torchfile.numpy_safe_globals()) or, "
                                  "for a folder source, to a folder. Never overwrites without --force; writes a "
-                                 "temporary name then renames; checks free space first. " + EXIT_CODES_HELP)
+                                 "temporary name then renames; checks free space first. Every byte is decoded and "
+                                 "checked on the way, so a generation copied here by another tool (status "
+                                 "'copied') restores too, and the restore says it served as its trial reload."
+                 + exit_codes_help({0: "restored",
+                                    1: "the generation failed its checks (a member corrupt, tampered or missing; "
+                                       "named); nothing was written",
+                                    2: "could not be carried out (no such generation: the existing ones are "
+                                       "listed; output exists without --force; not enough space)"}))
     @command
     def restore_cmd(
         spec: str = typer.Argument(..., metavar="REPO[@GEN]"),
@@ -25,7 +32,7 @@ def register(app: typer.Typer) -> None:
         fallback: bool = typer.Option(False, "--fallback", help="If @latest fails its checks, use the newest "
                                                                 "generation that verifies."),
         map_location: Optional[str] = typer.Option(None, "--map-location", help="Device for tensors (default cpu)."),
-        jobs: Optional[int] = typer.Option(None, "--jobs", "-j"),
+        jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Decoder threads (default: all cores)."),
         consolidate: Optional[Path] = typer.Option(
             None, "--consolidate", help="For a torch.distributed.checkpoint (DCP) folder source: also write the "
                                         "whole state as one torch.save file at this path."),

@@ -3,13 +3,19 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_with, split_repo_spec
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, split_repo_spec
 
 
 def register(app: typer.Typer) -> None:
     @app.command("verify", help="Check a generation: manifest schema and version, marker, every member's size "
                                 "and sha256; --deep also decodes every chunk and rebuilds every tensor (the "
-                                "trial reload) and marks a copied generation usable here. " + EXIT_CODES_HELP)
+                                "trial reload) and marks a copied generation usable here (ckpt-archive adopt does "
+                                "that for every copied generation at once)."
+                 + exit_codes_help({0: "the generation checks out",
+                                    1: "something was found wrong (corrupt, tampered or missing member; with "
+                                       "--strict an incomplete state); the problem names the member",
+                                    2: "could not check (no such generation, not a repository, newer format, "
+                                       "lock held while marking a copied generation)"}))
     @command
     def verify_cmd(
         spec: str = typer.Argument(..., metavar="REPO[@GEN]", help="GEN: a number, 'latest' or 'tag:NAME'."),
@@ -17,14 +23,14 @@ def register(app: typer.Typer) -> None:
         fallback: bool = typer.Option(False, "--fallback",
                                       help="If @latest fails, verify the newest generation that passes instead."),
         strict: bool = typer.Option(False, "--strict", help="Completeness warnings fail the check (exit 1)."),
-        jobs: int = typer.Option(None, "--jobs", "-j", help="Threads (default: all cores)."),
+        jobs: int = typer.Option(None, "--jobs", "-j", help="Decoder threads (default: all cores)."),
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
-        with out.progress(None, "verify") as bar:
+        with out.progress(None, "verify") as bar:  # each check tells the bar its phase and total
             report = ckpt_archive.verify(repo, gen, deep=deep, jobs=jobs, fallback=fallback, on_bytes=bar)
         _extend_report(report, repo, strict=strict, out=out)
         for w in report.warnings:

@@ -35,6 +35,10 @@ def open_repo(repo: RepoLike, *, create: bool = False, **store_options) -> Repos
 def pick(r: Repository, generation: str | int, fallback: bool = False) -> Generation:
     """Resolve ``generation`` and require a readable manifest.
 
+    ``latest`` and ``tag:`` pick among usable *and* ``copied`` generations: every reader of members
+    (load, restore) decodes and checks every byte anyway, so reading a copied generation is its trial
+    reload here (:func:`copied_note` says so).
+
     Args:
         r: the repository. generation: ``"latest"``, a number, or ``"tag:NAME"``.
         fallback: unused here (kept for callers that pass it; see :func:`with_fallback`).
@@ -43,12 +47,22 @@ def pick(r: Repository, generation: str | int, fallback: bool = False) -> Genera
         NotFound / NoUsableGeneration / the generation's own read error (ManifestInvalid,
         NewerFormatError): nothing to read.
     """
-    gen = r.resolve(generation)
+    gen = r.resolve(generation, copied=True)
     if gen.manifest is None:
         if gen.error is not None:
             raise gen.error
         raise NoUsableGeneration(f"generation {gen.number} is {gen.status}: {gen.reason}", where=r.location)
     return gen
+
+
+def copied_note(r: Repository, gen: Generation) -> str | None:
+    """For a ``copied`` generation, the line that says what reading it here means; None otherwise."""
+    if gen.status != "copied":
+        return None
+    there = (gen.marker or {}).get("location")
+    return (f"generation {gen.number} was proven at {there}, not here: every byte was decoded and checked "
+            f"while reading it (this read is its trial reload here); `ckpt-archive adopt {r.location}` "
+            f"marks the copied generations usable here")
 
 
 def check_present(r: Repository, gen: Generation) -> None:
@@ -67,4 +81,4 @@ def check_present(r: Repository, gen: Generation) -> None:
             raise IntegrityError(f"{size} bytes stored, manifest says {rec['stored_bytes']}", where=rec["path"])
 
 
-__all__ = ["RepoLike", "open_repo", "pick", "check_present"]
+__all__ = ["RepoLike", "open_repo", "pick", "check_present", "copied_note"]

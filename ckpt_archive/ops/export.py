@@ -14,9 +14,14 @@
 5. write DEST's ``USABLE.json`` last, recording DEST as where the trial reload ran; then re-open DEST
    as a reader would and confirm the generation is listed ``usable``.
 
-Resumable: a re-run finds its own partial generation (same ``archive_id``), keeps the members that
-are present and match, replaces any that do not, copies the rest and finishes. A DEST holding another
-archive under the same number is refused (exit 2); nothing there is touched.
+Resumable and idempotent: a re-run finds its own partial generation (same ``archive_id``), aborts the
+multipart uploads a killed run left below it (invisible but billed parts), removes objects there that
+are not part of the archive, keeps the members that are present and match, replaces any that do not,
+copies the rest and finishes. A generation already usable at DEST is not copied again. A DEST holding
+another archive under the same number is refused (exit 2); nothing there is touched.
+
+The recovery proof (endpoint, region, install and restore commands, fingerprints, trial-reload record)
+is rendered by :mod:`ckpt_archive.ops.export_proof`.
 """
 from __future__ import annotations
 
@@ -24,11 +29,11 @@ import dataclasses
 import datetime as dt
 import hashlib
 import os
-import shlex
-from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_archive.errors import IntegrityError, NoUsableGeneration, NotFound, OutputExists, UsageError
+from ckpt_archive.ops.export_proof import (endpoint_for, fingerprints, install_commands, region_for, render_markdown,
+                                           restore_command, verify_command, write_report)
 
 COPY_PIECE_BYTES = 8 << 20
 
@@ -65,7 +70,11 @@ class ExportedGeneration:
             ``action`` (``copied`` | ``present`` | ``replaced`` | ``kept``).
         bytes_copied: stored bytes sent to DEST now.
         checks: every check made, in order.
-        marker: DEST's marker (dict) once written.
+        marker: DEST's marker (dict) once written (its ``trial_reload`` is the trial-reload record).
+        fingerprints: archive id, manifest sha256, every source file's sha256
+            (:func:`~ckpt_archive.ops.export_proof.fingerprints`).
+        cleaned: what this run removed at DEST that a killed run had left below this generation
+            (``{"aborted_uploads": [keys], "removed": [keys]}``).
     """
 
     generation: int
@@ -77,12 +86,15 @@ class ExportedGeneration:
     bytes_copied: int = 0
     checks: list[Check] = dataclasses.field(default_factory=list)
     marker: dict | None = None
+    fingerprints: dict | None = None
+    cleaned: dict = dataclasses.field(default_factory=lambda: {"aborted_uploads": [], "removed": []})
 
     def to_json(self) -> dict:
         return {"generation": self.generation, "archive_id": self.archive_id, "step": self.step,
                 "epoch": self.epoch, "status": self.status, "bytes_copied": self.bytes_copied,
                 "objects": self.members, "checks": [c.to_json() for c in self.checks],
-                "marker": self.marker}
+                "marker": self.marker, "fingerprints": self.fingerprints,
+                "trial_reload": (self.marker or {}).get("trial_reload"), "cleaned": self.cleaned}
 
 
 @dataclasses.dataclass
@@ -93,9 +105,14 @@ class ExportResult:
         source: the source repository's location; destination: DEST's location.
         generations: per generation, oldest first.
         bytes_copied: stored bytes sent to DEST in this run.
-        restore_command: the exact command that restores the newest exported generation on a new machine.
+        restore_command: the exact command that restores the newest exported generation on a new machine
+            (with ``AWS_ENDPOINT_URL=`` when DEST was reached through a custom endpoint).
+        verify_command: the command that re-proves it there.
         command: the command line that ran (when the CLI ran it).
         started, finished: ISO-8601 UTC.
+        endpoint_url: the S3 endpoint DEST was reached through (``--endpoint-url`` or the environment's).
+        region: the region botocore used for DEST, when known.
+        install_commands: how to install exactly this code on the next machine.
     """
 
     source: str
@@ -108,6 +125,8 @@ class ExportResult:
     started: str
     finished: str
     endpoint_url: str | None = None
+    region: str | None = None
+    install_commands: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -115,10 +134,11 @@ class ExportResult:
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "command": self.command, "source": self.source, "destination": self.destination,
-                "endpoint_url": self.endpoint_url, "started": self.started, "finished": self.finished,
-                "bytes_copied": self.bytes_copied,
+                "endpoint_url": self.endpoint_url, "region": self.region, "started": self.started,
+                "finished": self.finished, "bytes_copied": self.bytes_copied,
                 "generations": [g.to_json() for g in self.generations],
-                "restore_command": self.restore_command, "verify_command": self.verify_command}
+                "install_commands": self.install_commands, "restore_command": self.restore_command,
+                "verify_command": self.verify_command}
 
     def to_markdown(self) -> str:
         return render_markdown(self)
@@ -218,7 +238,8 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
         storage_options: extra fsspec options for DEST (e.g. ``{"s3_additional_kwargs":
             {"ServerSideEncryption": "aws:kms"}}``).
         report: write the recovery proof to this file (Markdown, or JSON with ``report_format="json"``).
-        on_bytes: progress callback, called with stored bytes copied to DEST.
+        on_bytes: progress callback, called with stored bytes copied to DEST, then re-read, then raw bytes
+            decoded by the trial reload; one with ``phase(name, total)`` is told each phase.
         on_generation: called ``(generation, index, count)`` when a generation starts.
         command: the command line to record in the proof.
         lock_wait: seconds to wait for DEST's writer lock.
@@ -257,31 +278,41 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
     if dst.location == src.location:
         raise UsageError(f"source and destination are the same repository ({src.location})")
     done: list[ExportedGeneration] = []
+    from ckpt_archive.repo.publish import note_interrupt
+
+    again = f"run the same export again to resume (it cleans what it left), or `ckpt-archive gc {dst.location}`"
     with dst.lock(wait=lock_wait):
         for i, g in enumerate(picked):
             if on_generation:
                 on_generation(g.number, i, len(picked))
-            done.append(_export_one(src, dst, g, on_bytes=on_bytes))
+            try:
+                done.append(_export_one(src, dst, g, on_bytes=on_bytes, cleanup=again))
+            except KeyboardInterrupt as exc:
+                note_interrupt(exc, f"generation {g.number} at {dst.location} left partial (no reader lists it)",
+                               again)
+                raise
+    endpoint, region = endpoint_for(dst.location, endpoint_url), region_for(dst.location)
     result = ExportResult(
         source=src.location, destination=dst.location, generations=done,
         bytes_copied=sum(g.bytes_copied for g in done),
-        restore_command=restore_command(dst.location, picked[-1], endpoint_url),
-        verify_command=_env_prefix(dst.location, endpoint_url)
-        + f"ckpt-archive verify {shlex.quote(dst.location + '@' + str(picked[-1].number))} --deep",
-        command=command, started=started, finished=_now(), endpoint_url=endpoint_url)
+        restore_command=restore_command(dst.location, picked[-1], endpoint, region),
+        verify_command=verify_command(dst.location, picked[-1].number, endpoint, region),
+        command=command, started=started, finished=_now(), endpoint_url=endpoint, region=region,
+        install_commands=install_commands("://" in dst.location))
     if report is not None:
         write_report(result, report, report_format)
     return result
 
 
-def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
+def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None) -> ExportedGeneration:
     from ckpt_archive.repo.repository import CLAIM, MANIFEST, MARKER, gen_key
 
     manifest = g.manifest
     number = g.number
     key = gen_key(number)
     progress = manifest.get("progress") or {}
-    out = ExportedGeneration(number, manifest["archive_id"], progress.get("step"), progress.get("epoch"))
+    out = ExportedGeneration(number, manifest["archive_id"], progress.get("step"), progress.get("epoch"),
+                             fingerprints=fingerprints(manifest, g.manifest_sha256))
     raw_manifest = src.store.read_bytes(f"{key}/{MANIFEST}")
     manifest_sha = hashlib.sha256(raw_manifest).hexdigest()
     if manifest_sha != g.manifest_sha256:
@@ -314,12 +345,14 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
                            f"run ckpt-archive gc on the destination first; nothing was changed", where=dst.location)
     elif names:
         out.status = "resumed"
+    names = _clean_own_partial(dst, key, g.manifest, names, out)  # ours (same archive id), or nothing there yet
 
     # -- 1. claim, 2. manifest first, 3. members, 4. trial reload, 5. marker: the one publish lifecycle ---------
     from ckpt_archive.repo.publish import EXPORT_POINTS, Lifecycle
 
     steps = _ExportSteps(src, g, out, names, raw_manifest, manifest_sha, on_bytes)
-    published = Lifecycle(dst, steps, EXPORT_POINTS, reload_where=f"trial reload at {dst.location}").run()
+    published = Lifecycle(dst, steps, EXPORT_POINTS, reload_where=f"trial reload at {dst.location}",
+                          progress=on_bytes, cleanup=cleanup).run()
     dst.faults.point("export-after-publish")
     raw_marker = dst.store.read_bytes(f"{key}/{MARKER}")
     out.members.append({"key": f"{key}/{MARKER}", "member": None, "bytes": len(raw_marker),
@@ -332,6 +365,24 @@ def _export_one(src, dst, g, *, on_bytes) -> ExportedGeneration:
         raise IntegrityError(f"generation {number} is {listed.status} at the destination after publishing: "
                              f"{listed.reason}", where=dst.location)
     return out
+
+
+def _clean_own_partial(dst, key: str, manifest: dict, names: set, out: ExportedGeneration) -> set:
+    """Before (re)copying generation ``key`` at DEST, which is ours (same archive id, no marker) or not
+    there yet: abort the multipart uploads a killed run left below it (invisible objects, billed parts),
+    and remove objects that are not part of this archive. Records both in ``out.cleaned``.
+
+    Returns:
+        the names present below ``key`` afterwards.
+    """
+    from ckpt_archive.repo.repository import CLAIM, MANIFEST, MARKER
+
+    out.cleaned["aborted_uploads"] = dst.store.abort_uploads(key)
+    expected = {CLAIM, MANIFEST, MARKER} | {rec["stored_path"] for rec in manifest["members"]}
+    for name in sorted(names - expected):
+        dst.store.remove_prefix(f"{key}/{name}")
+        out.cleaned["removed"].append(f"{key}/{name}")
+    return names & expected
 
 
 class _ExportSteps:
@@ -349,6 +400,7 @@ class _ExportSteps:
         self.raw_manifest = raw_manifest
         self.manifest_sha = manifest_sha
         self.on_bytes = on_bytes
+        self.actions: dict[str, str] = {}
 
     def claim(self, dst) -> int:
         from ckpt_archive.repo.repository import CLAIM, gen_key
@@ -366,6 +418,9 @@ class _ExportSteps:
         out.members.append({"key": f"{key}/{MANIFEST}", "member": None, "bytes": len(self.raw_manifest),
                             "sha256": self.manifest_sha, "action": "present" if MANIFEST in names else "copied"})
         dst.faults.point("export-after-manifest")
+        from ckpt_archive.repo.publish import phase
+
+        phase(self.on_bytes, f"copy of generation {number}", self.g.manifest["summary"].get("stored_bytes"))
         for rec in self.g.manifest["members"]:
             mkey = f"{key}/{rec['stored_path']}"
             action = "copied"
@@ -380,7 +435,13 @@ class _ExportSteps:
                 _copy_member(self.src.store, dst.store, mkey, rec, self.on_bytes, dst.faults)
                 out.bytes_copied += rec["stored_bytes"]
                 dst.faults.point("export-after-member")
-            bad = _check_at(dst.store, mkey, rec)
+            self.actions[rec["path"]] = action
+        phase(self.on_bytes, f"re-read of generation {number} from {dst.location}",
+              self.g.manifest["summary"].get("stored_bytes"))
+        for rec in self.g.manifest["members"]:
+            mkey = f"{key}/{rec['stored_path']}"
+            action = self.actions[rec["path"]]
+            bad = _check_at(dst.store, mkey, rec, self.on_bytes)
             out.checks.append(Check("size and sha256 re-read from destination (every chunk and whole)", bad is None,
                                     bad or f"{rec['stored_bytes']} bytes, {len(rec.get('chunks', []))} chunk(s)",
                                     member=rec["path"]))
@@ -488,9 +549,9 @@ def _copy_member(src_store, dst_store, key: str, rec: dict, on_bytes, faults) ->
                                  f"{h.hexdigest()}); run ckpt-archive verify on the source", where=rec["path"])
 
 
-def _check_at(store, key: str, rec: dict) -> str | None:
+def _check_at(store, key: str, rec: dict, on_bytes=None) -> str | None:
     """Re-read a stored member: size, then sha256 of every chunk and of the whole. None when all match,
-    else the first thing wrong (one line)."""
+    else the first thing wrong (one line). ``on_bytes``: progress, bytes re-read."""
     try:
         size = store.size(key)
     except NotFound:
@@ -502,12 +563,16 @@ def _check_at(store, key: str, rec: dict) -> str | None:
         for i, chunk in enumerate(rec.get("chunks") or []):
             data = _read_exact(fh, chunk["stored_bytes"])
             whole.update(data)
+            if on_bytes:
+                on_bytes(len(data))
             got = hashlib.sha256(data).hexdigest()
             if got != chunk["stored_sha256"]:
                 return (f"chunk {i} (stored bytes {chunk.get('stored_offset')}..+{chunk['stored_bytes']}) sha256 "
                         f"{got}, manifest says {chunk['stored_sha256']}")
         while rest := fh.read(COPY_PIECE_BYTES):
             whole.update(rest)
+            if on_bytes:
+                on_bytes(len(rest))
     if whole.hexdigest() != rec["stored_sha256"]:
         return f"stored sha256 {whole.hexdigest()}, manifest says {rec['stored_sha256']}"
     return None
@@ -524,76 +589,5 @@ def _read_exact(fh, n: int) -> bytes:
     return b"".join(parts)
 
 
-# ------------------------------------------------------------------------------------------------
-# the recovery proof
-# ------------------------------------------------------------------------------------------------
-def _env_prefix(location: str, endpoint_url: str | None) -> str:
-    return f"AWS_ENDPOINT_URL={shlex.quote(endpoint_url)} " if endpoint_url and "://" in location else ""
-
-
-def restore_command(location: str, g, endpoint_url: str | None = None) -> str:
-    """The exact command that restores generation ``g`` from ``location`` on a new machine."""
-    source = (g.manifest or {}).get("source") or {}
-    if source.get("layout") == "folder":
-        out = Path(source.get("path") or "").name or f"checkpoint-step{g.step}"
-    else:
-        name = str((source.get("info") or {}).get("filename") or "")
-        out = name if name.endswith((".pt", ".pth")) else "checkpoint.pt"
-    spec = f"{location}@{g.number}"
-    return f"{_env_prefix(location, endpoint_url)}ckpt-archive restore {shlex.quote(spec)} --output {shlex.quote(out)}"
-
-
-def write_report(result: ExportResult, path, fmt: str = "markdown") -> None:
-    """Write the recovery proof (Markdown or JSON) atomically next to ``path``."""
-    from ckpt_archive.format.jsonio import dumps
-    from ckpt_archive.store.local import write_atomic
-
-    data = (dumps(result.to_json(), indent=2, ensure_ascii=True, default=str) if fmt == "json"
-            else render_markdown(result).encode("utf-8"))
-    write_atomic(Path(path), data)
-
-
-def _cell(value) -> str:
-    return "-" if value is None else str(value)
-
-
-def render_markdown(r: ExportResult) -> str:
-    """The recovery proof a person keeps, as Markdown."""
-    lines = [f"# Recovery proof: {r.destination}", ""]
-    lines.append(f"Result: **{'OK, recoverable from the destination' if r.ok else 'FAILED'}**")
-    lines += ["", f"- command: `{r.command or 'ckpt_archive.export(...)'}`",
-              f"- source: `{r.source}`", f"- destination: `{r.destination}`"]
-    if r.endpoint_url:
-        lines.append(f"- endpoint: `{r.endpoint_url}`")
-    lines += [f"- started: {r.started}, finished: {r.finished}",
-              f"- bytes copied in this run: {r.bytes_copied}", "", "## Generations", "",
-              "| generation | step | epoch | archive id | status | bytes copied |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for g in r.generations:
-        lines.append(f"| {g.generation} | {_cell(g.step)} | {_cell(g.epoch)} | `{g.archive_id}` | {g.status} | "
-                     f"{g.bytes_copied} |")
-    for g in r.generations:
-        lines += ["", f"## Generation {g.generation}: destination listing", "",
-                  "| object | bytes | sha256 | action |", "| --- | --- | --- | --- |"]
-        for m in g.members:
-            lines.append(f"| `{m['key']}` | {m['bytes'] if m['bytes'] is not None else ''} | "
-                         f"`{m['sha256'] or ''}` | {m['action']} |")
-        lines += ["", f"### Generation {g.generation}: checks", "", "| check | member | result | detail |",
-                  "| --- | --- | --- | --- |"]
-        for c in g.checks:
-            lines.append(f"| {c.name} | {('`' + c.member + '`') if c.member else ''} | "
-                         f"{'ok' if c.ok else '**FAILED**'} | {c.detail} |")
-        if g.marker:
-            tr = g.marker.get("trial_reload") or {}
-            lines += ["", f"Marker `USABLE.json`: trial reload at `{tr.get('where')}` on {tr.get('when')} "
-                          f"(host {tr.get('host')}), manifest sha256 `{g.marker.get('manifest_sha256')}`."]
-    lines += ["", "## Restore on a new machine", "", "```sh", "pip install 'ckpt-archive[s3]'"
-              if "://" in r.destination else "pip install ckpt-archive", r.verify_command, r.restore_command, "```"]
-    if "://" in r.destination:
-        lines += ["", "Credentials come from the standard AWS environment (`AWS_ACCESS_KEY_ID`, "
-                      "`AWS_SECRET_ACCESS_KEY`, or `AWS_PROFILE`)."]
-    return "\n".join(lines) + "\n"
-
-
 __all__ = ["export", "ExportResult", "ExportedGeneration", "Check", "select_generations", "restore_command",
-           "write_report", "render_markdown"]
+           "write_report", "render_markdown"]  # the last three live in ops/export_proof.py

@@ -283,7 +283,8 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
         retention: a :class:`~ckpt_archive.retention.policy.RetentionPolicy` applied after publish;
             ``None`` applies the repository's default policy, if any; an empty ``RetentionPolicy()``
             applies none even when the repository has a default (``backup`` runs retention itself).
-        on_bytes: progress callback, raw bytes processed.
+        on_bytes: progress callback, raw bytes processed (written, then decoded by the trial reload; one
+            with a ``phase(name, total)`` method is told when each phase starts).
         before_publish: called under the lock with the checked generation before its marker is written
             (:data:`~ckpt_archive.repo.publish.BeforePublish`); a returned reason withdraws it.
 
@@ -315,7 +316,8 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
     with r.lock(options.wait):
         leftovers = [f"generation {g.number} is {g.status}: {g.reason}" for g in r.generations()
                      if g.status in ("partial", "damaged")]
-        life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait, jobs=options.jobs)
+        life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait, jobs=options.jobs,
+                         progress=on_bytes)
         try:
             published = life.run()
         except Withdrawn as exc:

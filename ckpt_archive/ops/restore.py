@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_archive.errors import InsufficientSpace, IntegrityError, OutputExists, UsageError
-from ckpt_archive.ops.common import RepoLike, open_repo, pick
+from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick
 from ckpt_archive.ops.load import with_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -169,6 +169,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         result.extra["data_ids"] = ids_check
         if ids_check.get("warning"):
             result.warnings.append(ids_check["warning"])
+    note = copied_note(r, gen)
+    if note:
+        result.warnings.append(note)
     if consolidate is not None:
         from ckpt_archive.sources.dcp import consolidate_dcp
 

@@ -67,11 +67,16 @@ def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | Non
         problems.append(Problem(gen.reason or "damaged", member="USABLE.json"))
     elif gen.status == "partial":
         problems.append(Problem(f"not usable: {gen.reason}", member="USABLE.json"))
+    from ckpt_archive.repo.publish import phase
+
     reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
     stats = None
+    summary = gen.manifest.get("summary") or {}
     if deep:
+        phase(on_bytes, f"trial reload of generation {gen.number}", summary.get("raw_bytes"))
         stats = reader.trial_reload(problems, on_bytes=on_bytes)
     else:
+        phase(on_bytes, f"re-read of generation {gen.number}", summary.get("stored_bytes"))
         reader.check_stored(problems, on_bytes=on_bytes)
     problems.extend(source_layout_problems(gen.manifest))
     return problems, stats
@@ -163,4 +168,94 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
     return report
 
 
-__all__ = ["verify", "VerifyReport", "check_generation", "find_fallback", "source_layout_problems"]
+@dataclasses.dataclass
+class AdoptReport:
+    """Result of :func:`adopt`.
+
+    Attributes:
+        location: the repository's place (resolved real path or normalised URL).
+        adopted: generations checked deeply here and marked usable here now.
+        already_usable: generations that were usable here before (not read).
+        failed: ``{generation: [problem, ...]}`` for copied generations whose deep check failed (left copied).
+        skipped: ``{generation: status}`` for generations neither usable nor copied (partial, damaged).
+        bytes: raw bytes decoded by the trial reloads.
+    """
+
+    location: str
+    adopted: list[int] = dataclasses.field(default_factory=list)
+    already_usable: list[int] = dataclasses.field(default_factory=list)
+    failed: dict[int, list[Problem]] = dataclasses.field(default_factory=dict)
+    skipped: dict[int, str] = dataclasses.field(default_factory=dict)
+    bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "location": self.location, "adopted": self.adopted,
+                "already_usable": self.already_usable,
+                "failed": {str(n): [p.to_json() for p in ps] for n, ps in self.failed.items()},
+                "skipped": {str(n): s for n, s in self.skipped.items()}, "bytes": self.bytes}
+
+
+def adopt(repo: RepoLike, *, jobs: int | None = None, wait: float = 0.0, on_bytes=None,
+          on_generation=None, **store_options) -> AdoptReport:
+    """Make every ``copied`` generation of a repository usable at its new place, in one run.
+
+    A repository moved or copied by another tool (``cp -a``, ``rsync``, ``aws s3 sync``) holds
+    generations whose markers name the old place. Holding the writer lock for the whole run, each
+    copied generation gets the deep check here (the trial reload: every chunk decoded, every tensor
+    rebuilt and compared) and, when nothing is wrong, a marker naming this place, through the one
+    publish path (:func:`ckpt_archive.repo.publish.adopt`). Usable generations are not read again.
+
+    Args:
+        repo: repository path/URL or Repository.
+        jobs: decoder threads. wait: seconds to wait for the writer lock.
+        on_bytes: progress callback (raw bytes decoded).
+        on_generation: called ``(generation, index, count)`` as each copied generation starts.
+
+    Returns:
+        :class:`AdoptReport` (``ok`` False when a copied generation failed its check: exit 1).
+
+    Raises:
+        NotFound: not a repository. LockError: another writer holds the lock (exit 2).
+
+    Example:
+        >>> import shutil, torch, ckpt_archive, tempfile, os
+        >>> repo = tempfile.mkdtemp(); moved = os.path.join(tempfile.mkdtemp(), "moved")
+        >>> _ = ckpt_archive.pack({"w": torch.ones(2)}, repo)
+        >>> _ = shutil.copytree(repo, moved)
+        >>> adopt(moved).adopted
+        [1]
+    """
+    from ckpt_archive.repo.publish import adopt as publish_adopt
+
+    r = open_repo(repo, **store_options)
+    report = AdoptReport(r.location)
+    with r.lock(wait):
+        gens = r.generations()
+        copied = [g for g in gens if g.status == "copied"]
+        for g in gens:
+            if g.usable:
+                report.already_usable.append(g.number)
+            elif g.status != "copied":
+                report.skipped[g.number] = g.status
+        for i, g in enumerate(copied):
+            if on_generation:
+                on_generation(g.number, i, len(copied))
+            gen, problems, stats, marked = publish_adopt(
+                r, g.number, lambda x: check_generation(r, x, True, jobs, on_bytes), wait=wait)
+            report.bytes += int((stats or {}).get("bytes") or 0)
+            if problems:
+                report.failed[g.number] = problems
+            elif marked:
+                report.adopted.append(g.number)
+            elif gen.usable:
+                report.already_usable.append(g.number)
+    report.already_usable.sort()
+    return report
+
+
+__all__ = ["verify", "VerifyReport", "adopt", "AdoptReport", "check_generation", "find_fallback",
+           "source_layout_problems"]

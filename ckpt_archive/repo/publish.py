@@ -80,6 +80,28 @@ class Candidate:
 BeforePublish = Callable[[Candidate], "str | None"]
 
 
+def phase(progress, name: str, total: int | None = None) -> None:
+    """Tell a progress callback that a new phase of the work starts (``write``, ``verify``, ``trial reload``,
+    ``copy``, ``re-read``), with its size in bytes when known.
+
+    A progress callback is any ``callable(nbytes)``; one that also has ``phase(name, total)`` (the CLI's
+    bars) is told each phase, so a bar never sits at 100 % while the next phase runs. Library code calls
+    this, never the method directly.
+    """
+    fn = getattr(progress, "phase", None)
+    if callable(fn):
+        fn(name, total)
+
+
+def note_interrupt(exc: BaseException, left: str, cleanup: str | None) -> None:
+    """Attach to a ``KeyboardInterrupt`` what the interrupted work left behind and the command that cleans
+    it (``ckpt_left``, ``ckpt_cleanup``; the CLI prints them and exits 130). The first note wins: the
+    innermost code knows best."""
+    if not getattr(exc, "ckpt_left", None):
+        exc.ckpt_left = left  # type: ignore[attr-defined]
+        exc.ckpt_cleanup = cleanup  # type: ignore[attr-defined]
+
+
 class Withdrawn(CannotCheck):
     """The before-publish hook withdrew the generation: it was removed, never published (exit 2).
 
@@ -150,10 +172,14 @@ class Lifecycle:
         wait: seconds to wait for the writer lock.
         jobs: decoder threads for the re-read and the trial reload.
         reload_where: the trial-reload step's name in error messages (``"trial reload"``).
+        progress: a progress callback (raw bytes decoded by the trial reload; told each phase, see
+            :func:`phase`), or None.
+        cleanup: the command that removes what an interrupted run leaves (default ``ckpt-archive gc REPO``).
     """
 
     def __init__(self, repo: Repository, steps: Steps, points: Points, *, before_publish: BeforePublish | None = None,
-                 wait: float = 0.0, jobs: int | None = None, reload_where: str = "trial reload"):
+                 wait: float = 0.0, jobs: int | None = None, reload_where: str = "trial reload", progress=None,
+                 cleanup: str | None = None):
         self.repo = repo
         self.steps = steps
         self.points = points
@@ -161,6 +187,8 @@ class Lifecycle:
         self.wait = wait
         self.jobs = jobs
         self.reload_where = reload_where
+        self.progress = progress
+        self.cleanup = cleanup
         self.step = "claim"
         self.number: int | None = None
 
@@ -178,6 +206,16 @@ class Lifecycle:
             LockError: another writer. IntegrityError: verify or trial reload failed (the generation stays
             partial). Withdrawn: the hook withdrew it (removed). StoreError / OSError: the store failed.
         """
+        try:
+            return self._run()
+        except KeyboardInterrupt as exc:
+            if self.number is not None:
+                note_interrupt(exc, f"generation {self.number} of {self.repo.location} left partial at step "
+                               f"'{self.step}' (no reader lists it)",
+                               self.cleanup or f"`ckpt-archive gc {self.repo.location}` removes it")
+            raise
+
+    def _run(self) -> Published:
         r, steps = self.repo, self.steps
         with r.lock(self.wait):
             self.step = "claim"
@@ -191,13 +229,16 @@ class Lifecycle:
             r.store.fsync_dir(key)  # the members' and manifest's directory entries are durable too
             self._point(self.points.sealed)
             self.step = "verify"
+            phase(self.progress, "verify")
             reader = ArchiveReader(r.store, key, manifest, jobs=self.jobs)
             verified = steps.verify(r, number, reader)
             self._point(self.points.verified)
             self.step = "trial reload"
+            phase(self.progress, "trial reload", (manifest.get("summary") or {}).get("raw_bytes"))
             problems: list[Problem] = []
             own_reload = getattr(steps, "trial_reload", None)  # optional Steps method (distributed saves)
-            counts = own_reload(reader, problems) if own_reload is not None else reader.trial_reload(problems)
+            counts = (own_reload(reader, problems) if own_reload is not None
+                      else reader.trial_reload(problems, on_bytes=self.progress))
             steps.reloaded(problems, counts)
             raise_if_problems(self.reload_where, problems, number)
             self._point(self.points.reloaded)
@@ -284,5 +325,5 @@ def adopt(repo: Repository, number: int, check: Callable[[Generation], tuple[lis
     return gen, problems, counts, True
 
 
-__all__ = ["publish", "adopt", "commit", "Lifecycle", "Steps", "Points", "PACK_POINTS", "EXPORT_POINTS",
+__all__ = ["publish", "adopt", "commit", "phase", "note_interrupt", "Lifecycle", "Steps", "Points", "PACK_POINTS", "EXPORT_POINTS",
            "Candidate", "BeforePublish", "Withdrawn", "Published"]

@@ -4,6 +4,11 @@ Layout and ordering rules: docs/FORMAT.md. In short, a generation is written whe
 it as usable (its number claimed by exclusive create), sealed (manifest), verified, trial-reloaded,
 and only then published by writing ``USABLE.json`` last. Readers need no lock and list a generation
 as usable only when its marker matches its manifest and names this location.
+
+"This location" is compared by identity, not by spelling (:class:`Place`): a local repository is
+its resolved real path (symlinks and ``..`` resolved) plus the device and inode of its root folder;
+a remote one its normalised URL. ``repository.json`` itself is replaced atomically on every claim
+(a new inode each time), so the root folder's inode is the stable one.
 """
 from __future__ import annotations
 
@@ -55,6 +60,91 @@ def gen_key(number: int) -> str:
     return f"{GEN_DIR}/{number:08d}"
 
 
+def canonical_url(url: str) -> str:
+    """A remote location in one spelling: lower-case scheme (``s3a`` read as ``s3``), no repeated or
+    trailing slashes. ``S3://b//p/`` and ``s3://b/p`` are the same place.
+
+    Example:
+        >>> canonical_url("S3A://bucket//runs/a/")
+        's3://bucket/runs/a'
+    """
+    scheme, sep, rest = str(url).partition("://")
+    if not sep:
+        return str(url)
+    scheme = scheme.lower()
+    if scheme == "s3a":
+        scheme = "s3"
+    rest = re.sub(r"/{2,}", "/", rest).rstrip("/")
+    return f"{scheme}://{rest}"
+
+
+@dataclasses.dataclass
+class Place:
+    """Where a repository is, by identity (what a marker's ``location``/``identity`` are compared with).
+
+    Attributes:
+        location: a local repository's resolved real path, or a remote one's :func:`canonical_url`.
+        local: True for a folder on this machine's file system.
+    """
+
+    location: str
+    local: bool
+    _stat: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, store: Store) -> "Place":
+        """The place of a store's root (:meth:`Store.local_path` decides local or remote)."""
+        root = store.local_path("")
+        if root is None:
+            return cls(canonical_url(store.location), False)
+        return cls(os.path.realpath(os.fspath(root)), True)
+
+    def dev_ino(self) -> tuple[int, int] | None:
+        """``(st_dev, st_ino)`` of the root folder; None for a remote place or a folder not there yet."""
+        if not self.local:
+            return None
+        if self._stat is None:
+            try:
+                st = os.stat(self.location)
+            except OSError:
+                return None
+            self._stat = (st.st_dev, st.st_ino)
+        return self._stat
+
+    def identity(self) -> dict:
+        """What a marker records besides ``location``: ``{"dev", "ino"}`` of a local root, else ``{}``."""
+        di = self.dev_ino()
+        return {"dev": di[0], "ino": di[1]} if di else {}
+
+    def holds(self, marker: dict) -> bool:
+        """Whether a marker's ``location`` (and ``identity``) name this place.
+
+        Remote: the normalised URLs are equal. Local: the marker's path, resolved here today, is this
+        real path (a symlink, a ``..`` path, or a marker written before locations were resolved), or
+        the marker's root folder has this device and inode (the folder was moved with ``mv``). A marker
+        whose recorded inode differs from this root's names another copy even at the same path (a
+        ``cp -a`` put in place of the original), unless the device changed too (a remount): copies
+        are told by inode, not by path.
+        """
+        loc = marker.get("location")
+        if not isinstance(loc, str) or not loc:
+            return False
+        if not self.local:
+            return canonical_url(loc) == self.location
+        if "://" in loc and not loc.startswith("file://"):
+            return False
+        path = loc[len("file://"):] if loc.startswith("file://") else loc
+        ident = marker.get("identity") if isinstance(marker.get("identity"), dict) else {}
+        ours = self.dev_ino()
+        theirs = (ident.get("dev"), ident.get("ino"))
+        same_path = os.path.realpath(path) == self.location
+        if ours is None or not all(isinstance(x, int) for x in theirs):
+            return same_path
+        if theirs == ours:
+            return True
+        return same_path and theirs[1] == ours[1]
+
+
 @dataclasses.dataclass
 class Generation:
     """One generation as a reader sees it.
@@ -62,8 +152,9 @@ class Generation:
     Attributes:
         number: the generation number (1, 2, ...).
         status: ``usable`` (marker matches, at this location), ``partial`` (no marker: interrupted or
-            being deleted), ``copied`` (marker names another location; ``verify --deep`` here makes it
-            usable), ``damaged`` (manifest or marker unreadable, or the manifest changed after publish).
+            being deleted), ``copied`` (marker matches but names another location: proven there, not
+            here; restore and load read it anyway, checking every byte, and ``adopt`` makes it usable
+            here), ``damaged`` (manifest or marker unreadable, or the manifest changed after publish).
         reason: why it is not usable (None when usable).
         manifest: the parsed manifest, or None.
         marker: the parsed marker, or None.
@@ -114,6 +205,11 @@ class Generation:
     def usable(self) -> bool:
         return self.status == "usable"
 
+    @property
+    def readable(self) -> bool:
+        """Usable here, or ``copied`` (published and proven at another place): what restore and load read."""
+        return self.status in ("usable", "copied")
+
     def to_json(self) -> dict:
         created = self.created
         return {"generation": self.number, "status": self.status, "reason": self.reason, "step": self.step,
@@ -137,6 +233,7 @@ class Repository:
         self.store = store
         self.config = config
         self.faults = faults
+        self.place = Place.of(store)
         self._lock_depth = 0
 
     # -- opening -------------------------------------------------------------------------------------
@@ -174,7 +271,9 @@ class Repository:
         try:
             store.write_bytes_once(REPO_FILE, jsonio.dumps(config, indent=1, ensure_ascii=True))
         except StoreError:
-            pass  # created concurrently by another writer: read theirs
+            if not store.exists(REPO_FILE):
+                raise  # not a concurrent creator: the store refused (no such bucket, access denied)
+            # created concurrently by another writer: read theirs
         return cls(store, cls._read_config(store), faults)
 
     @staticmethod
@@ -191,7 +290,8 @@ class Repository:
 
     @property
     def location(self) -> str:
-        return self.store.location
+        """Where the repository is, by identity: the resolved real path, or the normalised URL (:class:`Place`)."""
+        return self.place.location
 
     def set_default_retention(self, policy: dict | None) -> None:
         """Store a default retention policy in ``repository.json`` (atomic replace; hold the lock)."""
@@ -236,9 +336,10 @@ class Repository:
         if not isinstance(marker, dict) or marker.get("manifest_sha256") != sha:
             return Generation(number, "damaged", "manifest.json changed after it was published (sha256 differs "
                               "from the marker's)", manifest, marker if isinstance(marker, dict) else None, sha)
-        if marker.get("location") != self.location:
-            return Generation(number, "copied", f"trial-reloaded at {marker.get('location')}, not here: run "
-                              f"verify --deep to make it usable here", manifest, marker, sha)
+        if not self.place.holds(marker):
+            return Generation(number, "copied", f"trial-reloaded at {marker.get('location')}, not here (restore "
+                              f"reads it, checking every byte; ckpt-archive adopt makes it usable here)",
+                              manifest, marker, sha)
         return Generation(number, "usable", None, manifest, marker, sha)
 
     def generations(self) -> list[Generation]:
@@ -254,34 +355,61 @@ class Repository:
     def usable(self) -> list[Generation]:
         return [g for g in self.generations() if g.usable]
 
-    def resolve(self, spec: str | int = "latest") -> Generation:
+    def resolve(self, spec: str | int = "latest", *, copied: bool = False) -> Generation:
         """Find a generation: ``"latest"`` (newest usable), a number, or ``"tag:NAME"`` (newest usable so tagged).
 
+        Args:
+            spec: the selector.
+            copied: also pick ``copied`` generations for ``latest``/``tag:`` (restore and load, which
+                decode and check every byte anyway).
+
         Raises:
-            NotFound: no such number. NoUsableGeneration: nothing usable matches. UsageError: bad spec.
+            NotFound: no such number (says which exist). NoUsableGeneration: nothing usable matches.
+            UsageError: bad spec.
         """
         spec = str(spec)
+        want = (lambda g: g.readable) if copied else (lambda g: g.usable)
         if spec.isdigit():
-            return self.generation(int(spec))
+            try:
+                return self.generation(int(spec))
+            except NotFound:
+                raise NotFound(f"no generation {int(spec)}; {self.existing_summary()}", where=self.location) from None
         if spec == "latest":
-            usable = self.usable()
-            if not usable:
+            picked = [g for g in self.generations() if want(g)]
+            if not picked:
                 raise NoUsableGeneration(self._none_usable_reason(), where=self.location)
-            return usable[-1]
+            return picked[-1]
         if spec.startswith("tag:"):
             tag = spec[4:]
-            tagged = [g for g in self.usable() if tag in g.tags]
+            tagged = [g for g in self.generations() if want(g) and tag in g.tags]
             if not tagged:
                 raise NoUsableGeneration(f"no usable generation tagged {tag!r}", where=self.location)
             return tagged[-1]
         raise UsageError(f"bad generation {spec!r}: use a number, 'latest' or 'tag:NAME'")
 
+    def existing_summary(self, gens: list[Generation] | None = None) -> str:
+        """One line naming the generations that exist and their status (``@N`` errors list them)."""
+        gens = self.generations() if gens is None else gens
+        if not gens:
+            return "the repository holds no generation yet"
+        by: dict[str, list[int]] = {}
+        for g in gens:
+            by.setdefault(g.status, []).append(g.number)
+        parts = []
+        for status in ("usable", "copied", "partial", "damaged"):
+            if status in by:
+                parts.append(f"{status}: {_ranges(by[status])}")
+        return "existing generations: " + "; ".join(parts)
+
     def _none_usable_reason(self) -> str:
         gens = self.generations()
         if not gens:
             return "the repository holds no generation yet"
-        parts = ", ".join(f"#{g.number} {g.status}" for g in gens[-5:])
-        return f"no usable generation ({parts})"
+        text = f"no usable generation ({self.existing_summary(gens)})"
+        if any(g.status == "copied" for g in gens):
+            text += ("; copied generations were proven at another place: restore reads them, and "
+                     f"`ckpt-archive adopt {self.location}` makes them usable here")
+        return text
 
     # -- writer lock -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -381,6 +509,9 @@ class Repository:
             raise RuntimeError("write_marker needs the repository lock (use ckpt_archive.repo.publish)")
         marker = {"manifest_sha256": manifest_sha256, "archive_id": archive_id, "generation": number,
                   "location": self.location, **record}
+        identity = self.place.identity()
+        if identity:
+            marker["identity"] = identity
         self.faults.point("publish")
         self.store.replace_bytes(f"{gen_key(number)}/{MARKER}", jsonio.dumps(marker, indent=1, ensure_ascii=True))
         return marker
@@ -391,6 +522,15 @@ class Repository:
         The caller holds the lock and has decided the generation may go (retention, forget, gc).
         A crash part-way leaves a ``partial`` generation, never a usable one with missing members.
         """
+        try:
+            self._remove_generation(number)
+        except KeyboardInterrupt as exc:
+            if not getattr(exc, "ckpt_left", None):  # what Ctrl-C left, for the CLI (publish.note_interrupt)
+                exc.ckpt_left = f"generation {number} of {self.location} left partial while being removed"
+                exc.ckpt_cleanup = f"`ckpt-archive gc {self.location}` removes it"
+            raise
+
+    def _remove_generation(self, number: int) -> None:
         key = gen_key(number)
         self.faults.point("prune-before-marker-removal")
         self.store.remove(f"{key}/{MARKER}")
@@ -404,6 +544,17 @@ class Repository:
         self.store.remove(f"{key}/{MANIFEST}")
         self.store.remove(f"{key}/{CLAIM}")
         self.store.remove_prefix(key)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    out: list[list[int]] = []
+    for n in sorted(numbers):
+        if out and out[-1][1] == n - 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 def _pid_alive(pid) -> bool | None:
@@ -431,4 +582,4 @@ def raise_if_problems(step: str, problems: list, number: int) -> None:
                              f"stays partial and earlier generations are untouched", where=where)
 
 
-__all__ = ["Repository", "Generation", "CheckFailed", "utcnow", "iso", "gen_key", "host_record"]
+__all__ = ["Repository", "Generation", "Place", "canonical_url", "CheckFailed", "utcnow", "iso", "gen_key", "host_record"]

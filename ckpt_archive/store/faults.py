@@ -12,7 +12,8 @@ misbehave:
 * ``kill``: SIGKILL the process (a crash, power loss as far as the process is concerned);
 * ``enospc``: raise ``OSError(ENOSPC)`` (disk full);
 * ``erofs``: raise ``OSError(EROFS)`` (read-only destination);
-* ``raise``: raise ``RuntimeError`` (any other failure).
+* ``raise``: raise ``RuntimeError`` (any other failure);
+* ``sigint``: send the process SIGINT (a user's Ctrl-C: Python raises ``KeyboardInterrupt``).
 
 ``<point>=<action>@K`` fires on the K-th time the point is reached through the same object (1-based;
 default 1).
@@ -82,7 +83,8 @@ class Faults:
         """Mark a lifecycle step; misbehave if the plan asks for it (see the module docstring).
 
         Raises:
-            OSError: ``enospc`` / ``erofs``. RuntimeError: ``raise``. (``kill`` never returns.)
+            OSError: ``enospc`` / ``erofs``. RuntimeError: ``raise``. KeyboardInterrupt: ``sigint``.
+            (``kill`` never returns.)
         """
         if name not in self.plan:
             return
@@ -92,6 +94,9 @@ class Faults:
             return
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action == "sigint":
+            signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt here
+            return
         if action == "enospc":
             raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
         if action == "erofs":

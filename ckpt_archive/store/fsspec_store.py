@@ -259,6 +259,34 @@ class FsspecStore:
             except FileNotFoundError:
                 pass
 
+    def abort_uploads(self, key: str) -> list[str]:
+        """Abort the multipart uploads in progress below ``key`` and return their keys (relative to the root).
+
+        A writer killed mid-upload leaves its parts behind: invisible (no object appears), but billed
+        until aborted. Only the caller's own keys are touched: call it with a prefix that holds the
+        writer lock's generation. A store without multipart uploads returns ``[]``.
+
+        Raises:
+            StoreError: the store refused the listing or the abort.
+        """
+        if self.protocol not in ("s3", "s3a"):
+            return []
+        bucket, _, prefix = self._path(key).partition("/")
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        aborted: list[str] = []
+        with self._errors(key, "aborting unfinished uploads below"):
+            marker: dict = {}
+            while True:
+                resp = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker)
+                for upload in resp.get("Uploads") or []:
+                    self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"],
+                                    UploadId=upload["UploadId"])
+                    aborted.append(upload["Key"][len(self.root.partition("/")[2]):].lstrip("/"))
+                if not resp.get("IsTruncated"):
+                    break
+                marker = {"KeyMarker": resp.get("NextKeyMarker"), "UploadIdMarker": resp.get("NextUploadIdMarker")}
+        return sorted(aborted)
+
     def fsync_dir(self, key: str = "") -> None:
         """No-op: an object store's PUT is durable once it returns."""
 

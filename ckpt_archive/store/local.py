@@ -184,6 +184,10 @@ class LocalStore:
     def fsync_dir(self, key: str) -> None:
         fsync_directory(self.path(key))
 
+    def abort_uploads(self, key: str) -> list[str]:
+        """``[]``: a local write has no hidden upload (a cut-off file is visible and replaced by its writer)."""
+        return []
+
     def free_bytes(self) -> int | None:
         """Free bytes on the file system holding the folder (its nearest existing parent)."""
         p = self.root

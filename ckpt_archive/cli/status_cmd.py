@@ -1,0 +1,45 @@
+"""``ckpt-archive status REPO --max-age 2h``: the watchdog for scheduled backups (cron / systemd alerting)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("status", help="Watchdog for scheduled backups: is the newest usable generation of REPO recent "
+                 "(--max-age) and did training move on since the last check (a newer generation must hold a "
+                 "later step)? Reads the repository only; the last check is remembered in --state FILE "
+                 "(default ~/.local/state/ckpt-archive/status/, keyed by the repository's place). Run it from "
+                 "cron or a systemd timer and alert on a non-zero exit."
+                 + exit_codes_help({0: "healthy",
+                                    1: "unhealthy: no usable generation, the newest is older than --max-age, or "
+                                       "a newer generation did not advance the step",
+                                    2: "could not check (not a repository, store refused, bad flags)"}))
+    @command
+    def status_cmd(
+        repo: str = typer.Argument(..., metavar="REPO", help="Repository path or URL."),
+        max_age: Optional[str] = typer.Option(None, "--max-age", metavar="AGE",
+                                              help="The oldest the newest usable generation may be: 2h, 90min, "
+                                                   "1d12h, 45s (w d h min s)."),
+        state: Optional[Path] = typer.Option(None, "--state", metavar="FILE",
+                                             help="Where the last check is remembered (for the step check)."),
+        no_record: bool = typer.Option(False, "--no-record", help="Do not remember this check."),
+        json_output: bool = JSON_OPTION,
+    ) -> None:
+        from ckpt_archive.ops.status import status
+
+        out = Output(json_output)
+        report = status(repo, max_age=max_age, state=state, record=not no_record)
+        if report.ok:
+            age = "" if report.age_s is None else f", {report.age_s / 3600:.1f} h old"
+            out.say(f"ok: newest usable generation {report.generation} (step {report.step}{age}) at "
+                    f"{report.location}", style="green")
+        else:
+            for line in report.problems:
+                out.error(f"unhealthy: {report.location}: {line}")
+        out.json(report.to_json())
+        exit_with(report)

@@ -1,0 +1,205 @@
+"""The recovery proof of an export: everything the next machine needs, as Markdown or JSON.
+
+Split from :mod:`ckpt_archive.ops.export` (the copy) so that each stays readable. What the proof
+carries (docs/export.md, "The recovery proof"):
+
+* where: destination, **endpoint** (``--endpoint-url``, else ``AWS_ENDPOINT_URL_S3`` /
+  ``AWS_ENDPOINT_URL`` as botocore reads them) and **region**, so its commands do not go to AWS when
+  the bucket lives on MinIO or R2;
+* how to get the tool there: the **exact install** of the code that wrote the proof (from a checkout:
+  the README's command at that commit; from a package index: that version);
+* what: per generation the archive id, the manifest's sha256 and every source file's sha256 (the
+  **fingerprints**), the objects at DEST and what this run did with each, every check, and the
+  **trial-reload record** (where, when, on which host, tensors and bytes decoded);
+* the exact **verify and restore commands**.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+
+def endpoint_for(location: str, endpoint_url: str | None) -> str | None:
+    """The S3 endpoint DEST was reached through: the explicit one, else the environment's (what botocore
+    uses), else None (AWS itself). Only for remote locations."""
+    if "://" not in location or location.startswith("file://"):
+        return None
+    return endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def region_for(location: str) -> str | None:
+    """The region botocore would use (``AWS_REGION`` / ``AWS_DEFAULT_REGION`` / the profile's), or None."""
+    if "://" not in location or location.startswith("file://"):
+        return None
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        return region
+    try:
+        import botocore.session
+
+        return botocore.session.Session().get_config_variable("region") or None
+    except Exception:  # noqa: BLE001 - no botocore, or an unreadable profile: the proof just omits it
+        return None
+
+
+def env_prefix(endpoint: str | None, region: str | None = None) -> str:
+    """``AWS_ENDPOINT_URL=... AWS_REGION=... `` for the commands of the proof (empty for AWS defaults)."""
+    parts = []
+    if endpoint:
+        parts.append(f"AWS_ENDPOINT_URL={shlex.quote(endpoint)}")
+    if region and endpoint:
+        parts.append(f"AWS_REGION={shlex.quote(region)}")
+    return " ".join(parts) + (" " if parts else "")
+
+
+def restore_command(location: str, g, endpoint_url: str | None = None, region: str | None = None) -> str:
+    """The exact command that restores generation ``g`` from ``location`` on a new machine."""
+    source = (g.manifest or {}).get("source") or {}
+    if source.get("layout") == "folder":
+        out = Path(source.get("path") or "").name or f"checkpoint-step{g.step}"
+    else:
+        name = str((source.get("info") or {}).get("filename") or "")
+        out = name if name.endswith((".pt", ".pth")) else "checkpoint.pt"
+    spec = f"{location}@{g.number}"
+    return (f"{env_prefix(endpoint_for(location, endpoint_url), region)}ckpt-archive restore {shlex.quote(spec)} "
+            f"--output {shlex.quote(out)}")
+
+
+def verify_command(location: str, number: int, endpoint_url: str | None = None, region: str | None = None) -> str:
+    """The exact command that re-proves generation ``number`` at ``location``."""
+    return (f"{env_prefix(endpoint_for(location, endpoint_url), region)}ckpt-archive verify "
+            f"{shlex.quote(f'{location}@{number}')} --deep")
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
+def install_commands(remote: bool) -> list[str]:
+    """How to install exactly the code that is running, on a new machine.
+
+    From a checkout (the package lies in a git work tree with ``pyproject.toml``): clone that remote at
+    that commit and install as the README does (``python -m pip install -c constraints.txt -e .``, with
+    the ``s3`` extra for a remote destination). Otherwise: the installed version from the package index.
+
+    Args:
+        remote: the destination is an object store (the ``s3`` extra is needed).
+
+    Returns:
+        shell lines, in order.
+    """
+    import ckpt_archive
+
+    extra = '".[s3]"' if remote else "."
+    root = Path(ckpt_archive.__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / ".git").exists():
+        commit = _git(root, "rev-parse", "HEAD")
+        origin = _git(root, "config", "--get", "remote.origin.url")
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+        lines = []
+        if origin and commit:
+            lines.append(f"git clone {shlex.quote(origin)} ckpt-archive && cd ckpt-archive && git checkout {commit}")
+        elif commit:
+            lines.append(f"# a checkout of ckpt-archive at commit {commit} (no remote recorded: copy that tree)")
+        if dirty:
+            lines.append("# note: the checkout that wrote this proof had uncommitted changes")
+        lines.append(f"python -m pip install -c constraints.txt -e {extra}")
+        return lines
+    spec = f"ckpt-archive[s3]=={ckpt_archive.__version__}" if remote else f"ckpt-archive=={ckpt_archive.__version__}"
+    return [f"python -m pip install {shlex.quote(spec)}"]
+
+
+def fingerprints(manifest: dict, manifest_sha256: str | None) -> dict:
+    """What identifies a generation's content: archive id, manifest sha256, and every source file's sha256."""
+    source = manifest.get("source") or {}
+    files = [{"path": f.get("relpath") or f.get("path") or "", "bytes": f.get("raw_bytes"), "sha256": f.get("sha256")}
+             for f in source.get("files") or [] if isinstance(f, dict)]
+    return {"archive_id": manifest.get("archive_id"), "manifest_sha256": manifest_sha256,
+            "source_format": source.get("format"), "source_files": files}
+
+
+def write_report(result, path, fmt: str = "markdown") -> None:
+    """Write the recovery proof (Markdown or JSON) atomically at ``path``."""
+    from ckpt_archive.format.jsonio import dumps
+    from ckpt_archive.store.local import write_atomic
+
+    data = (dumps(result.to_json(), indent=2, ensure_ascii=True, default=str) if fmt == "json"
+            else render_markdown(result).encode("utf-8"))
+    write_atomic(Path(path), data)
+
+
+def _cell(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def render_markdown(r) -> str:
+    """The recovery proof a person keeps, as Markdown (``r``: an :class:`~ckpt_archive.ops.export.ExportResult`)."""
+    lines = [f"# Recovery proof: {r.destination}", ""]
+    lines.append(f"Result: **{'OK, recoverable from the destination' if r.ok else 'FAILED'}**")
+    lines += ["", f"- command: `{r.command or 'ckpt_archive.export(...)'}`",
+              f"- source: `{r.source}`", f"- destination: `{r.destination}`"]
+    if "://" in r.destination:
+        lines.append(f"- endpoint: `{r.endpoint_url}`" if r.endpoint_url else "- endpoint: AWS (no custom endpoint)")
+        lines.append(f"- region: `{r.region}`" if r.region else "- region: botocore's default")
+    lines += [f"- started: {r.started}, finished: {r.finished}",
+              f"- bytes copied in this run: {_bytes(r.bytes_copied)}", "", "## Generations", "",
+              "| generation | step | epoch | archive id | manifest sha256 | status | bytes copied |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for g in r.generations:
+        lines.append(f"| {g.generation} | {_cell(g.step)} | {_cell(g.epoch)} | `{g.archive_id}` | "
+                     f"`{(g.fingerprints or {}).get('manifest_sha256') or ''}` | {g.status} | {g.bytes_copied} |")
+    for g in r.generations:
+        files = (g.fingerprints or {}).get("source_files") or []
+        if files:
+            lines += ["", f"## Generation {g.generation}: source fingerprints "
+                          f"({(g.fingerprints or {}).get('source_format')})", "",
+                      "| source file | bytes | sha256 |", "| --- | --- | --- |"]
+            for f in files:
+                lines.append(f"| `{f['path'] or '(the file itself)'}` | {_cell(f['bytes'])} | `{f['sha256'] or ''}` |")
+        lines += ["", f"## Generation {g.generation}: destination listing", "",
+                  "| object | bytes | sha256 | action |", "| --- | --- | --- | --- |"]
+        for m in g.members:
+            lines.append(f"| `{m['key']}` | {m['bytes'] if m['bytes'] is not None else ''} | "
+                         f"`{m['sha256'] or ''}` | {m['action']} |")
+        cleaned = g.cleaned or {}
+        if cleaned.get("aborted_uploads") or cleaned.get("removed"):
+            lines += ["", f"Left at the destination by an interrupted run and cleaned now: "
+                          f"{len(cleaned.get('aborted_uploads') or [])} unfinished multipart upload(s) aborted "
+                          f"({', '.join('`' + k + '`' for k in cleaned.get('aborted_uploads') or []) or 'none'}), "
+                          f"{len(cleaned.get('removed') or [])} stray object(s) removed "
+                          f"({', '.join('`' + k + '`' for k in cleaned.get('removed') or []) or 'none'})."]
+        lines += ["", f"### Generation {g.generation}: checks", "", "| check | member | result | detail |",
+                  "| --- | --- | --- | --- |"]
+        for c in g.checks:
+            lines.append(f"| {c.name} | {('`' + c.member + '`') if c.member else ''} | "
+                         f"{'ok' if c.ok else '**FAILED**'} | {c.detail} |")
+        if g.marker:
+            tr = g.marker.get("trial_reload") or {}
+            lines += ["", f"Trial-reload record (marker `USABLE.json`): at `{tr.get('where')}` on {tr.get('when')} "
+                          f"(host {tr.get('host')}, ckpt-archive {tr.get('tool_version')}): {tr.get('result')}, "
+                          f"{_cell(tr.get('tensors'))} tensor(s), {_bytes(tr.get('bytes'))} decoded; manifest "
+                          f"sha256 `{g.marker.get('manifest_sha256')}`."]
+    lines += ["", "## Restore on a new machine", "", "```sh", *r.install_commands, r.verify_command,
+              r.restore_command, "```"]
+    if "://" in r.destination:
+        lines += ["", "Credentials come from the standard AWS environment (`AWS_ACCESS_KEY_ID`, "
+                      "`AWS_SECRET_ACCESS_KEY`, or `AWS_PROFILE`)."]
+    return "\n".join(lines) + "\n"
+
+
+def _bytes(n) -> str:
+    """``1536`` -> ``"1536 B (1.5 KiB)"``: exact, and readable."""
+    if n is None:
+        return "-"
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{n} B" if unit == "B" else f"{n} B ({value:.1f} {unit})"

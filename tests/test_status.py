@@ -1,0 +1,92 @@
+"""``ckpt-archive status``: the watchdog for scheduled backups (issue 13). A live process is not a healthy
+one: exit 1 when the newest usable generation is too old or a newer one did not advance the step."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+import time
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import ckpt_archive as ca
+from ckpt_archive.cli.app import app
+from ckpt_archive.errors import UsageError
+from ckpt_archive.ops.status import parse_age, status
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _pack(repo, step: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed or step)
+    return ca.pack({"w": torch.randn(8, generator=g), "step": step}, repo)
+
+
+def test_a_fresh_advancing_repository_is_healthy(tmp_path):
+    _pack(tmp_path / "repo", 100)
+    res = cli("status", tmp_path / "repo", "--max-age", "2h", "--state", tmp_path / "st.json", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is True and doc["generation"] == 1 and doc["step"] == 100 and doc["problems"] == []
+
+
+def test_a_newest_generation_older_than_max_age_is_exit_1(tmp_path):
+    res = _pack(tmp_path / "repo", 100)
+    created = dt.datetime.fromisoformat(res.manifest["created"].replace("Z", "+00:00"))
+    report = status(tmp_path / "repo", max_age="2h", state=tmp_path / "st.json", now=created + dt.timedelta(hours=3))
+    assert not report.ok and "3.0 h old, more than --max-age 2.0 h" in report.problems[0]
+    time.sleep(0.05)
+    cli_res = cli("status", tmp_path / "repo", "--max-age", "0.01s", "--state", tmp_path / "st2.json")
+    assert cli_res.exit_code == 1 and "unhealthy" in cli_res.stderr and "--max-age" in cli_res.stderr
+
+
+def test_a_new_generation_that_did_not_advance_the_step_is_exit_1(tmp_path):
+    repo, state = tmp_path / "repo", tmp_path / "st.json"
+    _pack(repo, 100)
+    assert cli("status", repo, "--max-age", "2h", "--state", state).exit_code == 0
+    _pack(repo, 100, seed=7)                # a crash loop: the same step packed again
+    res = cli("status", repo, "--max-age", "2h", "--state", state, "--json")
+    assert res.exit_code == 1, res.output
+    (problem,) = json.loads(res.stdout)["problems"]
+    assert "step did not advance" in problem and "generation 2 holds step 100" in problem
+    _pack(repo, 200)
+    assert cli("status", repo, "--max-age", "2h", "--state", state).exit_code == 0
+
+
+def test_the_same_generation_at_the_next_check_is_judged_by_age_only(tmp_path):
+    repo, state = tmp_path / "repo", tmp_path / "st.json"
+    _pack(repo, 100)
+    assert cli("status", repo, "--max-age", "2h", "--state", state).exit_code == 0
+    assert cli("status", repo, "--max-age", "2h", "--state", state).exit_code == 0
+
+
+def test_no_usable_generation_is_exit_1_and_names_copied_ones(tmp_path):
+    _pack(tmp_path / "repo", 1)
+    shutil.copytree(tmp_path / "repo", tmp_path / "moved")
+    res = cli("status", tmp_path / "moved", "--state", tmp_path / "st.json")
+    assert res.exit_code == 1 and "no usable generation" in res.stderr and "ckpt-archive adopt" in res.stderr
+
+
+def test_a_repository_that_cannot_be_read_is_exit_2(tmp_path):
+    res = cli("status", tmp_path / "nope", "--max-age", "1h", "--state", tmp_path / "st.json")
+    assert res.exit_code == 2
+    assert cli("status", tmp_path, "--max-age", "soon").exit_code == 2
+
+
+def test_the_default_state_lives_outside_the_repository(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    _pack(tmp_path / "repo", 1)
+    before = sorted(p.name for p in (tmp_path / "repo").iterdir())
+    report = status(tmp_path / "repo")
+    assert report.state_file.startswith(str(tmp_path / "state" / "ckpt-archive" / "status"))
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == before      # the watchdog only reads
+
+
+def test_ages_parse_with_explicit_units():
+    assert parse_age("2h") == 7200 and parse_age("1d12h") == 129600 and parse_age("90min") == 5400
+    with pytest.raises(UsageError):
+        parse_age("5m")                       # months in retention, minutes elsewhere: refused
