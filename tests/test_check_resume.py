@@ -488,7 +488,7 @@ def test_trajectory_records_next_draws_of_legacy_numpy_global_state(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Issue 12: several interruptions, cumulative data cursor, could-not-check, {total_steps}, booleans
 # ------------------------------------------------------------------------------------------------
-def test_cursor_counting_batches_since_the_last_resume_passes_a_second_interruption(tmp_path):
+def test_cursor_counting_batches_since_the_last_resume_passes_a_second_interruption(tmp_path, capsys):
     """The faulty script replays data only after a second interruption in one epoch: one interruption
     passes, two (2,4) must fail naming the first divergent batch and the duplicated and skipped ids."""
     one = cli("check-resume", "--steps", "8", "--interrupt-at", "2", "--output", str(tmp_path / "one"),
@@ -513,7 +513,12 @@ def test_cursor_counting_batches_since_the_last_resume_passes_a_second_interrupt
     # permutation in updates 7 and 8 were never seen (the resumed line was still finishing epoch 0)
     assert d["duplicated_ids"] == sorted(perm_e0[4:8])
     assert d["never_seen_ids"] == sorted(i for u in cont[6:8] for i in u["sample_ids"])
-    assert "duplicated ids" in r.stderr and any("data.cursor 4" in w for w in report["warnings"])
+    assert r.stderr == ""  # --json: nothing but the JSON object
+    from ckpt_archive.cli.check_resume_cmd import report_human
+    from ckpt_archive.cli.common import Output
+
+    report_human(Output(False), report, "check-resume")  # what a run without --json prints
+    assert "duplicated ids" in capsys.readouterr().err and any("data.cursor 4" in w for w in report["warnings"])
     # the correct cursor passes the same two interruptions
     ok = cli("check-resume", "--steps", "8", "--interrupt-at", "2", "--interrupt-at", "4", "--output",
              str(tmp_path / "ok"), "--control", "data", "--json", "--", *template("epoch_cursor.py"))
@@ -528,8 +533,9 @@ def test_control_whose_run_refuses_the_perturbed_state_counts_as_diverged(tmp_pa
     r = cli("check-resume", "--steps", "6", "--interrupt-at", "3", "--output", str(out), "--control", "data",
             "--json", "--", *template("epoch_cursor.py", "--refuse-odd-cursor"))
     assert r.returncode == 2, r.stderr
-    assert "could not check control data-cursor" in r.stderr and "not on a batch boundary" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.stderr == ""  # --json: the error is the JSON object on stdout
+    assert "could not check control data-cursor" in r.stdout and "not on a batch boundary" in r.stdout
+    assert "Traceback" not in r.stdout
     report = _report(out)  # the report is still written, and says why
     (e,) = report["negative_controls"]
     assert e["status"] == "could-not-check" and e["diverged"] is False and not report["all_checks_passed"]
