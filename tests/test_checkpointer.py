@@ -234,3 +234,24 @@ def test_a_damaged_generation_is_never_restored(tmp_path):
     with Checkpointer(tmp_path / "repo") as ckpt:
         with pytest.raises(IntegrityError):
             ckpt.restore()
+
+
+def test_session_restore_of_a_scheduler_without_its_optimizer_silently_took_the_archived_lrs(tmp_path):
+    """policy='session' once fell back to 'checkpoint' whenever optimizer= was missing, so a scheduler
+    restored alone brought the archived base_lrs back without a word (issue 12's first story)."""
+    import torch
+
+    from ckpt_archive import Checkpointer
+    from ckpt_archive.errors import UsageError
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    sch = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    with Checkpointer(tmp_path / "repo") as ckpt:
+        ckpt.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sch.state_dict()},
+                  block=True)
+        live_opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        live_sch = torch.optim.lr_scheduler.StepLR(live_opt, step_size=10)
+        with pytest.raises(UsageError, match="needs its optimizer"):
+            ckpt.restore(model=model, scheduler=live_sch)
+        assert live_sch.base_lrs == [1e-4]  # nothing was restored

@@ -261,8 +261,10 @@ class Checkpointer:
 
         Args:
             model, optimizer, scheduler, scaler: live objects (None: that part is not restored).
-            policy: ``"session"`` (default; the live optimizer's LR wins) or ``"checkpoint"``; ``"session"``
-                without an optimizer falls back to ``"checkpoint"``.
+            policy: ``"session"`` (default; the live optimizer's LR wins) or ``"checkpoint"``. With neither
+                an optimizer nor a scheduler there is no LR to keep and ``"session"`` restores as saved; a
+                scheduler without its optimizer is refused under ``"session"`` (the session's LR lives in
+                the optimizer, and the archived ``base_lrs`` would silently override it).
             generation: ``"latest"``, a number or ``"tag:NAME"``.
             rng, session_lr, keys: as :func:`~ckpt_archive.training.restore.restore_training_state`.
 
@@ -276,9 +278,16 @@ class Checkpointer:
         from ckpt_archive.errors import NoUsableGeneration
         from ckpt_archive.training.restore import restore_training_state
 
+        from ckpt_archive.errors import UsageError
+
         self.wait()
         if optimizer is None and policy == "session":
-            policy = "checkpoint"
+            if scheduler is not None:
+                raise UsageError("restore(policy='session') with a scheduler needs its optimizer= too: the session's "
+                                 "LR lives in the optimizer, and the archived scheduler.base_lrs would override it at "
+                                 "the next scheduler.step(); pass optimizer=, or policy='checkpoint' to take the "
+                                 "archived LRs on purpose")
+            policy = "checkpoint"  # no optimizer and no scheduler: no LR to keep
         if self._dist is not None:
             return self._dist.restore(generation, model=model, optimizer=optimizer, scheduler=scheduler,
                                       scaler=scaler, policy=policy, rng=rng, session_lr=session_lr)
