@@ -79,6 +79,13 @@ def _refuse_constant(name: str):
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 overflows to inf: a value the format never writes as a number
+        raise ValueError(f"number {text[:40]} is out of range (not a finite float)")
+    return value
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):
@@ -117,7 +124,8 @@ def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_dept
         The parsed value, as ``json.loads`` gives it.
 
     Raises:
-        InvalidJSON: not UTF-8, not JSON, a duplicate key, ``NaN``/``Infinity``, too large or too deep
+        InvalidJSON: not UTF-8, not JSON, a duplicate key, ``NaN``/``Infinity`` or a number beyond the
+            float range (``1e999``), an integer of more digits than Python converts, too large or too deep
             (exit 1; also a ``ValueError``).
 
     Example:
@@ -133,7 +141,8 @@ def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_dept
                           where=where)
     try:
         text = data if isinstance(data, str) else bytes(data).decode("utf-8")
-        doc = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+        doc = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant,
+                         parse_float=_finite_float)
     except RecursionError:
         raise InvalidJSON(f"not read: nested more than {max_depth} levels deep", where=where) from None
     except (UnicodeDecodeError, ValueError) as exc:
