@@ -41,6 +41,9 @@ def register(app: typer.Typer) -> None:
             "checkpoint", "--policy", help="'checkpoint' (default: the archived lr wins, as load_state_dict does) "
                                            "or 'session': rewrite lr/initial_lr/base_lrs in the output from "
                                            "--session-config (moments untouched)."),
+        restore_unverified: bool = typer.Option(
+            False, "--restore-unverified", help="Restore a partial or damaged generation anyway (refused otherwise, "
+                                                "exit 2); every byte is still checked against its manifest."),
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
@@ -52,7 +55,7 @@ def register(app: typer.Typer) -> None:
                                                      expect_lr=expect_lr, policy=policy, out=out)
         res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
                                    map_location=map_location, jobs=jobs, transform=transform,
-                                   consolidate=consolidate, allow=allow)
+                                   consolidate=consolidate, allow=allow, unverified=restore_unverified)
         res.extra.update(cli_restore_finish(policy_json, out))
         for w in res.warnings:
             out.warn(w)

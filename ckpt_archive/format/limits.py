@@ -24,11 +24,17 @@ import os
 
 from ckpt_archive.errors import ImplausibleSize, IntegrityError
 
-__all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_ZSTD_RATIO", "check_member_sizes", "check_manifest_sizes",
+__all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_ZSTD_RATIO", "MAX_ANNOTATION_BYTES", "MAX_DATA_IDS_BYTES", "check_member_sizes", "check_manifest_sizes",
            "memory_available", "check_allocation", "lazy_buffer"]
 
 #: The largest raw size of one chunk a reader accepts (bytes). ``pack --chunk-bytes`` is bounded by it.
 MAX_CHUNK_RAW_BYTES = 64 << 20
+#: Largest ``--config`` / ``--metrics`` a manifest holds, as JSON (bytes): every ``list`` reads every
+#: manifest, so these stay small. Large experiment records belong in the checkpoint folder itself.
+MAX_ANNOTATION_BYTES = 1 << 20
+#: Largest ``--data-ids`` (as JSON, bytes). Data ids are stored as a member (``data-ids.json``) with their
+#: fingerprint in the manifest, so they may be larger, but they are read into memory once.
+MAX_DATA_IDS_BYTES = 256 << 20
 #: No zstandard frame decodes to more than this many times its size (128 KiB RLE block in 4 bytes).
 MAX_ZSTD_RATIO = 32768
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_archive.errors import InsufficientSpace, IntegrityError, OutputExists, UsageError
-from ckpt_archive.ops.common import RepoLike, open_repo, pick
+from ckpt_archive.format.paths import inside
+from ckpt_archive.ops.common import RepoLike, open_repo, pick, refuse_unusable
 from ckpt_archive.ops.load import with_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -51,7 +52,8 @@ def _check_space(path: Path, need: int) -> None:
 def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.PathLike | None = None, *,
             force: bool = False, only: str | None = None, fallback: bool = False, map_location=None,
             jobs: int | None = None, transform: Callable[[Any], Any] | None = None,
-            consolidate: str | os.PathLike | None = None, allow=(), **store_options) -> RestoreResult:
+            consolidate: str | os.PathLike | None = None, allow=(), unverified: bool = False,
+            **store_options) -> RestoreResult:
     """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
     sources), atomically: temporary name in the same folder, fsync, rename.
 
@@ -72,6 +74,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         consolidate: for a torch.distributed.checkpoint (DCP) folder source, also write its whole state
             as one ``torch.save`` file at this path (``sources/dcp.py: consolidate_dcp``).
         allow: plain-data classes to rebuild where a file must be re-serialised (``"module.Class"``).
+        unverified: restore a ``partial`` or ``damaged`` generation anyway (``--restore-unverified``;
+            refused otherwise, exit 2). Every byte is still checked against its manifest, and the result's
+            first warning says loudly what was restored.
         **store_options: for URL repositories.
 
     Returns:
@@ -80,6 +85,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     Raises:
         OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1);
         UsageError (exit 2): no output, or an output that would destroy the repository or the current folder.
+        NotUsable (exit 2): a partial or damaged generation without ``unverified``.
+        UnsafePath (exit 1): a path of the manifest resolves outside the output folder.
 
     Example:
         >>> import os, torch, ckpt_archive, tempfile
@@ -97,6 +104,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     if (out.exists() or out.is_symlink()) and not force:
         raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
     r = open_repo(repo, **store_options)
+    notes: list[str] = []
+    refuse_unusable(r, r.resolve(generation), unverified=unverified, action="restore",
+                    override="--restore-unverified")
     gen0 = pick(r, generation, fallback)
     # the output plus the spill files tensors are mapped from while torch.save writes it
     _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))
@@ -110,6 +120,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         if consolidate.exists() and not force:
             raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(consolidate))
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
 
     def write(gen: Generation) -> int:
@@ -138,7 +149,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
 
     try:
         with allowing(allow):
-            gen, nbytes = with_fallback(r, generation, fallback, write)
+            gen, nbytes = with_fallback(r, generation, fallback, write, unverified=unverified, action="restore",
+                                        override="--restore-unverified", notes=notes)
     except BaseException:
         _remove(tmp)
         raise
@@ -152,7 +164,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     from ckpt_archive.store.local import fsync_directory
 
     fsync_directory(out.parent)
-    result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only)
+    result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only,
+                           warnings=list(notes))
+    if notes:
+        result.extra["unverified"] = True
     if consolidate is not None:
         from ckpt_archive.sources.dcp import consolidate_dcp
 
@@ -188,6 +203,32 @@ def _check_output_target(out: Path, r: Repository, *, writes_folder: bool) -> No
             raise UsageError("holds a ckpt-archive repository; refusing to replace it", where=str(out))
 
 
+def _remove_stale_temporaries(out: Path) -> None:
+    """Remove what a killed restore to ``out`` left beside it (``.NAME.tmp-PID``, ``.NAME.old-PID`` of a
+    process that is gone): the next restore to the same output cleans up (a kill -9 runs no handler)."""
+    import re
+
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(\d+)$")
+    try:
+        names = os.listdir(out.parent)
+    except OSError:
+        return
+    for name in names:
+        m = pattern.match(name)
+        if m and int(m.group(2)) != os.getpid() and not _alive(int(m.group(2))):
+            _remove(out.parent / name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
 def _remove(p: Path) -> None:
     import shutil
 
@@ -206,10 +247,12 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
     tree = reader.tree()
     total = 0
     for f in manifest["source"]["files"]:
-        target = dest / f["relpath"]
+        # every final path resolved and kept inside the output folder (format/paths.py)
+        target = inside(dest, f["relpath"], where=f"manifest.json: source.files {f['relpath']!r}")
         target.parent.mkdir(parents=True, exist_ok=True)
         if f.get("hardlink_of"):  # [issue 11] hardlinks come back as hardlinks
-            os.link(dest / f["hardlink_of"], target)
+            os.link(inside(dest, f["hardlink_of"], where=f"manifest.json: hardlink_of {f['hardlink_of']!r}"),
+                    target)
         elif f.get("exact") and map_location is None:  # [issue 11] byte for byte
             _restore_exact(reader, f, target)
         elif f["kind"] in ("raw", "opaque"):
