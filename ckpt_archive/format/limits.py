@@ -25,7 +25,7 @@ import os
 from ckpt_archive.errors import ImplausibleSize, IntegrityError
 
 __all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_ZSTD_RATIO", "MAX_ANNOTATION_BYTES", "MAX_DATA_IDS_BYTES", "check_member_sizes", "check_manifest_sizes",
-           "memory_available", "check_allocation", "lazy_buffer"]
+           "memory_available", "check_allocation", "lazy_buffer", "frame_size_problem"]
 
 #: The largest raw size of one chunk a reader accepts (bytes). ``pack --chunk-bytes`` is bounded by it.
 MAX_CHUNK_RAW_BYTES = 64 << 20
@@ -134,3 +134,38 @@ def lazy_buffer(nbytes: int, member: str) -> memoryview:
 
     check_allocation(nbytes, member)
     return memoryview(np.zeros(nbytes, dtype=np.uint8))
+
+
+def frame_size_problem(fh, rec: dict) -> str | None:
+    """Compare every zstandard chunk's frame header (its declared content size, 18 bytes at most, never
+    the body) with the raw size the manifest declares; local files only (``None`` elsewhere: a remote
+    store would pay one request per chunk, and the deep check decodes every chunk anyway).
+
+    Args:
+        fh: the stored member, opened for reading.
+        rec: its manifest record.
+
+    Returns:
+        one line naming the first chunk whose frame declares another size, or None.
+    """
+    import stat
+
+    try:
+        fd = fh.fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+    except (AttributeError, OSError, ValueError):
+        return None
+    import zstandard
+
+    for i, c in enumerate(rec.get("chunks") or []):
+        if c.get("codec") == "store" or not c.get("raw_bytes"):
+            continue
+        head = os.pread(fd, min(18, c["stored_bytes"]), c["stored_offset"])
+        try:
+            size = zstandard.get_frame_parameters(head).content_size
+        except zstandard.ZstdError:
+            return f"chunk {i} does not start with a zstandard frame header"
+        if size != zstandard.CONTENTSIZE_UNKNOWN and size != c["raw_bytes"]:
+            return f"chunk {i}'s zstandard frame holds {size} bytes, the manifest declares {c['raw_bytes']}"
+    return None

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from ckpt_archive.errors import FormatError, IntegrityError, NotFound
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.codec import chunks_match, default_jobs, iter_decoded
-from ckpt_archive.format.limits import check_allocation, lazy_buffer
+from ckpt_archive.format.limits import check_allocation, frame_size_problem, lazy_buffer
 from ckpt_archive.format.manifest import sha256_hex
 from ckpt_archive.format.shard import check_header as _check_header
 from ckpt_archive.format.state_tree import decode, torch_dtype
@@ -81,6 +81,11 @@ class ArchiveReader:
             # describe a mismatch.
             with self.store.open_read(key) as fh:
                 fast = chunks_match(fh, rec, member=rec["path"], jobs=self.jobs, on_bytes=on_bytes)
+                # [issue 17] sizes that cannot be true, from frame headers only (no body decoded)
+                lie = frame_size_problem(fh, rec) if fast else None
+            if lie:
+                problems.append(Problem(lie, member=rec["path"]))
+                continue
             if fast:
                 continue
             h = hashlib.sha256()

@@ -117,7 +117,7 @@ class LocalStore:
         self.root = Path(root).expanduser().absolute()
         self.location = str(self.root)
 
-    def path(self, key: str) -> Path:
+    def path(self, key: str, *, final_link_ok: bool = False) -> Path:
         """The file system path of ``key``, checked before any I/O: ``key`` is a relative path of plain
         names (:func:`~ckpt_archive.format.paths.check_relpath`) and no part of it below the root is a
         symbolic link, so nothing read, written or deleted through a key leaves the repository.
@@ -129,8 +129,11 @@ class LocalStore:
             return self.root
         check_relpath(key, where=self.location, what="store key")
         cur = self.root
-        for part in key.split("/"):
+        parts = key.split("/")
+        for i, part in enumerate(parts):
             cur = cur / part
+            if final_link_ok and i == len(parts) - 1:
+                break  # removing a link itself (never what it points to) is allowed
             try:
                 mode = os.lstat(cur).st_mode
             except (FileNotFoundError, NotADirectoryError):
@@ -197,13 +200,15 @@ class LocalStore:
 
     def remove(self, key: str) -> None:
         try:
-            self.path(key).unlink()
+            self.path(key, final_link_ok=True).unlink()  # a symbolic link is unlinked, never followed
         except FileNotFoundError:
             pass
 
     def remove_prefix(self, key: str) -> None:
-        p = self.path(key)
-        if p.is_dir():
+        p = self.path(key, final_link_ok=True)
+        if p.is_symlink():
+            p.unlink()  # the link itself; what it points to is never touched
+        elif p.is_dir():
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
