@@ -96,6 +96,19 @@ def check_manifest_sizes(doc: dict, *, where: str = "manifest.json") -> None:
     for rec in doc.get("members") or []:
         if isinstance(rec, dict):
             check_member_sizes(rec, str(rec.get("path")))
+    src = doc.get("source") if isinstance(doc.get("source"), dict) else {}
+    for f in src.get("files") or []:
+        exact = f.get("exact") if isinstance(f, dict) else None
+        if exact is None:
+            continue
+        segs = exact.get("segments") if isinstance(exact, dict) else None
+        ok = isinstance(segs, list) and all(
+            isinstance(sg, list) and len(sg) == 3 and _int(sg[0]) and _int(sg[1]) and isinstance(sg[2], str)
+            for sg in segs) and _int(exact.get("cut_bytes", 0)) and _int(f.get("raw_bytes")) \
+            and isinstance(f.get("sha256"), str) and isinstance(exact.get("member"), str)
+        if not ok:
+            raise ImplausibleSize("exact.segments must be [offset, length, entry key] with non-negative sizes",
+                                  where=f"{where}: source.files {f.get('relpath')!r}")
 
 
 def memory_available() -> int | None:

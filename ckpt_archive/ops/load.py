@@ -37,7 +37,13 @@ def with_fallback(r: Repository, generation: str | int, fallback: bool,
 
     def checked(g: Generation):
         check_present(r, g)
-        return fn(g)
+        try:
+            return fn(g)
+        except (KeyError, TypeError, IndexError) as exc:
+            # [issue 17] a schema-valid but hand-made manifest lacking what the reader needs: refuse it
+            # in one line rather than an "internal error"
+            raise IntegrityError(f"generation {g.number}: the manifest is malformed where it is read "
+                                 f"({type(exc).__name__}: {exc})", where="manifest.json") from None
 
     try:
         return gen, checked(gen)
