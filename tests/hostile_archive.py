@@ -95,11 +95,13 @@ def run_cli(*args, env=None, timeout=300, measure_rss: bool = False):
     Returns:
         ``(returncode, stdout, stderr, peak_rss_bytes | None)``.
     """
-    code = ("import resource, sys\n"
+    # VmHWM (this process's own peak, reset by exec), not ru_maxrss: Linux carries ru_maxrss across
+    # exec from the forked parent, so a big pytest process would count as the child's peak
+    code = ("import sys\n"
             "from ckpt_archive.cli.app import main\n"
             "try:\n    main()\n"
             "except SystemExit as e:\n"
-            "    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "    rss = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
             "    sys.stderr.write(f'\\nPEAK_RSS_KB={rss}\\n')\n"
             "    raise\n")
     proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
