@@ -77,6 +77,17 @@ class InvalidJSON(ManifestInvalid, ValueError):
     treats "not JSON" as one case keeps doing so."""
 
 
+class UnsafePath(CheckFailed):
+    """A path read from an archive, a repository or a source is not a relative path of plain names, or
+    resolves outside its folder, or goes through a symbolic link (exit 1; ``format/paths.py``)."""
+
+
+class ImplausibleSize(CheckFailed):
+    """A manifest declares sizes that cannot be true (a chunk larger than any writer makes, raw bytes of a
+    ``store`` chunk different from its stored bytes, more memory than the machine has): refused before
+    anything is allocated (exit 1)."""
+
+
 class IncoherentState(CheckFailed):
     """The parts of a state do not describe the same instant, or a structure does not match."""
 
@@ -109,6 +120,11 @@ class NewerFormatError(CannotCheck):
 
 class NotFound(CannotCheck):
     """A repository, generation, path or member named by the user does not exist."""
+
+
+class NotUsable(CannotCheck):
+    """The generation asked for is ``partial`` or ``damaged``: restore, load and export refuse it unless
+    the caller passes the explicit override (exit 2)."""
 
 
 class NoUsableGeneration(CannotCheck):

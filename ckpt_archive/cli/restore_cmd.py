@@ -55,6 +55,9 @@ def register(app: typer.Typer) -> None:
         allow_data_change: bool = typer.Option(
             False, "--allow-data-change", help="Restore although --data-ids differ from the archived ids (the "
                                                "differences are printed as a warning)."),
+        restore_unverified: bool = typer.Option(
+            False, "--restore-unverified", help="Restore a partial or damaged generation anyway (refused otherwise, "
+                                                "exit 2); every byte is still checked against its manifest."),
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
@@ -67,7 +70,7 @@ def register(app: typer.Typer) -> None:
         res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
                                    map_location=map_location, jobs=jobs, transform=transform,
                                    consolidate=consolidate, allow=allow, data_ids=data_ids,
-                                   allow_data_change=allow_data_change)
+                                   allow_data_change=allow_data_change, unverified=restore_unverified)
         res.extra.update(cli_restore_finish(policy_json, out))
         for w in res.warnings:
             out.warn(w)

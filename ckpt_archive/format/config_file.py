@@ -7,12 +7,12 @@ rules read it as a string), ``null`` stays None and ``yes`` stays a string.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from ckpt_archive.errors import SourceError
+from ckpt_archive.format import jsonio
 
 
 def load_value_file(path: str | os.PathLike, *, what: str = "file") -> Any:
@@ -42,7 +42,7 @@ def load_value_file(path: str | os.PathLike, *, what: str = "file") -> Any:
     suffix = p.suffix.lower()
     try:
         if suffix == ".json":
-            return json.loads(text)
+            return jsonio.loads(text, where=str(p))
         if suffix in (".yaml", ".yml"):
             return _yaml(text)
         if suffix == ".toml":
@@ -55,7 +55,7 @@ def load_value_file(path: str | os.PathLike, *, what: str = "file") -> Any:
             return [line.strip() for line in text.splitlines() if line.strip()]
         # unknown suffix: try JSON, then YAML
         try:
-            return json.loads(text)
+            return jsonio.loads(text, where=str(p))
         except ValueError:
             return _yaml(text)
     except SourceError:

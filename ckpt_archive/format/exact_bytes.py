@@ -23,13 +23,13 @@ the entries cover).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ckpt_archive.format import jsonio
 from ckpt_archive.errors import IntegrityError
 
 READ_BYTES = 8 << 20
@@ -83,13 +83,19 @@ def _safetensors_ranges(path: Path) -> list[tuple[int, int]]:
         (n,) = struct.unpack("<Q", fh.read(8))
         if n > min(size, 100 << 20):
             return []
-        header = json.loads(fh.read(n).decode("utf-8"))
+        try:  # the one strict JSON reader (a source is hostile until checked)
+            header = jsonio.loads(fh.read(n), where=str(path), max_bytes=100 << 20)
+        except ValueError:
+            return []
     base = 8 + n
     out = []
-    for key, rec in header.items():
+    for key, rec in (header.items() if isinstance(header, dict) else ()):
         if key == "__metadata__" or not isinstance(rec, dict):
             continue
-        start, end = rec.get("data_offsets", (0, 0))
+        offsets = rec.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2):
+            continue
+        start, end = offsets
         if isinstance(start, int) and isinstance(end, int) and end > start:
             out.append((base + start, end - start))
     return _disjoint(out)

@@ -79,6 +79,13 @@ def _refuse_constant(name: str):
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 overflows to inf: a value the format never writes as a number
+        raise ValueError(f"number {text[:40]} is out of range (not a finite float)")
+    return value
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):
@@ -104,7 +111,8 @@ def _depth_exceeds(doc: Any, limit: int) -> bool:
     return False
 
 
-def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> Any:
+def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
+          allow_nonfinite: bool = False) -> Any:
     """Parse one strict JSON document read from an archive, a repository or a report.
 
     Args:
@@ -112,12 +120,16 @@ def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_dept
         where: the file or key it came from, named in every error.
         max_bytes: refuse a larger document (bytes).
         max_depth: refuse deeper nesting (levels of objects/arrays).
+        allow_nonfinite: accept ``NaN``/``Infinity`` and numbers beyond the float range, as Python's
+            ``json`` writes them by default: only for third-party files whose format has them (an HF
+            ``trainer_state.json`` logging an infinite grad norm), never for what ckpt-archive writes.
 
     Returns:
         The parsed value, as ``json.loads`` gives it.
 
     Raises:
-        InvalidJSON: not UTF-8, not JSON, a duplicate key, ``NaN``/``Infinity``, too large or too deep
+        InvalidJSON: not UTF-8, not JSON, a duplicate key, ``NaN``/``Infinity`` or a number beyond the
+            float range (``1e999``), an integer of more digits than Python converts, too large or too deep
             (exit 1; also a ``ValueError``).
 
     Example:
@@ -133,7 +145,8 @@ def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_dept
                           where=where)
     try:
         text = data if isinstance(data, str) else bytes(data).decode("utf-8")
-        doc = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+        hooks = {} if allow_nonfinite else {"parse_constant": _refuse_constant, "parse_float": _finite_float}
+        doc = json.loads(text, object_pairs_hook=_unique_keys, **hooks)
     except RecursionError:
         raise InvalidJSON(f"not read: nested more than {max_depth} levels deep", where=where) from None
     except (UnicodeDecodeError, ValueError) as exc:

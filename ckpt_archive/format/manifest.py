@@ -58,6 +58,8 @@ def parse(data: bytes, *, where: str = "manifest.json") -> dict:
     """Parse and check a manifest: JSON, format name, version (refuse newer), schema.
 
     Raises:
+        UnsafePath / ImplausibleSize: a path that is not a plain relative path, a size that cannot be
+            true (exit 1; ``format/paths.py``, ``format/limits.py``).
         ManifestInvalid: not strict JSON (:func:`ckpt_archive.format.jsonio.loads`: also a duplicate key,
             NaN/Infinity, too large or too deep), not a ckpt-archive manifest, or breaks the schema (exit 1).
         NewerFormatError: written by a newer format version than this reader knows.
@@ -76,4 +78,11 @@ def parse(data: bytes, *, where: str = "manifest.json") -> dict:
     if version not in KNOWN_VERSIONS:
         raise FormatError(f"unknown format version {version}", where=where)
     validate(doc, where=where)
+    # hostile until checked (docs/FORMAT.md, "Reading hostile archives"): every path it names is a plain
+    # relative path, every size it declares can be true -- before any reader allocates or opens anything
+    from ckpt_archive.format.limits import check_manifest_sizes
+    from ckpt_archive.format.paths import check_manifest_paths
+
+    check_manifest_paths(doc, where=where)
+    check_manifest_sizes(doc, where=where)
     return doc

@@ -18,6 +18,7 @@ import struct
 from typing import Any, Mapping
 
 from ckpt_archive.errors import IntegrityError
+from ckpt_archive.format import jsonio
 
 #: A header larger than this is refused (the safetensors library's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 << 20
@@ -68,10 +69,13 @@ def parse_header(prefix: bytes) -> tuple[dict[str, Any], dict[str, str]]:
             (an object), or ``__metadata__`` does not map str to str. The message says which.
     """
     n = header_length(prefix)
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(f"safetensors header claims {n} bytes, more than {MAX_HEADER_BYTES}")
     try:  # a length beyond the bytes given leaves a truncated JSON text: refused below
-        header = json.loads(prefix[LENGTH_BYTES:LENGTH_BYTES + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise ValueError("safetensors header is not valid JSON") from None
+        header = jsonio.loads(prefix[LENGTH_BYTES:LENGTH_BYTES + n], where="safetensors header",
+                              max_bytes=MAX_HEADER_BYTES)
+    except ValueError as exc:
+        raise ValueError(f"safetensors header is not valid JSON ({getattr(exc, 'message', exc)})") from None
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not valid JSON")
     meta = header.pop("__metadata__", {})
@@ -127,13 +131,16 @@ def file_problem(path: str | os.PathLike) -> str | None:
         if n > size - LENGTH_BYTES or n > MAX_HEADER_BYTES:
             return f"safetensors header claims {n} bytes but the file has {size}"
         try:
-            header = json.loads(fh.read(n))
+            header = jsonio.loads(fh.read(n), where=str(path), max_bytes=MAX_HEADER_BYTES)
         except ValueError:
             return "safetensors header is not whole JSON"
     end = 0
     for key, meta in (header.items() if isinstance(header, dict) else ()):
         if key != "__metadata__" and isinstance(meta, dict):
-            end = max(end, int(meta.get("data_offsets", [0, 0])[1]))
+            offsets = meta.get("data_offsets", [0, 0])
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets)):
+                return f"safetensors header entry {key!r} has data_offsets {offsets!r}"
+            end = max(end, offsets[1])
     if LENGTH_BYTES + n + end != size:
         return f"safetensors data ends at byte {LENGTH_BYTES + n + end} but the file has {size} bytes"
     return None

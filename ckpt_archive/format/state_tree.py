@@ -406,6 +406,8 @@ def walk_refs(tree: Any):
             stack.extend(node)
         elif isinstance(node, dict):
             if node.get("$t") in ("tensor", "ndarray"):
+                if not isinstance(node.get("key"), str):  # [issue 17] hostile until checked
+                    raise FormatError(f"malformed {node.get('$t')} node (no string 'key')")
                 yield node["key"]
                 stack.extend((node.get("attrs") or {}).values())
             elif "$t" in node:
@@ -530,7 +532,10 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
             return obj
         raise FormatError(f"unknown tree tag {t!r}")
 
-    return dec(tree)
+    try:
+        return dec(tree)
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:  # [issue 17] a hand-made node
+        raise FormatError(f"malformed state tree node ({type(exc).__name__}: {exc})") from None
 
 
 def _rebuild(node: dict, dec, build: bool):

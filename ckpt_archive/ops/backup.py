@@ -27,7 +27,6 @@ else the newest ``*.pt``/``*.pth``/``*.ckpt`` file (top level or ``checkpoints/`
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import time
@@ -215,7 +214,7 @@ def completeness_problem(checkpoint: Path) -> str | None:
                 return f"{where}: {problem}"
         elif name.endswith(".json") and size <= (16 << 20):
             try:
-                data = json.loads(p.read_bytes())
+                data = jsonio.loads(p.read_bytes(), where=where, allow_nonfinite=True)
             except ValueError:
                 return f"{where}: JSON does not parse: still being written?"
             if name.endswith(".index.json") and isinstance(data, dict) and isinstance(data.get("weight_map"), dict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Union
 
-from ckpt_archive.errors import IntegrityError, NoUsableGeneration
+from ckpt_archive.errors import IntegrityError, NotUsable, NoUsableGeneration
 from ckpt_archive.repo.repository import Generation, Repository
 
 #: A repository argument: a local path, a URL (``s3://bucket/prefix``) or an open Repository.
@@ -81,4 +81,36 @@ def check_present(r: Repository, gen: Generation) -> None:
             raise IntegrityError(f"{size} bytes stored, manifest says {rec['stored_bytes']}", where=rec["path"])
 
 
-__all__ = ["RepoLike", "open_repo", "pick", "check_present", "copied_note"]
+def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action: str, override: str) -> str | None:
+    """Refuse to read a ``partial`` or ``damaged`` generation for ``restore``/``load`` unless ``unverified``.
+
+    A ``partial`` generation was never published (no marker: interrupted, or being deleted); a
+    ``damaged`` one's manifest changed after it was published, or cannot be read. ``verify`` exits 1 on
+    both, so restoring them silently would hand out what no check vouched for. ``copied`` generations
+    (intact, verified elsewhere) are not refused here.
+
+    Args:
+        r: the repository. gen: the generation picked.
+        unverified: the caller's explicit override (``--restore-unverified``, ``unverified=True``).
+        action: the verb for messages ("restore", "load"). override: the override's name for messages.
+
+    Returns:
+        None when the generation is not partial/damaged; else (with ``unverified``) one loud line saying
+        what is being read, for the caller to show.
+
+    Raises:
+        NotUsable: (exit 2) partial or damaged and no override: says why and what to run.
+    """
+    if gen.status not in ("partial", "damaged"):
+        return None
+    spec = f"{r.location}@{gen.number}"
+    if not unverified:
+        raise NotUsable(f"refusing to {action} generation {gen.number}: it is {gen.status} ({gen.reason}). Run "
+                        f"`ckpt-archive verify {spec}` to see what is wrong (`ckpt-archive list {r.location}` shows "
+                        f"the usable ones); pass {override} to {action} it anyway (every byte is still checked "
+                        f"against its manifest)", where=r.location)
+    return (f"{action.upper()} OF AN UNVERIFIED GENERATION: generation {gen.number} is {gen.status} ({gen.reason}); "
+            f"every byte was checked against its manifest, but no published marker vouches for that manifest")
+
+
+__all__ = ["RepoLike", "open_repo", "pick", "check_present", "copied_note", "refuse_unusable"]

@@ -51,7 +51,8 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
     (``.NAME.tmp-PID``) at the repository root and in generation folders. Holding the writer lock
     guarantees no write is in progress on this machine. ``damaged`` generations (a marker that no longer
     matches its manifest) are evidence, not leftovers: they are reported, never removed here (use
-    ``forget``); ``copied`` ones become usable with ``verify --deep``.
+    ``forget``); ``copied`` ones become usable with ``verify --deep``. Nothing is read, listed or deleted
+    through a symbolic link (a generation folder that is one is reported as damaged and left alone).
 
     Args:
         repo: repository path or URL.
@@ -73,6 +74,7 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
         >>> ckpt_archive.gc(repo).removed
         []
     """
+    from ckpt_archive.errors import UnsafePath
     from ckpt_archive.repo.repository import Repository, gen_key
 
     r = Repository.open(repo)
@@ -86,6 +88,8 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
             else:
                 if g.status != "usable":
                     kept.append({"generation": g.number, "status": g.status, "reason": g.reason})
+                if isinstance(g.error, UnsafePath):
+                    continue  # e.g. a generation folder that is a symbolic link: never listed through
                 for name in r.store.listdir(gen_key(g.number)):
                     if TMP_NAME.match(name):
                         removed_files.append(f"{gen_key(g.number)}/{name}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, TypeVar
 
 from ckpt_archive.errors import IntegrityError
-from ckpt_archive.ops.common import RepoLike, check_present, open_repo, pick
+from ckpt_archive.ops.common import RepoLike, check_present, open_repo, pick, refuse_unusable
 from ckpt_archive.ops.verify import find_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -14,21 +14,36 @@ T = TypeVar("T")
 
 
 def with_fallback(r: Repository, generation: str | int, fallback: bool,
-                  fn: Callable[[Generation], T]) -> tuple[Generation, T]:
+                  fn: Callable[[Generation], T], *, unverified: bool = False, action: str = "load",
+                  override: str = "unverified=True", notes: list | None = None) -> tuple[Generation, T]:
     """Run ``fn`` on the picked generation; when ``latest`` fails its checks, name (or with ``fallback``
     use) the newest older generation that verifies.
+
+    A ``partial`` or ``damaged`` generation is refused (:func:`~ckpt_archive.ops.common.refuse_unusable`)
+    unless ``unverified``; then the loud note is appended to ``notes``.
 
     Returns:
         ``(generation used, fn's result)``.
 
     Raises:
         IntegrityError: the generation fails (and, for ``latest``, says which older one verifies).
+        NotUsable: partial or damaged without ``unverified`` (exit 2).
     """
+    gen = r.resolve(generation, copied=True)
+    note = refuse_unusable(r, gen, unverified=unverified, action=action, override=override)
+    if note is not None and notes is not None:
+        notes.append(note)
     gen = pick(r, generation, fallback)
 
     def checked(g: Generation):
         check_present(r, g)
-        return fn(g)
+        try:
+            return fn(g)
+        except (KeyError, TypeError, IndexError) as exc:
+            # [issue 17] a schema-valid but hand-made manifest lacking what the reader needs: refuse it
+            # in one line rather than an "internal error"
+            raise IntegrityError(f"generation {g.number}: the manifest is malformed where it is read "
+                                 f"({type(exc).__name__}: {exc})", where="manifest.json") from None
 
     try:
         return gen, checked(gen)
@@ -45,7 +60,7 @@ def with_fallback(r: Repository, generation: str | int, fallback: bool,
 
 
 def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None = None, fallback: bool = False,
-         map_location=None, jobs: int | None = None, allow=(), **store_options) -> Any:
+         map_location=None, jobs: int | None = None, allow=(), unverified: bool = False, **store_options) -> Any:
     """Rebuild the archived state in memory, checking every chunk and tensor on the way.
 
     Args:
@@ -57,13 +72,16 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
         jobs: decoder threads (default: cores).
         allow: plain-data classes to rebuild (``"module.Class"`` names or classes); ``argparse.Namespace``
             needs none (see :mod:`ckpt_archive.format.allowlist`).
+        unverified: load a ``partial`` or ``damaged`` generation anyway (refused otherwise, exit 2);
+            every byte is still checked against its manifest, and a ``UserWarning`` says so loudly.
         **store_options: for URL repositories (``endpoint_url=``, ``storage_options=``).
 
     Returns:
         the nested state, equal to what was packed in structure, types, dtypes, shapes and bits.
 
     Raises:
-        IntegrityError (exit 1) -- never returns wrong data; NotFound / NoUsableGeneration (exit 2).
+        IntegrityError (exit 1) -- never returns wrong data; NotFound / NoUsableGeneration (exit 2);
+        NotUsable (exit 2): a partial or damaged generation without ``unverified``.
 
     Example:
         >>> import torch, ckpt_archive, tempfile
@@ -76,10 +94,16 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
     from ckpt_archive.format.allowlist import allowing
 
     r = open_repo(repo, **store_options)
+    notes: list[str] = []
     with allowing(allow):
         _, state = with_fallback(r, generation, fallback,
                                  lambda g: ArchiveReader(r.store, g.key, g.manifest, jobs=jobs).load(
-                                     only, map_location=map_location))
+                                     only, map_location=map_location),
+                                 unverified=unverified, notes=notes)
+    if notes:
+        import warnings
+
+        warnings.warn(notes[0], UserWarning, stacklevel=2)
     return state
 
 

@@ -16,10 +16,26 @@ __all__ = ["load_value_file", "value_or_file", "find_progress", "find_metrics", 
            "default_instructions"]
 
 
-def value_or_file(value: Any, *, what: str) -> Any:
+def value_or_file(value: Any, *, what: str, max_bytes: int | None = None) -> Any:
+    """A value as given, or read from a file (:func:`load_value_file`); a file of more than
+    ``4 * max_bytes`` bytes is refused unread (``pack`` then checks the encoded size against ``max_bytes``).
+
+    Raises:
+        SourceError: unreadable file. UsageError: the file is too large (names it and the limit).
+    """
     if value is None:
         return None
     if isinstance(value, (str, os.PathLike)):
+        if max_bytes is not None:
+            try:
+                size = os.stat(value).st_size
+            except OSError:
+                size = 0  # load_value_file names the missing file
+            if size > 4 * max_bytes:
+                from ckpt_archive.errors import UsageError
+
+                raise UsageError(f"{what} of {size} bytes is refused: the limit is {max_bytes} bytes as JSON "
+                                 f"(docs/FORMAT.md, 'Reading hostile archives')", where=str(value))
         return load_value_file(value, what=what)
     return value
 

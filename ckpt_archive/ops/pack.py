@@ -169,9 +169,14 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
         else:
             source = from_object(source_or_path)
         encoded = (encoder or encode)(source.state)
-    config_v = value_or_file(notes.config, what="config file")
-    metrics_v = value_or_file(notes.metrics, what="metrics file")
-    ids_v = value_or_file(notes.data_ids, what="data-ids file")
+    from ckpt_archive.format.limits import MAX_ANNOTATION_BYTES, MAX_CHUNK_RAW_BYTES, MAX_DATA_IDS_BYTES
+
+    config_v = value_or_file(notes.config, what="config file", max_bytes=MAX_ANNOTATION_BYTES)
+    metrics_v = value_or_file(notes.metrics, what="metrics file", max_bytes=MAX_ANNOTATION_BYTES)
+    ids_v = value_or_file(notes.data_ids, what="data-ids file", max_bytes=MAX_DATA_IDS_BYTES)
+    if options.chunk_bytes is not None and not 1 <= int(options.chunk_bytes) <= MAX_CHUNK_RAW_BYTES:
+        raise UsageError(f"chunk_bytes must be between 1 and {MAX_CHUNK_RAW_BYTES} (readers refuse larger chunks), "
+                         f"not {options.chunk_bytes}")
     found = find_progress(source.state) if source.layout == "file" else {}
     if metrics_v is None and source.layout == "file":  # [issue 11] nanoGPT best_val_loss, timm metric
         metrics_v = find_metrics(source.state) or None
@@ -194,9 +199,19 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
     config_enc = encode_value(config_v) if config_v is not None else {}
     metrics_plain = metrics_to_json(metrics_v)
     try:
-        json.dumps(ids_v, allow_nan=False)
+        ids_size = len(json.dumps(ids_v, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise UsageError(f"data ids must be plain JSON values: {exc}") from None
+    # every `list` reads every manifest: config and metrics stay small (data ids live in a member)
+    for name, value, limit in (("config", config_enc, MAX_ANNOTATION_BYTES), ("metrics", metrics_plain,
+                               MAX_ANNOTATION_BYTES), ("data ids", None, MAX_DATA_IDS_BYTES)):
+        size = ids_size if value is None else len(json.dumps(value, default=str))
+        if size > limit:
+            raise UsageError(f"{name} of {size} bytes (as JSON) is refused: the limit is {limit} bytes"
+                             + (" (data ids are stored as a member; a larger dataset identity belongs in a "
+                                "file of the checkpoint folder)" if value is None else
+                                " (it is stored in the manifest, which every `list` reads; put large records "
+                                "in a file of the checkpoint folder)"))
     return _Prepared(source, encoded, prog, config_enc, metrics_plain, ids_v, [str(t) for t in tags],
                      _instructions(notes.instructions, source), notes.code_version, sorted(allowed or ()))
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_archive.errors import InsufficientSpace, IntegrityError, OutputExists, UsageError
-from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick
+from ckpt_archive.format.paths import inside
+from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick, refuse_unusable
 from ckpt_archive.ops.load import with_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -52,7 +53,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             force: bool = False, only: str | None = None, fallback: bool = False, map_location=None,
             jobs: int | None = None, transform: Callable[[Any], Any] | None = None,
             consolidate: str | os.PathLike | None = None, allow=(), data_ids: Any = None,
-            allow_data_change: bool = False, **store_options) -> RestoreResult:
+            allow_data_change: bool = False, unverified: bool = False, **store_options) -> RestoreResult:
     """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
     sources), atomically: temporary name in the same folder, fsync, rename.
 
@@ -77,6 +78,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             order aside, with the ids packed with the generation (:mod:`ckpt_archive.ops.data_identity`)
             before anything is written. The result's ``extra["data_ids"]`` holds the comparison.
         allow_data_change: restore even when the data ids differ (the differences become a warning).
+        unverified: restore a ``partial`` or ``damaged`` generation anyway (``--restore-unverified``;
+            refused otherwise, exit 2). Every byte is still checked against its manifest, and the result's
+            first warning says loudly what was restored.
         **store_options: for URL repositories.
 
     Returns:
@@ -87,6 +91,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         UsageError (exit 2): no output, or an output that would destroy the repository or the current folder.
         DataIdentityMismatch (exit 1): ``data_ids`` differ from the archived ones (changed, added and removed
             entries listed) and ``allow_data_change`` is False; nothing is written.
+        NotUsable (exit 2): a partial or damaged generation without ``unverified``.
+        UnsafePath (exit 1): a path of the manifest resolves outside the output folder.
 
     Example:
         >>> import os, torch, ckpt_archive, tempfile
@@ -104,6 +110,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     if (out.exists() or out.is_symlink()) and not force:
         raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
     r = open_repo(repo, **store_options)
+    notes: list[str] = []
+    refuse_unusable(r, r.resolve(generation, copied=True), unverified=unverified, action="restore",
+                    override="--restore-unverified")
     gen0 = pick(r, generation, fallback)
     ids_check = None
     if data_ids is not None:
@@ -122,6 +131,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         if consolidate.exists() and not force:
             raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(consolidate))
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
 
     def write(gen: Generation) -> int:
@@ -150,7 +160,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
 
     try:
         with allowing(allow):
-            gen, nbytes = with_fallback(r, generation, fallback, write)
+            gen, nbytes = with_fallback(r, generation, fallback, write, unverified=unverified, action="restore",
+                                        override="--restore-unverified", notes=notes)
     except BaseException:
         _remove(tmp)
         raise
@@ -164,7 +175,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     from ckpt_archive.store.local import fsync_directory
 
     fsync_directory(out.parent)
-    result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only)
+    result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only,
+                           warnings=list(notes))
+    if notes:
+        result.extra["unverified"] = True
     if ids_check is not None:
         result.extra["data_ids"] = ids_check
         if ids_check.get("warning"):
@@ -207,6 +221,32 @@ def _check_output_target(out: Path, r: Repository, *, writes_folder: bool) -> No
             raise UsageError("holds a ckpt-archive repository; refusing to replace it", where=str(out))
 
 
+def _remove_stale_temporaries(out: Path) -> None:
+    """Remove what a killed restore to ``out`` left beside it (``.NAME.tmp-PID``, ``.NAME.old-PID`` of a
+    process that is gone): the next restore to the same output cleans up (a kill -9 runs no handler)."""
+    import re
+
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(\d+)$")
+    try:
+        names = os.listdir(out.parent)
+    except OSError:
+        return
+    for name in names:
+        m = pattern.match(name)
+        if m and int(m.group(2)) != os.getpid() and not _alive(int(m.group(2))):
+            _remove(out.parent / name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
 def _remove(p: Path) -> None:
     import shutil
 
@@ -225,10 +265,12 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
     tree = reader.tree()
     total = 0
     for f in manifest["source"]["files"]:
-        target = dest / f["relpath"]
+        # every final path resolved and kept inside the output folder (format/paths.py)
+        target = inside(dest, f["relpath"], where=f"manifest.json: source.files {f['relpath']!r}")
         target.parent.mkdir(parents=True, exist_ok=True)
         if f.get("hardlink_of"):  # [issue 11] hardlinks come back as hardlinks
-            os.link(dest / f["hardlink_of"], target)
+            os.link(inside(dest, f["hardlink_of"], where=f"manifest.json: hardlink_of {f['hardlink_of']!r}"),
+                    target)
         elif f.get("exact") and map_location is None:  # [issue 11] byte for byte
             _restore_exact(reader, f, target)
         elif f["kind"] in ("raw", "opaque"):

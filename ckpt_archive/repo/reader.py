@@ -9,12 +9,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from ckpt_archive.errors import FormatError, IntegrityError, NotFound
+from ckpt_archive.format import jsonio
 from ckpt_archive.format.codec import chunks_match, default_jobs, iter_decoded
+from ckpt_archive.format.limits import check_allocation, frame_size_problem, lazy_buffer
 from ckpt_archive.format.manifest import sha256_hex
 from ckpt_archive.format.shard import check_header as _check_header
 from ckpt_archive.format.state_tree import decode, torch_dtype
@@ -80,6 +81,11 @@ class ArchiveReader:
             # describe a mismatch.
             with self.store.open_read(key) as fh:
                 fast = chunks_match(fh, rec, member=rec["path"], jobs=self.jobs, on_bytes=on_bytes)
+                # [issue 17] sizes that cannot be true, from frame headers only (no body decoded)
+                lie = frame_size_problem(fh, rec) if fast else None
+            if lie:
+                problems.append(Problem(lie, member=rec["path"]))
+                continue
             if fast:
                 continue
             h = hashlib.sha256()
@@ -234,10 +240,10 @@ class ArchiveReader:
                         cur = None
                     elif transient:
                         if len(scratch) < size:
-                            scratch = bytearray(size)
+                            scratch = lazy_buffer(size, rec["path"])  # pages taken as bytes arrive
                         cur = memoryview(scratch)[:size]
                     else:
-                        cur = bytearray(size)
+                        cur = lazy_buffer(size, rec["path"])
                 take = min(size - filled, len(mv) - pos)
                 if cur is not None:
                     cur[filled:filled + take] = mv[pos:pos + take]
@@ -267,10 +273,11 @@ class ArchiveReader:
 
     def tree(self) -> Any:
         data = self.read_member_bytes(self.manifest["tree_member"])
-        try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise IntegrityError(f"state tree is not valid JSON ({exc})", where=self.manifest["tree_member"]) from None
+        try:  # the one strict reader: depth, duplicate keys, non-finite numbers (format/jsonio.py)
+            return jsonio.loads(data, where=self.manifest["tree_member"])
+        except ValueError as exc:
+            raise IntegrityError(f"state tree is not valid JSON ({getattr(exc, 'message', exc)})",
+                                 where=self.manifest["tree_member"]) from None
 
     # -- trial reload --------------------------------------------------------------------------------
     # -- trial reload --------------------------------------------------------------------------------
@@ -347,6 +354,7 @@ class ArchiveReader:
                 if set(rec["entries"]) <= entries:
                     import numpy as np
 
+                    check_allocation(rec["raw_bytes"], rec["path"])  # np.empty: pages taken as decoded
                     into = np.empty(rec["raw_bytes"], dtype=np.uint8)
                 source = self.iter_entries(rec, wanted=entries, on_bytes=on_bytes, checked_by_caller=True,
                                            into=into)

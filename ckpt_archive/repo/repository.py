@@ -25,8 +25,8 @@ from typing import Iterator
 
 from ckpt_archive import __version__
 
-from ckpt_archive.errors import (CheckFailed, CkptArchiveError, IntegrityError, LockError, ManifestInvalid, NewerFormatError,
-                     NoUsableGeneration, NotFound, StoreError, UsageError)
+from ckpt_archive.errors import (CheckFailed, CkptArchiveError, FormatError, IntegrityError, LockError, ManifestInvalid,
+                                NewerFormatError, NoUsableGeneration, NotFound, StoreError, UnsafePath, UsageError)
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.manifest import parse as parse_manifest
 from ckpt_archive.format.metrics import read_metrics
@@ -51,9 +51,12 @@ def iso(t: dt.datetime) -> str:
 
 
 def parse_time(text: str | None) -> dt.datetime | None:
-    if not text:
+    if not text or not isinstance(text, str):
         return None
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    try:
+        return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:  # a hostile manifest's "created" is shown as unknown, never a crash
+        return None
 
 
 def gen_key(number: int) -> str:
@@ -305,7 +308,10 @@ class Repository:
     def generation(self, number: int) -> Generation:
         """Read one generation's manifest and marker and decide its status (no member is read)."""
         key = gen_key(number)
-        names = set(self.store.listdir(key))
+        try:
+            names = set(self.store.listdir(key))
+        except UnsafePath as exc:  # a generation folder that is a symbolic link: never followed
+            return Generation(number, "damaged", str(exc), error=exc)
         if not names and not self.store.exists(key):
             raise NotFound(f"no generation {number}", where=self.location)
         if MANIFEST not in names:
@@ -323,7 +329,7 @@ class Repository:
         sha = hashlib.sha256(raw).hexdigest()
         try:
             manifest = parse_manifest(raw, where=f"{key}/{MANIFEST}")
-        except (ManifestInvalid, NewerFormatError) as exc:
+        except (CheckFailed, FormatError, NewerFormatError) as exc:  # incl. UnsafePath, ImplausibleSize
             return Generation(number, "damaged", str(exc), manifest_sha256=sha, error=exc)
         if MARKER not in names:
             return Generation(number, "partial", "sealed but never published (no USABLE marker)", manifest, None, sha)
@@ -350,6 +356,8 @@ class Repository:
                 out.append(self.generation(n))
             except NotFound:
                 continue  # deleted while listing
+            except CheckFailed as exc:  # one bad generation never hides the others
+                out.append(Generation(n, "damaged", str(exc), error=exc))
         return out
 
     def usable(self) -> list[Generation]:
@@ -446,7 +454,9 @@ class Repository:
         except filelock.Timeout:
             holder = ""
             try:
-                info = json.loads(owner_path.read_text())
+                info = jsonio.loads(owner_path.read_bytes(), where=str(owner_path), max_bytes=1 << 16)
+                if not isinstance(info, dict):
+                    raise ValueError("not an object")
                 alive = _pid_alive(info.get("pid")) if info.get("host") == socket.gethostname() else None
                 holder = (f" by pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
                           + ("" if alive is not False else " (that process is gone: the OS lock is held by "
@@ -476,19 +486,24 @@ class Repository:
     def claim_next(self) -> int:
         """Claim the next generation number by exclusive create of its CLAIM file.
 
-        Numbers are never reused, even after ``forget``/``prune`` removed the highest ones: the highest
-        number ever claimed is kept in ``repository.json`` (``highest_generation``), so a number always
-        names one archive (exports and reports can rely on it). Call with the lock held.
+        Numbers are never reused, even after ``forget``/``prune``/``gc`` removed the highest ones: the
+        highest number ever about to be claimed is kept in ``repository.json`` (``highest_generation``),
+        written before the claim, so a number always names one archive (exports and reports can rely on
+        it). Call with the lock held.
         """
         try:
             self.config = self._read_config(self.store)
         except CkptArchiveError:
             pass
-        n = max((self.numbers() or [0])[-1], int(self.config.get("highest_generation") or 0)) + 1
+        high = self.config.get("highest_generation")
+        high = high if isinstance(high, int) and not isinstance(high, bool) and high >= 0 else 0
+        n = max((self.numbers() or [0])[-1], high) + 1
         for _ in range(1000):
+            # the high-water mark is written BEFORE the claim: a claim that then fails (and that gc
+            # removes) can never hand its number out again
+            self.config["highest_generation"] = n
+            self.store.replace_bytes(REPO_FILE, jsonio.dumps(self.config, indent=1, ensure_ascii=True))
             if self.store.claim(f"{gen_key(n)}/{CLAIM}"):
-                self.config["highest_generation"] = n
-                self.store.replace_bytes(REPO_FILE, jsonio.dumps(self.config, indent=1, ensure_ascii=True))
                 return n
             n += 1
         raise StoreError("could not claim a generation number", where=self.location)
@@ -562,6 +577,8 @@ def _pid_alive(pid) -> bool | None:
         return None
     try:
         os.kill(pid, 0)
+    except (OverflowError, ValueError):  # not a pid at all (a hand-edited owner file)
+        return None
     except ProcessLookupError:
         return False
     except PermissionError:

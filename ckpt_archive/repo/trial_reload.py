@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ckpt_archive.errors import CkptArchiveError
+from ckpt_archive.errors import CkptArchiveError, StoreError
 from ckpt_archive.format.state_tree import decode
 from ckpt_archive.repo.reader import ArchiveReader, Problem, check_leaf, entry_tensor, leaf_from_base, tensor_refs
 
@@ -46,6 +46,8 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
                     fast_decoded += len(buf)
                     fast_checked += _check_entry_leaves(reader, rec, erec, buf, by_entry.get(key, []),
                                                              erec.get("raw_sha256"), fast)
+            except StoreError:
+                raise  # the store failed (unreachable, refusing): could not check (exit 2), not a finding
             except CkptArchiveError as exc:
                 if exc.message.startswith("raw sha256 mismatch"):
                     fast = None  # fall through to the entry-by-entry pass
@@ -69,6 +71,8 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
             else:
                 for _, chunk in reader.iter_member(rec, on_bytes=on_bytes):
                     decoded += len(chunk)
+        except StoreError:
+            raise
         except CkptArchiveError as exc:
             problems.append(Problem(exc.message, member=exc.where or rec["path"]))
     try:
@@ -81,6 +85,8 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
         from ckpt_archive.format.exact_bytes import exact_problems  # [issue 11]
 
         problems.extend(Problem(p, field="source.files") for p in exact_problems(reader.manifest))
+    except StoreError:
+        raise
     except CkptArchiveError as exc:
         problems.append(Problem(exc.message, member=reader.manifest["tree_member"]))
     return {"tensors": checked, "bytes": decoded, "members": len(reader.manifest["members"])}

@@ -57,8 +57,11 @@ def _allowed_global(module: str, name: str):
         return None
     if module == "torch.serialization" and name == "_get_layout":
         return torch.serialization._get_layout  # maps a layout name to a torch.layout, nothing else
-    if (module == "pathlib" or module.startswith("pathlib.")) and name in _PATH_CLASSES:
-        return getattr(importlib.import_module(module), name, None)
+    if module in ("pathlib", "pathlib._local") and name in _PATH_CLASSES:
+        try:  # only pathlib's own modules: an archive never makes this reader import anything else
+            return getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            return None
     if module == "collections" and name == "OrderedDict":
         import collections
 
@@ -148,6 +151,18 @@ def describe_dcp(folder: Path, *, sizes_prefix: str = "", sizes: dict[str, int] 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     md = read_dcp_metadata(folder / METADATA_NAME)
+    try:
+        return _describe(md, folder, sizes_prefix, sizes, BytesStorageMetadata, TensorStorageMetadata)
+    except (AttributeError, TypeError, ValueError, KeyError, OverflowError, RuntimeError) as exc:
+        # a pickle of the admitted classes can still hold anything in their fields: refuse, naming it
+        raise SourceError(f"DCP metadata holds a malformed shard table ({type(exc).__name__}: {exc}); refused",
+                          where=str(folder / METADATA_NAME)) from None
+
+
+def _describe(md, folder: Path, sizes_prefix: str, sizes, BytesStorageMetadata, TensorStorageMetadata) -> dict:
+    from ckpt_archive.errors import UnsafePath
+    from ckpt_archive.format.paths import check_relpath
+
     prefix = f"{sizes_prefix}/" if sizes_prefix else ""
     if sizes is None:
         sizes = {f"{prefix}{p.name}": p.stat().st_size for p in folder.iterdir() if p.is_file()}
@@ -155,8 +170,18 @@ def describe_dcp(folder: Path, *, sizes_prefix: str = "", sizes: dict[str, int] 
     files: dict[str, dict] = {}
     stored = set()
     for idx, sinfo in (md.storage_data or {}).items():
-        rel = str(sinfo.relative_path)
-        off, length = int(sinfo.offset), int(sinfo.length)
+        rel = sinfo.relative_path
+        try:  # the shard table names files beside .metadata: plain relative names only
+            check_relpath(rel if isinstance(rel, str) else str(rel), where=str(folder / METADATA_NAME),
+                          what="DCP shard path")
+        except UnsafePath as exc:
+            raise SourceError(exc.message, where=exc.where) from None
+        rel = str(rel)
+        off, length = sinfo.offset, sinfo.length
+        if not (isinstance(off, int) and isinstance(length, int) and off >= 0 and length >= 0):
+            raise ValueError(f"shard {rel!r} has offset {off!r} and length {length!r}")
+        if not isinstance(idx.fqn, str):
+            raise ValueError(f"an entry's key is a {type(idx.fqn).__name__}, not a string")
         entries.append([idx.fqn, _jsonable_offsets(idx.offset), rel, off, length])
         rec = files.setdefault(rel, {"size": sizes.get(prefix + rel), "entries": 0, "needed": 0})
         rec["entries"] += 1
@@ -247,8 +272,11 @@ def check_dcp_folder(files_present: dict[str, int], info: dict) -> list[str]:
         one line per problem (empty when every referenced shard is present and whole).
     """
     problems = []
-    for subdir, record in sorted((info or {}).get("dcp", {}).items()):
-        problems.extend(check_dcp_record(files_present, record, subdir))
+    try:  # the record comes from a manifest: hostile until checked, so a malformed one is a problem
+        for subdir, record in sorted((info or {}).get("dcp", {}).items()):
+            problems.extend(check_dcp_record(files_present, record, subdir))
+    except (AttributeError, TypeError, KeyError, ValueError) as exc:
+        problems.append(f"{METADATA_NAME}: the manifest's DCP record is malformed ({type(exc).__name__}: {exc})")
     return problems
 
 

@@ -25,11 +25,11 @@ NumPy's own reconstruction types; we admit exactly the same narrow allowlist
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 
+from ckpt_archive.format import jsonio
 from ckpt_archive.errors import SourceError
 from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
 from ckpt_archive.sources.dcp import attach_dcp_info
@@ -147,9 +147,10 @@ def rng_facts(obj: dict, rel: str, warnings: list[str]) -> dict:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SourceError(f"unreadable JSON: {exc}", where=str(path)) from None
+        # the one strict reader (duplicate keys, depth, size); HF writes NaN/Infinity with Python's json
+        data = jsonio.loads(path.read_bytes(), where=str(path), allow_nonfinite=True)
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"unreadable JSON: {getattr(exc, 'message', exc)}", where=str(path)) from None
     if not isinstance(data, dict):
         raise SourceError("expected a JSON object", where=str(path))
     return data

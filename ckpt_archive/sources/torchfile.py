@@ -100,6 +100,25 @@ def diagnose_unreadable(path: Path, exc: BaseException | None = None) -> SourceE
     return SourceError("not a torch.save checkpoint (neither a zip nor a pickle stream)", where=where)
 
 
+def check_zip_records(path: Path) -> None:
+    """Check the CRC-32 of every record of a zip-format ``torch.save`` file (read once, 1 MiB at a time).
+
+    ``torch.load`` reads tensor records without checking their CRC, so one flipped byte inside a tensor
+    record loads silently as a changed value; this check refuses such a file before anything trusts it.
+
+    Raises:
+        SourceError: (exit 2) a record fails its CRC, or the zip structure is damaged; names the record.
+    """
+    try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, RuntimeError, NotImplementedError, ValueError) as zexc:
+        raise SourceError(f"damaged torch.save file: {zexc}", where=str(path)) from None
+    if bad is not None:
+        raise SourceError(f"damaged torch.save file: record {bad} fails its CRC (a changed byte); refused",
+                          where=str(path))
+
+
 def _first_line(msg: str) -> str:
     msg = re.sub(r"\x1b\[[0-9;]*m", "", msg)
     for line in msg.splitlines():
@@ -140,6 +159,8 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True)
     extra = (numpy_safe_globals() if allow_numpy else []) + list(current_allowed().values())
     ctx = torch.serialization.safe_globals(extra) if extra else contextlib.nullcontext()
     use_mmap = mmap and zipfile.is_zipfile(path)
+    if use_mmap or zipfile.is_zipfile(path):
+        check_zip_records(path)  # torch.load does not check CRCs: a flipped byte would load silently
     try:
         with ctx:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from ckpt_archive.errors import CkptArchiveError, NotFound, StoreError
+from ckpt_archive.format.paths import check_relpath
 
 _CREDENTIAL_HINT = ("check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), the bucket "
                     "policy, and the endpoint (--endpoint-url / AWS_ENDPOINT_URL)")
@@ -98,10 +99,11 @@ class FsspecStore:
 
     # --- paths and errors ------------------------------------------------------------------------
     def _path(self, key: str) -> str:
-        key = key.strip("/")
-        if key and any(part in ("", ".", "..") for part in key.split("/")):
-            raise StoreError(f"bad key {key!r}", where=self.location)
-        return f"{self.root}/{key}" if key else self.root
+        # the one path rule (format/paths.py), before any request: no '..', absolute, empty part, '\\'
+        if not key:
+            return self.root
+        check_relpath(key, where=self.location, what="store key")
+        return f"{self.root}/{key}"
 
     @contextlib.contextmanager
     def _errors(self, key: str, action: str) -> Iterator[None]:

@@ -7,12 +7,15 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from ckpt_archive.errors import NotFound, StoreError
+from ckpt_archive.errors import InsufficientSpace, NotFound, StoreError, UnsafePath
+from ckpt_archive.format.paths import check_relpath
 from ckpt_archive.store.base import Store, has_scheme, open_store  # noqa: F401  (re-exported)
 
 
@@ -90,6 +93,17 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         tmp.write_bytes(data)  # atomic_path fsyncs it before the rename
 
 
+@contextlib.contextmanager
+def _disk_full_named(step: str, path: Path) -> Iterator[None]:
+    """Turn ENOSPC/EDQUOT into :class:`InsufficientSpace` naming the step and the path (exit 2)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+            raise InsufficientSpace(f"disk full while {step} {path}: {exc.strerror}", where=str(path)) from None
+        raise
+
+
 class LocalStore:
     """A folder on a local (or mounted) file system.
 
@@ -103,8 +117,34 @@ class LocalStore:
         self.root = Path(root).expanduser().absolute()
         self.location = str(self.root)
 
-    def path(self, key: str) -> Path:
-        return self.root / key if key else self.root
+    def path(self, key: str, *, final_link_ok: bool = False) -> Path:
+        """The file system path of ``key``, checked before any I/O: ``key`` is a relative path of plain
+        names (:func:`~ckpt_archive.format.paths.check_relpath`) and no part of it below the root is a
+        symbolic link, so nothing read, written or deleted through a key leaves the repository.
+
+        Raises:
+            UnsafePath: (exit 1) the key breaks the path rule or goes through a symbolic link.
+        """
+        if not key:
+            return self.root
+        check_relpath(key, where=self.location, what="store key")
+        cur = self.root
+        parts = key.split("/")
+        for i, part in enumerate(parts):
+            cur = cur / part
+            if final_link_ok and i == len(parts) - 1:
+                break  # removing a link itself (never what it points to) is allowed
+            try:
+                mode = os.lstat(cur).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                break
+            except OSError:
+                break  # unreadable here: the operation itself reports it
+            if stat.S_ISLNK(mode):
+                raise UnsafePath(f"{cur.relative_to(self.root)} is a symbolic link; a repository is never read, "
+                                 f"written or deleted through one (remove the link by hand if it is yours)",
+                                 where=self.location)
+        return self.root / key
 
     def exists(self, key: str) -> bool:
         return self.path(key).exists()
@@ -140,11 +180,13 @@ class LocalStore:
         except FileExistsError:
             raise StoreError("refusing to overwrite a write-once member", where=key) from None
         try:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
+            with _disk_full_named("writing", p):
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
         finally:
-            fh.close()
+            with contextlib.suppress(OSError):
+                fh.close()
 
     def write_bytes_once(self, key: str, data: bytes) -> None:
         with self.write_once(key) as fh:
@@ -152,17 +194,21 @@ class LocalStore:
 
     def replace_bytes(self, key: str, data: bytes) -> None:
         """Atomic replace: write a temporary sibling, fsync, rename over, fsync the folder (:func:`write_atomic`)."""
-        write_atomic(self.path(key), data)
+        p = self.path(key)
+        with _disk_full_named("replacing", p):
+            write_atomic(p, data)
 
     def remove(self, key: str) -> None:
         try:
-            self.path(key).unlink()
+            self.path(key, final_link_ok=True).unlink()  # a symbolic link is unlinked, never followed
         except FileNotFoundError:
             pass
 
     def remove_prefix(self, key: str) -> None:
-        p = self.path(key)
-        if p.is_dir():
+        p = self.path(key, final_link_ok=True)
+        if p.is_symlink():
+            p.unlink()  # the link itself; what it points to is never touched
+        elif p.is_dir():
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()

@@ -211,6 +211,7 @@ def policy_section(state: Any, manifest: dict | None = None, decoded: dict | Non
     """
     progress = (manifest or {}).get("progress") or {}
     config = (manifest or {}).get("config") or {}
+    config = config if isinstance(config, dict) else {}  # [issue 17] a manifest's config is any JSON value
     a = audit(state, progress=progress)
     a.findings.extend(config_disagreements(state, config))
     if decoded and decoded.get("small_tensors_decoded", 0) < decoded.get("small_tensors", 0):

@@ -1,0 +1,184 @@
+"""Sizes a manifest may declare, checked before anything is allocated (docs/FORMAT.md, "Reading hostile
+archives").
+
+A manifest is hostile until checked: a reader allocates by what is really there, never by what a
+manifest says. So every size a reader will allocate or decode by is bounded here, from the manifest
+alone, when the manifest is parsed (:func:`ckpt_archive.format.manifest.parse`):
+
+* a chunk's raw size is at most :data:`MAX_CHUNK_RAW_BYTES` (the writer makes 4 MiB chunks; ``pack``
+  refuses a larger ``chunk_bytes``), so decoding one chunk never allocates more than that;
+* a ``store`` chunk's raw size equals its stored size; a zstandard chunk's raw size is at most
+  :data:`MAX_ZSTD_RATIO` times its stored size (a zstd block of 128 KiB takes at least 4 stored bytes:
+  nothing decodes to more);
+* the chunk table tiles the member's raw and stored bytes exactly;
+* a tensors member's header and every entry lie inside the member's raw bytes.
+
+What passes these checks is still only *declared*: readers then decode chunk by chunk and compare every
+size and sha256, and buffers that must hold a whole entry are allocated lazily
+(:func:`lazy_buffer`, zero pages until written) after :func:`check_allocation` compared them with the
+memory the machine has.
+"""
+from __future__ import annotations
+
+import os
+
+from ckpt_archive.errors import ImplausibleSize, IntegrityError
+
+__all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_ZSTD_RATIO", "MAX_ANNOTATION_BYTES", "MAX_DATA_IDS_BYTES", "check_member_sizes", "check_manifest_sizes",
+           "memory_available", "check_allocation", "lazy_buffer", "frame_size_problem"]
+
+#: The largest raw size of one chunk a reader accepts (bytes). ``pack --chunk-bytes`` is bounded by it.
+MAX_CHUNK_RAW_BYTES = 64 << 20
+#: Largest ``--config`` / ``--metrics`` a manifest holds, as JSON (bytes): every ``list`` reads every
+#: manifest, so these stay small. Large experiment records belong in the checkpoint folder itself.
+MAX_ANNOTATION_BYTES = 1 << 20
+#: Largest ``--data-ids`` (as JSON, bytes). Data ids are stored as a member (``data-ids.json``) with their
+#: fingerprint in the manifest, so they may be larger, but they are read into memory once.
+MAX_DATA_IDS_BYTES = 256 << 20
+#: No zstandard frame decodes to more than this many times its size (128 KiB RLE block in 4 bytes).
+MAX_ZSTD_RATIO = 32768
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_member_sizes(rec: dict, member: str) -> None:
+    """Refuse a member record whose sizes cannot be true (see the module docstring).
+
+    Args:
+        rec: one ``members[]`` record of a schema-valid manifest.
+        member: its path, named in the error.
+
+    Raises:
+        ImplausibleSize: (exit 1) naming the member and the chunk.
+    """
+    from ckpt_archive.format.codec import check_chunk_table
+
+    chunks = rec.get("chunks") or []
+    for i, c in enumerate(chunks):
+        raw, stored, codec = c.get("raw_bytes"), c.get("stored_bytes"), c.get("codec")
+        if not (_int(raw) and _int(stored) and _int(c.get("raw_offset")) and _int(c.get("stored_offset"))):
+            raise ImplausibleSize(f"chunk {i} has a size or offset that is not a non-negative integer", where=member)
+        if raw > MAX_CHUNK_RAW_BYTES:
+            raise ImplausibleSize(f"chunk {i} declares {raw} raw bytes; no chunk is larger than "
+                                  f"{MAX_CHUNK_RAW_BYTES} (refused before decoding)", where=member)
+        if codec == "store" and raw != stored:
+            raise ImplausibleSize(f"chunk {i} is stored raw but declares {raw} raw bytes for {stored} stored",
+                                  where=member)
+        if codec != "store" and raw > max(stored, 1) * MAX_ZSTD_RATIO:
+            raise ImplausibleSize(f"chunk {i} declares {raw} raw bytes from {stored} stored bytes, more than any "
+                                  f"zstandard frame decodes to", where=member)
+    if chunks or rec.get("raw_bytes") or rec.get("stored_bytes"):
+        try:
+            check_chunk_table(rec, member)
+        except IntegrityError as exc:
+            raise ImplausibleSize(exc.message, where=member) from None
+    if rec.get("role") == "tensors":
+        total = rec.get("raw_bytes", 0)
+        base = rec.get("header_bytes", 0)
+        if not _int(base) or base > total:
+            raise ImplausibleSize(f"safetensors header of {base} bytes in a member of {total} raw bytes", where=member)
+        for key, e in (rec.get("entries") or {}).items():
+            off = e.get("data_offsets") if isinstance(e, dict) else None
+            if not (isinstance(off, list) and len(off) == 2 and all(_int(x) for x in off)
+                    and off[0] <= off[1] and base + off[1] <= total):
+                raise ImplausibleSize(f"entry {key!r} has data_offsets {off!r} outside the member's {total} raw "
+                                      f"bytes", where=member)
+
+
+def check_manifest_sizes(doc: dict, *, where: str = "manifest.json") -> None:
+    """:func:`check_member_sizes` for every member of a manifest.
+
+    Raises:
+        ImplausibleSize: (exit 1) naming the member.
+    """
+    for rec in doc.get("members") or []:
+        if isinstance(rec, dict):
+            check_member_sizes(rec, str(rec.get("path")))
+    src = doc.get("source") if isinstance(doc.get("source"), dict) else {}
+    for f in src.get("files") or []:
+        exact = f.get("exact") if isinstance(f, dict) else None
+        if exact is None:
+            continue
+        segs = exact.get("segments") if isinstance(exact, dict) else None
+        ok = isinstance(segs, list) and all(
+            isinstance(sg, list) and len(sg) == 3 and _int(sg[0]) and _int(sg[1]) and isinstance(sg[2], str)
+            for sg in segs) and _int(exact.get("cut_bytes", 0)) and _int(f.get("raw_bytes")) \
+            and isinstance(f.get("sha256"), str) and isinstance(exact.get("member"), str)
+        if not ok:
+            raise ImplausibleSize("exact.segments must be [offset, length, entry key] with non-negative sizes",
+                                  where=f"{where}: source.files {f.get('relpath')!r}")
+
+
+def memory_available() -> int | None:
+    """Bytes of memory this process could still get (``MemAvailable`` plus free swap on Linux), or None."""
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            info = {line.split(b":")[0]: int(line.split()[1]) * 1024 for line in fh if line.strip()}
+        return info.get(b"MemAvailable", 0) + info.get(b"SwapFree", 0) or None
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def check_allocation(nbytes: int, member: str) -> None:
+    """Refuse to allocate more than the machine has for a buffer a manifest declared.
+
+    Raises:
+        ImplausibleSize: (exit 1) ``nbytes`` exceeds the memory available; names the member.
+    """
+    avail = memory_available()
+    if avail is not None and nbytes > avail:
+        raise ImplausibleSize(f"declares a buffer of {nbytes} bytes, more than the {avail} bytes of memory "
+                              f"available (restore spills large members to disk)", where=member)
+
+
+def lazy_buffer(nbytes: int, member: str) -> memoryview:
+    """A writable, zero-filled buffer whose pages are only taken as they are written (``calloc``): memory
+    follows the bytes really decoded into it, not the size a manifest declared.
+
+    Raises:
+        ImplausibleSize: ``nbytes`` exceeds the memory available (:func:`check_allocation`).
+    """
+    import numpy as np
+
+    check_allocation(nbytes, member)
+    return memoryview(np.zeros(nbytes, dtype=np.uint8))
+
+
+def frame_size_problem(fh, rec: dict) -> str | None:
+    """Compare every zstandard chunk's frame header (its declared content size, 18 bytes at most, never
+    the body) with the raw size the manifest declares; local files only (``None`` elsewhere: a remote
+    store would pay one request per chunk, and the deep check decodes every chunk anyway).
+
+    Args:
+        fh: the stored member, opened for reading.
+        rec: its manifest record.
+
+    Returns:
+        one line naming the first chunk whose frame declares another size, or None.
+    """
+    import stat
+
+    try:
+        fd = fh.fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+    except (AttributeError, OSError, ValueError):
+        return None
+    import zstandard
+
+    for i, c in enumerate(rec.get("chunks") or []):
+        if c.get("codec") == "store" or not c.get("raw_bytes"):
+            continue
+        head = os.pread(fd, min(18, c["stored_bytes"]), c["stored_offset"])
+        try:
+            size = zstandard.get_frame_parameters(head).content_size
+        except zstandard.ZstdError:
+            return f"chunk {i} does not start with a zstandard frame header"
+        if size != zstandard.CONTENTSIZE_UNKNOWN and size != c["raw_bytes"]:
+            return f"chunk {i}'s zstandard frame holds {size} bytes, the manifest declares {c['raw_bytes']}"
+    return None

@@ -1,0 +1,505 @@
+"""The malicious-archive suite (issue 17): each test is one attack, made by hand-editing a real generation
+and recomputing its fingerprints (tests/hostile_archive.py) so that only the attack itself is wrong.
+Each must be refused with a one-line reason and the documented exit code, with nothing written, read or
+deleted outside the repository and the target, and memory bounded.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import ckpt_archive
+from ckpt_archive.cli.app import app
+from ckpt_archive.errors import InsufficientSpace, NotUsable, StoreError, UnsafePath
+
+from hostile_archive import (edit_manifest, edit_manifest_text, folder_source, gen_dir, member, put_member_bytes,
+                             read_manifest, reseal, run_cli, set_tree, snapshot)
+
+runner = CliRunner()
+
+
+def cli(*args):
+    res = runner.invoke(app, [str(a) for a in args])
+    text = res.stdout + (res.stderr or "")
+    assert "Traceback" not in text and "internal error" not in text, text
+    return res
+
+
+@pytest.fixture()
+def folder_repo(tmp_path):
+    src = folder_source(tmp_path)
+    repo = tmp_path / "repo"
+    assert cli("pack", src, "--repo", repo).exit_code == 0
+    return repo
+
+
+@pytest.fixture()
+def file_repo(tmp_path):
+    p = tmp_path / "ck.pt"
+    torch.save({"model": {"w": torch.randn(32, 32)}, "step": 3}, p)
+    repo = tmp_path / "repo"
+    assert cli("pack", p, "--repo", repo).exit_code == 0
+    return repo
+
+
+def _relpath_attack(repo: Path, relpath: str) -> None:
+    def edit(m):
+        f = next(f for f in m["source"]["files"] if f["relpath"] == "notes.txt")
+        f["relpath"] = relpath
+    edit_manifest(repo, edit)
+
+
+# --- paths ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("relpath", ["../../escaped.txt", "/tmp/ckpt-archive-escaped.txt", "a/../../escaped.txt",
+                                     "a\\..\\escaped.txt", "./notes.txt", "a//b"])
+def test_restore_refuses_a_folder_member_whose_relpath_leaves_the_target(tmp_path, folder_repo, relpath):
+    _relpath_attack(folder_repo, relpath)
+    before = snapshot(tmp_path, skip=folder_repo)
+    out = tmp_path / "deep" / "er" / "out"
+    res = cli("restore", folder_repo, "-o", out)  # latest: nothing usable
+    assert res.exit_code == 2 and "#1 damaged" in res.stderr, res.stderr
+    res = cli("restore", f"{folder_repo}@1", "-o", out)
+    assert res.exit_code == 2 and "is damaged" in res.stderr and "path" in res.stderr, res.stderr
+    assert snapshot(tmp_path, skip=folder_repo) == before  # nothing written anywhere
+    assert not Path("/tmp/ckpt-archive-escaped.txt").exists()
+    # even the explicit override never writes outside: the manifest is refused before any write
+    res = cli("restore", f"{folder_repo}@1", "-o", out, "--restore-unverified")
+    assert res.exit_code == 1 and "refused" in res.stderr
+    assert snapshot(tmp_path, skip=folder_repo) == before
+    # verify names the field and exits 1; list shows it as damaged
+    res = cli("verify", f"{folder_repo}@1")
+    assert res.exit_code == 1 and "source/files/1/relpath" in res.stdout + res.stderr
+
+
+def test_a_hardlink_of_pointing_outside_is_refused(tmp_path, folder_repo):
+    def edit(m):
+        f = next(f for f in m["source"]["files"] if f["relpath"] == "notes.txt")
+        f["hardlink_of"] = "../../../etc/passwd"
+    edit_manifest(folder_repo, edit)
+    res = cli("verify", f"{folder_repo}@1")
+    assert res.exit_code == 1 and "hardlink_of" in res.stdout + res.stderr
+
+
+def test_restore_resolves_the_final_path_and_refuses_one_that_leaves_the_target(tmp_path):
+    from ckpt_archive.format.paths import inside
+
+    target = tmp_path / "t"
+    (target / "sub").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", target / "sub" / "link")
+    with pytest.raises(UnsafePath, match="outside"):
+        inside(target, "sub/link/x.bin")
+    assert inside(target, "sub/x.bin") == target / "sub" / "x.bin"
+
+
+def test_a_stored_path_with_dotdot_is_never_read_by_the_local_store(tmp_path, folder_repo):
+    secret = tmp_path / "secret.ckz"
+    secret.write_bytes(b"hello")  # same bytes as notes.txt's member, so only the path is wrong
+
+    def edit(m):
+        member(m, "files/notes.txt")["stored_path"] = "../../../secret.ckz"
+    edit_manifest(folder_repo, edit)
+    for args in (("verify", f"{folder_repo}@1"), ("verify", f"{folder_repo}@1", "--deep")):
+        res = cli(*args)
+        assert res.exit_code == 1 and "stored_path" in res.stdout + res.stderr, res.stdout + res.stderr
+    with pytest.raises(UnsafePath):
+        ckpt_archive.load(folder_repo, 1, unverified=True)
+
+
+def test_export_never_writes_beside_the_destination(tmp_path, folder_repo):
+    def edit(m):
+        member(m, "files/notes.txt")["stored_path"] = "../../../beside.ckz"
+    edit_manifest(folder_repo, edit)
+    dest = tmp_path / "dest" / "repo"
+    res = cli("export", f"{folder_repo}@1", "--to", dest)
+    assert res.exit_code == 2 and "damaged" in res.stderr, res.stderr
+    assert not list(tmp_path.rglob("beside.ckz"))
+
+
+@pytest.mark.parametrize("key", ["../x", "/abs", "a/./b", "a\\b", "a\x00b", "", "a/"])
+def test_every_store_refuses_a_key_that_is_not_a_plain_relative_path(tmp_path, key):
+    from ckpt_archive.store.fsspec_store import FsspecStore
+    from ckpt_archive.store.local import LocalStore
+
+    for store in (LocalStore(tmp_path / "s"), FsspecStore(f"memory://hostile-{abs(hash(key))}")):
+        if key == "":
+            continue  # the root itself: listing it is allowed
+        with pytest.raises(UnsafePath):
+            store.read_bytes(key)
+        with pytest.raises(UnsafePath):
+            store.write_bytes_once(key, b"x")
+        with pytest.raises(UnsafePath):
+            store.remove_prefix(key)
+
+
+# --- symlinks: walking and deleting ----------------------------------------------------------------
+def test_gc_and_forget_never_delete_through_a_symlinked_generation_folder(tmp_path, file_repo):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in ("USABLE.json", "manifest.json", "CLAIM", "precious.bin"):
+        (victim / name).write_text("do not delete " + name)
+    os.symlink(victim, file_repo / "generations" / "00000002")
+    before = snapshot(victim)
+    res = cli("list", file_repo, "--all")
+    assert res.exit_code == 0 and "symbolic link" in res.stdout.replace("\n", " ") + res.stderr
+    assert cli("gc", file_repo).exit_code == 0
+    res = cli("forget", f"{file_repo}@2", "--force")
+    assert res.exit_code == 1 and "symbolic link" in res.stderr, res.stderr
+    assert cli("prune", file_repo, "--keep-last", "1").exit_code in (0, 1)
+    assert cli("verify", f"{file_repo}@2").exit_code == 1
+    assert snapshot(victim) == before  # nothing outside the repository was deleted or changed
+    assert cli("verify", f"{file_repo}@1").exit_code == 0  # the good generation is untouched
+
+
+def test_a_member_that_is_a_symlink_out_of_the_repository_is_not_read(tmp_path, file_repo):
+    m = read_manifest(file_repo)
+    tree = gen_dir(file_repo) / member(m, "tree")["stored_path"]
+    outside = tmp_path / "outside.ckz"
+    outside.write_bytes(tree.read_bytes())
+    tree.unlink()
+    os.symlink(outside, tree)
+    res = cli("verify", f"{file_repo}@1")
+    assert res.exit_code == 1 and "symbolic link" in res.stderr
+    assert cli("gc", file_repo).exit_code == 0 and outside.exists()
+
+
+# --- memory bounded by what is really there ---------------------------------------------------------
+def _declare_raw(repo: Path, raw_bytes: int, chunks: int) -> None:
+    """A 64 KB member (random bytes, zstd chunks) declaring ``raw_bytes`` of raw data."""
+    import hashlib
+
+    def edit(m):
+        rec = member(m, "tree")
+        data = os.urandom(64 << 10)
+        (gen_dir(repo) / rec["stored_path"]).write_bytes(data)
+        per_raw, per_stored = raw_bytes // chunks, len(data) // chunks
+        rec["chunks"] = [{"raw_offset": i * per_raw, "raw_bytes": per_raw, "stored_offset": i * per_stored,
+                          "stored_bytes": per_stored, "codec": "zstd",
+                          "stored_sha256": hashlib.sha256(data[i * per_stored:(i + 1) * per_stored]).hexdigest()}
+                         for i in range(chunks)]
+        rec.update(raw_bytes=per_raw * chunks, stored_bytes=per_stored * chunks, chunk_codecs=["zstd"],
+                   stored_sha256=hashlib.sha256(data[:per_stored * chunks]).hexdigest())
+        (gen_dir(repo) / rec["stored_path"]).write_bytes(data[:per_stored * chunks])
+    edit_manifest(repo, edit)
+
+
+@pytest.mark.parametrize("chunks", [1, 32])
+def test_a_64_KB_member_declaring_2_GiB_raw_is_refused_with_bounded_memory(file_repo, chunks):
+    _declare_raw(file_repo, 2 << 30, chunks)
+    bound = 600 << 20  # the interpreter with torch is ~300 MB; 2 GiB must never be allocated
+    for args in (("inspect", f"{file_repo}@1"), ("verify", f"{file_repo}@1"),
+                 ("verify", f"{file_repo}@1", "--deep")):
+        rc, out, err, rss = run_cli(*args, measure_rss=True)
+        assert "Traceback" not in err and "internal error" not in err, err
+        if chunks == 1 or args[0] != "inspect":
+            assert rc == 1 and "tree.json" in out + err, (args, rc, out, err)
+        assert rss < bound, f"{args}: peak RSS {rss >> 20} MiB"
+
+
+def test_a_store_chunk_cannot_declare_more_raw_bytes_than_it_stores(file_repo):
+    def edit(m):
+        rec = member(m, "tree")
+        rec["chunks"][0]["codec"] = "store"
+        rec["chunks"][0]["raw_bytes"] += 10
+        rec["raw_bytes"] += 10
+    edit_manifest(file_repo, edit)
+    res = cli("inspect", f"{file_repo}@1")
+    assert res.exit_code == 1 and "tree.json" in res.stderr and "stored raw" in res.stderr
+
+
+def test_a_tensor_entry_outside_its_member_is_refused_before_allocation(file_repo):
+    def edit(m):
+        rec = member(m, "tensors")
+        (k, e), = list(rec["entries"].items())[:1]
+        e["data_offsets"] = [0, 1 << 40]
+    edit_manifest(file_repo, edit)
+    res = cli("verify", f"{file_repo}@1", "--deep")
+    assert res.exit_code == 1 and "data_offsets" in res.stdout + res.stderr
+
+
+# --- partial and damaged generations are not restored unchecked --------------------------------------
+def test_restore_refuses_a_partial_generation_unless_restore_unverified(tmp_path, file_repo):
+    (gen_dir(file_repo) / "USABLE.json").unlink()
+    out = tmp_path / "out.pt"
+    res = cli("restore", f"{file_repo}@1", "-o", out)
+    assert res.exit_code == 2 and "partial" in res.stderr and "ckpt-archive verify" in res.stderr \
+        and "--restore-unverified" in res.stderr, res.stderr
+    assert not out.exists()
+    assert cli("verify", f"{file_repo}@1").exit_code == 1
+    res = cli("restore", f"{file_repo}@1", "-o", out, "--restore-unverified")
+    assert res.exit_code == 0 and "UNVERIFIED" in res.stderr + res.stdout
+    assert torch.load(out, weights_only=True)["step"] == 3
+
+
+def test_restore_refuses_a_damaged_generation_and_the_override_still_checks_every_byte(tmp_path, file_repo):
+    # the manifest changed after publish (marker not recomputed): damaged
+    def edit(m):
+        m["tags"] = ["tampered"]
+    m = read_manifest(file_repo)
+    edit(m)
+    (gen_dir(file_repo) / "manifest.json").write_text(json.dumps(m, indent=1))
+    out = tmp_path / "out.pt"
+    res = cli("restore", f"{file_repo}@1", "-o", out)
+    assert res.exit_code == 2 and "damaged" in res.stderr
+    # flip a member byte as well: the override restores nothing wrong
+    rec = member(m, "tensors")
+    p = gen_dir(file_repo) / rec["stored_path"]
+    data = bytearray(p.read_bytes())
+    data[-5] ^= 1
+    p.write_bytes(data)
+    res = cli("restore", f"{file_repo}@1", "-o", out, "--restore-unverified")
+    assert res.exit_code == 1 and not out.exists()
+
+
+def test_load_refuses_a_partial_generation_unless_unverified(file_repo):
+    (gen_dir(file_repo) / "USABLE.json").unlink()
+    with pytest.raises(NotUsable, match="partial"):
+        ckpt_archive.load(file_repo, 1)
+    with pytest.warns(UserWarning, match="UNVERIFIED"):
+        assert ckpt_archive.load(file_repo, 1, unverified=True)["step"] == 3
+
+
+def test_export_refuses_a_partial_generation(tmp_path, file_repo):
+    (gen_dir(file_repo) / "USABLE.json").unlink()
+    res = cli("export", f"{file_repo}@1", "--to", tmp_path / "dest")
+    assert res.exit_code == 2 and "partial" in res.stderr
+
+
+# --- inputs are checked before they are trusted -------------------------------------------------------
+def _flip_in_tensor_record(path: Path) -> None:
+    import struct
+
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if "/data/" in i.filename)
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start + info.file_size // 2] ^= 0x10
+    path.write_bytes(data)
+
+
+def test_pack_and_backup_refuse_a_pt_with_a_flipped_byte_inside_a_tensor_record(tmp_path):
+    p = tmp_path / "ck.pt"
+    torch.save({"w": torch.arange(1000, dtype=torch.float32)}, p)
+    _flip_in_tensor_record(p)
+    torch.load(p, weights_only=True)  # torch itself loads it silently, with a changed value
+    for args in (("pack", p, "--repo", tmp_path / "r1"), ("backup", p, "--repo", tmp_path / "r2")):
+        res = cli(*args)
+        assert res.exit_code == 2 and "fails its CRC" in res.stderr and "data/" in res.stderr, (args, res.stderr)
+    assert not (tmp_path / "r1" / "generations").exists() or not list((tmp_path / "r1" / "generations").iterdir())
+
+
+def test_a_safetensors_header_with_duplicate_keys_is_refused():
+    from ckpt_archive.format.shard import parse_header
+
+    body = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {}}'
+    with pytest.raises(ValueError, match="duplicate key"):
+        parse_header(len(body).to_bytes(8, "little") + body)
+    huge = (1 << 40).to_bytes(8, "little")
+    with pytest.raises(ValueError, match="more than"):
+        parse_header(huge + b"{}")
+
+
+def _dcp_folder(tmp_path: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    d = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(d), no_dist=True)
+    return d
+
+
+def test_dcp_metadata_naming_an_unknown_module_is_refused_cleanly(tmp_path):
+    d = _dcp_folder(tmp_path)
+    import pickle
+
+    # protocol 0 by hand: GLOBAL 'pathlib.xx Path' (an unknown module under an admitted prefix)
+    payload = b"cpathlib.xx\nPath\n(tR."
+    assert pickle.loads(b"cbuiltins\nlist\n(tR.") == []  # the same shape with a real class loads
+    (d / ".metadata").write_bytes(payload)
+    res = cli("pack", d, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and ".metadata" in res.stderr and "refused" in res.stderr, res.stderr
+
+
+def test_dcp_metadata_with_a_junk_shard_table_is_refused_cleanly(tmp_path):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    d = _dcp_folder(tmp_path)
+    import pickle
+
+    md = pickle.loads((d / ".metadata").read_bytes())  # our own file, written just above
+    md.storage_data = {k: v for k, v in md.storage_data.items()}
+    for k, v in md.storage_data.items():
+        v.relative_path = "../../../etc/passwd"
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    res = cli("pack", d, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "DCP shard path" in res.stderr, res.stderr
+    md.storage_data = 5
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    res = cli("pack", d, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "malformed shard table" in res.stderr, res.stderr
+    assert isinstance(md, Metadata)
+
+
+# --- strict JSON everywhere ---------------------------------------------------------------------------
+def test_a_state_tree_nested_100k_deep_is_refused_not_an_internal_error(file_repo):
+    set_tree(file_repo, b"[" * 100_000 + b"]" * 100_000)
+    assert cli("verify", f"{file_repo}@1").exit_code == 0  # stored bytes are as recorded...
+    res = cli("verify", f"{file_repo}@1", "--deep")
+    assert res.exit_code == 1 and "nested more than" in res.stdout + res.stderr
+    res = cli("restore", f"{file_repo}@1", "-o", file_repo.parent / "o.pt", "--only", "model")
+    assert res.exit_code == 1 and "nested more than" in res.stderr
+    # (a plain restore of a file source rebuilds the exact source bytes from the skeleton and entries,
+    # sha256-checked against the source, and needs no tree)
+
+
+def test_a_manifest_holding_1e999_is_damaged_and_list_still_shows_the_good_ones(tmp_path, file_repo):
+    p = tmp_path / "ck2.pt"
+    torch.save({"step": 9}, p)
+    assert cli("pack", p, "--repo", file_repo).exit_code == 0
+    edit_manifest_text(file_repo, lambda t: t.replace('"metrics": {}', '"metrics": {"loss": 1e999}'), number=1)
+    res = runner.invoke(app, ["list", str(file_repo), "--all", "--json"])
+    doc = json.loads(res.stdout)
+    status = {g["generation"]: g["status"] for g in doc["generations"]}
+    assert res.exit_code == 0 and status == {1: "damaged", 2: "usable"}, res.stdout
+    assert "out of range" in doc["generations"][0]["reason"]
+    res = cli("inspect", f"{file_repo}@1")
+    assert res.exit_code == 1 and "out of range" in res.stderr
+
+
+def test_duplicate_keys_in_a_manifest_are_refused(file_repo):
+    edit_manifest_text(file_repo, lambda t: t.replace('"tags": []', '"tags": [], "tags": ["x"]'))
+    res = cli("verify", f"{file_repo}@1")
+    assert res.exit_code == 1 and "duplicate key 'tags'" in res.stdout + res.stderr
+    res = cli("restore", f"{file_repo}@1", "-o", file_repo.parent / "o.pt")
+    assert res.exit_code == 2 and "damaged" in res.stderr
+
+
+def test_a_marker_with_duplicate_keys_or_nesting_makes_the_generation_damaged_not_an_error(file_repo):
+    (gen_dir(file_repo) / "USABLE.json").write_text('{"a": 1, "a": 2}')
+    res = runner.invoke(app, ["list", str(file_repo), "--all", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["generations"][0]["status"] == "damaged"
+
+
+# --- generation numbers, store errors, leftovers, size limits -----------------------------------------
+def test_generation_numbers_are_never_reused_after_gc_removed_a_failed_claim(tmp_path, file_repo):
+    from ckpt_archive.repo.repository import Repository
+
+    r = Repository.open(file_repo)
+    with r.lock():
+        n = r.claim_next()  # a writer claims 2, then dies before anything else
+    assert n == 2
+    cfg = json.loads((file_repo / "repository.json").read_text())
+    cfg.pop("highest_generation")  # even a crash between claim and mark: the mark came first
+    assert cli("gc", file_repo).exit_code == 0
+    assert not gen_dir(file_repo, 2).exists()
+    p = tmp_path / "ck3.pt"
+    torch.save({"step": 5}, p)
+    res = runner.invoke(app, ["pack", str(p), "--repo", str(file_repo), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["generation"] == 3
+
+
+def test_the_high_water_mark_is_written_before_the_claim(tmp_path, file_repo, monkeypatch):
+    from ckpt_archive.repo.repository import Repository
+    from ckpt_archive.store.local import LocalStore
+
+    seen = []
+    real_claim = LocalStore.claim
+
+    def claim(self, key):
+        seen.append(json.loads((file_repo / "repository.json").read_text())["highest_generation"])
+        return real_claim(self, key)
+
+    monkeypatch.setattr(LocalStore, "claim", claim)
+    r = Repository.open(file_repo)
+    with r.lock():
+        assert r.claim_next() == 2
+    assert seen == [2]
+
+
+def test_a_store_that_fails_mid_read_is_could_not_check_not_found_wrong(file_repo, monkeypatch):
+    from ckpt_archive.store.local import LocalStore
+
+    def down(self, key):
+        raise StoreError("cannot reach the store after retries (reading)", where=key)
+
+    monkeypatch.setattr(LocalStore, "open_read", down)
+    with pytest.raises(StoreError):
+        ckpt_archive.verify(file_repo, deep=True)
+    res = cli("verify", file_repo, "--deep")
+    assert res.exit_code == 2
+
+
+def test_an_unreachable_s3_store_exits_2(tmp_path):
+    env = {**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "y", "AWS_MAX_ATTEMPTS": "1", "AWS_DEFAULT_REGION": "us-east-1"}
+    pytest.importorskip("s3fs")
+    for args in (("list", "s3://bucket/repo"), ("verify", "s3://bucket/repo", "--deep")):
+        rc, out, err, _ = run_cli(*args, env=env, timeout=120)
+        assert rc == 2 and "cannot reach the store" in err, (args, rc, err)
+
+
+def test_disk_full_names_the_step_and_the_path(tmp_path):
+    from ckpt_archive.store.local import LocalStore
+
+    store = LocalStore(tmp_path / "s")
+    with pytest.raises(InsufficientSpace, match=r"disk full while writing .*m\.ckz"):
+        with store.write_once("generations/00000001/m.ckz"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_killed_restore_leaves_no_temporary_behind_after_the_next_restore(tmp_path, file_repo):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.pt"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    leftover = tmp_path / f".out.pt.tmp-{dead}"
+    leftover.write_bytes(b"half a restore")  # what a SIGKILL during a restore leaves
+    assert cli("restore", file_repo, "-o", out).exit_code == 0
+    assert not leftover.exists() and out.exists()
+
+
+def test_a_200_MB_config_is_refused_before_it_reaches_the_manifest(tmp_path):
+    from ckpt_archive.format.limits import MAX_ANNOTATION_BYTES
+
+    p = tmp_path / "ck.pt"
+    torch.save({"step": 1}, p)
+    cfg = tmp_path / "big.json"
+    cfg.write_text(json.dumps({"blob": "x" * (MAX_ANNOTATION_BYTES + 10)}))
+    res = cli("pack", p, "--repo", tmp_path / "r", "--config", cfg)
+    assert res.exit_code == 2 and "limit" in res.stderr and "config" in res.stderr
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as fh:
+        fh.truncate(200 << 20)  # sparse: never read
+    res = cli("pack", p, "--repo", tmp_path / "r", "--metrics", huge)
+    assert res.exit_code == 2 and "refused" in res.stderr
+
+
+def test_no_pickle_in_a_member_is_ever_executed(tmp_path, folder_repo):
+    """Keep: an opaque member holding a code-running pickle rides along and is never loaded."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    def edit(m):
+        put_member_bytes(folder_repo, m, member(m, "files/notes.txt"), pickle.dumps(Evil()))
+        f = next(f for f in m["source"]["files"] if f["relpath"] == "notes.txt")
+        f["raw_bytes"] = member(m, "files/notes.txt")["raw_bytes"]
+        f["sha256"] = member(m, "files/notes.txt")["raw_sha256"]
+    edit_manifest(folder_repo, edit)
+    assert cli("verify", f"{folder_repo}@1", "--deep").exit_code == 0
+    assert cli("restore", f"{folder_repo}@1", "-o", tmp_path / "o").exit_code == 0
+    assert not marker.exists()
+    reseal(folder_repo)
