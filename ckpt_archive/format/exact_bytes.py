@@ -14,7 +14,7 @@ non-tensor bytes only, as:
 
 Restore writes the skeleton pieces and the entries back at their offsets and checks the sha256 of
 the whole rebuilt file against ``source.files[].sha256``: a rebuilt file that differs is refused,
-never written as the result. Ranges are matched to entries by length and sha256, so a range this
+never written as the result. Ranges are matched to entries by length and raw fingerprint, so a range this
 module misplaces is simply not cut (it stays in the skeleton); a file with no recognisable ranges
 (a legacy, non-zip ``torch.save`` file) is kept whole in its skeleton. Exact bytes are therefore
 always had, at worst at the cost of storing the file twice (``exact.cut_bytes`` says how much of it
@@ -104,43 +104,54 @@ def _disjoint(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _range_sha(path: Path, start: int, length: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        fh.seek(start)
-        left = length
-        while left:
-            piece = fh.read(min(READ_BYTES, left))
-            if not piece:
-                break
-            h.update(piece)
-            left -= len(piece)
-    return h.hexdigest() if left == 0 else ""
-
-
-def plan(path: Path, kind: str, entries: dict[str, tuple[int, str]], *, pool=None) -> list[list]:
-    """Which ranges of ``path`` to cut: those equal (length and sha256) to a stored entry.
+def plan(path: Path, kind: str, entries: dict[str, tuple[int, str]]) -> tuple[list[list], str]:
+    """Which ranges of ``path`` to cut: those equal (length and fingerprint) to a stored entry; and the
+    file's sha256, both from one sequential read of the file.
 
     Args:
         path: the source file.
         kind: its kind (see :func:`candidate_ranges`).
-        entries: ``{raw sha256: (raw bytes, entry key)}`` of the tensors shards already written.
-        pool: an executor to hash ranges on (optional).
+        entries: ``{raw fingerprint ("blake3:<hex>" or "sha256:<hex>"): (raw bytes, entry key)}`` of the
+            tensors shards already written; ranges are fingerprinted with the same algorithm.
 
     Returns:
-        segments ``[[offset, length, entry key], ...]`` in file order.
+        (segments ``[[offset, length, entry key], ...]`` in file order, sha256 hex of the whole file).
     """
-    ranges = [r for r in candidate_ranges(path, kind) if any(n == r[1] for n, _ in entries.values())]
-    if pool is not None:
-        shas = list(pool.map(lambda r: _range_sha(path, *r), ranges))
-    else:
-        shas = [_range_sha(path, *r) for r in ranges]
+    from ckpt_archive.format import fingerprint
+
+    algs = {fingerprint.split(fp)[0] for fp in entries}
+    alg = algs.pop() if len(algs) == 1 else fingerprint.BLAKE3
+    lengths = {n for n, _ in entries.values()}
+    ranges = [r for r in candidate_ranges(path, kind) if r[1] in lengths]
+    whole = hashlib.sha256()
+    fps: list[str] = []
+    ri, cur, pos = 0, None, 0
+    with open(path, "rb") as fh:
+        while True:
+            piece = fh.read(READ_BYTES)
+            if not piece:
+                break
+            whole.update(piece)
+            mv = memoryview(piece)
+            end = pos + len(mv)
+            # feed every candidate range that overlaps this piece (ranges are sorted and disjoint)
+            while ri < len(ranges) and ranges[ri][0] < end:
+                start, length = ranges[ri]
+                if cur is None:
+                    cur = fingerprint.new(alg)
+                lo, hi = max(start, pos), min(start + length, end)
+                cur.update(mv[lo - pos:hi - pos])
+                if start + length > end:
+                    break
+                fps.append(f"{alg}:{cur.hexdigest()}")
+                cur, ri = None, ri + 1
+            pos = end
     segments = []
-    for (start, length), sha in zip(ranges, shas):
-        hit = entries.get(sha)
+    for (start, length), fp in zip(ranges, fps):  # a range past the end (file shrank) gets no fingerprint
+        hit = entries.get(fp)
         if hit is not None and hit[0] == length:
             segments.append([start, length, hit[1]])
-    return segments
+    return segments, whole.hexdigest()
 
 
 def skeleton_pieces(path: Path, segments: list[list]) -> Iterator[tuple[bytes, str]]:
