@@ -104,27 +104,18 @@ def _disjoint(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def plan(path: Path, kind: str, entries: dict[str, tuple[int, str]]) -> tuple[list[list], str]:
-    """Which ranges of ``path`` to cut: those equal (length and fingerprint) to a stored entry; and the
-    file's sha256, both from one sequential read of the file.
-
-    Args:
-        path: the source file.
-        kind: its kind (see :func:`candidate_ranges`).
-        entries: ``{raw fingerprint ("blake3:<hex>" or "sha256:<hex>"): (raw bytes, entry key)}`` of the
-            tensors shards already written; ranges are fingerprinted with the same algorithm.
+def scan(path: Path, kind: str, alg: str = "blake3") -> tuple[list[tuple[int, int, str]], str]:
+    """One sequential read of ``path``: the fingerprint (``alg``) of every candidate range and the sha256 of
+    the whole file. Needs no stored entries, so it can run while the tensors are being written.
 
     Returns:
-        (segments ``[[offset, length, entry key], ...]`` in file order, sha256 hex of the whole file).
+        (``[(offset, length, "<alg>:<hex>")]`` for each candidate range read whole, sha256 hex of the file).
     """
     from ckpt_archive.format import fingerprint
 
-    algs = {fingerprint.split(fp)[0] for fp in entries}
-    alg = algs.pop() if len(algs) == 1 else fingerprint.BLAKE3
-    lengths = {n for n, _ in entries.values()}
-    ranges = [r for r in candidate_ranges(path, kind) if r[1] in lengths]
+    ranges = candidate_ranges(path, kind)
     whole = hashlib.sha256()
-    fps: list[str] = []
+    out: list[tuple[int, int, str]] = []
     ri, cur, pos = 0, None, 0
     with open(path, "rb") as fh:
         while True:
@@ -143,15 +134,28 @@ def plan(path: Path, kind: str, entries: dict[str, tuple[int, str]]) -> tuple[li
                 cur.update(mv[lo - pos:hi - pos])
                 if start + length > end:
                     break
-                fps.append(f"{alg}:{cur.hexdigest()}")
+                out.append((start, length, f"{alg}:{cur.hexdigest()}"))
                 cur, ri = None, ri + 1
             pos = end
+    return out, whole.hexdigest()  # a range past the end (the file shrank) gets no fingerprint
+
+
+def plan(scanned: list[tuple[int, int, str]], entries: dict[str, tuple[int, str]]) -> list[list]:
+    """Which scanned ranges to cut: those equal (length and fingerprint) to a stored entry.
+
+    Args:
+        scanned: :func:`scan`'s ranges.
+        entries: ``{raw fingerprint ("blake3:<hex>"): (raw bytes, entry key)}`` of the tensors shards written.
+
+    Returns:
+        segments ``[[offset, length, entry key], ...]`` in file order.
+    """
     segments = []
-    for (start, length), fp in zip(ranges, fps):  # a range past the end (file shrank) gets no fingerprint
+    for start, length, fp in scanned:
         hit = entries.get(fp)
         if hit is not None and hit[0] == length:
             segments.append([start, length, hit[1]])
-    return segments, whole.hexdigest()
+    return segments
 
 
 def skeleton_pieces(path: Path, segments: list[list]) -> Iterator[tuple[bytes, str]]:

@@ -98,9 +98,13 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
     r = open_repo(repo, **store_options)
     gen0 = pick(r, generation, fallback)
-    # the output plus the spill files tensors are mapped from while torch.save writes it
-    _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))
     layout = gen0.manifest["source"]["layout"]
+    first0 = (gen0.manifest["source"].get("files") or [{}])[0]
+    one_pass = (layout == "file" and not only and transform is None and map_location is None
+                and bool(first0.get("exact")))
+    # exact bytes: written once, in place, from the decoded chunks (the output's size); otherwise the
+    # output plus the spill files tensors are mapped from while torch.save writes it
+    _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * (1.05 if one_pass else 2.05)) + (1 << 20))
     _check_output_target(out, r, writes_folder=(layout == "folder" and not only))
     if consolidate is not None:
         if layout != "folder" or only or "" not in (gen0.manifest["source"].get("info") or {}).get("dcp", {}):

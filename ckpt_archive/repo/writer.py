@@ -119,6 +119,13 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
     tree, table = encoded if encoded is not None else encode(source.state)
     w = GenerationWriter(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes, faults=faults)
     try:
+        # decomposed source files: their one read (tensor-range fingerprints + the file's sha256) runs
+        # on the hash pool while the tensors are encoded
+        from ckpt_archive.format import exact_bytes
+
+        scans = {id(sf): w.hash_pool.submit(exact_bytes.scan, sf.path, sf.kind, BLAKE3)
+                 for sf in source.files if sf.kind not in ("raw", "opaque") and sf.path is not None
+                 and not getattr(sf, "link_of", None)}
         tensors = _write_tensors(w, table)
         files_meta = []
         stored_entries = _entries_by_sha(w.members)
@@ -139,7 +146,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
                 entry.update(member=rec["path"], raw_bytes=rec["raw_bytes"], sha256=fingerprint.split(rec["raw_fp"])[1])
             elif sf.path is not None:
                 entry["raw_bytes"] = sf.path.stat().st_size
-                entry["exact"], entry["sha256"] = _write_skeleton(w, sf, stored_entries)  # [issue 11] exact bytes
+                entry["exact"], entry["sha256"] = _write_skeleton(w, sf, stored_entries, scans[id(sf)].result())
             files_meta.append(entry)
         tree_bytes = json.dumps(tree, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         w.member(TREE_MEMBER, "tree", iter([(tree_bytes, "zstd")]))
@@ -183,13 +190,14 @@ def _entries_by_sha(members: list[dict]) -> dict[str, tuple[int, str]]:
     return out
 
 
-def _write_skeleton(w: GenerationWriter, sf, stored_entries: dict) -> tuple[dict, str]:
-    """The skeleton member of a decomposed file (format/exact_bytes.py): its bytes minus the ranges
-    that equal stored tensor entries. Returns the ``source.files[].exact`` record and the file's sha256
-    (taken in the same read that fingerprints its ranges)."""
+def _write_skeleton(w: GenerationWriter, sf, stored_entries: dict, scanned: tuple) -> tuple[dict, str]:
+    """[issue 11] The skeleton member of a decomposed file (format/exact_bytes.py): its bytes minus the
+    ranges that equal stored tensor entries. ``scanned``: :func:`exact_bytes.scan`'s result. Returns the
+    ``source.files[].exact`` record and the file's sha256 (taken in that same read)."""
     from ckpt_archive.format import exact_bytes
 
-    segments, file_sha = exact_bytes.plan(sf.path, sf.kind, stored_entries)
+    ranges, file_sha = scanned
+    segments = exact_bytes.plan(ranges, stored_entries)
     rec = w.member(f"exact/{sf.relpath or sf.path.name}", "file", exact_bytes.skeleton_pieces(sf.path, segments),
                    skeleton=True)
     return {"member": rec["path"], "segments": segments, "cut_bytes": sum(s[1] for s in segments)}, file_sha
