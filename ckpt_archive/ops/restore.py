@@ -89,8 +89,6 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         >>> r.generation, torch.load(out, weights_only=True)["step"]
         (1, 1)
     """
-    import torch
-
     if output is None:
         raise UsageError("restore needs an output path (--output)")
     out = Path(output).expanduser().absolute()
@@ -134,6 +132,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             save_file(state, str(tmp), metadata=src_files[0].get("metadata") or None)
             _fsync_file(tmp)
             return tmp.stat().st_size
+        import torch  # only when re-serialising: the exact-bytes path above never imports it
+
         torch.save(state, tmp)
         _fsync_file(tmp)
         return tmp.stat().st_size
@@ -204,8 +204,6 @@ def _remove(p: Path) -> None:
 def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_location=None) -> int:
     """Recreate a folder source: torch files via torch.save, safetensors files via safetensors with
     their metadata, raw/opaque files byte for byte. Returns bytes written."""
-    import torch
-
     dest.mkdir(parents=True)
     tree = reader.tree()
     total = 0
@@ -229,6 +227,8 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
 
                 save_file(obj, str(target), metadata=f.get("metadata") or None)
             else:
+                import torch
+
                 torch.save(obj, target)
         _fsync_file(target)
         total += target.stat().st_size
