@@ -1,5 +1,8 @@
 """Member encoding "chunked-v1": independent chunks, float-aware, hashed on the way, on all cores.
 
+(A little over 600 lines: the writer, the readers and the one chunk-table check they share stay in one
+module so that a chunk's sizes are read and checked in one place, :func:`check_chunk_table`.)
+
 A member's raw bytes are fed to :class:`MemberWriter` as pieces with a codec hint; pieces are cut into
 chunks of at most ``chunk_bytes`` that never mix hints, each chunk is encoded on a thread pool
 (zstandard and hashlib release the GIL) and written in order. Chunk codecs (docs/FORMAT.md):
