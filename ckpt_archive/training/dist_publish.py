@@ -9,7 +9,6 @@ failure, so every other rank stops at the same point with rank 0's message.
 from __future__ import annotations
 
 import errno
-import json
 
 from ckpt_archive.errors import CannotCheck, CkptArchiveError, StoreError
 from ckpt_archive.format.manifest import dumps, validate
