@@ -1,5 +1,13 @@
 """Ratio benchmark: ckpt-archive against the hand pipeline and the usual loaders, same machine, same run.
 
+Default (paired) mode, for issue 14's table: every comparison runs interleaved in this one driver
+process -- ours, baseline, then baseline, ours, ... ``--reps`` times -- so both sides see the same
+machine load; each run is a whole process (``ckpt-archive`` CLI processes for pack / verify /
+verify --deep / restore: start-up included, as a user pays it), and Python workers also report the
+in-process time of the call alone. It prints min / median / max per side, the median of per-pair
+ratios (whole process and in-process), the load average (``os.getloadavg``) around the runs, and the
+table "now vs target". ``--unpaired`` gives the older per-operation report described below.
+
 For each state size it builds a realistic training state (``benchmarks/state.py``: trained-looking
 bf16 weights + fp32 Adam moments, 80 % of the bytes fp32) saved as ``ckpt.pt``, the same tensors as
 ``ckpt.safetensors``, and the bf16 weights alone as ``weights.pt``. Then, ``--reps`` times, each
@@ -101,6 +109,16 @@ def worker(op: str, a: argparse.Namespace) -> dict:
         obj = torch.load(wd / "ckpt.pt", weights_only=True, map_location="cpu")
         dt = time.perf_counter() - t0
         del obj
+    elif op == "torch_resave":  # what restore replaces: torch.load + torch.save of the same state
+        out = wd / "resaved.pt"
+        t0 = time.perf_counter()
+        obj = torch.load(wd / "ckpt.pt", weights_only=True, map_location="cpu")
+        torch.save(obj, out)
+        with open(out, "rb") as fh:
+            os.fsync(fh.fileno())
+        dt = time.perf_counter() - t0
+        del obj
+        out.unlink()
     elif op == "safetensors_load":
         from safetensors.torch import load_file
         t0 = time.perf_counter()
@@ -285,6 +303,148 @@ def run_size(size_mib: int, a: argparse.Namespace, log) -> dict:
             "plan": meta["plan"], "sizes": sizes, "runs": runs, "summary": summarize(runs)}
 
 
+# --------------------------------------------------------------------------------------------------
+# paired mode (default): every comparison interleaved A,B,A,B... in this one driver process
+# --------------------------------------------------------------------------------------------------
+
+#: the issue-14 table: (label, ours, baseline, target, stretch). Ratios are baseline time / our time
+#: (= our throughput / the baseline's), taken per pair of neighbouring runs, then the median.
+PAIRS = [
+    ("`pack` (incl. verify + trial reload) / `zstd -T0 -3 && openssl dgst -sha256`", "cli_pack", "hand", 0.8, 1.0),
+    ("`verify` / `openssl dgst -sha256` over the same files", "cli_verify", "openssl_ours", 1.0, None),
+    ("`verify --deep` / `zstd -t && openssl dgst`", "cli_verify_deep", "hand_deep", 0.9, None),
+    ("`ckpt_archive.load` / `torch.load(weights_only=True)`", "load", "torch_load", 0.9, None),
+    ("`restore` to .pt / `torch.load` + `torch.save`", "cli_restore", "torch_resave", 0.9, None),
+]
+
+
+def _cli(args: list[str]) -> list[str]:
+    """A whole ``ckpt-archive`` CLI process (interpreter start-up and imports included)."""
+    return [sys.executable, "-c", "from ckpt_archive.cli.app import main; main()", *args]
+
+
+def _stats(xs: list[float]) -> str:
+    return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
+
+
+def run_paired(size_mib: int, a: argparse.Namespace, log) -> dict:
+    wd = Path(a.workdir) / f"{size_mib}mib"
+    wd.mkdir(parents=True, exist_ok=True)
+    if not (wd / "meta.json").exists():
+        log(f"[{size_mib} MiB] building state ...")
+        r = measure("build", _py("build", a, wd, size_mib=size_mib), True)
+        if "error" in r:
+            raise SystemExit(f"building the state failed: {r['error']}")
+    meta = json.loads((wd / "meta.json").read_text())
+    repo, pt, zst = wd / "repo", wd / "ckpt.pt", wd / "ckpt.pt.zst"
+    restored = wd / "restored.pt"
+    hand = ["sh", "-c", f"zstd -q -T0 -3 -f '{pt}' -o '{zst}' && openssl dgst -sha256 '{zst}' >/dev/null"]
+
+    def members() -> list[str]:
+        return sorted(str(p) for p in _generation_dir(repo).rglob("*.ckz"))
+
+    def cmd(op: str) -> tuple[list[str], bool]:
+        if op == "cli_pack":
+            shutil.rmtree(repo, ignore_errors=True)
+            return _cli(["pack", str(pt), "--repo", str(repo), "--json"]), False
+        if op == "hand":
+            return hand, False
+        if op == "cli_verify":
+            return _cli(["verify", str(repo), "--json"]), False
+        if op == "openssl_ours":
+            return ["openssl", "dgst", "-sha256", *members()], False
+        if op == "cli_verify_deep":
+            return _cli(["verify", "--deep", str(repo), "--json"]), False
+        if op == "hand_deep":
+            return ["sh", "-c", f"zstd -q -t '{zst}' && openssl dgst -sha256 '{zst}' >/dev/null"], False
+        if op == "cli_restore":
+            return _cli(["restore", str(repo), "--output", str(restored), "--force", "--json"]), False
+        return _py(op, a, wd, repo), True
+
+    pairs = []
+    # a repository and the hand pipeline's output must exist before the read comparisons
+    measure("hand", hand, False)
+    first = measure("cli_pack", cmd("cli_pack")[0], False)
+    if "error" in first:
+        raise SystemExit(f"pack failed: {first['error']}")
+    for label, ours, base, target, stretch in PAIRS:
+        runs: dict[str, list[dict]] = {ours: [], base: []}
+        loads = []
+        for rep in range(a.reps):
+            order = (ours, base) if rep % 2 == 0 else (base, ours)  # A,B then B,A: neither always goes first
+            for op in order:
+                loads.append(os.getloadavg()[0])
+                c, py = cmd(op)
+                r = measure(op, c, py)
+                if "error" in r:
+                    raise SystemExit(f"{op} failed: {r['error']}")
+                runs[op].append(r)
+            restored.unlink(missing_ok=True)
+        wall = {op: [r["wall_s"] for r in rs] for op, rs in runs.items()}
+        inproc = {op: [r["seconds"] for r in rs] for op, rs in runs.items()}
+        ratio_wall = statistics.median(b / o for o, b in zip(wall[ours], wall[base]))
+        # in-process: the call alone, only where both sides are Python calls (load vs torch.load)
+        both_py = cmd(ours)[1] and cmd(base)[1]
+        ratio_in = statistics.median(b / o for o, b in zip(inproc[ours], inproc[base])) if both_py else None
+        row = {"label": label, "ours": ours, "baseline": base, "target": target, "stretch": stretch,
+               "wall_s": wall, "inprocess_s": inproc, "ratio_whole_process": ratio_wall, "ratio_inprocess": ratio_in,
+               "peak_anon_mib": {op: max(r["peak_anon_bytes"] for r in rs) / MiB for op, rs in runs.items()},
+               "loadavg": [min(loads), statistics.median(loads), max(loads)]}
+        pairs.append(row)
+        log(f"[{size_mib} MiB] {ours} {_stats(wall[ours])} s vs {base} {_stats(wall[base])} s: "
+            f"{ratio_wall:.2f}x whole process, {'-' if ratio_in is None else f'{ratio_in:.2f}x'} in-process "
+            f"(load {_stats(loads)})")
+    # sizes (deterministic) and pack's memory
+    stored = sum(os.path.getsize(p) for p in members())
+    wpt, wzst = wd / "weights.pt", wd / "weights.pt.zst"
+    subprocess.run(["zstd", "-q", "-T0", "-3", "-f", str(wpt), "-o", str(wzst)], check=True)
+    wrepo = wd / "repo_weights"
+    shutil.rmtree(wrepo, ignore_errors=True)
+    r = measure("cli_pack_weights", _cli(["pack", str(wpt), "--repo", str(wrepo), "--json"]), False)
+    wstored = sum(p.stat().st_size for p in _generation_dir(wrepo).rglob("*.ckz"))
+    shutil.rmtree(wrepo, ignore_errors=True)
+    return {"size_mib": size_mib, "raw_bytes": meta["raw_bytes"], "pairs": pairs,
+            "sizes": {"stored": stored, "zstd3": zst.stat().st_size, "weights_stored": wstored,
+                      "weights_zstd3": wzst.stat().st_size},
+            "peak_anon_mib": {"pack": max(p["peak_anon_mib"].get("cli_pack", 0) for p in pairs),
+                              "restore": max(p["peak_anon_mib"].get("cli_restore", 0) for p in pairs)},
+            "pack_wall_median_s": statistics.median(next(p for p in pairs if p["ours"] == "cli_pack")["wall_s"]["cli_pack"])}
+
+
+def _verdict(value: float, target: float, higher: bool) -> str:
+    return "met" if (value >= target if higher else value <= target) else "**missed**"
+
+
+def paired_table(results: list[dict]) -> str:
+    lines = ["| state | operation | ours min/med/max s | baseline min/med/max s | ratio, whole process | "
+             "ratio, in-process | target | | load avg (min/med/max) |", "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for res in results:
+        for p in res["pairs"]:
+            lines.append(f"| {res['size_mib']} MiB | {p['label']} | {_stats(p['wall_s'][p['ours']])} | "
+                         f"{_stats(p['wall_s'][p['baseline']])} | {p['ratio_whole_process']:.2f}x | "
+                         f"{'-' if p['ratio_inprocess'] is None else format(p['ratio_inprocess'], '.2f') + 'x'} | "
+                         f">= {p['target']}x | "
+                         f"{_verdict(p['ratio_whole_process'], p['target'], True)} | "
+                         f"{' / '.join(f'{x:.1f}' for x in p['loadavg'])} |")
+        sz = res["sizes"]
+        lines.append(f"| {res['size_mib']} MiB | stored size / `zstd -3`, fp32-heavy state | | | "
+                     f"{sz['stored'] / sz['zstd3']:.3f} | | <= 0.88 | {_verdict(sz['stored'] / sz['zstd3'], 0.88, False)} | |")
+        lines.append(f"| {res['size_mib']} MiB | stored size / `zstd -3`, bf16 weights | | | "
+                     f"{sz['weights_stored'] / sz['weights_zstd3']:.3f} | | <= 0.85 | "
+                     f"{_verdict(sz['weights_stored'] / sz['weights_zstd3'], 0.85, False)} | |")
+        pk = res["peak_anon_mib"]
+        lines.append(f"| {res['size_mib']} MiB | peak anonymous memory, pack / restore | | | "
+                     f"{pk['pack']:.0f} / {pk['restore']:.0f} MiB | | <= 512 MiB | "
+                     f"{_verdict(max(pk.values()), 512, False)} | |")
+    by = sorted(results, key=lambda r: r["raw_bytes"])
+    for small, big in zip(by, by[1:]):
+        f = big["raw_bytes"] / small["raw_bytes"]
+        g = big["pack_wall_median_s"] / small["pack_wall_median_s"] * 4 / f
+        lines.append(f"| {small['size_mib']} -> {big['size_mib']} MiB | pack time for 4x the state | | | {g:.2f}x | | "
+                     f"<= 4.4x | {_verdict(g, 4.4, False)} | |")
+    return "\n".join(lines)
+
+
 def summarize(runs: dict[str, list[dict]]) -> dict:
     out = {}
     for op, rs in runs.items():
@@ -400,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<stamp>.json)")
     ap.add_argument("--baselines-only", action="store_true", help="skip ckpt-archive operations")
     ap.add_argument("--no-zipnn", action="store_true")
+    ap.add_argument("--unpaired", action="store_true",
+                    help="the older report: every operation per repetition, medians per operation (not paired)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--repo", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--size-mib", type=int, default=0, help=argparse.SUPPRESS)
@@ -414,6 +576,18 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     results = []
+    if not a.unpaired:
+        for size_mib in [int(x) for x in a.sizes.split(",") if x]:
+            results.append(run_paired(size_mib, a, log))
+        info["loadavg_end"] = os.getloadavg()
+        doc = {"stamp": stamp, "mode": "paired", "machine": info, "jobs": a.jobs, "reps": a.reps, "results": results}
+        out = Path(a.out) if a.out else HERE / "results" / f"{stamp}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1))
+        print(f"load average at start {info['loadavg_start']}, at end {info['loadavg_end']}; {info['cpus']} CPUs")
+        print(paired_table(results))
+        log(f"\nwrote {out}")
+        return 0
     for size_mib in [int(x) for x in a.sizes.split(",") if x]:
         r = run_size(size_mib, a, log)
         r["ratios"] = ratios(r)

@@ -67,8 +67,11 @@ def test_float_member_round_trips_bit_exact_with_byte_grouping(dtype, hint, code
     raw = _trained_like(100_003, dtype)
     stored, rec = _write([(raw, hint)])
     assert _read(stored, rec) == raw
-    assert rec["raw_sha256"] == hashlib.sha256(raw).hexdigest()
-    assert rec["stored_sha256"] == hashlib.sha256(stored).hexdigest()
+    assert rec["raw_fp"] == "sha256:" + hashlib.sha256(raw).hexdigest()
+    assert [c["stored_sha256"] for c in rec["chunks"]] == [
+        hashlib.sha256(stored[c["stored_offset"]:c["stored_offset"] + c["stored_bytes"]]).hexdigest() for c in rec["chunks"]]
+    assert rec["stored_fp"] == "sha256-chunks:" + hashlib.sha256(
+        b"".join(bytes.fromhex(c["stored_sha256"]) for c in rec["chunks"])).hexdigest()
     assert rec["raw_bytes"] == len(raw) and rec["stored_bytes"] == len(stored)
     assert codec_name in rec["chunk_codecs"]
     assert len(rec["chunks"]) == -(-len(raw) // (CHUNK - CHUNK % int(hint[2:])))
@@ -106,7 +109,7 @@ def test_sizes_not_a_multiple_of_the_element_size_fall_back_and_round_trip(hint,
 def test_empty_member_has_no_chunks_and_the_sha256_of_nothing():
     stored, rec = _write([(b"", "bg4"), (b"", "zstd")])
     assert stored == b"" and rec["chunks"] == [] and rec["raw_bytes"] == 0
-    assert rec["raw_sha256"] == hashlib.sha256(b"").hexdigest()
+    assert rec["raw_fp"] == "sha256:" + hashlib.sha256(b"").hexdigest()
     assert _read(stored, rec) == b""
 
 

@@ -133,7 +133,9 @@ def test_manifest_records_progress_and_every_tensor_fingerprint(tmp_path):
     rec = m["tensors"]["model/t_float32"]
     t = state["model"]["t_float32"]
     assert rec["dtype"] == "float32" and rec["shape"] == [3, 5]
-    assert rec["raw_sha256"] == hashlib.sha256(t.numpy().tobytes()).hexdigest()
+    import blake3
+
+    assert rec["raw_fp"] == "blake3:" + blake3.blake3(t.numpy().tobytes()).hexdigest()
     assert m["environment"]["torch"] == torch.__version__
 
 
@@ -156,7 +158,11 @@ def test_decoded_tensors_member_is_a_valid_safetensors_file_with_str_metadata(tm
     n = struct.unpack("<Q", raw[:8])[0]
     meta = json.loads(raw[8:8 + n])["__metadata__"]
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
-    assert res.manifest["members"][0]["raw_sha256"] == __import__("hashlib").sha256(raw).hexdigest()
+    from ckpt_archive.format.fingerprint import MemberRawCheck
+
+    check = MemberRawCheck(res.manifest["members"][0])  # every entry's blake3 and the header's, derived
+    check.update(raw)
+    assert check.problem() is None and check.result() == res.manifest["members"][0]["raw_fp"]
 
 
 def test_tree_and_manifest_are_strict_json(tmp_path):
@@ -166,7 +172,7 @@ def test_tree_and_manifest_are_strict_json(tmp_path):
     res = ckpt_archive.pack(state, tmp_path / "repo")
     text = (tmp_path / "repo" / "generations" / "00000001" / "manifest.json").read_text()
     json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
-    assert res.manifest["format_version"] == 1
+    assert res.manifest["format_version"] == 2
 
 
 def test_config_metrics_and_data_ids_keep_their_types(tmp_path):

@@ -77,12 +77,12 @@ def register(app: typer.Typer) -> None:
         out.say(f"  {s['tensor_count']} tensors in {s['member_count']} members: {human_bytes(s['raw_bytes'])} raw, "
                 f"{human_bytes(s['stored_bytes'])} stored")
         table = Table(title="members")
-        for col in ("member", "role", "raw", "stored", "codecs", "raw sha256"):
+        for col in ("member", "role", "raw", "stored", "codecs", "raw fingerprint"):
             table.add_column(col)
         for mem in m["members"]:
             role = mem["role"] + (" (opaque: never loaded)" if mem.get("opaque") else "")
             table.add_row(mem["path"], role, human_bytes(mem["raw_bytes"]), human_bytes(mem["stored_bytes"]),
-                          ",".join(mem.get("chunk_codecs", [])), mem["raw_sha256"][:16])
+                          ",".join(mem.get("chunk_codecs", [])), _short_fp(mem))
         out.table(table)
         if info["opaque_members"]:
             out.say(f"  opaque files (fingerprinted, restored byte for byte, never unpickled): "
@@ -106,3 +106,11 @@ def _extend_inspect(info: dict, repo: str, out: Output) -> dict:
     from ckpt_archive.cli.policy_views import cli_inspect
 
     return cli_inspect(info, repo, out)
+
+
+def _short_fp(mem: dict) -> str:
+    """``blake3:3ab54706800b`` (format 2 records the algorithm; format 1's is sha256)."""
+    from ckpt_archive.format.fingerprint import raw_fp
+
+    alg, _, hexd = (raw_fp(mem) or "").partition(":")
+    return f"{alg}:{hexd[:12]}"

@@ -1,5 +1,8 @@
 """Member encoding "chunked-v1": independent chunks, float-aware, hashed on the way, on all cores.
 
+(A little over 600 lines: the writer, the readers and the one chunk-table check they share stay in one
+module so that a chunk's sizes are read and checked in one place, :func:`check_chunk_table`.)
+
 A member's raw bytes are fed to :class:`MemberWriter` as pieces with a codec hint; pieces are cut into
 chunks of at most ``chunk_bytes`` that never mix hints, each chunk is encoded on a thread pool
 (zstandard and hashlib release the GIL) and written in order. Chunk codecs (docs/FORMAT.md):
@@ -33,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Callable, Iterator
 
 from ckpt_archive.errors import IntegrityError
+from ckpt_archive.format import fingerprint
 
 #: Raw bytes per chunk. 4 MiB: ratio within 0.3 % of 16 MiB chunks (benchmarks/proto_codec.py), enough
 #: chunks to keep every core busy on a 1 GiB member, and 2 * jobs chunks in flight stay small.
@@ -216,7 +220,12 @@ def decode_chunk(stored, codec: str, raw_bytes: int, out=None):
 
 
 class MemberWriter:
-    """Write one member as chunked-v1 to an open binary file, hashing raw and stored bytes on the way.
+    """Write one member as chunked-v1 to an open binary file, fingerprinting on the way.
+
+    Each chunk's stored bytes are hashed once (sha256, on the encoder thread); the member's stored
+    fingerprint is derived from them (``sha256-chunks:``, :mod:`ckpt_archive.format.fingerprint`).
+    The raw bytes are hashed as a whole only with ``raw_alg`` (``"sha256"``/``"blake3"``); a tensors
+    member passes None and fingerprints each entry instead (its member fingerprint is derived).
 
     Args:
         fh: writable binary file (already opened write-once by the store).
@@ -225,6 +234,7 @@ class MemberWriter:
         chunk_bytes: maximum raw bytes per chunk.
         on_bytes: progress callback, called with raw bytes consumed.
         pool: an executor to share between members (optional).
+        raw_alg: algorithm of the whole-member raw fingerprint, or None for none.
 
     Example:
         >>> import io
@@ -235,8 +245,9 @@ class MemberWriter:
 
     def __init__(self, fh: BinaryIO, *, level: int = DEFAULT_LEVEL, jobs: int | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_bytes: Callable[[int], None] | None = None,
-                 pool: ThreadPoolExecutor | None = None):
+                 pool: ThreadPoolExecutor | None = None, raw_alg: str | None = "sha256"):
         self.fh = fh
+        self.raw_alg = raw_alg
         self.level = level
         self.jobs = jobs or default_jobs()
         self.chunk_bytes = chunk_bytes
@@ -244,12 +255,10 @@ class MemberWriter:
         self._own_pool = pool is None
         self.pool = pool or ThreadPoolExecutor(self.jobs, thread_name_prefix="ckpt-enc")
         self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-rawhash")
-        self._raw_hash = hashlib.sha256()
-        self._stored_hash = hashlib.sha256()
+        self._raw_hash = fingerprint.new(raw_alg) if raw_alg else None
         self._pending: collections.deque[tuple[int, int, Future]] = collections.deque()
         self._hash_pending: collections.deque[tuple[int, Future]] = collections.deque()
         self._hash_pending_bytes = 0
-        self._stored_pending: collections.deque[Future] = collections.deque()
         self._buf: list = []
         self._buf_len = 0
         self._buf_hint: str | None = None
@@ -270,14 +279,15 @@ class MemberWriter:
         n = len(mv)
         if n == 0:
             return
-        # pending raw-hash updates hold their pieces: bound them by bytes (a source read into memory,
-        # e.g. 8 MiB pieces of an opaque file, must not pile up behind a slow hash thread)
-        self._hash_pending.append((n, self._hash_pool.submit(self._raw_hash.update, mv)))
-        self._hash_pending_bytes += n
-        while len(self._hash_pending) > 1 and self._hash_pending_bytes > max(8 * self.chunk_bytes, 32 << 20):
-            size, fut = self._hash_pending.popleft()
-            fut.result()
-            self._hash_pending_bytes -= size
+        if self._raw_hash is not None:
+            # pending raw-hash updates hold their pieces: bound them by bytes (a source read into memory,
+            # e.g. 8 MiB pieces of an opaque file, must not pile up behind a slow hash thread)
+            self._hash_pending.append((n, self._hash_pool.submit(self._raw_hash.update, mv)))
+            self._hash_pending_bytes += n
+            while len(self._hash_pending) > 1 and self._hash_pending_bytes > max(8 * self.chunk_bytes, 32 << 20):
+                size, fut = self._hash_pending.popleft()
+                fut.result()
+                self._hash_pending_bytes -= size
         if hint != self._buf_hint:
             self._flush_buf()
             self._buf_hint = hint
@@ -312,11 +322,7 @@ class MemberWriter:
         raw_offset, raw_len, fut = self._pending.popleft()
         codec, stored, sha = fut.result()
         self.fh.write(stored)
-        # whole-file stored sha256 on the hash thread (FIFO keeps the order), off the caller's thread;
-        # each pending update holds its stored chunk, so at most 2 * jobs may wait (bounded memory)
-        self._stored_pending.append(self._hash_pool.submit(self._stored_hash.update, stored))
-        while len(self._stored_pending) > 2 * self.jobs:
-            self._stored_pending.popleft().result()
+        # no whole-file hash: the member's stored fingerprint is derived from the chunks' (fingerprint.py)
         self.chunks.append({"raw_offset": raw_offset, "raw_bytes": raw_len, "stored_offset": self._stored_offset,
                             "stored_bytes": len(stored), "stored_sha256": sha, "codec": codec})
         self._stored_offset += len(stored)
@@ -334,15 +340,14 @@ class MemberWriter:
             self.on_bytes(raw_len)
 
     def finish(self) -> dict:
-        """Flush and return the member record (sizes, sha256 of raw and stored bytes, chunk list)."""
+        """Flush and return the member record: sizes, ``stored_fp`` (derived from the chunks), ``raw_fp``
+        (with ``raw_alg``) and the chunk list."""
         try:
             self._flush_buf()
             while self._pending:
                 self._write_one()
             while self._hash_pending:
                 self._hash_pending.popleft()[1].result()
-            while self._stored_pending:
-                self._stored_pending.popleft().result()
             if self._sync_fut is not None:
                 self._sync_fut.result()
         finally:
@@ -352,9 +357,13 @@ class MemberWriter:
             if self._own_pool:
                 self.pool.shutdown(wait=True)
         codecs = sorted({c["codec"] for c in self.chunks})
-        return {"codec": CODEC_NAME, "chunk_codecs": codecs, "raw_bytes": self._raw_offset,
-                "stored_bytes": self._stored_offset, "raw_sha256": self._raw_hash.hexdigest(),
-                "stored_sha256": self._stored_hash.hexdigest(), "chunks": self.chunks}
+        rec = {"codec": CODEC_NAME, "chunk_codecs": codecs, "raw_bytes": self._raw_offset,
+               "stored_bytes": self._stored_offset,
+               "stored_fp": fingerprint.sha256_chunks(c["stored_sha256"] for c in self.chunks),
+               "chunks": self.chunks}
+        if self._raw_hash is not None:
+            rec["raw_fp"] = f"{self.raw_alg}:{self._raw_hash.hexdigest()}"
+        return rec
 
     def abort(self) -> None:
         for _, _, fut in self._pending:
@@ -369,8 +378,9 @@ class MemberWriter:
 def check_chunk_table(record: dict, member: str) -> None:
     """Check that a member's chunks tile its raw and stored bytes exactly (no gap, no overlap).
 
-    With this, every chunk passing its stored sha256 implies the whole file's stored sha256 (the
-    writer hashed the same bytes in the same order), so readers need not hash the file twice.
+    This is the one place where a chunk table's sizes are checked. With it, every chunk passing its
+    stored sha256 implies the member's stored fingerprint: format 2 derives it from the chunks'
+    digests (checked here), format 1's whole-file sha256 covers the same bytes in the same order.
 
     Raises:
         IntegrityError: the chunk table is inconsistent (names the member and the chunk).
@@ -385,6 +395,82 @@ def check_chunk_table(record: dict, member: str) -> None:
     if raw != record["raw_bytes"] or stored != record["stored_bytes"]:
         raise IntegrityError(f"chunk table covers {raw} raw / {stored} stored bytes, member records "
                              f"{record['raw_bytes']} / {record['stored_bytes']}", where=member)
+    if "stored_fp" in record:  # format 2: the member's stored fingerprint is derived from the chunks'
+        got = fingerprint.sha256_chunks(c["stored_sha256"] for c in record.get("chunks") or [])
+        if got != record["stored_fp"]:
+            raise IntegrityError(f"stored fingerprint {record['stored_fp']} is not the one its chunk table "
+                                 f"derives ({got})", where=member)
+
+
+class StoredStream:
+    """Check a member's stored bytes fed in order, in pieces of any size (copying, streaming stores).
+
+    Every chunk's stored sha256 is checked as its bytes complete, and the member's stored fingerprint
+    through the chunk table (format 2: derived from the chunks'; format 1: a whole-file sha256, which
+    only format 1 records). :meth:`finish` says what, if anything, was wrong.
+
+    Args:
+        record: the member's manifest record (its chunk table is checked first, by :func:`check_chunk_table`).
+        member: the member's path (for messages).
+    """
+
+    def __init__(self, record: dict, member: str, *, whole: bool = False):
+        self.record = record
+        self.member = member
+        self.error: str | None = None
+        try:
+            check_chunk_table(record, member)
+        except IntegrityError as exc:
+            self.error = exc.message
+        self._chunks = record.get("chunks") or []
+        self._i = 0
+        self._h = hashlib.sha256()
+        self._left = self._chunks[0]["stored_bytes"] if self._chunks else 0
+        # format 1 records the file's sha256; format 2 derives it (``whole``: a caller's proof wants it)
+        self._whole = hashlib.sha256() if ("stored_fp" not in record or whole) else None
+        self.total = 0
+
+    def update(self, piece) -> None:
+        mv = memoryview(piece).cast("B")
+        self.total += len(mv)
+        if self._whole is not None:
+            self._whole.update(mv)
+        while len(mv) and self.error is None:
+            self._advance_empty()
+            if self._i >= len(self._chunks):
+                self.error = f"longer than its chunks ({self.record['stored_bytes']} stored bytes)"
+                return
+            take = min(len(mv), self._left)
+            self._h.update(mv[:take])
+            self._left -= take
+            mv = mv[take:]
+            self._advance_empty()
+
+    def _advance_empty(self) -> None:
+        while self._i < len(self._chunks) and self._left == 0 and self.error is None:
+            c = self._chunks[self._i]
+            got = self._h.hexdigest()
+            if got != c["stored_sha256"]:
+                self.error = (f"chunk {self._i} (stored bytes {c['stored_offset']}..+{c['stored_bytes']}) sha256 "
+                              f"{got}, manifest says {c['stored_sha256']}")
+                return
+            self._i += 1
+            self._h = hashlib.sha256()
+            self._left = self._chunks[self._i]["stored_bytes"] if self._i < len(self._chunks) else 0
+
+    @property
+    def whole_sha256(self) -> str | None:
+        """sha256 hex of every byte fed (format 1, or with ``whole=True``), else None."""
+        return self._whole.hexdigest() if self._whole is not None else None
+
+    def finish(self) -> str | None:
+        """None when every byte matched, else the first thing wrong (one line)."""
+        self._advance_empty()
+        if self.error is None and (self._i < len(self._chunks) or self.total != self.record["stored_bytes"]):
+            self.error = f"{self.total} bytes stored, manifest says {self.record['stored_bytes']}"
+        if self.error is None and "stored_sha256" in self.record and self._whole.hexdigest() != self.record["stored_sha256"]:
+            self.error = f"stored sha256 {self._whole.hexdigest()}, manifest says {self.record['stored_sha256']}"
+        return self.error
 
 
 def chunks_match(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = None,

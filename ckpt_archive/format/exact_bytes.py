@@ -14,7 +14,7 @@ non-tensor bytes only, as:
 
 Restore writes the skeleton pieces and the entries back at their offsets and checks the sha256 of
 the whole rebuilt file against ``source.files[].sha256``: a rebuilt file that differs is refused,
-never written as the result. Ranges are matched to entries by length and sha256, so a range this
+never written as the result. Ranges are matched to entries by length and raw fingerprint, so a range this
 module misplaces is simply not cut (it stays in the skeleton); a file with no recognisable ranges
 (a legacy, non-zip ``torch.save`` file) is kept whole in its skeleton. Exact bytes are therefore
 always had, at worst at the cost of storing the file twice (``exact.cut_bytes`` says how much of it
@@ -110,40 +110,55 @@ def _disjoint(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _range_sha(path: Path, start: int, length: int) -> str:
-    h = hashlib.sha256()
+def scan(path: Path, kind: str, alg: str = "blake3") -> tuple[list[tuple[int, int, str]], str]:
+    """One sequential read of ``path``: the fingerprint (``alg``) of every candidate range and the sha256 of
+    the whole file. Needs no stored entries, so it can run while the tensors are being written.
+
+    Returns:
+        (``[(offset, length, "<alg>:<hex>")]`` for each candidate range read whole, sha256 hex of the file).
+    """
+    from ckpt_archive.format import fingerprint
+
+    ranges = candidate_ranges(path, kind)
+    whole = hashlib.sha256()
+    out: list[tuple[int, int, str]] = []
+    ri, cur, pos = 0, None, 0
     with open(path, "rb") as fh:
-        fh.seek(start)
-        left = length
-        while left:
-            piece = fh.read(min(READ_BYTES, left))
+        while True:
+            piece = fh.read(READ_BYTES)
             if not piece:
                 break
-            h.update(piece)
-            left -= len(piece)
-    return h.hexdigest() if left == 0 else ""
+            whole.update(piece)
+            mv = memoryview(piece)
+            end = pos + len(mv)
+            # feed every candidate range that overlaps this piece (ranges are sorted and disjoint)
+            while ri < len(ranges) and ranges[ri][0] < end:
+                start, length = ranges[ri]
+                if cur is None:
+                    cur = fingerprint.new(alg)
+                lo, hi = max(start, pos), min(start + length, end)
+                cur.update(mv[lo - pos:hi - pos])
+                if start + length > end:
+                    break
+                out.append((start, length, f"{alg}:{cur.hexdigest()}"))
+                cur, ri = None, ri + 1
+            pos = end
+    return out, whole.hexdigest()  # a range past the end (the file shrank) gets no fingerprint
 
 
-def plan(path: Path, kind: str, entries: dict[str, tuple[int, str]], *, pool=None) -> list[list]:
-    """Which ranges of ``path`` to cut: those equal (length and sha256) to a stored entry.
+def plan(scanned: list[tuple[int, int, str]], entries: dict[str, tuple[int, str]]) -> list[list]:
+    """Which scanned ranges to cut: those equal (length and fingerprint) to a stored entry.
 
     Args:
-        path: the source file.
-        kind: its kind (see :func:`candidate_ranges`).
-        entries: ``{raw sha256: (raw bytes, entry key)}`` of the tensors shards already written.
-        pool: an executor to hash ranges on (optional).
+        scanned: :func:`scan`'s ranges.
+        entries: ``{raw fingerprint ("blake3:<hex>"): (raw bytes, entry key)}`` of the tensors shards written.
 
     Returns:
         segments ``[[offset, length, entry key], ...]`` in file order.
     """
-    ranges = [r for r in candidate_ranges(path, kind) if any(n == r[1] for n, _ in entries.values())]
-    if pool is not None:
-        shas = list(pool.map(lambda r: _range_sha(path, *r), ranges))
-    else:
-        shas = [_range_sha(path, *r) for r in ranges]
     segments = []
-    for (start, length), sha in zip(ranges, shas):
-        hit = entries.get(sha)
+    for start, length, fp in scanned:
+        hit = entries.get(fp)
         if hit is not None and hit[0] == length:
             segments.append([start, length, hit[1]])
     return segments

@@ -1,5 +1,6 @@
-"""The manifest: one JSON document per generation, validated against ``schemas/manifest.v1.schema.json``
-on write and on every read; format versions and the refusal of newer ones.
+"""The manifest: one JSON document per generation, validated against its version's schema
+(``schemas/manifest.v<N>.schema.json``) on write and on every read; format versions and the refusal of
+newer ones.
 """
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from ckpt_archive.errors import FormatError, ManifestInvalid, NewerFormatError
 from ckpt_archive.format import jsonio
 
 FORMAT = "ckpt-archive"
-FORMAT_VERSION = 1
-#: Versions this reader understands (every older one stays readable forever).
-KNOWN_VERSIONS = (1,)
+#: Format 2: format 1's layout and chunk encoding with fingerprints that carry their algorithm, one hash
+#: per role (docs/FORMAT.md, "Fingerprints" and "Versions"). Format 1 readers refuse it by name.
+FORMAT_VERSION = 2
+#: Versions this reader understands (every older one stays readable forever), with their schemas.
+SCHEMAS = {1: "manifest.v1.schema.json", 2: "manifest.v2.schema.json"}
+KNOWN_VERSIONS = tuple(SCHEMAS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,8 +34,11 @@ def _validator(name: str):
     return cls(s, format_checker=cls.FORMAT_CHECKER)
 
 
-def validate(doc: dict, *, where: str = "manifest.json", schema_name: str = "manifest.v1.schema.json") -> None:
-    """Validate against a schema; raise ManifestInvalid (exit 1) naming the first failing field path."""
+def validate(doc: dict, *, where: str = "manifest.json", schema_name: str | None = None) -> None:
+    """Validate against a schema (default: the one of the manifest's ``format_version``); raise
+    ManifestInvalid (exit 1) naming the first failing field path."""
+    if schema_name is None:
+        schema_name = SCHEMAS.get(doc.get("format_version"), SCHEMAS[FORMAT_VERSION])
     errors = sorted(_validator(schema_name).iter_errors(doc), key=lambda e: list(e.absolute_path))
     if errors:
         e = errors[0]

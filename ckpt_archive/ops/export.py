@@ -441,7 +441,8 @@ class _ExportSteps:
         for rec in self.g.manifest["members"]:
             mkey = f"{key}/{rec['stored_path']}"
             action = self.actions[rec["path"]]
-            bad = _check_at(dst.store, mkey, rec, self.on_bytes)
+            whole: list[str] = []
+            bad = _check_at(dst.store, mkey, rec, self.on_bytes, whole)
             out.checks.append(Check("size and sha256 re-read from destination (every chunk and whole)", bad is None,
                                     bad or f"{rec['stored_bytes']} bytes, {len(rec.get('chunks', []))} chunk(s)",
                                     member=rec["path"]))
@@ -449,7 +450,7 @@ class _ExportSteps:
                 raise IntegrityError(f"copy at {dst.location} does not match the manifest: {bad}; generation "
                                      f"{number} stays partial there", where=rec["path"])
             out.members.append({"key": mkey, "member": rec["path"], "bytes": rec["stored_bytes"],
-                                "sha256": rec["stored_sha256"], "action": action})
+                                "sha256": whole[0], "action": action})
 
     def seal(self, dst, number: int) -> tuple[dict, bytes]:
         return self.g.manifest, self.raw_manifest  # written first, byte-identical to the source's
@@ -499,7 +500,7 @@ def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> Exporte
                                                             f"; run ckpt-archive verify --deep there",
                                 member=rec["path"]))
         out.members.append({"key": mkey, "member": rec["path"], "bytes": rec["stored_bytes"],
-                            "sha256": rec["stored_sha256"], "action": "kept"})
+                            "sha256": _stored_digest(rec), "action": "kept"})
     trial = (existing.marker or {}).get("trial_reload") or {}
     out.checks.append(Check("marker at destination matches the manifest and names the destination", True,
                             f"trial reload there on {trial.get('when')} by {trial.get('host')}"))
@@ -523,9 +524,11 @@ def _archive_id_of(raw: bytes) -> str | None:
 
 def _copy_member(src_store, dst_store, key: str, rec: dict, on_bytes, faults) -> None:
     """Stream one stored member from the source to DEST (write-once), checking the source's bytes on the
-    way: a source that does not match its manifest aborts the write, so no bad copy is committed."""
-    h = hashlib.sha256()
-    total = 0
+    way (every chunk's sha256 and the member's stored fingerprint): a source that does not match its
+    manifest aborts the write, so no bad copy is committed."""
+    from ckpt_archive.format.codec import StoredStream
+
+    check = StoredStream(rec, rec["path"])
     try:
         fin = src_store.open_read(key)
     except NotFound:
@@ -537,45 +540,49 @@ def _copy_member(src_store, dst_store, key: str, rec: dict, on_bytes, faults) ->
             if not piece:
                 break
             fout.write(piece)
-            h.update(piece)
-            total += len(piece)
+            check.update(piece)
             if on_bytes:
                 on_bytes(len(piece))
             if first:
                 faults.point("export-member-write")
                 first = False
-        if total != rec["stored_bytes"] or h.hexdigest() != rec["stored_sha256"]:
-            raise IntegrityError(f"the source copy does not match its manifest ({total} bytes, sha256 "
-                                 f"{h.hexdigest()}); run ckpt-archive verify on the source", where=rec["path"])
+        bad = check.finish()
+        if bad is not None:
+            raise IntegrityError(f"the source copy does not match its manifest ({bad}); run ckpt-archive verify "
+                                 f"on the source", where=rec["path"])
 
 
-def _check_at(store, key: str, rec: dict, on_bytes=None) -> str | None:
-    """Re-read a stored member: size, then sha256 of every chunk and of the whole. None when all match,
-    else the first thing wrong (one line). ``on_bytes``: progress, bytes re-read."""
+def _check_at(store, key: str, rec: dict, on_bytes=None, whole: list | None = None) -> str | None:
+    """Re-read a stored member: size, then sha256 of every chunk and the member's stored fingerprint.
+    None when all match, else the first thing wrong (one line). ``on_bytes``: progress, bytes re-read.
+    ``whole``: append the sha256 of the object as read there (for the proof: what ``sha256sum`` gives at
+    the destination)."""
+    from ckpt_archive.format.codec import StoredStream
+
     try:
         size = store.size(key)
     except NotFound:
         return f"missing: {rec['stored_path']}"
     if size != rec["stored_bytes"]:
         return f"{size} bytes stored, manifest says {rec['stored_bytes']}"
-    whole = hashlib.sha256()
+    check = StoredStream(rec, rec["path"], whole=whole is not None)
     with store.open_read(key) as fh:
-        for i, chunk in enumerate(rec.get("chunks") or []):
-            data = _read_exact(fh, chunk["stored_bytes"])
-            whole.update(data)
-            if on_bytes:
-                on_bytes(len(data))
-            got = hashlib.sha256(data).hexdigest()
-            if got != chunk["stored_sha256"]:
-                return (f"chunk {i} (stored bytes {chunk.get('stored_offset')}..+{chunk['stored_bytes']}) sha256 "
-                        f"{got}, manifest says {chunk['stored_sha256']}")
         while rest := fh.read(COPY_PIECE_BYTES):
-            whole.update(rest)
+            check.update(rest)
             if on_bytes:
                 on_bytes(len(rest))
-    if whole.hexdigest() != rec["stored_sha256"]:
-        return f"stored sha256 {whole.hexdigest()}, manifest says {rec['stored_sha256']}"
-    return None
+    bad = check.finish()
+    if whole is not None:
+        whole.append(check.whole_sha256)
+    return bad
+
+
+def _stored_digest(rec: dict) -> str:
+    """The member's stored fingerprint for the report (format 1: its sha256; format 2: ``sha256-chunks:...``)."""
+    from ckpt_archive.format.fingerprint import stored_fp
+
+    fp = stored_fp(rec)
+    return fp[len("sha256:"):] if fp.startswith("sha256:") else fp
 
 
 def _read_exact(fh, n: int) -> bytes:

@@ -102,8 +102,6 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         >>> r.generation, torch.load(out, weights_only=True)["step"]
         (1, 1)
     """
-    import torch
-
     if output is None:
         raise UsageError("restore needs an output path (--output)")
     out = Path(output).expanduser().absolute()
@@ -119,9 +117,13 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         from ckpt_archive.ops.data_identity import check_data_ids
 
         ids_check = check_data_ids(r, gen0.number, data_ids, allow_change=allow_data_change)
-    # the output plus the spill files tensors are mapped from while torch.save writes it
-    _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))
     layout = gen0.manifest["source"]["layout"]
+    first0 = (gen0.manifest["source"].get("files") or [{}])[0]
+    one_pass = (layout == "file" and not only and transform is None and map_location is None
+                and bool(first0.get("exact")))
+    # exact bytes: written once, in place, from the decoded chunks (the output's size); otherwise the
+    # output plus the spill files tensors are mapped from while torch.save writes it
+    _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * (1.05 if one_pass else 2.05)) + (1 << 20))
     _check_output_target(out, r, writes_folder=(layout == "folder" and not only))
     if consolidate is not None:
         if layout != "folder" or only or "" not in (gen0.manifest["source"].get("info") or {}).get("dcp", {}):
@@ -152,6 +154,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             save_file(state, str(tmp), metadata=src_files[0].get("metadata") or None)
             _fsync_file(tmp)
             return tmp.stat().st_size
+        import torch  # only when re-serialising: the exact-bytes path above never imports it
+
         torch.save(state, tmp)
         _fsync_file(tmp)
         return tmp.stat().st_size
@@ -259,8 +263,6 @@ def _remove(p: Path) -> None:
 def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_location=None) -> int:
     """Recreate a folder source: torch files via torch.save, safetensors files via safetensors with
     their metadata, raw/opaque files byte for byte. Returns bytes written."""
-    import torch
-
     dest.mkdir(parents=True)
     tree = reader.tree()
     total = 0
@@ -286,6 +288,8 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
 
                 save_file(obj, str(target), metadata=f.get("metadata") or None)
             else:
+                import torch
+
                 torch.save(obj, target)
         _fsync_file(target)
         total += target.stat().st_size

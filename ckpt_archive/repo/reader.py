@@ -13,10 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from ckpt_archive.errors import FormatError, IntegrityError, NotFound
-from ckpt_archive.format import jsonio
-from ckpt_archive.format.codec import chunks_match, default_jobs, iter_decoded
+from ckpt_archive.format import fingerprint, jsonio
+from ckpt_archive.format.codec import StoredStream, chunks_match, default_jobs, iter_decoded
 from ckpt_archive.format.limits import check_allocation, frame_size_problem, lazy_buffer
-from ckpt_archive.format.manifest import sha256_hex
 from ckpt_archive.format.shard import check_header as _check_header
 from ckpt_archive.format.state_tree import decode, torch_dtype
 
@@ -88,6 +87,17 @@ class ArchiveReader:
                 continue
             if fast:
                 continue
+            if "stored_fp" in rec:  # format 2: the chunks are the fingerprint; name the first bad one
+                check = StoredStream(rec, rec["path"])
+                with self.store.open_read(key) as fh:
+                    while piece := fh.read(8 << 20):
+                        check.update(piece)
+                        if on_bytes:
+                            on_bytes(len(piece))
+                bad = check.finish()
+                if bad is not None:
+                    problems.append(Problem(f"stored bytes do not match: {bad}", member=rec["path"]))
+                continue
             h = hashlib.sha256()
             with self.store.open_read(key) as fh:
                 while True:
@@ -115,11 +125,11 @@ class ArchiveReader:
         hashes every byte it uses against the manifest (``load_node``'s per-tensor check).
         """
         key = self.key(rec)
-        # [codec/benchmarks helper] The whole-file stored sha256 is not recomputed here: iter_decoded
-        # checks every chunk's stored sha256 and that the chunk table tiles the file exactly, which
-        # implies it (the writer hashed the same bytes in the same order). Saves one pass over S.
-        # The raw sha256 runs on its own thread so the consumer's thread stays free.
-        raw_h = hashlib.sha256()
+        # The member's stored fingerprint is not recomputed here: iter_decoded checks every chunk's
+        # stored sha256 and that the chunk table tiles the file (and derives format 2's), which implies
+        # it. The raw fingerprint (whole, or per entry for a format-2 tensors member: each byte hashed
+        # once) runs on its own thread so the consumer's thread stays free.
+        raw_check = fingerprint.MemberRawCheck(rec) if check_whole else None
         total = 0
         try:
             fh = self.store.open_read(key)
@@ -131,8 +141,8 @@ class ArchiveReader:
             with fh:
                 for off, chunk in iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs,
                                                verify_chunks=verify_chunks, into=into):
-                    if check_whole:
-                        pending.append(hasher.submit(raw_h.update, chunk))
+                    if raw_check is not None:
+                        pending.append(hasher.submit(raw_check.update, chunk))
                         while len(pending) > 2 * self.jobs:
                             pending.popleft().result()
                     total += len(chunk)
@@ -143,10 +153,10 @@ class ArchiveReader:
                 pending.popleft().result()
         finally:
             hasher.shutdown(wait=True, cancel_futures=True)
-        if check_whole:
-            if total != rec["raw_bytes"] or raw_h.hexdigest() != rec["raw_sha256"]:
-                raise IntegrityError(f"raw sha256 mismatch: expected {rec['raw_sha256']}, got {raw_h.hexdigest()}",
-                                     where=rec["path"])
+        if raw_check is not None:
+            bad = raw_check.problem()
+            if bad is not None:
+                raise IntegrityError(bad, where=rec["path"])
 
     def read_member_bytes(self, path: str) -> bytes:
         rec = self.by_path.get(path)
@@ -330,8 +340,8 @@ class ArchiveReader:
                                 map_location, on_bytes, spill_dir)
             for path, key, erec, fut in checks:
                 got = fut.result()
-                if got != erec.get("raw_sha256"):
-                    raise IntegrityError(f"tensor bytes sha256 mismatch: expected {erec.get('raw_sha256')}, "
+                if got != fingerprint.raw_fp(erec):
+                    raise IntegrityError(f"tensor bytes {_fp_words(got)} mismatch: expected {fingerprint.raw_fp(erec)}, "
                                          f"got {got} (`ckpt-archive verify` names damaged chunks)",
                                          where=f"{path}:{key}")
         finally:
@@ -360,7 +370,8 @@ class ArchiveReader:
                                            into=into)
             for key, erec, buf in source:
                 if spill_dir is None:
-                    checks.append((path, key, erec, hash_pool.submit(sha256_hex, buf)))
+                    checks.append((path, key, erec, hash_pool.submit(fingerprint.digest_like, buf,
+                                                                     fingerprint.raw_fp(erec))))
                 for leaf in by_entry[key]:
                     lrec = tensors[leaf]
                     if key not in bases:
@@ -455,9 +466,15 @@ def check_leaf(t, lrec: dict, leaf: str, known_sha: str | None = None) -> None:
         got_dtype, data = str(t.dtype).replace("torch.", ""), _tensor_u8(t)
     if got_dtype != lrec["dtype"]:
         raise IntegrityError(f"dtype {got_dtype} != manifest {lrec['dtype']}", where=leaf)
-    got = known_sha or hashlib.sha256(data).hexdigest()
-    if got != lrec["raw_sha256"]:
-        raise IntegrityError(f"raw sha256 mismatch: expected {lrec['raw_sha256']}, got {got}", where=leaf)
+    want = fingerprint.raw_fp(lrec)
+    got = known_sha or fingerprint.digest_like(data, want)
+    if got != want:
+        raise IntegrityError(f"raw {_fp_words(want)} mismatch: expected {want}, got {got}", where=leaf)
+
+
+def _fp_words(fp: str) -> str:
+    """``"sha256"`` (format 1's wording, which callers key on) or ``"fingerprint"``."""
+    return "sha256" if fp.startswith("sha256:") else "fingerprint"
 
 
 def _locate_bad_chunk(store, key: str, rec: dict) -> str:

@@ -1,22 +1,36 @@
-"""The trial reload: decode every member of a generation and rebuild every tensor, one at a time.
+"""The trial reload: decode every member of a generation and check every tensor, without torch.
 
-This is what makes a generation *usable* (docs/FORMAT.md, "Write order" step 5): every chunk decoded,
-every tensor rebuilt with its dtype and shape and its raw sha256 compared with the manifest, the
-state tree rebuilt and every tensor reference resolved. Run by pack and export before the marker is
-written, and by ``verify --deep``.
+This is what makes a generation *usable* (docs/FORMAT.md, "Write order" step 5): every chunk decoded
+(its stored sha256 checked once, in parallel), every member's and every tensor's raw fingerprint
+compared with the manifest -- each byte hashed once: a format-2 tensors member is fingerprinted entry
+by entry as it streams (the member's own fingerprint is derived from those), a format-1 member as a
+whole -- each tensor's dtype and shape checked against its entry (byte counts, views inside their
+storage, a view's own bytes fingerprinted), the state tree rebuilt and every tensor reference
+resolved. Tensors are checked as bytes with NumPy: ``import torch`` is not needed (it costs ~1 s of
+start-up). Run by pack and export before the marker is written, and by ``verify --deep``.
 """
 from __future__ import annotations
 
-import hashlib
+import math
 
-from ckpt_archive.errors import CkptArchiveError, StoreError
-from ckpt_archive.format.state_tree import decode
-from ckpt_archive.repo.reader import ArchiveReader, Problem, check_leaf, entry_tensor, leaf_from_base, tensor_refs
+from ckpt_archive.errors import CkptArchiveError, IntegrityError, StoreError
+from ckpt_archive.format import fingerprint
+from ckpt_archive.format.state_tree import NUMPY_TO_ST, TORCH_TO_ST, decode
+from ckpt_archive.repo.reader import ArchiveReader, Problem, tensor_refs
+
+#: Element size of every torch dtype by name, so tensors are checked without importing torch.
+TORCH_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex32": 4, "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1, "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+}
 
 
 def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) -> dict:
-    """Decode every member of the generation ``reader`` reads; rebuild every tensor one at a time and
-    check raw sha256, dtype, shape; rebuild the tree and resolve every tensor reference.
+    """Decode every member of the generation ``reader`` reads; check every tensor's raw fingerprint,
+    dtype and shape; rebuild the tree and resolve every tensor reference.
 
     Args:
         reader: the generation's :class:`~ckpt_archive.repo.reader.ArchiveReader` (over the store where
@@ -35,22 +49,22 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
     decoded = 0
     for rec in reader.manifest["members"]:
         if rec["role"] == "tensors":
-            # [codec/benchmarks helper] Fast path: the member's raw sha256 (checked by iter_member
-            # at its end) covers every entry's bytes, so entries are not hashed one by one. Only
-            # when that check fails is the member re-read entry by entry (below) to name the
-            # tensor(s) at fault.
-            fast: list[Problem] = []
+            # One read: chunks checked and decoded in parallel, the member's raw fingerprint (format 2:
+            # every entry's) taken on the way by iter_member. Leaves are checked against their entry's
+            # bytes; only views (their own bytes) are hashed again. A format-1 member whose whole sha256
+            # fails is re-read entry by entry (below) to name the tensor(s) at fault.
+            fast: list[Problem] | None = []
             fast_checked = fast_decoded = 0
             try:
                 for key, erec, buf in reader.iter_entries(rec, on_bytes=on_bytes, transient=True):
                     fast_decoded += len(buf)
-                    fast_checked += _check_entry_leaves(reader, rec, erec, buf, by_entry.get(key, []),
-                                                             erec.get("raw_sha256"), fast)
+                    fast_checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []),
+                                                       fingerprint.raw_fp(erec), fast)
             except StoreError:
                 raise  # the store failed (unreachable, refusing): could not check (exit 2), not a finding
             except CkptArchiveError as exc:
                 if exc.message.startswith("raw sha256 mismatch"):
-                    fast = None  # fall through to the entry-by-entry pass
+                    fast = None  # format 1: fall through to the entry-by-entry pass
                 else:
                     fast.append(Problem(exc.message, member=exc.where or rec["path"]))
             if fast is not None:
@@ -62,12 +76,14 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
             if rec["role"] == "tensors":
                 for key, erec, buf in reader.iter_entries(rec, on_bytes=on_bytes):
                     decoded += len(buf)
-                    got = hashlib.sha256(buf).hexdigest()
-                    if got != erec.get("raw_sha256"):
-                        problems.append(Problem(f"tensor bytes sha256 mismatch: expected {erec.get('raw_sha256')}, "
-                                                f"got {got}", member=rec["path"], field=f"tensors/{key}"))
+                    want = fingerprint.raw_fp(erec)
+                    got = fingerprint.digest_like(buf, want)
+                    if got != want:
+                        problems.append(Problem(f"tensor bytes sha256 mismatch: expected {want.partition(':')[2]}, "
+                                                f"got {got.partition(':')[2]}", member=rec["path"],
+                                                field=f"tensors/{key}"))
                         continue
-                    checked += _check_entry_leaves(reader, rec, erec, buf, by_entry.get(key, []), got, problems)
+                    checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []), got, problems)
             else:
                 for _, chunk in reader.iter_member(rec, on_bytes=on_bytes):
                     decoded += len(chunk)
@@ -91,26 +107,80 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
         problems.append(Problem(exc.message, member=reader.manifest["tree_member"]))
     return {"tensors": checked, "bytes": decoded, "members": len(reader.manifest["members"])}
 
-def _check_entry_leaves(reader, rec: dict, erec: dict, buf, leaves: list[str], entry_sha: str | None,
-                        problems: list[Problem]) -> int:
-    """Rebuild each tree leaf stored in one entry and check its dtype, shape and raw sha256.
 
-    ``entry_sha`` is the entry's raw sha256, already known to hold for ``buf`` (hashed, or covered by
-    the member's raw sha256): a leaf that is the entry itself is not hashed again. Returns the number
-    of leaves that passed; appends a Problem per leaf that did not.
+def check_entry_leaves(tensors: dict, rec: dict, erec: dict, buf, leaves: list[str], entry_fp: str | None,
+                       problems: list[Problem]) -> int:
+    """Check each tree leaf stored in one entry: dtype and shape against the entry, its raw fingerprint.
+
+    ``entry_fp`` is the entry's raw fingerprint, already known to hold for ``buf``: a leaf that is the
+    entry itself is not hashed again; a view's own bytes are gathered (NumPy, strided) and hashed.
+    Returns the number of leaves that passed; appends a Problem per leaf that did not.
     """
-    tensors = reader.manifest["tensors"]
-    base = None
     passed = 0
     for leaf in leaves:
         lrec = tensors[leaf]
         try:
-            if base is None:
-                base = entry_tensor(buf, erec, lrec)
-            t = leaf_from_base(base, lrec)
-            check_leaf(t, lrec, leaf, known_sha=None if lrec.get("view") else entry_sha)
+            _check_leaf_bytes(buf, erec, lrec, leaf, entry_fp)
             passed += 1
         except CkptArchiveError as exc:
             problems.append(Problem(exc.message, member=rec["path"], field=f"tensors/{leaf}"))
     return passed
 
+
+def _itemsize(dtype: str, kind: str) -> int:
+    if kind == "numpy":
+        import numpy as np
+
+        return np.dtype(dtype).itemsize
+    size = TORCH_ITEMSIZE.get(dtype)
+    if size is None:  # a dtype newer than this table: ask torch (the only path that imports it)
+        from ckpt_archive.format.state_tree import torch_dtype
+
+        size = torch_dtype(dtype).itemsize
+    return size
+
+
+def _check_leaf_bytes(buf, erec: dict, lrec: dict, leaf: str, entry_fp: str | None) -> None:
+    """Raise IntegrityError when the leaf cannot be rebuilt from the entry's bytes as the manifest says."""
+    import numpy as np
+
+    kind, dtype, shape = lrec["kind"], lrec["dtype"], [int(x) for x in lrec["shape"]]
+    view = lrec.get("view")
+    nbytes = len(memoryview(buf).cast("B")) if len(buf) else 0
+    size = _itemsize(dtype, kind)
+    numel = math.prod(shape)
+    st_of = NUMPY_TO_ST if kind == "numpy" else TORCH_TO_ST
+    if not view:
+        want_st = st_of.get(np.dtype(dtype).str if kind == "numpy" else dtype)
+        if want_st is not None and want_st != erec.get("dtype"):
+            raise IntegrityError(f"dtype {dtype} != entry dtype {erec.get('dtype')}", where=leaf)
+        if shape != list(erec.get("shape", shape)):
+            raise IntegrityError(f"shape {shape} != entry shape {erec.get('shape')}", where=leaf)
+        if numel * size != nbytes:
+            raise IntegrityError(f"shape {shape} of {dtype} needs {numel * size} bytes, the entry has {nbytes}",
+                                 where=leaf)
+        data = buf
+    else:
+        entry_dtype = view.get("entry_dtype")
+        if entry_dtype is not None and TORCH_TO_ST.get(entry_dtype, erec.get("dtype")) != erec.get("dtype"):
+            raise IntegrityError(f"view's entry dtype {entry_dtype} != entry dtype {erec.get('dtype')}", where=leaf)
+        offset, stride = int(view["storage_offset"]), [int(s) for s in view["stride"]]
+        if len(stride) != len(shape) or offset < 0 or any(s < 0 for s in stride):
+            raise IntegrityError(f"view of shape {shape} has stride {stride}, offset {offset}", where=leaf)
+        if numel:
+            last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
+            if (last + 1) * size > nbytes:
+                raise IntegrityError(f"view (offset {offset}, shape {shape}, stride {stride}) reaches past its "
+                                     f"storage of {nbytes} bytes", where=leaf)
+            elems = np.frombuffer(buf, dtype=np.uint8)[:(nbytes // size) * size].view(f"V{size}")
+            data = np.ascontiguousarray(np.lib.stride_tricks.as_strided(
+                elems[offset:], shape=shape, strides=[s * size for s in stride], writeable=False)).view(np.uint8)
+        else:
+            data = b""
+        entry_fp = None
+    want = fingerprint.raw_fp(lrec)
+    got = entry_fp or fingerprint.digest_like(data, want)
+    if got != want:
+        if want.startswith("sha256:"):  # format 1's wording
+            raise IntegrityError(f"raw sha256 mismatch: expected {want[7:]}, got {got.partition(':')[2]}", where=leaf)
+        raise IntegrityError(f"raw fingerprint mismatch: expected {want}, got {got}", where=leaf)

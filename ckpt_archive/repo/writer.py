@@ -3,7 +3,9 @@
 Writing streams: every tensor entry's bytes go straight from the (memory-mapped) source through the
 chunk encoder to the store, one tensor at a time; nothing holds the whole checkpoint. Each member is
 write-once, fingerprinted on the way (stored and raw sha256, per chunk and whole); the records come
-back for the manifest (docs/FORMAT.md, "Write order" step 2). The manifest itself is written by
+back for the manifest (docs/FORMAT.md, "Write order" step 2). Each role is hashed once: sha256 per
+stored chunk (the member's stored fingerprint is derived from those), BLAKE3 per tensor entry (the
+tensors member's raw fingerprint is derived from those), sha256 of each source file in its one read. The manifest itself is written by
 :mod:`ckpt_archive.repo.publish` (seal).
 """
 from __future__ import annotations
@@ -14,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 from ckpt_archive.errors import FormatError
-from ckpt_archive.format.manifest import sha256_hex
+from ckpt_archive.format import fingerprint
+from ckpt_archive.format.fingerprint import BLAKE3, SHA256
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, MemberWriter, default_jobs
 from ckpt_archive.format.shard import encode_header
 from ckpt_archive.format.state_tree import FLOAT_ST, TensorTable, encode
@@ -51,11 +54,13 @@ class GenerationWriter:
         self.hash_pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="ckpt-hash")
         self.members: list[dict] = []
 
-    def member(self, path: str, role: str, pieces: Iterator[tuple[Any, str]], **extra) -> dict:
+    def member(self, path: str, role: str, pieces: Iterator[tuple[Any, str]], *, raw_alg: str | None = BLAKE3,
+               **extra) -> dict:
+        """Write one member; ``raw_alg``: its whole-raw fingerprint's algorithm (None: the caller derives it)."""
         key = f"{self.gen_key}/{stored_name(path)}"
         with self.store.write_once(key) as fh:
             w = MemberWriter(fh, level=self.level, jobs=self.jobs, chunk_bytes=self.chunk_bytes,
-                             on_bytes=self.on_bytes, pool=self.pool)
+                             on_bytes=self.on_bytes, pool=self.pool, raw_alg=raw_alg)
             try:
                 for i, (data, hint) in enumerate(pieces):
                     w.add(data, hint)
@@ -74,16 +79,15 @@ class GenerationWriter:
         self.hash_pool.shutdown(wait=True)
 
 
-def _file_pieces(path, hasher_out: list):
-    h = hashlib.sha256()
+def _file_pieces(path):
+    """A raw/opaque source file in pieces; the member writer's sha256 of them is the file's fingerprint
+    (taken during this one read)."""
     with open(path, "rb") as fh:
         while True:
             piece = fh.read(FILE_READ_BYTES)
             if not piece:
                 break
-            h.update(piece)
             yield piece, "zstd"
-    hasher_out.append(h.hexdigest())
 
 
 def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: int = DEFAULT_LEVEL,
@@ -115,6 +119,13 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
     tree, table = encoded if encoded is not None else encode(source.state)
     w = GenerationWriter(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes, faults=faults)
     try:
+        # decomposed source files: their one read (tensor-range fingerprints + the file's sha256) runs
+        # on the hash pool while the tensors are encoded
+        from ckpt_archive.format import exact_bytes
+
+        scans = {id(sf): w.hash_pool.submit(exact_bytes.scan, sf.path, sf.kind, BLAKE3)
+                 for sf in source.files if sf.kind not in ("raw", "opaque") and sf.path is not None
+                 and not getattr(sf, "link_of", None)}
         tensors = _write_tensors(w, table)
         files_meta = []
         stored_entries = _entries_by_sha(w.members)
@@ -125,28 +136,19 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
             if getattr(sf, "link_of", None):  # [issue 11] a hardlink of an earlier file: restored as a link
                 entry["hardlink_of"] = sf.link_of
                 entry["raw_bytes"] = sf.path.stat().st_size
-                entry["sha256"] = w.hash_pool.submit(file_sha256, sf.path)
+                earlier = next((f for f in files_meta if f["relpath"] == sf.link_of), None)
+                # the same inode as an earlier file: its fingerprint is that file's (read once)
+                entry["sha256"] = (earlier["sha256"] if earlier is not None and earlier.get("sha256")
+                                   else w.hash_pool.submit(file_sha256, sf.path))
             elif sf.kind in ("raw", "opaque"):
-                digest: list[str] = []
-                rec = w.member(f"files/{sf.relpath}", "file", _file_pieces(sf.path, digest),
+                rec = w.member(f"files/{sf.relpath}", "file", _file_pieces(sf.path), raw_alg=SHA256,
                                opaque=(sf.kind == "opaque"))
-                entry.update(member=rec["path"], raw_bytes=rec["raw_bytes"], sha256=rec["raw_sha256"])
+                entry.update(member=rec["path"], raw_bytes=rec["raw_bytes"], sha256=fingerprint.split(rec["raw_fp"])[1])
             elif sf.path is not None:
                 entry["raw_bytes"] = sf.path.stat().st_size
-                entry["sha256"] = w.hash_pool.submit(file_sha256, sf.path)
-                entry["exact"] = _write_skeleton(w, sf, stored_entries)  # [issue 11] exact bytes
+                entry["exact"], entry["sha256"] = _write_skeleton(w, sf, stored_entries, scans[id(sf)].result())
             files_meta.append(entry)
-        tree_bytes = json.dumps(tree, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-        w.member(TREE_MEMBER, "tree", iter([(tree_bytes, "zstd")]))
-        data = {}
-        if data_ids is not None:
-            # canonical JSON (sorted keys): the same map in another key order has the same fingerprint
-            from ckpt_archive.format.data_ids import canonical_bytes
-
-            ids_bytes = canonical_bytes(data_ids)
-            rec = w.member("data-ids.json", "data-ids", iter([(ids_bytes, "zstd")]))
-            data = {"ids_member": rec["path"], "fingerprint": rec["raw_sha256"],
-                    "count": len(data_ids) if isinstance(data_ids, (list, dict)) else None}
+        data = write_tree_and_data_ids(w, tree, data_ids)
         for entry in files_meta:
             if hasattr(entry["sha256"], "result"):
                 entry["sha256"] = entry["sha256"].result()
@@ -169,27 +171,49 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
     }
 
 
+def write_tree_and_data_ids(w: GenerationWriter, tree: Any, data_ids: Any) -> dict:
+    """Write the state tree member and, when given, the data-ids member; shared by pack and the
+    distributed checkpointer so both record them alike.
+
+    Returns:
+        The manifest's ``data`` section: ``{}`` without data ids, else ``{"ids_member", "fingerprint"
+        (sha256 hex of the canonical, sorted-key JSON), "count"}``.
+    """
+    tree_bytes = json.dumps(tree, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    w.member(TREE_MEMBER, "tree", iter([(tree_bytes, "zstd")]))
+    if data_ids is None:
+        return {}
+    # canonical JSON (sorted keys): the same map in another key order has the same fingerprint
+    from ckpt_archive.format.data_ids import canonical_bytes
+
+    rec = w.member("data-ids.json", "data-ids", iter([(canonical_bytes(data_ids), "zstd")]), raw_alg=SHA256)
+    return {"ids_member": rec["path"], "fingerprint": fingerprint.split(rec["raw_fp"])[1],  # sha256 hex
+            "count": len(data_ids) if isinstance(data_ids, (list, dict)) else None}
+
+
 def _entries_by_sha(members: list[dict]) -> dict[str, tuple[int, str]]:
-    """``{raw sha256: (raw bytes, entry key)}`` of every tensor entry written so far."""
+    """``{raw fingerprint: (raw bytes, entry key)}`` of every tensor entry written so far."""
     out: dict[str, tuple[int, str]] = {}
     for m in members:
         if m["role"] == "tensors":
             for key, e in m["entries"].items():
                 start, end = e["data_offsets"]
                 if end > start:
-                    out.setdefault(e["raw_sha256"], (end - start, key))
+                    out.setdefault(e["raw_fp"], (end - start, key))
     return out
 
 
-def _write_skeleton(w: GenerationWriter, sf, stored_entries: dict) -> dict:
-    """The skeleton member of a decomposed file (format/exact_bytes.py): its bytes minus the ranges
-    that equal stored tensor entries. Returns the ``source.files[].exact`` record."""
+def _write_skeleton(w: GenerationWriter, sf, stored_entries: dict, scanned: tuple) -> tuple[dict, str]:
+    """[issue 11] The skeleton member of a decomposed file (format/exact_bytes.py): its bytes minus the
+    ranges that equal stored tensor entries. ``scanned``: :func:`exact_bytes.scan`'s result. Returns the
+    ``source.files[].exact`` record and the file's sha256 (taken in that same read)."""
     from ckpt_archive.format import exact_bytes
 
-    segments = exact_bytes.plan(sf.path, sf.kind, stored_entries, pool=w.hash_pool)
+    ranges, file_sha = scanned
+    segments = exact_bytes.plan(ranges, stored_entries)
     rec = w.member(f"exact/{sf.relpath or sf.path.name}", "file", exact_bytes.skeleton_pieces(sf.path, segments),
                    skeleton=True)
-    return {"member": rec["path"], "segments": segments, "cut_bytes": sum(s[1] for s in segments)}
+    return {"member": rec["path"], "segments": segments, "cut_bytes": sum(s[1] for s in segments)}, file_sha
 
 
 def file_sha256(path, on_bytes: Callable[[int], None] | None = None) -> str:
@@ -261,11 +285,12 @@ def _write_tensors(w: GenerationWriter, table: TensorTable, *, prefix: str = "")
                 if len(data) != e.nbytes:
                     raise FormatError(f"tensor changed size while packing ({len(data)} != {e.nbytes} bytes)",
                                       where=e.key)
-                entry_sha[e.key] = w.hash_pool.submit(sha256_hex, data)
+                entry_sha[e.key] = w.hash_pool.submit(fingerprint.digest, data, BLAKE3)
                 yield data, _hint(e.st_dtype)
 
-        rec = w.member(path, "tensors", pieces(), header_bytes=len(prefix),
+        rec = w.member(path, "tensors", pieces(), raw_alg=None, header_bytes=len(prefix),
                        entries={k: dict(v) for k, v in header.items()})
+        rec["header_fp"] = fingerprint.digest(prefix, BLAKE3)
         for e in entries:
             entry_member[e.key] = path
     for key, fut in entry_sha.items():
@@ -273,15 +298,16 @@ def _write_tensors(w: GenerationWriter, table: TensorTable, *, prefix: str = "")
     for m in w.members:
         if m["role"] == "tensors":
             for k, v in m["entries"].items():
-                v["raw_sha256"] = entry_sha[k]
+                v["raw_fp"] = entry_sha[k]
+            m["raw_fp"] = fingerprint.derived_member_raw_fp(m, m.pop("header_fp"))
     tensors = {}
     for leaf, rec in table.leaves.items():
         rec = dict(rec)
         rec["member"] = entry_member[rec["entry"]]
         if leaf in table.leaf_bytes:
-            rec["raw_sha256"] = sha256_hex(table.leaf_bytes[leaf]())
+            rec["raw_fp"] = fingerprint.digest(table.leaf_bytes[leaf](), BLAKE3)
         else:
-            rec["raw_sha256"] = entry_sha[rec["entry"]]
+            rec["raw_fp"] = entry_sha[rec["entry"]]
         tensors[leaf] = rec
     return tensors
 

@@ -9,7 +9,6 @@ failure, so every other rank stops at the same point with rank 0's message.
 from __future__ import annotations
 
 import errno
-import json
 
 from ckpt_archive.errors import CannotCheck, CkptArchiveError, StoreError
 from ckpt_archive.format.manifest import dumps, validate
@@ -36,7 +35,7 @@ class _DistSteps:
     def write_members(self, repo, number: int) -> None:
         from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, default_jobs
         from ckpt_archive.ops.pack import build_manifest
-        from ckpt_archive.repo.writer import TREE_MEMBER, GenerationWriter
+        from ckpt_archive.repo.writer import TREE_MEMBER, GenerationWriter, write_tree_and_data_ids
         from ckpt_archive.training.distributed import combined_tree
 
         own_error = None
@@ -60,15 +59,8 @@ class _DistSteps:
                               jobs=o.jobs or default_jobs(), chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES,
                               on_bytes=None, faults=repo.faults)
         try:
-            tree_bytes = json.dumps(tree, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-            members.append(gw.member(TREE_MEMBER, "tree", iter([(tree_bytes, "zstd")])))
-            data = {}
-            if p.data_ids is not None:
-                ids = json.dumps(p.data_ids, allow_nan=False, ensure_ascii=False).encode("utf-8")
-                rec = gw.member("data-ids.json", "data-ids", iter([(ids, "zstd")]))
-                members.append(rec)
-                data = {"ids_member": rec["path"], "fingerprint": rec["raw_sha256"],
-                        "count": len(p.data_ids) if isinstance(p.data_ids, (list, dict)) else None}
+            data = write_tree_and_data_ids(gw, tree, p.data_ids)
+            members += gw.members
         finally:
             gw.close()
         repo.faults.point("after-members")
