@@ -64,7 +64,7 @@ def test_restore_refuses_a_folder_member_whose_relpath_leaves_the_target(tmp_pat
     before = snapshot(tmp_path, skip=folder_repo)
     out = tmp_path / "deep" / "er" / "out"
     res = cli("restore", folder_repo, "-o", out)  # latest: nothing usable
-    assert res.exit_code == 2 and "#1 damaged" in res.stderr, res.stderr
+    assert res.exit_code == 2 and "damaged: 1" in res.stderr, res.stderr
     res = cli("restore", f"{folder_repo}@1", "-o", out)
     assert res.exit_code == 2 and "is damaged" in res.stderr and "path" in res.stderr, res.stderr
     assert snapshot(tmp_path, skip=folder_repo) == before  # nothing written anywhere
