@@ -66,9 +66,15 @@ def put_member_bytes(repo: Path, m: dict, rec: dict, raw: bytes, number: int = 1
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(raw)
     sha = hashlib.sha256(raw).hexdigest()
-    rec.update(raw_bytes=len(raw), stored_bytes=len(raw), raw_sha256=sha, stored_sha256=sha, chunk_codecs=["store"],
-               chunks=[{"raw_offset": 0, "raw_bytes": len(raw), "stored_offset": 0, "stored_bytes": len(raw),
-                        "stored_sha256": sha, "codec": "store"}] if raw else [])
+    chunks = [{"raw_offset": 0, "raw_bytes": len(raw), "stored_offset": 0, "stored_bytes": len(raw),
+               "stored_sha256": sha, "codec": "store"}] if raw else []
+    rec.update(raw_bytes=len(raw), stored_bytes=len(raw), chunk_codecs=["store"], chunks=chunks)
+    if m.get("format_version", 1) >= 2:  # format 2: "<alg>:<hex>", the stored one derived from the chunks
+        from ckpt_archive.format import fingerprint
+
+        rec.update(raw_fp=f"sha256:{sha}", stored_fp=fingerprint.sha256_chunks(c["stored_sha256"] for c in chunks))
+    else:
+        rec.update(raw_sha256=sha, stored_sha256=sha)
     m["summary"]["raw_bytes"] = sum(r["raw_bytes"] for r in m["members"])
     m["summary"]["stored_bytes"] = sum(r["stored_bytes"] for r in m["members"])
 

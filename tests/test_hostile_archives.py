@@ -12,6 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from ckpt_archive.format import fingerprint
 import torch
 from typer.testing import CliRunner
 
@@ -497,7 +499,7 @@ def test_no_pickle_in_a_member_is_ever_executed(tmp_path, folder_repo):
         put_member_bytes(folder_repo, m, member(m, "files/notes.txt"), pickle.dumps(Evil()))
         f = next(f for f in m["source"]["files"] if f["relpath"] == "notes.txt")
         f["raw_bytes"] = member(m, "files/notes.txt")["raw_bytes"]
-        f["sha256"] = member(m, "files/notes.txt")["raw_sha256"]
+        f["sha256"] = fingerprint.split(fingerprint.raw_fp(member(m, "files/notes.txt")))[1]  # sha256 hex
     edit_manifest(folder_repo, edit)
     assert cli("verify", f"{folder_repo}@1", "--deep").exit_code == 0
     assert cli("restore", f"{folder_repo}@1", "-o", tmp_path / "o").exit_code == 0

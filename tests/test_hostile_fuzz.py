@@ -105,7 +105,9 @@ def _mutate(repo: Path, rng: random.Random) -> tuple[str, bool]:
             max_output_size=c["raw_bytes"]) if c["codec"] != "store" else
             (g / rec["stored_path"]).read_bytes()[c["stored_offset"]:c["stored_offset"] + c["stored_bytes"]]
             for c in rec["chunks"])
-        assert hashlib.sha256(raw).hexdigest() == rec["raw_sha256"]
+        from ckpt_archive.format import fingerprint
+
+        assert fingerprint.digest_like(raw, fingerprint.raw_fp(rec)) == fingerprint.raw_fp(rec)
         tree = json.loads(raw)
         what = _mutate_doc({"root": tree}, rng) if isinstance(tree, (dict, list)) else "none"
         put_member_bytes(repo, m, rec, json.dumps(tree).encode())
