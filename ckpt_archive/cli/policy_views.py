@@ -13,7 +13,7 @@ from ckpt_archive.errors import UsageError
 from ckpt_archive.ops.audit_read import state_for_audit
 from ckpt_archive.training.audit import Finding, PolicyAudit
 from ckpt_archive.training.completeness import policy_section
-from ckpt_archive.training.session import HYPER_NAMES, apply_session_policy, compare_with_session, session_values
+from ckpt_archive.training.session import HYPER_NAMES, PolicyChange, apply_session_policy, compare_with_session, session_values
 
 
 def audit_table(a: PolicyAudit):
@@ -135,11 +135,13 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     """``restore --session-config F / --expect-lr LR / --policy session``: print the differences first.
 
     Returns:
-        ``(transform, section)``: ``transform`` (or None) rewrites the state under ``--policy session``
-        and records its changes in ``section["changes"]``; ``section`` goes under ``"policy"`` in the JSON.
+        ``(transform, section)``: ``transform`` (or None) rewrites a file source's state under ``--policy
+        session`` and records its changes in ``section["changes"]``; for a folder source
+        ``section["_folder_rewrite"]`` holds the rewrite to pass to ``restore(folder_rewrite=...)`` (popped by
+        the caller); ``section`` goes under ``"policy"`` in the JSON.
 
     Raises:
-        UsageError: a bad ``--policy``; ``--policy session`` on a folder source or with nothing to impose.
+        UsageError: a bad ``--policy``; ``--policy session`` with nothing to impose.
     """
     if policy not in ("checkpoint", "session"):
         raise UsageError(f"--policy must be 'checkpoint' or 'session', not {policy!r}")
@@ -154,14 +156,16 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     section: dict = {"mode": policy, "differences": [d.to_json() for d in diffs], "changes": []}
     if policy == "checkpoint":
         return None, section
-    if manifest["source"]["layout"] == "folder":
-        raise UsageError("--policy session rewrites a single-file state; this generation is a folder source "
-                         f"({manifest['source']['format']}): restore it, then use "
-                         "ckpt_archive.restore_training_state(..., policy='session')")
     sess = session_values(session_config)
     if not any(k in sess for k in ("lr", *HYPER_NAMES, "betas")):
         raise UsageError("--policy session needs --session-config with an lr (or weight_decay, momentum, eps, "
                          "betas) to impose; --expect-lr only checks")
+    if manifest["source"]["layout"] == "folder":
+        # each optimizer/scheduler file pair of the folder, rewritten while it is restored
+        from ckpt_archive.training.folder_session import session_folder_rewrite
+
+        section["_folder_rewrite"] = session_folder_rewrite(session_config)
+        return None, section
 
     def transform(st: Any) -> Any:
         new, changes = apply_session_policy(st, session_config=session_config)
@@ -172,15 +176,28 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     return transform, section
 
 
-def cli_restore_finish(section: dict, out: Any) -> dict:
-    """Say what ``--policy session`` rewrote; return the JSON section (``{}`` when no policy flag)."""
+def cli_restore_finish(section: dict, out: Any, folder_report: dict | None = None) -> dict:
+    """Say what ``--policy session`` rewrote; return the JSON section (``{}`` when no policy flag).
+
+    ``folder_report``: a folder source's ``RestoreResult.extra["folder_rewrite"]``; its ``changes`` and
+    ``rewritten`` files (no longer byte-identical to the packed ones) join the section.
+    """
     changes = section.pop("_changes", None)
+    section.pop("_folder_rewrite", None)
+    if folder_report is not None:
+        section["changes"] = folder_report.get("changes", [])
+        section["rewritten"] = folder_report.get("rewritten", [])
+        changes = [PolicyChange(c["field"], c["old"], c["new"]) for c in section["changes"]]
+        for note in folder_report.get("notes", []):
+            out.say(f"  {note}")
     if section.get("mode") == "session":
         if changes:
             out.say(f"--policy session: rewrote {len(changes)} field(s) in the restored output (optimizer moments "
                     f"and step counters untouched):")
             for c in changes:
                 out.say(f"  {c}")
+            for f in section.get("rewritten", []):
+                out.say(f"  {f['file']}: re-serialised with torch.save, no longer byte-identical to the packed file")
         else:
             out.say("--policy session: the archived values already equal the session's; nothing rewritten")
     return {"policy": section} if section else {}

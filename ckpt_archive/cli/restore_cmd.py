@@ -47,7 +47,8 @@ def register(app: typer.Typer) -> None:
         policy: str = typer.Option(
             "checkpoint", "--policy", help="'checkpoint' (default: the archived lr wins, as load_state_dict does) "
                                            "or 'session': rewrite lr/initial_lr/base_lrs in the output from "
-                                           "--session-config (moments untouched)."),
+                                           "--session-config (moments untouched); in a folder source, each "
+                                           "optimizer/scheduler file pair, re-saved with torch.save."),
         data_ids: Optional[Path] = typer.Option(
             None, "--data-ids", help="This session's data ids (JSON/YAML/TOML, or .txt one id per line): compared "
                                      "with those packed with the generation, key order aside; a difference "
@@ -70,8 +71,9 @@ def register(app: typer.Typer) -> None:
         res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
                                    map_location=map_location, jobs=jobs, transform=transform,
                                    consolidate=consolidate, allow=allow, data_ids=data_ids,
-                                   allow_data_change=allow_data_change, unverified=restore_unverified)
-        res.extra.update(cli_restore_finish(policy_json, out))
+                                   allow_data_change=allow_data_change, unverified=restore_unverified,
+                                   folder_rewrite=policy_json.pop("_folder_rewrite", None))
+        res.extra.update(cli_restore_finish(policy_json, out, res.extra.pop("folder_rewrite", None)))
         for w in res.warnings:
             out.warn(w)
         what = f" ({only})" if only else ""

@@ -53,7 +53,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             force: bool = False, only: str | None = None, fallback: bool = False, map_location=None,
             jobs: int | None = None, transform: Callable[[Any], Any] | None = None,
             consolidate: str | os.PathLike | None = None, allow=(), data_ids: Any = None,
-            allow_data_change: bool = False, unverified: bool = False, **store_options) -> RestoreResult:
+            allow_data_change: bool = False, unverified: bool = False, folder_rewrite: Callable | None = None,
+            **store_options) -> RestoreResult:
     """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
     sources), atomically: temporary name in the same folder, fsync, rename.
 
@@ -81,6 +82,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         unverified: restore a ``partial`` or ``damaged`` generation anyway (``--restore-unverified``;
             refused otherwise, exit 2). Every byte is still checked against its manifest, and the result's
             first warning says loudly what was restored.
+        folder_rewrite: for a folder source, re-serialise the files it changes (``--policy session``:
+            ``training.folder_session.session_folder_rewrite(cfg)``; see
+            :func:`ckpt_archive.ops.folder_policy.rewrite_folder_files`). Its report goes to
+            ``extra["folder_rewrite"]``; each rewritten file, no longer byte-identical, is a warning.
         **store_options: for URL repositories.
 
     Returns:
@@ -88,7 +93,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
 
     Raises:
         OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1);
-        UsageError (exit 2): no output, or an output that would destroy the repository or the current folder.
+        UsageError (exit 2): no output, or an output that would destroy the repository or the current folder;
+            ``folder_rewrite`` for a generation that does not restore to a folder.
         DataIdentityMismatch (exit 1): ``data_ids`` differ from the archived ones (changed, added and removed
             entries listed) and ``allow_data_change`` is False; nothing is written.
         NotUsable (exit 2): a partial or damaged generation without ``unverified``.
@@ -132,14 +138,25 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         consolidate = Path(consolidate).expanduser().absolute()
         if consolidate.exists() and not force:
             raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(consolidate))
+    if folder_rewrite is not None and (layout != "folder" or only):
+        raise UsageError("folder_rewrite applies to a folder source restored whole (this generation restores "
+                         "to a file; pass transform= instead)")
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(out)
+    rewritten: dict = {}
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
 
     def write(gen: Generation) -> int:
         reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
         if layout == "folder" and not only:
-            return _restore_folder(reader, gen.manifest, tmp, map_location)
+            nbytes = _restore_folder(reader, gen.manifest, tmp, map_location)
+            if folder_rewrite is not None:
+                from ckpt_archive.ops.folder_policy import rewrite_folder_files
+
+                delta, rewritten["report"] = rewrite_folder_files(reader, gen.manifest, tmp, folder_rewrite,
+                                                                  map_location=map_location)
+                nbytes += delta
+            return nbytes
         first = (gen.manifest["source"].get("files") or [{}])[0]
         if layout == "file" and not only and transform is None and map_location is None and first.get("exact"):
             return _restore_exact(reader, first, tmp)  # [issue 11] the source file byte for byte
@@ -187,6 +204,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         result.extra["data_ids"] = ids_check
         if ids_check.get("warning"):
             result.warnings.append(ids_check["warning"])
+    if "report" in rewritten:
+        result.extra["folder_rewrite"] = rewritten["report"]
+        result.warnings.extend(rewritten["report"]["warnings"])
     note = copied_note(r, gen)
     if note:
         result.warnings.append(note)
