@@ -205,6 +205,7 @@ class _RichProgress:
     def phase(self, name: str, total: int | None = None) -> None:
         """A new phase of the work (``verify``, ``trial reload``, ``re-read``): the bar starts over."""
         self._p.reset(self._task, total=total, completed=0, description=f"{self._base}: {name}")
+        self._p.refresh()  # show each phase at once, however short (not only at the next timed refresh)
 
 
 def make_progress(total: int | None, description: str, enabled: bool):

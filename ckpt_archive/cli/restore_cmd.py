@@ -64,10 +64,11 @@ def register(app: typer.Typer) -> None:
         repo, gen = split_repo_spec(spec)
         transform, policy_json = cli_restore_prepare(repo, gen, session_config=session_config,
                                                      expect_lr=expect_lr, policy=policy, out=out)
-        res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
-                                   map_location=map_location, jobs=jobs, transform=transform,
-                                   consolidate=consolidate, allow=allow, data_ids=data_ids,
-                                   allow_data_change=allow_data_change)
+        with out.progress(None, "restore") as bar:  # the restore tells the bar each phase and its total
+            res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
+                                       map_location=map_location, jobs=jobs, transform=transform,
+                                       consolidate=consolidate, allow=allow, data_ids=data_ids,
+                                       allow_data_change=allow_data_change, on_bytes=bar)
         res.extra.update(cli_restore_finish(policy_json, out))
         for w in res.warnings:
             out.warn(w)
