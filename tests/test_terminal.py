@@ -169,3 +169,80 @@ def test_ctrl_c_during_export_says_a_rerun_resumes(tmp_path):
     assert proc.stderr == ""
     res = cli("export", src, "--to", tmp_path / "dst", "--json")
     assert res.exit_code == 0 and json.loads(res.stdout)["generations"][0]["status"] == "resumed"
+
+
+def test_restore_reports_decode_and_write_phases_with_the_manifest_size_as_total(tmp_path):
+    ca.pack(_state(), tmp_path / "repo")
+    raw = Repository.open(tmp_path / "repo").generation(1).manifest["summary"]["raw_bytes"]
+    rec = Recorder()
+    res = ca.restore(tmp_path / "repo", output=tmp_path / "o.pt", on_bytes=rec)
+    (decode, d_total, d_done), (write, w_total, w_done) = rec.phases[1:]
+    assert decode == "decode and check generation 1" and write == "write o.pt"
+    assert d_total == raw and 0 < d_done <= raw                    # every tensor byte decoded and checked
+    assert w_total == raw and w_done == res.bytes_written          # the bytes written, counted as they go
+    assert torch.equal(torch.load(tmp_path / "o.pt", weights_only=True)["model"]["w"], _state()["model"]["w"])
+
+
+def test_restore_of_a_byte_exact_file_reports_its_one_phase_with_a_total(tmp_path):
+    src = tmp_path / "c.pt"
+    torch.save(_state(3), src)
+    ca.pack(src, tmp_path / "repo")
+    raw = Repository.open(tmp_path / "repo").generation(1).manifest["summary"]["raw_bytes"]
+    rec = Recorder()
+    ca.restore(tmp_path / "repo", output=tmp_path / "o.pt", on_bytes=rec)
+    (name, total, done), = rec.phases[1:]
+    assert name == "decode, check and write generation 1" and total == raw and 0 < done <= raw
+    assert (tmp_path / "o.pt").read_bytes() == src.read_bytes()
+
+
+def test_restore_cli_shows_phases_and_iec_totals_on_a_terminal_and_nothing_with_json_or_quiet(tmp_path):
+    repo = tmp_path / "repo"
+    ca.pack(_state(), repo)
+    tty = {"TTY_COMPATIBLE": "1", "COLUMNS": "160"}                # rich treats stderr as a terminal
+    res = cli("restore", repo, "--output", tmp_path / "a.pt", env=tty)
+    assert res.exit_code == 0, res.output
+    assert "restore: decode and check generation 1" in res.stderr
+    assert "restore: write a.pt" in res.stderr
+    assert re.search(r"[0-9.]+ (B|KiB) / 8\.2 KiB", res.stderr)   # the manifest's raw size, in IEC units
+    assert not re.search(r"[0-9] (kB|KB|MB|GB)\b", res.stderr)
+    for quiet in (["--json"], ["--quiet"]):
+        res = cli("restore", repo, "--output", tmp_path / f"b{quiet[0]}.pt", *quiet, env=tty)
+        assert res.exit_code == 0 and res.stderr == "", quiet
+
+
+#: Each command's exit-code wording that only it can say: the generic paragraph is gone everywhere.
+OWN_EXIT_WORDS = {
+    "gc": ("0 leftovers removed", "or nothing to remove", "2 could not be carried out (not a repository, lock held"),
+    "prune": ("1 refused: no kept generation verifies",),
+    "forget": ("2 nothing removed: no such generation",),
+    "inspect": ("1 the generation's manifest or marker is not valid",),
+    "demo": ("0 the resume matches exactly and every negative control diverged",),
+    "check-resume": ("0 the resume is exact and every negative control diverged",
+                     "1 a divergence: the resume differs from the continuous run, or a control had no effect",
+                     "2 could not check"),
+}
+
+
+def test_every_commands_help_lists_only_its_own_exit_codes_and_the_top_level_one_line_each():
+    from ckpt_archive.errors import EXIT_MEANINGS
+
+    names = [c.name for c in app.registered_commands]
+    assert set(OWN_EXIT_WORDS) <= set(names)
+    for name in names:
+        res = cli(name, "--help", env={"COLUMNS": "200"})
+        assert res.exit_code == 0, name
+        assert "<bool>" not in res.output, name
+        text = " ".join(res.output.split())
+        assert text.count("Exit codes:") == 1, name
+        codes = text.split("Exit codes:")[1]
+        for code in (1, 2):                                       # never the generic words of the old paragraph
+            assert f"{code} {EXIT_MEANINGS[code]}" not in codes, name
+        for words in OWN_EXIT_WORDS.get(name, ()):
+            assert words in codes, (name, words)
+    for name in ("gc", "forget"):                                 # they never exit 1: not listed
+        codes = " ".join(cli(name, "--help", env={"COLUMNS": "200"}).output.split()).split("Exit codes:")[1]
+        assert not re.search(r"(^|; )1 ", codes.strip()), name
+    top = cli("--help", env={"COLUMNS": "100"}).output
+    panel = top.split("Commands")[1]
+    rows = [line for line in panel.splitlines() if line.startswith("│")]
+    assert len(rows) == len(names), rows                          # one line per command, none wrapped

@@ -58,12 +58,33 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Pack a training checkpoint (a resume point) into a verified, trial-reloaded archive."""
 
 
+#: One line per command in the top-level ``--help`` (each command's own ``--help`` has the whole text).
+SHORT_HELP = {
+    "pack": "Pack a checkpoint into a new verified, trial-reloaded generation.",
+    "verify": "Check a generation's sizes and sha256 (--deep: the full trial reload).",
+    "restore": "Write a generation back as a .pt file or a folder, atomically.",
+    "list": "List a repository's generations (--all: also the unusable ones).",
+    "inspect": "Show what a generation holds: progress, config, metrics, members.",
+    "demo": "Prove an exact resume end to end on a tiny real training run.",
+    "check-resume": "Prove that a training command resumes exactly from its archive.",
+    "forget": "Remove one generation, marker first, under the lock.",
+    "gc": "Remove leftovers of interrupted writes, under the lock.",
+    "prune": "Apply a retention policy (--dry-run: show what would go, and why).",
+    "backup": "Back up the newest checkpoint in a file or folder (for cron, timers).",
+    "export": "Copy usable generations to a path or s3://, re-read and trial-reload there.",
+    "adopt": "Make every copied generation of a moved repository usable here.",
+    "status": "Watchdog: exit 1 when backups are missing, too old or not advancing.",
+}
+
+
 def _register_all() -> None:
     for name in COMMAND_MODULES:
         importlib.import_module(f"ckpt_archive.cli.{name}_cmd").register(app)
     for info in app.registered_commands:
         if info.cls in (None, TyperCommand):
             info.cls = _Command
+        if info.short_help is None:
+            info.short_help = SHORT_HELP.get(info.name or "")
 
 
 _register_all()

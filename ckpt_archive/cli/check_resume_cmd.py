@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_with
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with
 
 HELP = (
     "Run a training command continuous, interrupted, archived + restored + resumed, and under negative "
@@ -11,10 +11,13 @@ HELP = (
     "verification.json. The command template after '--' uses {steps} (updates this run adds), {output} "
     "(folder for checkpoint.pt and trajectory.json) and {resume} (the checkpoint path; an argument holding "
     "it is dropped when not resuming, '{resume:--resume-from {}}' expands to two arguments). "
-    "See docs/check-resume.md. "
-    "Here 0 means the resume matches and every negative control diverged; 1 that the resume diverged or a "
-    "control changed nothing; 2 that a run failed, the template is incomplete or the output folder is not empty."
+    "See docs/check-resume.md."
 )
+EXIT_CODES = exit_codes_help({0: "the resume is exact and every negative control diverged",
+                              1: "a divergence: the resume differs from the continuous run, or a control had no "
+                                 "effect (the report names the update and field)",
+                              2: "could not check (a run failed or timed out, the template is incomplete, the "
+                                 "output folder is not empty)"})
 
 
 def _fmt(v) -> str:
@@ -114,7 +117,7 @@ def report_human(out: Output, report: dict, title: str) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("check-resume", help=HELP + " " + EXIT_CODES_HELP,
+    @app.command("check-resume", help=HELP + EXIT_CODES,
                  context_settings={"allow_interspersed_args": False})
     @command
     def check_resume_cmd(

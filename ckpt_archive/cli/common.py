@@ -46,10 +46,6 @@ def exit_codes_help(meanings: dict[int, str] | None = None, codes: tuple[int, ..
     return "\n\nExit codes: " + "; ".join(parts) + "."
 
 
-#: The generic exit-code paragraph (commands that say nothing more specific).
-EXIT_CODES_HELP = exit_codes_help({1: "something was examined and found wrong (corrupt, tampered or missing "
-                                      "member, incoherent state)"})
-
 _GEN_SUFFIX = re.compile(r"^([0-9]+|latest|tag:[^/@]+)$", re.ASCII)
 
 
@@ -209,6 +205,7 @@ class _RichProgress:
     def phase(self, name: str, total: int | None = None) -> None:
         """A new phase of the work (``verify``, ``trial reload``, ``re-read``): the bar starts over."""
         self._p.reset(self._task, total=total, completed=0, description=f"{self._base}: {name}")
+        self._p.refresh()  # show each phase at once, however short (not only at the next timed refresh)
 
 
 def make_progress(total: int | None, description: str, enabled: bool):
@@ -216,7 +213,7 @@ def make_progress(total: int | None, description: str, enabled: bool):
     return _RichProgress(total, description) if enabled else _NoProgress()
 
 
-__all__ = ["EXIT_CODES_HELP", "JSON_OPTION", "QUIET_OPTION", "Output", "command", "exit_code_for", "exit_codes_help",
+__all__ = ["JSON_OPTION", "QUIET_OPTION", "Output", "command", "exit_code_for", "exit_codes_help",
            "exit_with", "human_bytes", "make_progress", "split_repo_spec"]
 
 

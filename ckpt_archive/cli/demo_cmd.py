@@ -3,21 +3,22 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_with
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with
 
 HELP = (
     "Prove a resume end to end on a tiny real training run (24 rows, MLP 2->8->1 with dropout, Adam + "
     "StepLR, Python/NumPy/torch RNG): 10 updates continuous; 5 updates, packed into an archive, verified, "
     "restored in a new process and resumed for 5 more; negative controls (RNG restore omitted, and each "
-    "part of the state perturbed) must diverge. Writes verification.json and prints a proof table. "
-    "Here 0 means the resume matches exactly and every negative control diverges; 1 that a comparison "
-    "failed; 2 that the demo could not complete (e.g. --output exists and is not empty: a proof is never "
-    "overwritten)."
+    "part of the state perturbed) must diverge. Writes verification.json and prints a proof table."
 )
+EXIT_CODES = exit_codes_help({0: "the resume matches exactly and every negative control diverged",
+                              1: "a comparison failed: the resume diverged or a negative control changed nothing",
+                              2: "the demo could not complete (a run failed; --output exists and is not empty: a "
+                                 "proof is never overwritten)"})
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("demo", help=HELP + " " + EXIT_CODES_HELP)
+    @app.command("demo", help=HELP + EXIT_CODES)
     @command
     def demo_cmd(
         output: str = typer.Option(None, "--output", "-o",

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, split_repo_spec
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, split_repo_spec
 from ckpt_archive.cli.prune_cmd import WAIT
 
 
 def register(app: typer.Typer) -> None:
     @app.command("forget", help="Remove one generation: its USABLE marker first (from that instant it is not "
                  "usable), then its members, manifest and folder, holding the repository lock. Refuses the "
-                 "newest usable generation unless --force. " + EXIT_CODES_HELP)
+                 "newest usable generation unless --force."
+                 + exit_codes_help({0: "the generation was removed",
+                                    2: "nothing removed: no such generation (the existing ones are listed), the "
+                                       "newest usable one without --force, lock held by another writer, not a "
+                                       "repository"}, codes=(0, 2)))
     @command
     def forget_cmd(
         spec: str = typer.Argument(..., metavar="REPO@GEN", help="Repository and generation: number, latest or "

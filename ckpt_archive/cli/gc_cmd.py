@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help
 from ckpt_archive.cli.prune_cmd import WAIT
 
 
 def register(app: typer.Typer) -> None:
     @app.command("gc", help="Remove leftovers of interrupted writes (partial generations, temporary files), "
                  "holding the repository lock, and list what was removed. Damaged generations are reported, "
-                 "not removed (use forget). " + EXIT_CODES_HELP)
+                 "not removed (use forget)."
+                 + exit_codes_help({0: "leftovers removed (or listed with --dry-run), or nothing to remove",
+                                    2: "could not be carried out (not a repository, lock held by another writer, "
+                                       "store unreachable or refused a removal)"}, codes=(0, 2)))
     @command
     def gc_cmd(
         repo: str = typer.Argument(..., metavar="REPO", help="Repository path or URL."),

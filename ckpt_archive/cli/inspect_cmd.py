@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, human_bytes, split_repo_spec
+from ckpt_archive.cli.common import JSON_OPTION, exit_codes_help, Output, command, human_bytes, split_repo_spec
 
 
 def _readable(tree):
@@ -40,7 +40,12 @@ def _readable(tree):
 
 def register(app: typer.Typer) -> None:
     @app.command("inspect", help="Show a generation's manifest: progress, config, metrics, code, environment, "
-                                 "members (opaque ones flagged), tensors, loading instructions. " + EXIT_CODES_HELP)
+                                 "members (opaque ones flagged), tensors, loading instructions."
+                 + exit_codes_help({0: "shown",
+                                    1: "the generation's manifest or marker is not valid (not JSON, breaks the "
+                                       "schema; the field is named)",
+                                    2: "could not show it (no such generation: the existing ones are listed; not "
+                                       "a repository; written by a newer format)"}))
     @command
     def inspect_cmd(
         spec: str = typer.Argument(..., metavar="REPO[@GEN]"),

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import EXIT_CODES_HELP, JSON_OPTION, Output, command, exit_code_for, human_bytes
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_code_for, human_bytes
 
 KEEP_LAST = typer.Option(None, "--keep-last", min=0, metavar="N", help="Keep the N newest usable generations.",
                          rich_help_panel="Retention policy")
@@ -95,7 +95,12 @@ def register(app: typer.Typer) -> None:
     @app.command("prune", help="Apply a retention policy (restic's vocabulary) to a repository's generations. "
                  "Without policy flags, the repository's default policy (repository.json) is used; an empty "
                  "policy is refused. --dry-run prints what stays and what goes, and why, and deletes nothing. "
-                 + POLICY_HELP + " " + EXIT_CODES_HELP)
+                 + POLICY_HELP
+                 + exit_codes_help({0: "pruned (or, with --dry-run, the decision printed), also when nothing was to go",
+                                    1: "refused: no kept generation verifies (each failure named); nothing was "
+                                       "removed",
+                                    2: "could not be carried out (empty or malformed policy, not a repository, "
+                                       "lock held by another writer)"}))
     @command
     def prune_cmd(
         repo: str = typer.Argument(..., metavar="REPO", help="Repository path or URL."),

@@ -68,11 +68,12 @@ def register(app: typer.Typer) -> None:
         repo, gen = split_repo_spec(spec)
         transform, policy_json = cli_restore_prepare(repo, gen, session_config=session_config,
                                                      expect_lr=expect_lr, policy=policy, out=out)
-        res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
-                                   map_location=map_location, jobs=jobs, transform=transform,
-                                   consolidate=consolidate, allow=allow, data_ids=data_ids,
-                                   allow_data_change=allow_data_change, unverified=restore_unverified,
-                                   folder_rewrite=policy_json.pop("_folder_rewrite", None))
+        with out.progress(None, "restore") as bar:  # the restore tells the bar each phase and its total
+            res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
+                                       map_location=map_location, jobs=jobs, transform=transform,
+                                       consolidate=consolidate, allow=allow, data_ids=data_ids,
+                                       allow_data_change=allow_data_change, unverified=restore_unverified,
+                                       folder_rewrite=policy_json.pop("_folder_rewrite", None), on_bytes=bar)
         res.extra.update(cli_restore_finish(policy_json, out, res.extra.pop("folder_rewrite", None)))
         for w in res.warnings:
             out.warn(w)

@@ -54,7 +54,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             jobs: int | None = None, transform: Callable[[Any], Any] | None = None,
             consolidate: str | os.PathLike | None = None, allow=(), data_ids: Any = None,
             allow_data_change: bool = False, unverified: bool = False, folder_rewrite: Callable | None = None,
-            **store_options) -> RestoreResult:
+            on_bytes=None, **store_options) -> RestoreResult:
     """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
     sources), atomically: temporary name in the same folder, fsync, rename.
 
@@ -86,6 +86,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             ``training.folder_session.session_folder_rewrite(cfg)``; see
             :func:`ckpt_archive.ops.folder_policy.rewrite_folder_files`). Its report goes to
             ``extra["folder_rewrite"]``; each rewritten file, no longer byte-identical, is a warning.
+        on_bytes: progress callback, called with raw bytes decoded and checked, then with bytes written; one
+            with ``phase(name, total)`` is told each phase (``decode and check``, then ``write``; a folder
+            or byte-exact file source decodes and writes in one ``decode, check and write`` phase), with
+            the generation's raw size (manifest summary) as total (none for ``only``).
         **store_options: for URL repositories.
 
     Returns:
@@ -148,8 +152,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
 
     def write(gen: Generation) -> int:
         reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
+        raw = None if only else gen.manifest["summary"].get("raw_bytes")
         if layout == "folder" and not only:
-            nbytes = _restore_folder(reader, gen.manifest, tmp, map_location)
+            phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
+            nbytes = _restore_folder(reader, gen.manifest, tmp, map_location, on_bytes)
             if folder_rewrite is not None:
                 from ckpt_archive.ops.folder_policy import rewrite_folder_files
 
@@ -159,9 +165,12 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             return nbytes
         first = (gen.manifest["source"].get("files") or [{}])[0]
         if layout == "file" and not only and transform is None and map_location is None and first.get("exact"):
-            return _restore_exact(reader, first, tmp)  # [issue 11] the source file byte for byte
+            phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
+            return _restore_exact(reader, first, tmp, on_bytes)  # [issue 11] the source file byte for byte
         # tensors over memory-mapped spill files next to the output: anonymous memory stays bounded
-        state = reader.load(only, map_location=map_location, spill_dir=tmp.parent)
+        phase(on_bytes, f"decode and check generation {gen.number}", raw)
+        state = reader.load(only, map_location=map_location, spill_dir=tmp.parent, on_bytes=on_bytes)
+        phase(on_bytes, f"write {out.name}", raw)  # the tensors' raw bytes: nearly all of the file
         if transform is not None:
             state = transform(state)
         src_files = gen.manifest["source"].get("files") or [{}]
@@ -170,14 +179,21 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
 
             save_file(state, str(tmp), metadata=src_files[0].get("metadata") or None)
             _fsync_file(tmp)
+            if on_bytes:
+                on_bytes(tmp.stat().st_size)  # safetensors writes in one call: reported when done
             return tmp.stat().st_size
         import torch  # only when re-serialising: the exact-bytes path above never imports it
 
-        torch.save(state, tmp)
+        if on_bytes:
+            with open(tmp, "wb") as fh:
+                torch.save(state, _Counted(fh, on_bytes))
+        else:
+            torch.save(state, tmp)
         _fsync_file(tmp)
         return tmp.stat().st_size
 
     from ckpt_archive.format.allowlist import allowing
+    from ckpt_archive.repo.publish import phase
 
     try:
         with allowing(allow):
@@ -280,7 +296,7 @@ def _remove(p: Path) -> None:
         p.unlink()
 
 
-def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_location=None) -> int:
+def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_location=None, on_bytes=None) -> int:
     """Recreate a folder source: torch files via torch.save, safetensors files via safetensors with
     their metadata, raw/opaque files byte for byte. Returns bytes written."""
     dest.mkdir(parents=True)
@@ -294,15 +310,15 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
             os.link(inside(dest, f["hardlink_of"], where=f"manifest.json: hardlink_of {f['hardlink_of']!r}"),
                     target)
         elif f.get("exact") and map_location is None:  # [issue 11] byte for byte
-            _restore_exact(reader, f, target)
+            _restore_exact(reader, f, target, on_bytes)
         elif f["kind"] in ("raw", "opaque"):
             rec = reader.by_path[f["member"]]
             with open(target, "wb") as fh:
-                for _, chunk in reader.iter_member(rec):
+                for _, chunk in reader.iter_member(rec, on_bytes=on_bytes):
                     fh.write(chunk)
         else:
             node = _folder_node(tree, f["relpath"])
-            obj = reader.load_node(node, map_location=map_location)
+            obj = reader.load_node(node, map_location=map_location, on_bytes=on_bytes)
             if f["kind"] == "safetensors":
                 from safetensors.torch import save_file
 
@@ -316,7 +332,7 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
     return total
 
 
-def _restore_exact(reader: ArchiveReader, f: dict, target: Path) -> int:
+def _restore_exact(reader: ArchiveReader, f: dict, target: Path, on_bytes=None) -> int:
     """[issue 11] Rebuild a decomposed source file byte for byte from its skeleton member and the tensor
     entries (format/exact_bytes.py); its sha256 is checked against the source's. Returns bytes written."""
     from ckpt_archive.format import exact_bytes
@@ -329,10 +345,26 @@ def _restore_exact(reader: ArchiveReader, f: dict, target: Path) -> int:
         for m in reader.manifest["members"]:
             mine = wanted & set(m.get("entries") or ()) if m["role"] == "tensors" else set()
             if mine:
-                for key, _, buf in reader.iter_entries(m, wanted=mine):
+                for key, _, buf in reader.iter_entries(m, wanted=mine, on_bytes=on_bytes):
                     yield key, buf
 
-    return exact_bytes.rebuild(target, f, (chunk for _, chunk in reader.iter_member(skeleton)), entry_bytes)
+    return exact_bytes.rebuild(target, f, (chunk for _, chunk in reader.iter_member(skeleton, on_bytes=on_bytes)),
+                               entry_bytes)
+
+
+class _Counted:
+    """A binary file that reports each write to a progress callback (``torch.save`` writes through it)."""
+
+    def __init__(self, fh, on_bytes):
+        self._fh, self._on_bytes = fh, on_bytes
+
+    def write(self, data) -> int:
+        n = self._fh.write(data)
+        self._on_bytes(memoryview(data).nbytes)
+        return n
+
+    def flush(self) -> None:
+        self._fh.flush()
 
 
 def _folder_node(tree: Any, relpath: str) -> Any:
