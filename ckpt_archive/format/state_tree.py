@@ -91,10 +91,60 @@ def _is_tensor(obj) -> bool:
     return isinstance(obj, torch.Tensor)
 
 
-def _tensor_u8(t):
-    """Contiguous CPU bytes of a tensor as a 1-D uint8 NumPy array (no copy when already contiguous)."""
+#: The lazy view bits ``torch.save`` keeps (``torch._utils.get_tensor_metadata``) and this format records.
+VIEW_BITS = ("conj", "neg")
+
+
+def view_bits(t) -> dict:
+    """The lazy view bits of a dense tensor that ``torch.save`` keeps: ``{"conj": True}`` for an unresolved
+    conjugate view, ``{"neg": True}`` for a negative view (``torch._utils.get_tensor_metadata``).
+
+    Raises:
+        SourceError: torch reports a bit this format does not know (a newer torch): refused, not dropped.
+    """
     torch = _torch()
-    t = t.detach()
+    bits = {k: bool(v) for k, v in torch._utils.get_tensor_metadata(t).items() if v}
+    unknown = sorted(set(bits) - set(VIEW_BITS))
+    if unknown:
+        raise SourceError(f"tensor carries view metadata {unknown} that this format cannot record",
+                          hint="resolve it before saving (e.g. t.clone())")
+    return bits
+
+
+def physical(t):
+    """``t`` without its lazy conj/neg bits: the same storage, offset, shape and strides, i.e. the bytes
+    as they lie in memory (what ``torch.save`` writes for such a view). ``t`` itself when it has none."""
+    torch = _torch()
+    if not (t.is_conj() or t.is_neg()):
+        return t
+    with torch.no_grad():
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                                   t.shape, t.stride())
+
+
+def apply_view_bits(t, bits: dict):
+    """Put recorded conj/neg bits back on a tensor built from the physical bytes (a new alias of it, as
+    ``torch.load`` gives: ``is_conj()`` / ``is_neg()`` true, same storage).
+
+    Raises:
+        FormatError: a bit name this reader does not know (hostile or newer archive).
+    """
+    if not bits:
+        return t
+    if not isinstance(bits, dict) or any(k not in VIEW_BITS or v is not True for k, v in bits.items()):
+        raise FormatError(f"unknown tensor view bits {bits!r}")
+    torch = _torch()
+    t = t.detach()  # a new alias: the shared base tensor keeps no bits
+    torch._utils.set_tensor_metadata(t, dict(bits))
+    return t
+
+
+def _tensor_u8(t):
+    """Contiguous CPU bytes of a tensor as a 1-D uint8 NumPy array (no copy when already contiguous).
+
+    A conj/neg view gives its physical bytes (:func:`physical`), as ``torch.save`` stores them."""
+    torch = _torch()
+    t = physical(t.detach())
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
@@ -232,6 +282,7 @@ class _Encoder:
         dense = (t.layout == torch.strided and not t.is_quantized and not t.is_nested
                  and t.device.type != "meta")
         if dense:
+            _probe_bytes(t, _path_name(path))
             key = self._leaf_key(path)
             self._tensor_leaves.append((key, t))
             node: dict = {"$t": "tensor", "key": key}
@@ -353,7 +404,32 @@ def _leaf_flags(t) -> dict:
         flags["requires_grad"] = True
     if isinstance(t, torch.nn.Parameter):
         flags["parameter"] = True
+    bits = view_bits(t)
+    if bits:
+        flags["bits"] = bits
     return flags
+
+
+def _probe_bytes(t, where: str) -> None:
+    """Fail now, before anything is written, if a dense tensor's bytes cannot be taken the way the writer
+    will take them: one element of it goes through the same path (:func:`_tensor_u8`, :func:`_storage_u8`,
+    :func:`view_bits`). A tensor kind the writer cannot read is refused at encode time, naming its path,
+    instead of failing half-way through a generation."""
+    torch = _torch()
+    try:
+        view_bits(t)
+        if t.numel() > 0:
+            one = torch.as_strided(t.detach(), (1,), (1,), t.storage_offset())
+            _tensor_u8(one)
+        if t.untyped_storage().nbytes() > 0 and t.device.type == "cpu":
+            _storage_u8(t)
+    except SourceError as exc:
+        exc.where = where
+        raise
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise SourceError(f"the bytes of this {t.dtype} tensor cannot be read for archiving: {exc}",
+                          where=where, hint="convert it to a plain dense tensor (t.detach().clone()) "
+                                            "before saving") from None
 
 
 def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
