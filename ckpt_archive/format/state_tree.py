@@ -195,6 +195,32 @@ class _Encoder:
         self.table = TensorTable()
         self._tensor_leaves: list[tuple[str, Any]] = []  # (leaf key, tensor)
         self._used: set[str] = set()
+        self._multi: set[int] = set()          # ids of containers met more than once (see _count_shared)
+        self._shared: dict[int, int] = {}      # id -> shared number, once encoded
+        self._open: set[int] = set()           # containers being encoded (a cycle is refused)
+        self._keep: list = []                  # keeps every counted container alive (ids stay unique)
+
+    def count_shared(self, root) -> None:
+        """First pass: find the mutable containers (list, dict and dict subclasses, set) reached more than
+        once, so that they are encoded once and referenced after (torch.save's memo keeps that sharing)."""
+        seen: set[int] = set()
+        stack = [root]
+        while stack:
+            obj = stack.pop()
+            if not isinstance(obj, (list, dict, set)):
+                if type(obj) is tuple:
+                    stack.extend(obj)
+                continue
+            if id(obj) in seen:
+                self._multi.add(id(obj))
+                continue
+            seen.add(id(obj))
+            self._keep.append(obj)
+            if isinstance(obj, dict):
+                stack.extend(obj.keys())
+                stack.extend(obj.values())
+            else:
+                stack.extend(obj)
 
     def _leaf_key(self, path: tuple) -> str:
         base = _path_name(path)
@@ -206,6 +232,23 @@ class _Encoder:
         return key
 
     def enc(self, obj: Any, path: tuple) -> Any:
+        """Encode one value; a container met before is a ``ref`` to its first (``shared``) encoding."""
+        oid = id(obj)
+        if oid not in self._multi:
+            return self._enc(obj, path)
+        if oid in self._open:
+            raise refusal(_path_name(path), obj, "it contains itself (a cycle)")
+        if oid in self._shared:
+            return {"$t": "ref", "id": self._shared[oid]}
+        self._open.add(oid)
+        try:
+            node = self._enc(obj, path)
+        finally:
+            self._open.discard(oid)
+        self._shared[oid] = n = len(self._shared) + 1
+        return {"$t": "shared", "id": n, "v": node}
+
+    def _enc(self, obj: Any, path: tuple) -> Any:
         """Encode one value; every type is matched exactly (a subclass is never stored as its base)."""
         torch = _torch()
         import numpy as np
@@ -456,6 +499,7 @@ def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
             and what to do. Nothing is ever stored as a lookalike of another type.
     """
     enc = _Encoder(allow)
+    enc.count_shared(state)
     tree = enc.enc(state, ())
     enc.finish_tensors()
     return tree, enc.table
@@ -490,6 +534,55 @@ def walk_refs(tree: Any):
                 stack.extend(node.values())
 
 
+def shared_nodes(tree: Any) -> dict[int, dict]:
+    """``{id: shared node}`` of every ``{"$t":"shared"}`` node in an encoded tree."""
+    out: dict[int, dict] = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("$t") == "shared" and type(node.get("id")) is int:
+                out.setdefault(node["id"], node)
+            stack.extend(node.values())
+    return out
+
+
+def inline_refs(node: Any, origins: dict[int, dict]) -> Any:
+    """A sub-tree made self-contained: the first ``ref`` to a container whose ``shared`` node lies outside
+    it becomes that shared node (later refs then resolve to the same object)."""
+    inside = set(shared_nodes(node))
+    placed: set[int] = set()
+
+    def walk(n):
+        if isinstance(n, list):
+            return [walk(v) for v in n]
+        if not isinstance(n, dict):
+            return n
+        if n.get("$t") == "shared":
+            placed.add(n.get("id"))
+        if n.get("$t") == "ref" and n.get("id") not in inside and n.get("id") not in placed \
+                and n.get("id") in origins:
+            placed.add(n["id"])
+            return walk(origins[n["id"]])
+        return {k: walk(v) for k, v in n.items()}
+
+    return walk(node) if any(True for _ in _refs(node)) else node
+
+
+def _refs(node: Any):
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, list):
+            stack.extend(n)
+        elif isinstance(n, dict):
+            if n.get("$t") == "ref":
+                yield n
+            stack.extend(n.values())
+
+
 def _torch_attr(name: str, kind: str):
     """``torch.<name>`` when it is a ``kind`` (dtype / layout), never any other attribute of torch."""
     torch = _torch()
@@ -516,6 +609,7 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
             class the reader did not admit (names the ``--allow`` that would).
     """
     build = objects == "build"
+    shared: dict[int, Any] = {}
 
     def items(node):
         its = node.get("items")
@@ -533,6 +627,18 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
         t = node.get("$t")
         if t is None:
             return {k: dec(v) for k, v in node.items()}
+        if t == "shared":  # a container reached more than once: decoded once, the same object after
+            n = node.get("id")
+            if type(n) is not int or n in shared:
+                raise FormatError(f"malformed shared node (id {n!r})")
+            shared[n] = value = dec(node.get("v"))
+            return value
+        if t == "ref":
+            n = node.get("id")
+            if type(n) is not int or n not in shared:
+                raise FormatError(f"the state tree refers to shared value {n!r} before (or outside) it; read the "
+                                  f"whole state, or the part that holds its first occurrence")
+            return shared[n]
         if t == "int":
             return int(node["v"])
         if t == "float":

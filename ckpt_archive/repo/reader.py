@@ -482,11 +482,22 @@ def subtree(tree: Any, path: str) -> Any:
     Raises:
         NotFound: a part of the path names nothing.
     """
+    from ckpt_archive.format.state_tree import shared_nodes, inline_refs
+
+    origins = shared_nodes(tree)
     node = tree
     walked = []
     for part in [p for p in path.split("/") if p]:
         walked.append(part)
-        node = _child(node, part, "/".join(walked))
+        node = _child(_unshare(node, origins), part, "/".join(walked))
+    # a container shared with a part outside the sub-tree comes along (first occurrence inlined)
+    return inline_refs(node, origins)
+
+
+def _unshare(node, origins: dict):
+    """The container a ``shared`` / ``ref`` node stands for (docs/FORMAT.md, "State tree")."""
+    while isinstance(node, dict) and node.get("$t") in ("shared", "ref"):
+        node = node.get("v") if node["$t"] == "shared" else (origins.get(node.get("id")) or {}).get("v")
     return node
 
 
