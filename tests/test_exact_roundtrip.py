@@ -506,3 +506,53 @@ def test_a_folder_with_a_file_that_cannot_round_trip_still_packs_with_it_opaque(
     assert kinds["model.pt"] == "torch" and kinds["random_states_0.pkl"] == "opaque"
     ckpt_archive.restore(tmp_path / "r", output=tmp_path / "out")
     assert (tmp_path / "out" / "random_states_0.pkl").read_bytes() == (folder / "random_states_0.pkl").read_bytes()
+
+
+# --- break test of issue 11: views with lazy bits, failures after the claim, container aliasing ---
+
+@pytest.mark.parametrize("make", [
+    lambda torch: torch.randn(3, dtype=torch.complex64).conj(),
+    lambda torch: torch.randn(3)._neg_view(),
+    lambda torch: torch.randn(3, dtype=torch.complex128)._neg_view().conj(),
+    lambda torch: torch.randn(3, 4, dtype=torch.complex64).conj().t(),
+    lambda torch: torch.randn(3, dtype=torch.complex128),
+], ids=["conj", "neg", "conj-neg-c128", "conj-transposed", "complex128-misaligned"])
+def test_conj_and_neg_views_round_trip_with_their_bits(tmp_path, make):
+    import torch
+    import ckpt_archive
+
+    torch.save({"v": make(torch)}, tmp_path / "f.pt")
+    want = torch.load(tmp_path / "f.pt", weights_only=True)["v"]
+    ckpt_archive.pack(str(tmp_path / "f.pt"), str(tmp_path / "r"))
+    got = ckpt_archive.load(str(tmp_path / "r"))["v"]
+    assert (got.is_conj(), got.is_neg()) == (want.is_conj(), want.is_neg())
+    assert got.dtype == want.dtype and got.stride() == want.stride()
+    assert torch.equal(got.clone(), want.clone())
+
+
+def test_failure_after_claim_names_partial_generation_and_gc(tmp_path, monkeypatch):
+    import torch
+    import ckpt_archive
+    import ckpt_archive.ops.pack as pack_mod
+    from ckpt_archive.errors import CannotCheck
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(pack_mod, "write_members", boom)
+    with pytest.raises(CannotCheck) as info:
+        ckpt_archive.pack({"a": torch.ones(2)}, str(tmp_path / "r"))
+    text = str(info.value)
+    assert "generation 1 left partial" in text and "ckpt-archive gc" in text and "RuntimeError" in text
+
+
+def test_container_aliasing_is_kept():
+    import collections
+    from ckpt_archive.format.state_tree import decode, encode
+
+    lst, dct, st, cnt = [1, 2], {"a": 1}, {1, 2}, collections.Counter(a=1)
+    tree, _ = encode({"v": (lst, lst), "d": [dct, dct], "s": [st, st], "c": (cnt, cnt)})
+    got = decode(json.loads(json.dumps(tree)), lambda k: None)
+    assert got["v"][0] is got["v"][1] and got["d"][0] is got["d"][1]
+    assert got["s"][0] is got["s"][1] and got["c"][0] is got["c"][1]
+    assert got["v"][0] == [1, 2]

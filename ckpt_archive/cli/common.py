@@ -273,6 +273,11 @@ def command(fn: Callable) -> Callable:
             raise
         except CkptArchiveError as exc:
             code = exit_code_for(exc)
+            import os
+
+            if os.environ.get("CKPT_ARCHIVE_DEBUG") and exc.__cause__ is not None \
+                    and not isinstance(exc.__cause__, CkptArchiveError):  # a wrapped unexpected error
+                raise
             out.error(f"error: {exc}")
             out.json({"ok": False, **exc.to_json(), "exit_code": code})
             raise typer.Exit(code)

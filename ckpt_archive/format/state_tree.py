@@ -91,10 +91,60 @@ def _is_tensor(obj) -> bool:
     return isinstance(obj, torch.Tensor)
 
 
-def _tensor_u8(t):
-    """Contiguous CPU bytes of a tensor as a 1-D uint8 NumPy array (no copy when already contiguous)."""
+#: The lazy view bits ``torch.save`` keeps (``torch._utils.get_tensor_metadata``) and this format records.
+VIEW_BITS = ("conj", "neg")
+
+
+def view_bits(t) -> dict:
+    """The lazy view bits of a dense tensor that ``torch.save`` keeps: ``{"conj": True}`` for an unresolved
+    conjugate view, ``{"neg": True}`` for a negative view (``torch._utils.get_tensor_metadata``).
+
+    Raises:
+        SourceError: torch reports a bit this format does not know (a newer torch): refused, not dropped.
+    """
     torch = _torch()
-    t = t.detach()
+    bits = {k: bool(v) for k, v in torch._utils.get_tensor_metadata(t).items() if v}
+    unknown = sorted(set(bits) - set(VIEW_BITS))
+    if unknown:
+        raise SourceError(f"tensor carries view metadata {unknown} that this format cannot record",
+                          hint="resolve it before saving (e.g. t.clone())")
+    return bits
+
+
+def physical(t):
+    """``t`` without its lazy conj/neg bits: the same storage, offset, shape and strides, i.e. the bytes
+    as they lie in memory (what ``torch.save`` writes for such a view). ``t`` itself when it has none."""
+    torch = _torch()
+    if not (t.is_conj() or t.is_neg()):
+        return t
+    with torch.no_grad():
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                                   t.shape, t.stride())
+
+
+def apply_view_bits(t, bits: dict):
+    """Put recorded conj/neg bits back on a tensor built from the physical bytes (a new alias of it, as
+    ``torch.load`` gives: ``is_conj()`` / ``is_neg()`` true, same storage).
+
+    Raises:
+        FormatError: a bit name this reader does not know (hostile or newer archive).
+    """
+    if not bits:
+        return t
+    if not isinstance(bits, dict) or any(k not in VIEW_BITS or v is not True for k, v in bits.items()):
+        raise FormatError(f"unknown tensor view bits {bits!r}")
+    torch = _torch()
+    t = t.detach()  # a new alias: the shared base tensor keeps no bits
+    torch._utils.set_tensor_metadata(t, dict(bits))
+    return t
+
+
+def _tensor_u8(t):
+    """Contiguous CPU bytes of a tensor as a 1-D uint8 NumPy array (no copy when already contiguous).
+
+    A conj/neg view gives its physical bytes (:func:`physical`), as ``torch.save`` stores them."""
+    torch = _torch()
+    t = physical(t.detach())
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
@@ -145,6 +195,32 @@ class _Encoder:
         self.table = TensorTable()
         self._tensor_leaves: list[tuple[str, Any]] = []  # (leaf key, tensor)
         self._used: set[str] = set()
+        self._multi: set[int] = set()          # ids of containers met more than once (see _count_shared)
+        self._shared: dict[int, int] = {}      # id -> shared number, once encoded
+        self._open: set[int] = set()           # containers being encoded (a cycle is refused)
+        self._keep: list = []                  # keeps every counted container alive (ids stay unique)
+
+    def count_shared(self, root) -> None:
+        """First pass: find the mutable containers (list, dict and dict subclasses, set) reached more than
+        once, so that they are encoded once and referenced after (torch.save's memo keeps that sharing)."""
+        seen: set[int] = set()
+        stack = [root]
+        while stack:
+            obj = stack.pop()
+            if not isinstance(obj, (list, dict, set)):
+                if type(obj) is tuple:
+                    stack.extend(obj)
+                continue
+            if id(obj) in seen:
+                self._multi.add(id(obj))
+                continue
+            seen.add(id(obj))
+            self._keep.append(obj)
+            if isinstance(obj, dict):
+                stack.extend(obj.keys())
+                stack.extend(obj.values())
+            else:
+                stack.extend(obj)
 
     def _leaf_key(self, path: tuple) -> str:
         base = _path_name(path)
@@ -156,6 +232,23 @@ class _Encoder:
         return key
 
     def enc(self, obj: Any, path: tuple) -> Any:
+        """Encode one value; a container met before is a ``ref`` to its first (``shared``) encoding."""
+        oid = id(obj)
+        if oid not in self._multi:
+            return self._enc(obj, path)
+        if oid in self._open:
+            raise refusal(_path_name(path), obj, "it contains itself (a cycle)")
+        if oid in self._shared:
+            return {"$t": "ref", "id": self._shared[oid]}
+        self._open.add(oid)
+        try:
+            node = self._enc(obj, path)
+        finally:
+            self._open.discard(oid)
+        self._shared[oid] = n = len(self._shared) + 1
+        return {"$t": "shared", "id": n, "v": node}
+
+    def _enc(self, obj: Any, path: tuple) -> Any:
         """Encode one value; every type is matched exactly (a subclass is never stored as its base)."""
         torch = _torch()
         import numpy as np
@@ -232,6 +325,7 @@ class _Encoder:
         dense = (t.layout == torch.strided and not t.is_quantized and not t.is_nested
                  and t.device.type != "meta")
         if dense:
+            _probe_bytes(t, _path_name(path))
             key = self._leaf_key(path)
             self._tensor_leaves.append((key, t))
             node: dict = {"$t": "tensor", "key": key}
@@ -353,7 +447,32 @@ def _leaf_flags(t) -> dict:
         flags["requires_grad"] = True
     if isinstance(t, torch.nn.Parameter):
         flags["parameter"] = True
+    bits = view_bits(t)
+    if bits:
+        flags["bits"] = bits
     return flags
+
+
+def _probe_bytes(t, where: str) -> None:
+    """Fail now, before anything is written, if a dense tensor's bytes cannot be taken the way the writer
+    will take them: one element of it goes through the same path (:func:`_tensor_u8`, :func:`_storage_u8`,
+    :func:`view_bits`). A tensor kind the writer cannot read is refused at encode time, naming its path,
+    instead of failing half-way through a generation."""
+    torch = _torch()
+    try:
+        view_bits(t)
+        if t.numel() > 0:
+            one = torch.as_strided(t.detach(), (1,), (1,), t.storage_offset())
+            _tensor_u8(one)
+        if t.untyped_storage().nbytes() > 0 and t.device.type == "cpu":
+            _storage_u8(t)
+    except SourceError as exc:
+        exc.where = where
+        raise
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise SourceError(f"the bytes of this {t.dtype} tensor cannot be read for archiving: {exc}",
+                          where=where, hint="convert it to a plain dense tensor (t.detach().clone()) "
+                                            "before saving") from None
 
 
 def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
@@ -380,6 +499,7 @@ def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
             and what to do. Nothing is ever stored as a lookalike of another type.
     """
     enc = _Encoder(allow)
+    enc.count_shared(state)
     tree = enc.enc(state, ())
     enc.finish_tensors()
     return tree, enc.table
@@ -416,6 +536,55 @@ def walk_refs(tree: Any):
                 stack.extend(node.values())
 
 
+def shared_nodes(tree: Any) -> dict[int, dict]:
+    """``{id: shared node}`` of every ``{"$t":"shared"}`` node in an encoded tree."""
+    out: dict[int, dict] = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("$t") == "shared" and type(node.get("id")) is int:
+                out.setdefault(node["id"], node)
+            stack.extend(node.values())
+    return out
+
+
+def inline_refs(node: Any, origins: dict[int, dict]) -> Any:
+    """A sub-tree made self-contained: the first ``ref`` to a container whose ``shared`` node lies outside
+    it becomes that shared node (later refs then resolve to the same object)."""
+    inside = set(shared_nodes(node))
+    placed: set[int] = set()
+
+    def walk(n):
+        if isinstance(n, list):
+            return [walk(v) for v in n]
+        if not isinstance(n, dict):
+            return n
+        if n.get("$t") == "shared":
+            placed.add(n.get("id"))
+        if n.get("$t") == "ref" and n.get("id") not in inside and n.get("id") not in placed \
+                and n.get("id") in origins:
+            placed.add(n["id"])
+            return walk(origins[n["id"]])
+        return {k: walk(v) for k, v in n.items()}
+
+    return walk(node) if any(True for _ in _refs(node)) else node
+
+
+def _refs(node: Any):
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, list):
+            stack.extend(n)
+        elif isinstance(n, dict):
+            if n.get("$t") == "ref":
+                yield n
+            stack.extend(n.values())
+
+
 def _torch_attr(name: str, kind: str):
     """``torch.<name>`` when it is a ``kind`` (dtype / layout), never any other attribute of torch."""
     torch = _torch()
@@ -442,6 +611,7 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
             class the reader did not admit (names the ``--allow`` that would).
     """
     build = objects == "build"
+    shared: dict[int, Any] = {}
 
     def items(node):
         its = node.get("items")
@@ -459,6 +629,18 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
         t = node.get("$t")
         if t is None:
             return {k: dec(v) for k, v in node.items()}
+        if t == "shared":  # a container reached more than once: decoded once, the same object after
+            n = node.get("id")
+            if type(n) is not int or n in shared:
+                raise FormatError(f"malformed shared node (id {n!r})")
+            shared[n] = value = dec(node.get("v"))
+            return value
+        if t == "ref":
+            n = node.get("id")
+            if type(n) is not int or n not in shared:
+                raise FormatError(f"the state tree refers to shared value {n!r} before (or outside) it; read the "
+                                  f"whole state, or the part that holds its first occurrence")
+            return shared[n]
         if t == "int":
             return int(node["v"])
         if t == "float":

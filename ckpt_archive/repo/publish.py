@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Protocol
 
-from ckpt_archive.errors import CannotCheck
+from ckpt_archive.errors import CannotCheck, CkptArchiveError
 from ckpt_archive.format.manifest import sha256_hex
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import (Generation, Repository, gen_key, host_record, iso, raise_if_problems,
@@ -205,6 +205,8 @@ class Lifecycle:
         Raises:
             LockError: another writer. IntegrityError: verify or trial reload failed (the generation stays
             partial). Withdrawn: the hook withdrew it (removed). StoreError / OSError: the store failed.
+            CannotCheck: an unexpected error after the claim (wrapped, exit 2). Every error raised after the
+            claim names the partial generation and ``ckpt-archive gc`` (its ``hint``).
         """
         try:
             return self._run()
@@ -214,6 +216,28 @@ class Lifecycle:
                                f"'{self.step}' (no reader lists it)",
                                self.cleanup or f"`ckpt-archive gc {self.repo.location}` removes it")
             raise
+        except Withdrawn:
+            raise  # removed by commit(): nothing left behind
+        except (CkptArchiveError, OSError) as exc:
+            if self.number is not None and isinstance(exc, CkptArchiveError):
+                note = self.left_note()
+                if "ckpt-archive gc" not in str(exc):
+                    exc.hint = f"{exc.hint}; {note}" if exc.hint else note
+            raise
+        except Exception as exc:
+            if self.number is None:
+                raise
+            # An unexpected error after the claim: never an anonymous "internal error" with a silent
+            # partial generation. Same exit code (2), named step, what was left, how to clean it.
+            raise CannotCheck(f"step '{self.step}' failed with an unexpected {type(exc).__name__} (a bug in "
+                              f"ckpt-archive; CKPT_ARCHIVE_DEBUG=1 shows the traceback): {exc}",
+                              where=self.repo.location, hint=self.left_note()) from exc
+
+    def left_note(self) -> str:
+        """What a failure after the claim leaves, and the command that removes it."""
+        cleanup = self.cleanup or f"`ckpt-archive gc {self.repo.location}` removes it"
+        return (f"generation {self.number} left partial (`ckpt-archive list --all` shows it; earlier generations "
+                f"untouched); {cleanup}")
 
     def _run(self) -> Published:
         r, steps = self.repo, self.steps

@@ -17,7 +17,7 @@ from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.format.codec import StoredStream, chunks_match, default_jobs, iter_decoded
 from ckpt_archive.format.limits import check_allocation, frame_size_problem, lazy_buffer
 from ckpt_archive.format.shard import check_header as _check_header
-from ckpt_archive.format.state_tree import decode, torch_dtype
+from ckpt_archive.format.state_tree import apply_view_bits, decode, torch_dtype
 
 
 @dataclasses.dataclass
@@ -429,10 +429,17 @@ def entry_tensor(buf: bytearray, erec: dict, lrec: dict):
     dt = torch_dtype(dname)
     if len(buf) == 0:
         return torch.empty(erec["shape"], dtype=dt)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    # A safetensors entry starts wherever the previous one ended: a flat byte entry viewed as complex128
+    # (or any entry of a wider dtype) may be misaligned, and torch kernels then crash (SIGSEGV on
+    # clone). Such an entry is copied into an aligned buffer first.
+    align = 16 if dt.itemsize == 1 and lrec["dtype"] != dname else dt.itemsize
+    if raw.data_ptr() % align:
+        raw = raw.clone()
     if dt.is_complex:
-        real = torch.frombuffer(buf, dtype=torch.float32 if dt == torch.complex64 else torch.float64)
+        real = raw.view(torch.float32 if dt == torch.complex64 else torch.float64)
         return torch.view_as_complex(real.reshape(-1, 2)).reshape(erec["shape"])
-    return torch.frombuffer(buf, dtype=dt).reshape(erec["shape"])
+    return raw.view(dt).reshape(erec["shape"])
 
 
 def leaf_from_base(base, lrec: dict):
@@ -445,6 +452,8 @@ def leaf_from_base(base, lrec: dict):
         dt = torch_dtype(lrec["dtype"])
         t = torch.empty(0, dtype=dt).set_(base.untyped_storage(), view["storage_offset"], lrec["shape"],
                                           view["stride"])
+    if lrec.get("bits") and lrec["kind"] == "torch":  # an unresolved conj / neg view: the bytes are physical, the bits come back
+        t = apply_view_bits(t, lrec["bits"])
     if lrec.get("parameter"):
         import torch
 
@@ -498,11 +507,22 @@ def subtree(tree: Any, path: str) -> Any:
     Raises:
         NotFound: a part of the path names nothing.
     """
+    from ckpt_archive.format.state_tree import shared_nodes, inline_refs
+
+    origins = shared_nodes(tree)
     node = tree
     walked = []
     for part in [p for p in path.split("/") if p]:
         walked.append(part)
-        node = _child(node, part, "/".join(walked))
+        node = _child(_unshare(node, origins), part, "/".join(walked))
+    # a container shared with a part outside the sub-tree comes along (first occurrence inlined)
+    return inline_refs(node, origins)
+
+
+def _unshare(node, origins: dict):
+    """The container a ``shared`` / ``ref`` node stands for (docs/FORMAT.md, "State tree")."""
+    while isinstance(node, dict) and node.get("$t") in ("shared", "ref"):
+        node = node.get("v") if node["$t"] == "shared" else (origins.get(node.get("id")) or {}).get("v")
     return node
 
 
