@@ -123,7 +123,7 @@ def test_a_cp_a_copy_is_copied_restorable_with_a_note_and_adopted_in_one_run(rea
     assert res.exit_code == 0 and "proven at" not in res.output
 
 
-def test_adopt_leaves_a_copied_generation_that_fails_its_deep_check_copied_and_exits_1(real_repo, tmp_path):
+def test_adopt_records_a_copied_generation_that_fails_its_deep_check_as_damaged_and_exits_1(real_repo, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(real_repo, copy)
     victim = copy / "generations" / "00000001" / "tensors-00000.safetensors.ckz"
@@ -134,7 +134,36 @@ def test_adopt_leaves_a_copied_generation_that_fails_its_deep_check_copied_and_e
     assert res.exit_code == 1, res.output
     doc = json.loads(res.stdout)
     assert doc["adopted"] == [2] and list(doc["failed"]) == ["1"]
-    assert _statuses(copy) == [(1, "copied"), (2, "usable")]
+    assert _statuses(copy) == [(1, "damaged"), (2, "usable")]
+
+
+def test_a_generation_that_failed_adopt_is_listed_damaged_never_latest_and_restore_names_the_failure(real_repo,
+                                                                                                    tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(real_repo, copy)
+    victim = copy / "generations" / "00000002" / "tensors-00000.safetensors.ckz"
+    good = victim.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    res = cli("adopt", copy, "--json")
+    assert res.exit_code == 1 and list(json.loads(res.stdout)["failed"]) == ["2"]
+    gen2 = Repository.open(copy).generation(2)
+    assert gen2.status == "damaged" and "tensors-00000" in gen2.reason and "restore reads it" not in gen2.reason
+    res = cli("list", copy, "--all", "--json")
+    rows = {g["generation"]: g for g in json.loads(res.stdout)["generations"]}
+    assert rows[2]["status"] == "damaged" and "deep check" in rows[2]["reason"]
+    assert Repository.open(copy).resolve("latest", copied=True).number == 1     # the older usable one
+    res = cli("restore", f"{copy}@latest", "--output", tmp_path / "l.pt")
+    assert res.exit_code == 0 and torch.load(tmp_path / "l.pt", weights_only=True)["step"] == 10
+    res = cli("restore", f"{copy}@2", "--output", tmp_path / "x.pt", "--json")
+    assert res.exit_code == 1
+    assert "deep check" in json.loads(res.stdout)["reason"] and "tensors-00000" in json.loads(res.stdout)["reason"]
+    assert not (tmp_path / "x.pt").exists()
+    victim.write_bytes(good)                                    # repaired: adopt checks it again and clears it
+    res = cli("adopt", copy, "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["adopted"] == [2]
+    assert _statuses(copy) == [(1, "usable"), (2, "usable")]
 
 
 def test_a_copy_put_in_place_of_the_original_is_told_by_its_inode(real_repo, tmp_path):

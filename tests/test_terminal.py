@@ -246,3 +246,88 @@ def test_every_commands_help_lists_only_its_own_exit_codes_and_the_top_level_one
     panel = top.split("Commands")[1]
     rows = [line for line in panel.splitlines() if line.startswith("│")]
     assert len(rows) == len(names), rows                          # one line per command, none wrapped
+
+
+@pytest.mark.parametrize("args", [
+    ("restore", "r@latest", "--json"),                       # no --output
+    ("list", "--json"),                                      # no REPO
+    ("restore", "r@latest", "-o", "x.pt", "--bogus", "--json"),
+])
+def test_json_mode_usage_errors_are_one_json_object_on_stdout_not_a_usage_box(tmp_path, args):
+    proc = subprocess.run([sys.executable, "-m", "ckpt_archive", *args], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr == ""
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] is False and doc["error"] == "UsageError" and doc["exit_code"] == 2 and doc["reason"]
+
+
+def test_ctrl_c_after_the_generation_was_published_exits_0_and_says_it_was_published(tmp_path):
+    src = tmp_path / "c.pt"
+    torch.save(_state(), src)
+    repo = tmp_path / "repo"
+    ca.pack(_state(2), repo)
+    proc = _cli_subprocess("pack", src, "--repo", repo, inject="after-publish=sigint")
+    assert proc.returncode == 0, proc.stderr
+    assert f"generation 2 of {os.path.realpath(repo)} was published" in proc.stderr
+    assert "left partial" not in proc.stderr
+    assert [(g.number, g.status) for g in Repository.open(repo).generations()] == [(1, "usable"), (2, "usable")]
+    proc = _cli_subprocess("pack", src, "--repo", repo, "--json", inject="after-publish=sigint")
+    assert proc.returncode == 0 and proc.stderr == ""
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] is True and doc["interrupted"] is True and doc["published"] == [3]
+
+
+def test_ctrl_c_landing_after_the_command_finished_keeps_its_exit_code(monkeypatch, tmp_path):
+    from ckpt_archive.cli import app as app_module
+    from ckpt_archive.cli.common import FINISHED
+
+    repo = tmp_path / "repo"
+    ca.pack(_state(), repo)
+
+    def interrupted_after_finishing(*a, **kw):          # what typer does when Ctrl-C lands after the body
+        FINISHED.append(0)
+        raise SystemExit(130)
+
+    monkeypatch.setattr(app_module, "app", interrupted_after_finishing)
+    monkeypatch.setattr(sys, "argv", ["ckpt-archive", "list", str(repo)])
+    with pytest.raises(SystemExit) as info:
+        app_module.main()
+    assert info.value.code == 0
+
+
+def test_pack_shows_torchs_own_warnings_once_as_the_tools_warnings_and_none_with_quiet(tmp_path, monkeypatch):
+    import warnings
+
+    real = ca.pack
+
+    def noisy_pack(*a, **kw):                    # torch warns like this while a source is read
+        for _ in range(3):
+            warnings.warn("TypedStorage is deprecated", UserWarning)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ca, "pack", noisy_pack)
+    src = tmp_path / "c.pt"
+    torch.save(_state(), src)
+    res = CliRunner().invoke(app, ["pack", str(src), "--repo", str(tmp_path / "repo")])
+    assert res.exit_code == 0, res.output
+    assert res.stderr.count("warning: UserWarning: TypedStorage is deprecated") == 1
+    assert "UserWarning: TypedStorage" not in res.stderr.replace("warning: UserWarning: TypedStorage", "")
+    res = CliRunner().invoke(app, ["pack", str(src), "--repo", str(tmp_path / "repo"), "-q"])
+    assert res.exit_code == 0 and "TypedStorage" not in res.stderr
+
+
+def test_inspect_of_a_state_without_optimizer_prints_no_empty_lr_policy_table(tmp_path):
+    repo = tmp_path / "repo"
+    ca.pack({"model": {"w": torch.ones(3)}, "step": 1}, repo)
+    res = cli("inspect", repo)
+    assert res.exit_code == 0, res.output
+    assert "LR policy (scheduler" not in res.output and "after_sched_step" not in res.output
+    assert "no optimizer param groups" in res.output
+
+
+def test_generation_repr_is_short_not_the_whole_manifest(tmp_path):
+    repo = tmp_path / "repo"
+    ca.pack({"model": {"w": torch.ones(300)}, "step": 7}, repo)
+    text = repr(Repository.open(repo).generation(1))
+    assert len(text) < 200 and "Generation(1, 'usable', step=7" in text and "members" not in text

@@ -90,9 +90,61 @@ def _register_all() -> None:
 _register_all()
 
 
+def _usage_error_json(exc: Exception) -> int:
+    """Print a command-line usage error (Typer's, raised with ``standalone_mode=False``) as the one JSON
+    error object on stdout, the shape every other error has (:mod:`ckpt_archive.cli.common`); return its
+    exit code. Typer's exceptions are told by class name: Typer vendors Click, never imported here."""
+    from ckpt_archive.cli.common import Output
+
+    names = {c.__name__ for c in type(exc).__mro__}
+    code = getattr(exc, "exit_code", 2) if "ClickException" in names else 2
+    fmt = getattr(exc, "format_message", None)
+    reason = fmt() if callable(fmt) else str(exc)
+    error = "UsageError" if "UsageError" in names else type(exc).__name__
+    Output(json_mode=True).json({"ok": False, "error": error, "where": None, "reason": reason,
+                                 "hint": "see `ckpt-archive COMMAND --help`", "exit_code": code})
+    return code
+
+
+def _run_json() -> int:
+    """Run with ``--json`` somewhere in argv: usage errors too become the one JSON object on stdout."""
+    try:
+        rv = app(standalone_mode=False)
+    except typer.Abort:
+        from ckpt_archive.cli.common import Output
+
+        Output(json_mode=True).json({"ok": False, "error": "Aborted", "where": None, "reason": "aborted",
+                                     "exit_code": 1})
+        return 1
+    except Exception as exc:  # noqa: BLE001 - Typer's usage errors (ClickException subclasses)
+        if not any(c.__name__ == "ClickException" for c in type(exc).__mro__):
+            raise
+        return _usage_error_json(exc)
+    # without standalone mode Typer returns the exit code a command raised, else the body's return value
+    return rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
+
+
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point.
+
+    Exit codes are the commands' own; a Ctrl-C that lands after a command finished (Typer would turn it
+    into a silent 130) keeps the code the command finished with.
+    """
+    import sys
+
+    from ckpt_archive.cli.common import FINISHED
+
+    if "--json" in sys.argv[1:]:
+        code = _run_json()
+    else:
+        try:
+            app()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    if code == 130 and FINISHED:
+        code = FINISHED[-1]
+    sys.exit(code)
 
 
 if __name__ == "__main__":

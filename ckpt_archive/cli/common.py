@@ -263,57 +263,106 @@ def command(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs) -> Any:
+        import warnings
+
+        from ckpt_archive.repo.publish import record_publishes
+
         quiet = bool(kwargs.get("quiet", False)) if takes_quiet else bool(kwargs.pop("quiet", False))
         json_mode = bool(kwargs.get("json_output", False))
         token = _QUIET.set(quiet)
         out = Output(json_mode, quiet)
-        try:
-            return fn(*args, **kwargs)
-        except typer.Exit:
-            raise
-        except CkptArchiveError as exc:
-            code = exit_code_for(exc)
-            import os
-
-            if os.environ.get("CKPT_ARCHIVE_DEBUG") and exc.__cause__ is not None \
-                    and not isinstance(exc.__cause__, CkptArchiveError):  # a wrapped unexpected error
+        with record_publishes() as published, warnings.catch_warnings(record=True) as caught:
+            try:
+                _run_body(fn, args, kwargs, out, published)
+                FINISHED.append(0)
+            except typer.Exit as exc:
+                FINISHED.append(exc.exit_code)
                 raise
-            out.error(f"error: {exc}")
-            out.json({"ok": False, **exc.to_json(), "exit_code": code})
-            raise typer.Exit(code)
-        except KeyboardInterrupt as exc:
-            code = exit_code_for(exc)
-            text, left, cleanup = interrupted_text(exc)
-            out.error(text)
-            out.json({"ok": False, "error": "Interrupted", "reason": text, "left": left, "cleanup": cleanup,
-                      "exit_code": code})
-            raise typer.Exit(code)
-        except OSError as exc:
-            code = exit_code_for(exc)
-            where = getattr(exc, "filename", None)
-            reason = f"{where}: {exc.strerror or exc}" if where else str(exc)
-            out.error(f"error: {reason}")
-            out.json({"ok": False, "error": type(exc).__name__, "where": where, "reason": str(exc),
-                      "exit_code": code})
-            raise typer.Exit(code)
-        except Exception as exc:  # last resort: still no traceback for a user, but say it is a bug
-            code = exit_code_for(exc)
-            import os
-
-            if os.environ.get("CKPT_ARCHIVE_DEBUG"):
-                raise
-            out.error(f"internal error ({type(exc).__name__}): {exc}. This is a bug in ckpt-archive; "
-                      f"set CKPT_ARCHIVE_DEBUG=1 for a traceback.")
-            out.json({"ok": False, "error": type(exc).__name__, "reason": str(exc), "exit_code": code})
-            raise typer.Exit(code)
-        finally:
-            _QUIET.reset(token)
+            finally:
+                _QUIET.reset(token)
+                _show_warnings(caught, out)
 
     if not takes_quiet:
         params = list(sig.parameters.values())
         quiet_param = inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, default=QUIET_OPTION, annotation=bool)
         wrapper.__signature__ = sig.replace(parameters=[*params, quiet_param])
     return wrapper
+
+
+#: Exit codes of the commands that finished in this process (a Ctrl-C landing after the command's body
+#: returned must not turn its result into 130: :func:`ckpt_archive.cli.app.main` reads this).
+FINISHED: list[int] = []
+
+
+def _show_warnings(caught: list, out: Output) -> None:
+    """Warnings raised through the ``warnings`` module while a command ran (torch's own, mostly), each once,
+    as the tool's warnings; none under ``--quiet`` or ``--json``."""
+    if out.quiet or out.json_mode:
+        return
+    seen: set[str] = set()
+    for w in caught:
+        text = f"{w.category.__name__}: {w.message}"
+        if text not in seen:
+            seen.add(text)
+            out.warn(text)
+
+
+def published_text(published: list[tuple[str, int]], left: str | None) -> str:
+    """The line for a Ctrl-C that landed after a generation was published (the command then exits 0)."""
+    gens = ", ".join(f"generation {n} of {loc}" for loc, n in published)
+    text = f"interrupted after {gens} was published: it is usable (`ckpt-archive list` shows it)"
+    if left:
+        text += f"; also: {left}"
+    return text
+
+
+def _run_body(fn: Callable, args: tuple, kwargs: dict, out: Output, published: list) -> None:
+    """Run a command body; map every exception to its exit code and report it (see :func:`command`)."""
+    try:
+        fn(*args, **kwargs)
+    except typer.Exit:
+        raise
+    except CkptArchiveError as exc:
+        code = exit_code_for(exc)
+        import os
+
+        if os.environ.get("CKPT_ARCHIVE_DEBUG") and exc.__cause__ is not None \
+                and not isinstance(exc.__cause__, CkptArchiveError):  # a wrapped unexpected error
+            raise
+        out.error(f"error: {exc}")
+        out.json({"ok": False, **exc.to_json(), "exit_code": code})
+        raise typer.Exit(code)
+    except KeyboardInterrupt as exc:
+        text, left, cleanup = interrupted_text(exc)
+        if published:  # the interrupt came after the commit point: the work it was asked for is done
+            text = published_text(published, getattr(exc, "ckpt_left", None))
+            out.warn(text)
+            out.json({"ok": True, "interrupted": True, "published": [n for _, n in published],
+                      "reason": text, "left": left, "cleanup": cleanup, "exit_code": 0})
+            return
+        code = exit_code_for(exc)
+        out.error(text)
+        out.json({"ok": False, "error": "Interrupted", "reason": text, "left": left, "cleanup": cleanup,
+                  "exit_code": code})
+        raise typer.Exit(code)
+    except OSError as exc:
+        code = exit_code_for(exc)
+        where = getattr(exc, "filename", None)
+        reason = f"{where}: {exc.strerror or exc}" if where else str(exc)
+        out.error(f"error: {reason}")
+        out.json({"ok": False, "error": type(exc).__name__, "where": where, "reason": str(exc),
+                  "exit_code": code})
+        raise typer.Exit(code)
+    except Exception as exc:  # last resort: still no traceback for a user, but say it is a bug
+        code = exit_code_for(exc)
+        import os
+
+        if os.environ.get("CKPT_ARCHIVE_DEBUG"):
+            raise
+        out.error(f"internal error ({type(exc).__name__}): {exc}. This is a bug in ckpt-archive; "
+                  f"set CKPT_ARCHIVE_DEBUG=1 for a traceback.")
+        out.json({"ok": False, "error": type(exc).__name__, "reason": str(exc), "exit_code": code})
+        raise typer.Exit(code)
 
 
 def human_bytes(n: int | None) -> str:

@@ -77,7 +77,10 @@ def cli_inspect(info: dict, repo: Any, out: Any) -> dict:
         out.warn(f"policy audit skipped: {exc}")
         return {"policy": {"skipped": str(exc)}}
     a, lint, section = policy_section(state, manifest, decoded)
-    out.table(audit_table(a))
+    if a.groups:
+        out.table(audit_table(a))
+    else:  # no optimizer param groups: an empty table says nothing
+        out.say(f"LR policy: no optimizer param groups in this state (scheduler: {a.scheduler.get('kind') or 'none'})")
     _say_counters(a, out)
     for f in _dedup(a, lint) + lint:
         if f.severity == "info":

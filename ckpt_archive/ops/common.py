@@ -45,9 +45,13 @@ def pick(r: Repository, generation: str | int, fallback: bool = False) -> Genera
 
     Raises:
         NotFound / NoUsableGeneration / the generation's own read error (ManifestInvalid,
-        NewerFormatError): nothing to read.
+        NewerFormatError): nothing to read. IntegrityError: its deep check here failed (recorded by
+        ``adopt``; the message names the failure).
     """
     gen = r.resolve(generation, copied=True)
+    if gen.check_failed is not None:
+        raise IntegrityError(f"generation {gen.number} is damaged: {gen.reason}; "
+                             f"{r.existing_summary()}", where=r.location)
     if gen.manifest is None:
         if gen.error is not None:
             raise gen.error

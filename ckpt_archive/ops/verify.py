@@ -63,7 +63,7 @@ def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | Non
             raise gen.error
         problems.append(Problem(f"not usable: {gen.reason}", member=MANIFEST))
         return problems, None
-    if gen.status == "damaged":
+    if gen.status == "damaged" and not (deep and gen.check_failed is not None):  # a new deep check supersedes
         problems.append(Problem(gen.reason or "damaged", member="USABLE.json"))
     elif gen.status == "partial":
         problems.append(Problem(f"not usable: {gen.reason}", member="USABLE.json"))
@@ -146,7 +146,7 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
     r = open_repo(repo, **store_options)
     gen = r.resolve(generation)
     marked = False
-    if deep and gen.status == "copied":
+    if deep and (gen.status == "copied" or gen.check_failed is not None):
         from ckpt_archive.repo.publish import adopt
 
         gen, problems, stats, marked = adopt(
@@ -176,7 +176,8 @@ class AdoptReport:
         location: the repository's place (resolved real path or normalised URL).
         adopted: generations checked deeply here and marked usable here now.
         already_usable: generations that were usable here before (not read).
-        failed: ``{generation: [problem, ...]}`` for copied generations whose deep check failed (left copied).
+        failed: ``{generation: [problem, ...]}`` for copied generations whose deep check failed (now
+            ``damaged``: the failure is recorded, ``@latest`` never picks them).
         skipped: ``{generation: status}`` for generations neither usable nor copied (partial, damaged).
         bytes: raw bytes decoded by the trial reloads.
     """
@@ -235,11 +236,12 @@ def adopt(repo: RepoLike, *, jobs: int | None = None, wait: float = 0.0, on_byte
     report = AdoptReport(r.location)
     with r.lock(wait):
         gens = r.generations()
-        copied = [g for g in gens if g.status == "copied"]
+        # copied ones, and those an earlier run here found damaged (checked again: the copy may be repaired)
+        copied = [g for g in gens if g.status == "copied" or g.check_failed is not None]
         for g in gens:
             if g.usable:
                 report.already_usable.append(g.number)
-            elif g.status != "copied":
+            elif g not in copied:
                 report.skipped[g.number] = g.status
         for i, g in enumerate(copied):
             if on_generation:

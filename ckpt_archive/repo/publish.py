@@ -28,14 +28,17 @@ is then removed (marker never written, so it was never usable) and :class:`Withd
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 from ckpt_archive.errors import CannotCheck, CkptArchiveError
 from ckpt_archive.format.manifest import sha256_hex
 from ckpt_archive.repo.reader import ArchiveReader, Problem
-from ckpt_archive.repo.repository import (Generation, Repository, gen_key, host_record, iso, raise_if_problems,
-                                          utcnow)
+from ckpt_archive.format import jsonio
+from ckpt_archive.repo.repository import (CHECK_FAILED, Generation, Repository, gen_key, host_record, iso,
+                                          raise_if_problems, utcnow)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +103,28 @@ def note_interrupt(exc: BaseException, left: str, cleanup: str | None) -> None:
     if not getattr(exc, "ckpt_left", None):
         exc.ckpt_left = left  # type: ignore[attr-defined]
         exc.ckpt_cleanup = cleanup  # type: ignore[attr-defined]
+
+
+#: Where :func:`commit` records each generation it publishes, when a caller asked (:func:`record_publishes`).
+_PUBLISH_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("ckpt_archive_publish_log", default=None)
+
+
+@contextlib.contextmanager
+def record_publishes() -> Iterator[list[tuple[str, int]]]:
+    """Collect ``(location, number)`` of every generation published in this context, as it is published.
+
+    A Ctrl-C can land after the marker was written (during retention, or while the result is printed):
+    the CLI reads this list to say the generation was published instead of "interrupted" (exit 0).
+
+    Returns:
+        (as the context value) the list, appended to by :func:`commit` right after each marker is written.
+    """
+    log: list[tuple[str, int]] = []
+    token = _PUBLISH_LOG.set(log)
+    try:
+        yield log
+    finally:
+        _PUBLISH_LOG.reset(token)
 
 
 class Withdrawn(CannotCheck):
@@ -191,6 +216,7 @@ class Lifecycle:
         self.cleanup = cleanup
         self.step = "claim"
         self.number: int | None = None
+        self.published = False
 
     def _point(self, name: str | None) -> None:
         if name:
@@ -211,7 +237,7 @@ class Lifecycle:
         try:
             return self._run()
         except KeyboardInterrupt as exc:
-            if self.number is not None:
+            if self.number is not None and not (self.published or self._marker_written()):
                 note_interrupt(exc, f"generation {self.number} of {self.repo.location} left partial at step "
                                f"'{self.step}' (no reader lists it)",
                                self.cleanup or f"`ckpt-archive gc {self.repo.location}` removes it")
@@ -238,6 +264,15 @@ class Lifecycle:
         cleanup = self.cleanup or f"`ckpt-archive gc {self.repo.location}` removes it"
         return (f"generation {self.number} left partial (`ckpt-archive list --all` shows it; earlier generations "
                 f"untouched); {cleanup}")
+
+    def _marker_written(self) -> bool:
+        """Whether an interrupt during step 'publish' came after the marker was written (the generation is usable)."""
+        if self.step != "publish" or self.number is None:
+            return False
+        try:
+            return self.repo.generation(self.number).usable
+        except Exception:  # noqa: BLE001 - only decides which note the interrupt carries
+            return False
 
     def _run(self) -> Published:
         r, steps = self.repo, self.steps
@@ -270,6 +305,7 @@ class Lifecycle:
             sha = sha256_hex(raw)
             marker = commit(Candidate(r, number, manifest, sha, counts), {"verified": verified,
                             **steps.record(r, counts)}, self.before_publish)
+            self.published = True
         return Published(number, manifest, sha, marker, verified, marker["trial_reload"])
 
 
@@ -313,7 +349,11 @@ def commit(candidate: Candidate, record: dict, before_publish: BeforePublish | N
         if reason:
             r.remove_generation(candidate.number)
             raise Withdrawn(candidate.number, str(reason), where=r.location)
-    return r.write_marker(candidate.number, candidate.manifest_sha256, candidate.manifest["archive_id"], record)
+    marker = r.write_marker(candidate.number, candidate.manifest_sha256, candidate.manifest["archive_id"], record)
+    log = _PUBLISH_LOG.get()
+    if log is not None:
+        log.append((r.location, candidate.number))
+    return marker
 
 
 def adopt(repo: Repository, number: int, check: Callable[[Generation], tuple[list[Problem], dict | None]], *,
@@ -321,9 +361,12 @@ def adopt(repo: Repository, number: int, check: Callable[[Generation], tuple[lis
                                                                                    dict | None, bool]:
     """Make a ``copied`` generation (members and manifest put here by another tool) usable here.
 
-    Under the lock: re-read the generation (it must still be ``copied``), run the deep ``check`` (the
-    caller's: trial reload and layout checks), and only when it finds nothing wrong write the marker
-    naming this location, with the check's record and where it was copied from.
+    Under the lock: re-read the generation (it must still be ``copied``, or ``damaged`` by an earlier
+    failed check here), run the deep ``check`` (the caller's: trial reload and layout checks), and only
+    when it finds nothing wrong write the marker naming this location, with the check's record and where
+    it was copied from. A check that finds problems writes ``CHECK-FAILED.json`` beside the marker (the
+    generation is then ``damaged``: never listed as copied, never picked by ``@latest``); a later check
+    that passes removes it.
 
     Args:
         repo: the repository. number: the generation.
@@ -340,8 +383,23 @@ def adopt(repo: Repository, number: int, check: Callable[[Generation], tuple[lis
     with repo.lock(wait):
         gen = repo.generation(number)
         problems, counts = check(gen)
-        if problems or gen.status != "copied":
+        was_failed = gen.check_failed is not None
+        if gen.status != "copied" and not was_failed:
             return gen, problems, counts, False
+        note = f"{gen.key}/{CHECK_FAILED}"
+        if problems:
+            # Recorded beside the marker, never in it: list and @latest see the failure at once; only a
+            # passing check here (this path, under the lock) removes the note.
+            repo.store.replace_bytes(note, jsonio.dumps(
+                {"generation": number, "manifest_sha256": gen.manifest_sha256, "location": repo.location,
+                 **host_record(repo.location), "problems": [p.to_json() for p in problems[:20]],
+                 "problem_count": len(problems)}, indent=1, ensure_ascii=True))
+            return repo.generation(number), problems, counts, False
+        if was_failed:
+            repo.store.remove(note)
+            gen = repo.generation(number)
+            if gen.status != "copied":
+                return gen, problems, counts, False
         trial = {**host_record(repo.location), "result": "ok", **(counts or {})}
         record = {"verified": {"when": iso(utcnow()), "result": "ok"}, "trial_reload": trial,
                   "copied_from": (gen.marker or {}).get("location")}
@@ -349,5 +407,5 @@ def adopt(repo: Repository, number: int, check: Callable[[Generation], tuple[lis
     return gen, problems, counts, True
 
 
-__all__ = ["publish", "adopt", "commit", "phase", "note_interrupt", "Lifecycle", "Steps", "Points", "PACK_POINTS", "EXPORT_POINTS",
+__all__ = ["publish", "adopt", "commit", "phase", "note_interrupt", "record_publishes", "Lifecycle", "Steps", "Points", "PACK_POINTS", "EXPORT_POINTS",
            "Candidate", "BeforePublish", "Withdrawn", "Published"]

@@ -38,6 +38,8 @@ GEN_DIR = "generations"
 MANIFEST = "manifest.json"
 MARKER = "USABLE.json"
 CLAIM = "CLAIM"
+#: A deep check at a place failed (written by :func:`ckpt_archive.repo.publish.adopt`, never the marker).
+CHECK_FAILED = "CHECK-FAILED.json"
 REPO_FORMAT_VERSION = 1
 _GEN_RE = re.compile(r"^\d{8}$")
 
@@ -171,6 +173,11 @@ class Generation:
     marker: dict | None = None
     manifest_sha256: str | None = None
     error: CkptArchiveError | None = None
+    check_failed: dict | None = None  # the CHECK-FAILED.json note that made it ``damaged``, if one did
+
+    def __repr__(self) -> str:
+        return (f"Generation({self.number}, {self.status!r}, step={self.step!r}, "
+                f"archive_id={(self.manifest or {}).get('archive_id')!r})")
 
     @property
     def key(self) -> str:
@@ -342,11 +349,31 @@ class Repository:
         if not isinstance(marker, dict) or marker.get("manifest_sha256") != sha:
             return Generation(number, "damaged", "manifest.json changed after it was published (sha256 differs "
                               "from the marker's)", manifest, marker if isinstance(marker, dict) else None, sha)
+        if CHECK_FAILED in names:
+            note = self._check_failed(key, sha)
+            if note is not None:
+                first = (note.get("problems") or [{}])[0]
+                return Generation(number, "damaged", f"its deep check at {note.get('location')} failed "
+                                  f"({note.get('when')}): {first.get('member') or first.get('field') or '-'}: "
+                                  f"{first.get('reason')}; after repairing the copy, `ckpt-archive adopt "
+                                  f"{self.location}` checks it again", manifest, marker, sha, check_failed=note)
         if not self.place.holds(marker):
             return Generation(number, "copied", f"trial-reloaded at {marker.get('location')}, not here (restore "
                               f"reads it, checking every byte; ckpt-archive adopt makes it usable here)",
                               manifest, marker, sha)
         return Generation(number, "usable", None, manifest, marker, sha)
+
+    def _check_failed(self, key: str, sha: str) -> dict | None:
+        """The failed-check note of this manifest (an unreadable note counts: the check did fail), or None."""
+        try:
+            note = jsonio.loads(self.store.read_bytes(f"{key}/{CHECK_FAILED}"), where=f"{key}/{CHECK_FAILED}")
+        except NotFound:
+            return None
+        except (UnicodeDecodeError, ValueError):
+            return {"problems": [{"field": CHECK_FAILED, "reason": "a failed-check note that is not valid JSON"}]}
+        if not isinstance(note, dict):
+            return {"problems": [{"field": CHECK_FAILED, "reason": "a failed-check note that is not an object"}]}
+        return note if note.get("manifest_sha256") in (sha, None) else None
 
     def generations(self) -> list[Generation]:
         """All generations, oldest first, each with its status."""
