@@ -233,3 +233,24 @@ def test_source_modules_import_each_other_in_one_direction():
 
     cycles = sorted(m for m in graph if reaches(m, m))
     assert cycles == []
+
+
+def test_a_checkpoint_named_file_that_cannot_be_parsed_rode_along_opaque_without_a_word(tmp_path):
+    """A folder's random.pt (random bytes) was kept opaque silently: the user thought it was a checkpoint."""
+    import os
+
+    import torch
+
+    from ckpt_archive.sources import read_source
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    torch.save({"model": {"w": torch.ones(2)}}, folder / "model.pt")
+    (folder / "random.pt").write_bytes(os.urandom(4096))
+    (folder / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(512))
+    src = read_source(folder)
+    kinds = {f.relpath: f.kind for f in src.files}
+    assert kinds["random.pt"] == "opaque" and kinds["image.png"] == "opaque"
+    notes = [w for w in src.warnings if w.startswith("random.pt")]
+    assert len(notes) == 1 and "kept opaque" in notes[0] and "never loaded" in notes[0]
+    assert not any(w.startswith("image.png") for w in src.warnings)  # nothing was expected of it

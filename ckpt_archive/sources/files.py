@@ -183,7 +183,7 @@ def classify_file(root: Path, rel: str, *, allow_numpy: bool = False, opaque: bo
         with zipfile.ZipFile(path) as zf:
             is_torch = any(n.endswith("data.pkl") for n in zf.namelist())
         if not is_torch:
-            return SourceFile(rel, "opaque", path), None, []
+            return SourceFile(rel, "opaque", path), None, _unparsed_note(rel, suffix, "a zip archive, not a torch.save file")
         try:
             obj = load_torch_file(path, allow_numpy=allow_numpy)
         except RefusedPickle as exc:
@@ -204,7 +204,17 @@ def classify_file(root: Path, rel: str, *, allow_numpy: bool = False, opaque: bo
         return SourceFile(rel, "torch", path), obj, []
     if _is_utf8_text(path):
         return SourceFile(rel, "raw", path), None, []
-    return SourceFile(rel, "opaque", path), None, []
+    return SourceFile(rel, "opaque", path), None, _unparsed_note(rel, suffix, "neither a torch.save nor a pickle file")
+
+
+def _unparsed_note(rel: str, suffix: str, what: str) -> list[str]:
+    """The warning for a file whose name says checkpoint (``.pt``, ``.bin``, ...) but which could not be
+    parsed as one: it rides along opaque, and the user is told (issue 11); other binary files ride along
+    silently (nothing was expected of them)."""
+    if suffix not in TORCH_SUFFIXES:
+        return []
+    return [f"{rel}: kept opaque (byte for byte, fingerprinted, never loaded): its name says checkpoint but it "
+            f"is {what}; its state is not decomposed or checked"]
 
 
 def _opaque_note(rel: str, exc: RefusedPickle) -> str:
