@@ -556,3 +556,13 @@ def test_container_aliasing_is_kept():
     assert got["v"][0] is got["v"][1] and got["d"][0] is got["d"][1]
     assert got["s"][0] is got["s"][1] and got["c"][0] is got["c"][1]
     assert got["v"][0] == [1, 2]
+
+
+def test_a_frozenset_file_was_told_to_use_an_allow_that_can_never_admit_it(tmp_path):
+    """torch refuses builtins.frozenset in a weights_only load; the hint said `--allow builtins.frozenset`,
+    which the allowlist then refuses (no plain __dict__): say to convert it instead."""
+    from ckpt_archive.format.allowlist import refused_global_hint
+
+    hint = refused_global_hint("builtins.frozenset")
+    assert "--allow" not in hint and "convert" in hint
+    assert "--allow argparse.Namespace" in refused_global_hint("argparse.Namespace")

@@ -225,6 +225,9 @@ def refused_global_hint(name: str) -> str:
         return (f"it holds {name} objects (plain data): re-run with --allow {name} "
                 f"(Python: PackOptions(allow=[{name!r}])) "
                 f"to store and restore them as {name}, building nothing else")
+    if name.startswith("builtins."):  # frozenset, range, ...: no __dict__, so --allow could never admit it
+        return (f"{name} cannot be admitted (it is not a class whose state is a plain __dict__); convert it to "
+                f"plain values before saving (a frozenset to a set or a sorted list, a range to a list)")
     return (f"if {name} is a plain-data class you trust, re-run with --allow {name}; only classes whose state "
             f"is a plain __dict__ are admitted, never code")
 
