@@ -84,6 +84,33 @@ def cyclic_slots(groups: list[dict], sd: dict) -> list[tuple[float | None, float
              as_float(maxs[i]) if i < len(maxs) else None) for i in range(n)]
 
 
+def compare_cyclic(groups: list, sch: dict, sess: dict, opt_field: str, sch_field: str, add: Any) -> None:
+    """CyclicLR: config ``base_lr`` against ``base_lrs`` (= ``initial_lr``), ``max_lr`` against ``max_lrs``;
+    the config's ``lr`` is the optimizer constructor's, which CyclicLR overrides, and is not compared."""
+    from ckpt_archive.training.session import per_group
+
+    slots = cyclic_slots(groups, sch)
+    for key, pos, field in (("base_lr", 0, "base_lrs"), ("max_lr", 1, "max_lrs")):
+        if key not in sess:
+            continue
+        for i, (slot, want) in enumerate(zip(slots, per_group(sess[key], len(slots)))):
+            have, want = slot[pos], coerce_float(want)
+            if have is not None and want is not None and not nearly_equal(have, want):
+                add(f"{sch_field}.{field}[{i}]", have, want,
+                    f"config {sess['source'][key]}; CyclicLR cycles between base_lrs and max_lrs",
+                    "at the next scheduler.step()")
+
+def cyclic_wants(sch: Any, sess: dict, lr: Any, n: int) -> tuple[list | None, list | None]:
+    """CyclicLR: the session's ``base_lr`` and ``max_lr`` per group (None where the config names none)."""
+    from ckpt_archive.training.session import per_group
+
+    if base_kind(sch) != "cyclic":
+        return None, None
+    n = n or len(cyclic_slots([], sch))
+    base = lr if lr is not None else sess.get("base_lr")
+    return (per_group(base, n) if base is not None else None,
+            per_group(sess["max_lr"], n) if "max_lr" in sess else None)
+
 def _same_type(template: Any, value: float) -> Any:
     if hasattr(template, "dtype") and hasattr(template, "device"):
         import torch

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 from ckpt_archive.errors import UsageError
 from ckpt_archive.format.config_file import load_config
 from ckpt_archive.training.audit import audit
-from ckpt_archive.training.lr_bases import (base_kind, cyclic_slots, impose_cyclic, impose_plateau, plateau_bases,
-                                            plateau_reductions)
+from ckpt_archive.training.lr_bases import (base_kind, compare_cyclic, cyclic_wants, impose_cyclic, impose_plateau,
+                                            plateau_bases, plateau_reductions)
 from ckpt_archive.training.parts import find_parts, is_tensor
 from ckpt_archive.training.schedulers import derive_lrs
 from ckpt_archive.training.values import as_float, coerce_float, flatten, fmt_pair, fmt_value, jsonable, nearly_equal
@@ -270,7 +270,7 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
             else ("scheduler", None)
         kind = base_kind(sch)
         if kind == "cyclic" and isinstance(sch, dict):
-            _compare_cyclic(groups, sch, sess, opt_field, sch_field, add)
+            compare_cyclic(groups, sch, sess, opt_field, sch_field, add)
         elif kind == "plateau" and "lr" in sess:
             olds = plateau_bases(groups, sch, arch_lr)
             for i, (g, want) in enumerate(zip(groups, per_group(sess["lr"], len(groups)))):
@@ -321,7 +321,7 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
         for sch_path, sch in find_parts(state, keys).get("scheduler", []):
             sfield = str(sch_path) or "scheduler"
             if base_kind(sch) == "cyclic" and isinstance(sch, dict):
-                _compare_cyclic([], sch, sess, "optimizer", sfield, add)
+                compare_cyclic([], sch, sess, "optimizer", sfield, add)
                 continue
             if base_kind(sch) in ("one_cycle", "plateau"):
                 continue  # OneCycleLR reads the session's groups (max_lr), Plateau keeps no base_lrs
@@ -343,21 +343,6 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
     return diffs
 
 
-def _compare_cyclic(groups: list, sch: dict, sess: dict, opt_field: str, sch_field: str, add: Any) -> None:
-    """CyclicLR: config ``base_lr`` against ``base_lrs`` (= ``initial_lr``), ``max_lr`` against ``max_lrs``;
-    the config's ``lr`` is the optimizer constructor's, which CyclicLR overrides, and is not compared."""
-    slots = cyclic_slots(groups, sch)
-    for key, pos, field in (("base_lr", 0, "base_lrs"), ("max_lr", 1, "max_lrs")):
-        if key not in sess:
-            continue
-        for i, (slot, want) in enumerate(zip(slots, per_group(sess[key], len(slots)))):
-            have, want = slot[pos], coerce_float(want)
-            if have is not None and want is not None and not nearly_equal(have, want):
-                add(f"{sch_field}.{field}[{i}]", have, want,
-                    f"config {sess['source'][key]}; CyclicLR cycles between base_lrs and max_lrs",
-                    "at the next scheduler.step()")
-
-
 def _archived_lr(state: Any, archived_config: Any) -> Any:
     """The archived config's ``lr`` (the packed config, else the copy inside the state), or None."""
     from ckpt_archive.training.completeness import archived_config as find_config
@@ -367,16 +352,6 @@ def _archived_lr(state: Any, archived_config: Any) -> Any:
         return session_values(cfg).get("lr") if cfg else None
     except Exception:  # noqa: BLE001 - an unreadable archived config just tells no base
         return None
-
-
-def _cyclic_wants(sch: Any, sess: dict, lr: Any, n: int) -> tuple[list | None, list | None]:
-    """CyclicLR: the session's ``base_lr`` and ``max_lr`` per group (None where the config names none)."""
-    if base_kind(sch) != "cyclic":
-        return None, None
-    n = n or len(cyclic_slots([], sch))
-    base = lr if lr is not None else sess.get("base_lr")
-    return (per_group(base, n) if base is not None else None,
-            per_group(sess["max_lr"], n) if "max_lr" in sess else None)
 
 
 def _rescale(value: float, old_base: float, new_base: float) -> float:
@@ -576,7 +551,7 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
         if "lr" in sess and sch_entries:
             for sch_path, sch in sch_entries:
                 n_groups = len((sch.get("base_lrs") or []) if isinstance(sch, dict) else [])
-                wants, want_max = _cyclic_wants(sch, sess, lr, n_groups)
+                wants, want_max = cyclic_wants(sch, sess, lr, n_groups)
                 changes += impose_lrs([], sch, wants if wants is not None else per_group(sess["lr"], n_groups),
                                       "optimizer", str(sch_path) or "scheduler", want_max=want_max)
             return new_state, changes
@@ -591,7 +566,7 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
         sch_field = str(sch_entries[n][0]) if n < len(sch_entries) else "scheduler"
         kind = base_kind(sch)
         if kind == "cyclic":
-            wants, want_max = _cyclic_wants(sch, sess, lr, len(groups))
+            wants, want_max = cyclic_wants(sch, sess, lr, len(groups))
             changes += impose_lrs(groups, sch, wants or [], opt_field, sch_field, want_max=want_max)
         elif "lr" in sess:
             wants = per_group(lr, len(groups)) if lr is not None else session_bases(groups, sess)
