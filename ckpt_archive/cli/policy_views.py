@@ -153,7 +153,9 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     if session_config is None and expect_lr is None and policy == "checkpoint":
         return None, {}
     state, manifest, _ = state_for_audit(repo, generation)
-    diffs = compare_with_session(state, session_config=session_config, expect_lr=expect_lr, policy=policy)
+    packed_cfg = manifest.get("config") or None
+    diffs = compare_with_session(state, session_config=session_config, expect_lr=expect_lr, policy=policy,
+                                 archived_config=packed_cfg)
     for d in diffs:
         out.warn(d.message)
     section: dict = {"mode": policy, "differences": [d.to_json() for d in diffs], "changes": []}
@@ -171,7 +173,7 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
         return None, section
 
     def transform(st: Any) -> Any:
-        new, changes = apply_session_policy(st, session_config=session_config)
+        new, changes = apply_session_policy(st, session_config=session_config, archived_config=packed_cfg)
         section["changes"] = [c.to_json() for c in changes]
         section["_changes"] = changes
         return new

@@ -186,7 +186,7 @@ def config_disagreements(state: Any, config: Any = None) -> list[Finding]:
     if not cfg:
         return []
     out = []
-    for d in compare_with_session(state, session_config=cfg):
+    for d in compare_with_session(state, session_config=cfg, archived_config=cfg):
         key = d.config_key or d.field.rsplit(".", 1)[-1]
         out.append(Finding("warning", d.field,
                            f"{where} says {key} = {fmt_value(d.session)} but the state holds {fmt_value(d.archived)} "

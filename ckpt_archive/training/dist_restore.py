@@ -191,13 +191,16 @@ def apply_state(view: Any, *, model=None, optimizer=None, scheduler=None, scaler
         the :class:`~ckpt_archive.training.restore.RestoreReport` (``restored`` lists every part).
     """
     from ckpt_archive.training.parts import find_parts
-    from ckpt_archive.training.restore import _session_bases, restore_training_state
+    from ckpt_archive.training.restore import _session_bases, _session_policy_kw, restore_training_state
     from ckpt_archive.training.session import impose_lrs
 
     found = find_parts(view)
     msd = found["model"][0][1] if found.get("model") else None
     osd = found["optimizer"][0][1] if found.get("optimizer") else None
     bases = _session_bases(optimizer, session_lr) if (policy == "session" and optimizer is not None) else None
+    ssd = found["scheduler"][0][1] if found.get("scheduler") else None
+    policy_kw = (_session_policy_kw(view, {"optimizer": ("optimizer", osd), "scheduler": ("scheduler", ssd)},
+                                    scheduler, bases, session_lr) if bases is not None else {})
     done = []
     if model is not None and msd is not None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -212,7 +215,7 @@ def apply_state(view: Any, *, model=None, optimizer=None, scheduler=None, scaler
     rest = {k: v for k, v in view.items() if id(v) not in skip} if isinstance(view, dict) else view
     report = restore_training_state(rest, scheduler=scheduler, scaler=scaler, rng=rng, policy="checkpoint")
     if bases is not None:
-        report.changes = impose_lrs(optimizer.param_groups, scheduler, bases, "optimizer", "scheduler")
+        report.changes = impose_lrs(optimizer.param_groups, scheduler, bases, "optimizer", "scheduler", **policy_kw)
         report.policy = "session"
     if optimizer is not None:
         report.next_lrs = [float(g["lr"]) for g in optimizer.param_groups]

@@ -127,13 +127,14 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
              for name in ("model", "optimizer", "scheduler", "scaler")}
     check_structure(parts, model=model, optimizer=optimizer, scheduler=scheduler)
     session_bases = _session_bases(optimizer, session_lr) if policy == "session" else None
+    policy_kw = _session_policy_kw(state, parts, scheduler, session_bases, session_lr) if policy == "session" else {}
 
     live = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
     restored, skipped, warnings = _load_in_order(parts, live, a)
     changes: list[PolicyChange] = []
     if policy == "session":
         changes = impose_lrs(optimizer.param_groups, scheduler, session_bases, parts["optimizer"][0] or "optimizer",
-                             parts["scheduler"][0] or "scheduler")
+                             parts["scheduler"][0] or "scheduler", **policy_kw)
 
     # The RNG streams last: nothing that runs during the restore draws from a restored stream.
     rng_report: dict = {}
@@ -170,6 +171,30 @@ def _session_bases(optimizer: Any, session_lr: float | Sequence[float] | None) -
     if session_lr is not None:
         return per_group(session_lr, len(optimizer.param_groups))
     return [as_float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in optimizer.param_groups]
+
+
+def _session_policy_kw(state: Any, parts: dict, scheduler: Any, session_bases: list,
+                       session_lr: Any) -> dict:
+    """What :func:`impose_lrs` needs besides the session bases, read before anything is loaded: a CyclicLR
+    session's ``max_lrs`` (from the live scheduler as the session built it); a ReduceLROnPlateau's archived
+    base per group (checked now, so a refusal comes before the live objects are touched).
+
+    Raises:
+        UsageError: a ReduceLROnPlateau state whose base cannot be told while the session's differs.
+    """
+    from ckpt_archive.training.lr_bases import base_kind, impose_plateau, plateau_bases
+    from ckpt_archive.training.session import _archived_lr
+
+    kind = base_kind(scheduler)
+    if kind == "cyclic":
+        return {"want_max": None if session_lr is not None else list(getattr(scheduler, "max_lrs", []) or []) or None}
+    saved = parts["optimizer"][1]
+    if kind != "plateau" or not isinstance(saved, dict):
+        return {}
+    groups = [dict(g) for g in saved.get("param_groups") or [] if isinstance(g, dict)]
+    olds = plateau_bases(groups, parts["scheduler"][1] or {}, _archived_lr(state, None))
+    impose_plateau(groups, None, session_bases, olds, parts["optimizer"][0] or "optimizer", "scheduler", [])
+    return {"archived_bases": olds}
 
 
 def _load_in_order(parts: dict, live: dict, a: PolicyAudit) -> tuple[list[str], dict, list[str]]:

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 from ckpt_archive.errors import UsageError
 from ckpt_archive.format.config_file import load_config
 from ckpt_archive.training.audit import audit
+from ckpt_archive.training.lr_bases import (base_kind, compare_cyclic, cyclic_wants, impose_cyclic, impose_plateau,
+                                            plateau_bases, plateau_reductions)
 from ckpt_archive.training.parts import find_parts, is_tensor
 from ckpt_archive.training.schedulers import derive_lrs
 from ckpt_archive.training.values import as_float, coerce_float, flatten, fmt_pair, fmt_value, jsonable, nearly_equal
@@ -68,18 +70,24 @@ class PolicyDifference:
 
 @dataclasses.dataclass
 class PolicyChange:
-    """One field rewritten by :func:`apply_session_policy` (``old`` -> ``new``)."""
+    """One field rewritten by :func:`apply_session_policy` (``old`` -> ``new``; ``note``: why, where the
+    rule is not a plain replacement, e.g. a ReduceLROnPlateau rescale that keeps the reductions)."""
 
     field: str
     old: Any
     new: Any
+    note: str = ""
 
     def to_json(self) -> dict:
-        """The fields as strict JSON."""
-        return jsonable(dataclasses.asdict(self))
+        """The fields as strict JSON (``note`` only where there is one)."""
+        d = dataclasses.asdict(self)
+        if not d["note"]:
+            del d["note"]
+        return jsonable(d)
 
     def __str__(self) -> str:
-        return f"{self.field}: {fmt_value(self.old)} -> {fmt_value(self.new)}"
+        tail = f" ({self.note})" if self.note else ""
+        return f"{self.field}: {fmt_value(self.old)} -> {fmt_value(self.new)}{tail}"
 
 
 def session_values(session_config: dict | str | Path | None) -> dict:
@@ -129,13 +137,18 @@ def session_values(session_config: dict | str | Path | None) -> dict:
     for name, names in (("lr", _LR_NAMES), ("max_lr", _MAX_LR_NAMES)):
         if name in out:
             continue
-        hit = pick(names)
+        hit = (pick(("lr", "learning_rate")) or pick(names)) if name == "lr" else pick(names)
         if hit is not None:
             v = hit[1]
             val = [coerce_float(x) for x in v] if isinstance(v, (list, tuple)) else coerce_float(v)
             if val is not None and not (isinstance(val, list) and None in val):
                 out[name] = val
                 out["source"][name] = hit[0]
+    hit = pick(("base_lr",))  # CyclicLR's lower bound, when named as such (it is also an alias of lr)
+    if hit is not None and coerce_float(hit[1]) is not None and not isinstance(hit[1], (list, tuple)):
+        out["base_lr"], out["source"]["base_lr"] = coerce_float(hit[1]), hit[0]
+    elif hit is not None and isinstance(hit[1], (list, tuple)) and None not in [coerce_float(x) for x in hit[1]]:
+        out["base_lr"], out["source"]["base_lr"] = [coerce_float(x) for x in hit[1]], hit[0]
     if "lr" not in out and "max_lr" in out:  # a config that names only a peak LR: that is its LR
         out["lr"], out["source"]["lr"] = out["max_lr"], out["source"]["max_lr"]
     for name, aliases in HYPER_NAMES.items():
@@ -198,7 +211,7 @@ def session_bases(groups: list, sess: dict) -> list | None:
 
 def compare_with_session(state: Any, *, session_config: dict | str | Path | None = None,
                          expect_lr: float | Sequence[float] | None = None, policy: str = "checkpoint",
-                         keys: dict | None = None) -> list[PolicyDifference]:
+                         keys: dict | None = None, archived_config: Any = None) -> list[PolicyDifference]:
     """Compare the archived policy with the session's.
 
     Args:
@@ -212,6 +225,14 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
         policy: ``"checkpoint"`` (default: ``optimizer.load_state_dict`` overrides the session's values) or
             ``"session"``; decides ``wins`` and the switch named for the other choice.
         keys: part -> path overrides (see :func:`find_parts`).
+        archived_config: the run's own config (packed with ``--config``; default: the copy inside the
+            state): tells the base LR of a ReduceLROnPlateau group, which the state does not keep.
+
+    Each scheduler kind is compared on the config keys it takes its LRs from (:mod:`.lr_bases`): OneCycleLR
+    ``max_lr`` with the group's ``max_lr``; CyclicLR ``base_lr``/``max_lr`` with ``base_lrs``/``max_lrs``;
+    ReduceLROnPlateau ``lr`` with its base (the current ``lr`` is the base after whole reductions by
+    ``factor``); others ``lr`` with ``initial_lr``. A current LR that differs from the base by warmup,
+    decay or reductions is progress, never a difference.
 
     Returns:
         One :class:`PolicyDifference` per field whose values differ (relative tolerance
@@ -240,10 +261,35 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                                       f"{field}: archived {a}, session {s} ({what}; takes effect {when}); {tail}",
                                       when, what.split(";", 1)[0].removeprefix("config ")))
 
-    for opt_path, opt in entries:
+    sch_entries = find_parts(state, keys).get("scheduler", [])
+    arch_lr = _archived_lr(state, archived_config)
+    for n, (opt_path, opt) in enumerate(entries):
         opt_field = str(opt_path) or "optimizer"
         groups = [g for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
-        if "lr" in sess:
+        sch_field, sch = (str(sch_entries[n][0]) or "scheduler", sch_entries[n][1]) if n < len(sch_entries) \
+            else ("scheduler", None)
+        kind = base_kind(sch)
+        if kind == "cyclic" and isinstance(sch, dict):
+            compare_cyclic(groups, sch, sess, opt_field, sch_field, add)
+        elif kind == "plateau" and "lr" in sess:
+            olds = plateau_bases(groups, sch, arch_lr)
+            for i, (g, want) in enumerate(zip(groups, per_group(sess["lr"], len(groups)))):
+                cur, old = as_float(g.get("lr")), olds[i]
+                want = coerce_float(want)
+                if want is None or cur is None:
+                    continue
+                if old is not None and not nearly_equal(old, want):
+                    fname = "initial_lr" if "initial_lr" in g else "lr"
+                    add(f"{opt_field}.param_groups[{i}].{fname}", old, want,
+                        f"config {sess['source']['lr']}; the ReduceLROnPlateau base LR"
+                        + ("" if fname == "initial_lr" else f" (the current lr {fmt_value(cur)} is it after "
+                           f"the plateau reductions)"))
+                elif old is None and plateau_reductions(cur, want, sch.get("factor"),
+                                                        (sch.get("min_lrs") or [None] * (i + 1))[i]) is None:
+                    add(f"{opt_field}.param_groups[{i}].lr", cur, want,
+                        f"config {sess['source']['lr']}; ReduceLROnPlateau keeps no base LR and the lr is not "
+                        f"this one after whole reductions by factor {fmt_value(as_float(sch.get('factor')))}")
+        elif "lr" in sess:
             for i, (g, want) in enumerate(zip(groups, session_bases(groups, sess))):
                 fname = lr_base_field(g)
                 have = as_float(g.get(fname))
@@ -273,8 +319,13 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
         # No optimizer state: the session's optimizer keeps its LR for the next step, then the archived
         # scheduler's base_lrs take over at the next scheduler.step() (scripts that restore only the scheduler).
         for sch_path, sch in find_parts(state, keys).get("scheduler", []):
-            bases = [as_float(b) for b in (sch.get("base_lrs") or [])] if isinstance(sch, dict) else []
             sfield = str(sch_path) or "scheduler"
+            if base_kind(sch) == "cyclic" and isinstance(sch, dict):
+                compare_cyclic([], sch, sess, "optimizer", sfield, add)
+                continue
+            if base_kind(sch) in ("one_cycle", "plateau"):
+                continue  # OneCycleLR reads the session's groups (max_lr), Plateau keeps no base_lrs
+            bases = [as_float(b) for b in (sch.get("base_lrs") or [])] if isinstance(sch, dict) else []
             for i, (have, want) in enumerate(zip(bases, per_group(sess["lr"], len(bases)))):
                 want = coerce_float(want)
                 if have is not None and want is not None and not nearly_equal(have, want):
@@ -290,6 +341,17 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                 field = f"{gp.field}.lr" if gp.lr is not None else f"{a.scheduler.get('field')}._last_lr[{i}]"
                 add(field, gp.next_lr, want, "--expect-lr: the LR of the next step")
     return diffs
+
+
+def _archived_lr(state: Any, archived_config: Any) -> Any:
+    """The archived config's ``lr`` (the packed config, else the copy inside the state), or None."""
+    from ckpt_archive.training.completeness import archived_config as find_config
+
+    try:
+        cfg, _ = find_config(state, archived_config)
+        return session_values(cfg).get("lr") if cfg else None
+    except Exception:  # noqa: BLE001 - an unreadable archived config just tells no base
+        return None
 
 
 def _rescale(value: float, old_base: float, new_base: float) -> float:
@@ -327,15 +389,34 @@ def _same_type(template: Any, value: float) -> Any:
     return value
 
 
-def impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str) -> list[PolicyChange]:
+def impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str, *, want_max: list | None = None,
+               archived_bases: list | None = None) -> list[PolicyChange]:
     """Re-impose session base LRs on param groups (dicts) and a scheduler (state dict or live object).
 
     The rule of :func:`apply_session_policy`; used on a copied state and on live objects alike. ``groups``
     may be empty (a state without optimizer state): the scheduler's ``base_lrs`` are then the archived base.
     Nothing changes where every session base equals the archived one.
+
+    Args:
+        wants: the session base per group: ``max_lr`` for OneCycleLR, ``base_lr`` for CyclicLR (None: keep),
+            else ``lr``.
+        want_max: CyclicLR only: the session ``max_lr`` per group (None: keep the archived ``max_lrs``).
+        archived_bases: ReduceLROnPlateau only: the archived base LR per group (see
+            :func:`~ckpt_archive.training.lr_bases.plateau_bases`); default: the groups' ``initial_lr``.
+
+    Raises:
+        UsageError: a ReduceLROnPlateau group whose archived base cannot be told while the session's differs.
     """
     changes: list[PolicyChange] = []
     sd = None if sch is None else (sch if isinstance(sch, dict) else getattr(sch, "__dict__", None))
+    kind = base_kind(sch)
+    if kind == "cyclic" and isinstance(sd, dict):
+        impose_cyclic(groups, sd, wants, want_max, ofield, sfield, changes)
+        return changes
+    if kind == "plateau":
+        olds = archived_bases if archived_bases is not None else plateau_bases(groups, sd or {})
+        impose_plateau(groups, sd, wants, olds, ofield, sfield, changes)
+        return changes
     sched_bases = [as_float(b) for b in ((sd or {}).get("base_lrs") or [])]
     olds: list = []      # the archived base of each group's own fields
     sched_olds: list = []  # the base the scheduler's base_lrs/_last_lr are rescaled from
@@ -352,8 +433,8 @@ def impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str) ->
         news.append(want)
         # OneCycleLR's base_lrs are max_lr / div_factor: rescaled by the group's max_lr ratio
         sched_olds.append(old if fname == "max_lr" or sb is None else sb)
-        if g is None or old is None or want is None:
-            continue
+        if g is None or old is None or want is None or nearly_equal(old, want):
+            continue  # the same base (within LR_RTOL): a ratio would only add rounding noise
         for key in ("lr", "initial_lr", "max_lr", "min_lr"):
             if key in g and as_float(g[key]) is not None:
                 fv = as_float(g[key])
@@ -361,7 +442,8 @@ def impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str) ->
                 if nv != fv:
                     g[key] = _same_type(g[key], nv)
                     changes.append(PolicyChange(f"{ofield}.param_groups[{i}].{key}", fv, nv))
-    if not any(o is not None and w is not None and o != w for o, w in zip(olds + sched_olds, news + news)):
+    if not any(o is not None and w is not None and not nearly_equal(o, w)
+               for o, w in zip(olds + sched_olds, news + news)):
         return changes  # the session asks for what is archived: nothing to rewrite, not even by a closed form
     if isinstance(sd, dict):
         _rescale_scheduler(sd, sfield, sched_olds, news, changes)
@@ -419,7 +501,7 @@ def _rescale_scheduler(sd: dict, path: str, olds: list, news: list, changes: lis
 
 def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = None,
                          session_config: dict | str | Path | None = None,
-                         keys: dict | None = None) -> tuple[Any, list[PolicyChange]]:
+                         keys: dict | None = None, archived_config: Any = None) -> tuple[Any, list[PolicyChange]]:
     """Re-impose the session's LR (and hyperparameters) on a copy of the checkpoint.
 
     The session's LR is the *base* LR (what a config's ``lr`` means). For each param group with archived
@@ -438,17 +520,27 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
         lr: session base LR (float, or one per param group); overrides the config's.
         session_config: dict or JSON/YAML/TOML path (see :func:`session_values`).
         keys: part -> path overrides.
+        archived_config: the run's own config (packed with ``--config``; default: the copy inside the state):
+            tells the base of a ReduceLROnPlateau group, which the state does not keep.
+
+    Which config keys a scheduler takes its LRs from (:mod:`.lr_bases`): CyclicLR ``base_lr``/``max_lr``
+    (its ``base_lrs``/``max_lrs``/``initial_lr`` and the current ``lr`` at the same point of the cycle are
+    rewritten; the config's ``lr``, overridden by CyclicLR, is ignored; ``lr=`` means ``base_lr``);
+    ReduceLROnPlateau ``lr`` against its archived base (the current ``lr`` is rescaled by session / archived
+    base, keeping the reductions; refused where the archived base cannot be told and differs).
 
     Returns:
         ``(new_state, changes)``: a structural copy and the list of :class:`PolicyChange`.
 
     Raises:
-        UsageError: neither optimizer nor scheduler state, or as many LRs as neither 1 nor the number of groups.
+        UsageError: neither optimizer nor scheduler state, or as many LRs as neither 1 nor the number of groups;
+            a ReduceLROnPlateau state whose base cannot be told while the session's lr is not its lr.
         SourceError: unreadable config file.
     """
     sess = session_values(session_config)
     if lr is not None:
         sess["lr"] = lr
+    arch_lr = _archived_lr(state, archived_config)
     new_state = _copy_tree(state)
     parts = find_parts(new_state, keys)
     changes: list[PolicyChange] = []
@@ -459,8 +551,9 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
         if "lr" in sess and sch_entries:
             for sch_path, sch in sch_entries:
                 n_groups = len((sch.get("base_lrs") or []) if isinstance(sch, dict) else [])
-                changes += impose_lrs([], sch, per_group(sess["lr"], n_groups), "optimizer",
-                                      str(sch_path) or "scheduler")
+                wants, want_max = cyclic_wants(sch, sess, lr, n_groups)
+                changes += impose_lrs([], sch, wants if wants is not None else per_group(sess["lr"], n_groups),
+                                      "optimizer", str(sch_path) or "scheduler", want_max=want_max)
             return new_state, changes
         if "lr" in sess or any(k in sess for k in HYPER_NAMES):
             raise UsageError("the checkpoint has neither optimizer nor scheduler state: there is no policy to "
@@ -471,9 +564,14 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
         groups = [g for g in (opt.get("param_groups") or []) if isinstance(g, dict)]
         sch = sch_entries[n][1] if n < len(sch_entries) else None
         sch_field = str(sch_entries[n][0]) if n < len(sch_entries) else "scheduler"
-        if "lr" in sess:
+        kind = base_kind(sch)
+        if kind == "cyclic":
+            wants, want_max = cyclic_wants(sch, sess, lr, len(groups))
+            changes += impose_lrs(groups, sch, wants or [], opt_field, sch_field, want_max=want_max)
+        elif "lr" in sess:
             wants = per_group(lr, len(groups)) if lr is not None else session_bases(groups, sess)
-            changes += impose_lrs(groups, sch, wants, opt_field, sch_field)
+            olds = plateau_bases(groups, sch, arch_lr) if kind == "plateau" else None
+            changes += impose_lrs(groups, sch, wants, opt_field, sch_field, archived_bases=olds)
         for name in ("weight_decay", "momentum", "eps"):
             if name in sess:
                 for i, g in enumerate(groups):

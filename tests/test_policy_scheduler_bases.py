@@ -1,0 +1,212 @@
+"""Issue 12 break test: `--policy session` and the config-vs-state check must know which config keys each
+torch scheduler takes its LRs from, and must never treat schedule progress (warmup, decay, plateau
+reductions) as a policy difference.
+
+Faults guarded against (each found by a real run):
+* CyclicLR: the run's own config {"lr", "max_lr"} made `--policy session` rewrite base_lrs/initial_lr from the
+  optimizer constructor's lr (which CyclicLR overrides) and scale the current lr 10x; verify warned falsely.
+* ReduceLROnPlateau: the run's own config made `--policy session` undo the plateau reductions (lr reset to
+  the configured lr); verify warned that the state does not follow its config.
+
+For every scheduler the audit supports: a few real steps, pack, restore with the run's own config (nothing
+rewritten, the next LRs those of the uninterrupted run) and with a config whose LR keys are x10 (the next
+real torch steps are those of a fresh run built with the session's values), and no config-vs-state warning.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.optim import lr_scheduler as L
+
+from ckpt_archive.training.completeness import config_disagreements
+from ckpt_archive.training.restore import restore_training_state
+from ckpt_archive.training.session import apply_session_policy, compare_with_session
+
+TRAINED, NEXT = 5, 4
+
+
+def _rt(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _build(name, cfg):
+    """The session's optimizer and scheduler, built from a config as a training script does."""
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(torch.nn.Linear(3, 1).parameters(), lr=cfg["lr"])
+    return opt, SCHEDULERS[name][0](opt, cfg)
+
+
+def _step(name, opt, sched, n):
+    """n real training steps; the LR each one ran at."""
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(n):
+            lrs.append(float(opt.param_groups[0]["lr"]))
+            opt.step()
+            sched.step(1.0) if name == "ReduceLROnPlateau" else sched.step()  # a plateau: no improvement
+    return lrs
+
+
+#: name -> (constructor from config, config of the run, the session's config with every LR key x10)
+SCHEDULERS = {
+    "StepLR": (lambda o, c: L.StepLR(o, 2, 0.5), {"lr": 1e-4}),
+    "MultiStepLR": (lambda o, c: L.MultiStepLR(o, [2, 4], 0.5), {"lr": 1e-4}),
+    "ExponentialLR": (lambda o, c: L.ExponentialLR(o, 0.9), {"lr": 1e-4}),
+    "CosineAnnealingLR": (lambda o, c: L.CosineAnnealingLR(o, 10, eta_min=1e-6), {"lr": 1e-4}),
+    "CosineAnnealingWarmRestarts": (lambda o, c: L.CosineAnnealingWarmRestarts(o, 3, 2, eta_min=1e-6), {"lr": 1e-4}),
+    "LinearLR": (lambda o, c: L.LinearLR(o, 0.1, 1.0, 4), {"lr": 1e-4}),
+    "ConstantLR": (lambda o, c: L.ConstantLR(o, 0.5, 3), {"lr": 1e-4}),
+    "PolynomialLR": (lambda o, c: L.PolynomialLR(o, 8, 2.0), {"lr": 1e-4}),
+    "LambdaLR": (lambda o, c: L.LambdaLR(o, lambda e: 0.9 ** e), {"lr": 1e-4}),
+    "OneCycleLR": (lambda o, c: L.OneCycleLR(o, max_lr=c["max_lr"], total_steps=20, cycle_momentum=False),
+                   {"lr": 1e-4, "max_lr": 1e-3}),
+    "CyclicLR": (lambda o, c: L.CyclicLR(o, base_lr=c.get("base_lr", 1e-5), max_lr=c["max_lr"], step_size_up=4,
+                                         cycle_momentum=False), {"lr": 1e-4, "max_lr": 1e-3}),
+    "SequentialLR": (lambda o, c: L.SequentialLR(o, [L.LinearLR(o, 0.1, 1.0, 3), L.CosineAnnealingLR(o, 10)], [3]),
+                     {"lr": 1e-4}),
+    "ChainedScheduler": (lambda o, c: L.ChainedScheduler([L.ConstantLR(o, 0.5, 3), L.ExponentialLR(o, 0.9)]),
+                         {"lr": 1e-4}),
+    "ReduceLROnPlateau": (lambda o, c: L.ReduceLROnPlateau(o, factor=0.5, patience=0), {"lr": 1e-4}),
+}
+
+
+def _x10(name):
+    cfg = {k: v * 10 for k, v in SCHEDULERS[name][1].items()}
+    if name == "CyclicLR":
+        cfg["base_lr"] = 1e-4  # the run's base_lr (1e-5, given in code) x10: CyclicLR's own keys
+    return cfg
+
+
+def _archived(name):
+    """TRAINED real steps of the run, checkpointed with its config inside; and the run continued NEXT steps."""
+    cfg = SCHEDULERS[name][1]
+    opt, sched = _build(name, cfg)
+    _step(name, opt, sched, TRAINED)
+    state = _rt({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "config": dict(cfg)})
+    return state, _step(name, opt, sched, NEXT)
+
+
+def _resume(name, cfg, state):
+    """The session built from ``cfg`` loads the (rewritten) state and trains NEXT steps."""
+    opt, sched = _build(name, cfg)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    return _step(name, opt, sched, NEXT)
+
+
+def _close(a, b):
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-9) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_policy_session_with_the_runs_own_config_rewrites_schedule_progress(name):
+    """Fault: the run's own config rewrote CyclicLR's base_lrs and lr 10x / undid plateau reductions."""
+    cfg = SCHEDULERS[name][1]
+    state, uninterrupted = _archived(name)
+    assert compare_with_session(state, session_config=cfg) == []
+    new, changes = apply_session_policy(state, session_config=cfg)
+    assert changes == [], [str(c) for c in changes]
+    assert _resume(name, cfg, new) == uninterrupted
+    # live restore into the session's objects built from the same config: the same
+    opt, sched = _build(name, cfg)
+    rep = restore_training_state(_rt(state), optimizer=opt, scheduler=sched, policy="session", rng=False)
+    assert rep.changes == [], [str(c) for c in rep.changes]
+    assert _step(name, opt, sched, NEXT) == uninterrupted
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_policy_session_with_a_10x_config_does_not_run_the_sessions_schedule(name):
+    """Fault: a session config with different LR keys left part of the schedule archived (CyclicLR max_lrs,
+    plateau reductions lost): the next real steps must be those of a fresh run built with the session's
+    values and trained as long."""
+    cfg10 = _x10(name)
+    state, _ = _archived(name)
+    new, changes = apply_session_policy(state, session_config=cfg10)
+    assert changes, "a 10x session config rewrote nothing"
+    opt, sched = _build(name, cfg10)
+    _step(name, opt, sched, TRAINED)
+    fresh = _step(name, opt, sched, NEXT)
+    got = _resume(name, cfg10, new)
+    assert _close(got, fresh), (got, fresh)
+    # live restore (the session's objects built from the 10x config) runs the same schedule
+    opt, sched = _build(name, cfg10)
+    restore_training_state(_rt(state), optimizer=opt, scheduler=sched, policy="session", rng=False)
+    got = _step(name, opt, sched, NEXT)
+    assert _close(got, fresh), (got, fresh)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_config_vs_state_check_flags_a_valid_archived_state(name):
+    """Fault: verify/inspect compared the config's lr with the current lr (a plateau-reduced LR, a warmup)
+    or with the wrong key (CyclicLR's base from the constructor's lr) and warned on a valid state."""
+    cfg = SCHEDULERS[name][1]
+    state, _ = _archived(name)
+    assert config_disagreements(state) == []
+    assert config_disagreements({k: v for k, v in state.items() if k != "config"}, cfg) == []
+    # ...while a state that really does not follow its config is still flagged
+    wrong = _x10(name)
+    assert config_disagreements({k: v for k, v in state.items() if k != "config"}, wrong), name
+
+
+def test_plateau_policy_session_refuses_when_the_archived_base_is_unknown():
+    """Without initial_lr or an archived config the number of reductions cannot be told: refuse, never guess."""
+    from ckpt_archive.errors import UsageError
+
+    state, _ = _archived("ReduceLROnPlateau")
+    del state["config"]
+    new, changes = apply_session_policy(state, session_config={"lr": 1e-4})  # its lr after whole reductions
+    assert changes == []
+    with pytest.raises(UsageError, match="keeps no base LR"):
+        apply_session_policy(state, session_config={"lr": 3e-3})
+    new, changes = apply_session_policy(state, session_config={"lr": 1e-3}, archived_config={"lr": 1e-4})
+    assert any("keeping the reductions" in str(c) for c in changes)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "ckpt_archive", *args], capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.parametrize("name", ["CyclicLR", "ReduceLROnPlateau"])
+def test_end_to_end_policy_session_silently_rewrites_cyclic_and_plateau_schedules(name, tmp_path):
+    """The two break-test faults end to end: pack with --config, verify and inspect quiet, restore with the
+    run's own config rewrites nothing, restore with a 10x config runs the session's schedule."""
+    cfg = SCHEDULERS[name][1]
+    state, uninterrupted = _archived(name)
+    del state["config"]
+    src = tmp_path / "ckpt.pt"
+    torch.save(state, src)
+    cfg_file, cfg10_file = tmp_path / "cfg.json", tmp_path / "cfg10.json"
+    cfg_file.write_text(json.dumps(cfg))
+    cfg10_file.write_text(json.dumps(_x10(name)))
+    repo = tmp_path / "repo"
+    assert _cli("pack", str(src), "--repo", str(repo), "--config", str(cfg_file)).returncode == 0
+    for cmd in ("verify", "inspect"):
+        r = _cli(cmd, str(repo), "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "config says" not in r.stdout and "do not follow the config" not in r.stdout, r.stdout
+    r = _cli("restore", str(repo), "-o", str(tmp_path / "same.pt"), "--session-config", str(cfg_file),
+             "--policy", "session")
+    assert r.returncode == 0, r.stderr
+    assert "nothing rewritten" in r.stderr
+    assert _resume(name, cfg, torch.load(tmp_path / "same.pt", weights_only=True)) == uninterrupted
+    r = _cli("restore", str(repo), "-o", str(tmp_path / "x10.pt"), "--session-config", str(cfg10_file),
+             "--policy", "session")
+    assert r.returncode == 0, r.stderr
+    opt, sched = _build(name, _x10(name))
+    _step(name, opt, sched, TRAINED)
+    fresh = _step(name, opt, sched, NEXT)
+    got = _resume(name, _x10(name), torch.load(tmp_path / "x10.pt", weights_only=True))
+    assert _close(got, fresh), (got, fresh)
+    if name == "ReduceLROnPlateau":
+        assert "keeping the reductions" in r.stderr
