@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping
 from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceError, UsageError
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.shard import file_problem
+from ckpt_archive.ops.common import human_seconds
 
 #: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
 #: the default is ``max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * settle)``.
@@ -341,17 +342,6 @@ def unchanged_for(snapshot: list[list], now: float | None = None) -> float:
     return (time.time() if now is None else now) - newest_ns / 1e9
 
 
-def _human_seconds(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
-
-
 @dataclasses.dataclass
 class _Examined:
     kind: str  # "ready" | "busy" | "broken"
@@ -395,7 +385,7 @@ def _examine(checkpoint: Path, entry: Mapping[str, Any], *, settle: float, stale
             age = unchanged_for(snap)
             if age > stale_after:
                 problem = problem.replace(": still being written?", "")
-                return _Examined("broken", f"not complete ({problem}) and unchanged for {_human_seconds(age)} "
+                return _Examined("broken", f"not complete ({problem}) and unchanged for {human_seconds(age)} "
                                  f"(longer than --stale-after {stale_after:g} s): broken, not being written",
                                  unchanged_s=round(age, 3))
             return _Examined("busy", f"not complete: {problem}")

@@ -117,4 +117,16 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
             f"every byte was checked against its manifest, but no published marker vouches for that manifest")
 
 
-__all__ = ["RepoLike", "open_repo", "pick", "check_present", "copied_note", "refuse_unusable"]
+def human_seconds(seconds: float) -> str:
+    """``90`` -> ``"90 s"``, ``5400`` -> ``"90 min"``, ``86400`` -> ``"24.0 h"``, longer in days (for messages)."""
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+__all__ = ["RepoLike", "open_repo", "pick", "check_present", "copied_note", "refuse_unusable", "human_seconds"]

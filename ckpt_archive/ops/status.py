@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ckpt_archive.errors import UsageError
 from ckpt_archive.format import jsonio
-from ckpt_archive.ops.common import RepoLike, open_repo
+from ckpt_archive.ops.common import RepoLike, human_seconds, open_repo
 from ckpt_archive.repo.repository import iso, utcnow
 
 STATE_VERSION = 1
@@ -200,14 +200,7 @@ def _remember(path: Path, location: str, entry: dict) -> None:
 def _human_age(seconds: float | None) -> str:
     if seconds is None:
         return "of unknown age"
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
+    return human_seconds(seconds)
 
 
 __all__ = ["status", "StatusReport", "parse_age", "default_state_file"]

@@ -1,25 +1,8 @@
 """Readers for a ``.safetensors`` model file, a folder of per-rank ``.pt`` files, and any other folder.
 
 They read folders with the shared machinery of :mod:`ckpt_archive.sources.files`
-(:func:`~ckpt_archive.sources.files.read_folder`), which gives each file a kind and decomposes what can
-be decomposed safely:
-
-* ``*.safetensors`` -> ``safetensors`` (tensors plus the header's str->str metadata);
-* a ``torch.save`` file (zip with a ``data.pkl`` record, or a legacy pickle stream) ->
-  ``torch`` via ``torch.load(weights_only=True)``. A pickle that ``weights_only`` refuses because it
-  references code (a pickled sampler, a dataclass of arguments) is kept ``opaque`` with a warning
-  naming the global: it is fingerprinted and restored byte for byte, never loaded. So is a file
-  torch loads but whose state holds a value that cannot round-trip exactly (a warning names the
-  file, the path in its state and the type). A damaged
-  ``torch.save`` file (truncated zip, CRC failure, empty) raises :class:`SourceError`: archiving a
-  half-written checkpoint would only hide the damage;
-* files named by the reader as foreign pickles (``training_args.bin``) and DCP files
-  (``.metadata``, ``*.distcp``) -> ``opaque`` without ever being opened by a loader;
-* any other file -> ``raw`` when it is UTF-8 text without NUL bytes (JSON, YAML, tokenizer
-  files), else ``opaque``.
-
-Relative paths are POSIX, sorted, and include hidden files (DCP's ``.metadata``). A file that is a
-hardlink of an earlier one (same inode) is recorded with ``link_of`` and restored as a hardlink.
+(:func:`~ckpt_archive.sources.files.read_folder`): its docstring says which kind each file gets, what is
+decomposed, what rides along opaque (with a warning) and what refuses the folder.
 """
 from __future__ import annotations
 
