@@ -82,6 +82,14 @@ class UnsafePath(CheckFailed):
     resolves outside its folder, or goes through a symbolic link (exit 1; ``format/paths.py``)."""
 
 
+class LinkInRepository(UnsafePath):
+    """A repository's own structure (``repository.json``, ``generations/``, a generation folder, the lock)
+    is a symbolic link: the operation is not carried out through it (exit 2: could not be carried out
+    safely; nothing was read, written or deleted through the link)."""
+
+    exit_code = EXIT_CANNOT_CHECK
+
+
 class ImplausibleSize(CheckFailed):
     """A manifest declares sizes that cannot be true (a chunk larger than any writer makes, raw bytes of a
     ``store`` chunk different from its stored bytes, more memory than the machine has): refused before

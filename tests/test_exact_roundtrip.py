@@ -534,16 +534,22 @@ def test_failure_after_claim_names_partial_generation_and_gc(tmp_path, monkeypat
     import torch
     import ckpt_archive
     import ckpt_archive.ops.pack as pack_mod
-    from ckpt_archive.errors import CannotCheck
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
 
     def boom(*a, **k):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(pack_mod, "write_members", boom)
-    with pytest.raises(CannotCheck) as info:
+    with pytest.raises(RuntimeError, match="boom") as info:  # the library keeps the error's type...
         ckpt_archive.pack({"a": torch.ones(2)}, str(tmp_path / "r"))
-    text = str(info.value)
-    assert "generation 1 left partial" in text and "ckpt-archive gc" in text and "RuntimeError" in text
+    text = " ".join(getattr(info.value, "__notes__", []))  # ...and notes what it left
+    assert "generation 1 left partial" in text and "ckpt-archive gc" in text
+    src = tmp_path / "s.pt"
+    torch.save({"a": torch.ones(2)}, src)
+    res = CliRunner().invoke(app, ["pack", str(src), "--repo", str(tmp_path / "r")])  # the CLI prints the notes
+    assert res.exit_code == 2 and "left partial" in res.stderr and "ckpt-archive gc" in res.stderr, res.stderr
 
 
 def test_container_aliasing_is_kept():

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 import ckpt_archive
 from ckpt_archive.cli.app import app
 from ckpt_archive.errors import InsufficientSpace, NotUsable, StoreError, UnsafePath
+from ckpt_archive.repo.repository import Repository
 
 from hostile_archive import (edit_manifest, edit_manifest_text, folder_source, gen_dir, member, put_member_bytes,
                              read_manifest, reseal, run_cli, set_tree, snapshot)
@@ -153,7 +154,8 @@ def test_gc_and_forget_never_delete_through_a_symlinked_generation_folder(tmp_pa
     assert res.exit_code == 0 and "symbolic link" in res.stdout.replace("\n", " ") + res.stderr
     assert cli("gc", file_repo).exit_code == 0
     res = cli("forget", f"{file_repo}@2", "--force")
-    assert res.exit_code == 1 and "symbolic link" in res.stderr, res.stderr
+    # could not be carried out safely (exit 2): forget never deletes through the link
+    assert res.exit_code == 2 and "symbolic link" in res.stderr, res.stderr
     assert cli("prune", file_repo, "--keep-last", "1").exit_code in (0, 1)
     assert cli("verify", f"{file_repo}@2").exit_code == 1
     assert snapshot(victim) == before  # nothing outside the repository was deleted or changed
@@ -352,7 +354,8 @@ def test_dcp_metadata_with_a_junk_shard_table_is_refused_cleanly(tmp_path):
 # --- strict JSON everywhere ---------------------------------------------------------------------------
 def test_a_state_tree_nested_100k_deep_is_refused_not_an_internal_error(file_repo):
     set_tree(file_repo, b"[" * 100_000 + b"]" * 100_000)
-    assert cli("verify", f"{file_repo}@1").exit_code == 0  # stored bytes are as recorded...
+    res = cli("verify", f"{file_repo}@1")  # stored bytes are as recorded, but the tree it reads is broken
+    assert res.exit_code == 1 and "state tree cannot be read" in res.stderr, res.stderr
     res = cli("verify", f"{file_repo}@1", "--deep")
     assert res.exit_code == 1 and "nested more than" in res.stdout + res.stderr
     res = cli("restore", f"{file_repo}@1", "-o", file_repo.parent / "o.pt", "--only", "model")
@@ -505,3 +508,29 @@ def test_no_pickle_in_a_member_is_ever_executed(tmp_path, folder_repo):
     assert cli("restore", f"{folder_repo}@1", "-o", tmp_path / "o").exit_code == 0
     assert not marker.exists()
     reseal(folder_repo)
+
+
+def test_a_generation_folder_copied_under_another_number_passed_as_that_number(tmp_path, file_repo):
+    """cp -a generations/00000001 generations/00000003 listed a usable generation 3 whose manifest and marker
+    say generation 1: a number must always name one archive."""
+    import shutil
+
+    shutil.copytree(gen_dir(file_repo, 1), file_repo / "generations" / "00000003", symlinks=True)
+    res = cli("verify", f"{file_repo}@3")
+    assert res.exit_code == 1 and "manifest says generation 1" in res.stderr, res.stderr
+    assert Repository.open(file_repo).generation(3).status == "damaged"
+    assert cli("verify", f"{file_repo}@1").exit_code == 0
+
+
+def test_a_repository_whose_own_skeleton_is_a_symlink_is_exit_2_not_found_wrong(tmp_path, file_repo):
+    """repository.json or generations/ as a symbolic link: list/gc/pack refused with exit 1 ('check failed'),
+    which those commands do not document; the operation could not be carried out: exit 2."""
+    outside = tmp_path / "elsewhere"
+    shutil_move = __import__("shutil").move
+    shutil_move(str(file_repo / "generations"), str(outside))
+    os.symlink(outside, file_repo / "generations")
+    before = snapshot(outside)
+    for args in (("list", file_repo), ("gc", file_repo), ("prune", file_repo, "--keep-last", "1")):
+        res = cli(*args)
+        assert res.exit_code == 2 and "symbolic link" in res.stderr, (args, res.stderr)
+    assert snapshot(outside) == before

@@ -359,9 +359,10 @@ def _run_body(fn: Callable, args: tuple, kwargs: dict, out: Output, published: l
 
         if os.environ.get("CKPT_ARCHIVE_DEBUG"):
             raise
-        out.error(f"internal error ({type(exc).__name__}): {exc}. This is a bug in ckpt-archive; "
+        notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))  # e.g. the partial generation left
+        out.error(f"internal error ({type(exc).__name__}): {exc}{notes}. This is a bug in ckpt-archive; "
                   f"set CKPT_ARCHIVE_DEBUG=1 for a traceback.")
-        out.json({"ok": False, "error": type(exc).__name__, "reason": str(exc), "exit_code": code})
+        out.json({"ok": False, "error": type(exc).__name__, "reason": f"{exc}{notes}", "exit_code": code})
         raise typer.Exit(code)
 
 

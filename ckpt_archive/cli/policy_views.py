@@ -100,8 +100,8 @@ def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
     byte checks is not audited (its state cannot be trusted). ``report.extra["policy"]`` holds the audit,
     the completeness findings and ``strict``.
     """
+    from ckpt_archive.errors import CheckFailed, CkptArchiveError, FormatError
     from ckpt_archive.repo.reader import Problem
-    from ckpt_archive.errors import CkptArchiveError
 
     if not report.ok:
         report.extra["policy"] = {"skipped": "the generation failed its checks"}
@@ -111,7 +111,13 @@ def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
         state, manifest, _ = state_for_audit(repo, report.generation, info=decoded)
     except CkptArchiveError as exc:
         report.extra["policy"] = {"skipped": str(exc)}
-        report.warnings.append(f"policy audit skipped: {exc}")
+        if isinstance(exc, (CheckFailed, FormatError)):
+            # the state tree itself was read and is broken (not valid JSON, too deep, malformed nodes): the
+            # generation cannot be restored, so plain verify must not pass it with a warning
+            report.problems.append(Problem(f"state tree cannot be read: {exc.message}", member=exc.where))
+            report.ok = False
+        else:
+            report.warnings.append(f"policy audit skipped: {exc}")
         return
     a, lint, section = policy_section(state, manifest, decoded)
     out.table(audit_table(a))

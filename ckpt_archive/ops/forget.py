@@ -53,7 +53,8 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
 
     Raises:
         NotFound: no such repository or generation. UsageError: it is the newest usable one and
-            ``force`` is false. LockError: another writer holds the lock.
+            ``force`` is false. LockError: another writer holds the lock. LinkInRepository: the generation
+            (or a part of it) is a symbolic link: nothing is deleted through it (exit 2).
 
     Example:
         >>> import ckpt_archive, tempfile
@@ -63,7 +64,7 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
         >>> ckpt_archive.forget(repo, 1).newest_usable
         2
     """
-    from ckpt_archive.errors import UsageError
+    from ckpt_archive.errors import LinkInRepository, UnsafePath, UsageError
     from ckpt_archive.repo.repository import Repository
 
     r = Repository.open(repo)
@@ -76,7 +77,10 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
             raise UsageError(f"refusing to forget generation {gen.number}: it is the newest usable generation"
                              f"{older}; pass --force to remove it anyway", where=r.location)
         status = gen.status
-        r.remove_generation(gen.number)
+        try:
+            r.remove_generation(gen.number)
+        except UnsafePath as exc:  # a generation that is a link: nothing is deleted through it
+            raise LinkInRepository(f"not removed: {exc.message}", where=exc.where) from None
         remaining = [g.number for g in r.usable()]
     return ForgetResult(repository=r.location, generation=gen.number, status=status,
                         newest_usable=remaining[-1] if remaining else None)

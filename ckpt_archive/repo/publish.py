@@ -231,8 +231,8 @@ class Lifecycle:
         Raises:
             LockError: another writer. IntegrityError: verify or trial reload failed (the generation stays
             partial). Withdrawn: the hook withdrew it (removed). StoreError / OSError: the store failed.
-            CannotCheck: an unexpected error after the claim (wrapped, exit 2). Every error raised after the
-            claim names the partial generation and ``ckpt-archive gc`` (its ``hint``).
+            Any other error after the claim keeps its type and carries a note (``__notes__``) naming the step,
+            the partial generation and ``ckpt-archive gc``; the tool's own errors say the same in their ``hint``.
         """
         try:
             return self._run()
@@ -254,10 +254,10 @@ class Lifecycle:
             if self.number is None:
                 raise
             # An unexpected error after the claim: never an anonymous "internal error" with a silent
-            # partial generation. Same exit code (2), named step, what was left, how to clean it.
-            raise CannotCheck(f"step '{self.step}' failed with an unexpected {type(exc).__name__} (a bug in "
-                              f"ckpt-archive; CKPT_ARCHIVE_DEBUG=1 shows the traceback): {exc}",
-                              where=self.repo.location, hint=self.left_note()) from exc
+            # partial generation. The error keeps its type (a Python caller sees what happened); a note
+            # names the step, what was left and how to clean it, and the CLI prints the notes.
+            exc.add_note(f"at step '{self.step}' of {self.repo.location}: {self.left_note()}")
+            raise
 
     def left_note(self) -> str:
         """What a failure after the claim leaves, and the command that removes it."""

@@ -338,6 +338,10 @@ class Repository:
             manifest = parse_manifest(raw, where=f"{key}/{MANIFEST}")
         except (CheckFailed, FormatError, NewerFormatError) as exc:  # incl. UnsafePath, ImplausibleSize
             return Generation(number, "damaged", str(exc), manifest_sha256=sha, error=exc)
+        if manifest.get("generation") != number:  # a folder copied or renamed under another number
+            err = ManifestInvalid(f"the folder is generation {number} but its manifest says generation "
+                                  f"{manifest.get('generation')!r}: a number always names one archive", where=key)
+            return Generation(number, "damaged", str(err), manifest_sha256=sha, error=err)
         if MARKER not in names:
             return Generation(number, "partial", "sealed but never published (no USABLE marker)", manifest, None, sha)
         try:

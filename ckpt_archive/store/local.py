@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from ckpt_archive.errors import InsufficientSpace, NotFound, StoreError, UnsafePath
+from ckpt_archive.errors import InsufficientSpace, LinkInRepository, NotFound, StoreError, UnsafePath
 from ckpt_archive.format.paths import check_relpath
 from ckpt_archive.store.base import Store, has_scheme, open_store  # noqa: F401  (re-exported)
 
@@ -123,7 +123,8 @@ class LocalStore:
         symbolic link, so nothing read, written or deleted through a key leaves the repository.
 
         Raises:
-            UnsafePath: (exit 1) the key breaks the path rule or goes through a symbolic link.
+            UnsafePath: (exit 1) the key breaks the path rule or goes through a link inside a generation.
+            LinkInRepository: (exit 2) it goes through a link in the repository's own skeleton.
         """
         if not key:
             return self.root
@@ -141,9 +142,13 @@ class LocalStore:
             except OSError:
                 break  # unreadable here: the operation itself reports it
             if stat.S_ISLNK(mode):
-                raise UnsafePath(f"{cur.relative_to(self.root)} is a symbolic link; a repository is never read, "
-                                 f"written or deleted through one (remove the link by hand if it is yours)",
-                                 where=self.location)
+                rel = cur.relative_to(self.root)
+                # the repository's own skeleton (repository.json, generations/, the lock): the operation cannot
+                # be carried out (exit 2); a generation folder or member that is a link: that generation is
+                # damaged here (exit 1)
+                cls = LinkInRepository if len(rel.parts) == 1 else UnsafePath
+                raise cls(f"{rel} is a symbolic link; a repository is never read, written or deleted through one "
+                          f"(remove the link by hand if it is yours)", where=self.location)
         return self.root / key
 
     def exists(self, key: str) -> bool:
