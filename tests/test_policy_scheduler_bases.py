@@ -210,3 +210,31 @@ def test_end_to_end_policy_session_silently_rewrites_cyclic_and_plateau_schedule
     assert _close(got, fresh), (got, fresh)
     if name == "ReduceLROnPlateau":
         assert "keeping the reductions" in r.stderr
+
+
+def test_policy_session_with_the_packed_config_re_saved_the_file_although_nothing_was_rewritten(tmp_path):
+    """`restore --session-config SAME --policy session` said 'nothing rewritten' but re-saved the .pt with
+    torch.save, so its sha256 no longer matched the packed file: with nothing to impose, restore exactly."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sch = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    for _ in range(3):
+        opt.step()
+        sch.step()
+    src = tmp_path / "ck.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sch.state_dict()}, src)
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(_json.dumps({"lr": 0.1}))
+    run = CliRunner().invoke
+    assert run(app, ["pack", str(src), "--repo", str(tmp_path / "r"), "--config", str(cfg)]).exit_code == 0
+    res = run(app, ["restore", str(tmp_path / "r"), "-o", str(tmp_path / "o.pt"), "--session-config", str(cfg),
+                    "--policy", "session"])
+    assert res.exit_code == 0, res.stderr
+    assert "nothing rewritten" in res.stderr
+    assert (tmp_path / "o.pt").read_bytes() == src.read_bytes()

@@ -171,6 +171,10 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     if not any(k in sess for k in ("lr", *HYPER_NAMES, "betas")):
         raise UsageError("--policy session needs --session-config with an lr (or weight_decay, momentum, eps, "
                          "betas) to impose; --expect-lr only checks")
+    if not diffs:  # the archive already holds the session's values: restore it as packed (byte for byte)
+        if manifest["source"]["layout"] == "folder":
+            section["rewritten"] = []
+        return None, section
     if manifest["source"]["layout"] == "folder":
         # each optimizer/scheduler file pair of the folder, rewritten while it is restored
         from ckpt_archive.training.folder_session import session_folder_rewrite
