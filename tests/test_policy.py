@@ -696,3 +696,18 @@ def test_per_epoch_scheduler_saved_with_the_finished_epoch_index_is_not_called_a
     plain["progress"]["epoch"] = 3
     found = [f for f in audit(plain).findings if f.field == "scheduler.last_epoch"]
     assert found and "is ahead of progress" in found[0].message and "shifted by 2" in found[0].message
+
+
+def test_plain_sgd_without_momentum_was_warned_of_missing_optimizer_moments():
+    """SGD(lr=0.1) keeps no per-parameter state: its empty `state` is complete, yet the lint said 'no moments
+    saved, the resumed run restarts them from zero' (a false alarm). SGD with momentum still warns."""
+    from ckpt_archive.training.completeness import lint_completeness
+
+    def lint(**kw):
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, **kw)
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "progress": {"step": 0}}
+        return [f for f in lint_completeness(state) if f.field.endswith("optimizer.state")]
+
+    assert lint() == []
+    assert lint(momentum=0.9) and "no moments saved" in lint(momentum=0.9)[0].message

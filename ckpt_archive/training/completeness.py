@@ -126,7 +126,7 @@ def lint_completeness(state: Any, *, config: dict | str | Path | None = None, pr
     else:
         for path, o in opt:
             st = o.get("state") if isinstance(o, dict) else None
-            if not st:
+            if not st and not _stateless(o):
                 out.append(Finding("warning", f"{path}.state",
                                    nb + "optimizer state is empty: no moments saved, the resumed run restarts "
                                    "them from zero"))
@@ -230,3 +230,11 @@ def policy_section(state: Any, manifest: dict | None = None, decoded: dict | Non
 #: Trainer re-seeds its sampler and skips ``global_step`` batches), so no saved permutation/cursor is
 #: expected; the completeness lint's data-order warning would be a false alarm there.
 _REBUILDS_DATA_ORDER = ("hf-trainer",)
+
+
+def _stateless(opt_sd: dict) -> bool:
+    """An optimizer that keeps no per-parameter state, so an empty ``state`` is complete: plain SGD (every
+    group's ``momentum`` is 0; torch's ``SGD.step`` stores a momentum buffer only when momentum != 0)."""
+    groups = opt_sd.get("param_groups") if isinstance(opt_sd, dict) else None
+    return bool(groups) and all(isinstance(g, dict) and g.get("momentum", None) == 0 and "betas" not in g
+                                for g in groups)
