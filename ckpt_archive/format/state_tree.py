@@ -1,5 +1,10 @@
 """Nested training state <-> (strict-JSON tree, tensor table).
 
+Why one long module (~760 lines, over the ~600 guide): encode and decode are the two halves of one
+contract (docs/FORMAT.md "State tree") and must change together, tag by tag; splitting them apart made
+every new tag a two-file edit that could drift. The next split, when it grows again, is the view bits
+and the shared/ref (aliasing) helpers into a module of their own.
+
 :func:`encode` walks a nested state (dict / OrderedDict / list / tuple, tensors, NumPy arrays and
 scalars, plain values) and returns a JSON-able tree whose tensor leaves point at keys of a
 :class:`TensorTable`; :func:`decode` rebuilds the exact object from the tree and a tensor getter. The

@@ -1,5 +1,9 @@
 """A repository: numbered generations, one writer lock, and the publish protocol.
 
+Why one module slightly over the ~600-line guide: the status rules (usable / copied / partial /
+damaged), the lock and the claim are the repository's one invariant and read best side by side; the
+lifecycle itself lives in :mod:`ckpt_archive.repo.publish`.
+
 Layout and ordering rules: docs/FORMAT.md. In short, a generation is written where no reader lists
 it as usable (its number claimed by exclusive create), sealed (manifest), verified, trial-reloaded,
 and only then published by writing ``USABLE.json`` last. Readers need no lock and list a generation
