@@ -155,7 +155,7 @@ def test_a_manifest_from_a_newer_format_says_which_versions(repo):
     m.write_text(json.dumps(doc))
     res = cli("verify", f"{repo}@1")
     assert res.exit_code == 2
-    assert "written by format 99, this reader knows up to 2" in res.stderr
+    assert "written by format 99, this reader knows up to 3" in res.stderr
 
 
 def test_safetensors_header_metadata_must_be_str_to_str(repo):

@@ -121,8 +121,8 @@ def test_format_1_archives_still_verify_and_load(tmp_path, name):
 def test_a_newer_format_is_refused_by_name(tmp_path):
     _, m, gen = _pack(tmp_path)
     doc = json.loads((gen / "manifest.json").read_text())
-    doc["format_version"] = 3
-    with pytest.raises(NewerFormatError, match="written by format 3, this reader knows up to 2"):
+    doc["format_version"] = 4
+    with pytest.raises(NewerFormatError, match="written by format 4, this reader knows up to 3"):
         manifest_mod.parse(json.dumps(doc).encode())
 
 

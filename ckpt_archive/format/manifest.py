@@ -15,8 +15,15 @@ FORMAT = "ckpt-archive"
 #: Format 2: format 1's layout and chunk encoding with fingerprints that carry their algorithm, one hash
 #: per role (docs/FORMAT.md, "Fingerprints" and "Versions"). Format 1 readers refuse it by name.
 FORMAT_VERSION = 2
+#: Format 3, a minor step: format 2 plus shared objects (members[].objects) and the sign-rotated float chunk
+#: codecs (docs/FORMAT.md, "Shared objects", "Member encoding"). A manifest is written as format 3 only when it
+#: uses one of these (:func:`version_for`), so a format-2 reader still reads every generation it can and
+#: refuses the others by name instead of misreading a member whose bytes live partly elsewhere.
+FORMAT_VERSION_SHARED = 3
+#: Chunk codecs that only format 3 may name.
+FORMAT3_CODECS = frozenset({"bg2r+zstd", "bg4r+zstd", "bg8r+zstd"})
 #: Versions this reader understands (every older one stays readable forever), with their schemas.
-SCHEMAS = {1: "manifest.v1.schema.json", 2: "manifest.v2.schema.json"}
+SCHEMAS = {1: "manifest.v1.schema.json", 2: "manifest.v2.schema.json", 3: "manifest.v3.schema.json"}
 KNOWN_VERSIONS = tuple(SCHEMAS)
 
 
@@ -24,6 +31,15 @@ KNOWN_VERSIONS = tuple(SCHEMAS)
 def schema(name: str = "manifest.v1.schema.json") -> dict:
     """Load a JSON Schema shipped in ``ckpt_archive/schemas`` (also at the repository's ``schemas/``)."""
     return jsonio.loads(resources.files("ckpt_archive").joinpath("schemas", name).read_bytes(), where=name)
+
+
+def version_for(members: list[dict]) -> int:
+    """The format version a new manifest with these member records is written as: 3 when a member keeps
+    bytes in shared objects or a chunk uses a format-3 codec, else 2 (:data:`FORMAT_VERSION`)."""
+    for m in members:
+        if m.get("objects") or any(c.get("codec") in FORMAT3_CODECS for c in m.get("chunks") or ()):
+            return FORMAT_VERSION_SHARED
+    return FORMAT_VERSION
 
 
 def _validator(name: str):

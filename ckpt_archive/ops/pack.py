@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from ckpt_archive import __version__
 from ckpt_archive.errors import CkptArchiveError, SourceError, StoreError, UsageError
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
-from ckpt_archive.format.manifest import FORMAT, FORMAT_VERSION, dumps, validate
+from ckpt_archive.format.manifest import FORMAT, dumps, validate, version_for
 from ckpt_archive.format.metrics import metrics_to_json
 from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.ops.meta import (code_identity, default_instructions, environment, find_metrics, find_progress,
@@ -223,7 +223,7 @@ def build_manifest(p: _Prepared, number: int, body: dict) -> dict:
     if p.allowed:
         body["source"]["allow"] = p.allowed
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "archive_id": uuid.uuid4().hex,
+        "format": FORMAT, "format_version": version_for(body["members"]), "archive_id": uuid.uuid4().hex,
         "generation": number, "created": iso(utcnow()),
         "tool": {"name": "ckpt-archive", "version": __version__},
         "source": body["source"], "progress": p.progress,
