@@ -29,6 +29,7 @@ decoding in parallel with ordered output.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import threading
@@ -219,6 +220,36 @@ def decode_chunk(stored, codec: str, raw_bytes: int, out=None):
     return res
 
 
+class ChunkSink:
+    """Where one entry's chunks go instead of the member's file (format 3, docs/FORMAT.md "Shared objects").
+
+    A new object has ``fh`` (a writable file, opened by the caller) and ``commit(chunks)`` /
+    ``abort()`` callables: ``commit`` makes the object visible (fsync, atomic link) and gets the chunk
+    records written to it; ``abort`` discards it. A reused object (``reused=True``) writes nothing.
+    The member writer fills in ``raw_offset``, ``raw_bytes``, ``stored_offset`` and ``stored_bytes``
+    (in the member's stored stream).
+    """
+
+    def __init__(self, fp: str, *, fh=None, commit: Callable | None = None, abort: Callable | None = None,
+                 reused: bool = False):
+        self.fp = fp
+        self.fh = fh
+        self.reused = reused
+        self._commit = commit
+        self._abort = abort
+        self.raw_offset = self.raw_bytes = self.stored_offset = self.stored_bytes = 0
+        self.submitted = self.written = 0
+        self.sealed = False
+
+    def commit(self, chunks: list[dict]) -> None:
+        if self._commit is not None:
+            self._commit(chunks)
+
+    def abort(self) -> None:
+        if self._abort is not None:
+            self._abort()
+
+
 class MemberWriter:
     """Write one member as chunked-v1 to an open binary file, fingerprinting on the way.
 
@@ -269,16 +300,63 @@ class MemberWriter:
         self._unsynced = 0
         self._sync_pool: ThreadPoolExecutor | None = None
         self._sync_fut: Future | None = None
+        self._buf_sink: ChunkSink | None = None
+        self._open_sinks: list[ChunkSink] = []
+        self._commits: list[Future] = []
+        #: format 3: the ranges of this member's stored stream kept in shared objects (docs/FORMAT.md)
+        self.objects: list[dict] = []
 
     # -- feeding ----------------------------------------------------------------------------------
-    def add(self, data, hint: str = "zstd") -> None:
-        """Append raw bytes (bytes-like; not copied when large) with a codec hint."""
+    def add(self, data, hint: str = "zstd", *, sink: "ChunkSink | None" = None) -> None:
+        """Append raw bytes (bytes-like; not copied when large) with a codec hint.
+
+        With ``sink`` (format 3, a new shared object), ``data`` is exactly one entry: its chunks are cut at
+        its first and last byte and their stored bytes go to ``sink.fh`` instead of this member's file;
+        the sink is committed once its last chunk is written (see :class:`ChunkSink`).
+        """
         if hint not in _HINTS:
             raise ValueError(f"unknown hint {hint}")
         mv = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
         n = len(mv)
         if n == 0:
             return
+        if sink is not None:
+            self._flush_buf()
+            self._buf_sink = sink
+            sink.raw_offset = self._raw_offset
+            self._open_sinks.append(sink)
+            try:
+                self._add(mv, hint)
+                self._flush_buf()
+            finally:
+                self._buf_sink = None
+            sink.raw_bytes = self._raw_offset - sink.raw_offset
+            sink.sealed = True
+            self._maybe_commit(sink)
+            return
+        self._add(mv, hint)
+
+    def add_reused(self, sink: "ChunkSink", chunks: list[dict]) -> None:
+        """Reference an existing shared object (format 3): its chunk records (codec, sizes, stored
+        sha256, as a manifest that references it lists them) join this member's chunk table with the
+        offsets moved; nothing is encoded or written."""
+        self._flush_buf()
+        sink.raw_offset = self._raw_offset
+        self._open_sinks.append(sink)
+        for c in chunks:
+            done: Future = Future()
+            done.set_result((c["codec"], None, c["stored_sha256"]))
+            sink.submitted += 1
+            self._pending.append((self._raw_offset, c["raw_bytes"], done, sink, c["stored_bytes"]))
+            self._raw_offset += c["raw_bytes"]
+        sink.raw_bytes = self._raw_offset - sink.raw_offset
+        sink.sealed = True
+        while len(self._pending) > 2 * self.jobs:
+            self._write_one()
+        self._maybe_commit(sink)
+
+    def _add(self, mv: memoryview, hint: str) -> None:
+        n = len(mv)
         if self._raw_hash is not None:
             # pending raw-hash updates hold their pieces: bound them by bytes (a source read into memory,
             # e.g. 8 MiB pieces of an opaque file, must not pile up behind a slow hash thread)
@@ -312,20 +390,36 @@ class MemberWriter:
         raw = self._buf[0] if len(self._buf) == 1 else b"".join(self._buf)
         hint = self._buf_hint or "zstd"
         fut = self.pool.submit(encode_chunk, raw, hint, self.level)
-        self._pending.append((self._raw_offset, self._buf_len, fut))
+        if self._buf_sink is not None:
+            self._buf_sink.submitted += 1
+        self._pending.append((self._raw_offset, self._buf_len, fut, self._buf_sink, None))
         self._raw_offset += self._buf_len
         self._buf, self._buf_len = [], 0
         while len(self._pending) > 2 * self.jobs:
             self._write_one()
 
     def _write_one(self) -> None:
-        raw_offset, raw_len, fut = self._pending.popleft()
+        raw_offset, raw_len, fut, sink, reused_len = self._pending.popleft()
         codec, stored, sha = fut.result()
-        self.fh.write(stored)
+        n = reused_len if stored is None else len(stored)
+        if sink is not None:
+            if sink.written == 0:
+                sink.stored_offset = self._stored_offset
+            if stored is not None:
+                sink.fh.write(stored)
+            sink.written += 1
+            sink.stored_bytes += n
+        else:
+            self.fh.write(stored)
         # no whole-file hash: the member's stored fingerprint is derived from the chunks' (fingerprint.py)
         self.chunks.append({"raw_offset": raw_offset, "raw_bytes": raw_len, "stored_offset": self._stored_offset,
-                            "stored_bytes": len(stored), "stored_sha256": sha, "codec": codec})
-        self._stored_offset += len(stored)
+                            "stored_bytes": n, "stored_sha256": sha, "codec": codec})
+        self._stored_offset += n
+        if sink is not None:
+            if self.on_bytes:
+                self.on_bytes(raw_len)
+            self._maybe_commit(sink)
+            return
         if self._fd is not None:
             self._unsynced += len(stored)
             if self._unsynced >= SYNC_EVERY_BYTES and (self._sync_fut is None or self._sync_fut.done()):
@@ -350,6 +444,8 @@ class MemberWriter:
                 self._hash_pending.popleft()[1].result()
             if self._sync_fut is not None:
                 self._sync_fut.result()
+            for fut in self._commits:
+                fut.result()  # an object's fsync/link error surfaces here
         finally:
             self._hash_pool.shutdown(wait=True)
             if self._sync_pool is not None:
@@ -363,11 +459,33 @@ class MemberWriter:
                "chunks": self.chunks}
         if self._raw_hash is not None:
             rec["raw_fp"] = f"{self.raw_alg}:{self._raw_hash.hexdigest()}"
+        if self.objects:
+            rec["objects"] = self.objects
         return rec
 
+    def _maybe_commit(self, sink: "ChunkSink") -> None:
+        """Once every chunk of a sealed sink is written: commit a new object (on the sync thread, so the
+        encoders keep going while it is fsynced), and record the range either way."""
+        if not sink.sealed or sink.written != sink.submitted or sink not in self._open_sinks:
+            return
+        self._open_sinks.remove(sink)
+        self.objects.append({"fp": sink.fp, "raw_offset": sink.raw_offset, "raw_bytes": sink.raw_bytes,
+                             "stored_offset": sink.stored_offset, "stored_bytes": sink.stored_bytes})
+        if sink.reused:
+            return
+        if self._sync_pool is None:
+            self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-sync")
+        first = len(self.chunks) - sink.written
+        chunks = self.chunks[first:]
+        self._commits.append(self._sync_pool.submit(sink.commit, chunks))
+
     def abort(self) -> None:
-        for _, _, fut in self._pending:
-            fut.cancel()
+        for sink in self._open_sinks:
+            with contextlib.suppress(Exception):
+                sink.abort()
+        self._open_sinks = []
+        for item in self._pending:
+            item[2].cancel()
         self._hash_pool.shutdown(wait=True)
         if self._sync_pool is not None:
             self._sync_pool.shutdown(wait=True)
@@ -514,6 +632,18 @@ def chunks_match(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
     return ok
 
 
+def _positional(fh) -> Callable[[int, int], bytes] | None:
+    """``pread(n, offset)`` for ``fh`` when chunks can be read positionally in parallel: a plain local file,
+    or a stream that offers ``pread``/``size`` itself (a format-3 member read through its shared objects,
+    :class:`ckpt_archive.repo.objects.MemberStream`); None otherwise (read sequentially)."""
+    if hasattr(fh, "pread"):
+        return fh.pread if fh.positional else None
+    fd = _fileno(fh)
+    if fd is None:
+        return None
+    return lambda n, off: os.pread(fd, n, off)
+
+
 def _fileno(fh) -> int | None:
     """The OS file descriptor behind ``fh`` when it is a plain local file, else None."""
     import io
@@ -558,11 +688,12 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
     chunks = record["chunks"]
     if into is not None and len(memoryview(into).cast("B")) != record["raw_bytes"]:
         raise ValueError("into must hold exactly the member's raw bytes")
-    fd = None if stored_hasher is not None else _fileno(fh)
-    if fd is not None:
-        # Local file: workers read their own chunk with pread (parallel, main thread free); sizes are
+    pread = None if stored_hasher is not None else _positional(fh)
+    fd = pread  # (truthy when chunks are read positionally by the workers)
+    if pread is not None:
+        # Local file(s): workers read their own chunk with pread (parallel, main thread free); sizes are
         # checked up front.
-        size = os.fstat(fd).st_size
+        size = fh.size() if hasattr(fh, "pread") else os.fstat(_fileno(fh)).st_size
         if size > record["stored_bytes"]:
             raise IntegrityError("stored file is longer than its chunks", where=member)
         for i, c in enumerate(chunks):
@@ -572,7 +703,7 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
 
     def work(i, stored, chunk):
         if stored is None:
-            stored = os.pread(fd, chunk["stored_bytes"], chunk["stored_offset"])
+            stored = pread(chunk["stored_bytes"], chunk["stored_offset"])
             if len(stored) != chunk["stored_bytes"]:
                 raise IntegrityError(f"truncated: chunk {i} has {len(stored)} of {chunk['stored_bytes']} "
                                      f"stored bytes", where=member)

@@ -85,6 +85,22 @@ def check_member_sizes(rec: dict, member: str) -> None:
                     and off[0] <= off[1] and base + off[1] <= total):
                 raise ImplausibleSize(f"entry {key!r} has data_offsets {off!r} outside the member's {total} raw "
                                       f"bytes", where=member)
+    _check_objects(rec, member)
+
+
+def _check_objects(rec: dict, member: str) -> None:
+    """Format 3: the shared-object ranges of a member must fit its chunk table and entries
+    (:func:`ckpt_archive.format.objects.check_objects`)."""
+    if not rec.get("objects"):
+        return
+    from ckpt_archive.format.objects import check_objects
+
+    try:
+        check_objects(rec, member)
+    except IntegrityError as exc:
+        raise ImplausibleSize(exc.message, where=exc.where or member) from None
+    except (KeyError, TypeError):
+        raise ImplausibleSize("objects table does not fit its member's chunks and entries", where=member) from None
 
 
 def check_manifest_sizes(doc: dict, *, where: str = "manifest.json") -> None:

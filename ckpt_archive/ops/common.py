@@ -76,13 +76,19 @@ def check_present(r: Repository, gen: Generation) -> None:
     Raises:
         IntegrityError: a member is missing or has another size (names it).
     """
-    for rec in gen.manifest["members"]:
-        key = f"{gen.key}/{rec['stored_path']}"
-        if not r.store.exists(key):
-            raise IntegrityError(f"missing: {rec['stored_path']} is not in generation {gen.number}", where=rec["path"])
-        size = r.store.size(key)
-        if size != rec["stored_bytes"]:
-            raise IntegrityError(f"{size} bytes stored, manifest says {rec['stored_bytes']}", where=rec["path"])
+    from ckpt_archive.format.objects import stored_files
+
+    for member in gen.manifest["members"]:
+        for key, fp, rec in stored_files(member, gen.key):  # format 3: its shared objects too
+            if not r.store.exists(key):
+                what = rec["stored_path"] if fp is None else f"shared object {key}"
+                raise IntegrityError(f"missing: {what} is not in generation {gen.number}" if fp is None else
+                                     f"missing: {what} (used by generation {gen.number}) is not in the repository",
+                                     where=member["path"])
+            size = r.store.size(key)
+            if size != rec["stored_bytes"]:
+                raise IntegrityError(f"{size} bytes stored, manifest says {rec['stored_bytes']}",
+                                     where=member["path"] if fp is None else key)
 
 
 def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action: str, override: str) -> str | None:

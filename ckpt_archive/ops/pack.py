@@ -18,6 +18,7 @@ from ckpt_archive import __version__
 from ckpt_archive.errors import CkptArchiveError, SourceError, StoreError, UsageError
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from ckpt_archive.format.manifest import FORMAT, dumps, validate, version_for
+from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
 from ckpt_archive.format.metrics import metrics_to_json
 from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.ops.meta import (code_identity, default_instructions, environment, find_metrics, find_progress,
@@ -45,6 +46,9 @@ class PackOptions:
         allow: plain-data classes to admit, as ``"module.Class"`` names or classes (``argparse.Namespace``;
             see :mod:`ckpt_archive.format.allowlist`): read from files and stored as the same class
             (CLI ``--allow``); a str is one name.
+        share_min_bytes: tensor entries of at least this many raw bytes are stored once per repository
+            and referenced by later generations whose bytes are equal (docs/FORMAT.md, "Shared
+            objects"; default 1 MiB); 0 stores every entry in its generation (CLI ``--no-share``).
     """
 
     level: int | None = None
@@ -54,6 +58,7 @@ class PackOptions:
     source_format: str | None = None
     allow_numpy: bool = False
     allow: tuple = ()
+    share_min_bytes: int = DEFAULT_SHARE_MIN_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,10 +255,17 @@ class _PackSteps:
 
     def write_members(self, repo: Repository, number: int) -> None:
         p, o = self.prep, self.options
+        shared = None
+        if o.share_min_bytes and o.share_min_bytes > 0:
+            from ckpt_archive.repo.objects import ObjectIndex, SharedWriter
+
+            # under the lock: which objects usable generations vouch for, and which any manifest names
+            shared = SharedWriter(repo.store, ObjectIndex.build(repo), min_bytes=o.share_min_bytes,
+                                  faults=repo.faults)
         body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
                              level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
                              chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
-                             encoded=p.encoded, faults=repo.faults)
+                             encoded=p.encoded, faults=repo.faults, shared=shared)
         self.warnings = body.pop("warnings")
         self.manifest = build_manifest(p, number, body)
 

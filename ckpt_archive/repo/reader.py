@@ -15,6 +15,8 @@ from typing import Any, Iterator
 from ckpt_archive.errors import FormatError, IntegrityError, NotFound
 from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.format.codec import StoredStream, chunks_match, default_jobs, iter_decoded
+from ckpt_archive.format.objects import stored_files
+from ckpt_archive.repo.objects import open_member
 from ckpt_archive.format.limits import check_allocation, frame_size_problem, lazy_buffer
 from ckpt_archive.format.shard import check_header as _check_header
 from ckpt_archive.format.state_tree import apply_view_bits, decode, torch_dtype
@@ -61,59 +63,70 @@ class ArchiveReader:
         single read checks every chunk's stored sha256 (which implies the whole file's).
         [codec/benchmarks helper: verify and trial reload share one read in pack]
         """
-        for rec in self.manifest["members"]:
-            key = self.key(rec)
-            try:
-                size = self.store.size(key)
-            except NotFound:
-                problems.append(Problem(f"missing: {rec['stored_path']} is not in the generation", member=rec["path"]))
-                continue
-            if size != rec["stored_bytes"]:
-                kind = "truncated" if size < rec["stored_bytes"] else "longer than recorded"
-                problems.append(Problem(f"{kind}: {size} bytes stored, manifest says {rec['stored_bytes']}",
-                                        member=rec["path"]))
-                continue
-            if not hash_files:
-                continue
-            # [codec/benchmarks helper] fast path: every chunk's sha256 in parallel (implies the whole
-            # file's); the sequential whole-file hash below runs only for non-local stores or to
-            # describe a mismatch.
+        seen: set[str] = set()
+        for member in self.manifest["members"]:
+            for key, fp, rec in stored_files(member, self.gen_key):
+                if fp is not None:
+                    if fp in seen:
+                        continue  # one object referenced twice by this generation is checked once
+                    seen.add(fp)
+                self._check_file(rec, key, problems, on_bytes, hash_files)
+
+    def _check_file(self, rec: dict, key: str, problems: list[Problem], on_bytes, hash_files: bool) -> None:
+        """One stored file (a member's own file, or a shared object, ``rec`` its rebased chunk table)."""
+        try:
+            size = self.store.size(key)
+        except NotFound:
+            problems.append(Problem(f"missing: {rec['stored_path']} is not in the generation"
+                                    if not key.startswith("objects/") else
+                                    f"missing: shared object {key} is not in the repository", member=rec["path"]))
+            return
+        if size != rec["stored_bytes"]:
+            kind = "truncated" if size < rec["stored_bytes"] else "longer than recorded"
+            problems.append(Problem(f"{kind}: {size} bytes stored, manifest says {rec['stored_bytes']}",
+                                    member=rec["path"]))
+            return
+        if not hash_files:
+            return
+        # [codec/benchmarks helper] fast path: every chunk's sha256 in parallel (implies the whole
+        # file's); the sequential whole-file hash below runs only for non-local stores or to
+        # describe a mismatch.
+        with self.store.open_read(key) as fh:
+            fast = chunks_match(fh, rec, member=rec["path"], jobs=self.jobs, on_bytes=on_bytes)
+            # [issue 17] sizes that cannot be true, from frame headers only (no body decoded)
+            lie = frame_size_problem(fh, rec) if fast else None
+        if lie:
+            problems.append(Problem(lie, member=rec["path"]))
+            return
+        if fast:
+            return
+        if "stored_fp" in rec:  # format 2: the chunks are the fingerprint; name the first bad one
+            check = StoredStream(rec, rec["path"])
             with self.store.open_read(key) as fh:
-                fast = chunks_match(fh, rec, member=rec["path"], jobs=self.jobs, on_bytes=on_bytes)
-                # [issue 17] sizes that cannot be true, from frame headers only (no body decoded)
-                lie = frame_size_problem(fh, rec) if fast else None
-            if lie:
-                problems.append(Problem(lie, member=rec["path"]))
-                continue
-            if fast:
-                continue
-            if "stored_fp" in rec:  # format 2: the chunks are the fingerprint; name the first bad one
-                check = StoredStream(rec, rec["path"])
-                with self.store.open_read(key) as fh:
-                    while piece := fh.read(8 << 20):
-                        check.update(piece)
-                        if on_bytes:
-                            on_bytes(len(piece))
-                bad = check.finish()
-                if bad is not None:
-                    problems.append(Problem(f"stored bytes do not match: {bad}", member=rec["path"]))
-                continue
-            h = hashlib.sha256()
-            with self.store.open_read(key) as fh:
-                while True:
-                    piece = fh.read(8 << 20)
-                    if not piece:
-                        break
-                    h.update(piece)
+                while piece := fh.read(8 << 20):
+                    check.update(piece)
                     if on_bytes:
                         on_bytes(len(piece))
-            got = h.hexdigest()
-            if got != rec["stored_sha256"]:
-                problems.append(Problem(f"stored sha256 mismatch: expected {rec['stored_sha256']}, got {got}"
-                                        + _locate_bad_chunk(self.store, key, rec), member=rec["path"]))
-            elif fast is False:
-                problems.append(Problem("the file matches its sha256 but not its chunk table"
-                                        + _locate_bad_chunk(self.store, key, rec), member=rec["path"]))
+            bad = check.finish()
+            if bad is not None:
+                problems.append(Problem(f"stored bytes do not match: {bad}", member=rec["path"]))
+            return
+        h = hashlib.sha256()
+        with self.store.open_read(key) as fh:
+            while True:
+                piece = fh.read(8 << 20)
+                if not piece:
+                    break
+                h.update(piece)
+                if on_bytes:
+                    on_bytes(len(piece))
+        got = h.hexdigest()
+        if got != rec["stored_sha256"]:
+            problems.append(Problem(f"stored sha256 mismatch: expected {rec['stored_sha256']}, got {got}"
+                                    + _locate_bad_chunk(self.store, key, rec), member=rec["path"]))
+        elif fast is False:
+            problems.append(Problem("the file matches its sha256 but not its chunk table"
+                                    + _locate_bad_chunk(self.store, key, rec), member=rec["path"]))
 
     # -- decoding ----------------------------------------------------------------------------------
     def iter_member(self, rec: dict, *, check_whole: bool = True, on_bytes=None,
@@ -132,7 +145,7 @@ class ArchiveReader:
         raw_check = fingerprint.MemberRawCheck(rec) if check_whole else None
         total = 0
         try:
-            fh = self.store.open_read(key)
+            fh = open_member(self.store, self.gen_key, rec)  # format 3: through its shared objects
         except NotFound:
             raise IntegrityError(f"missing: {rec['stored_path']} is not in the generation", where=rec["path"]) from None
         hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-rawhash")

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 from ckpt_archive.errors import FormatError
 from ckpt_archive.format import fingerprint
 from ckpt_archive.format.fingerprint import BLAKE3, SHA256
+from ckpt_archive.format.objects import own_stored_bytes
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, MemberWriter, default_jobs
 from ckpt_archive.format.shard import encode_header
 from ckpt_archive.format.state_tree import FLOAT_ST, TensorTable, encode
@@ -62,8 +63,15 @@ class GenerationWriter:
             w = MemberWriter(fh, level=self.level, jobs=self.jobs, chunk_bytes=self.chunk_bytes,
                              on_bytes=self.on_bytes, pool=self.pool, raw_alg=raw_alg)
             try:
-                for i, (data, hint) in enumerate(pieces):
-                    w.add(data, hint)
+                for i, piece in enumerate(pieces):
+                    data, hint = piece[0], piece[1]
+                    share = piece[2] if len(piece) > 2 else None
+                    if share is None:
+                        w.add(data, hint)
+                    elif share[1] is None:
+                        w.add(data, hint, sink=share[0])   # a new shared object
+                    else:
+                        w.add_reused(share[0], share[1])   # an object a usable generation vouches for
                     if i == 1:
                         self.faults.point("member-write")
                 rec = w.finish()
@@ -93,7 +101,7 @@ def _file_pieces(path):
 def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: int = DEFAULT_LEVEL,
                   jobs: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                   on_bytes: Callable[[int], None] | None = None, encoded: tuple | None = None,
-                  faults: Faults = NO_FAULTS) -> dict:
+                  faults: Faults = NO_FAULTS, shared=None) -> dict:
     """Write every member of a generation from a :class:`~ckpt_archive.sources.SourceCheckpoint`.
 
     ``encoded`` is ``state_tree.encode(source.state)`` when the caller already encoded it (pack does,
@@ -107,6 +115,8 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         level: zstandard level; jobs: encoder threads; chunk_bytes: raw bytes per chunk.
         on_bytes: progress callback (raw bytes).
         faults: the repository's fault-injection hook (points ``member-write``, ``after-members``).
+        shared: a :class:`ckpt_archive.repo.objects.SharedWriter` (format 3: large entries stored once per
+            repository, docs/FORMAT.md "Shared objects"), or None to store every entry in the member.
 
     Returns:
         the manifest's archive part: ``members``, ``tensors``, ``tree_member``, ``source``, ``data``,
@@ -126,7 +136,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         scans = {id(sf): w.hash_pool.submit(exact_bytes.scan, sf.path, sf.kind, BLAKE3)
                  for sf in source.files if sf.kind not in ("raw", "opaque") and sf.path is not None
                  and not getattr(sf, "link_of", None)}
-        tensors = _write_tensors(w, table)
+        tensors = _write_tensors(w, table, shared=shared)
         files_meta = []
         stored_entries = _entries_by_sha(w.members)
         for sf in source.files:
@@ -166,7 +176,9 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         "data": data,
         "summary": {"raw_bytes": sum(m["raw_bytes"] for m in members),
                     "stored_bytes": sum(m["stored_bytes"] for m in members),
-                    "tensor_count": len(tensors), "member_count": len(members)},
+                    "tensor_count": len(tensors), "member_count": len(members),
+                    **({"new_stored_bytes": sum(own_stored_bytes(m) for m in members) + shared.new_stored_bytes}
+                       if shared is not None and any(m.get("objects") for m in members) else {})},
         "warnings": list(table.warnings) + list(getattr(source, "warnings", []) or []),
     }
 
@@ -256,7 +268,47 @@ def write_tensor_members(store, gen_key: str, table: TensorTable, *, prefix: str
     return w.members, tensors
 
 
-def _write_tensors(w: GenerationWriter, table: TensorTable, *, prefix: str = "") -> dict:
+#: Raw bytes of shared-candidate entries fingerprinted ahead of the encoder (their fingerprint decides
+#: whether they are written at all); bounded so a non-contiguous tensor's copy does not pile up.
+LOOKAHEAD_BYTES = 256 << 20
+
+
+def _shared_pieces(w: GenerationWriter, entries, entry_sha: dict, shared) -> Iterator[tuple]:
+    """The entries of one shard as ``(bytes, hint, share)`` pieces. Entries ``shared`` wants are
+    fingerprinted a few ahead on the hash pool (in parallel with the encoder) and then referenced,
+    written as a new object, or kept inline (:meth:`SharedWriter.sink`); the others are fingerprinted
+    alongside as before."""
+    import collections
+
+    window: collections.deque = collections.deque()
+    ahead = 0
+    it = iter(entries)
+    done = False
+    while True:
+        while not done and (not window or (ahead < LOOKAHEAD_BYTES and len(window) < 8)):
+            e = next(it, None)
+            if e is None:
+                done = True
+                break
+            data = e.source()
+            if len(data) != e.nbytes:
+                raise FormatError(f"tensor changed size while packing ({len(data)} != {e.nbytes} bytes)",
+                                  where=e.key)
+            entry_sha[e.key] = w.hash_pool.submit(fingerprint.digest, data, BLAKE3)
+            want = shared is not None and shared.wants(e.nbytes)
+            window.append((e, data, want))
+            ahead += e.nbytes
+        if not window:
+            return
+        e, data, want = window.popleft()
+        ahead -= e.nbytes
+        share = None
+        if want:
+            share = shared.sink(entry_sha[e.key].result(), e.nbytes)
+        yield data, _hint(e.st_dtype), share
+
+
+def _write_tensors(w: GenerationWriter, table: TensorTable, *, prefix: str = "", shared=None) -> dict:
     shards: list[list] = [[]]
     size = 0
     for entry in table.entries.values():
@@ -280,13 +332,7 @@ def _write_tensors(w: GenerationWriter, table: TensorTable, *, prefix: str = "")
 
         def pieces(entries=entries, prefix=prefix):
             yield prefix, "zstd"
-            for e in entries:
-                data = e.source()
-                if len(data) != e.nbytes:
-                    raise FormatError(f"tensor changed size while packing ({len(data)} != {e.nbytes} bytes)",
-                                      where=e.key)
-                entry_sha[e.key] = w.hash_pool.submit(fingerprint.digest, data, BLAKE3)
-                yield data, _hint(e.st_dtype)
+            yield from _shared_pieces(w, entries, entry_sha, shared)
 
         rec = w.member(path, "tensors", pieces(), raw_alg=None, header_bytes=len(prefix),
                        entries={k: dict(v) for k, v in header.items()})

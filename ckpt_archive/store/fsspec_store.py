@@ -219,6 +219,11 @@ class FsspecStore:
                     f.discard()
                 raise
 
+    def write_new(self, key: str):
+        """Atomic exclusive create: on an object store :meth:`write_once` already is (the object appears
+        only at the commit, conditionally)."""
+        return self.write_once(key)
+
     def write_bytes_once(self, key: str, data: bytes) -> None:
         """Create the object ``key`` holding ``data``, exclusively. Raises :class:`StoreError` if it exists."""
         path = self._path(key)

@@ -193,6 +193,36 @@ class LocalStore:
             with contextlib.suppress(OSError):
                 fh.close()
 
+    @contextlib.contextmanager
+    def write_new(self, key: str) -> Iterator[BinaryIO]:
+        """Create ``key`` atomically and exclusively: written under ``.NAME.tmp-PID``, fsynced, then
+        hard-linked to its name (fails if it exists) and the temporary name removed; the folder is
+        fsynced. A reader never sees a partial file; on an exception nothing is left.
+
+        Raises:
+            StoreError: ``key`` already exists. OSError: the write failed.
+        """
+        p = self.path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_sibling(p)
+        fh = open(tmp, "wb")
+        try:
+            with _disk_full_named("writing", p):
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
+            fh.close()
+            try:
+                os.link(tmp, p)
+            except FileExistsError:
+                raise StoreError("refusing to overwrite a write-once object", where=key) from None
+        finally:
+            with contextlib.suppress(OSError):
+                fh.close()
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        fsync_directory(p.parent)
+
     def write_bytes_once(self, key: str, data: bytes) -> None:
         with self.write_once(key) as fh:
             fh.write(data)

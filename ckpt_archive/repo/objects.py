@@ -1,0 +1,320 @@
+"""Shared objects in a repository (format 3): what the writer reuses, how readers see a member through
+its objects, and which objects a deletion may remove (docs/FORMAT.md, "Shared objects").
+
+* :class:`ObjectIndex` -- built under the writer lock from every generation's manifest: the objects
+  usable generations vouch for (reusable, with their chunk records), every generation referencing
+  each object, and the generations whose manifests cannot be read (then nothing is deleted);
+* :class:`SharedWriter` -- the writer's decision per entry: reference, create, or keep it inline;
+* :class:`MemberStream` -- a member's stored stream read from its own file and its objects, with
+  positional reads when every part is a local file (so chunks still decode in parallel);
+* :func:`sweep` -- delete objects no remaining manifest references, under the lock, last in delete order.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import threading
+from typing import Iterable
+
+from ckpt_archive.errors import IntegrityError, NotFound
+from ckpt_archive.format.codec import ChunkSink
+from ckpt_archive.format.objects import OBJECT_DIR, fp_of_name, object_key, parts
+from ckpt_archive.format.objects import refs as manifest_refs
+
+_TMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
+
+
+@dataclasses.dataclass
+class ObjectIndex:
+    """What the repository's manifests say about shared objects (read under the lock).
+
+    Attributes:
+        usable: ``{fp: chunk records rebased to the object}`` for objects a ``usable`` generation references.
+        users: ``{fp: [generation numbers]}`` of every generation whose manifest references the object.
+        unreadable: ``[(number, reason)]``: generations with a manifest this reader cannot parse (their
+            references are unknown, so no object may be deleted while they exist).
+    """
+
+    usable: dict[str, list[dict]]
+    users: dict[str, list[int]]
+    unreadable: list[tuple[int, str]]
+
+    @classmethod
+    def build(cls, repo, gens=None, *, exclude: Iterable[int] = ()) -> "ObjectIndex":
+        """Index every generation of ``repo`` (or ``gens``), leaving out the numbers in ``exclude``."""
+        skip = set(exclude)
+        usable: dict[str, list[dict]] = {}
+        users: dict[str, list[int]] = {}
+        unreadable: list[tuple[int, str]] = []
+        for g in (repo.generations() if gens is None else gens):
+            if g.number in skip:
+                continue
+            if g.manifest is None:
+                if g.status == "damaged" and g.error is not None:
+                    unreadable.append((g.number, g.reason or "manifest cannot be read"))
+                continue
+            for m in g.manifest.get("members") or ():
+                if not m.get("objects"):
+                    continue
+                for p in parts(m):
+                    if p.fp is None:
+                        continue
+                    users.setdefault(p.fp, [])
+                    if g.number not in users[p.fp]:
+                        users[p.fp].append(g.number)
+                    if g.status == "usable" and p.fp not in usable:
+                        usable[p.fp] = p.record["chunks"]
+        return cls(usable, users, unreadable)
+
+
+class SharedWriter:
+    """The writer's side of sharing for one generation (the caller holds the repository lock).
+
+    Args:
+        store: the repository's store. index: :meth:`ObjectIndex.build` of the repository now.
+        min_bytes: entries with fewer raw bytes are not shared. faults: the repository's fault hook
+            (points ``object-write``: an object written, not yet linked; ``object-commit``: linked).
+    """
+
+    def __init__(self, store, index: ObjectIndex, *, min_bytes: int, faults=None):
+        self.store = store
+        self.index = index
+        self.min_bytes = min_bytes
+        self.faults = faults
+        self._made: dict[str, list[dict]] = {}   # objects this generation created (committed)
+        self._open: set[str] = set()
+        self._lock = threading.Lock()
+        self.new_stored_bytes = 0
+        self.reused_stored_bytes = 0
+
+    def wants(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` raw bytes is shared (its fingerprint is needed before writing)."""
+        return self.min_bytes > 0 and nbytes >= self.min_bytes
+
+    def sink(self, fp: str, nbytes: int) -> tuple[ChunkSink, list[dict] | None] | None:
+        """Decide for one entry: ``(sink, chunks)`` to reference an object whose chunks are known,
+        ``(sink, None)`` to create a new object through ``sink``, or None to keep the entry inline."""
+        with self._lock:
+            known = self.index.usable.get(fp) or self._made.get(fp)
+        if known is not None and sum(c["raw_bytes"] for c in known) == nbytes:
+            self.reused_stored_bytes += sum(c["stored_bytes"] for c in known)
+            return ChunkSink(fp, reused=True), known
+        if fp in self._open or fp in self.index.users or known is not None:
+            # being written by this generation, or vouched for only by a generation not usable here:
+            # never trusted unproven; the entry is stored in the member file instead
+            return None
+        key = object_key(fp)
+        if self.store.exists(key):
+            self.store.remove(key)  # left by an interrupted pack: no manifest references it (lock held)
+        cm = self.store.write_new(key)
+        fh = cm.__enter__()
+        self._open.add(fp)
+
+        def commit(chunks: list[dict]) -> None:
+            if self.faults is not None:
+                self.faults.point("object-write")
+            cm.__exit__(None, None, None)
+            rebased, raw, stored = [], 0, 0
+            for c in chunks:
+                rebased.append({**c, "raw_offset": raw, "stored_offset": stored})
+                raw += c["raw_bytes"]
+                stored += c["stored_bytes"]
+            with self._lock:
+                self._made[fp] = rebased
+                self._open.discard(fp)
+                self.new_stored_bytes += stored
+            if self.faults is not None:
+                self.faults.point("object-commit")
+
+        def abort() -> None:
+            with self._lock:
+                self._open.discard(fp)
+            cm.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+        return ChunkSink(fp, fh=fh, commit=commit, abort=abort), None
+
+
+class MemberStream:
+    """A format-3 member's stored stream, read from its own file and its shared objects.
+
+    ``read(n)`` reads sequentially; ``pread(n, offset)`` reads one chunk at its offset in the stream
+    (only whole chunks: every read the codec makes) when ``positional`` (every part a local file).
+
+    Raises (on open):
+        IntegrityError: a part is missing ("missing: objects/..."; names the member).
+    """
+
+    def __init__(self, store, gen_key: str, rec: dict):
+        self.rec = rec
+        self._parts = parts(rec)
+        self._files = []
+        self._fds: list[int | None] = []
+        self._keys = []
+        try:
+            for p in self._parts:
+                key = f"{gen_key}/{rec['stored_path']}" if p.fp is None else object_key(p.fp)
+                self._keys.append(key)
+                try:
+                    fh = store.open_read(key)
+                except NotFound:
+                    what = rec["stored_path"] if p.fp is None else f"{key} (shared object)"
+                    raise IntegrityError(f"missing: {what} is not in the repository", where=rec["path"]) from None
+                self._files.append(fh)
+                try:
+                    fd = fh.fileno()
+                    os.fstat(fd)
+                except (AttributeError, OSError, ValueError, Exception):
+                    fd = None
+                self._fds.append(fd)
+        except BaseException:
+            self.close()
+            raise
+        self.positional = all(fd is not None for fd in self._fds)
+        # stored offset of each chunk in the stream -> (part, offset in that part's file)
+        self._where: dict[int, tuple[int, int]] = {}
+        chunks = rec.get("chunks") or []
+        self._chunk_at = {c["stored_offset"]: i for i, c in enumerate(chunks)}
+        for pi, p in enumerate(self._parts):
+            for ci, local in zip(p.index, p.record["chunks"]):
+                self._where[chunks[ci]["stored_offset"]] = (pi, local["stored_offset"])
+        self._segs = sorted((off, chunks[ci]["stored_bytes"], pi, local)
+                            for off, (pi, local) in self._where.items()
+                            for ci in [self._chunk_at[off]])
+        self._starts = [sg[0] for sg in self._segs]
+        self._pos = 0
+
+    def size(self) -> int:
+        """Bytes actually stored in all parts (equals ``stored_bytes`` when nothing is missing or extra)."""
+        total = 0
+        for fd, fh in zip(self._fds, self._files):
+            if fd is not None:
+                total += os.fstat(fd).st_size
+            else:
+                cur = fh.tell()
+                total += fh.seek(0, 2)
+                fh.seek(cur)
+        return total
+
+    def pread(self, n: int, offset: int) -> bytes:
+        pi, local = self._where.get(offset, (None, None))
+        if pi is None:
+            raise IntegrityError(f"no chunk starts at stored byte {offset}", where=self.rec["path"])
+        fd = self._fds[pi]
+        return os.pread(fd, n, local)
+
+    def read(self, n: int = -1) -> bytes:
+        import bisect
+
+        if n is None or n < 0:
+            n = self.rec["stored_bytes"] - self._pos
+        out = []
+        while n > 0 and self._pos < self.rec["stored_bytes"]:
+            i = bisect.bisect_right(self._starts, self._pos) - 1
+            start, length, pi, local = self._segs[i]
+            fh = self._files[pi]
+            fh.seek(local + (self._pos - start))
+            data = fh.read(min(n, start + length - self._pos))
+            if not data:
+                break
+            out.append(data)
+            self._pos += len(data)
+            n -= len(data)
+        if n > 0 and self._pos >= self.rec["stored_bytes"]:
+            # bytes beyond the recorded stream (a longer file): the caller reports "longer than its chunks"
+            for fh, p in zip(self._files, self._parts):
+                fh.seek(p.stored_bytes)
+                extra = fh.read(1)
+                if extra:
+                    out.append(extra)
+                    break
+        return b"".join(out)
+
+    def close(self) -> None:
+        for fh in self._files:
+            with contextlib.suppress(Exception):
+                fh.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_member(store, gen_key: str, rec: dict):
+    """The member's stored bytes: its own file, or a :class:`MemberStream` over its file and objects.
+
+    Raises:
+        NotFound: the member's own file is missing (no objects). IntegrityError: a part is missing.
+    """
+    if not rec.get("objects"):
+        return store.open_read(f"{gen_key}/{rec['stored_path']}")
+    return MemberStream(store, gen_key, rec)
+
+
+@dataclasses.dataclass
+class SweepResult:
+    """What :func:`sweep` did: ``removed`` object keys, ``kept`` (str) why nothing was deleted, or None."""
+
+    removed: list[str]
+    kept: str | None = None
+
+
+def all_objects(store) -> tuple[list[str], list[str]]:
+    """``(object fingerprints, leftover temporary keys)`` stored under ``objects/``."""
+    fps, tmps = [], []
+    if not store.exists(OBJECT_DIR):
+        return fps, tmps
+    for folder in store.listdir(OBJECT_DIR):
+        if not re.fullmatch(r"[0-9a-f]{2}", folder):
+            continue
+        for name in store.listdir(f"{OBJECT_DIR}/{folder}"):
+            fp = fp_of_name(folder, name)
+            if fp is not None:
+                fps.append(fp)
+            elif _TMP_NAME.match(name):
+                tmps.append(f"{OBJECT_DIR}/{folder}/{name}")
+    return fps, tmps
+
+
+def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = False) -> SweepResult:
+    """Delete shared objects that no generation's manifest references (the caller holds the lock).
+
+    Args:
+        repo: the repository. candidates: fingerprints to consider (those of generations just removed);
+            None considers every object in the store (``gc``).
+        dry_run: decide and report only.
+
+    Returns:
+        :class:`SweepResult`. Nothing is deleted when a generation's manifest cannot be read.
+    """
+    index = ObjectIndex.build(repo)
+    if index.unreadable:
+        n, why = index.unreadable[0]
+        return SweepResult([], f"generation {n}'s manifest cannot be read ({why}), so which shared objects it "
+                               f"references is unknown: no object was deleted")
+    if candidates is None:
+        candidates = all_objects(repo.store)[0]
+    removed = []
+    for fp in sorted(set(candidates)):
+        if fp in index.users:
+            continue
+        key = object_key(fp)
+        if not repo.store.exists(key):
+            continue
+        removed.append(key)
+        if not dry_run:
+            repo.faults.point("object-delete")
+            repo.store.remove(key)
+    return SweepResult(removed)
+
+
+def users_of(repo) -> dict[str, list[int]]:
+    """``{fp: [generation numbers]}`` of every shared object referenced by a readable manifest."""
+    return ObjectIndex.build(repo).users
+
+
+__all__ = ["ObjectIndex", "SharedWriter", "MemberStream", "open_member", "sweep", "SweepResult", "all_objects",
+           "users_of", "manifest_refs"]
