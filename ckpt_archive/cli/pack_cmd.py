@@ -49,6 +49,10 @@ def register(app: typer.Typer) -> None:
         jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Encoder/decoder threads (default: all cores)."),
         level: Optional[int] = typer.Option(None, "--level", help="zstd level (default 3)."),
         wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for another writer's lock."),
+        no_share: bool = typer.Option(False, "--no-share",
+                                      help="Store every tensor in this generation, even when an equal one is "
+                                           "already stored in the repository (default: tensors of 1 MiB or "
+                                           "more are stored once and referenced; docs/FORMAT.md, Shared objects)."),
         keep_last: Optional[int] = KEEP_LAST, keep_hourly: Optional[int] = KEEP_HOURLY,
         keep_daily: Optional[int] = KEEP_DAILY, keep_weekly: Optional[int] = KEEP_WEEKLY,
         keep_monthly: Optional[int] = KEEP_MONTHLY, keep_within: Optional[str] = KEEP_WITHIN,
@@ -57,6 +61,7 @@ def register(app: typer.Typer) -> None:
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
+        from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
         from ckpt_archive.ops.pack import Annotations, PackOptions
 
         out = Output(json_output)
@@ -72,7 +77,7 @@ def register(app: typer.Typer) -> None:
             res = ckpt_archive.pack(
                 source, repo,
                 PackOptions(level=level, jobs=jobs, wait=wait, source_format=fmt, allow_numpy=allow_numpy,
-                            allow=tuple(allow)),
+                            allow=tuple(allow), share_min_bytes=0 if no_share else DEFAULT_SHARE_MIN_BYTES),
                 Annotations(config=config, metrics=metrics, data_ids=data_ids, tags=tuple(tag),
                             code_version=code_version, instructions=instructions,
                             progress={"step": step, "epoch": epoch}),

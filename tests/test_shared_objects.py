@@ -1,0 +1,233 @@
+"""Shared objects (format 3, docs/FORMAT.md "Shared objects"): the writer stores a large tensor entry once
+per repository and later generations reference it; readers see a member through its objects; a hostile
+objects table or a damaged object is refused. Deletion (refcounts) and export live in their own tests."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ckpt_archive
+from ckpt_archive.errors import CheckFailed, IntegrityError, NewerFormatError
+from ckpt_archive.format import manifest as manifest_mod
+from ckpt_archive.format.objects import object_key, own_stored_bytes, parts, refs
+from ckpt_archive.ops.pack import PackOptions
+
+MiB = 1 << 20
+
+
+def _base():
+    g = torch.Generator().manual_seed(0)
+    return {f"base.{i}": (torch.randn(512, 1024, generator=g) * 0.02).to(torch.bfloat16) for i in range(3)}
+
+
+BASE = _base()
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(100 + step)
+    return {"model": {**BASE, "lora.A": torch.randn(8, 1024, generator=g), "lora.B": torch.randn(1024, 8, generator=g)},
+            "step": step}
+
+
+def _gen(repo, n):
+    return repo / "generations" / f"{n:08d}"
+
+
+def _manifest(repo, n):
+    return json.loads((_gen(repo, n) / "manifest.json").read_text())
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "ckpt_archive.cli.app", *map(str, args)], capture_output=True,
+                          text=True)
+
+
+def test_unchanged_tensors_are_stored_once_and_both_generations_load_bit_exact(tmp_path):
+    """Fault guarded: every generation storing the frozen base again (no sharing), or a generation that
+    references objects loading other bytes than were packed."""
+    repo = tmp_path / "repo"
+    r1 = ckpt_archive.pack(_state(1), repo)
+    r2 = ckpt_archive.pack(_state(2), repo)
+    m1, m2 = r1.manifest, r2.manifest
+    assert m1["format_version"] == 3 and m2["format_version"] == 3
+    assert set(refs(m1)) == set(refs(m2)) and len(refs(m1)) == 3  # the three 1 MiB base matrices
+    base_stored = sum(refs(m1).values())
+    # generation 2 wrote only what changed: its own files hold no base bytes
+    own2 = sum(own_stored_bytes(m) for m in m2["members"])
+    assert m2["summary"]["new_stored_bytes"] == own2 < base_stored / 10
+    objects = [p for p in (repo / "objects").rglob("*.ckz")]
+    assert len(objects) == 3
+    for n, step in ((1, 1), (2, 2)):
+        out = ckpt_archive.load(repo, n)
+        want = _state(step)
+        for k, v in want["model"].items():
+            assert torch.equal(out["model"][k], v), k
+    assert _cli("verify", f"{repo}@2", "--deep").returncode == 0
+
+
+def test_small_tensors_stay_in_the_member_and_no_share_writes_format_2(tmp_path):
+    """Fault guarded: a file per tiny tensor (costs more than it saves), or --no-share still sharing."""
+    repo = tmp_path / "repo"
+    ckpt_archive.pack({"w": torch.ones(10)}, repo)
+    assert _manifest(repo, 1)["format_version"] == 2 and not (repo / "objects").exists()
+    ckpt_archive.pack(_state(1), repo, PackOptions(share_min_bytes=0))
+    m = _manifest(repo, 2)
+    assert m["format_version"] == 2 and not refs(m)
+
+
+def test_a_format_2_reader_refuses_a_manifest_with_shared_objects_by_name(tmp_path, monkeypatch):
+    """Fault guarded: an older reader misreading a member whose bytes live partly in objects (it would
+    see a short file) instead of saying the archive is newer than it."""
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(_state(1), repo)
+    monkeypatch.setattr(manifest_mod, "KNOWN_VERSIONS", (1, 2))
+    with pytest.raises(NewerFormatError, match="written by format 3, this reader knows up to 2"):
+        manifest_mod.parse((_gen(repo, 1) / "manifest.json").read_bytes())
+
+
+def _tamper(repo, n, edit):
+    """Rewrite generation n's manifest with ``edit`` and re-point its marker (a forger who recomputes)."""
+    import hashlib
+
+    p = _gen(repo, n) / "manifest.json"
+    doc = json.loads(p.read_text())
+    edit(doc)
+    raw = json.dumps(doc, indent=1).encode()
+    p.write_bytes(raw)
+    mk = _gen(repo, n) / "USABLE.json"
+    marker = json.loads(mk.read_text())
+    marker["manifest_sha256"] = hashlib.sha256(raw).hexdigest()
+    mk.write_text(json.dumps(marker))
+
+
+def _tensors_member(doc):
+    return next(m for m in doc["members"] if m.get("objects"))
+
+
+@pytest.mark.parametrize("attack", ["other_fp", "off_boundary", "overlap", "not_an_entry", "path_in_fp"])
+def test_a_hostile_objects_table_is_refused_before_any_read(tmp_path, attack):
+    """Fault guarded: a forged objects table making the reader take bytes from another object, decode
+    across an entry, or open a path outside objects/ (a fingerprint that is a path)."""
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(_state(1), repo)
+
+    def edit(doc):
+        objs = _tensors_member(doc)["objects"]
+        if attack == "other_fp":
+            objs[0]["fp"] = objs[1]["fp"]
+        elif attack == "off_boundary":
+            objs[0]["stored_offset"] += 1
+        elif attack == "overlap":
+            objs[1]["stored_offset"] = objs[0]["stored_offset"]
+        elif attack == "not_an_entry":
+            objs[0]["raw_offset"] += 2
+        else:
+            objs[0]["fp"] = "blake3:../../../../etc/passwd"
+
+    _tamper(repo, 1, edit)
+    res = _cli("verify", f"{repo}@1")
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    with pytest.raises(CheckFailed):
+        ckpt_archive.load(repo, 1, unverified=True)
+
+
+def test_a_damaged_shared_object_fails_every_generation_that_uses_it_naming_the_object(tmp_path):
+    """Fault guarded: a bit flip in a shared object going unnoticed by the generations that reference
+    it (their own files are intact), or a report that does not say which file is damaged."""
+    repo = tmp_path / "repo"
+    r1 = ckpt_archive.pack(_state(1), repo)
+    ckpt_archive.pack(_state(2), repo)
+    fp = sorted(refs(r1.manifest))[0]
+    obj = repo / object_key(fp)
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    os.chmod(obj, 0o644)
+    obj.write_bytes(bytes(data))
+    for n in (1, 2):
+        res = _cli("verify", f"{repo}@{n}")
+        assert res.returncode == 1, res.stderr
+        assert object_key(fp) in res.stdout + res.stderr
+        with pytest.raises(IntegrityError):
+            ckpt_archive.load(repo, n)
+
+
+def test_a_missing_shared_object_is_reported_and_restore_refuses(tmp_path):
+    """Fault guarded: a generation whose object was deleted by hand restoring partially with exit 0."""
+    repo = tmp_path / "repo"
+    r1 = ckpt_archive.pack(_state(1), repo)
+    fp = sorted(refs(r1.manifest))[0]
+    (repo / object_key(fp)).unlink()
+    res = _cli("verify", f"{repo}@1")
+    assert res.returncode == 1 and "shared object" in res.stdout + res.stderr
+    res = _cli("restore", f"{repo}@1", tmp_path / "out.pt")
+    assert res.returncode in (1, 2) and not (tmp_path / "out.pt").exists()
+
+
+def test_an_object_left_by_an_interrupted_pack_is_replaced_not_trusted(tmp_path):
+    """Fault guarded: the writer referencing an object file that no manifest vouches for (a pack killed
+    while writing it, or planted), so that the new generation holds whatever bytes were there."""
+    repo = tmp_path / "repo"
+    ckpt_archive.pack({"x": torch.ones(3)}, repo)
+    from ckpt_archive.format.fingerprint import digest
+
+    fp = digest(memoryview(BASE["base.0"].view(torch.uint8).numpy()).cast("B"))
+    planted = repo / object_key(fp)
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"not the tensor")
+    ckpt_archive.pack(_state(1), repo)
+    assert planted.read_bytes() != b"not the tensor"
+    assert torch.equal(ckpt_archive.load(repo)["model"]["base.0"], BASE["base.0"])
+    assert _cli("verify", f"{repo}@2", "--deep").returncode == 0
+
+
+def test_an_object_vouched_for_only_by_an_unpublished_generation_is_not_reused(tmp_path):
+    """Fault guarded: a new generation trusting an object that only a partial (never trial-reloaded)
+    generation references: the entry is stored in the new generation's own file instead."""
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(_state(1), repo)
+    (_gen(repo, 1) / "USABLE.json").unlink()  # generation 1 is now partial (sealed, never published)
+    r2 = ckpt_archive.pack(_state(1), repo)
+    assert not refs(r2.manifest)  # nothing referenced: the base went into generation 2's own member
+    assert torch.equal(ckpt_archive.load(repo)["model"]["base.1"], BASE["base.1"])
+
+
+def test_identical_tensors_within_one_state_and_equal_bytes_of_another_dtype(tmp_path):
+    """Fault guarded: two equal entries in one state racing for one object, or bytes reused under another
+    dtype decoding wrongly (the object is bytes; dtype and shape stay with each entry)."""
+    repo = tmp_path / "repo"
+    t = BASE["base.0"]
+    state = {"a": t, "b": t.clone(), "c": t.view(torch.int16).clone()}
+    ckpt_archive.pack(state, repo)
+    ckpt_archive.pack(state, repo)
+    out = ckpt_archive.load(repo)
+    assert torch.equal(out["a"], t) and torch.equal(out["b"], t) and torch.equal(out["c"], t.view(torch.int16))
+    assert out["c"].dtype == torch.int16
+
+
+def test_shared_objects_on_an_fsspec_store_read_sequentially(tmp_path):
+    """Fault guarded: the member stream working only for local files (remote stores read sequentially)."""
+    url = f"memory://shared-{os.getpid()}-{id(tmp_path)}/repo"
+    ckpt_archive.pack(_state(1), url)
+    r2 = ckpt_archive.pack(_state(2), url)
+    assert refs(r2.manifest)
+    out = ckpt_archive.load(url)
+    assert torch.equal(out["model"]["base.2"], BASE["base.2"])
+    assert torch.equal(out["model"]["lora.A"], _state(2)["model"]["lora.A"])
+
+
+def test_parts_split_the_stream_into_files_that_tile_it(tmp_path):
+    """Fault guarded: a split that loses or duplicates a chunk between the member file and its objects."""
+    repo = tmp_path / "repo"
+    r = ckpt_archive.pack(_state(1), repo)
+    m = _tensors_member(r.manifest)
+    ps = parts(m)
+    idx = sorted(i for p in ps for i in p.index)
+    assert idx == list(range(len(m["chunks"])))
+    assert sum(p.stored_bytes for p in ps) == m["stored_bytes"]
+    assert (_gen(repo, 1) / m["stored_path"]).stat().st_size == own_stored_bytes(m) == ps[0].stored_bytes
