@@ -116,11 +116,11 @@ def main(argv=None) -> int:
             save(a.base_mib, s, p)
             ckpts.append(p)
         flat = work / "flat"
-        timed(cli("pack", str(ckpts[0]), str(flat), "--no-share", "--quiet"))
+        timed(cli("pack", str(ckpts[0]), "--repo", str(flat), "--no-share", "--quiet"))
         one_gen = manifest(flat, 1)["summary"]["stored_bytes"]
         shared = work / "shared"
         for p in ckpts:
-            timed(cli("pack", str(p), str(shared), "--quiet"))
+            timed(cli("pack", str(p), "--repo", str(shared), "--quiet"))
         changing = [manifest(shared, n)["summary"].get("new_stored_bytes", 0) for n in range(2, a.generations + 1)]
         change = statistics.median(changing)
         total = du(shared)
@@ -139,15 +139,15 @@ def main(argv=None) -> int:
                 repo = work / f"r2-{rep}"
                 if which == "first":
                     shutil.rmtree(repo, ignore_errors=True)
-                    first.append(timed(cli("pack", str(ckpts[0]), str(repo), "--quiet")))
+                    first.append(timed(cli("pack", str(ckpts[0]), "--repo", str(repo), "--quiet")))
                 else:
                     if not (repo / "repository.json").exists():
-                        timed(cli("pack", str(ckpts[0]), str(repo), "--quiet"))
-                    second.append(timed(cli("pack", str(ckpts[0]), str(repo), "--quiet")))
+                        timed(cli("pack", str(ckpts[0]), "--repo", str(repo), "--quiet"))
+                    second.append(timed(cli("pack", str(ckpts[0]), "--repo", str(repo), "--quiet")))
             shutil.rmtree(work / f"r2-{rep}", ignore_errors=True)
         repo = work / "r2-written"
-        timed(cli("pack", str(ckpts[0]), str(repo), "--quiet"))
-        timed(cli("pack", str(ckpts[0]), str(repo), "--quiet"))
+        timed(cli("pack", str(ckpts[0]), "--repo", str(repo), "--quiet"))
+        timed(cli("pack", str(ckpts[0]), "--repo", str(repo), "--quiet"))
         m2 = manifest(repo, 2)
         gen2 = repo / "generations" / "00000002"
         besides = sum(f.stat().st_size for f in gen2.iterdir() if f.name not in ("manifest.json", "USABLE.json"))
@@ -167,8 +167,8 @@ def main(argv=None) -> int:
                 repo = work / f"r3-{which}"
                 shutil.rmtree(repo, ignore_errors=True)
                 extra = [] if which == "share" else ["--no-share"]
-                timed(cli("pack", str(ckpts[0]), str(repo), "--quiet", *extra))
-                t = timed(cli("pack", str(new), str(repo), "--quiet", *extra))
+                timed(cli("pack", str(ckpts[0]), "--repo", str(repo), "--quiet", *extra))
+                t = timed(cli("pack", str(new), "--repo", str(repo), "--quiet", *extra))
                 (with_share if which == "share" else without).append(t)
                 shutil.rmtree(repo)
         out["fully_changed"] = {"share_s": with_share, "no_share_s": without,

@@ -662,7 +662,8 @@ def _read_exact(fh: BinaryIO, n: int) -> bytes:
 
 
 def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = None,
-                 stored_hasher=None, verify_chunks: bool = True, into=None) -> Iterator[tuple[int, bytes]]:
+                 stored_hasher=None, verify_chunks: bool = True, into=None,
+                 skip_sha: frozenset = frozenset()) -> Iterator[tuple[int, bytes]]:
     """Yield ``(raw_offset, raw_chunk)`` for each chunk of a stored member, in order.
 
     Each chunk's stored sha256 is checked before decoding; decoding runs on a thread pool with ordered
@@ -679,6 +680,9 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
             then rejects.
         into: optional writable buffer of the member's raw size: every chunk is decoded straight into
             its place there (no per-chunk allocation) and the yielded chunks are views of it.
+        skip_sha: indices of chunks whose stored sha256 is not checked here (shared objects proven when
+            they were created, whose decoded bytes the caller checks end to end; see
+            :attr:`ckpt_archive.repo.reader.ArchiveReader.proven_objects`).
 
     Raises:
         IntegrityError: a chunk is short, fails its sha256, or does not decode; names member and chunk.
@@ -710,7 +714,7 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
         dest = None
         if into is not None:
             dest = memoryview(into).cast("B")[chunk["raw_offset"]:chunk["raw_offset"] + chunk["raw_bytes"]]
-        if not verify_chunks:
+        if not verify_chunks or i in skip_sha:
             try:
                 return decode_chunk(stored, chunk["codec"], chunk["raw_bytes"], dest)
             except IntegrityError as exc:

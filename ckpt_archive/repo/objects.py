@@ -88,6 +88,8 @@ class SharedWriter:
         self._lock = threading.Lock()
         self.new_stored_bytes = 0
         self.reused_stored_bytes = 0
+        #: objects referenced because a usable generation vouches for them (see ArchiveReader.proven_objects)
+        self.reused: set[str] = set()
 
     def wants(self, nbytes: int) -> bool:
         """Whether an entry of ``nbytes`` raw bytes is shared (its fingerprint is needed before writing)."""
@@ -100,6 +102,8 @@ class SharedWriter:
             known = self.index.usable.get(fp) or self._made.get(fp)
         if known is not None and sum(c["raw_bytes"] for c in known) == nbytes:
             self.reused_stored_bytes += sum(c["stored_bytes"] for c in known)
+            if fp in self.index.usable:
+                self.reused.add(fp)
             return ChunkSink(fp, reused=True), known
         if fp in self._open or fp in self.index.users or known is not None:
             # being written by this generation, or vouched for only by a generation not usable here:
