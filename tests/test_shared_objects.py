@@ -231,3 +231,21 @@ def test_parts_split_the_stream_into_files_that_tile_it(tmp_path):
     assert idx == list(range(len(m["chunks"])))
     assert sum(p.stored_bytes for p in ps) == m["stored_bytes"]
     assert (_gen(repo, 1) / m["stored_path"]).stat().st_size == own_stored_bytes(m) == ps[0].stored_bytes
+
+
+def test_a_shared_object_replaced_by_a_symlink_is_never_read_through(tmp_path):
+    """Fault guarded: a hostile repository pointing a shared object at a file outside it (the reader
+    would decode whatever the link names)."""
+    repo = tmp_path / "repo"
+    r1 = ckpt_archive.pack(_state(1), repo)
+    fp = sorted(refs(r1.manifest))[0]
+    obj = repo / object_key(fp)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(obj.read_bytes())  # even the right bytes: a link is refused, not followed
+    obj.unlink()
+    obj.symlink_to(outside)
+    res = _cli("verify", f"{repo}@1", "--deep")
+    assert res.returncode == 1, res.stderr
+    assert "symbolic link" in res.stdout + res.stderr
+    with pytest.raises(CheckFailed):
+        ckpt_archive.load(repo, 1)
