@@ -20,7 +20,8 @@ multipart uploads a killed run left below it (invisible but billed parts), remov
 are not part of the archive, keeps the members that are present and match, replaces any that do not,
 copies the rest and finishes; shared objects a killed run left half-written are removed first, and an
 object at DEST that is not what the manifest records is replaced, never trusted. A generation already
-usable at DEST is not copied again. A DEST holding another archive under the same number is refused (exit 2); nothing there is touched.
+usable at DEST is not copied again. A DEST holding another archive under the same number is refused
+(exit 2); nothing there is touched.
 
 The recovery proof (endpoint, region, install and restore commands, fingerprints, trial-reload record)
 is rendered by :mod:`ckpt_archive.ops.export_proof`.
