@@ -254,6 +254,58 @@ def test_export_killed_while_writing_a_shared_object_resumes_and_cleans_what_it_
     _assert_bit_equal(states[2], ca.load(dest))
 
 
+@pytest.mark.slow
+def test_rerun_aborts_the_multipart_upload_of_a_shared_object_a_killed_export_left(s3_server, s3_url, tmp_path,
+                                                                                  monkeypatch):
+    """A process killed mid-upload of a shared object leaves invisible, billed parts below ``objects/``:
+    the re-run, holding DEST's lock, aborts them before copying the object again."""
+    import subprocess
+    import sys
+
+    repo = tmp_path / "big"
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(3_000_000, generator=g), "step": 1}
+    ca.pack(state, repo)   # an ~11 MiB entry: a shared object (default 1 MiB), uploaded in parts
+    (fp,) = refs(Repository.open(repo).generation(1).manifest)
+    monkeypatch.setenv("FSSPEC_S3", json.dumps({"default_block_size": 5 << 20}))
+    env = {**os.environ, "CKPT_ARCHIVE_INJECT": "export-object-write=kill"}
+    killed = subprocess.run([sys.executable, "-m", "ckpt_archive", "export", str(repo), "--to", s3_url], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    bucket, _, prefix = s3_url[len("s3://"):].partition("/")
+    client = s3_server.client()
+    uploads = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    assert [u["Key"] for u in uploads] == [f"{prefix}/{object_key(fp)}"]
+    assert not Repository.open(s3_url).store.exists(object_key(fp))      # never visible half-written
+
+    res = cli("export", str(repo), "--to", s3_url, "--json")
+    assert res.exit_code == 0, res.output
+    (eg,) = json.loads(res.stdout)["generations"]
+    assert eg["status"] == "resumed" and eg["cleaned"]["aborted_uploads"] == [object_key(fp)]
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    _assert_bit_equal(state, ca.load(s3_url))
+
+
+def test_same_tensor_encoded_otherwise_at_destination_is_refused_not_overwritten(lora, tmp_path):
+    repo, base, _ = lora
+    dest = tmp_path / "dst"
+    # DEST's own run packed the same frozen base with another chunk size: same fingerprints, other bytes
+    for n in range(1, 4):
+        ca.pack(_state(100 + n, base), dest, ca.PackOptions(chunk_bytes=16 << 10, share_min_bytes=SHARE))
+    theirs = Repository.open(dest).generation(1).manifest
+    assert set(refs(theirs)) == set(refs(Repository.open(repo).generation(2).manifest))
+    before = {fp: (dest / object_key(fp)).read_bytes() for fp in refs(theirs)}
+    for n in (3, 4):  # the source's generation 4: a number DEST does not hold yet
+        _pack(repo, n, base)
+    res = cli("export", f"{repo}@4", "--to", str(dest))
+    assert res.exit_code == 2, res.output
+    assert "encoded otherwise" in res.output and "generation(s) 1, 2, 3" in res.output
+    assert {fp: (dest / object_key(fp)).read_bytes() for fp in refs(theirs)} == before   # never overwritten
+    assert not (dest / "generations" / "00000004").exists()                               # nothing written
+    for n in (1, 2, 3):
+        assert ca.verify(dest, str(n), deep=True).ok
+
+
 # --- list and inspect -------------------------------------------------------------------------------
 def test_list_shows_each_generations_new_bytes_and_its_total(lora, tmp_path):
     repo, _, _ = lora
