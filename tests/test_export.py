@@ -492,7 +492,9 @@ def test_rerun_aborts_the_multipart_upload_a_killed_export_left_at_dest(s3_serve
     The re-run, holding DEST's lock, aborts the unfinished uploads below its own generation."""
     repo = tmp_path / "big"
     g = torch.Generator().manual_seed(5)
-    ca.pack({"w": torch.randn(3_000_000, generator=g), "step": 1}, repo)   # an ~11 MiB member: multipart
+    # an ~11 MiB member: multipart (kept in the member, not a shared object: tests/test_shared_export.py has
+    # the same kill for an object's upload)
+    ca.pack({"w": torch.randn(3_000_000, generator=g), "step": 1}, repo, ca.PackOptions(share_min_bytes=0))
     monkeypatch.setenv("FSSPEC_S3", json.dumps({"default_block_size": 5 << 20}))
     killed = run_cli_subprocess("export", str(repo), "--to", s3_url, inject="export-member-write=kill")
     assert killed.returncode == -9, killed.stderr

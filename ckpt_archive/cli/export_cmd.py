@@ -71,7 +71,9 @@ def register(app: typer.Typer) -> None:
 
         source = Repository.open(repo)
         picked = select_generations(source, selection)
-        total = sum(g.manifest["summary"]["stored_bytes"] for g in picked)
+        from ckpt_archive.ops.export_copy import unique_stored_bytes
+
+        total = unique_stored_bytes([g.manifest for g in picked])  # each shared object once
         out.say(f"exporting {len(picked)} generation(s) ({', '.join(str(g.number) for g in picked)}; "
                 f"{human_bytes(total)} stored) from {source.location} to {to}")
         argv = "ckpt-archive " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -82,12 +84,15 @@ def register(app: typer.Typer) -> None:
                             command=argv, lock_wait=wait)
         for g in result.generations:
             checks = sum(c.ok for c in g.checks)
-            out.say(f"generation {g.generation} (step {g.step}): {g.status}, {human_bytes(g.bytes_copied)} copied, "
-                    f"{checks}/{len(g.checks)} checks ok, usable at {result.destination}")
+            skipped = f", {human_bytes(g.bytes_skipped)} of shared objects already there" if g.bytes_skipped else ""
+            out.say(f"generation {g.generation} (step {g.step}): {g.status}, {human_bytes(g.bytes_copied)} copied"
+                    f"{skipped}, {checks}/{len(g.checks)} checks ok, usable at {result.destination}")
             aborted, removed = g.cleaned.get("aborted_uploads") or [], g.cleaned.get("removed") or []
             if aborted or removed:
                 out.say(f"  cleaned what an interrupted run left there: {len(aborted)} unfinished upload(s) "
                         f"aborted, {len(removed)} stray object(s) removed")
+        out.say(f"moved {human_bytes(result.bytes_copied)}; skipped {human_bytes(result.bytes_skipped)} already at "
+                f"the destination (shared objects, re-read there all the same)")
         out.say(f"restore on a new machine: {result.restore_command}")
         if report is not None:
             out.say(f"recovery proof written to {report}")

@@ -89,6 +89,7 @@ def register(app: typer.Typer) -> None:
             table.add_row(mem["path"], role, human_bytes(mem["raw_bytes"]), human_bytes(mem["stored_bytes"]),
                           ",".join(mem.get("chunk_codecs", [])), _short_fp(mem))
         out.table(table)
+        _say_shared(info, out)
         if info["opaque_members"]:
             out.say(f"  opaque files (fingerprinted, restored byte for byte, never unpickled): "
                     f"{', '.join(info['opaque_members'])}")
@@ -104,6 +105,24 @@ def register(app: typer.Typer) -> None:
         out.say(m["instructions"]["text"])
         extra = _extend_inspect(info, repo, out)
         out.json({**info, **extra})
+
+
+def _say_shared(info: dict, out: Output) -> None:
+    """What the generation stored itself, what it keeps in shared objects, and with which generations."""
+    sh = info.get("shared") or {}
+    if not sh.get("objects"):
+        return
+    with_ = ", ".join(f"{n} ({human_bytes(b)})" for n, b in sh["shared_with"].items()) or "no other generation"
+    out.say(f"  stored by this generation: {human_bytes(sh['new_stored_bytes'])} of {human_bytes(sh['stored_bytes'])}; "
+            f"{len(sh['objects'])} shared object(s), {human_bytes(sh['object_bytes'])}, of which "
+            f"{human_bytes(sh['shared_bytes'])} shared with generation(s) {with_}")
+    shown = 10
+    for o in sh["objects"][:shown]:
+        others = [n for n in o["generations"] if n != info["generation"]]
+        out.say(f"    {o['key']}  {human_bytes(o['stored_bytes'])}  {', '.join(o['entries'])}  "
+                f"also used by: {', '.join(map(str, others)) or '-'}")
+    if len(sh["objects"]) > shown:
+        out.say(f"    ... {len(sh['objects']) - shown} more (--json lists every one)")
 
 
 def _extend_inspect(info: dict, repo: str, out: Output) -> dict:

@@ -8,7 +8,8 @@ from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_hel
 
 def register(app: typer.Typer) -> None:
     @app.command("list", help="List usable generations (--all: also partial, copied and damaged ones, with "
-                              "why)."
+                              "why). 'new' is what a generation stored itself, 'stored' everything it references "
+                              "(tensors stored once and shared with other generations included)."
                  + exit_codes_help({0: "listed (also when nothing is usable)",
                                     2: "could not list (not a repository, store refused)"}, codes=(0, 2)))
     @command
@@ -26,14 +27,18 @@ def register(app: typer.Typer) -> None:
         r = Repository.open(repo)
         every = r.generations()
         gens = every if all_ else [g for g in every if g.usable]
-        rows = [g.to_json() for g in gens]
+        from ckpt_archive.ops.list import generation_row
+
+        rows = [generation_row(g) for g in gens]
         table = Table(title=f"{repo}", show_lines=False)
-        for col in ("gen", "status", "step", "created (UTC)", "stored", "raw", "tags", "why"):
+        # new: stored bytes this generation wrote; stored: all it references (shared objects included)
+        for col in ("gen", "status", "step", "created (UTC)", "new", "stored", "raw", "tags", "why"):
             table.add_column(col)
         for row in rows:
             table.add_row(str(row["generation"]), row["status"], "" if row["step"] is None else str(row["step"]),
-                          (row["created"] or "")[:19].replace("T", " "), human_bytes(row["stored_bytes"]),
-                          human_bytes(row["raw_bytes"]), ",".join(row["tags"]), row["reason"] or "")
+                          (row["created"] or "")[:19].replace("T", " "), human_bytes(row["new_stored_bytes"]),
+                          human_bytes(row["stored_bytes"]), human_bytes(row["raw_bytes"]), ",".join(row["tags"]),
+                          row["reason"] or "")
         if rows:
             out.table(table)
         else:

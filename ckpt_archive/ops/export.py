@@ -6,8 +6,9 @@
 2. write ``manifest.json`` (byte-identical, so its sha256 is the source's) -- first, so that a re-run
    recognises its own partial generation by ``archive_id``; harmless, because without the marker no
    reader lists the generation;
-3. copy every member write-once, then re-read it **from DEST**: size, sha256 of every chunk and of the
-   whole stored member;
+3. copy every member write-once, and every shared object it references (format 3) once per destination
+   and atomically, skipping an object already there with the recorded size; then re-read each **from
+   DEST**: size, sha256 of every chunk and of the whole stored file (:mod:`ckpt_archive.ops.export_copy`);
 4. trial reload from DEST (the core's :func:`~ckpt_archive.repo.trial_reload.trial_reload` over
    DEST's store: decode every member, rebuild every tensor, compare raw sha256, dtype, shape, rebuild
    the tree);
@@ -17,8 +18,10 @@
 Resumable and idempotent: a re-run finds its own partial generation (same ``archive_id``), aborts the
 multipart uploads a killed run left below it (invisible but billed parts), removes objects there that
 are not part of the archive, keeps the members that are present and match, replaces any that do not,
-copies the rest and finishes. A generation already usable at DEST is not copied again. A DEST holding
-another archive under the same number is refused (exit 2); nothing there is touched.
+copies the rest and finishes; shared objects a killed run left half-written are removed first, and an
+object at DEST that is not what the manifest records is replaced, never trusted. A generation already
+usable at DEST is not copied again. A DEST holding another archive under the same number is refused
+(exit 2); nothing there is touched.
 
 The recovery proof (endpoint, region, install and restore commands, fingerprints, trial-reload record)
 is rendered by :mod:`ckpt_archive.ops.export_proof`.
@@ -32,11 +35,10 @@ import os
 from typing import Any, Callable
 
 from ckpt_archive.errors import IntegrityError, NoUsableGeneration, NotFound, OutputExists, UsageError
+from ckpt_archive.ops.export_copy import (SharedCopies, StoredFile, check_at, clean_objects, conflicting_objects,
+                                          copy_file, files_of, place_object, recheck_object, stored_digest)
 from ckpt_archive.ops.export_proof import (endpoint_for, fingerprints, install_commands, region_for, render_markdown,
                                            restore_command, verify_command, write_report)
-
-COPY_PIECE_BYTES = 8 << 20
-
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
@@ -66,9 +68,12 @@ class ExportedGeneration:
         step, epoch: training progress recorded in the manifest (None when not given).
         status: ``exported`` (copied now and proven), ``resumed`` (a partial copy was finished),
             ``already-usable`` (DEST already held it, usable there; nothing copied).
-        members: one dict per stored object at DEST: ``key``, ``member``, ``bytes``, ``sha256``,
-            ``action`` (``copied`` | ``present`` | ``replaced`` | ``kept``).
+        members: one dict per stored file at DEST: ``key``, ``member``, ``bytes``, ``sha256``,
+            ``action`` (``copied`` | ``present`` | ``replaced`` | ``kept``), and ``object`` (the fingerprint
+            of a shared object, else None).
         bytes_copied: stored bytes sent to DEST now.
+        bytes_skipped: stored bytes of shared objects this generation references that were already at
+            DEST (not copied; re-read there all the same).
         checks: every check made, in order.
         marker: DEST's marker (dict) once written (its ``trial_reload`` is the trial-reload record).
         fingerprints: archive id, manifest sha256, every source file's sha256
@@ -84,6 +89,7 @@ class ExportedGeneration:
     status: str = "exported"
     members: list[dict] = dataclasses.field(default_factory=list)
     bytes_copied: int = 0
+    bytes_skipped: int = 0
     checks: list[Check] = dataclasses.field(default_factory=list)
     marker: dict | None = None
     fingerprints: dict | None = None
@@ -92,7 +98,8 @@ class ExportedGeneration:
     def to_json(self) -> dict:
         return {"generation": self.generation, "archive_id": self.archive_id, "step": self.step,
                 "epoch": self.epoch, "status": self.status, "bytes_copied": self.bytes_copied,
-                "objects": self.members, "checks": [c.to_json() for c in self.checks],
+                "bytes_skipped": self.bytes_skipped, "objects": self.members,
+                "checks": [c.to_json() for c in self.checks],
                 "marker": self.marker, "fingerprints": self.fingerprints,
                 "trial_reload": (self.marker or {}).get("trial_reload"), "cleaned": self.cleaned}
 
@@ -104,7 +111,8 @@ class ExportResult:
     Attributes:
         source: the source repository's location; destination: DEST's location.
         generations: per generation, oldest first.
-        bytes_copied: stored bytes sent to DEST in this run.
+        bytes_copied: stored bytes sent to DEST in this run (each shared object counted once).
+        bytes_skipped: stored bytes not sent because DEST already held them (shared objects).
         restore_command: the exact command that restores the newest exported generation on a new machine
             (with ``AWS_ENDPOINT_URL=`` when DEST was reached through a custom endpoint).
         verify_command: the command that re-proves it there.
@@ -127,6 +135,7 @@ class ExportResult:
     endpoint_url: str | None = None
     region: str | None = None
     install_commands: list[str] = dataclasses.field(default_factory=list)
+    bytes_skipped: int = 0
 
     @property
     def ok(self) -> bool:
@@ -136,6 +145,7 @@ class ExportResult:
         return {"ok": self.ok, "command": self.command, "source": self.source, "destination": self.destination,
                 "endpoint_url": self.endpoint_url, "region": self.region, "started": self.started,
                 "finished": self.finished, "bytes_copied": self.bytes_copied,
+                "bytes_skipped": self.bytes_skipped,
                 "generations": [g.to_json() for g in self.generations],
                 "install_commands": self.install_commands, "restore_command": self.restore_command,
                 "verify_command": self.verify_command}
@@ -281,12 +291,13 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
     from ckpt_archive.repo.publish import note_interrupt
 
     again = f"run the same export again to resume (it cleans what it left), or `ckpt-archive gc {dst.location}`"
+    shared = SharedCopies()
     with dst.lock(wait=lock_wait):
         for i, g in enumerate(picked):
             if on_generation:
                 on_generation(g.number, i, len(picked))
             try:
-                done.append(_export_one(src, dst, g, on_bytes=on_bytes, cleanup=again))
+                done.append(_export_one(src, dst, g, on_bytes=on_bytes, cleanup=again, shared=shared))
             except KeyboardInterrupt as exc:
                 note_interrupt(exc, f"generation {g.number} at {dst.location} left partial (no reader lists it)",
                                again)
@@ -294,7 +305,7 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
     endpoint, region = endpoint_for(dst.location, endpoint_url), region_for(dst.location)
     result = ExportResult(
         source=src.location, destination=dst.location, generations=done,
-        bytes_copied=sum(g.bytes_copied for g in done),
+        bytes_copied=sum(g.bytes_copied for g in done), bytes_skipped=sum(g.bytes_skipped for g in done),
         restore_command=restore_command(dst.location, picked[-1], endpoint, region),
         verify_command=verify_command(dst.location, picked[-1].number, endpoint, region),
         command=command, started=started, finished=_now(), endpoint_url=endpoint, region=region,
@@ -304,7 +315,8 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
     return result
 
 
-def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None) -> ExportedGeneration:
+def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None,
+                shared: SharedCopies | None = None) -> ExportedGeneration:
     from ckpt_archive.repo.repository import CLAIM, MANIFEST, MARKER, gen_key
 
     manifest = g.manifest
@@ -345,18 +357,34 @@ def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None) -> Exporte
                            f"run ckpt-archive gc on the destination first; nothing was changed", where=dst.location)
     elif names:
         out.status = "resumed"
+    clash = conflicting_objects(dst, g.manifest, number)
+    if clash:
+        from ckpt_archive.format.objects import object_key
+
+        fp, users = next(iter(clash.items()))
+        raise OutputExists(f"shared object {object_key(fp)} is already at the destination encoded otherwise (another "
+                           f"chunk size or codec), referenced there by generation(s) {', '.join(map(str, users))}"
+                           f"{f' and {len(clash) - 1} more object(s)' if len(clash) > 1 else ''}; one object cannot "
+                           f"hold both, so generation {number} was not exported and nothing was changed. Export to "
+                           f"another destination", where=dst.location)
     names = _clean_own_partial(dst, key, g.manifest, names, out)  # ours (same archive id), or nothing there yet
+    shared = shared if shared is not None else SharedCopies()
+    if shared.cleaned is None and any(m.get("objects") for m in g.manifest["members"]):
+        shared.cleaned = clean_objects(dst)  # once per run: what a killed run left below objects/
+        out.cleaned["aborted_uploads"] += shared.cleaned["aborted_uploads"]
+        out.cleaned["removed"] += shared.cleaned["removed"]
 
     # -- 1. claim, 2. manifest first, 3. members, 4. trial reload, 5. marker: the one publish lifecycle ---------
     from ckpt_archive.repo.publish import EXPORT_POINTS, Lifecycle
 
-    steps = _ExportSteps(src, g, out, names, raw_manifest, manifest_sha, on_bytes)
+    steps = _ExportSteps(src, g, out, names, raw_manifest, manifest_sha, on_bytes, shared)
     published = Lifecycle(dst, steps, EXPORT_POINTS, reload_where=f"trial reload at {dst.location}",
                           progress=on_bytes, cleanup=cleanup).run()
     dst.faults.point("export-after-publish")
     raw_marker = dst.store.read_bytes(f"{key}/{MARKER}")
     out.members.append({"key": f"{key}/{MARKER}", "member": None, "bytes": len(raw_marker),
-                        "sha256": hashlib.sha256(raw_marker).hexdigest(), "action": "written"})
+                        "sha256": hashlib.sha256(raw_marker).hexdigest(), "action": "written",
+                        "object": None})
     out.marker = published.marker
     listed = dst.generation(number)
     out.checks.append(Check("listed as usable by a reader of the destination", listed.usable,
@@ -392,7 +420,7 @@ class _ExportSteps:
     copied write-once and re-read from DEST (size, sha256 of every chunk and of the whole)."""
 
     def __init__(self, src, g, out: "ExportedGeneration", names: set, raw_manifest: bytes, manifest_sha: str,
-                 on_bytes):
+                 on_bytes, shared: SharedCopies):
         self.src = src
         self.g = g
         self.out = out
@@ -400,6 +428,7 @@ class _ExportSteps:
         self.raw_manifest = raw_manifest
         self.manifest_sha = manifest_sha
         self.on_bytes = on_bytes
+        self.shared = shared
         self.actions: dict[str, str] = {}
 
     def claim(self, dst) -> int:
@@ -410,47 +439,75 @@ class _ExportSteps:
         return self.g.number
 
     def write_members(self, dst, number: int) -> None:
+        from ckpt_archive.repo.publish import phase
         from ckpt_archive.repo.repository import MANIFEST, gen_key
 
         key, names, out = gen_key(number), self.names, self.out
         if MANIFEST not in names:
             dst.store.write_bytes_once(f"{key}/{MANIFEST}", self.raw_manifest)
         out.members.append({"key": f"{key}/{MANIFEST}", "member": None, "bytes": len(self.raw_manifest),
-                            "sha256": self.manifest_sha, "action": "present" if MANIFEST in names else "copied"})
+                            "sha256": self.manifest_sha, "action": "present" if MANIFEST in names else "copied",
+                            "object": None})
         dst.faults.point("export-after-manifest")
-        from ckpt_archive.repo.publish import phase
-
-        phase(self.on_bytes, f"copy of generation {number}", self.g.manifest["summary"].get("stored_bytes"))
-        for rec in self.g.manifest["members"]:
-            mkey = f"{key}/{rec['stored_path']}"
+        files = files_of(self.g.manifest, key)
+        phase(self.on_bytes, f"copy of generation {number}", sum(f.rec["stored_bytes"] for f in files))
+        for f in files:
+            if f.fp is not None:  # a shared object: once per destination, skipped when already there
+                action = place_object(self.src, dst, f, self.shared, self.on_bytes)
+                if action == "present":
+                    out.bytes_skipped += f.rec["stored_bytes"]
+                else:
+                    out.bytes_copied += f.rec["stored_bytes"]
+                self.actions[f.key] = action
+                continue
             action = "copied"
-            if rec["stored_path"] in names or dst.store.exists(mkey):
-                bad = _check_at(dst.store, mkey, rec)
+            if f.rec["stored_path"] in names or dst.store.exists(f.key):
+                bad = check_at(dst.store, f.key, f.rec)
                 if bad is None:
                     action = "present"
                 else:
-                    dst.store.remove(mkey)  # a damaged piece of our own partial copy (no marker): redo it
+                    dst.store.remove(f.key)  # a damaged piece of our own partial copy (no marker): redo it
                     action = "replaced"
             if action != "present":
-                _copy_member(self.src.store, dst.store, mkey, rec, self.on_bytes, dst.faults)
-                out.bytes_copied += rec["stored_bytes"]
+                copy_file(self.src.store, dst.store, f, self.on_bytes, dst.faults)
+                out.bytes_copied += f.rec["stored_bytes"]
                 dst.faults.point("export-after-member")
-            self.actions[rec["path"]] = action
+            self.actions[f.key] = action
         phase(self.on_bytes, f"re-read of generation {number} from {dst.location}",
-              self.g.manifest["summary"].get("stored_bytes"))
-        for rec in self.g.manifest["members"]:
-            mkey = f"{key}/{rec['stored_path']}"
-            action = self.actions[rec["path"]]
-            whole: list[str] = []
-            bad = _check_at(dst.store, mkey, rec, self.on_bytes, whole)
-            out.checks.append(Check("size and sha256 re-read from destination (every chunk and whole)", bad is None,
-                                    bad or f"{rec['stored_bytes']} bytes, {len(rec.get('chunks', []))} chunk(s)",
-                                    member=rec["path"]))
-            if bad is not None:
-                raise IntegrityError(f"copy at {dst.location} does not match the manifest: {bad}; generation "
-                                     f"{number} stays partial there", where=rec["path"])
-            out.members.append({"key": mkey, "member": rec["path"], "bytes": rec["stored_bytes"],
-                                "sha256": whole[0], "action": action})
+              sum(f.rec["stored_bytes"] for f in files if f.fp not in self.shared.verified))
+        for f in files:
+            self._reread(dst, number, f)
+
+    def _reread(self, dst, number: int, f: StoredFile) -> None:
+        """Re-read one stored file from DEST (a shared object once per run); raise when it does not match."""
+        out, rec, action = self.out, f.rec, self.actions[f.key]
+        what = "shared object " + f.key if f.fp is not None else rec["path"]
+        if f.fp is not None and f.fp in self.shared.verified:
+            sha, with_gen = self.shared.verified[f.fp]
+            out.checks.append(Check("shared object re-read from destination earlier in this run", True,
+                                    f"{rec['stored_bytes']} bytes, with generation {with_gen}; the trial reload "
+                                    f"decodes it again", member=f.key))
+            out.members.append({"key": f.key, "member": f.member, "bytes": rec["stored_bytes"], "sha256": sha,
+                                "action": action, "object": f.fp})
+            return
+        whole: list[str] = []
+        bad = check_at(dst.store, f.key, rec, self.on_bytes, whole)
+        if bad is not None and f.fp is not None and action == "present":
+            # kept on its size, but its bytes are not the manifest's: never trusted, replaced from the source
+            bad = recheck_object(self.src, dst, f, self.on_bytes, whole)
+            out.bytes_copied += rec["stored_bytes"]
+            out.bytes_skipped -= rec["stored_bytes"]
+            action = self.actions[f.key] = "replaced"
+        out.checks.append(Check("size and sha256 re-read from destination (every chunk and whole)", bad is None,
+                                bad or f"{rec['stored_bytes']} bytes, {len(rec.get('chunks', []))} chunk(s)",
+                                member=f.key if f.fp is not None else rec["path"]))
+        if bad is not None:
+            raise IntegrityError(f"copy at {dst.location} does not match the manifest: {bad}; generation "
+                                 f"{number} stays partial there", where=what)
+        if f.fp is not None:
+            self.shared.verified[f.fp] = (whole[0], number)
+        out.members.append({"key": f.key, "member": f.member if f.fp is not None else rec["path"],
+                            "bytes": rec["stored_bytes"], "sha256": whole[0], "action": action, "object": f.fp})
 
     def seal(self, dst, number: int) -> tuple[dict, bytes]:
         return self.g.manifest, self.raw_manifest  # written first, byte-identical to the source's
@@ -487,24 +544,25 @@ def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> Exporte
     out.status = "already-usable"
     out.marker = existing.marker
     out.members.append({"key": f"{key}/{MANIFEST}", "member": None, "bytes": None,
-                        "sha256": existing.manifest_sha256, "action": "kept"})
-    for rec in existing.manifest["members"]:
-        mkey = f"{key}/{rec['stored_path']}"
+                        "sha256": existing.manifest_sha256, "action": "kept", "object": None})
+    for f in files_of(existing.manifest, key):
+        rec = f.rec
         try:
-            size = dst.store.size(mkey)
+            size = dst.store.size(f.key)
         except NotFound:
             size = None
         ok = size == rec["stored_bytes"]
         out.checks.append(Check("already usable at destination: size re-checked", ok,
                                 f"{size} bytes" if ok else f"{size} bytes stored, manifest says {rec['stored_bytes']}"
                                                             f"; run ckpt-archive verify --deep there",
-                                member=rec["path"]))
-        out.members.append({"key": mkey, "member": rec["path"], "bytes": rec["stored_bytes"],
-                            "sha256": _stored_digest(rec), "action": "kept"})
+                                member=f.key if f.fp is not None else rec["path"]))
+        out.members.append({"key": f.key, "member": f.member, "bytes": rec["stored_bytes"],
+                            "sha256": stored_digest(rec), "action": "kept", "object": f.fp})
     trial = (existing.marker or {}).get("trial_reload") or {}
     out.checks.append(Check("marker at destination matches the manifest and names the destination", True,
                             f"trial reload there on {trial.get('when')} by {trial.get('host')}"))
-    out.members.append({"key": f"{key}/{MARKER}", "member": None, "bytes": None, "sha256": None, "action": "kept"})
+    out.members.append({"key": f"{key}/{MARKER}", "member": None, "bytes": None, "sha256": None, "action": "kept",
+                        "object": None})
     if not all(c.ok for c in out.checks):
         bad = next(c for c in out.checks if not c.ok)
         raise IntegrityError(f"generation {out.generation} is marked usable at the destination but {bad.detail}",
@@ -520,80 +578,6 @@ def _archive_id_of(raw: bytes) -> str | None:
     except ValueError:
         return None
     return doc.get("archive_id") if isinstance(doc, dict) else None
-
-
-def _copy_member(src_store, dst_store, key: str, rec: dict, on_bytes, faults) -> None:
-    """Stream one stored member from the source to DEST (write-once), checking the source's bytes on the
-    way (every chunk's sha256 and the member's stored fingerprint): a source that does not match its
-    manifest aborts the write, so no bad copy is committed."""
-    from ckpt_archive.format.codec import StoredStream
-
-    check = StoredStream(rec, rec["path"])
-    try:
-        fin = src_store.open_read(key)
-    except NotFound:
-        raise IntegrityError(f"missing at the source ({src_store.location})", where=rec["path"]) from None
-    with fin, dst_store.write_once(key) as fout:
-        first = True
-        while True:
-            piece = fin.read(COPY_PIECE_BYTES)
-            if not piece:
-                break
-            fout.write(piece)
-            check.update(piece)
-            if on_bytes:
-                on_bytes(len(piece))
-            if first:
-                faults.point("export-member-write")
-                first = False
-        bad = check.finish()
-        if bad is not None:
-            raise IntegrityError(f"the source copy does not match its manifest ({bad}); run ckpt-archive verify "
-                                 f"on the source", where=rec["path"])
-
-
-def _check_at(store, key: str, rec: dict, on_bytes=None, whole: list | None = None) -> str | None:
-    """Re-read a stored member: size, then sha256 of every chunk and the member's stored fingerprint.
-    None when all match, else the first thing wrong (one line). ``on_bytes``: progress, bytes re-read.
-    ``whole``: append the sha256 of the object as read there (for the proof: what ``sha256sum`` gives at
-    the destination)."""
-    from ckpt_archive.format.codec import StoredStream
-
-    try:
-        size = store.size(key)
-    except NotFound:
-        return f"missing: {rec['stored_path']}"
-    if size != rec["stored_bytes"]:
-        return f"{size} bytes stored, manifest says {rec['stored_bytes']}"
-    check = StoredStream(rec, rec["path"], whole=whole is not None)
-    with store.open_read(key) as fh:
-        while rest := fh.read(COPY_PIECE_BYTES):
-            check.update(rest)
-            if on_bytes:
-                on_bytes(len(rest))
-    bad = check.finish()
-    if whole is not None:
-        whole.append(check.whole_sha256)
-    return bad
-
-
-def _stored_digest(rec: dict) -> str:
-    """The member's stored fingerprint for the report (format 1: its sha256; format 2: ``sha256-chunks:...``)."""
-    from ckpt_archive.format.fingerprint import stored_fp
-
-    fp = stored_fp(rec)
-    return fp[len("sha256:"):] if fp.startswith("sha256:") else fp
-
-
-def _read_exact(fh, n: int) -> bytes:
-    parts = []
-    while n > 0:
-        piece = fh.read(min(n, COPY_PIECE_BYTES))
-        if not piece:
-            break
-        parts.append(piece)
-        n -= len(piece)
-    return b"".join(parts)
 
 
 __all__ = ["export", "ExportResult", "ExportedGeneration", "Check", "select_generations", "restore_command",

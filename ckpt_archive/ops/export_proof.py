@@ -9,7 +9,8 @@ carries (docs/export.md, "The recovery proof"):
 * how to get the tool there: the **exact install** of the code that wrote the proof (from a checkout:
   the README's command at that commit; from a package index: that version);
 * what: per generation the archive id, the manifest's sha256 and every source file's sha256 (the
-  **fingerprints**), the objects at DEST and what this run did with each, every check, and the
+  **fingerprints**), the objects at DEST (members' files and the shared objects they reference) and what
+  this run did with each (copied, present and not copied, replaced, kept), every check, and the
   **trial-reload record** (where, when, on which host, tensors and bytes decoded);
 * the exact **verify and restore commands**.
 """
@@ -148,12 +149,15 @@ def render_markdown(r) -> str:
         lines.append(f"- endpoint: `{r.endpoint_url}`" if r.endpoint_url else "- endpoint: AWS (no custom endpoint)")
         lines.append(f"- region: `{r.region}`" if r.region else "- region: botocore's default")
     lines += [f"- started: {r.started}, finished: {r.finished}",
-              f"- bytes copied in this run: {_bytes(r.bytes_copied)}", "", "## Generations", "",
-              "| generation | step | epoch | archive id | manifest sha256 | status | bytes copied |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              f"- bytes copied in this run: {_bytes(r.bytes_copied)}",
+              f"- bytes not copied, already at the destination (shared objects, re-read there): "
+              f"{_bytes(getattr(r, 'bytes_skipped', 0))}", "", "## Generations", "",
+              "| generation | step | epoch | archive id | manifest sha256 | status | bytes copied | bytes skipped |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for g in r.generations:
         lines.append(f"| {g.generation} | {_cell(g.step)} | {_cell(g.epoch)} | `{g.archive_id}` | "
-                     f"`{(g.fingerprints or {}).get('manifest_sha256') or ''}` | {g.status} | {g.bytes_copied} |")
+                     f"`{(g.fingerprints or {}).get('manifest_sha256') or ''}` | {g.status} | {g.bytes_copied} | "
+                     f"{getattr(g, 'bytes_skipped', 0)} |")
     for g in r.generations:
         files = (g.fingerprints or {}).get("source_files") or []
         if files:

@@ -15,6 +15,8 @@ class InspectInfo(TypedDict):
         opaque_members: relpaths of source files archived as opaque bytes (e.g. a pickle never loaded).
         exact_bytes: per source file, whether its exact bytes are kept
             (:func:`ckpt_archive.format.exact_bytes.exact_summary`).
+        shared: what the generation keeps in shared objects and with which generations it shares them
+            (:func:`shared_summary`).
     """
 
     generation: int
@@ -25,6 +27,51 @@ class InspectInfo(TypedDict):
     marker: Optional[dict]
     opaque_members: list
     exact_bytes: Any
+    shared: dict
+
+
+def shared_summary(manifest: dict, number: int, users: dict[str, list[int]]) -> dict:
+    """What generation ``number`` keeps in shared objects (docs/FORMAT.md, "Shared objects").
+
+    Args:
+        manifest: its parsed manifest. number: its number.
+        users: ``{fp: [generation numbers]}`` of every readable manifest
+            (:func:`ckpt_archive.repo.objects.users_of`).
+
+    Returns:
+        ``{"objects": [{"key", "fp", "stored_bytes", "raw_bytes", "entries": ["member:entry", ...],
+        "generations": [every generation referencing it]}], "object_bytes"`` (stored bytes of the objects
+        it references, each once), ``"shared_bytes"`` (of those, the bytes another generation references
+        too), ``"shared_with": {"<generation>": stored bytes shared with it}`` (str keys, as in JSON),
+        ``"new_stored_bytes"`` (what it stored itself; its ``stored_bytes`` when not recorded),
+        ``"stored_bytes"`` (its whole stored stream)}.
+    """
+    from ckpt_archive.format.objects import object_key
+
+    objects: dict[str, dict] = {}
+    for m in manifest.get("members") or ():
+        entry_at = {(m.get("header_bytes", 0) + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0]): k
+                    for k, e in (m.get("entries") or {}).items()}
+        for o in m.get("objects") or ():
+            row = objects.setdefault(o["fp"], {
+                "key": object_key(o["fp"]), "fp": o["fp"], "stored_bytes": o["stored_bytes"],
+                "raw_bytes": o["raw_bytes"], "entries": [],
+                "generations": sorted(set(users.get(o["fp"], [])) | {number})})
+            row["entries"].append(f"{m['path']}:{entry_at.get((o['raw_offset'], o['raw_bytes']), '?')}")
+    shared_with: dict[str, int] = {}
+    shared_bytes = 0
+    for row in objects.values():
+        others = [n for n in row["generations"] if n != number]
+        if others:
+            shared_bytes += row["stored_bytes"]
+        for n in others:
+            shared_with[str(n)] = shared_with.get(str(n), 0) + row["stored_bytes"]
+    summary = manifest.get("summary") or {}
+    return {"objects": list(objects.values()), "object_bytes": sum(r["stored_bytes"] for r in objects.values()),
+            "shared_bytes": shared_bytes,
+            "shared_with": {k: shared_with[k] for k in sorted(shared_with, key=int)},
+            "new_stored_bytes": summary.get("new_stored_bytes", summary.get("stored_bytes")),
+            "stored_bytes": summary.get("stored_bytes")}
 
 
 def inspect(repo: RepoLike, generation: str | int = "latest", **store_options: Any) -> InspectInfo:
@@ -54,9 +101,16 @@ def inspect(repo: RepoLike, generation: str | int = "latest", **store_options: A
     m = gen.manifest
     opaque = [f["relpath"] for f in m["source"]["files"] if f["kind"] == "opaque"]
     from ckpt_archive.format.exact_bytes import exact_summary
+    from ckpt_archive.format.objects import refs
 
+    users: dict[str, list[int]] = {}
+    if refs(m):  # reads every generation's manifest (which others reference the same objects)
+        from ckpt_archive.repo.objects import users_of
+
+        users = users_of(r)
     return {"generation": gen.number, "status": gen.status, "reason": gen.reason, "location": r.location,
-            "manifest": m, "marker": gen.marker, "opaque_members": opaque, "exact_bytes": exact_summary(m)}
+            "manifest": m, "marker": gen.marker, "opaque_members": opaque, "exact_bytes": exact_summary(m),
+            "shared": shared_summary(m, gen.number, users)}
 
 
-__all__ = ["inspect", "InspectInfo"]
+__all__ = ["inspect", "InspectInfo", "shared_summary"]

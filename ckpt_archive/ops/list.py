@@ -34,4 +34,29 @@ def list_generations(repo: RepoLike, all: bool = False, **store_options: Any) ->
     return gens if all else [g for g in gens if g.usable]
 
 
-__all__ = ["list_generations"]
+def generation_row(g: Generation) -> dict:
+    """One generation as ``list`` shows it (and ``--json`` prints it): :meth:`Generation.to_json` plus what it
+    stores itself and what it references (docs/FORMAT.md, "Shared objects").
+
+    Args:
+        g: a generation (any status; without a readable manifest the byte counts are None).
+
+    Returns:
+        ``to_json()``'s fields, plus ``new_stored_bytes`` (stored bytes this generation wrote: its own files
+        and the shared objects it created; ``summary.new_stored_bytes`` when recorded, else its
+        ``stored_bytes``, as a generation without sharing wrote all of it), ``total_stored_bytes`` (its
+        whole stored stream, shared objects included: ``stored_bytes``) and ``shared_objects`` (how many
+        shared objects it references).
+    """
+    from ckpt_archive.format.objects import refs
+
+    row = g.to_json()
+    summary = (g.manifest or {}).get("summary") or {}
+    total = summary.get("stored_bytes")
+    new = summary.get("new_stored_bytes", total)
+    row.update(new_stored_bytes=new, total_stored_bytes=total,
+               shared_objects=len(refs(g.manifest)) if g.manifest else None)
+    return row
+
+
+__all__ = ["list_generations", "generation_row"]

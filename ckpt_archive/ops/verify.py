@@ -78,8 +78,66 @@ def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | Non
     else:
         phase(on_bytes, f"re-read of generation {gen.number}", summary.get("stored_bytes"))
         reader.check_stored(problems, on_bytes=on_bytes)
+    name_shared_object_users(r, gen, reader, problems, deep)
     problems.extend(source_layout_problems(gen.manifest))
     return problems, stats
+
+
+def _object_fp(p: Problem) -> str | None:
+    """The fingerprint of the shared object a problem names (``member`` = ``objects/<hh>/<hex>.ckz``), or None."""
+    from ckpt_archive.format.objects import OBJECT_DIR, fp_of_name
+
+    parts = (p.member or "").split("/")
+    if len(parts) != 3 or parts[0] != OBJECT_DIR:
+        return None
+    return fp_of_name(parts[1], parts[2])
+
+
+def name_shared_object_users(r: Repository, gen: Generation, reader: ArchiveReader, problems: list[Problem],
+                             deep: bool) -> None:
+    """Report a damaged or missing shared object on the object, naming every generation it breaks.
+
+    A shallow check already names the object (``member`` = its key). The trial reload names the member
+    that decodes through it; then, and only on a failure, the generation's stored files are re-read to
+    find which object is at fault, and its problem is added. Each object problem's reason then lists
+    every generation whose manifest references the object (:func:`ckpt_archive.repo.objects.users_of`).
+
+    Args:
+        r: the repository. gen: the generation checked. reader: its reader. problems: updated in place.
+        deep: the problems come from the trial reload.
+    """
+    from ckpt_archive.format.objects import refs
+
+    if not problems or not refs(gen.manifest):
+        return
+    if deep and not any(_object_fp(p) for p in problems):
+        located: list[Problem] = []
+        reader.check_stored(located)  # which file is at fault: read only when something failed
+        problems.extend(p for p in located if _object_fp(p))
+    if not any(_object_fp(p) for p in problems):
+        return
+    from ckpt_archive.repo.objects import users_of
+
+    users = users_of(r)
+    for p in problems:
+        fp = _object_fp(p)
+        if fp is None:
+            continue
+        gens = sorted(set(users.get(fp, [])) | {gen.number})
+        p.reason += (f" (shared object {fp}: it breaks generation(s) {', '.join(map(str, gens))}, every one that "
+                     f"references it)")
+
+
+def shared_object_report(r: Repository, number: int, problems: list[Problem]) -> list[dict]:
+    """``[{"key", "fp", "generations", "reason"}]`` for each problem on a shared object (for ``--json``):
+    ``generations`` are every generation whose manifest references it (``number`` included)."""
+    if not any(_object_fp(p) for p in problems):
+        return []
+    from ckpt_archive.repo.objects import users_of
+
+    users = users_of(r)
+    return [{"key": p.member, "fp": _object_fp(p), "generations": sorted(set(users.get(_object_fp(p), [])) | {number}),
+             "reason": p.reason} for p in problems if _object_fp(p)]
 
 
 def source_layout_problems(manifest: dict) -> list[Problem]:
@@ -153,7 +211,8 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
             r, gen.number, lambda g: check_generation(r, g, deep, jobs, on_bytes), wait=wait)
     else:
         problems, stats = check_generation(r, gen, deep, jobs, on_bytes)
-    report = VerifyReport(not problems, gen.number, gen.status, deep, problems, stats=stats, marked_usable=marked)
+    report = VerifyReport(not problems, gen.number, gen.status, deep, problems, stats=stats, marked_usable=marked,
+                          extra={"shared_objects": shared_object_report(r, gen.number, problems)})
     if problems and str(generation) == "latest":
         fb = find_fallback(r, gen.number, deep, jobs)
         report.fallback = fb
@@ -164,7 +223,8 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
                 fb_gen = r.generation(fb)
                 fb_problems, fb_stats = check_generation(r, fb_gen, deep, jobs)
                 report = VerifyReport(not fb_problems, fb, fb_gen.status, deep, fb_problems,
-                                      warnings=report.warnings, fallback=fb, stats=fb_stats)
+                                      warnings=report.warnings, fallback=fb, stats=fb_stats,
+                                      extra={"shared_objects": shared_object_report(r, fb, fb_problems)})
     return report
 
 
@@ -260,4 +320,4 @@ def adopt(repo: RepoLike, *, jobs: int | None = None, wait: float = 0.0, on_byte
 
 
 __all__ = ["verify", "VerifyReport", "adopt", "AdoptReport", "check_generation", "find_fallback",
-           "source_layout_problems"]
+           "source_layout_problems", "name_shared_object_users", "shared_object_report"]
