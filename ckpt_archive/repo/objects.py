@@ -18,7 +18,7 @@ import re
 import threading
 from typing import Iterable
 
-from ckpt_archive.errors import IntegrityError, NotFound
+from ckpt_archive.errors import CkptArchiveError, IntegrityError, NotFound
 from ckpt_archive.format.codec import ChunkSink
 from ckpt_archive.format.objects import OBJECT_DIR, fp_of_name, object_key, parts
 from ckpt_archive.format.objects import refs as manifest_refs
@@ -302,7 +302,7 @@ def refs_of(repo, number: int) -> set[str] | None:
     that is unknown (no manifest, or one that cannot be read: it may have referenced any object)."""
     try:
         g = repo.generation(number)
-    except Exception:  # noqa: BLE001 - unknown references are reported as unknown, never guessed
+    except (CkptArchiveError, OSError):  # unknown references are treated as unknown, never guessed
         return None
     if g.manifest is None:
         return None
