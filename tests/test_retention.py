@@ -476,11 +476,15 @@ class FakeRepo:
         self.removed: list[int] = []
 
     def generations(self):
+        return [self.generation(i) for i in self.numbers]
+
+    def generation(self, number):
         from types import SimpleNamespace
 
-        return [SimpleNamespace(number=i, status="usable") for i in self.numbers]
+        # a manifest without shared objects: the sweep after the removals has nothing to consider
+        return SimpleNamespace(number=number, status="usable", manifest={"members": []}, error=None)
 
-    def remove_generation(self, number):
+    def remove_generation(self, number, sweep=True):
         self.removed.append(number)
         self.numbers.remove(number)
 

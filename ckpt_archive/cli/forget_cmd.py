@@ -33,4 +33,9 @@ def register(app: typer.Typer) -> None:
         newest = result.newest_usable
         out.say(f"forgot generation {result.generation} (was {result.status}); newest usable now: "
                 f"{newest if newest is not None else 'none'}")
+        for w in result.warnings:
+            out.warn(w)
+        line = result.objects.describe() if result.objects is not None and not result.objects.kept else None
+        if line:
+            out.say(f"shared objects: {line}")
         out.json({"ok": True, **result.to_json()})

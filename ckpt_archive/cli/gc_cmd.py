@@ -10,7 +10,8 @@ from ckpt_archive.cli.prune_cmd import WAIT
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("gc", help="Remove leftovers of interrupted writes (partial generations, temporary files), "
+    @app.command("gc", help="Remove leftovers of interrupted writes (partial generations, temporary files, "
+                 "shared objects no manifest references), "
                  "holding the repository lock, and list what was removed. Damaged generations are reported, "
                  "not removed (use forget)."
                  + exit_codes_help({0: "leftovers removed (or listed with --dry-run), or nothing to remove",
@@ -32,9 +33,14 @@ def register(app: typer.Typer) -> None:
             out.say(f"{verb} generation {item['generation']}: partial ({item['reason']})")
         for key in result.removed_files:
             out.say(f"{verb} {key}: temporary file of an interrupted write")
+        if result.removed_objects:
+            out.say(f"{verb} {len(result.removed_objects)} shared object(s) no manifest references "
+                    f"({result.freed_object_bytes} bytes)")
+        if result.objects_kept:
+            out.warn(result.objects_kept)
         for item in result.kept_not_usable:
             out.warn(f"generation {item['generation']} is {item['status']} ({item['reason']}); not a leftover, "
                      f"left in place")
-        if not result.removed and not result.removed_files:
+        if not result.removed and not result.removed_files and not result.removed_objects:
             out.say("nothing to remove: no leftovers of interrupted writes")
         out.json({"ok": True, **result.to_json()})

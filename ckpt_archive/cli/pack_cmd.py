@@ -94,7 +94,10 @@ def register(app: typer.Typer) -> None:
         if res.retention:
             removed = res.retention.get("removed") or []
             if removed:
-                out.say(f"retention removed generation(s) {', '.join(str(n) for n in removed)}")
+                objs = res.retention.get("objects") or {}
+                freed = (f"; freed {objs['removed_count']} shared object(s), {human_bytes(objs['freed_bytes'])}"
+                         if objs.get("removed_count") else "")
+                out.say(f"retention removed generation(s) {', '.join(str(n) for n in removed)}{freed}")
         out.json(res.to_json())
 
 

@@ -140,6 +140,8 @@ def register(app: typer.Typer) -> None:
             done = decision.remove_numbers if dry_run else result.removed
             out.say(f"{verb} {len(done)} generation(s){': ' + ', '.join(map(str, sorted(done))) if done else ''}; "
                     f"kept {len(decision.keep)}; {len(decision.not_usable)} not usable left for gc")
+            if result.objects is not None and not result.objects.kept and result.objects.describe(dry_run):
+                out.say(f"shared objects: {result.objects.describe(dry_run)}")
             if result.saved_default:
                 out.say(f"saved as the repository's default policy: {decision.policy.describe()}")
         out.json({"ok": True, **result.to_json()})

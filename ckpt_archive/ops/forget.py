@@ -17,22 +17,33 @@ class ForgetResult:
         generation: the number of the generation removed.
         status: its status before removal (``usable``, ``partial``, ``copied``, ``damaged``).
         newest_usable: the newest usable generation afterwards, or ``None`` when none is left.
+        objects: the shared objects the removal freed, those kept and why
+            (:class:`ckpt_archive.repo.objects.SweepResult`).
     """
 
     repository: str
     generation: int
     status: str
     newest_usable: int | None
+    objects: Any = None
 
     @property
     def ok(self) -> bool:
         """Always True: a refused or failed forget raises instead."""
         return True
 
+    @property
+    def warnings(self) -> list[str]:
+        """Why shared objects were not deleted (a manifest that cannot be read), if so."""
+        return [self.objects.kept] if self.objects is not None and self.objects.kept else []
+
     def to_json(self) -> dict[str, Any]:
-        """``{"repository", "generation", "status", "newest_usable"}`` (JSON-ready)."""
+        """``{"repository", "generation", "status", "newest_usable", "objects", "warnings"}`` (JSON-ready;
+        ``objects``: :meth:`~ckpt_archive.repo.objects.SweepResult.to_json`)."""
         return {"repository": self.repository, "generation": self.generation, "status": self.status,
-                "newest_usable": self.newest_usable}
+                "newest_usable": self.newest_usable,
+                "objects": self.objects.to_json() if self.objects is not None else None,
+                "warnings": self.warnings}
 
 
 def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = False,
@@ -40,7 +51,9 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
     """Remove one generation (any status) in reverse publish order, holding the lock.
 
     The ``USABLE.json`` marker goes first (from that instant the generation is not usable), then its
-    members, manifest and folder; a kill part-way leaves a ``partial`` generation for ``gc``.
+    members, manifest and folder; a kill part-way leaves a ``partial`` generation for ``gc``. Last, the
+    shared objects it referenced go when no remaining generation's manifest references them; none goes
+    while some generation's manifest cannot be read (``objects.kept`` says so).
 
     Args:
         repo: repository path or URL.
@@ -49,7 +62,8 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
         wait: seconds to wait for the writer lock.
 
     Returns:
-        A :class:`ForgetResult` (``status`` before removal; ``newest_usable`` afterwards).
+        A :class:`ForgetResult` (``status`` before removal; ``newest_usable`` afterwards; ``objects``: the
+        shared objects freed or kept).
 
     Raises:
         NotFound: no such repository or generation. UsageError: it is the newest usable one and
@@ -78,9 +92,9 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
                              f"{older}; pass --force to remove it anyway", where=r.location)
         status = gen.status
         try:
-            r.remove_generation(gen.number)
+            swept = r.remove_generation(gen.number)
         except UnsafePath as exc:  # a generation that is a link: nothing is deleted through it
             raise LinkInRepository(f"not removed: {exc.message}", where=exc.where) from None
         remaining = [g.number for g in r.usable()]
     return ForgetResult(repository=r.location, generation=gen.number, status=status,
-                        newest_usable=remaining[-1] if remaining else None)
+                        newest_usable=remaining[-1] if remaining else None, objects=swept)

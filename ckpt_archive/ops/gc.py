@@ -22,8 +22,14 @@ class GcResult:
         dry_run: True when nothing was removed on purpose.
         removed: partial generations, ``[{"generation": N, "reason": str}]``.
         removed_files: store keys of temporary files of interrupted atomic replaces.
+        removed_files: store keys of temporary files of interrupted atomic replaces and of shared
+            objects being written (``objects/<hh>/.NAME.tmp-PID``).
         kept_not_usable: generations that are not usable but are not leftovers (damaged, copied),
             ``[{"generation", "status", "reason"}]``: reported, never removed here.
+        removed_objects: store keys of shared objects no manifest references (left by an interrupted
+            pack, or by the partial generations removed here).
+        freed_object_bytes: their total size (bytes).
+        objects_kept: why no shared object was deleted (a manifest that cannot be read), or None.
     """
 
     repository: str
@@ -31,6 +37,9 @@ class GcResult:
     removed: list[dict[str, Any]] = field(default_factory=list)
     removed_files: list[str] = field(default_factory=list)
     kept_not_usable: list[dict[str, Any]] = field(default_factory=list)
+    removed_objects: list[str] = field(default_factory=list)
+    freed_object_bytes: int = 0
+    objects_kept: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -38,9 +47,12 @@ class GcResult:
         return True
 
     def to_json(self) -> dict[str, Any]:
-        """``{"repository", "dry_run", "removed", "removed_files", "kept_not_usable"}`` (JSON-ready)."""
+        """``{"repository", "dry_run", "removed", "removed_files", "kept_not_usable", "removed_objects",
+        "freed_object_bytes", "objects_kept"}`` (JSON-ready)."""
         return {"repository": self.repository, "dry_run": self.dry_run, "removed": list(self.removed),
-                "removed_files": list(self.removed_files), "kept_not_usable": list(self.kept_not_usable)}
+                "removed_files": list(self.removed_files), "kept_not_usable": list(self.kept_not_usable),
+                "removed_objects": list(self.removed_objects), "freed_object_bytes": self.freed_object_bytes,
+                "objects_kept": self.objects_kept}
 
 
 def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> GcResult:
@@ -48,7 +60,9 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
 
     Leftovers are ``partial`` generations (claimed but never published, or half-removed by an
     interrupted forget/prune: no ``USABLE.json``) and temporary files of an interrupted atomic replace
-    (``.NAME.tmp-PID``) at the repository root and in generation folders. Holding the writer lock
+    (``.NAME.tmp-PID``) at the repository root, in generation folders and under ``objects/``; then (last,
+    the reverse of the write order) shared objects that no generation's manifest references, unless
+    some manifest cannot be read (``objects_kept`` says so). Holding the writer lock
     guarantees no write is in progress on this machine. ``damaged`` generations (a marker that no longer
     matches its manifest) are evidence, not leftovers: they are reported, never removed here (use
     ``forget``); ``copied`` ones become usable with ``verify --deep``. Nothing is read, listed or deleted
@@ -75,6 +89,7 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
         []
     """
     from ckpt_archive.errors import UnsafePath
+    from ckpt_archive.repo.objects import all_objects, sweep
     from ckpt_archive.repo.repository import Repository, gen_key
 
     r = Repository.open(repo)
@@ -84,7 +99,7 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
             if g.status == "partial":
                 removed.append({"generation": g.number, "reason": g.reason})
                 if not dry_run:
-                    r.remove_generation(g.number)
+                    r.remove_generation(g.number, sweep=False)  # one sweep of every object below
             else:
                 if g.status != "usable":
                     kept.append({"generation": g.number, "status": g.status, "reason": g.reason})
@@ -96,8 +111,11 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
         for name in r.store.listdir(""):
             if TMP_NAME.match(name):
                 removed_files.append(name)
+        removed_files += all_objects(r.store)[1]  # objects whose write was interrupted before the link
         if not dry_run:
             for key in removed_files:
                 r.store.remove(key)
+        swept = sweep(r, None, dry_run=dry_run, exclude=[x["generation"] for x in removed])
     return GcResult(repository=r.location, dry_run=dry_run, removed=removed, removed_files=removed_files,
-                    kept_not_usable=kept)
+                    kept_not_usable=kept, removed_objects=swept.removed, freed_object_bytes=swept.freed_bytes,
+                    objects_kept=swept.kept)

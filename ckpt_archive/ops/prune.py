@@ -163,7 +163,10 @@ def apply_after_pack(repo: Any, policy: RetentionPolicy | Mapping[str, Any] | No
 
     Returns:
         ``{"policy": dict, "kept": [numbers], "removed": [numbers], "warnings": [str],
-        "verify_kept": dict}`` (``verify_kept``: :meth:`KeptCheck.to_json`, absent when no policy ran).
+        "verify_kept": dict, "objects": dict}`` (``verify_kept``: :meth:`KeptCheck.to_json`, absent when no
+        policy ran; ``objects``: the shared objects freed or kept, :meth:`SweepResult.to_json`, present when
+        a generation was removed; a sweep that deleted nothing because a manifest cannot be read is also a
+        warning).
     """
     if policy is None:
         cfg = getattr(repo, "config", None) or {}
@@ -180,22 +183,29 @@ def apply_after_pack(repo: Any, policy: RetentionPolicy | Mapping[str, Any] | No
         return {"policy": pol.to_dict(), "kept": [], "removed": [], "warnings": [f"retention not applied: {exc}"]}
     removed: list[int] = []
     warnings: list[str] = []
+    swept: list = []
     check = check_kept(repo, decision, verified=verified)
     warnings += check.warnings()
     try:
-        execute_prune(repo, decision, removed=removed, check=check)
+        execute_prune(repo, decision, removed=removed, check=check, objects=swept)
     except IntegrityError as exc:
         warnings.append(f"retention not applied, nothing removed: {exc.message}")
     except (CkptArchiveError, OSError) as exc:
         # the new generation is usable already; a failed removal leaves at worst a partial one for gc
         warnings.append(f"retention stopped after removing {removed or 'nothing'}: {exc}; the new generation is "
                         "usable, run `ckpt-archive gc` to remove any half-removed generation")
-    return {"policy": pol.to_dict(), "kept": decision.keep_numbers, "removed": removed, "warnings": warnings,
-            "verify_kept": check.to_json()}
+    if swept and swept[0].kept:
+        warnings.append(swept[0].kept)
+    out = {"policy": pol.to_dict(), "kept": decision.keep_numbers, "removed": removed, "warnings": warnings,
+           "verify_kept": check.to_json()}
+    if swept:
+        out["objects"] = swept[0].to_json()
+    return out
 
 
 def execute_prune(repo: Any, decision: Decision, *, removed: list[int] | None = None,
-                  check: KeptCheck | None = None, verified: Iterable[int] = ()) -> list[int]:
+                  check: KeptCheck | None = None, verified: Iterable[int] = (),
+                  objects: list | None = None) -> list[int]:
     """Remove the generations ``decision.remove`` names, oldest first; the caller holds the lock.
 
     Nothing is removed unless a generation the decision keeps verifies: ``check`` (from
@@ -204,7 +214,10 @@ def execute_prune(repo: Any, decision: Decision, *, removed: list[int] | None = 
     (marker first, then members, then manifest, then the folder), so a kill part-way leaves the
     half-removed generation without its marker, i.e. recognisably not usable, and every kept
     generation untouched. The newest usable generation is checked once more here and never removed,
-    whatever the decision says.
+    whatever the decision says. After the last removal, the shared objects the removed generations
+    referenced are deleted once, when no remaining manifest references them
+    (:func:`ckpt_archive.repo.objects.sweep`; objects go last, the reverse of the write order); a kill
+    before that leaves them for ``gc``.
 
     Args:
         repo: an open repository whose lock the caller holds.
@@ -213,6 +226,8 @@ def execute_prune(repo: Any, decision: Decision, *, removed: list[int] | None = 
             even when a removal fails part-way).
         check: the kept-generation check already made for this decision under the same lock.
         verified: with ``check=None``: generation numbers known to verify right now.
+        objects: a list to append the sweep's :class:`~ckpt_archive.repo.objects.SweepResult` to (what
+            shared objects went, or why they stayed); the sweep runs whether or not it is given.
 
     Returns:
         The numbers removed, in the order removed.
@@ -227,13 +242,23 @@ def execute_prune(repo: Any, decision: Decision, *, removed: list[int] | None = 
     refuse_unless_verified(check, decision, where=getattr(repo, "location", None))
     usable = [g.number for g in repo.generations() if getattr(g, "status", None) == "usable"]
     newest = max(usable) if usable else None
+    from ckpt_archive.repo.objects import refs_of, sweep
+
     if removed is None:
         removed = []
+    candidates: set[str] | None = set()
     for number in sorted(decision.remove_numbers):
         if number == newest:  # defence in depth: apply_policy never puts it there
             continue
-        repo.remove_generation(number)
+        refs = refs_of(repo, number)
+        repo.remove_generation(number, sweep=False)
         removed.append(number)
+        candidates = None if candidates is None or refs is None else candidates | refs
+    if removed:
+        # once, after every removal (one index of the remaining manifests): objects go last
+        swept = sweep(repo, candidates)
+        if objects is not None:
+            objects.append(swept)
     return removed
 
 
@@ -250,6 +275,8 @@ class PruneResult:
         removed: generation numbers removed, in the order removed (``[]`` with ``dry_run``).
         saved_default: True when the policy was stored as the repository's default.
         refused: ``None``, or (dry run only) why a real prune would be refused.
+        objects: the shared objects the removal freed (or, with ``dry_run``, would free) and those kept
+            and why (:class:`ckpt_archive.repo.objects.SweepResult`); None when nothing is removed.
     """
 
     repository: str
@@ -260,6 +287,7 @@ class PruneResult:
     removed: list[int] = field(default_factory=list)
     saved_default: bool = False
     refused: str | None = None
+    objects: Any = None
 
     @property
     def ok(self) -> bool:
@@ -268,15 +296,19 @@ class PruneResult:
 
     @property
     def warnings(self) -> list[str]:
-        """Kept generations that fail verify while an older kept one passes."""
-        return self.check.warnings()
+        """Kept generations that fail verify while an older kept one passes; shared objects that were not
+        deleted because a manifest cannot be read."""
+        extra = [self.objects.kept] if self.objects is not None and self.objects.kept else []
+        return self.check.warnings() + extra
 
     def to_json(self) -> dict[str, Any]:
         """``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed", "saved_default",
-        "verify_kept", "warnings", "refused"}`` (JSON-ready)."""
+        "verify_kept", "warnings", "refused", "objects"}`` (JSON-ready; ``objects``:
+        :meth:`~ckpt_archive.repo.objects.SweepResult.to_json` or None)."""
         return {"repository": self.repository, "dry_run": self.dry_run, **self.decision.to_json(),
                 "removed": list(self.removed), "saved_default": self.saved_default,
-                "verify_kept": self.check.to_json(), "warnings": self.warnings, "refused": self.refused}
+                "verify_kept": self.check.to_json(), "warnings": self.warnings, "refused": self.refused,
+                "objects": self.objects.to_json() if self.objects is not None else None}
 
 
 def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry_run: bool = False,
@@ -340,7 +372,9 @@ def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry
         except IntegrityError as exc:
             refused = str(exc)
         removed: list[int] = []
+        swept = [_forecast_sweep(r, decision)] if decision.remove_numbers and refused is None else []
     else:
+        swept = []
         with r.lock(wait=wait):
             gens, decision = decide()
             check = check_kept(r, decision)
@@ -348,6 +382,17 @@ def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry
             if save_default:
                 r.set_default_retention(policy.to_dict())
                 saved = True
-            removed = execute_prune(r, decision, check=check)
+            removed = execute_prune(r, decision, check=check, objects=swept)
     return PruneResult(repository=r.location, dry_run=dry_run, decision=decision, generations=gens, check=check,
-                       removed=removed, saved_default=saved, refused=refused)
+                       removed=removed, saved_default=saved, refused=refused, objects=swept[0] if swept else None)
+
+
+def _forecast_sweep(repo: Any, decision: Decision):
+    """What removing ``decision.remove`` would free (a dry run: nothing is deleted, no lock needed)."""
+    from ckpt_archive.repo.objects import refs_of, sweep
+
+    candidates: set[str] | None = set()
+    for number in decision.remove_numbers:
+        refs = refs_of(repo, number)
+        candidates = None if candidates is None or refs is None else candidates | refs
+    return sweep(repo, candidates, dry_run=True, exclude=decision.remove_numbers)

@@ -18,7 +18,7 @@ import re
 import threading
 from typing import Iterable
 
-from ckpt_archive.errors import IntegrityError, NotFound
+from ckpt_archive.errors import CkptArchiveError, IntegrityError, NotFound
 from ckpt_archive.format.codec import ChunkSink
 from ckpt_archive.format.objects import OBJECT_DIR, fp_of_name, object_key, parts
 from ckpt_archive.format.objects import refs as manifest_refs
@@ -260,10 +260,57 @@ def open_member(store, gen_key: str, rec: dict):
 
 @dataclasses.dataclass
 class SweepResult:
-    """What :func:`sweep` did: ``removed`` object keys, ``kept`` (str) why nothing was deleted, or None."""
+    """What :func:`sweep` did (or, with ``dry_run``, would do).
 
-    removed: list[str]
+    Attributes:
+        removed: store keys of the objects deleted (``objects/<hh>/<hex>.ckz``), in deletion order.
+        freed_bytes: their total size (bytes).
+        kept: why no object was deleted at all (a manifest that cannot be read), or None.
+        in_use: ``{fp: [generation numbers]}`` of the candidates kept because a remaining generation's
+            manifest still references them (only for explicit candidates: ``gc`` does not list them).
+    """
+
+    removed: list[str] = dataclasses.field(default_factory=list)
     kept: str | None = None
+    freed_bytes: int = 0
+    in_use: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    def merge(self, other: "SweepResult") -> "SweepResult":
+        """This result plus ``other`` (the first ``kept`` reason wins)."""
+        in_use = {**self.in_use, **other.in_use}
+        return SweepResult(self.removed + other.removed, self.kept or other.kept,
+                           self.freed_bytes + other.freed_bytes, in_use)
+
+    def describe(self, dry_run: bool = False) -> str | None:
+        """One line for humans, or None when there was nothing to say (no shared object concerned)."""
+        if self.kept:
+            return self.kept
+        parts_ = []
+        if self.removed:
+            parts_.append(f"{'would free' if dry_run else 'freed'} {len(self.removed)} shared object(s), "
+                          f"{self.freed_bytes} bytes")
+        if self.in_use:
+            gens = sorted({n for users in self.in_use.values() for n in users})
+            parts_.append(f"kept {len(self.in_use)} shared object(s) still referenced by generation(s) "
+                          f"{', '.join(map(str, gens))}")
+        return "; ".join(parts_) or None
+
+    def to_json(self) -> dict:
+        """``{"removed": [keys], "removed_count", "freed_bytes", "kept_reason", "in_use": {fp: [numbers]}}``."""
+        return {"removed": list(self.removed), "removed_count": len(self.removed), "freed_bytes": self.freed_bytes,
+                "kept_reason": self.kept, "in_use": {fp: list(n) for fp, n in sorted(self.in_use.items())}}
+
+
+def refs_of(repo, number: int) -> set[str] | None:
+    """The fingerprints of the shared objects generation ``number``'s manifest references, or None when
+    that is unknown (no manifest, or one that cannot be read: it may have referenced any object)."""
+    try:
+        g = repo.generation(number)
+    except (CkptArchiveError, OSError):  # unknown references are treated as unknown, never guessed
+        return None
+    if g.manifest is None:
+        return None
+    return set(manifest_refs(g.manifest))
 
 
 def all_objects(store) -> tuple[list[str], list[str]]:
@@ -283,36 +330,57 @@ def all_objects(store) -> tuple[list[str], list[str]]:
     return fps, tmps
 
 
-def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = False) -> SweepResult:
+def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = False,
+          exclude: Iterable[int] = ()) -> SweepResult:
     """Delete shared objects that no generation's manifest references (the caller holds the lock).
+
+    Run after the generations that referenced them are removed (objects go last: the reverse of the write
+    order). Every generation with a manifest counts, whatever its status (usable, partial, copied,
+    damaged); a generation being written holds the lock, so none is. If any generation's manifest cannot
+    be read, its references are unknown and nothing is deleted (``kept`` says why). Fault point
+    ``object-delete`` is reached before each deletion.
 
     Args:
         repo: the repository. candidates: fingerprints to consider (those of generations just removed);
-            None considers every object in the store (``gc``).
+            None considers every object in the store (``gc``, or a removed generation whose references
+            were unknown).
         dry_run: decide and report only.
+        exclude: generation numbers to treat as already removed (a dry run's forecast).
 
     Returns:
-        :class:`SweepResult`. Nothing is deleted when a generation's manifest cannot be read.
+        :class:`SweepResult`.
+
+    Raises:
+        OSError, StoreError: a deletion failed; earlier deletions stand (what is left, ``gc`` removes).
     """
-    index = ObjectIndex.build(repo)
+    index = ObjectIndex.build(repo, exclude=exclude)
     if index.unreadable:
         n, why = index.unreadable[0]
         return SweepResult([], f"generation {n}'s manifest cannot be read ({why}), so which shared objects it "
-                               f"references is unknown: no object was deleted")
+                               f"references is unknown: no shared object was deleted (forget or repair "
+                               f"generation {n}, then run `ckpt-archive gc {repo.location}`)")
+    explicit = candidates is not None
     if candidates is None:
         candidates = all_objects(repo.store)[0]
-    removed = []
+    out = SweepResult()
     for fp in sorted(set(candidates)):
         if fp in index.users:
+            if explicit:
+                out.in_use[fp] = sorted(index.users[fp])
             continue
         key = object_key(fp)
         if not repo.store.exists(key):
             continue
-        removed.append(key)
+        try:
+            size = repo.store.size(key)
+        except NotFound:
+            continue
         if not dry_run:
             repo.faults.point("object-delete")
             repo.store.remove(key)
-    return SweepResult(removed)
+        out.removed.append(key)
+        out.freed_bytes += size
+    return out
 
 
 def users_of(repo) -> dict[str, list[int]]:
@@ -321,4 +389,4 @@ def users_of(repo) -> dict[str, list[int]]:
 
 
 __all__ = ["ObjectIndex", "SharedWriter", "MemberStream", "open_member", "sweep", "SweepResult", "all_objects",
-           "users_of", "manifest_refs"]
+           "users_of", "manifest_refs", "refs_of"]

@@ -566,12 +566,26 @@ class Repository:
         self.store.replace_bytes(f"{gen_key(number)}/{MARKER}", jsonio.dumps(marker, indent=1, ensure_ascii=True))
         return marker
 
-    def remove_generation(self, number: int) -> None:
-        """Delete a generation in reverse publish order: marker, members, manifest, claim, folder.
+    def remove_generation(self, number: int, *, sweep: bool = True):
+        """Delete a generation in reverse publish order: marker, members, manifest, claim, folder; then
+        (``sweep``) the shared objects it referenced that no remaining manifest references.
 
-        The caller holds the lock and has decided the generation may go (retention, forget, gc).
-        A crash part-way leaves a ``partial`` generation, never a usable one with missing members.
+        The caller holds the lock and has decided the generation may go (retention, forget, gc, a
+        withdrawn publish). A crash part-way leaves a ``partial`` generation, never a usable one with
+        missing members; objects a crash leaves unreferenced are removed by ``gc``. A generation whose
+        references are unknown (no manifest, or one that cannot be read) makes the sweep consider every
+        object (:func:`ckpt_archive.repo.objects.sweep`).
+
+        Args:
+            number: the generation. sweep: False when the caller sweeps once for several removals
+                (take :func:`ckpt_archive.repo.objects.refs_of` before removing).
+
+        Returns:
+            the :class:`ckpt_archive.repo.objects.SweepResult` with ``sweep``, else None.
         """
+        from ckpt_archive.repo import objects
+
+        refs = objects.refs_of(self, number) if sweep else None
         try:
             self._remove_generation(number)
         except KeyboardInterrupt as exc:
@@ -579,6 +593,7 @@ class Repository:
                 exc.ckpt_left = f"generation {number} of {self.location} left partial while being removed"
                 exc.ckpt_cleanup = f"`ckpt-archive gc {self.location}` removes it"
             raise
+        return objects.sweep(self, refs) if sweep else None
 
     def _remove_generation(self, number: int) -> None:
         key = gen_key(number)

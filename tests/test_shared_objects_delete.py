@@ -1,0 +1,247 @@
+"""Shared objects (format 3) are deleted only when no generation's manifest references them any more.
+
+Each test is named after the fault it guards against: an object deleted while a remaining generation
+(usable or only partial) still needs it, an object leaked after its last user went, a deletion decided
+without knowing what an unreadable manifest references, an orphan of a killed pack trusted by a later
+pack or never collected, and an unproven object vouched for by a new generation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckpt_archive
+from ckpt_archive.format.objects import object_key
+from ckpt_archive.ops.forget import forget
+from ckpt_archive.ops.gc import gc
+from ckpt_archive.ops.prune import prune
+from ckpt_archive.repo.repository import Repository
+from ckpt_archive.retention.policy import RetentionPolicy
+
+torch = pytest.importorskip("torch")
+
+BIG = 300_000  # float32 elements: 1.2 MB raw, above the default share_min_bytes (1 MiB)
+
+
+def big_state(seed: int = 0, step: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"base": torch.randn(BIG, generator=g), "emb": torch.randn(280_000, generator=g),
+                      "bias": torch.randn(16, generator=g)}, "step": step}
+
+
+def object_files(repo: Path) -> list[str]:
+    root = repo / "objects"
+    return sorted(str(p.relative_to(repo)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def committed_objects(repo: Path) -> list[str]:
+    return [k for k in object_files(repo) if k.endswith(".ckz") and not Path(k).name.startswith(".")]
+
+
+def referenced(repo: Path) -> set[str]:
+    """Object keys referenced by any readable manifest in the repository."""
+    out = set()
+    for g in Repository.open(repo).generations():
+        for m in (g.manifest or {}).get("members") or ():
+            for o in m.get("objects") or ():
+                out.add(object_key(o["fp"]))
+    return out
+
+
+def manifest_fps(repo: Path, number: int) -> set[str]:
+    g = Repository.open(repo).generation(number)
+    return {o["fp"] for m in g.manifest["members"] for o in m.get("objects") or ()}
+
+
+def assert_bit_exact(a: dict, b: dict) -> None:
+    for k in ("base", "emb", "bias"):
+        x, y = a["model"][k], b["model"][k]
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32)), k
+    assert a["step"] == b["step"]
+
+
+def cli(*args, inject: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CKPT_ARCHIVE_INJECT"}
+    if inject:
+        env["CKPT_ARCHIVE_INJECT"] = inject
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run([sys.executable, "-m", "ckpt_archive", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture
+def two_sharing(tmp_path):
+    """Generations 1 and 2 of one state: 2 references 1's objects."""
+    repo = tmp_path / "repo"
+    st = big_state()
+    ckpt_archive.pack(st, repo)
+    ckpt_archive.pack(st, repo)
+    objs = committed_objects(repo)
+    assert len(objs) == 2 and manifest_fps(repo, 1) == manifest_fps(repo, 2)
+    return repo, st, objs
+
+
+def test_forget_of_first_sharing_generation_keeps_objects_the_second_needs(two_sharing):
+    repo, st, objs = two_sharing
+    res = forget(repo, 1)
+    assert committed_objects(repo) == objs
+    assert res.objects.removed == [] and all(v == [2] for v in res.objects.in_use.values())
+    assert len(res.objects.in_use) == 2 and res.to_json()["objects"]["freed_bytes"] == 0
+    assert ckpt_archive.verify(repo, 2, deep=True).ok
+    assert_bit_exact(ckpt_archive.load(repo, 2), st)
+
+
+def test_prune_of_first_sharing_generation_keeps_objects_and_sweeps_once(two_sharing, monkeypatch):
+    repo, st, objs = two_sharing
+    ckpt_archive.pack(big_state(seed=1, step=3), repo)  # generation 3: its own objects
+    all_before = committed_objects(repo)
+    assert len(all_before) == 4
+    from ckpt_archive.repo import objects as objects_mod
+
+    builds = []
+    real_build = objects_mod.ObjectIndex.build.__func__
+
+    def counting_build(cls, *a, **k):
+        builds.append(1)
+        return real_build(cls, *a, **k)
+
+    monkeypatch.setattr(objects_mod.ObjectIndex, "build", classmethod(counting_build))
+    res = prune(str(repo), RetentionPolicy(keep_last=1))
+    assert res.removed == [1, 2]
+    assert len(builds) == 1, "prune must sweep once after all removals, not once per generation"
+    # 1 and 2 were the only users of the first state's objects: freed together, once
+    assert sorted(res.objects.removed) == objs and res.objects.freed_bytes > 2 * BIG
+    assert committed_objects(repo) == sorted(set(all_before) - set(objs))
+    assert res.to_json()["objects"]["removed_count"] == 2
+
+
+def test_prune_keeps_objects_a_remaining_generation_references(two_sharing):
+    repo, st, objs = two_sharing
+    res = prune(str(repo), RetentionPolicy(keep_last=1))
+    assert res.removed == [1]
+    assert res.objects.removed == [] and sorted(object_key(fp) for fp in res.objects.in_use) == objs
+    assert_bit_exact(ckpt_archive.load(repo, 2), st)
+
+
+def test_forgetting_the_last_user_deletes_its_objects_and_reports_the_bytes(two_sharing):
+    repo, st, objs = two_sharing
+    forget(repo, 1)
+    sizes = sum((repo / k).stat().st_size for k in objs)
+    proc = cli("forget", f"{repo}@2", "--force", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert sorted(data["objects"]["removed"]) == objs
+    assert data["objects"]["freed_bytes"] == sizes
+    assert committed_objects(repo) == []
+
+
+def test_unreadable_manifest_blocks_object_deletion_with_a_clear_message(two_sharing):
+    repo, st, objs = two_sharing
+    ckpt_archive.pack({"step": 7}, repo)  # generation 3, then its manifest is damaged beyond parsing
+    man = repo / Repository.open(repo).generation(3).key / "manifest.json"
+    os.chmod(man, 0o644)
+    man.write_bytes(b"{not json")
+    assert Repository.open(repo).generation(3).status == "damaged"
+    forget(repo, 1)
+    proc = cli("forget", f"{repo}@2", "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert "generation 3's manifest cannot be read" in proc.stderr and "no shared object was deleted" in proc.stderr
+    assert committed_objects(repo) == objs, "objects deleted although a manifest's references were unknown"
+    g = gc(str(repo))
+    assert g.removed_objects == [] and "generation 3's manifest cannot be read" in g.objects_kept
+    assert committed_objects(repo) == objs
+    # the damaged generation forgotten: its references were unknown, so every unreferenced object goes
+    res = forget(repo, 3)
+    assert sorted(res.objects.removed) == objs and committed_objects(repo) == []
+
+
+def test_orphans_of_a_pack_killed_after_writing_objects_are_removed_by_gc(tmp_path):
+    repo = tmp_path / "repo"
+    src = tmp_path / "state.pt"
+    torch.save(big_state(), src)
+    proc = cli("pack", src, "--repo", repo, inject="object-commit=kill@2")
+    assert proc.returncode == -9, proc.stderr[-500:]
+    orphans = committed_objects(repo)
+    assert len(orphans) == 2 and not referenced(repo)
+    res = gc(str(repo), dry_run=True)
+    assert sorted(res.removed_objects) == orphans and committed_objects(repo) == orphans
+    proc = cli("gc", repo, "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert sorted(data["removed_objects"]) == orphans and data["freed_object_bytes"] > 2 * BIG
+    assert committed_objects(repo) == [] and Repository.open(repo).generations() == []
+
+
+def test_temporary_file_of_an_interrupted_object_write_is_removed_by_gc(tmp_path):
+    repo = tmp_path / "repo"
+    src = tmp_path / "state.pt"
+    torch.save(big_state(), src)
+    proc = cli("pack", src, "--repo", repo, inject="object-write=kill")
+    assert proc.returncode == -9, proc.stderr[-500:]
+    tmps = [k for k in object_files(repo) if Path(k).name.startswith(".")]
+    assert tmps and all(".ckz.tmp-" in k for k in tmps)  # objects being written when the kill came
+    res = gc(str(repo))
+    assert sorted(res.removed_files) == tmps and object_files(repo) == []
+
+
+def test_later_pack_replaces_an_orphan_object_rather_than_trusting_it(tmp_path):
+    repo = tmp_path / "repo"
+    src = tmp_path / "state.pt"
+    st = big_state()
+    torch.save(st, src)
+    proc = cli("pack", src, "--repo", repo, inject="object-commit=kill@2")
+    assert proc.returncode == -9, proc.stderr[-500:]
+    orphans = committed_objects(repo)
+    assert len(orphans) == 2
+    for key in orphans:  # the orphan is garbage now: a pack that trusted it would publish garbage
+        p = repo / key
+        os.chmod(p, 0o644)
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        p.write_bytes(bytes(data))
+    res = ckpt_archive.pack(st, repo)
+    assert res.status == "usable"
+    assert {object_key(fp) for fp in manifest_fps(repo, res.generation)} == set(orphans)
+    assert ckpt_archive.verify(repo, res.generation, deep=True).ok
+    assert_bit_exact(ckpt_archive.load(repo, res.generation), st)
+
+
+def test_partial_generation_protects_its_objects_but_is_never_reused(tmp_path):
+    repo = tmp_path / "repo"
+    src = tmp_path / "state.pt"
+    st = big_state()
+    torch.save(st, src)
+    ckpt_archive.pack(st, repo)                                  # 1: usable, creates the objects
+    proc = cli("pack", src, "--repo", repo, inject="after-seal=kill")  # 2: sealed, no marker, references them
+    assert proc.returncode == -9, proc.stderr[-500:]
+    assert Repository.open(repo).generation(2).status == "partial"
+    objs = committed_objects(repo)
+    assert {object_key(fp) for fp in manifest_fps(repo, 2)} == set(objs) and len(objs) == 2
+    res = forget(repo, 1, force=True)
+    assert res.objects.removed == [] and all(v == [2] for v in res.objects.in_use.values())
+    assert committed_objects(repo) == objs, "an object a partial generation references was deleted"
+    # a new pack of the same state never vouches for objects only a partial generation references
+    new = ckpt_archive.pack(st, repo)
+    assert manifest_fps(repo, new.generation) == set(), "the writer reused an object no usable generation proved"
+    assert ckpt_archive.verify(repo, new.generation, deep=True).ok
+    g = gc(str(repo))
+    assert [x["generation"] for x in g.removed] == [2] and sorted(g.removed_objects) == objs
+    assert committed_objects(repo) == []
+    assert_bit_exact(ckpt_archive.load(repo, new.generation), st)
+
+
+def test_withdrawn_generation_does_not_leak_the_objects_it_created(tmp_path):
+    repo = tmp_path / "repo"
+    ckpt_archive.pack({"step": 0}, repo)
+    from ckpt_archive.repo.publish import Withdrawn
+
+    with pytest.raises(Withdrawn):
+        ckpt_archive.pack(big_state(), repo, before_publish=lambda cand: "source changed while packing")
+    assert committed_objects(repo) == [] and object_files(repo) == []
+    assert [g.number for g in Repository.open(repo).generations()] == [1]
