@@ -18,14 +18,16 @@ misbehave:
 ``<point>=<action>@K`` fires on the K-th time the point is reached through the same object (1-based;
 default 1).
 
-Points (every one is exercised by tests/test_faults.py, tests/test_lifecycle.py or tests/test_export.py):
+Points (every one is exercised by tests/test_faults.py, tests/test_lifecycle.py, tests/test_export.py or
+tests/test_shared_export.py):
 pack: ``claim``, ``member-write``, ``object-write`` (a shared object fully written under its temporary
 name, not yet linked), ``object-commit`` (linked to its final name), ``after-members``, ``after-seal``,
 ``after-verify``, ``after-trial-reload``, ``publish``, ``after-publish``, ``retention``; deletion:
 ``prune-before-marker-removal``, ``prune-after-marker-removal``, ``prune-mid-delete``, ``object-delete``
 (before each shared object's deletion in the sweep that follows forget, prune and gc); export:
 ``export-claim``, ``export-after-manifest``, ``export-member-write``, ``export-after-member``,
-``export-after-members``, ``export-after-verify``, ``export-after-trial-reload``, ``export-after-publish``.
+``export-object-write`` (a shared object being copied), ``export-after-object`` (one copied or found
+present), ``export-after-members``, ``export-after-verify``, ``export-after-trial-reload``, ``export-after-publish``.
 """
 from __future__ import annotations
 
