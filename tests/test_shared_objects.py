@@ -172,16 +172,16 @@ def test_a_missing_shared_object_is_reported_and_restore_refuses(tmp_path):
 def test_an_object_left_by_an_interrupted_pack_is_replaced_not_trusted(tmp_path):
     """Fault guarded: the writer referencing an object file that no manifest vouches for (a pack killed
     while writing it, or planted), so that the new generation holds whatever bytes were there."""
+    # the object names the same state gets, learned from a scratch repository (same encoding)
+    names = sorted(refs(ckpt_archive.pack(_state(1), tmp_path / "scratch").manifest))
     repo = tmp_path / "repo"
     ckpt_archive.pack({"x": torch.ones(3)}, repo)
-    from ckpt_archive.format.fingerprint import digest
-
-    fp = digest(memoryview(BASE["base.0"].view(torch.uint8).numpy()).cast("B"))
-    planted = repo / object_key(fp)
+    planted = repo / object_key(names[0])
     planted.parent.mkdir(parents=True)
     planted.write_bytes(b"not the tensor")
-    ckpt_archive.pack(_state(1), repo)
-    assert planted.read_bytes() != b"not the tensor"
+    r = ckpt_archive.pack(_state(1), repo)
+    assert sorted(refs(r.manifest)) == names
+    assert planted.read_bytes() == (tmp_path / "scratch" / object_key(names[0])).read_bytes()
     assert torch.equal(ckpt_archive.load(repo)["model"]["base.0"], BASE["base.0"])
     assert _cli("verify", f"{repo}@2", "--deep").returncode == 0
 
@@ -249,3 +249,22 @@ def test_a_shared_object_replaced_by_a_symlink_is_never_read_through(tmp_path):
     assert "symbolic link" in res.stdout + res.stderr
     with pytest.raises(CheckFailed):
         ckpt_archive.load(repo, 1)
+
+
+def test_the_same_tensor_encoded_two_ways_is_two_objects_not_one_name_for_two_contents(tmp_path):
+    """Fault guarded: an object named by its raw bytes alone, so that another encoding of the same tensor
+    (another chunk size, codec or zstd build; another repository exported to the same destination) would
+    either overwrite bytes other generations expect or be refused. The name covers the stored chunks."""
+    a = ckpt_archive.pack(_state(1), tmp_path / "a").manifest
+    ckpt_archive.pack({"x": torch.ones(1)}, tmp_path / "b")  # so that b's copy is generation 2
+    b = ckpt_archive.pack(_state(1), tmp_path / "b", PackOptions(chunk_bytes=1 << 19)).manifest
+    ra, rb = sorted(refs(a)), sorted(refs(b))
+    assert [x[:64] for x in ra] == [x[:64] for x in rb]   # the same raw bytes
+    assert not set(ra) & set(rb)                          # ... under different names
+    dest = tmp_path / "dest"
+    for src in ("a@1", "b@2"):
+        res = _cli("export", f"{tmp_path}/{src}", "--to", dest)
+        assert res.returncode == 0, res.stderr
+    for n in (1, 2):
+        assert _cli("verify", f"{dest}@{n}", "--deep").returncode == 0
+    assert len(list((dest / "objects").rglob("*.ckz"))) == 6

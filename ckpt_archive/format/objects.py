@@ -2,8 +2,9 @@
 
 The rules are docs/FORMAT.md, "Shared objects". In short: a tensors member's *stored stream* is its
 chunks' stored bytes in order (``chunks[].stored_offset`` tiles it, as in format 2); ``members[].objects``
-names the ranges of that stream kept in ``objects/<hh>/<hex>.ckz`` (``<hex>``: the entry's BLAKE3 raw
-fingerprint), and the member's own file holds the rest, in order. This module is pure (no I/O): it
+names the ranges of that stream kept in ``objects/<hh>/<raw hex>-<stored hex>.ckz`` (the entry's BLAKE3
+raw fingerprint and the ``sha256-chunks`` digest of the object's stored chunks: :func:`object_id`), and
+the member's own file holds the rest, in order. This module is pure (no I/O): it
 checks an objects table against its member (:func:`check_objects`), splits a member into the files that
 hold its stream (:func:`parts`), and lists what a manifest references (:func:`refs`).
 """
@@ -16,31 +17,58 @@ from ckpt_archive.errors import IntegrityError
 
 OBJECT_DIR = "objects"
 _FP_RE = re.compile(r"^blake3:([0-9a-f]{64})$")
-_NAME_RE = re.compile(r"^([0-9a-f]{64})\.ckz$")
+_OID_RE = re.compile(r"^([0-9a-f]{64})-([0-9a-f]{64})$")
+_NAME_RE = re.compile(r"^([0-9a-f]{64}-[0-9a-f]{64})\.ckz$")
 #: Entries with at least this many raw bytes are shared (docs/FORMAT.md: smaller ones cost more as a
 #: file each than they save).
 DEFAULT_SHARE_MIN_BYTES = 1 << 20
 
 
-def object_key(fp: str) -> str:
-    """The store key of the shared object of raw fingerprint ``fp`` (``objects/<hh>/<hex>.ckz``).
+def check_fp(fp: str) -> str:
+    """The 64 hex digits of a shared object's raw fingerprint ``blake3:<hex>``.
 
     Raises:
-        IntegrityError: ``fp`` is not ``blake3:<64 hex>`` (a hostile manifest cannot name another path).
+        IntegrityError: anything else (a hostile manifest cannot name another path through it).
     """
     m = _FP_RE.match(fp) if isinstance(fp, str) else None
     if m is None:
         raise IntegrityError(f"shared object fingerprint {fp!r} is not blake3:<64 hex digits>")
-    hexd = m.group(1)
-    return f"{OBJECT_DIR}/{hexd[:2]}/{hexd}.ckz"
+    return m.group(1)
 
 
-def fp_of_name(folder: str, name: str) -> str | None:
-    """The fingerprint an object file ``objects/<folder>/<name>`` stands for, or None (not an object name)."""
+def object_id(fp: str, chunks) -> str:
+    """A shared object's name: ``<raw hex>-<stored hex>``, the BLAKE3 of its raw bytes and the
+    ``sha256-chunks`` digest of its stored chunks (docs/FORMAT.md, "Shared objects"). The same tensor
+    encoded two ways (another codec, level, chunk size or zstd build) is two objects, never one name
+    for two contents."""
+    from ckpt_archive.format import fingerprint
+
+    stored = fingerprint.sha256_chunks(c["stored_sha256"] for c in chunks).partition(":")[2]
+    return f"{check_fp(fp)}-{stored}"
+
+
+def object_key(oid: str) -> str:
+    """The store key of shared object ``oid`` (``objects/<hh>/<raw hex>-<stored hex>.ckz``).
+
+    Raises:
+        IntegrityError: ``oid`` is not ``<64 hex>-<64 hex>``.
+    """
+    if not (isinstance(oid, str) and _OID_RE.match(oid)):
+        raise IntegrityError(f"shared object name {oid!r} is not <64 hex digits>-<64 hex digits>")
+    return f"{OBJECT_DIR}/{oid[:2]}/{oid}.ckz"
+
+
+def raw_fp_of(oid: str) -> str:
+    """The raw fingerprint (``blake3:<hex>``) of shared object ``oid``."""
+    return f"blake3:{oid[:64]}"
+
+
+def oid_of_name(folder: str, name: str) -> str | None:
+    """The object a file ``objects/<folder>/<name>`` holds (its name), or None (not an object name)."""
     m = _NAME_RE.match(name)
     if m is None or m.group(1)[:2] != folder:
         return None
-    return f"blake3:{m.group(1)}"
+    return m.group(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +76,8 @@ class Part:
     """One file holding part of a member's stored stream.
 
     Attributes:
-        fp: the shared object's fingerprint, or None for the member's own file.
+        fp: the shared object's raw fingerprint, or None for the member's own file.
+        oid: the shared object's name (:func:`object_id`), or None for the member's own file.
         stored_bytes: the file's size (bytes).
         record: a standalone chunk table for this file (``raw_bytes``, ``stored_bytes``, ``chunks`` with
             offsets rebased to the file), checkable like a format-2 member by the codec's checkers.
@@ -59,6 +88,7 @@ class Part:
     stored_bytes: int
     record: dict
     index: tuple[int, ...]
+    oid: str | None = None
 
 
 def own_stored_bytes(rec: dict) -> int:
@@ -89,7 +119,7 @@ def check_objects(rec: dict, member: str) -> None:
     prev_end = 0
     chunks = rec.get("chunks") or []
     for j, o in enumerate(objs):
-        object_key(o["fp"])
+        check_fp(o["fp"])
         where = f"{member}: objects[{j}]"
         if o["stored_offset"] < prev_end:
             raise IntegrityError("shared objects overlap or are out of stored order", where=where)
@@ -146,12 +176,13 @@ def parts(rec: dict) -> list[Part]:
     out = [Part(None, own_stored_bytes(rec), _rebased([chunks[i] for i in own]), tuple(own))]
     for j, o in enumerate(objs):
         idx = [i for i in range(len(chunks)) if owner[i] == j]
-        out.append(Part(o["fp"], o["stored_bytes"], _rebased([chunks[i] for i in idx]), tuple(idx)))
+        sub = _rebased([chunks[i] for i in idx])
+        out.append(Part(o["fp"], o["stored_bytes"], sub, tuple(idx), object_id(o["fp"], sub["chunks"])))
     return out
 
 
 def stored_files(rec: dict, gen_key: str) -> list[tuple[str, str | None, dict]]:
-    """``(store key, object fp or None, record)`` for every file holding a member's stored stream.
+    """``(store key, object name (oid) or None, record)`` for every file holding a member's stored stream.
 
     ``record`` checks that one file like a format-2 member: the member's own record when it has no
     objects; otherwise a rebased chunk table with its own derived ``stored_fp``, ``path`` and
@@ -161,31 +192,25 @@ def stored_files(rec: dict, gen_key: str) -> list[tuple[str, str | None, dict]]:
 
     out = []
     for p in parts(rec):
-        key = f"{gen_key}/{rec['stored_path']}" if p.fp is None else object_key(p.fp)
+        key = f"{gen_key}/{rec['stored_path']}" if p.oid is None else object_key(p.oid)
         if p.record is rec:
             out.append((key, None, rec))
             continue
         sub = {**p.record, "stored_fp": fingerprint.sha256_chunks(c["stored_sha256"] for c in p.record["chunks"])}
-        if p.fp is None:
+        if p.oid is None:
             sub.update(path=rec["path"], stored_path=rec["stored_path"], role=rec.get("role"))
         else:
             sub.update(path=key, stored_path=key, role="object")
-        out.append((key, p.fp, sub))
+        out.append((key, p.oid, sub))
     return out
 
 
-def object_chunks(rec: dict, fp: str) -> list[dict] | None:
-    """The chunk records of shared object ``fp`` as this member references it, rebased to the object, or None."""
-    for p in parts(rec):
-        if p.fp == fp:
-            return p.record["chunks"]
-    return None
-
-
 def refs(manifest: dict) -> dict[str, int]:
-    """``{fingerprint: stored bytes}`` of every shared object a manifest references."""
+    """``{object name (oid): stored bytes}`` of every shared object a manifest references."""
     out: dict[str, int] = {}
     for m in manifest.get("members") or ():
-        for o in m.get("objects") or ():
-            out[o["fp"]] = o["stored_bytes"]
+        if m.get("objects"):
+            for p in parts(m):
+                if p.oid is not None:
+                    out[p.oid] = p.stored_bytes
     return out

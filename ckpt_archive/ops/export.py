@@ -35,7 +35,7 @@ import os
 from typing import Any, Callable
 
 from ckpt_archive.errors import IntegrityError, NoUsableGeneration, NotFound, OutputExists, UsageError
-from ckpt_archive.ops.export_copy import (SharedCopies, StoredFile, check_at, clean_objects, conflicting_objects,
+from ckpt_archive.ops.export_copy import (SharedCopies, StoredFile, check_at, clean_objects,
                                           copy_file, files_of, place_object, recheck_object, stored_digest)
 from ckpt_archive.ops.export_proof import (endpoint_for, fingerprints, install_commands, region_for, render_markdown,
                                            restore_command, verify_command, write_report)
@@ -357,16 +357,6 @@ def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None,
                            f"run ckpt-archive gc on the destination first; nothing was changed", where=dst.location)
     elif names:
         out.status = "resumed"
-    clash = conflicting_objects(dst, g.manifest, number)
-    if clash:
-        from ckpt_archive.format.objects import object_key
-
-        fp, users = next(iter(clash.items()))
-        raise OutputExists(f"shared object {object_key(fp)} is already at the destination encoded otherwise (another "
-                           f"chunk size or codec), referenced there by generation(s) {', '.join(map(str, users))}"
-                           f"{f' and {len(clash) - 1} more object(s)' if len(clash) > 1 else ''}; one object cannot "
-                           f"hold both, so generation {number} was not exported and nothing was changed. Export to "
-                           f"another destination", where=dst.location)
     names = _clean_own_partial(dst, key, g.manifest, names, out)  # ours (same archive id), or nothing there yet
     shared = shared if shared is not None else SharedCopies()
     if shared.cleaned is None and any(m.get("objects") for m in g.manifest["members"]):

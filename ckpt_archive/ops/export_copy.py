@@ -11,10 +11,9 @@ The rules for shared objects (docs/FORMAT.md, "Shared objects"; docs/export.md):
   reload decodes them. One that fails that re-read is never trusted: it is replaced from the source
   (whose bytes are checked as they are copied) and re-read again. One of another size (a truncated copy)
   is replaced at once;
-* an object is one encoding of one tensor's bytes: when DEST already holds the same tensor encoded
-  otherwise (another repository packed there with another chunk size or codec), both cannot live under
-  one key, so the generation is refused before anything is written (:func:`conflicting_objects`);
-  hence an object is only ever replaced by the bytes every generation at DEST expects of it;
+* an object's name is its raw fingerprint *and* the digest of its stored chunks, so the same tensor
+  encoded otherwise (another repository, chunk size, codec or zstd build) is another object and both
+  live side by side at DEST; an object is only ever replaced by the bytes its name promises;
 * a run starts by removing what a killed run left below ``objects/`` at DEST: unfinished multipart
   uploads and temporary files of an atomic create (the writer lock is held, so no writer owns them).
 """
@@ -32,8 +31,8 @@ class StoredFile:
     """One file holding (part of) a member's stored stream.
 
     Attributes:
-        key: its store key (``generations/N/<stored_path>`` or ``objects/<hh>/<hex>.ckz``).
-        fp: the shared object's raw fingerprint, or None for a member's own file.
+        key: its store key (``generations/N/<stored_path>`` or ``objects/<hh>/<name>.ckz``).
+        fp: the shared object's name (``<raw hex>-<stored hex>``, docs/FORMAT.md), or None for a member's own file.
         rec: a record checkable like a format-2 member (``stored_bytes``, ``chunks``, ``stored_fp``, ``path``).
         member: the path of the member that references it (the first one, for an object used twice).
     """
@@ -211,39 +210,6 @@ def place_object(src, dst, f: StoredFile, shared: SharedCopies, on_bytes) -> str
     return action
 
 
-def _signature(chunks: list[dict]) -> tuple:
-    return tuple((c["raw_bytes"], c["stored_bytes"], c["stored_sha256"]) for c in chunks)
-
-
-def conflicting_objects(dst, manifest: dict, number: int) -> dict[str, list[int]]:
-    """Shared objects of ``manifest`` that DEST's other generations reference with another chunk table.
-
-    Args:
-        dst: the destination repository (its lock is held). manifest: the generation to export.
-        number: its number (DEST's own partial copy of it is not a conflict).
-
-    Returns:
-        ``{fp: [DEST generation numbers]}``; empty when every object is absent at DEST or encoded the same.
-    """
-    from ckpt_archive.format.objects import parts
-
-    mine = {p.fp: _signature(p.record["chunks"]) for m in manifest["members"] if m.get("objects")
-            for p in parts(m) if p.fp is not None}
-    if not mine:
-        return {}
-    out: dict[str, list[int]] = {}
-    for g in dst.generations():
-        if g.number == number or g.manifest is None:
-            continue
-        for m in g.manifest["members"]:
-            if not m.get("objects"):
-                continue
-            for p in parts(m):
-                if p.fp in mine and _signature(p.record["chunks"]) != mine[p.fp] and g.number not in out.get(p.fp, []):
-                    out.setdefault(p.fp, []).append(g.number)
-    return out
-
-
 def recheck_object(src, dst, f: StoredFile, on_bytes, whole: list) -> str | None:
     """An object kept at DEST on its size failed its re-read: replace it from the source (checked on the
     way) and re-read it again. Returns the re-read's verdict (None: good now)."""
@@ -255,4 +221,4 @@ def recheck_object(src, dst, f: StoredFile, on_bytes, whole: list) -> str | None
 
 
 __all__ = ["StoredFile", "files_of", "unique_stored_bytes", "SharedCopies", "clean_objects", "copy_file",
-           "check_at", "stored_digest", "place_object", "recheck_object", "conflicting_objects", "COPY_PIECE_BYTES"]
+           "check_at", "stored_digest", "place_object", "recheck_object", "COPY_PIECE_BYTES"]

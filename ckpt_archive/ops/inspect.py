@@ -35,28 +35,30 @@ def shared_summary(manifest: dict, number: int, users: dict[str, list[int]]) -> 
 
     Args:
         manifest: its parsed manifest. number: its number.
-        users: ``{fp: [generation numbers]}`` of every readable manifest
+        users: ``{oid: [generation numbers]}`` of every readable manifest
             (:func:`ckpt_archive.repo.objects.users_of`).
 
     Returns:
-        ``{"objects": [{"key", "fp", "stored_bytes", "raw_bytes", "entries": ["member:entry", ...],
+        ``{"objects": [{"key", "fp", "oid", "stored_bytes", "raw_bytes", "entries": ["member:entry", ...],
         "generations": [every generation referencing it]}], "object_bytes"`` (stored bytes of the objects
         it references, each once), ``"shared_bytes"`` (of those, the bytes another generation references
         too), ``"shared_with": {"<generation>": stored bytes shared with it}`` (str keys, as in JSON),
         ``"new_stored_bytes"`` (what it stored itself; its ``stored_bytes`` when not recorded),
         ``"stored_bytes"`` (its whole stored stream)}.
     """
-    from ckpt_archive.format.objects import object_key
+    from ckpt_archive.format.objects import object_key, parts
 
     objects: dict[str, dict] = {}
     for m in manifest.get("members") or ():
         entry_at = {(m.get("header_bytes", 0) + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0]): k
                     for k, e in (m.get("entries") or {}).items()}
+        oids = {p.fp: p.oid for p in parts(m) if p.oid is not None} if m.get("objects") else {}
         for o in m.get("objects") or ():
-            row = objects.setdefault(o["fp"], {
-                "key": object_key(o["fp"]), "fp": o["fp"], "stored_bytes": o["stored_bytes"],
+            oid = oids[o["fp"]]
+            row = objects.setdefault(oid, {
+                "key": object_key(oid), "fp": o["fp"], "oid": oid, "stored_bytes": o["stored_bytes"],
                 "raw_bytes": o["raw_bytes"], "entries": [],
-                "generations": sorted(set(users.get(o["fp"], [])) | {number})})
+                "generations": sorted(set(users.get(oid, [])) | {number})})
             row["entries"].append(f"{m['path']}:{entry_at.get((o['raw_offset'], o['raw_bytes']), '?')}")
     shared_with: dict[str, int] = {}
     shared_bytes = 0

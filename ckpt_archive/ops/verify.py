@@ -84,13 +84,13 @@ def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | Non
 
 
 def _object_fp(p: Problem) -> str | None:
-    """The fingerprint of the shared object a problem names (``member`` = ``objects/<hh>/<hex>.ckz``), or None."""
-    from ckpt_archive.format.objects import OBJECT_DIR, fp_of_name
+    """The name (oid) of the shared object a problem names (``member`` = ``objects/<hh>/<oid>.ckz``), or None."""
+    from ckpt_archive.format.objects import OBJECT_DIR, oid_of_name
 
     parts = (p.member or "").split("/")
     if len(parts) != 3 or parts[0] != OBJECT_DIR:
         return None
-    return fp_of_name(parts[1], parts[2])
+    return oid_of_name(parts[1], parts[2])
 
 
 def name_shared_object_users(r: Repository, gen: Generation, reader: ArchiveReader, problems: list[Problem],

@@ -20,7 +20,7 @@ from typing import Iterable
 
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, NotFound
 from ckpt_archive.format.codec import ChunkSink
-from ckpt_archive.format.objects import OBJECT_DIR, fp_of_name, object_key, parts
+from ckpt_archive.format.objects import OBJECT_DIR, check_fp, object_id, object_key, oid_of_name, parts
 from ckpt_archive.format.objects import refs as manifest_refs
 
 _TMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
@@ -31,22 +31,26 @@ class ObjectIndex:
     """What the repository's manifests say about shared objects (read under the lock).
 
     Attributes:
-        usable: ``{fp: chunk records rebased to the object}`` for objects a ``usable`` generation references.
-        users: ``{fp: [generation numbers]}`` of every generation whose manifest references the object.
+        usable: ``{raw fp: (oid, chunk records rebased to the object)}`` for objects a ``usable``
+            generation references (what a writer may reference).
+        users: ``{oid: [generation numbers]}`` of every generation whose manifest references the object.
+        raw_users: raw fingerprints referenced by any manifest (usable or not).
         unreadable: ``[(number, reason)]``: generations with a manifest this reader cannot parse (their
             references are unknown, so no object may be deleted while they exist).
     """
 
-    usable: dict[str, list[dict]]
+    usable: dict[str, tuple[str, list[dict]]]
     users: dict[str, list[int]]
     unreadable: list[tuple[int, str]]
+    raw_users: set[str] = dataclasses.field(default_factory=set)
 
     @classmethod
     def build(cls, repo, gens=None, *, exclude: Iterable[int] = ()) -> "ObjectIndex":
         """Index every generation of ``repo`` (or ``gens``), leaving out the numbers in ``exclude``."""
         skip = set(exclude)
-        usable: dict[str, list[dict]] = {}
+        usable: dict[str, tuple[str, list[dict]]] = {}
         users: dict[str, list[int]] = {}
+        raw_users: set[str] = set()
         unreadable: list[tuple[int, str]] = []
         for g in (repo.generations() if gens is None else gens):
             if g.number in skip:
@@ -59,14 +63,15 @@ class ObjectIndex:
                 if not m.get("objects"):
                     continue
                 for p in parts(m):
-                    if p.fp is None:
+                    if p.oid is None:
                         continue
-                    users.setdefault(p.fp, [])
-                    if g.number not in users[p.fp]:
-                        users[p.fp].append(g.number)
+                    raw_users.add(p.fp)
+                    users.setdefault(p.oid, [])
+                    if g.number not in users[p.oid]:
+                        users[p.oid].append(g.number)
                     if g.status == "usable" and p.fp not in usable:
-                        usable[p.fp] = p.record["chunks"]
-        return cls(usable, users, unreadable)
+                        usable[p.fp] = (p.oid, p.record["chunks"])
+        return cls(usable, users, unreadable, raw_users)
 
 
 class SharedWriter:
@@ -83,12 +88,13 @@ class SharedWriter:
         self.index = index
         self.min_bytes = min_bytes
         self.faults = faults
-        self._made: dict[str, list[dict]] = {}   # objects this generation created (committed)
+        self._made: dict[str, tuple[str, list[dict]]] = {}   # raw fp -> objects this generation created
         self._open: set[str] = set()
         self._lock = threading.Lock()
         self.new_stored_bytes = 0
         self.reused_stored_bytes = 0
-        #: objects referenced because a usable generation vouches for them (see ArchiveReader.proven_objects)
+        #: names (oids) of objects referenced because a usable generation vouches for them
+        #: (see ArchiveReader.proven_objects)
         self.reused: set[str] = set()
 
     def wants(self, nbytes: int) -> bool:
@@ -100,33 +106,37 @@ class SharedWriter:
         ``(sink, None)`` to create a new object through ``sink``, or None to keep the entry inline."""
         with self._lock:
             known = self.index.usable.get(fp) or self._made.get(fp)
-        if known is not None and sum(c["raw_bytes"] for c in known) == nbytes:
-            self.reused_stored_bytes += sum(c["stored_bytes"] for c in known)
+        if known is not None and sum(c["raw_bytes"] for c in known[1]) == nbytes:
+            oid, chunks = known
+            self.reused_stored_bytes += sum(c["stored_bytes"] for c in chunks)
             if fp in self.index.usable:
-                self.reused.add(fp)
-            return ChunkSink(fp, reused=True), known
-        if fp in self._open or fp in self.index.users or known is not None:
+                self.reused.add(oid)
+            return ChunkSink(fp, reused=True), chunks
+        if fp in self._open or fp in self.index.raw_users or known is not None:
             # being written by this generation, or vouched for only by a generation not usable here:
             # never trusted unproven; the entry is stored in the member file instead
             return None
-        key = object_key(fp)
-        if self.store.exists(key):
-            self.store.remove(key)  # left by an interrupted pack: no manifest references it (lock held)
-        cm = self.store.write_new(key)
-        fh = cm.__enter__()
+        hexd = check_fp(fp)
+        pending = self.store.new_object(f"{OBJECT_DIR}/{hexd[:2]}", hexd)
         self._open.add(fp)
 
         def commit(chunks: list[dict]) -> None:
-            if self.faults is not None:
-                self.faults.point("object-write")
-            cm.__exit__(None, None, None)
             rebased, raw, stored = [], 0, 0
             for c in chunks:
                 rebased.append({**c, "raw_offset": raw, "stored_offset": stored})
                 raw += c["raw_bytes"]
                 stored += c["stored_bytes"]
+            oid = object_id(fp, rebased)
+            key = object_key(oid)
+            if self.faults is not None:
+                self.faults.point("object-write")
+            if self.store.exists(key) and oid not in self.index.users:
+                self.store.remove(key)  # left by an interrupted pack: no manifest references it (lock held)
+            # False: an object of this name that a generation not usable here references is kept as it is
+            # (same name, same chunk digests); this generation's trial reload checks every byte of it
+            pending.commit(key)
             with self._lock:
-                self._made[fp] = rebased
+                self._made[fp] = (oid, rebased)
                 self._open.discard(fp)
                 self.new_stored_bytes += stored
             if self.faults is not None:
@@ -135,9 +145,9 @@ class SharedWriter:
         def abort() -> None:
             with self._lock:
                 self._open.discard(fp)
-            cm.__exit__(RuntimeError, RuntimeError("aborted"), None)
+            pending.abort()
 
-        return ChunkSink(fp, fh=fh, commit=commit, abort=abort), None
+        return ChunkSink(fp, fh=pending.fh, commit=commit, abort=abort), None
 
 
 class MemberStream:
@@ -158,12 +168,12 @@ class MemberStream:
         self._keys = []
         try:
             for p in self._parts:
-                key = f"{gen_key}/{rec['stored_path']}" if p.fp is None else object_key(p.fp)
+                key = f"{gen_key}/{rec['stored_path']}" if p.oid is None else object_key(p.oid)
                 self._keys.append(key)
                 try:
                     fh = store.open_read(key)
                 except NotFound:
-                    what = rec["stored_path"] if p.fp is None else f"{key} (shared object)"
+                    what = rec["stored_path"] if p.oid is None else f"{key} (shared object)"
                     raise IntegrityError(f"missing: {what} is not in the repository", where=rec["path"]) from None
                 self._files.append(fh)
                 try:
@@ -263,10 +273,10 @@ class SweepResult:
     """What :func:`sweep` did (or, with ``dry_run``, would do).
 
     Attributes:
-        removed: store keys of the objects deleted (``objects/<hh>/<hex>.ckz``), in deletion order.
+        removed: store keys of the objects deleted (``objects/<hh>/<name>.ckz``), in deletion order.
         freed_bytes: their total size (bytes).
         kept: why no object was deleted at all (a manifest that cannot be read), or None.
-        in_use: ``{fp: [generation numbers]}`` of the candidates kept because a remaining generation's
+        in_use: ``{oid: [generation numbers]}`` of the candidates kept because a remaining generation's
             manifest still references them (only for explicit candidates: ``gc`` does not list them).
     """
 
@@ -302,7 +312,7 @@ class SweepResult:
 
 
 def refs_of(repo, number: int) -> set[str] | None:
-    """The fingerprints of the shared objects generation ``number``'s manifest references, or None when
+    """The names (oids) of the shared objects generation ``number``'s manifest references, or None when
     that is unknown (no manifest, or one that cannot be read: it may have referenced any object)."""
     try:
         g = repo.generation(number)
@@ -314,7 +324,7 @@ def refs_of(repo, number: int) -> set[str] | None:
 
 
 def all_objects(store) -> tuple[list[str], list[str]]:
-    """``(object fingerprints, leftover temporary keys)`` stored under ``objects/``."""
+    """``(object names (oids), leftover temporary keys)`` stored under ``objects/``."""
     fps, tmps = [], []
     if not store.exists(OBJECT_DIR):
         return fps, tmps
@@ -322,9 +332,9 @@ def all_objects(store) -> tuple[list[str], list[str]]:
         if not re.fullmatch(r"[0-9a-f]{2}", folder):
             continue
         for name in store.listdir(f"{OBJECT_DIR}/{folder}"):
-            fp = fp_of_name(folder, name)
-            if fp is not None:
-                fps.append(fp)
+            oid = oid_of_name(folder, name)
+            if oid is not None:
+                fps.append(oid)
             elif _TMP_NAME.match(name):
                 tmps.append(f"{OBJECT_DIR}/{folder}/{name}")
     return fps, tmps
@@ -341,7 +351,7 @@ def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = Fals
     ``object-delete`` is reached before each deletion.
 
     Args:
-        repo: the repository. candidates: fingerprints to consider (those of generations just removed);
+        repo: the repository. candidates: object names (oids) to consider (those of generations just removed);
             None considers every object in the store (``gc``, or a removed generation whose references
             were unknown).
         dry_run: decide and report only.
@@ -384,7 +394,7 @@ def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = Fals
 
 
 def users_of(repo) -> dict[str, list[int]]:
-    """``{fp: [generation numbers]}`` of every shared object referenced by a readable manifest."""
+    """``{oid: [generation numbers]}`` of every shared object referenced by a readable manifest."""
     return ObjectIndex.build(repo).users
 
 

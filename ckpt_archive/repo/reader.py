@@ -160,7 +160,7 @@ class ArchiveReader:
             with fh:
                 skip = frozenset()
                 if raw_check is not None and self.proven_objects and rec.get("objects"):
-                    skip = frozenset(i for p in parts(rec) if p.fp in self.proven_objects for i in p.index)
+                    skip = frozenset(i for p in parts(rec) if p.oid in self.proven_objects for i in p.index)
                 for off, chunk in iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs,
                                                verify_chunks=verify_chunks, into=into, skip_sha=skip):
                     if raw_check is not None:

@@ -224,6 +224,17 @@ class FsspecStore:
         only at the commit, conditionally)."""
         return self.write_once(key)
 
+    def new_object(self, folder: str, hint: str) -> "_FsspecPending":
+        """Start an object whose key is decided when it is complete: uploaded to ``folder/.HINT.tmp-PID``,
+        then copied (server-side) to its final key at :meth:`_FsspecPending.commit` and the temporary
+        object deleted; ``abort`` discards the upload."""
+        tmp = f"{folder}/.{hint}.tmp-{os.getpid()}"
+        cm = self.write_once(tmp) if not self.exists(tmp) else None
+        if cm is None:
+            self.remove(tmp)  # left by a killed writer of this name (the lock is held)
+            cm = self.write_once(tmp)
+        return _FsspecPending(self, tmp, cm)
+
     def write_bytes_once(self, key: str, data: bytes) -> None:
         """Create the object ``key`` holding ``data``, exclusively. Raises :class:`StoreError` if it exists."""
         path = self._path(key)
@@ -356,3 +367,31 @@ class _ReadWrapper:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _FsspecPending:
+    """A :meth:`FsspecStore.new_object` in progress: ``fh`` to write, then ``commit(key)`` or ``abort()``."""
+
+    def __init__(self, store: FsspecStore, tmp: str, cm):
+        self.store, self.tmp, self.cm = store, tmp, cm
+        self.fh = cm.__enter__()
+
+    def commit(self, key: str) -> bool:
+        """Upload, then copy to ``key`` unless it exists (False); the temporary object is deleted."""
+        try:
+            self.cm.__exit__(None, None, None)
+            if self.store.exists(key):
+                return False
+            with self.store._errors(key, "writing"):
+                self.store.fs.copy(self.store._path(self.tmp), self.store._path(key))
+            return True
+        finally:
+            self.store.remove(self.tmp)
+
+    def abort(self) -> None:
+        import contextlib as _cl
+
+        with _cl.suppress(Exception):
+            self.cm.__exit__(RuntimeError, RuntimeError("aborted"), None)
+        with _cl.suppress(Exception):
+            self.store.remove(self.tmp)

@@ -223,6 +223,18 @@ class LocalStore:
                 tmp.unlink()
         fsync_directory(p.parent)
 
+    def new_object(self, folder: str, hint: str) -> "PendingObject":
+        """Start a file whose name is decided when it is complete (a content-addressed object): written
+        under ``folder/.HINT.tmp-PID``; :meth:`PendingObject.commit` fsyncs it and hard-links it to its
+        final key (never replacing one), :meth:`PendingObject.abort` removes it.
+
+        Raises:
+            OSError: the temporary file cannot be created.
+        """
+        tmp = self.path(f"{folder}/.{hint}.tmp-{os.getpid()}")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        return _LocalPending(self, tmp, open(tmp, "wb"))
+
     def write_bytes_once(self, key: str, data: bytes) -> None:
         with self.write_once(key) as fh:
             fh.write(data)
@@ -286,6 +298,41 @@ class LocalStore:
 
     def __repr__(self) -> str:
         return f"LocalStore({self.location!r})"
+
+
+class _LocalPending:
+    """A :meth:`LocalStore.new_object` in progress: ``fh`` to write, then ``commit(key)`` or ``abort()``."""
+
+    def __init__(self, store: "LocalStore", tmp: Path, fh):
+        self.store, self.tmp, self.fh = store, tmp, fh
+
+    def commit(self, key: str) -> bool:
+        """Make the file visible as ``key``: True, or False when ``key`` already exists (nothing replaced,
+        the temporary file removed). Raises OSError (the temporary file is removed)."""
+        try:
+            with _disk_full_named("writing", self.tmp):
+                self.fh.flush()
+                os.fsync(self.fh.fileno())
+            self.fh.close()
+            p = self.store.path(key)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(self.tmp, p)
+            except FileExistsError:
+                return False
+            fsync_directory(p.parent)
+            return True
+        finally:
+            with contextlib.suppress(OSError):
+                self.fh.close()
+            with contextlib.suppress(OSError):
+                self.tmp.unlink()
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.fh.close()
+        with contextlib.suppress(OSError):
+            self.tmp.unlink()
 
 
 __all__ = ["LocalStore", "fsync_directory", "Store", "has_scheme", "open_store"]
