@@ -382,6 +382,8 @@ def test_sign_rotated_grouping_is_exactly_the_documented_rotation(n):
     want = np.frombuffer(_rotl_reference(raw, n), np.uint8).reshape(-1, n).T.tobytes()
     assert bytes(codec.byte_group(raw, n, rotate=True)) == want
     assert bytes(codec.byte_ungroup(want, n, rotate=True)) == raw
+    if n == 2:  # the worked example in docs/FORMAT.md: bf16 -1.5 = 0xBFC0 -> r = 0x7F81
+        assert bytes(codec.byte_group(b"\xc0\xbf", 2, rotate=True)) == b"\x81\x7f"
 
 
 def test_sign_rotation_puts_the_whole_bf16_and_fp32_exponent_in_the_top_plane():
