@@ -1,8 +1,5 @@
 """Member encoding "chunked-v1": independent chunks, float-aware, hashed on the way, on all cores.
 
-(A little over 600 lines: the writer, the readers and the one chunk-table check they share stay in one
-module so that a chunk's sizes are read and checked in one place, :func:`check_chunk_table`.)
-
 A member's raw bytes are fed to :class:`MemberWriter` as pieces with a codec hint; pieces are cut into
 chunks of at most ``chunk_bytes`` that never mix hints, each chunk is encoded on a thread pool
 (zstandard and hashlib release the GIL) and written in order. Chunk codecs (docs/FORMAT.md):
@@ -42,6 +39,7 @@ from typing import BinaryIO, Callable, Iterator
 
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format import fingerprint
+from ckpt_archive.format.planes import _scratch, anon_buffer, byte_group, byte_ungroup  # noqa: F401 (re-exported)
 
 #: Raw bytes per chunk. 4 MiB: ratio within 0.3 % of 16 MiB chunks (benchmarks/proto_codec.py), enough
 #: chunks to keep every core busy on a 1 GiB member, and 2 * jobs chunks in flight stay small.
@@ -59,7 +57,6 @@ CODEC_NAME = "chunked-v1"
 #: unchanged (its 5-bit exponent straddles bytes either way; it shares the hint ``bg2`` with bf16), fp64
 #: +1-2 % (so not rotated).
 ROTATE_SIZES = frozenset({2, 4})
-_UINT = {2: "<u2", 4: "<u4", 8: "<u8"}
 _HINTS = ("store", "zstd", "bg2", "bg4", "bg8")
 #: byte-grouped chunk codecs: name -> (element size, sign-rotated)
 _GROUPED = {f"bg{n}{r}+zstd": (n, r == "r") for n in (2, 4, 8) for r in ("", "r")}
@@ -110,143 +107,6 @@ def _decompressor():
     if d is None:
         d = _tls.dctx = zstandard.ZstdDecompressor()
     return d
-
-
-def anon_buffer(nbytes: int):
-    """A writable, zero-filled ``numpy.uint8`` array of ``nbytes`` over private anonymous memory (``mmap``),
-    whose pages are taken only as they are written, 4 KiB at a time.
-
-    Why not ``numpy.empty``/``zeros``: NumPy advises the kernel to back arrays of 4 MiB or more with
-    transparent huge pages (``madvise(MADV_HUGEPAGE)``); where memory is fragmented the first touch then
-    compacts and zeroes 2 MiB at a time. Measured on the 2-core benchmark machine: filling a fresh
-    256 MiB ``numpy.empty`` took 4.2-5.3 s (2.0-2.5 s CPU), the same without the advice 0.24-0.32 s.
-    """
-    import mmap
-
-    import numpy as np
-
-    if nbytes <= 0:
-        return np.empty(0, dtype=np.uint8)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
-
-
-def _scratch(slot: str, nbytes: int):
-    """A thread-local ``numpy.uint8`` work array of ``nbytes``, reused across chunks (never returned to a
-    caller who keeps it). A fresh 4 MiB array costs a page fault per 4 KiB on first touch, ~0.2 ns per
-    byte: as much as the rotation itself. Sizes above 16 MiB (unusual ``chunk_bytes``) are not kept."""
-    import numpy as np
-
-    if nbytes > (16 << 20):
-        return np.empty(nbytes, dtype=np.uint8)
-    bufs = getattr(_tls, "scratch", None)
-    if bufs is None:
-        bufs = _tls.scratch = {}
-    a = bufs.get(slot)
-    if a is None or len(a) < nbytes:
-        a = bufs[slot] = np.empty(max(nbytes, DEFAULT_CHUNK_BYTES), dtype=np.uint8)
-    return a[:nbytes]
-
-
-def byte_group(raw, n: int, rotate: bool = False, out=None):
-    """Split ``raw`` (length a multiple of ``n``) into ``n`` planes: byte k of every element -> plane k.
-
-    Args:
-        raw: bytes-like, a whole number of ``n``-byte elements.
-        n: element size in bytes (2, 4 or 8 when ``rotate``).
-        rotate: first rotate every element, read as a little-endian ``n``-byte unsigned integer, left
-            by one bit (the sign bit of an IEEE float goes to bit 0; for bf16/fp32 the top byte is then
-            the whole exponent).
-        out: optional writable buffer of ``len(raw)`` bytes to write the planes into.
-
-    Returns:
-        a contiguous ``numpy.uint8`` array of ``len(raw)`` bytes (planes back to back; over ``out`` if
-        given); bytes-like.
-    """
-    import numpy as np
-
-    a = np.frombuffer(raw, dtype=np.uint8)
-    dest = np.empty(len(a), dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
-    if len(dest) != len(a):
-        raise ValueError(f"out has {len(dest)} bytes, raw {len(a)}")
-    if not len(a):
-        return dest
-    if n == 2:
-        # shift/truncate on uint16 is SIMD; ~1.8x the speed of a strided transpose (bf16/fp16)
-        u = a.view("<u2")
-        planes = dest.reshape(2, -1)
-        tmp = _scratch("tmp", len(a)).view("<u2")
-        if rotate:  # r = u <<< 1: hi byte = bits 7..14 of u, lo byte = bits 0..6 of u above the sign bit
-            np.right_shift(u, 7, out=tmp)
-            np.copyto(planes[1], tmp, casting="unsafe")
-            np.left_shift(u, 1, out=tmp)
-            np.copyto(planes[0], tmp, casting="unsafe")
-            np.right_shift(u, 15, out=tmp)
-            np.bitwise_or(planes[0], tmp, out=planes[0], casting="unsafe")
-        else:
-            np.copyto(planes[0], u, casting="unsafe")
-            np.right_shift(u, 8, out=tmp)
-            np.copyto(planes[1], tmp, casting="unsafe")
-        return planes
-    if rotate:
-        u = a.view(_UINT[n])
-        r = _scratch("rot", len(a)).view(_UINT[n])
-        tmp = _scratch("tmp", len(a)).view(_UINT[n])
-        np.left_shift(u, 1, out=r)
-        np.right_shift(u, 8 * n - 1, out=tmp)
-        np.bitwise_or(r, tmp, out=r)
-        a = r.view(np.uint8)
-    planes = dest.reshape(n, -1)
-    np.copyto(planes, a.reshape(-1, n).T)
-    return planes
-
-
-def _rotr1_inplace(u, n: int) -> None:
-    """Rotate each unsigned ``n``-byte element of ``u`` right by one bit, in place (undoes the rotation
-    of :func:`byte_group`)."""
-    import numpy as np
-
-    low = _scratch("tmp", u.nbytes).view(u.dtype)
-    np.left_shift(u, 8 * n - 1, out=low)
-    u >>= 1
-    u |= low
-
-
-def byte_ungroup(planes, n: int, out=None, rotate: bool = False) -> memoryview:
-    """Inverse of :func:`byte_group`: interleave ``n`` planes back into elements.
-
-    Args:
-        planes: bytes-like, ``n`` planes back to back.
-        out: optional writable buffer of ``len(planes)`` bytes to write into (no allocation).
-        rotate: the planes were grouped with ``rotate=True``: rotate every element back right by one bit.
-
-    Returns:
-        a 1-D ``memoryview`` (format ``B``) over ``out`` or a fresh writable array.
-
-    Raises:
-        ValueError: ``out`` has the wrong size, or ``len(planes)`` is not a multiple of ``n``.
-    """
-    import numpy as np
-
-    a = np.frombuffer(planes, dtype=np.uint8)
-    if len(a) % n:
-        raise ValueError(f"{len(a)} bytes of planes are not a multiple of {n}")
-    p = a.reshape(n, -1)
-    dest = np.empty(len(a), dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
-    if len(dest) != len(a):
-        raise ValueError(f"out has {len(dest)} bytes, planes {len(a)}")
-    if n == 2:
-        # (hi << 8) | lo on uint16: ~10x numpy's transposed copy, which picks a slow strided loop
-        out16 = dest.view("<u2")
-        out16[...] = p[1]
-        out16 <<= 8
-        out16 |= p[0]
-    else:
-        rows = dest.reshape(-1, n)
-        for k in range(n):  # one column at a time: ~4x the transposed copy
-            rows[:, k] = p[k]
-    if rotate and len(dest):
-        _rotr1_inplace(dest.view(_UINT[n]), n)
-    return memoryview(dest)
 
 
 def encode_chunk(raw, hint: str, level: int) -> tuple[str, bytes, str]:

@@ -143,7 +143,7 @@ def lazy_buffer(nbytes: int, member: str) -> memoryview:
     Raises:
         ImplausibleSize: ``nbytes`` exceeds the memory available (:func:`check_allocation`).
     """
-    from ckpt_archive.format.codec import anon_buffer
+    from ckpt_archive.format.planes import anon_buffer
 
     check_allocation(nbytes, member)
     return memoryview(anon_buffer(nbytes))  # not np.zeros: its huge-page advice makes first touch slow

@@ -362,7 +362,7 @@ class ArchiveReader:
             else:
                 into = None
                 if set(rec["entries"]) <= entries:
-                    from ckpt_archive.format.codec import anon_buffer
+                    from ckpt_archive.format.planes import anon_buffer
 
                     check_allocation(rec["raw_bytes"], rec["path"])  # pages taken as decoded, 4 KiB ones
                     into = anon_buffer(rec["raw_bytes"])
