@@ -60,7 +60,7 @@ def read_any(request, tmp_path):
 
 
 @pytest.mark.parametrize("dtype,hint,codec_name", [
-    ("bfloat16", "bg2", "bg2+zstd"), ("float16", "bg2", "bg2+zstd"), ("float32", "bg4", "bg4+zstd"),
+    ("bfloat16", "bg2", "bg2r+zstd"), ("float16", "bg2", "bg2r+zstd"), ("float32", "bg4", "bg4r+zstd"),
     ("float64", "bg8", "bg8+zstd"),
 ])
 def test_float_member_round_trips_bit_exact_with_byte_grouping(dtype, hint, codec_name):
@@ -301,13 +301,13 @@ def test_load_never_returns_a_damaged_tensor(tmp_path, where):
 
     g = torch.Generator().manual_seed(0)
     state = {"noise": torch.randint(0, 256, (300_000,), dtype=torch.uint8, generator=g),  # stored raw
-             "w": (torch.randn(200_000, generator=g) * 0.02)}                              # bg4+zstd
+             "w": (torch.randn(200_000, generator=g) * 0.02)}                              # bg4r+zstd
     repo = tmp_path / "repo"
     ckpt_archive.pack(state, repo)
     gen = repo / "generations" / "00000001"
     manifest = json.loads((gen / "manifest.json").read_text())
     rec = next(m for m in manifest["members"] if m["role"] == "tensors")
-    want = "store" if where == "stored-chunk" else "bg4+zstd"
+    want = "store" if where == "stored-chunk" else "bg4r+zstd"
     chunk = next(c for c in rec["chunks"] if c["codec"] == want)
     path = gen / rec["stored_path"]
     data = bytearray(path.read_bytes())
@@ -343,3 +343,142 @@ def test_writing_a_local_file_starts_writeback_and_round_trips(tmp_path, monkeyp
     assert synced, "no writeback was started while writing a 1 MB member"
     with open(path, "rb") as fh:
         assert b"".join(bytes(c) for _, c in codec.iter_decoded(fh, rec, member="m")) == raw
+
+
+# -- sign-rotated float chunks (format 3: bg2r / bg4r / bg8r + zstd) ----------------------------------
+
+_SPECIAL = {  # IEEE bit patterns a rotation must carry through unchanged, as unsigned integers
+    2: [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x0001, 0x8001, 0x007F, 0x7F7F, 0xFF7F,  # bf16
+        0x7C00, 0xFC00, 0x7E00, 0x03FF, 0x8400, 0xFFFF],                                                 # fp16
+    4: [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x00000001,
+        0x80000001, 0x007FFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0xFFFFFFFF],
+    8: [0, 1 << 63, 0x7FF0 << 48, 0xFFF0 << 48, 0x7FF8 << 48, (0xFFF8 << 48) | 1, (0x7FF0 << 48) | 1, 1,
+        (1 << 63) | 1, (1 << 52) - 1, 0x7FEF_FFFF_FFFF_FFFF, (1 << 64) - 1],
+}
+
+
+def _special_chunk(n: int, count: int = 5003) -> bytes:
+    """Trained-like floats with every special bit pattern (NaN payloads, +-inf, denormals, -0.0) mixed in."""
+    dtype = {2: "bfloat16", 4: "float32", 8: "float64"}[n]
+    base = np.frombuffer(_trained_like(count, dtype), dtype=f"<u{n}").copy()
+    specials = np.array(_SPECIAL[n], dtype=f"<u{n}")
+    base[::7][: len(specials) * 50] = np.tile(specials, 50)[: len(base[::7])]
+    return base.tobytes()
+
+
+def _rotl_reference(raw: bytes, n: int) -> bytes:
+    """docs/FORMAT.md's definition, element by element in pure Python (what a third party would write)."""
+    bits = 8 * n
+    out = bytearray()
+    for i in range(0, len(raw), n):
+        u = int.from_bytes(raw[i:i + n], "little")
+        out += (((u << 1) | (u >> (bits - 1))) & ((1 << bits) - 1)).to_bytes(n, "little")
+    return bytes(out)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_sign_rotated_grouping_is_exactly_the_documented_rotation(n):
+    raw = _special_chunk(n, 999)
+    want = np.frombuffer(_rotl_reference(raw, n), np.uint8).reshape(-1, n).T.tobytes()
+    assert bytes(codec.byte_group(raw, n, rotate=True)) == want
+    assert bytes(codec.byte_ungroup(want, n, rotate=True)) == raw
+    if n == 2:  # the worked example in docs/FORMAT.md: bf16 -1.5 = 0xBFC0 -> r = 0x7F81
+        assert bytes(codec.byte_group(b"\xc0\xbf", 2, rotate=True)) == b"\x81\x7f"
+
+
+def test_sign_rotation_puts_the_whole_bf16_and_fp32_exponent_in_the_top_plane():
+    for n, dtype, exp_shift in [(2, "bfloat16", 7), (4, "float32", 23)]:
+        raw = _trained_like(4096, dtype)
+        u = np.frombuffer(raw, f"<u{n}")
+        planes = np.asarray(codec.byte_group(raw, n, rotate=True)).reshape(n, -1)
+        assert np.array_equal(planes[n - 1], ((u >> exp_shift) & 0xFF).astype(np.uint8))  # the 8 exponent bits
+        assert np.array_equal(planes[0] & 1, (u >> (8 * n - 1)).astype(np.uint8))       # the sign, at bit 0
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_sign_rotated_chunks_round_trip_nan_inf_denormals_and_negative_zero(n):
+    raw = _special_chunk(n)
+    name = f"bg{n}r+zstd"
+    if n in codec.ROTATE_SIZES:
+        got_name, stored, sha = codec.encode_chunk(raw, f"bg{n}", codec.DEFAULT_LEVEL)
+        assert got_name == name and sha == hashlib.sha256(stored).hexdigest()
+    else:  # the writer keeps fp64 unrotated; a reader still decodes bg8r written by anyone else
+        stored = codec._compressor(3, floats=True).compress(codec.byte_group(raw, n, rotate=True))
+    assert bytes(codec.decode_chunk(stored, name, len(raw))) == raw
+    dest = bytearray(len(raw))
+    assert bytes(codec.decode_chunk(stored, name, len(raw), dest)) == raw and bytes(dest) == raw
+    # decoding as the unrotated codec gives other bytes: the codec name is what makes it right
+    assert bytes(codec.decode_chunk(stored, f"bg{n}+zstd", len(raw))) != raw
+
+
+@pytest.mark.parametrize("dtype,n", [("bfloat16", 2), ("float32", 4)])
+def test_sign_rotation_stores_bf16_and_fp32_smaller_than_plain_grouping(dtype, n):
+    """Guards the rotated codecs' reason to exist (the writer picks them for these element sizes)."""
+    raw = _trained_like(1 << 20, dtype)
+    cctx = codec._compressor(3, floats=True)
+    rotated = sum(len(cctx.compress(codec.byte_group(raw[o:o + CHUNK * 16], n, rotate=True)))
+                  for o in range(0, len(raw), CHUNK * 16))
+    plain = sum(len(cctx.compress(codec.byte_group(raw[o:o + CHUNK * 16], n)))
+                for o in range(0, len(raw), CHUNK * 16))
+    assert rotated < plain
+
+
+def test_a_hostile_rotated_chunk_with_wrong_sizes_is_refused():
+    import zstandard
+
+    raw = _special_chunk(4, 1000)
+    _, stored, _ = codec.encode_chunk(raw, "bg4", codec.DEFAULT_LEVEL)
+    for wrong in (len(raw) - 4, len(raw) + 4, len(raw) - 1):
+        with pytest.raises(IntegrityError, match="decodes to|does not decode|not a multiple"):
+            codec.decode_chunk(stored, "bg4r+zstd", wrong)
+    six = zstandard.ZstdCompressor().compress(b"abcdef")  # 6 bytes: not whole 4-byte elements
+    with pytest.raises(IntegrityError, match="not a multiple of 4"):
+        codec.decode_chunk(six, "bg4r+zstd", 6)
+    with pytest.raises(IntegrityError, match="unknown chunk codec"):
+        codec.decode_chunk(stored, "bg3r+zstd", len(raw))
+    with pytest.raises(IntegrityError, match="does not decode"):
+        codec.decode_chunk(stored[:-7], "bg4r+zstd", len(raw))
+
+
+def test_a_state_without_rotated_chunks_stays_format_2(tmp_path):
+    """Only archives that need format 3 get it: fp64 and integer tensors keep format-2 readers working."""
+    import torch
+
+    import ckpt_archive
+
+    g = torch.Generator().manual_seed(0)
+    state = {"w64": torch.randn(50_000, generator=g, dtype=torch.float64), "ids": torch.arange(40_000)}
+    res = ckpt_archive.pack(state, tmp_path / "repo")
+    codecs = {c["codec"] for r in res.manifest["members"] for c in r["chunks"]}
+    assert "bg8+zstd" in codecs and res.manifest["format_version"] == 2
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """VmFlags of the mapping holding ``addr`` (Linux /proc/self/smaps)."""
+    flags, inside = [], False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    return flags
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux only")
+def test_load_buffers_are_not_advised_huge_pages():
+    """numpy advises huge pages for arrays >= 4 MiB; on a fragmented machine the first touch of such a
+    buffer compacts and zeroes 2 MiB at a time (a fresh 256 MiB buffer: 4-5 s instead of 0.3 s), which
+    made load slower than torch.load several times over. Load's member buffer must not carry the advice."""
+    buf = codec.anon_buffer(8 << 20)
+    assert buf.dtype == np.uint8 and len(buf) == 8 << 20 and not buf[:: 1 << 16].any()
+    buf[:] = 7  # writable
+    middle = 4 << 20  # numpy advises the 2 MiB-aligned interior of an array: probe there
+    assert "hg" not in _vm_flags(buf.ctypes.data + middle)
+    probe = np.empty(8 << 20, dtype=np.uint8)
+    core = getattr(np, "_core", None) or np.core
+    if getattr(core.multiarray, "_get_madvise_hugepage", lambda: False)():  # numpy advises here: the probe sees it
+        assert "hg" in _vm_flags(probe.ctypes.data + middle)
+    assert len(codec.anon_buffer(0)) == 0

@@ -30,7 +30,8 @@ def _pack(tmp_path, chunk_bytes=1 << 16):
 
 def test_member_fingerprint_derived_from_chunks_equals_sha256_of_the_file(tmp_path):
     _, m, gen = _pack(tmp_path)
-    assert m["format_version"] == 2
+    # format 2's fingerprints; the fp32/bf16 chunks are sign-rotated (bg4r/bg2r), which makes the manifest 3
+    assert m["format_version"] == 3
     for rec in m["members"]:
         data = (gen / rec["stored_path"]).read_bytes()
         # the chunk table tiles the file: each chunk's sha256 is `sha256sum` of its byte range
@@ -128,7 +129,33 @@ def test_a_newer_format_is_refused_by_name(tmp_path):
 
 def test_a_format_1_reader_refuses_format_2_by_name(monkeypatch, tmp_path):
     """What a reader that knows only format 1 (as main before this change) does with our manifests."""
-    _, _, gen = _pack(tmp_path)
+    from ckpt_archive.format import codec
+
+    monkeypatch.setattr(codec, "ROTATE_SIZES", frozenset())  # no format-3 codec: a format-2 manifest
+    _, m, gen = _pack(tmp_path)
+    assert m["format_version"] == 2
     monkeypatch.setattr(manifest_mod, "KNOWN_VERSIONS", (1,))
     with pytest.raises(NewerFormatError, match="written by format 2, this reader knows up to 1"):
         manifest_mod.parse((gen / "manifest.json").read_bytes())
+
+
+def test_a_format_2_reader_refuses_sign_rotated_chunks_by_name(monkeypatch, tmp_path):
+    """A reader that knows up to format 2 must refuse an archive with bg2r/bg4r chunks by name, never
+    decode them as plain byte-grouped chunks (that would return bit-rotated floats)."""
+    _, m, gen = _pack(tmp_path)
+    codecs = {c["codec"] for r in m["members"] for c in r["chunks"]}
+    assert {"bg2r+zstd", "bg4r+zstd"} <= codecs and m["format_version"] == 3
+    monkeypatch.setattr(manifest_mod, "KNOWN_VERSIONS", (1, 2))
+    with pytest.raises(NewerFormatError, match="written by format 3, this reader knows up to 2"):
+        manifest_mod.parse((gen / "manifest.json").read_bytes())
+
+
+def test_a_format_2_manifest_naming_a_rotated_codec_breaks_its_schema(tmp_path):
+    """A manifest that claims format 2 but names a format-3 codec is refused, not read by format-2 rules."""
+    from ckpt_archive.errors import ManifestInvalid
+
+    _, _, gen = _pack(tmp_path)
+    doc = json.loads((gen / "manifest.json").read_text())
+    doc["format_version"] = 2
+    with pytest.raises(ManifestInvalid, match="codec"):
+        manifest_mod.validate(doc)

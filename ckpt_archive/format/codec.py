@@ -1,8 +1,5 @@
 """Member encoding "chunked-v1": independent chunks, float-aware, hashed on the way, on all cores.
 
-(A little over 600 lines: the writer, the readers and the one chunk-table check they share stay in one
-module so that a chunk's sizes are read and checked in one place, :func:`check_chunk_table`.)
-
 A member's raw bytes are fed to :class:`MemberWriter` as pieces with a codec hint; pieces are cut into
 chunks of at most ``chunk_bytes`` that never mix hints, each chunk is encoded on a thread pool
 (zstandard and hashlib release the GIL) and written in order. Chunk codecs (docs/FORMAT.md):
@@ -12,6 +9,11 @@ chunks of at most ``chunk_bytes`` that never mix hints, each chunk is encoded on
 * ``bg2+zstd`` / ``bg4+zstd`` / ``bg8+zstd`` -- byte grouping (byte k of every N-byte element into
   plane k) before zstandard; for float tensors of element size N. The exponent bytes of trained
   weights and optimizer moments vary little, so their plane compresses well.
+* ``bg2r+zstd`` / ``bg4r+zstd`` / ``bg8r+zstd`` (format 3) -- each element, read as a little-endian
+  N-byte unsigned integer, is rotated left by one bit before byte grouping, so the sign bit leaves the
+  top byte and the whole 8-bit exponent of bf16/fp32 lands in one plane (ZipNN's observation). The
+  writer uses them for 2- and 4-byte floats (:data:`ROTATE_SIZES`); fp64 keeps ``bg8+zstd``
+  (rotating moves 3 of its 11 exponent bits into a mantissa byte: 1-2 % larger).
 
 Float chunks are compressed with zstd parameters tuned for byte planes (:data:`FLOAT_PARAMS`: the
 ``fast`` strategy, minimum match 7, tiny hash tables) whenever ``level <= 3``: on exponent planes
@@ -38,6 +40,7 @@ from typing import BinaryIO, Callable, Iterator
 
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format import fingerprint
+from ckpt_archive.format.planes import _scratch, anon_buffer, byte_group, byte_ungroup  # noqa: F401 (re-exported)
 
 #: Raw bytes per chunk. 4 MiB: ratio within 0.3 % of 16 MiB chunks (benchmarks/proto_codec.py), enough
 #: chunks to keep every core busy on a 1 GiB member, and 2 * jobs chunks in flight stay small.
@@ -50,7 +53,14 @@ STORE_BELOW_SAVING = 0.01
 #: bytes, so the disk works while the CPUs encode and the store's final fsync finds little left.
 SYNC_EVERY_BYTES = 64 << 20
 CODEC_NAME = "chunked-v1"
+#: Element sizes whose float chunks the writer sign-rotates (``bg<N>r+zstd``). Measured on the benchmark
+#: state (benchmarks/README.md, "Sign rotation"): bf16 -0.9 % stored, fp32 moments -0.3 % / -1.2 %, fp16
+#: unchanged (its 5-bit exponent straddles bytes either way; it shares the hint ``bg2`` with bf16), fp64
+#: +1-2 % (so not rotated).
+ROTATE_SIZES = frozenset({2, 4})
 _HINTS = ("store", "zstd", "bg2", "bg4", "bg8")
+#: byte-grouped chunk codecs: name -> (element size, sign-rotated)
+_GROUPED = {f"bg{n}{r}+zstd": (n, r == "r") for n in (2, 4, 8) for r in ("", "r")}
 
 _tls = threading.local()
 
@@ -100,65 +110,19 @@ def _decompressor():
     return d
 
 
-def byte_group(raw, n: int):
-    """Split ``raw`` (length a multiple of ``n``) into ``n`` planes: byte k of every element -> plane k.
-
-    Returns:
-        a contiguous ``numpy.uint8`` array of ``len(raw)`` bytes (planes back to back); bytes-like.
-    """
-    import numpy as np
-
-    a = np.frombuffer(raw, dtype=np.uint8)
-    if n == 2 and len(a):
-        # shift/truncate on uint16 is SIMD; ~1.8x the speed of a strided transpose (bf16/fp16)
-        u = a.view("<u2")
-        out = np.empty((2, len(u)), dtype=np.uint8)
-        np.copyto(out[0], u, casting="unsafe")
-        np.copyto(out[1], u >> 8, casting="unsafe")
-        return out
-    return np.ascontiguousarray(a.reshape(-1, n).T)
-
-
-def byte_ungroup(planes, n: int, out=None) -> memoryview:
-    """Inverse of :func:`byte_group`: interleave ``n`` planes back into elements.
-
-    Args:
-        planes: bytes-like, ``n`` planes back to back.
-        out: optional writable buffer of ``len(planes)`` bytes to write into (no allocation).
-
-    Returns:
-        a 1-D ``memoryview`` (format ``B``) over ``out`` or a fresh writable array.
-    """
-    import numpy as np
-
-    a = np.frombuffer(planes, dtype=np.uint8)
-    p = a.reshape(n, -1)
-    dest = np.empty(len(a), dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
-    if len(dest) != len(a):
-        raise ValueError(f"out has {len(dest)} bytes, planes {len(a)}")
-    if n == 2:
-        # (hi << 8) | lo on uint16: ~10x numpy's transposed copy, which picks a slow strided loop
-        out16 = dest.view("<u2")
-        out16[...] = p[1]
-        out16 <<= 8
-        out16 |= p[0]
-    else:
-        rows = dest.reshape(-1, n)
-        for k in range(n):  # one column at a time: ~4x the transposed copy
-            rows[:, k] = p[k]
-    return memoryview(dest)
-
-
 def encode_chunk(raw, hint: str, level: int) -> tuple[str, bytes, str]:
     """Encode one chunk.
 
     Args:
         raw: bytes-like, the chunk's raw bytes.
-        hint: ``"store"``, ``"zstd"`` or ``"bgN"`` (N = element size in bytes).
+        hint: ``"store"``, ``"zstd"`` or ``"bgN"`` (N = element size in bytes of a float tensor).
         level: zstandard level.
 
     Returns:
-        (codec, stored bytes (bytes-like; for ``store`` a view of ``raw``), stored sha256 hex).
+        (codec, stored bytes (bytes-like; for ``store`` a view of ``raw``), stored sha256 hex). A
+        ``bgN`` chunk becomes ``bgNr+zstd`` for N in :data:`ROTATE_SIZES` (a format-3 codec: the
+        manifest is then written as format 3), else ``bgN+zstd``; ``zstd`` when its length is not a
+        multiple of N; ``store`` when compression saves under 1 %.
     """
     mv = memoryview(raw).cast("B")
     if hint == "store" or len(mv) == 0:
@@ -166,7 +130,10 @@ def encode_chunk(raw, hint: str, level: int) -> tuple[str, bytes, str]:
     else:
         n = int(hint[2:]) if hint.startswith("bg") else 0
         if n > 1 and len(mv) % n == 0:
-            stored, codec = _compressor(level, floats=True).compress(byte_group(mv, n)), f"bg{n}+zstd"
+            rot = n in ROTATE_SIZES
+            planes = byte_group(mv, n, rotate=rot, out=_scratch("planes", len(mv)))
+            stored = _compressor(level, floats=True).compress(planes)
+            codec = f"bg{n}r+zstd" if rot else f"bg{n}+zstd"
         else:
             stored, codec = _compressor(level).compress(mv), "zstd"
         if len(stored) >= len(mv) * (1 - STORE_BELOW_SAVING):
@@ -195,14 +162,14 @@ def decode_chunk(stored, codec: str, raw_bytes: int, out=None):
             res = stored
         elif codec == "zstd":
             res = _decompressor().decompress(stored, max_output_size=raw_bytes) if raw_bytes else b""
-        elif codec.startswith("bg") and codec.endswith("+zstd"):
-            n = int(codec[2:-5])
+        elif codec in _GROUPED:
+            n, rot = _GROUPED[codec]
             planes = _decompressor().decompress(stored, max_output_size=raw_bytes) if raw_bytes else b""
             if len(planes) % n:
                 raise IntegrityError(f"byte-grouped chunk of {len(planes)} bytes is not a multiple of {n}")
             if len(planes) != raw_bytes:
                 raise IntegrityError(f"chunk decodes to {len(planes)} bytes, manifest says {raw_bytes}")
-            res = byte_ungroup(planes, n, out) if planes else b""
+            res = byte_ungroup(planes, n, out, rotate=rot) if planes else b""
             if out is not None:
                 return res
         else:

@@ -159,10 +159,10 @@ def lazy_buffer(nbytes: int, member: str) -> memoryview:
     Raises:
         ImplausibleSize: ``nbytes`` exceeds the memory available (:func:`check_allocation`).
     """
-    import numpy as np
+    from ckpt_archive.format.planes import anon_buffer
 
     check_allocation(nbytes, member)
-    return memoryview(np.zeros(nbytes, dtype=np.uint8))
+    return memoryview(anon_buffer(nbytes))  # not np.zeros: its huge-page advice makes first touch slow
 
 
 def frame_size_problem(fh, rec: dict) -> str | None:

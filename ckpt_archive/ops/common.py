@@ -48,7 +48,16 @@ def pick(r: Repository, generation: str | int, fallback: bool = False) -> Genera
         NewerFormatError): nothing to read. IntegrityError: its deep check here failed (recorded by
         ``adopt``; the message names the failure).
     """
-    gen = r.resolve(generation, copied=True)
+    return require_readable(r, r.resolve(generation, copied=True))
+
+
+def require_readable(r: Repository, gen: Generation) -> Generation:
+    """:func:`pick`'s checks on a generation already resolved (its manifest is parsed and validated once,
+    not once per check: ~30 ms for a 1000-tensor manifest).
+
+    Raises:
+        as :func:`pick`, except NotFound.
+    """
     if gen.check_failed is not None:
         raise IntegrityError(f"generation {gen.number} is damaged: {gen.reason}; "
                              f"{r.existing_summary()}", where=r.location)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, TypeVar
 
 from ckpt_archive.errors import IntegrityError
-from ckpt_archive.ops.common import RepoLike, check_present, open_repo, pick, refuse_unusable
+from ckpt_archive.ops.common import RepoLike, check_present, open_repo, refuse_unusable, require_readable
 from ckpt_archive.ops.verify import find_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -29,11 +29,11 @@ def with_fallback(r: Repository, generation: str | int, fallback: bool,
         IntegrityError: the generation fails (and, for ``latest``, says which older one verifies).
         NotUsable: partial or damaged without ``unverified`` (exit 2).
     """
-    gen = r.resolve(generation, copied=True)
+    gen = r.resolve(generation, copied=True)  # parses (and validates) the manifests once
     note = refuse_unusable(r, gen, unverified=unverified, action=action, override=override)
     if note is not None and notes is not None:
         notes.append(note)
-    gen = pick(r, generation, fallback)
+    gen = require_readable(r, gen)
 
     def checked(g: Generation):
         check_present(r, g)

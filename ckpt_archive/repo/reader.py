@@ -384,10 +384,10 @@ class ArchiveReader:
             else:
                 into = None
                 if set(rec["entries"]) <= entries:
-                    import numpy as np
+                    from ckpt_archive.format.planes import anon_buffer
 
-                    check_allocation(rec["raw_bytes"], rec["path"])  # np.empty: pages taken as decoded
-                    into = np.empty(rec["raw_bytes"], dtype=np.uint8)
+                    check_allocation(rec["raw_bytes"], rec["path"])  # pages taken as decoded, 4 KiB ones
+                    into = anon_buffer(rec["raw_bytes"])
                 source = self.iter_entries(rec, wanted=entries, on_bytes=on_bytes, checked_by_caller=True,
                                            into=into)
             for key, erec, buf in source:
