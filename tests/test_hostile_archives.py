@@ -534,3 +534,31 @@ def test_a_repository_whose_own_skeleton_is_a_symlink_is_exit_2_not_found_wrong(
         res = cli(*args)
         assert res.exit_code == 2 and "symbolic link" in res.stderr, (args, res.stderr)
     assert snapshot(outside) == before
+
+
+def test_a_forged_chunk_inside_a_tensor_spanning_chunks_fails_the_trial_reload(tmp_path):
+    """Fault guarded: the trial reload checking only the length of an entry it does not assemble (a plain
+    tensor spanning several chunks), so a chunk whose stored sha256 a forger recomputed would pass. The
+    entry's raw fingerprint is still taken chunk by chunk on the way."""
+    import hashlib
+
+    repo = tmp_path / "repo"
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, generator=g)}  # incompressible: stored raw
+    ckpt_archive.pack(state, repo, ckpt_archive.PackOptions(share_min_bytes=0))
+
+    def forge(m):
+        rec = member(m, "tensors")
+        c = rec["chunks"][1]
+        assert c["codec"] == "store"
+        path = gen_dir(repo) / rec["stored_path"]
+        data = bytearray(path.read_bytes())
+        data[c["stored_offset"] + 100] ^= 0xFF
+        path.write_bytes(bytes(data))
+        c["stored_sha256"] = hashlib.sha256(data[c["stored_offset"]:c["stored_offset"] + c["stored_bytes"]]).hexdigest()
+        rec["stored_fp"] = fingerprint.sha256_chunks(x["stored_sha256"] for x in rec["chunks"])
+
+    edit_manifest(repo, forge)
+    assert ckpt_archive.verify(repo, "1").ok  # the forgery holds against the stored checks
+    rep = ckpt_archive.verify(repo, "1", deep=True)
+    assert not rep.ok and any("raw fingerprint mismatch in entry w:" in p.reason for p in rep.problems)

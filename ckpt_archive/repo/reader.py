@@ -187,8 +187,8 @@ class ArchiveReader:
         return b"".join(chunk for _, chunk in self.iter_member(rec))
 
     def iter_entries(self, rec: dict, *, wanted: set[str] | None = None, on_bytes=None,
-                     checked_by_caller: bool = False, into=None, transient: bool = False
-                     ) -> Iterator[tuple[str, dict, Any]]:
+                     checked_by_caller: bool = False, into=None, transient: bool = False,
+                     sizes_only: set[str] | frozenset = frozenset()) -> Iterator[tuple[str, dict, Any]]:
         """Yield ``(entry key, entry record, raw bytes)`` of a tensors shard, one tensor at a time.
 
         Checks the shard's safetensors header against the manifest. With ``wanted``, other entries
@@ -199,6 +199,9 @@ class ArchiveReader:
         sha256 of every entry it receives (and receives every entry it returns data from).
         ``into``: a writable buffer of the member's raw size; chunks are decoded straight into it and
         every entry is a view of it (no copy at all; for loading a whole member into memory).
+        ``sizes_only``: entry keys whose bytes the caller does not need (it checks only their length; the
+        raw fingerprint is still checked on the way by the member's raw check): an entry spanning chunks
+        is then not assembled and a :class:`SizeOnly` is yielded in place of its bytes.
         ``transient``: the caller drops each entry's bytes before asking for the next (trial reload),
         so entries spanning chunks are assembled in one reused buffer (no fresh pages per tensor).
         [codec/benchmarks helper: rewritten for zero copies; same checks and order]
@@ -268,7 +271,7 @@ class ArchiveReader:
                         yield k, e, (bytearray(piece) if piece.readonly else piece)
                     continue
                 if filled == 0:
-                    if not want:
+                    if not want or k in sizes_only:
                         cur = None
                     elif transient:
                         if len(scratch) < size:
@@ -285,7 +288,7 @@ class ArchiveReader:
                     idx += 1
                     done, cur, filled = cur, None, 0
                     if want:
-                        yield k, e, done
+                        yield k, e, (SizeOnly(size) if done is None else done)
         if not header_checked and base:
             raise IntegrityError("shard ends inside its safetensors header", where=rec["path"])
         if idx != len(order):
@@ -404,6 +407,19 @@ class ArchiveReader:
                     built[leaf] = t
         return built
 
+
+
+class SizeOnly:
+    """Stands for an entry's bytes when only their number matters (:meth:`ArchiveReader.iter_entries`
+    with ``sizes_only``): ``len()`` and ``nbytes`` give the length; there is no buffer."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
 
 
 def _spill_member(reader: "ArchiveReader", rec: dict, spill_dir, on_bytes=None):

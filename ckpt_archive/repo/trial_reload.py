@@ -16,7 +16,7 @@ import math
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, StoreError
 from ckpt_archive.format import fingerprint
 from ckpt_archive.format.state_tree import NUMPY_TO_ST, TORCH_TO_ST, decode
-from ckpt_archive.repo.reader import ArchiveReader, Problem, tensor_refs
+from ckpt_archive.repo.reader import ArchiveReader, Problem, SizeOnly, tensor_refs
 
 #: Element size of every torch dtype by name, so tensors are checked without importing torch.
 TORCH_ITEMSIZE = {
@@ -56,7 +56,12 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
             fast: list[Problem] | None = []
             fast_checked = fast_decoded = 0
             try:
-                for key, erec, buf in reader.iter_entries(rec, on_bytes=on_bytes, transient=True):
+                # entries whose every leaf is the entry itself (no view) need only their length here:
+                # their bytes are hashed chunk by chunk on the way, not assembled
+                plain = frozenset(k for k in rec["entries"]
+                                  if all(not tensors[leaf].get("view") for leaf in by_entry.get(k, [])))
+                for key, erec, buf in reader.iter_entries(rec, on_bytes=on_bytes, transient=True,
+                                                          sizes_only=plain):
                     fast_decoded += len(buf)
                     fast_checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []),
                                                        fingerprint.raw_fp(erec), fast)
@@ -146,7 +151,7 @@ def _check_leaf_bytes(buf, erec: dict, lrec: dict, leaf: str, entry_fp: str | No
 
     kind, dtype, shape = lrec["kind"], lrec["dtype"], [int(x) for x in lrec["shape"]]
     view = lrec.get("view")
-    nbytes = len(memoryview(buf).cast("B")) if len(buf) else 0
+    nbytes = buf.nbytes if isinstance(buf, SizeOnly) else (len(memoryview(buf).cast("B")) if len(buf) else 0)
     size = _itemsize(dtype, kind)
     numel = math.prod(shape)
     st_of = NUMPY_TO_ST if kind == "numpy" else TORCH_TO_ST
