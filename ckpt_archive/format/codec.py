@@ -625,9 +625,22 @@ def submit_chunk_checks(fd: int, record: dict, *, member: str, pool: ThreadPoolE
 def _stored_chunk_ok(fd: int, c: dict) -> bool:
     """True when chunk ``c`` of the file ``fd`` is as long as recorded and has its recorded sha256."""
     n = c["stored_bytes"]
-    buf = memoryview(_scratch("verify", n)) if n else memoryview(b"")
+    buf = _read_buffer(n)
     got = os.preadv(fd, [buf], c["stored_offset"]) if n else 0
     return got == n and hashlib.sha256(buf).hexdigest() == c["stored_sha256"]
+
+
+def _read_buffer(nbytes: int) -> memoryview:
+    """A thread-local writable buffer of ``nbytes`` (anonymous ``mmap``, no NumPy: the shallow verify does
+    not import it), reused across chunks; sizes above 16 MiB are not kept."""
+    import mmap
+
+    if nbytes > (16 << 20):
+        return memoryview(mmap.mmap(-1, nbytes))
+    buf = getattr(_tls, "read_buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _tls.read_buf = memoryview(mmap.mmap(-1, max(nbytes, DEFAULT_CHUNK_BYTES + (64 << 10))))
+    return buf[:nbytes]
 
 
 def _positional(fh) -> Callable[[int, int], bytes] | None:
