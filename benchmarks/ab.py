@@ -21,7 +21,7 @@ def run_ab(size_mib: int, a: argparse.Namespace, log) -> dict:
     """Paired A/B of two code trees: this one (``--this-tree``, default the repository this script is in)
     against ``--ab TREE`` (e.g. a worktree of main), same state, interleaved A,B,B,A..., whole processes.
 
-    Operations (``--ab-ops``): ``pack`` (CLI, into a fresh repository each run), ``load`` (Python worker,
+    Operations (``--ab-ops``): ``pack`` (CLI, into a fresh repository each run), ``verify`` (CLI, shallow), ``load`` (Python worker,
     in-process time also kept) and ``verify_deep`` (CLI). Each tree reads the repository it packed itself.
     Ratios are the other tree's time / this tree's, per pair, then min/median/max (> 1: this tree faster).
     Also reports each tree's stored bytes and stored / ``zstd -3``, for the full state and the bf16 weights.
@@ -47,6 +47,8 @@ def run_ab(size_mib: int, a: argparse.Namespace, log) -> dict:
         if op == "pack":
             shutil.rmtree(repo, ignore_errors=True)
             c, py = _cli(["pack", str(pt), "--repo", str(repo), "--json"]), False
+        elif op == "verify":
+            c, py = _cli(["verify", str(repo), "--json"]), False
         elif op == "verify_deep":
             c, py = _cli(["verify", "--deep", str(repo), "--json"]), False
         else:
