@@ -96,6 +96,17 @@ class SharedWriter:
         #: names (oids) of objects referenced because a usable generation vouches for them
         #: (see ArchiveReader.proven_objects)
         self.reused: set[str] = set()
+        self._folders: set[str] = set()
+
+    def sync(self) -> None:
+        """Make the new objects' names durable: one fsync per folder they were linked in, then
+        ``objects/`` and the repository root (a folder created here); before the manifest names them."""
+        if not self._folders:
+            return
+        for folder in sorted(self._folders):
+            self.store.fsync_dir(folder)
+        self.store.fsync_dir(OBJECT_DIR)
+        self.store.fsync_dir("")
 
     def wants(self, nbytes: int) -> bool:
         """Whether an entry of ``nbytes`` raw bytes is shared (its fingerprint is needed before writing)."""
@@ -134,8 +145,9 @@ class SharedWriter:
                 self.store.remove(key)  # left by an interrupted pack: no manifest references it (lock held)
             # False: an object of this name that a generation not usable here references is kept as it is
             # (same name, same chunk digests); this generation's trial reload checks every byte of it
-            pending.commit(key)
+            pending.commit(key, sync_dir=False)  # the folders are fsynced once, by sync() before the seal
             with self._lock:
+                self._folders.add(key.rsplit("/", 1)[0])
                 self._made[fp] = (oid, rebased)
                 self._open.discard(fp)
                 self.new_stored_bytes += stored

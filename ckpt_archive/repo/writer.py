@@ -137,6 +137,8 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
                  for sf in source.files if sf.kind not in ("raw", "opaque") and sf.path is not None
                  and not getattr(sf, "link_of", None)}
         tensors = _write_tensors(w, table, shared=shared)
+        if shared is not None:
+            shared.sync()  # the new objects' names are durable before any manifest references them
         files_meta = []
         stored_entries = _entries_by_sha(w.members)
         for sf in source.files:

@@ -376,8 +376,9 @@ class _FsspecPending:
         self.store, self.tmp, self.cm = store, tmp, cm
         self.fh = cm.__enter__()
 
-    def commit(self, key: str) -> bool:
-        """Upload, then copy to ``key`` unless it exists (False); the temporary object is deleted."""
+    def commit(self, key: str, *, sync_dir: bool = True) -> bool:
+        """Upload, then copy to ``key`` unless it exists (False); the temporary object is deleted
+        (``sync_dir``: nothing to do on an object store)."""
         try:
             self.cm.__exit__(None, None, None)
             if self.store.exists(key):

@@ -306,9 +306,10 @@ class _LocalPending:
     def __init__(self, store: "LocalStore", tmp: Path, fh):
         self.store, self.tmp, self.fh = store, tmp, fh
 
-    def commit(self, key: str) -> bool:
+    def commit(self, key: str, *, sync_dir: bool = True) -> bool:
         """Make the file visible as ``key``: True, or False when ``key`` already exists (nothing replaced,
-        the temporary file removed). Raises OSError (the temporary file is removed)."""
+        the temporary file removed). ``sync_dir=False`` leaves the folder's fsync to the caller (one
+        :meth:`LocalStore.fsync_dir` for many objects). Raises OSError (the temporary file is removed)."""
         try:
             with _disk_full_named("writing", self.tmp):
                 self.fh.flush()
@@ -320,7 +321,8 @@ class _LocalPending:
                 os.link(self.tmp, p)
             except FileExistsError:
                 return False
-            fsync_directory(p.parent)
+            if sync_dir:
+                fsync_directory(p.parent)
             return True
         finally:
             with contextlib.suppress(OSError):
