@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_archive.format import codec as codec
+from ckpt_archive.format import member_writer
 from ckpt_archive.errors import IntegrityError
 
 CHUNK = 64 << 10  # small chunks so that a few hundred KiB cross many boundaries
@@ -332,7 +333,7 @@ def test_writing_a_local_file_starts_writeback_and_round_trips(tmp_path, monkeyp
     import os as _os
 
     real = _os.fdatasync
-    monkeypatch.setattr(codec, "SYNC_EVERY_BYTES", 100_000)
+    monkeypatch.setattr(member_writer, "SYNC_EVERY_BYTES", 100_000)
     monkeypatch.setattr(codec.os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
     raw = np.random.default_rng(3).integers(0, 256, size=1_000_000, dtype=np.uint8).tobytes()
     path = tmp_path / "m.ckz"

@@ -19,7 +19,7 @@ import threading
 from typing import Iterable
 
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, NotFound
-from ckpt_archive.format.codec import ChunkSink
+from ckpt_archive.format.member_writer import ChunkSink
 from ckpt_archive.format.objects import OBJECT_DIR, check_fp, object_id, object_key, oid_of_name, parts
 from ckpt_archive.format.objects import refs as manifest_refs
 

@@ -19,7 +19,8 @@ from ckpt_archive.errors import FormatError
 from ckpt_archive.format import fingerprint
 from ckpt_archive.format.fingerprint import BLAKE3, SHA256
 from ckpt_archive.format.objects import own_stored_bytes
-from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, MemberWriter, default_jobs
+from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, default_jobs
+from ckpt_archive.format.member_writer import MemberWriter
 from ckpt_archive.format.shard import encode_header
 from ckpt_archive.format.state_tree import FLOAT_ST, TensorTable, encode
 from ckpt_archive.store.faults import NO_FAULTS, Faults
