@@ -21,6 +21,7 @@ from ckpt_archive.format.objects import object_key, own_stored_bytes, refs
 from ckpt_archive.ops.export import export
 from ckpt_archive.repo.repository import Repository
 from s3server import s3_env, s3_server, s3_url  # noqa: F401  (pytest fixtures)
+from helpers import assert_same as _assert_bit_equal
 
 SHARE = 64 << 10   # entries of at least 64 KiB are shared (the default is 1 MiB; small here for speed)
 OPTIONS = ca.PackOptions(chunk_bytes=32 << 10, share_min_bytes=SHARE)
@@ -44,23 +45,6 @@ def _pack(repo, step: int, base: dict) -> dict:
     st = _state(step, base)
     ca.pack(st, repo, OPTIONS, ca.Annotations(progress={"step": step}))
     return st
-
-
-def _assert_bit_equal(a, b, where="state"):
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            _assert_bit_equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for x, y in zip(a, b):
-            _assert_bit_equal(x, y, where)
-    else:
-        assert a == b, where
 
 
 def cli(*args: str):

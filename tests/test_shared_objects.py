@@ -187,15 +187,44 @@ def test_an_object_left_by_an_interrupted_pack_is_replaced_not_trusted(tmp_path)
     assert _cli("verify", f"{repo}@2", "--deep").returncode == 0
 
 
-def test_an_object_vouched_for_only_by_an_unpublished_generation_is_not_reused(tmp_path):
-    """Fault guarded: a new generation trusting an object that only a partial (never trial-reloaded)
-    generation references: the entry is stored in the new generation's own file instead."""
+def test_an_object_vouched_for_only_by_an_unpublished_generation_is_checked_in_full_not_trusted(tmp_path):
+    """Fault guarded: a new generation taking an object on trust that only a partial (never trial-reloaded)
+    generation references: its trial reload must check every chunk of it, so a damaged one is caught and
+    written again rather than published."""
+    repo = tmp_path / "repo"
+    r1 = ckpt_archive.pack(_state(1), repo)
+    (_gen(repo, 1) / "USABLE.json").unlink()  # generation 1 is now partial (sealed, never published)
+    oid = sorted(refs(r1.manifest))[0]
+    obj = repo / object_key(oid)
+    good = obj.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 3] ^= 0x10
+    obj.write_bytes(bytes(bad))
+    r2 = ckpt_archive.pack(_state(1), repo)
+    assert sorted(refs(r2.manifest)) == sorted(refs(r1.manifest))
+    assert obj.read_bytes() == good  # written again from the state: the same name promises the same bytes
+    assert torch.equal(ckpt_archive.load(repo)["model"]["base.0"], BASE["base.0"])
+    assert _cli("verify", f"{repo}@{r2.generation}", "--deep").returncode == 0
+
+
+def test_a_rotted_shared_object_is_written_again_by_the_next_pack_and_repairs_its_users(tmp_path):
+    """Fault guarded: one damaged shared object making every later pack of the same frozen weights fail
+    (the pack kept referencing it on trust), so a training run could no longer checkpoint."""
     repo = tmp_path / "repo"
     ckpt_archive.pack(_state(1), repo)
-    (_gen(repo, 1) / "USABLE.json").unlink()  # generation 1 is now partial (sealed, never published)
-    r2 = ckpt_archive.pack(_state(1), repo)
-    assert not refs(r2.manifest)  # nothing referenced: the base went into generation 2's own member
-    assert torch.equal(ckpt_archive.load(repo)["model"]["base.1"], BASE["base.1"])
+    r2 = ckpt_archive.pack(_state(2), repo)
+    oid = sorted(refs(r2.manifest))[1]
+    obj = repo / object_key(oid)
+    good = obj.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x01
+    obj.write_bytes(bytes(bad))
+    assert _cli("verify", f"{repo}@2").returncode == 1
+    r3 = ckpt_archive.pack(_state(3), repo)
+    assert r3.status == "usable" and obj.read_bytes() == good
+    assert any(object_key(oid) in w and "repairs generation(s) 1, 2" in w for w in r3.warnings), r3.warnings
+    for n in (1, 2, r3.generation):  # (the first try's number is never reused)
+        assert _cli("verify", f"{repo}@{n}", "--deep").returncode == 0
 
 
 def test_identical_tensors_within_one_state_and_equal_bytes_of_another_dtype(tmp_path):

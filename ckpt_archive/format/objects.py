@@ -146,7 +146,9 @@ def check_objects(rec: dict, member: str) -> None:
         prev_end = o["stored_offset"] + o["stored_bytes"]
 
 
-def _rebased(chunks: list[dict]) -> dict:
+def rebase(chunks: list[dict]) -> dict:
+    """A standalone chunk table of ``chunks`` (records copied, offsets from 0): ``{raw_bytes, stored_bytes,
+    chunks}``, the table of one file or object holding them."""
     out, raw, stored = [], 0, 0
     for c in chunks:
         out.append({**c, "raw_offset": raw, "stored_offset": stored})
@@ -173,10 +175,10 @@ def parts(rec: dict) -> list[Part]:
         if j < len(objs) and objs[j]["stored_offset"] <= c["stored_offset"] < objs[j]["stored_offset"] + objs[j]["stored_bytes"]:
             owner[i] = j
     own = [i for i in range(len(chunks)) if owner[i] < 0]
-    out = [Part(None, own_stored_bytes(rec), _rebased([chunks[i] for i in own]), tuple(own))]
+    out = [Part(None, own_stored_bytes(rec), rebase([chunks[i] for i in own]), tuple(own))]
     for j, o in enumerate(objs):
         idx = [i for i in range(len(chunks)) if owner[i] == j]
-        sub = _rebased([chunks[i] for i in idx])
+        sub = rebase([chunks[i] for i in idx])
         out.append(Part(o["fp"], o["stored_bytes"], sub, tuple(idx), object_id(o["fp"], sub["chunks"])))
     return out
 

@@ -250,6 +250,7 @@ class _PackSteps:
         self.manifest: dict | None = None
         self.warnings: list[str] = []
         self.shared = None
+        self.distrust: set[str] = set()  # shared objects found damaged: written again, not referenced
 
     def claim(self, repo: Repository) -> int:
         return repo.claim_next()
@@ -262,7 +263,7 @@ class _PackSteps:
 
             # under the lock: which objects usable generations vouch for, and which any manifest names
             shared = SharedWriter(repo.store, ObjectIndex.build(repo), min_bytes=o.share_min_bytes,
-                                  faults=repo.faults)
+                                  faults=repo.faults, distrust=self.distrust)
         body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
                              level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
                              chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
@@ -348,10 +349,26 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
     with r.lock(options.wait):
         leftovers = [f"generation {g.number} is {g.status}: {g.reason}" for g in r.generations()
                      if g.status in ("partial", "damaged")]
+        repaired: list[str] = []
         life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait, jobs=options.jobs,
                          progress=on_bytes)
         try:
-            published = life.run()
+            try:
+                published = life.run()
+            except CkptArchiveError:
+                # a shared object this pack referenced on trust (a usable generation vouched for it) may
+                # have rotted since: if the trial reload failed and one is damaged, this generation is
+                # removed (never usable) and written once more without trusting it -- the object is
+                # written again from the state, which repairs it for every generation that references it
+                damaged = _damaged_reused(r, life, steps)
+                if not damaged:
+                    raise
+                r.remove_generation(life.number)
+                steps.distrust |= set(damaged)
+                repaired = damaged
+                life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait,
+                                 jobs=options.jobs, progress=on_bytes)
+                published = life.run()
         except Withdrawn as exc:
             exc.warnings = steps.warnings
             exc.leftovers = leftovers
@@ -373,6 +390,14 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
                              f"removes it", where=getattr(exc, "filename", None) or r.location) from None
         number = published.number
         warnings = steps.warnings
+        if repaired:
+            from ckpt_archive.format.objects import object_key
+
+            users = sorted({n for oid in repaired for n in steps.shared.index.users.get(oid, ()) if n != number})
+            warnings.append(f"shared object(s) {', '.join(object_key(o) for o in repaired)} failed their check "
+                            f"(damaged since they were written); generation {number} wrote them again from this "
+                            f"state" + (f", which also repairs generation(s) {', '.join(map(str, users))} that "
+                                        f"reference them" if users else ""))
         # Published: from here on the new generation is usable whatever happens, so later failures are
         # warnings, never "left partial".
         retention_result = None
@@ -389,6 +414,19 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
             warnings.append(f"generation {number} is usable, but retention did not run to completion: {exc}")
     return PackResult(number, "usable", f"{r.location}/{gen_key(number)}", published.manifest, warnings, leftovers,
                       retention_result, published.trial_reload)
+
+
+def _damaged_reused(r, life, steps) -> list[str]:
+    """After a failed lifecycle: the shared objects the new generation references whose files are damaged
+    (referenced on trust, or kept because a generation not usable here named them): only when the trial
+    reload was the step that failed, and only once per pack."""
+    shared = steps.shared
+    if life.step != "trial reload" or shared is None or steps.distrust or steps.manifest is None:
+        return []
+    from ckpt_archive.format.objects import refs
+    from ckpt_archive.repo.objects import damaged_objects
+
+    return damaged_objects(r.store, steps.manifest, refs(steps.manifest))
 
 
 __all__ = ["pack", "PackOptions", "Annotations", "PackResult"]

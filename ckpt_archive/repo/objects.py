@@ -20,7 +20,7 @@ from typing import Iterable
 
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, NotFound
 from ckpt_archive.format.member_writer import ChunkSink
-from ckpt_archive.format.objects import OBJECT_DIR, check_fp, object_id, object_key, oid_of_name, parts
+from ckpt_archive.format.objects import OBJECT_DIR, check_fp, object_id, object_key, oid_of_name, parts, rebase
 from ckpt_archive.format.objects import refs as manifest_refs
 
 _TMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
@@ -83,11 +83,13 @@ class SharedWriter:
             (points ``object-write``: an object written, not yet linked; ``object-commit``: linked).
     """
 
-    def __init__(self, store, index: ObjectIndex, *, min_bytes: int, faults=None):
+    def __init__(self, store, index: ObjectIndex, *, min_bytes: int, faults=None, distrust: Iterable[str] = ()):
         self.store = store
         self.index = index
         self.min_bytes = min_bytes
         self.faults = faults
+        #: objects (oids) found damaged: never referenced on trust; written again (replacing the file)
+        self.distrust: frozenset[str] = frozenset(distrust)
         self._made: dict[str, tuple[str, list[dict]]] = {}   # raw fp -> objects this generation created
         self._open: set[str] = set()
         self._lock = threading.Lock()
@@ -114,38 +116,42 @@ class SharedWriter:
 
     def sink(self, fp: str, nbytes: int) -> tuple[ChunkSink, list[dict] | None] | None:
         """Decide for one entry: ``(sink, chunks)`` to reference an object whose chunks are known,
-        ``(sink, None)`` to create a new object through ``sink``, or None to keep the entry inline."""
+        ``(sink, None)`` to create a new object through ``sink``, or None to keep the entry inline.
+
+        Referenced on trust (their stored chunks not re-hashed by this pack's trial reload, see
+        :attr:`reused`): only objects a usable generation references and no check found damaged. Any
+        other entry is written as a new object; if a file of its name exists it is replaced when no
+        manifest references it or it was found damaged, else kept and checked in full by the trial
+        reload (the same name promises the same stored bytes)."""
         with self._lock:
             known = self.index.usable.get(fp) or self._made.get(fp)
+        if known is not None and known[0] in self.distrust and fp not in self._made:
+            known = None
         if known is not None and sum(c["raw_bytes"] for c in known[1]) == nbytes:
             oid, chunks = known
             self.reused_stored_bytes += sum(c["stored_bytes"] for c in chunks)
-            if fp in self.index.usable:
+            if fp in self.index.usable and fp not in self._made:
                 self.reused.add(oid)
             return ChunkSink(fp, reused=True), chunks
-        if fp in self._open or fp in self.index.raw_users or known is not None:
-            # being written by this generation, or vouched for only by a generation not usable here:
-            # never trusted unproven; the entry is stored in the member file instead
-            return None
+        if fp in self._open or known is not None:
+            return None  # being written by this generation right now: the entry stays in the member file
         hexd = check_fp(fp)
         pending = self.store.new_object(f"{OBJECT_DIR}/{hexd[:2]}", hexd)
         self._open.add(fp)
 
         def commit(chunks: list[dict]) -> None:
-            rebased, raw, stored = [], 0, 0
-            for c in chunks:
-                rebased.append({**c, "raw_offset": raw, "stored_offset": stored})
-                raw += c["raw_bytes"]
-                stored += c["stored_bytes"]
+            table = rebase(chunks)
+            rebased, stored = table["chunks"], table["stored_bytes"]
             oid = object_id(fp, rebased)
             key = object_key(oid)
             if self.faults is not None:
                 self.faults.point("object-write")
-            if self.store.exists(key) and oid not in self.index.users:
-                self.store.remove(key)  # left by an interrupted pack: no manifest references it (lock held)
-            # False: an object of this name that a generation not usable here references is kept as it is
-            # (same name, same chunk digests); this generation's trial reload checks every byte of it
-            pending.commit(key, sync_dir=False)  # the folders are fsynced once, by sync() before the seal
+            # a file of this name: left by an interrupted pack (no manifest references it) or found damaged
+            # -> atomically replaced (the name promises these very stored bytes, so this also repairs the
+            # generations that reference it); else kept as it is, and this generation's trial reload
+            # checks every byte of it (the lock is held: nothing else writes here)
+            replace = oid not in self.index.users or oid in self.distrust
+            pending.commit(key, sync_dir=False, replace=replace)  # folders fsynced once, by sync()
             with self._lock:
                 self._folders.add(key.rsplit("/", 1)[0])
                 self._made[fp] = (oid, rebased)
@@ -160,6 +166,43 @@ class SharedWriter:
             pending.abort()
 
         return ChunkSink(fp, fh=pending.fh, commit=commit, abort=abort), None
+
+
+def damaged_objects(store, reader_manifest: dict, oids: Iterable[str]) -> list[str]:
+    """Of ``oids`` (objects a manifest references), those whose file is missing, has another size or a
+    chunk failing its stored sha256 (read only on a failure path: after a trial reload failed).
+
+    Args:
+        store: the repository's store. reader_manifest: a manifest referencing the objects (their chunk
+            tables). oids: the objects to check.
+    """
+    from ckpt_archive.format import fingerprint
+    from ckpt_archive.format.codec import StoredStream
+
+    want = set(oids)
+    tables: dict[str, dict] = {}
+    for m in reader_manifest.get("members") or ():
+        if m.get("objects"):
+            for p in parts(m):
+                if p.oid in want:
+                    tables[p.oid] = p.record
+    bad = []
+    for oid, table in sorted(tables.items()):
+        key = object_key(oid)
+        try:
+            if store.size(key) != table["stored_bytes"]:
+                bad.append(oid)
+                continue
+            check = StoredStream({**table, "path": key, "stored_fp": fingerprint.sha256_chunks(
+                c["stored_sha256"] for c in table["chunks"])}, key)
+            with store.open_read(key) as fh:
+                while piece := fh.read(8 << 20):
+                    check.update(piece)
+            if check.finish() is not None:
+                bad.append(oid)
+        except (NotFound, CkptArchiveError, OSError):
+            bad.append(oid)
+    return bad
 
 
 class MemberStream:

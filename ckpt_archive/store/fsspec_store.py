@@ -376,12 +376,13 @@ class _FsspecPending:
         self.store, self.tmp, self.cm = store, tmp, cm
         self.fh = cm.__enter__()
 
-    def commit(self, key: str, *, sync_dir: bool = True) -> bool:
-        """Upload, then copy to ``key`` unless it exists (False); the temporary object is deleted
-        (``sync_dir``: nothing to do on an object store)."""
+    def commit(self, key: str, *, sync_dir: bool = True, replace: bool = False) -> bool:
+        """Upload, then copy to ``key`` unless it exists (False; ``replace=True`` copies over it: one PUT,
+        readers see the old object or the new one); the temporary object is deleted (``sync_dir``:
+        nothing to do on an object store)."""
         try:
             self.cm.__exit__(None, None, None)
-            if self.store.exists(key):
+            if self.store.exists(key) and not replace:
                 return False
             with self.store._errors(key, "writing"):
                 self.store.fs.copy(self.store._path(self.tmp), self.store._path(key))

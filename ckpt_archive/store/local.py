@@ -306,10 +306,12 @@ class _LocalPending:
     def __init__(self, store: "LocalStore", tmp: Path, fh):
         self.store, self.tmp, self.fh = store, tmp, fh
 
-    def commit(self, key: str, *, sync_dir: bool = True) -> bool:
+    def commit(self, key: str, *, sync_dir: bool = True, replace: bool = False) -> bool:
         """Make the file visible as ``key``: True, or False when ``key`` already exists (nothing replaced,
-        the temporary file removed). ``sync_dir=False`` leaves the folder's fsync to the caller (one
-        :meth:`LocalStore.fsync_dir` for many objects). Raises OSError (the temporary file is removed)."""
+        the temporary file removed). ``replace=True``: an existing ``key`` is replaced atomically
+        (rename over it: a reader sees the old file or the new one). ``sync_dir=False`` leaves the
+        folder's fsync to the caller (one :meth:`LocalStore.fsync_dir` for many objects). Raises OSError
+        (the temporary file is removed)."""
         try:
             with _disk_full_named("writing", self.tmp):
                 self.fh.flush()
@@ -317,10 +319,13 @@ class _LocalPending:
             self.fh.close()
             p = self.store.path(key)
             p.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(self.tmp, p)
-            except FileExistsError:
-                return False
+            if replace:
+                os.replace(self.tmp, p)
+            else:
+                try:
+                    os.link(self.tmp, p)
+                except FileExistsError:
+                    return False
             if sync_dir:
                 fsync_directory(p.parent)
             return True
