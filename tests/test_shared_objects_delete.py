@@ -246,3 +246,47 @@ def test_withdrawn_generation_does_not_leak_the_objects_it_created(tmp_path):
         ckpt_archive.pack(big_state(), repo, before_publish=lambda cand: "source changed while packing")
     assert committed_objects(repo) == [] and object_files(repo) == []
     assert [g.number for g in Repository.open(repo).generations()] == [1]
+
+
+def test_a_symlinked_object_folder_is_left_alone_and_the_rest_is_swept(tmp_path):
+    """Fault guarded: forget reporting "not removed" (exit 2) after it had removed the generation, and gc
+    stopping at the first symlinked object folder, because the object sweep raised on a link instead of
+    leaving it alone and sweeping the rest."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    st = big_state()
+    ckpt_archive.pack(st, repo)
+    objs = committed_objects(repo)
+    assert len(objs) >= 1
+    folder = repo / Path(objs[0]).parent
+    outside = tmp_path / "outside"
+    shutil.move(str(folder), str(outside))
+    folder.symlink_to(outside, target_is_directory=True)
+    before = sorted(p.name for p in outside.iterdir())
+    res = forget(repo, 1, force=True)
+    assert res.objects.skipped and "symbolic link" in res.objects.skipped[0]
+    assert Repository.open(repo).numbers() == []
+    assert sorted(p.name for p in outside.iterdir()) == before  # nothing deleted through the link
+    g = gc(str(repo))
+    assert sorted(p.name for p in outside.iterdir()) == before
+    assert not any(k for k in committed_objects(repo) if not k.startswith(str(Path(objs[0]).parent)))
+    assert g.objects_skipped and "symbolic link" in g.objects_skipped[0]
+
+
+def test_a_file_where_the_objects_folder_should_be_is_a_missing_object_not_an_os_error(tmp_path):
+    """Fault guarded: `verify` exiting 2 with a bare "Not a directory" when objects/ (or objects/<hh>)
+    is a regular file; it is a missing object (exit 1) naming the generations it breaks."""
+    import shutil
+    import subprocess
+    import sys
+
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(big_state(), repo)
+    shutil.rmtree(repo / "objects")
+    (repo / "objects").write_bytes(b"not a folder")
+    for deep in ([], ["--deep"]):
+        res = subprocess.run([sys.executable, "-m", "ckpt_archive.cli.app", "verify", f"{repo}@1", *deep],
+                             capture_output=True, text=True)
+        assert res.returncode == 1, res.stderr
+        assert "missing" in res.stdout + res.stderr and "Traceback" not in res.stderr

@@ -38,6 +38,8 @@ def register(app: typer.Typer) -> None:
                     f"({result.freed_object_bytes} bytes)")
         if result.objects_kept:
             out.warn(result.objects_kept)
+        for why in result.objects_skipped:
+            out.warn(f"left alone: {why}")
         for item in result.kept_not_usable:
             out.warn(f"generation {item['generation']} is {item['status']} ({item['reason']}); not a leftover, "
                      f"left in place")

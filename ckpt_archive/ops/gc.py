@@ -30,6 +30,8 @@ class GcResult:
             pack, or by the partial generations removed here).
         freed_object_bytes: their total size (bytes).
         objects_kept: why no shared object was deleted (a manifest that cannot be read), or None.
+        objects_skipped: object paths left alone (a symbolic link on the way: never deleted through),
+            each with why.
     """
 
     repository: str
@@ -40,6 +42,7 @@ class GcResult:
     removed_objects: list[str] = field(default_factory=list)
     freed_object_bytes: int = 0
     objects_kept: str | None = None
+    objects_skipped: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -48,11 +51,11 @@ class GcResult:
 
     def to_json(self) -> dict[str, Any]:
         """``{"repository", "dry_run", "removed", "removed_files", "kept_not_usable", "removed_objects",
-        "freed_object_bytes", "objects_kept"}`` (JSON-ready)."""
+        "freed_object_bytes", "objects_kept", "objects_skipped"}`` (JSON-ready)."""
         return {"repository": self.repository, "dry_run": self.dry_run, "removed": list(self.removed),
                 "removed_files": list(self.removed_files), "kept_not_usable": list(self.kept_not_usable),
                 "removed_objects": list(self.removed_objects), "freed_object_bytes": self.freed_object_bytes,
-                "objects_kept": self.objects_kept}
+                "objects_kept": self.objects_kept, "objects_skipped": list(self.objects_skipped)}
 
 
 def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> GcResult:
@@ -111,11 +114,11 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
         for name in r.store.listdir(""):
             if TMP_NAME.match(name):
                 removed_files.append(name)
-        removed_files += all_objects(r.store)[1]  # objects whose write was interrupted before the link
+        removed_files += all_objects(r.store, [])[1]  # objects whose write was interrupted before the link
         if not dry_run:
             for key in removed_files:
                 r.store.remove(key)
         swept = sweep(r, None, dry_run=dry_run, exclude=[x["generation"] for x in removed])
     return GcResult(repository=r.location, dry_run=dry_run, removed=removed, removed_files=removed_files,
                     kept_not_usable=kept, removed_objects=swept.removed, freed_object_bytes=swept.freed_bytes,
-                    objects_kept=swept.kept)
+                    objects_kept=swept.kept, objects_skipped=swept.skipped)

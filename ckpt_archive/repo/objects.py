@@ -339,12 +339,15 @@ class SweepResult:
     kept: str | None = None
     freed_bytes: int = 0
     in_use: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    #: objects (or object folders) left alone because they are not what a repository holds there (a
+    #: symbolic link: never deleted through), each with why
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
     def merge(self, other: "SweepResult") -> "SweepResult":
         """This result plus ``other`` (the first ``kept`` reason wins)."""
         in_use = {**self.in_use, **other.in_use}
         return SweepResult(self.removed + other.removed, self.kept or other.kept,
-                           self.freed_bytes + other.freed_bytes, in_use)
+                           self.freed_bytes + other.freed_bytes, in_use, self.skipped + other.skipped)
 
     def describe(self, dry_run: bool = False) -> str | None:
         """One line for humans, or None when there was nothing to say (no shared object concerned)."""
@@ -354,6 +357,9 @@ class SweepResult:
         if self.removed:
             parts_.append(f"{'would free' if dry_run else 'freed'} {len(self.removed)} shared object(s), "
                           f"{self.freed_bytes} bytes")
+        if self.skipped:
+            parts_.append(f"left {len(self.skipped)} object path(s) alone: {self.skipped[0]}"
+                          + (f" (and {len(self.skipped) - 1} more)" if len(self.skipped) > 1 else ""))
         if self.in_use:
             gens = sorted({n for users in self.in_use.values() for n in users})
             parts_.append(f"kept {len(self.in_use)} shared object(s) still referenced by generation(s) "
@@ -363,7 +369,8 @@ class SweepResult:
     def to_json(self) -> dict:
         """``{"removed": [keys], "removed_count", "freed_bytes", "kept_reason", "in_use": {fp: [numbers]}}``."""
         return {"removed": list(self.removed), "removed_count": len(self.removed), "freed_bytes": self.freed_bytes,
-                "kept_reason": self.kept, "in_use": {fp: list(n) for fp, n in sorted(self.in_use.items())}}
+                "kept_reason": self.kept, "in_use": {fp: list(n) for fp, n in sorted(self.in_use.items())},
+                "skipped": list(self.skipped)}
 
 
 def refs_of(repo, number: int) -> set[str] | None:
@@ -378,15 +385,30 @@ def refs_of(repo, number: int) -> set[str] | None:
     return set(manifest_refs(g.manifest))
 
 
-def all_objects(store) -> tuple[list[str], list[str]]:
-    """``(object names (oids), leftover temporary keys)`` stored under ``objects/``."""
+def all_objects(store, skipped: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """``(object names (oids), leftover temporary keys)`` stored under ``objects/``. A folder that cannot
+    be listed without following a symbolic link is left out (and named in ``skipped`` when given)."""
+    from ckpt_archive.errors import UnsafePath
+
     fps, tmps = [], []
-    if not store.exists(OBJECT_DIR):
+    try:
+        if not store.exists(OBJECT_DIR):
+            return fps, tmps
+        folders = store.listdir(OBJECT_DIR)
+    except UnsafePath as exc:  # (LinkInRepository is one too)
+        if skipped is not None:
+            skipped.append(exc.message)
         return fps, tmps
-    for folder in store.listdir(OBJECT_DIR):
+    for folder in folders:
         if not re.fullmatch(r"[0-9a-f]{2}", folder):
             continue
-        for name in store.listdir(f"{OBJECT_DIR}/{folder}"):
+        try:
+            names = store.listdir(f"{OBJECT_DIR}/{folder}")
+        except UnsafePath as exc:
+            if skipped is not None:
+                skipped.append(exc.message)
+            continue
+        for name in names:
             oid = oid_of_name(folder, name)
             if oid is not None:
                 fps.append(oid)
@@ -424,21 +446,26 @@ def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = Fals
         return SweepResult([], f"generation {n}'s manifest cannot be read ({why}), so which shared objects it "
                                f"references is unknown: no shared object was deleted (forget or repair "
                                f"generation {n}, then run `ckpt-archive gc {repo.location}`)")
+    from ckpt_archive.errors import UnsafePath
+
     explicit = candidates is not None
-    if candidates is None:
-        candidates = all_objects(repo.store)[0]
     out = SweepResult()
+    if candidates is None:
+        candidates = all_objects(repo.store, out.skipped)[0]
     for fp in sorted(set(candidates)):
         if fp in index.users:
             if explicit:
                 out.in_use[fp] = sorted(index.users[fp])
             continue
         key = object_key(fp)
-        if not repo.store.exists(key):
-            continue
         try:
+            if not repo.store.exists(key):
+                continue
             size = repo.store.size(key)
         except NotFound:
+            continue
+        except UnsafePath as exc:  # a link on the way: never deleted through; the rest is still swept
+            out.skipped.append(exc.message)
             continue
         if not dry_run:
             repo.faults.point("object-delete")

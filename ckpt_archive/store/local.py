@@ -157,20 +157,39 @@ class LocalStore:
     def listdir(self, key: str) -> list[str]:
         try:
             return sorted(os.listdir(self.path(key)))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a file where a folder should be: nothing in it
             return []
 
     def size(self, key: str) -> int:
         try:
             return self.path(key).stat().st_size
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise NotFound("missing", where=key) from None
 
     def open_read(self, key: str) -> BinaryIO:
+        """Open ``key`` for reading: a regular file only.
+
+        Raises:
+            NotFound: absent (or a file stands where one of its folders should be).
+            UnsafePath: (exit 1) not a regular file -- a FIFO, device, socket or folder planted where a
+                member should be is refused before any read (a FIFO would block the reader forever).
+        """
+        p = self.path(key)
         try:
-            return open(self.path(key), "rb")
-        except FileNotFoundError:
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except (FileNotFoundError, NotADirectoryError):
             raise NotFound("missing", where=key) from None
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode)
+                        else "a device or socket")
+                raise UnsafePath(f"{key} is {kind}, not a regular file; a repository is only read through "
+                                 f"regular files", where=self.location)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     def read_bytes(self, key: str) -> bytes:
         with self.open_read(key) as fh:
