@@ -366,3 +366,29 @@ def test_verify_of_a_healthy_shared_generation_reports_no_shared_object_problem(
     repo, _, _ = lora
     report = ca.verify(repo, "2")
     assert report.ok and report.to_json()["shared_objects"] == []
+
+
+def test_a_generation_removed_at_the_source_during_its_export_is_could_not_not_damage(tmp_path, monkeypatch):
+    """Fault guarded: a generation forgotten or pruned at the source (a Checkpointer's retention) while it
+    was being exported made export exit 1 with "missing at the source", which reads as damage there; it
+    is an export that could not be carried out (exit 2), and nothing is published at DEST."""
+    from ckpt_archive.ops import export as export_mod
+
+    repo, dest = tmp_path / "src", tmp_path / "dst"
+    g = torch.Generator().manual_seed(5)
+    ca.pack({"w": torch.randn(512, 1024, generator=g), "step": 1}, repo)
+    ca.pack({"w": torch.randn(512, 1024, generator=g), "step": 2}, repo)
+    real = export_mod.copy_file
+    calls = []
+
+    def copy_then_lose_the_source(src_store, dst_store, f, *args, **kw):
+        if not calls:
+            ca.forget(repo, 1)  # another process's retention, between two files of the export
+        calls.append(f.key)
+        return real(src_store, dst_store, f, *args, **kw)
+
+    monkeypatch.setattr(export_mod, "copy_file", copy_then_lose_the_source)
+    res = cli("export", f"{repo}@1", "--to", str(dest))
+    assert res.exit_code == 2, res.output
+    assert "removed at the source while it was being exported" in res.output
+    assert not Repository.open(dest).usable()

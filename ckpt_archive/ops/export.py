@@ -34,7 +34,8 @@ import hashlib
 import os
 from typing import Any, Callable
 
-from ckpt_archive.errors import IntegrityError, NoUsableGeneration, NotFound, OutputExists, UsageError
+from ckpt_archive.errors import (CheckFailed, CkptArchiveError, IntegrityError, NoUsableGeneration, NotFound, NotUsable,
+                                 OutputExists, UsageError)
 from ckpt_archive.ops.export_copy import (SharedCopies, StoredFile, check_at, clean_objects,
                                           copy_file, files_of, place_object, recheck_object, stored_digest)
 from ckpt_archive.ops.export_proof import (endpoint_for, fingerprints, install_commands, region_for, render_markdown,
@@ -298,6 +299,12 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
                 on_generation(g.number, i, len(picked))
             try:
                 done.append(_export_one(src, dst, g, on_bytes=on_bytes, cleanup=again, shared=shared))
+            except CheckFailed as exc:
+                _raise_if_source_moved_on(src, g, exc, dst.location, again)
+                raise
+            except NotFound as exc:
+                _raise_if_source_moved_on(src, g, exc, dst.location, again)
+                raise
             except KeyboardInterrupt as exc:
                 note_interrupt(exc, f"generation {g.number} at {dst.location} left partial (no reader lists it)",
                                again)
@@ -313,6 +320,28 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
     if report is not None:
         write_report(result, report, report_format)
     return result
+
+
+def _raise_if_source_moved_on(src, g, exc, dst_location: str, again: str) -> None:
+    """A source file missing or changed while its generation was being exported: if that generation is no
+    longer the usable one that was picked (forget, prune or a Checkpointer's retention removed it
+    meanwhile; export reads the source without its writer lock, so a training run is never stalled by
+    an hour-long upload), this is not damage found at the source but an export that could not be
+    carried out (exit 2); nothing was published at DEST.
+
+    Raises:
+        NotUsable: the source generation was removed or changed meanwhile.
+    """
+    try:
+        now = src.generation(g.number)
+    except CkptArchiveError:
+        now = None
+    if now is not None and now.usable and now.manifest_sha256 == g.manifest_sha256:
+        return  # still there and the same: what failed is real damage at the source (exit 1)
+    state = "removed" if now is None else f"now {now.status}"
+    raise NotUsable(f"generation {g.number} was {state} at the source while it was being exported ({exc}); "
+                    f"nothing was published at {dst_location}: pick a generation that is still usable there, "
+                    f"and {again}", where=src.location) from None
 
 
 def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None,
