@@ -115,7 +115,8 @@ def _say_shared(info: dict, out: Output) -> None:
     with_ = ", ".join(f"{n} ({human_bytes(b)})" for n, b in sh["shared_with"].items()) or "no other generation"
     out.say(f"  stored by this generation: {human_bytes(sh['new_stored_bytes'])} of {human_bytes(sh['stored_bytes'])}; "
             f"{len(sh['objects'])} shared object(s), {human_bytes(sh['object_bytes'])}, of which "
-            f"{human_bytes(sh['shared_bytes'])} shared with generation(s) {with_}")
+            f"{human_bytes(sh['shared_bytes'])} shared with generation(s) {with_}; "
+            f"only here: {human_bytes(sh['only_here_bytes'])} (what forgetting it would free)")
     shown = 10
     for o in sh["objects"][:shown]:
         others = [n for n in o["generations"] if n != info["generation"]]

@@ -44,7 +44,8 @@ def shared_summary(manifest: dict, number: int, users: dict[str, list[int]]) -> 
         it references, each once), ``"shared_bytes"`` (of those, the bytes another generation references
         too), ``"shared_with": {"<generation>": stored bytes shared with it}`` (str keys, as in JSON),
         ``"new_stored_bytes"`` (what it stored itself; its ``stored_bytes`` when not recorded),
-        ``"stored_bytes"`` (its whole stored stream)}.
+        ``"stored_bytes"`` (its whole stored stream), ``"only_here_bytes"`` (its own files plus the objects
+        no other generation references: what forgetting it would free)}.
     """
     from ckpt_archive.format.objects import object_key, parts
 
@@ -69,8 +70,15 @@ def shared_summary(manifest: dict, number: int, users: dict[str, list[int]]) -> 
         for n in others:
             shared_with[str(n)] = shared_with.get(str(n), 0) + row["stored_bytes"]
     summary = manifest.get("summary") or {}
-    return {"objects": list(objects.values()), "object_bytes": sum(r["stored_bytes"] for r in objects.values()),
+    from ckpt_archive.format.objects import own_stored_bytes
+
+    own = sum(own_stored_bytes(m) for m in manifest.get("members") or ())
+    object_bytes = sum(r["stored_bytes"] for r in objects.values())
+    return {"objects": list(objects.values()), "object_bytes": object_bytes,
             "shared_bytes": shared_bytes,
+            # what this generation alone holds: forgetting it frees this much (its files and the objects no
+            # other generation references), whoever wrote them
+            "only_here_bytes": own + object_bytes - shared_bytes,
             "shared_with": {k: shared_with[k] for k in sorted(shared_with, key=int)},
             "new_stored_bytes": summary.get("new_stored_bytes", summary.get("stored_bytes")),
             "stored_bytes": summary.get("stored_bytes")}
