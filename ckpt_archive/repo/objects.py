@@ -124,13 +124,15 @@ class SharedWriter:
         manifest references it or it was found damaged, else kept and checked in full by the trial
         reload (the same name promises the same stored bytes)."""
         with self._lock:
-            known = self.index.usable.get(fp) or self._made.get(fp)
-        if known is not None and known[0] in self.distrust and fp not in self._made:
-            known = None
+            made = self._made.get(fp)  # written by this generation (checked in full by its trial reload)
+        usable = self.index.usable.get(fp)
+        if usable is not None and usable[0] in self.distrust:
+            usable = None
+        known = made or usable
         if known is not None and sum(c["raw_bytes"] for c in known[1]) == nbytes:
             oid, chunks = known
             self.reused_stored_bytes += sum(c["stored_bytes"] for c in chunks)
-            if fp in self.index.usable and fp not in self._made:
+            if made is None:
                 self.reused.add(oid)
             return ChunkSink(fp, reused=True), chunks
         if fp in self._open or known is not None:
