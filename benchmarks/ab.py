@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import memwatch
-from run import _cli, _generation_dir, _py, _stats, measure
+from run import _cli, _py, _stats, measure, stored_bytes
 
 
 def run_ab(size_mib: int, a: argparse.Namespace, log) -> dict:
@@ -63,7 +63,7 @@ def run_ab(size_mib: int, a: argparse.Namespace, log) -> dict:
 
     for side in trees:  # every tree needs its own repository before the read comparisons
         run("pack", side)
-    sizes = {side: sum(p.stat().st_size for p in _generation_dir(repos[side]).rglob("*.ckz")) for side in trees}
+    sizes = {side: stored_bytes(repos[side]) for side in trees}
     rows = []
     for op in [x for x in a.ab_ops.split(",") if x]:
         runs: dict[str, list[dict]] = {"this": [], "other": []}
@@ -89,7 +89,7 @@ def run_ab(size_mib: int, a: argparse.Namespace, log) -> dict:
         r = memwatch.run_sampled(_cli(["pack", str(wpt), "--repo", str(wrepo), "--json"]), env=envs[side], cwd=str(wd))
         if r["rc"] != 0:
             raise SystemExit(f"pack of the weights ({side} tree) failed")
-        wsizes[side] = sum(p.stat().st_size for p in _generation_dir(wrepo).rglob("*.ckz"))
+        wsizes[side] = stored_bytes(wrepo)
         shutil.rmtree(wrepo, ignore_errors=True)
     for side in trees:
         shutil.rmtree(repos[side], ignore_errors=True)

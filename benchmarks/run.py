@@ -17,7 +17,7 @@ operation runs in its own subprocess while :mod:`memwatch` samples the peak anon
 baselines
   ``hand``            ``zstd -q -T0 -3 ckpt.pt && openssl dgst -sha256 ckpt.pt.zst`` (verifies nothing)
   ``hand_deep``       ``zstd -t ckpt.pt.zst && openssl dgst -sha256 ckpt.pt.zst``
-  ``openssl_ours``    ``openssl dgst -sha256`` over our generation's member files
+  ``openssl_ours``    ``openssl dgst -sha256`` over our generation's stored files (members and shared objects)
   ``torch_load``      ``torch.load(ckpt.pt, weights_only=True)``
   ``safetensors_load`` ``safetensors.torch.load_file(ckpt.safetensors)``
   ``zipnn``           ZipNN compress of every tensor (threads = jobs), if installed
@@ -69,6 +69,22 @@ def _dir_bytes(path: Path) -> int:
 def _generation_dir(repo: Path) -> Path:
     gens = sorted((repo / "generations").iterdir())
     return gens[-1]
+
+
+def stored_paths(repo: Path) -> list[str]:
+    """Every stored file of the newest generation: its members' own files and, format 3, the shared
+    objects it references (``objects/...``); what verify reads and what the stored size counts."""
+    from ckpt_archive.format.objects import stored_files
+
+    g = _generation_dir(repo)
+    m = json.loads((g / "manifest.json").read_text())
+    keys = {key for rec in m["members"] for key, _, _ in stored_files(rec, f"generations/{g.name}")}
+    return sorted(str(repo / k) for k in keys)
+
+
+def stored_bytes(repo: Path) -> int:
+    """Bytes of :func:`stored_paths`."""
+    return sum(os.path.getsize(p) for p in stored_paths(repo))
 
 
 def worker(op: str, a: argparse.Namespace) -> dict:
@@ -155,8 +171,7 @@ def worker(op: str, a: argparse.Namespace) -> dict:
         r = ckpt_archive.pack(str(src), str(repo), opts)
         dt = time.perf_counter() - t0
         gdir = _generation_dir(repo)
-        res["stored_bytes"] = sum(p.stat().st_size for p in gdir.iterdir()
-                                  if p.is_file() and p.suffix == ".ckz")
+        res["stored_bytes"] = stored_bytes(repo)
         res["generation_bytes"] = _dir_bytes(gdir)
         res["status"] = getattr(r, "status", None)
     elif op in ("verify", "verify_deep"):
@@ -282,8 +297,7 @@ def run_size(size_mib: int, a: argparse.Namespace, log) -> dict:
             if "error" in r:
                 ours = False
                 continue
-            members = sorted(str(p) for p in _generation_dir(repo).iterdir() if p.suffix == ".ckz")
-            rec(measure("openssl_ours", ["openssl", "dgst", "-sha256", *members], False))
+            rec(measure("openssl_ours", ["openssl", "dgst", "-sha256", *stored_paths(repo)], False))
             for op in ("verify", "verify_deep", "load", "restore"):
                 rec(measure(op, _py(op, a, wd, repo), True))
     # sizes of the bf16-only state, once (deterministic)
@@ -341,7 +355,7 @@ def run_paired(size_mib: int, a: argparse.Namespace, log) -> dict:
     hand = ["sh", "-c", f"zstd -q -T0 -3 -f '{pt}' -o '{zst}' && openssl dgst -sha256 '{zst}' >/dev/null"]
 
     def members() -> list[str]:
-        return sorted(str(p) for p in _generation_dir(repo).rglob("*.ckz"))
+        return stored_paths(repo)
 
     def cmd(op: str) -> tuple[list[str], bool]:
         if op == "cli_pack":  # (no side effect here: cmd() is also asked only whether an op is Python)
@@ -403,7 +417,7 @@ def run_paired(size_mib: int, a: argparse.Namespace, log) -> dict:
     wrepo = wd / "repo_weights"
     shutil.rmtree(wrepo, ignore_errors=True)
     r = measure("cli_pack_weights", _cli(["pack", str(wpt), "--repo", str(wrepo), "--json"]), False)
-    wstored = sum(p.stat().st_size for p in _generation_dir(wrepo).rglob("*.ckz"))
+    wstored = stored_bytes(wrepo)
     shutil.rmtree(wrepo, ignore_errors=True)
     return {"size_mib": size_mib, "raw_bytes": meta["raw_bytes"], "pairs": pairs,
             "sizes": {"stored": stored, "zstd3": zst.stat().st_size, "weights_stored": wstored,
