@@ -562,3 +562,26 @@ def test_a_forged_chunk_inside_a_tensor_spanning_chunks_fails_the_trial_reload(t
     assert ckpt_archive.verify(repo, "1").ok  # the forgery holds against the stored checks
     rep = ckpt_archive.verify(repo, "1", deep=True)
     assert not rep.ok and any("raw fingerprint mismatch in entry w:" in p.reason for p in rep.problems)
+
+
+def test_a_socket_where_a_marker_should_be_makes_that_generation_damaged_not_the_repository_unreadable(tmp_path):
+    """Fault guarded: a Unix socket planted as USABLE.json made `list` (and every command) exit 2 with a
+    bare "No such device or address" instead of listing that one generation as damaged."""
+    import socket
+
+    repo = tmp_path / "r"  # (a short path: AF_UNIX names are limited to ~100 bytes)
+    ckpt_archive.pack({"a": torch.ones(3)}, repo)
+    ckpt_archive.pack({"a": torch.ones(4)}, repo)
+    marker = gen_dir(repo, 1) / "USABLE.json"
+    marker.unlink()
+    if len(str(marker)) > 100:
+        pytest.skip("the temporary path is too long for a Unix socket name")
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(marker))
+        gens = {g.number: g.status for g in Repository.open(repo).generations()}
+        assert gens == {1: "damaged", 2: "usable"}
+        res = CliRunner().invoke(app, ["list", str(repo), "--all"])
+        assert res.exit_code == 0, res.output
+    finally:
+        sock.close()

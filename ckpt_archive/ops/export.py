@@ -340,8 +340,9 @@ def _raise_if_source_moved_on(src, g, exc, dst_location: str, again: str) -> Non
         return  # still there and the same: what failed is real damage at the source (exit 1)
     state = "removed" if now is None else f"now {now.status}"
     raise NotUsable(f"generation {g.number} was {state} at the source while it was being exported ({exc}); "
-                    f"nothing was published at {dst_location}: pick a generation that is still usable there, "
-                    f"and {again}", where=src.location) from None
+                    f"nothing was published at {dst_location}: export a generation that is still usable there "
+                    f"(`ckpt-archive list {src.location}`); `ckpt-archive gc {dst_location}` removes the partial "
+                    f"copy", where=src.location) from None
 
 
 def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None,

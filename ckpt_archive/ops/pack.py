@@ -391,13 +391,7 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
         number = published.number
         warnings = steps.warnings
         if repaired:
-            from ckpt_archive.format.objects import object_key
-
-            users = sorted({n for oid in repaired for n in steps.shared.index.users.get(oid, ()) if n != number})
-            warnings.append(f"shared object(s) {', '.join(object_key(o) for o in repaired)} failed their check "
-                            f"(damaged since they were written); generation {number} wrote them again from this "
-                            f"state" + (f", which also repairs generation(s) {', '.join(map(str, users))} that "
-                                        f"reference them" if users else ""))
+            warnings.extend(_repair_notes(repaired, steps.shared.index.users, published.manifest, number))
         # Published: from here on the new generation is usable whatever happens, so later failures are
         # warnings, never "left partial".
         retention_result = None
@@ -416,12 +410,38 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
                       retention_result, published.trial_reload)
 
 
+def _repair_notes(damaged: list[str], users: dict, manifest: dict, number: int) -> list[str]:
+    """What the retry did about each damaged object: written again under its own name (which repairs
+    every generation that references it), or stored anew under another name (this pack encodes it
+    otherwise: the damaged one stays, and the generations that reference it stay broken)."""
+    from ckpt_archive.format.objects import object_key, refs
+
+    now = refs(manifest)
+    notes = []
+    for oid in damaged:
+        others = sorted(n for n in users.get(oid, ()) if n != number)
+        gens = ", ".join(map(str, others))
+        if oid in now:
+            notes.append(f"shared object {object_key(oid)} failed its check (damaged since it was written); "
+                         f"generation {number} wrote it again from this state"
+                         + (f", which also repairs generation(s) {gens} that reference it" if others else ""))
+        else:
+            notes.append(f"shared object {object_key(oid)} failed its check (damaged since it was written); "
+                         f"generation {number} stored the tensor anew (encoded otherwise by this pack's "
+                         f"settings, under another name), so the damaged object stays"
+                         + (f" and generation(s) {gens} that reference it stay broken: a pack with the "
+                            f"settings that wrote them repairs them, or `ckpt-archive forget` them" if others
+                            else ""))
+    return notes
+
+
 def _damaged_reused(r, life, steps) -> list[str]:
     """After a failed lifecycle: the shared objects the new generation references whose files are damaged
-    (referenced on trust, or kept because a generation not usable here named them): only when the trial
-    reload was the step that failed, and only once per pack."""
+    (referenced on trust, or kept because a generation not usable here named them; missing, another size
+    or a chunk failing its sha256): only when the re-read (sizes) or the trial reload was the step that
+    failed, and only once per pack."""
     shared = steps.shared
-    if life.step != "trial reload" or shared is None or steps.distrust or steps.manifest is None:
+    if life.step not in ("verify", "trial reload") or shared is None or steps.distrust or steps.manifest is None:
         return []
     from ckpt_archive.format.objects import refs
     from ckpt_archive.repo.objects import damaged_objects

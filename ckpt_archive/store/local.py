@@ -179,6 +179,11 @@ class LocalStore:
             fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
         except (FileNotFoundError, NotADirectoryError):
             raise NotFound("missing", where=key) from None
+        except OSError as exc:
+            if exc.errno in (errno.ENXIO, errno.ELOOP, errno.EOPNOTSUPP):  # a socket, a link, a device gone
+                raise UnsafePath(f"{key} is not a regular file ({exc.strerror}); a repository is only read "
+                                 f"through regular files", where=self.location) from None
+            raise
         try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):
@@ -242,7 +247,7 @@ class LocalStore:
                 tmp.unlink()
         fsync_directory(p.parent)
 
-    def new_object(self, folder: str, hint: str) -> "PendingObject":
+    def new_object(self, folder: str, hint: str) -> "_LocalPending":
         """Start a file whose name is decided when it is complete (a content-addressed object): written
         under ``folder/.HINT.tmp-PID``; :meth:`PendingObject.commit` fsyncs it and hard-links it to its
         final key (never replacing one), :meth:`PendingObject.abort` removes it.
