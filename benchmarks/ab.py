@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import memwatch
-from run import _cli, _py, _stats, measure, stored_bytes
+from run import _cli, _py, _stats, ensure_state, stored_bytes
 
 
 def run_ab(size_mib: int, a: argparse.Namespace, log) -> dict:
@@ -26,14 +26,7 @@ def run_ab(size_mib: int, a: argparse.Namespace, log) -> dict:
     Ratios are the other tree's time / this tree's, per pair, then min/median/max (> 1: this tree faster).
     Also reports each tree's stored bytes and stored / ``zstd -3``, for the full state and the bf16 weights.
     """
-    wd = Path(a.workdir) / f"{size_mib}mib"
-    wd.mkdir(parents=True, exist_ok=True)
-    if not (wd / "meta.json").exists():
-        log(f"[{size_mib} MiB] building state ...")
-        r = measure("build", _py("build", a, wd, size_mib=size_mib), True)
-        if "error" in r:
-            raise SystemExit(f"building the state failed: {r['error']}")
-    meta = json.loads((wd / "meta.json").read_text())
+    wd, meta = ensure_state(size_mib, a, log)
     trees = {"this": str(Path(a.this_tree).resolve()), "other": str(Path(a.ab).resolve())}
     envs = {k: {**os.environ, "PYTHONPATH": v} for k, v in trees.items()}
     pt, zst = wd / "ckpt.pt", wd / "ckpt.pt.zst"

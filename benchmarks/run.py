@@ -260,7 +260,9 @@ def machine() -> dict:
             "loadavg_start": os.getloadavg()}
 
 
-def run_size(size_mib: int, a: argparse.Namespace, log) -> dict:
+def ensure_state(size_mib: int, a: argparse.Namespace, log) -> tuple[Path, dict]:
+    """The scratch folder of a state size, with the state built there once (cached across runs), and its
+    ``meta.json``."""
     wd = Path(a.workdir) / f"{size_mib}mib"
     wd.mkdir(parents=True, exist_ok=True)
     if not (wd / "meta.json").exists():
@@ -268,7 +270,11 @@ def run_size(size_mib: int, a: argparse.Namespace, log) -> dict:
         r = measure("build", _py("build", a, wd, size_mib=size_mib), True)
         if "error" in r:
             raise SystemExit(f"building the state failed: {r['error']}")
-    meta = json.loads((wd / "meta.json").read_text())
+    return wd, json.loads((wd / "meta.json").read_text())
+
+
+def run_size(size_mib: int, a: argparse.Namespace, log) -> dict:
+    wd, meta = ensure_state(size_mib, a, log)
     repo = wd / "repo"
     have_zipnn = subprocess.run([sys.executable, "-c", "import zipnn"], capture_output=True).returncode == 0
     ours = not a.baselines_only
@@ -342,14 +348,7 @@ def _stats(xs: list[float]) -> str:
 
 
 def run_paired(size_mib: int, a: argparse.Namespace, log) -> dict:
-    wd = Path(a.workdir) / f"{size_mib}mib"
-    wd.mkdir(parents=True, exist_ok=True)
-    if not (wd / "meta.json").exists():
-        log(f"[{size_mib} MiB] building state ...")
-        r = measure("build", _py("build", a, wd, size_mib=size_mib), True)
-        if "error" in r:
-            raise SystemExit(f"building the state failed: {r['error']}")
-    meta = json.loads((wd / "meta.json").read_text())
+    wd, meta = ensure_state(size_mib, a, log)
     repo, pt, zst = wd / "repo", wd / "ckpt.pt", wd / "ckpt.pt.zst"
     restored = wd / "restored.pt"
     hand = ["sh", "-c", f"zstd -q -T0 -3 -f '{pt}' -o '{zst}' && openssl dgst -sha256 '{zst}' >/dev/null"]
@@ -567,6 +566,18 @@ def table(results: list[dict], lin: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _finish(mode: str, suffix: str, table, results: list, info: dict, stamp: str, a, log) -> int:
+    """Write the results JSON (``benchmarks/results/<stamp><suffix>.json`` unless ``--out``) and print the table."""
+    doc = {"stamp": stamp, "mode": mode, "machine": info, "jobs": a.jobs, "reps": a.reps, "results": results}
+    out = Path(a.out) if a.out else HERE / "results" / f"{stamp}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"load average at start {info['loadavg_start']}, at end {info['loadavg_end']}; {info['cpus']} CPUs")
+    print(table(results))
+    log(f"\nwrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="256", help="comma-separated state sizes in MiB (e.g. 256,1024,2048)")
@@ -602,26 +613,12 @@ def main(argv: list[str] | None = None) -> int:
         for size_mib in [int(x) for x in a.sizes.split(",") if x]:
             results.append(run_ab(size_mib, a, log))
         info["loadavg_end"] = os.getloadavg()
-        doc = {"stamp": stamp, "mode": "ab", "machine": info, "jobs": a.jobs, "reps": a.reps, "results": results}
-        out = Path(a.out) if a.out else HERE / "results" / f"{stamp}-ab.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=1))
-        print(f"load average at start {info['loadavg_start']}, at end {info['loadavg_end']}; {info['cpus']} CPUs")
-        print(ab_table(results))
-        log(f"\nwrote {out}")
-        return 0
+        return _finish("ab", "-ab", ab_table, results, info, stamp, a, log)
     if not a.unpaired:
         for size_mib in [int(x) for x in a.sizes.split(",") if x]:
             results.append(run_paired(size_mib, a, log))
         info["loadavg_end"] = os.getloadavg()
-        doc = {"stamp": stamp, "mode": "paired", "machine": info, "jobs": a.jobs, "reps": a.reps, "results": results}
-        out = Path(a.out) if a.out else HERE / "results" / f"{stamp}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=1))
-        print(f"load average at start {info['loadavg_start']}, at end {info['loadavg_end']}; {info['cpus']} CPUs")
-        print(paired_table(results))
-        log(f"\nwrote {out}")
-        return 0
+        return _finish("paired", "", paired_table, results, info, stamp, a, log)
     for size_mib in [int(x) for x in a.sizes.split(",") if x]:
         r = run_size(size_mib, a, log)
         r["ratios"] = ratios(r)

@@ -42,6 +42,15 @@ def _manifest(repo, n):
     return json.loads((_gen(repo, n) / "manifest.json").read_text())
 
 
+def _flip(path, at: float, bit: int = 0x01) -> bytes:
+    """Flip one bit at fraction ``at`` of the file; return the good bytes."""
+    good = path.read_bytes()
+    bad = bytearray(good)
+    bad[int(len(bad) * at)] ^= bit
+    path.write_bytes(bytes(bad))
+    return good
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "ckpt_archive.cli.app", *map(str, args)], capture_output=True,
                           text=True)
@@ -196,10 +205,7 @@ def test_an_object_vouched_for_only_by_an_unpublished_generation_is_checked_in_f
     (_gen(repo, 1) / "USABLE.json").unlink()  # generation 1 is now partial (sealed, never published)
     oid = sorted(refs(r1.manifest))[0]
     obj = repo / object_key(oid)
-    good = obj.read_bytes()
-    bad = bytearray(good)
-    bad[len(bad) // 3] ^= 0x10
-    obj.write_bytes(bytes(bad))
+    good = _flip(obj, 1 / 3, 0x10)
     r2 = ckpt_archive.pack(_state(1), repo)
     assert sorted(refs(r2.manifest)) == sorted(refs(r1.manifest))
     assert obj.read_bytes() == good  # written again from the state: the same name promises the same bytes
@@ -215,10 +221,7 @@ def test_a_rotted_shared_object_is_written_again_by_the_next_pack_and_repairs_it
     r2 = ckpt_archive.pack(_state(2), repo)
     oid = sorted(refs(r2.manifest))[1]
     obj = repo / object_key(oid)
-    good = obj.read_bytes()
-    bad = bytearray(good)
-    bad[len(bad) // 2] ^= 0x01
-    obj.write_bytes(bytes(bad))
+    good = _flip(obj, 1 / 2)
     assert _cli("verify", f"{repo}@2").returncode == 1
     r3 = ckpt_archive.pack(_state(3), repo)
     assert r3.status == "usable" and obj.read_bytes() == good
@@ -335,9 +338,7 @@ def test_the_repair_note_does_not_claim_a_repair_a_pack_of_other_settings_did_no
     r2 = ckpt_archive.pack(_state(2), repo)
     oid = sorted(refs(r2.manifest))[0]
     obj = repo / object_key(oid)
-    data = bytearray(obj.read_bytes())
-    data[len(data) // 2] ^= 0x04
-    obj.write_bytes(bytes(data))
+    _flip(obj, 1 / 2, 0x04)
     r3 = ckpt_archive.pack(_state(3), repo, PackOptions(level=19))
     assert r3.status == "usable"
     note = next(w for w in r3.warnings if object_key(oid) in w)
