@@ -344,3 +344,17 @@ def test_the_repair_note_does_not_claim_a_repair_a_pack_of_other_settings_did_no
     note = next(w for w in r3.warnings if object_key(oid) in w)
     assert "which also repairs" not in note and "stay broken" in note
     assert _cli("verify", f"{repo}@2").returncode == 1
+
+
+def test_pack_calls_a_damaged_generation_damaged_not_a_leftover_gc_removes(tmp_path):
+    """Fault guarded: pack warned "leftover of an interrupted write ... gc removes it" about a damaged
+    generation, which gc leaves alone on purpose (it is evidence; forget removes it)."""
+    from ckpt_archive.ops.common import leftover_note
+
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(_state(1), repo)
+    p = _gen(repo, 1) / "manifest.json"
+    p.write_text(p.read_text().replace('"step": 1', '"step": 7'))  # changed after publish: damaged
+    r = ckpt_archive.pack(_state(2), repo)
+    notes = [leftover_note(x) for x in r.leftovers]
+    assert len(notes) == 1 and "is damaged" in notes[0] and "forget" in notes[0] and "gc removes" not in notes[0]

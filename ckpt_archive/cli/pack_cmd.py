@@ -82,8 +82,10 @@ def register(app: typer.Typer) -> None:
                             code_version=code_version, instructions=instructions,
                             progress={"step": step, "epoch": epoch}),
                 retention=policy, on_bytes=bar)
+        from ckpt_archive.ops.common import leftover_note
+
         for line in res.leftovers:
-            out.warn(f"leftover of an interrupted write: {line} (ckpt-archive gc removes it)")
+            out.warn(leftover_note(line))
         for line in res.warnings:
             out.warn(line)
         s = res.manifest["summary"]

@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceError, UsageError
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.shard import file_problem
-from ckpt_archive.ops.common import human_seconds
+from ckpt_archive.ops.common import human_seconds, leftover_note
 
 #: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
 #: the default is ``max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * settle)``.
@@ -516,8 +516,7 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
                               retention=RetentionPolicy(), before_publish=before_publish)
     except Withdrawn as exc:
         gen = exc.number
-        warnings += list(exc.warnings) + [f"leftover of an interrupted write: {x} (ckpt-archive gc removes it)"
-                                          for x in exc.leftovers]
+        warnings += list(exc.warnings) + [leftover_note(x) for x in exc.leftovers]
         if "duplicate_of" not in withdrawn_as:
             return BackupResult("busy", key, str(checkpoint), None,
                                 f"changed while being packed: generation {gen} forgotten again",
@@ -530,8 +529,7 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
                             f"duplicate generation {gen} removed", read_bytes=read_bytes, warnings=warnings,
                             skipped=skipped)
     gen = result.generation
-    warnings += list(result.warnings) + [f"leftover of an interrupted write: {x} (ckpt-archive gc removes it)"
-                                         for x in result.leftovers]
+    warnings += list(result.warnings) + [leftover_note(x) for x in result.leftovers]
     with rep.lock(wait=max(wait, 60.0)):
         remember(gen)
         # pack verified and trial-reloaded `gen` moments ago: it counts as the kept verified copy unread

@@ -145,3 +145,12 @@ def human_seconds(seconds: float) -> str:
 
 
 __all__ = ["RepoLike", "open_repo", "pick", "check_present", "copied_note", "refuse_unusable", "human_seconds"]
+
+
+def leftover_note(line: str) -> str:
+    """The warning for one non-usable generation ``pack`` found (``"generation N is <status>: <reason>"``):
+    a partial one is a leftover of an interrupted write that ``gc`` removes; a damaged one is evidence
+    ``gc`` leaves alone (``verify`` says what is wrong, ``forget`` removes it)."""
+    if " is damaged:" in line:
+        return f"{line} (`ckpt-archive verify` says what is wrong; `ckpt-archive forget` removes it)"
+    return f"leftover of an interrupted write: {line} (ckpt-archive gc removes it)"
