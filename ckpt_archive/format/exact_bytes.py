@@ -29,7 +29,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ckpt_archive.format import jsonio
+from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.errors import IntegrityError
 
 READ_BYTES = 8 << 20
@@ -117,7 +117,6 @@ def scan(path: Path, kind: str, alg: str = "blake3") -> tuple[list[tuple[int, in
     Returns:
         (``[(offset, length, "<alg>:<hex>")]`` for each candidate range read whole, sha256 hex of the file).
     """
-    from ckpt_archive.format import fingerprint
 
     ranges = candidate_ranges(path, kind)
     whole = hashlib.sha256()
@@ -249,22 +248,12 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes], entry_bytes: 
         os.unlink(target)
         raise
     os.close(fd)
-    got = _file_sha(target)
+    got = fingerprint.file_sha256(target, piece_bytes=READ_BYTES)
     if got != record.get("sha256"):
         os.unlink(target)
         raise IntegrityError(f"the rebuilt file's sha256 {got} differs from the source's {record.get('sha256')}",
                              where=record["relpath"] or "file")
     return size
-
-
-def _file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            piece = fh.read(READ_BYTES)
-            if not piece:
-                return h.hexdigest()
-            h.update(piece)
 
 
 def exact_summary(manifest: dict) -> dict:

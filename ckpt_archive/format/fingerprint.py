@@ -71,6 +71,25 @@ def digest(data, alg: str = BLAKE3) -> str:
     raise FormatError(f"unknown fingerprint algorithm {alg!r}")
 
 
+def file_sha256(path, on_bytes=None, piece_bytes: int = 8 << 20) -> str:
+    """sha256 (hex) of a whole file (what ``sha256sum`` prints), read in pieces of ``piece_bytes``;
+    ``on_bytes`` gets each piece's size. The one whole-file sha256 of the project: ``source.files[].sha256``
+    at pack, backup's change detection, and the check of a file restore rebuilt byte for byte.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            piece = fh.read(piece_bytes)
+            if not piece:
+                return h.hexdigest()
+            h.update(piece)
+            if on_bytes:
+                on_bytes(len(piece))
+
+
 def split(fp: str) -> tuple[str, str]:
     """``"blake3:ab.."`` -> ``("blake3", "ab..")``.
 

@@ -234,7 +234,7 @@ def hash_files(checkpoint: Path, on_bytes: Callable[[int], None] | None = None) 
 
     Reads every byte once, in 8 MiB pieces.
     """
-    from ckpt_archive.repo.writer import file_sha256  # the same digest pack records as source.files[].sha256
+    from ckpt_archive.format.fingerprint import file_sha256  # the same digest pack records as source.files[].sha256
 
     return {rel: file_sha256(p, on_bytes) for rel, p in _walk_files(checkpoint)}
 

@@ -251,6 +251,7 @@ class _PackSteps:
         self.warnings: list[str] = []
         self.shared = None
         self.distrust: set[str] = set()  # shared objects found damaged: written again, not referenced
+        self.generations = None  # the repository's generations as pack read them under the lock, once
 
     def claim(self, repo: Repository) -> int:
         return repo.claim_next()
@@ -262,7 +263,9 @@ class _PackSteps:
             from ckpt_archive.repo.objects import ObjectIndex, SharedWriter
 
             # under the lock: which objects usable generations vouch for, and which any manifest names
-            shared = SharedWriter(repo.store, ObjectIndex.build(repo), min_bytes=o.share_min_bytes,
+            # the generations pack read under this lock (a retry reads them again: it removed one)
+            gens, self.generations = self.generations, None
+            shared = SharedWriter(repo.store, ObjectIndex.build(repo, gens), min_bytes=o.share_min_bytes,
                                   faults=repo.faults, distrust=self.distrust)
         body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
                              level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
@@ -347,7 +350,9 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
     r = open_repo(repo, create=True)
     steps = _PackSteps(prep, options, on_bytes)
     with r.lock(options.wait):
-        leftovers = [f"generation {g.number} is {g.status}: {g.reason}" for g in r.generations()
+        gens = r.generations()  # read once under the lock: the leftovers here, the object index at write
+        steps.generations = gens
+        leftovers = [f"generation {g.number} is {g.status}: {g.reason}" for g in gens
                      if g.status in ("partial", "damaged")]
         repaired: list[str] = []
         life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait, jobs=options.jobs,

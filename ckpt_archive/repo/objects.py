@@ -34,7 +34,6 @@ class ObjectIndex:
         usable: ``{raw fp: (oid, chunk records rebased to the object)}`` for objects a ``usable``
             generation references (what a writer may reference).
         users: ``{oid: [generation numbers]}`` of every generation whose manifest references the object.
-        raw_users: raw fingerprints referenced by any manifest (usable or not).
         unreadable: ``[(number, reason)]``: generations with a manifest this reader cannot parse (their
             references are unknown, so no object may be deleted while they exist).
     """
@@ -42,7 +41,6 @@ class ObjectIndex:
     usable: dict[str, tuple[str, list[dict]]]
     users: dict[str, list[int]]
     unreadable: list[tuple[int, str]]
-    raw_users: set[str] = dataclasses.field(default_factory=set)
 
     @classmethod
     def build(cls, repo, gens=None, *, exclude: Iterable[int] = ()) -> "ObjectIndex":
@@ -50,7 +48,6 @@ class ObjectIndex:
         skip = set(exclude)
         usable: dict[str, tuple[str, list[dict]]] = {}
         users: dict[str, list[int]] = {}
-        raw_users: set[str] = set()
         unreadable: list[tuple[int, str]] = []
         for g in (repo.generations() if gens is None else gens):
             if g.number in skip:
@@ -65,13 +62,12 @@ class ObjectIndex:
                 for p in parts(m):
                     if p.oid is None:
                         continue
-                    raw_users.add(p.fp)
                     users.setdefault(p.oid, [])
                     if g.number not in users[p.oid]:
                         users[p.oid].append(g.number)
                     if g.status == "usable" and p.fp not in usable:
                         usable[p.fp] = (p.oid, p.record["chunks"])
-        return cls(usable, users, unreadable, raw_users)
+        return cls(usable, users, unreadable)
 
 
 class SharedWriter:
@@ -94,7 +90,6 @@ class SharedWriter:
         self._open: set[str] = set()
         self._lock = threading.Lock()
         self.new_stored_bytes = 0
-        self.reused_stored_bytes = 0
         #: names (oids) of objects referenced because a usable generation vouches for them
         #: (see ArchiveReader.proven_objects)
         self.reused: set[str] = set()
@@ -131,7 +126,6 @@ class SharedWriter:
         known = made or usable
         if known is not None and sum(c["raw_bytes"] for c in known[1]) == nbytes:
             oid, chunks = known
-            self.reused_stored_bytes += sum(c["stored_bytes"] for c in chunks)
             if made is None:
                 self.reused.add(oid)
             return ChunkSink(fp, reused=True), chunks

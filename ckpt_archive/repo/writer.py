@@ -10,7 +10,6 @@ tensors member's raw fingerprint is derived from those), sha256 of each source f
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
@@ -152,7 +151,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
                 earlier = next((f for f in files_meta if f["relpath"] == sf.link_of), None)
                 # the same inode as an earlier file: its fingerprint is that file's (read once)
                 entry["sha256"] = (earlier["sha256"] if earlier is not None and earlier.get("sha256")
-                                   else w.hash_pool.submit(file_sha256, sf.path))
+                                   else w.hash_pool.submit(fingerprint.file_sha256, sf.path))
             elif sf.kind in ("raw", "opaque"):
                 rec = w.member(f"files/{sf.relpath}", "file", _file_pieces(sf.path), raw_alg=SHA256,
                                opaque=(sf.kind == "opaque"))
@@ -229,19 +228,6 @@ def _write_skeleton(w: GenerationWriter, sf, stored_entries: dict, scanned: tupl
     rec = w.member(f"exact/{sf.relpath or sf.path.name}", "file", exact_bytes.skeleton_pieces(sf.path, segments),
                    skeleton=True)
     return {"member": rec["path"], "segments": segments, "cut_bytes": sum(s[1] for s in segments)}, file_sha
-
-
-def file_sha256(path, on_bytes: Callable[[int], None] | None = None) -> str:
-    """sha256 (hex) of a file, read in pieces of ``FILE_READ_BYTES``; ``on_bytes`` gets each piece's size."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            piece = fh.read(FILE_READ_BYTES)
-            if not piece:
-                return h.hexdigest()
-            h.update(piece)
-            if on_bytes:
-                on_bytes(len(piece))
 
 
 def write_tensor_members(store, gen_key: str, table: TensorTable, *, prefix: str = "", level: int = DEFAULT_LEVEL,
