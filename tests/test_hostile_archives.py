@@ -300,6 +300,66 @@ def test_pack_and_backup_refuse_a_pt_with_a_flipped_byte_inside_a_tensor_record(
     assert not (tmp_path / "r1" / "generations").exists() or not list((tmp_path / "r1" / "generations").iterdir())
 
 
+def _flip_in_record(path: Path, name_part: str) -> None:
+    import struct
+
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith(name_part))
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("record", ["/version", "/data.pkl", "/data/0", "/data/1"])
+def test_packs_early_scan_checks_every_zip_record_as_testzip_does(tmp_path, record):
+    """[issue 14] pack checks the CRC-32 of a .pt's records in the same read that fingerprints it (no
+    separate testzip pass): a flipped byte in any record -- pickle, version, either tensor -- must still be
+    refused before a generation is claimed, and named."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt_archive.errors import SourceError
+    from ckpt_archive.format.exact_bytes import early_scan
+
+    p = tmp_path / "ck.pt"
+    torch.save({"a": torch.arange(5000, dtype=torch.float32), "b": torch.ones(3000, dtype=torch.float64)}, p)
+    with ThreadPoolExecutor(2) as pool:
+        early_scan(p, pool).checked()  # the intact file passes
+    _flip_in_record(p, record)
+    with zipfile.ZipFile(p) as zf:
+        assert zf.testzip() is not None  # the reference check sees the change
+    with ThreadPoolExecutor(2) as pool, pytest.raises(SourceError, match="fails its CRC"):
+        early_scan(p, pool).checked()
+    res = cli("pack", p, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "fails its CRC" in res.stderr and record.lstrip("/") in res.stderr, res.stderr
+    assert not (tmp_path / "r" / "generations").exists() or not list((tmp_path / "r" / "generations").iterdir())
+
+
+def test_packs_early_scan_refuses_a_pt_with_bytes_cut_from_a_record(tmp_path):
+    """Bytes cut out of a tensor record (the central directory kept, so it still looks like a zip) are
+    refused by the early scan as a damaged file, never fingerprinted short; pack exits 2 and claims nothing."""
+    import struct
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt_archive.errors import SourceError
+    from ckpt_archive.format.exact_bytes import early_scan
+
+    p = tmp_path / "ck.pt"
+    torch.save({"a": torch.arange(5000, dtype=torch.float32), "b": torch.ones(100)}, p)
+    data = p.read_bytes()
+    with zipfile.ZipFile(p) as zf:
+        info = next(i for i in zf.infolist() if "/data/" in i.filename)
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    p.write_bytes(data[:start + 100] + data[start + 1100:])
+    assert zipfile.is_zipfile(p)
+    with ThreadPoolExecutor(2) as pool, pytest.raises(SourceError, match="damaged torch.save file"):
+        early_scan(p, pool).checked()
+    res = cli("pack", p, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "damaged" in res.stderr, res.stderr
+    assert not (tmp_path / "r" / "generations").exists() or not list((tmp_path / "r" / "generations").iterdir())
+
+
 def test_a_safetensors_header_with_duplicate_keys_is_refused():
     from ckpt_archive.format.shard import parse_header
 

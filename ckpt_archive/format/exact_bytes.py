@@ -22,15 +22,20 @@ the entries cover).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.errors import IntegrityError
+
+try:  # ISA-L's CRC-32 (python-isal): ~5x zlib's here; the same checksum (tests/test_exact_bytes.py)
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - a platform without an isal wheel
+    from zlib import crc32 as _crc32
 
 READ_BYTES = 8 << 20
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -51,30 +56,40 @@ def candidate_ranges(path: Path, kind: str) -> list[tuple[int, int]]:
         if kind == "safetensors":
             return _safetensors_ranges(path)
         if kind == "torch" and zipfile.is_zipfile(path):
-            return _zip_ranges(path)
+            return _disjoint([(start, length) for start, length, _, name, stored in _zip_records(path)
+                              if stored and length and _is_tensor_record(name)])
     except (OSError, ValueError, zipfile.BadZipFile, struct.error):
         return []
     return []
 
 
-def _zip_ranges(path: Path) -> list[tuple[int, int]]:
+def _is_tensor_record(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) >= 3 and parts[-2] == "data"
+
+
+def _zip_records(path: Path) -> list[tuple[int, int, int, str, bool]]:
+    """Every record of a zip file: ``(data offset, stored length, CRC-32 from the central directory, name,
+    stored uncompressed)``, in central-directory order; the data offset comes from the record's own local
+    header (its extra field may differ from the central directory's).
+
+    Raises:
+        zipfile.BadZipFile / OSError / struct.error: the structure cannot be read.
+    """
     out = []
     with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
         for info in zf.infolist():
-            parts = info.filename.split("/")
-            if len(parts) < 3 or parts[-2] != "data" or info.compress_type != zipfile.ZIP_STORED \
-                    or info.file_size == 0:
-                continue
             fh.seek(info.header_offset)
             head = fh.read(_LOCAL_HEADER.size)
             if len(head) != _LOCAL_HEADER.size:
-                continue
+                raise zipfile.BadZipFile(f"record {info.filename}: local header past the end of the file")
             fields = _LOCAL_HEADER.unpack(head)
             if fields[0] != _LOCAL_MAGIC:
-                continue
+                raise zipfile.BadZipFile(f"record {info.filename}: bad local header")
             start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-            out.append((start, info.file_size))
-    return _disjoint(out)
+            out.append((start, info.compress_size, info.CRC, info.filename,
+                        info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1))
+    return out
 
 
 def _safetensors_ranges(path: Path) -> list[tuple[int, int]]:
@@ -111,23 +126,114 @@ def _disjoint(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def scan(path: Path, kind: str, alg: str = "blake3") -> tuple[list[tuple[int, int, str]], str]:
-    """One sequential read of ``path``: the fingerprint (``alg``) of every candidate range and the sha256 of
-    the whole file. Needs no stored entries, so it can run while the tensors are being written.
+    """The fingerprint (``alg``) of every candidate range and the sha256 of the whole file
+    (:class:`ScanJob` run to completion on this thread's pool of two).
 
     Returns:
         (``[(offset, length, "<alg>:<hex>")]`` for each candidate range read whole, sha256 hex of the file).
     """
+    with ThreadPoolExecutor(2, thread_name_prefix="ckpt-scan") as pool:
+        return ScanJob(path, kind, alg, pool=pool).result()
 
+
+def file_identity(path: Path) -> tuple | None:
+    """What says two paths name the same, unchanged file: ``(device, inode, size, mtime ns)``; None when it
+    cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def early_scan(path: Any, pool: ThreadPoolExecutor) -> "ScanJob | None":
+    """[issue 14] Start the reads pack needs of a source *file* before it is parsed: a zip-format
+    ``torch.save`` file (kind ``"torch"``, zip records' CRC-32 checked in the same read) or a
+    ``.safetensors`` file; None for anything else (folders, legacy pickles), read later as before."""
+    try:
+        p = Path(path)
+        if not p.is_file():
+            return None
+        if zipfile.is_zipfile(p):
+            return ScanJob(p, "torch", fingerprint.BLAKE3, check_crc=True, pool=pool)
+        if p.suffix == ".safetensors":
+            return ScanJob(p, "safetensors", fingerprint.BLAKE3, pool=pool)
+    except OSError:
+        return None
+    return None
+
+
+class ScanJob:
+    """[issue 14] The reads of one source file that pack needs, started as early as possible on ``pool``
+    (two workers run it: one read fingerprints the candidate ranges and checks the zip records' CRC-32,
+    the other takes the whole file's sha256; both release the GIL, so they overlap ``import torch`` and
+    ``torch.load``, and then the encoding).
+
+    Args:
+        path: the source file. kind: ``"torch"`` or ``"safetensors"`` (:func:`candidate_ranges`).
+        alg: the range fingerprints' algorithm (``"blake3"``).
+        check_crc: also check the CRC-32 of every record of a zip-format ``torch.save`` file, as
+            :func:`ckpt_archive.sources.torchfile.check_zip_records` does (``torch.load`` does not check
+            them: one flipped byte in a tensor record loads silently as a changed value).
+        pool: the executor (at least two workers, or the two reads run one after the other).
+
+    Methods :meth:`checked` and :meth:`result` raise what the reads raised: ``SourceError`` (exit 2) for a
+    record that fails its CRC or a damaged zip structure, ``OSError`` for a file that cannot be read.
+    """
+
+    def __init__(self, path: Path, kind: str, alg: str = "blake3", *, check_crc: bool = False,
+                 pool: ThreadPoolExecutor):
+        self.path = Path(path)
+        self.kind = kind
+        self.identity = file_identity(self.path)
+        self.crc_checked = check_crc
+        self._ranges = pool.submit(_scan_ranges, self.path, kind, alg, check_crc)
+        self._sha = pool.submit(fingerprint.file_sha256, self.path)
+
+    def checked(self) -> None:
+        """Wait for the ranges' read: its CRC-32 verdict (the first to finish: it does less per byte)."""
+        self._ranges.result()
+
+    def result(self) -> tuple[list[tuple[int, int, str]], str]:
+        """(``[(offset, length, "<alg>:<hex>")]`` per candidate range read whole, sha256 hex of the file)."""
+        return self._ranges.result(), self._sha.result()
+
+    def cancel(self) -> None:
+        """Stop what has not started; wait for what has (nothing is left reading the file)."""
+        for fut in (self._ranges, self._sha):
+            if not fut.cancel():
+                try:
+                    fut.exception()
+                except BaseException:  # noqa: BLE001 - only waiting here, the caller's error stands
+                    pass
+
+
+def _scan_ranges(path: Path, kind: str, alg: str, check_crc: bool) -> list[tuple[int, int, str]]:
+    """One sequential read of ``path``: the fingerprint of every candidate range and, with ``check_crc``,
+    the CRC-32 of every zip record (see :class:`ScanJob`)."""
+    from ckpt_archive.errors import SourceError
+
+    crc_records: list[tuple[int, int, int, str]] = []
+    if check_crc and zipfile.is_zipfile(path):
+        try:
+            records = _zip_records(path)
+        except (OSError, ValueError, zipfile.BadZipFile, struct.error, EOFError) as exc:
+            raise SourceError(f"damaged torch.save file: {exc}", where=str(path)) from None
+        if not all(stored for *_, stored in records):
+            # not what torch.save writes (it stores records uncompressed): zipfile checks those
+            from ckpt_archive.sources.torchfile import check_zip_records
+
+            check_zip_records(path)
+        crc_records = sorted((start, length, crc, name) for start, length, crc, name, stored in records if stored)
     ranges = candidate_ranges(path, kind)
-    whole = hashlib.sha256()
     out: list[tuple[int, int, str]] = []
     ri, cur, pos = 0, None, 0
+    ci, crc = 0, 0
     with open(path, "rb") as fh:
         while True:
             piece = fh.read(READ_BYTES)
             if not piece:
                 break
-            whole.update(piece)
             mv = memoryview(piece)
             end = pos + len(mv)
             # feed every candidate range that overlaps this piece (ranges are sorted and disjoint)
@@ -141,8 +247,23 @@ def scan(path: Path, kind: str, alg: str = "blake3") -> tuple[list[tuple[int, in
                     break
                 out.append((start, length, f"{alg}:{cur.hexdigest()}"))
                 cur, ri = None, ri + 1
+            # and every zip record (sorted; records of a well-formed zip do not overlap)
+            while ci < len(crc_records) and crc_records[ci][0] < end:
+                start, length, want, name = crc_records[ci]
+                lo, hi = max(start, pos), min(start + length, end)
+                if hi > lo:
+                    crc = _crc32(mv[lo - pos:hi - pos], crc)
+                if start + length > end:
+                    break
+                if crc != want:
+                    raise SourceError(f"damaged torch.save file: record {name} fails its CRC (a changed byte); "
+                                      f"refused", where=str(path))
+                crc, ci = 0, ci + 1
             pos = end
-    return out, whole.hexdigest()  # a range past the end (the file shrank) gets no fingerprint
+    if ci < len(crc_records):
+        raise SourceError(f"damaged torch.save file: record {crc_records[ci][3]} runs past the end of the file "
+                          f"(a truncated file); refused", where=str(path))
+    return out  # a range past the end (the file shrank) gets no fingerprint
 
 
 def plan(scanned: list[tuple[int, int, str]], entries: dict[str, tuple[int, str]]) -> list[list]:

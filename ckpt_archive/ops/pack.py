@@ -11,12 +11,14 @@ import dataclasses
 import errno
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ckpt_archive import __version__
 from ckpt_archive.errors import CkptArchiveError, SourceError, StoreError, UsageError
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
+from ckpt_archive.format.exact_bytes import early_scan
 from ckpt_archive.format.manifest import FORMAT, dumps, validate, version_for
 from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
 from ckpt_archive.format.metrics import metrics_to_json
@@ -154,8 +156,9 @@ class _Prepared:
 
 
 def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, retention: Any,
-             encoder: Callable[[Any], tuple] | None = None) -> _Prepared:
-    """``encoder``: replaces ``state_tree.encode`` (the distributed checkpointer's shard-aware encoder)."""
+             encoder: Callable[[Any], tuple] | None = None, *, zip_crc_checked: bool = False) -> _Prepared:
+    """``encoder``: replaces ``state_tree.encode`` (the distributed checkpointer's shard-aware encoder).
+    ``zip_crc_checked``: the caller checks a ``torch.save`` file's zip records itself (pack's early scan)."""
     from ckpt_archive.sources import from_object, read_source
 
     if retention is not None:
@@ -170,7 +173,8 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
     allow = (options.allow,) if isinstance(options.allow, (str, type)) else tuple(options.allow or ())
     with allowing(allow) as allowed:  # [issue 11] plain-data classes admitted for reading and encoding
         if isinstance(source_or_path, (str, os.PathLike)):
-            source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy)
+            extra = {"zip_crc_checked": True} if zip_crc_checked else {}
+            source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy, **extra)
         else:
             source = from_object(source_or_path)
         encoded = (encoder or encode)(source.state)
@@ -252,6 +256,7 @@ class _PackSteps:
         self.shared = None
         self.distrust: set[str] = set()  # shared objects found damaged: written again, not referenced
         self.generations = None  # the repository's generations as pack read them under the lock, once
+        self.scans: dict | None = None  # source files' reads started before parsing (exact_bytes.ScanJob)
 
     def claim(self, repo: Repository) -> int:
         return repo.claim_next()
@@ -270,7 +275,7 @@ class _PackSteps:
         body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
                              level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
                              chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
-                             encoded=p.encoded, faults=repo.faults, shared=shared)
+                             encoded=p.encoded, faults=repo.faults, shared=shared, scans=self.scans)
         self.shared = shared
         self.warnings = body.pop("warnings")
         self.manifest = build_manifest(p, number, body)
@@ -344,11 +349,36 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
     """
     options = options or PackOptions()
     annotations = annotations or Annotations()
-    # Everything that can refuse the input runs before a generation number is claimed, so a refusal
-    # leaves nothing behind in the repository.
-    prep = _prepare(source, options, annotations, retention)
+    with ThreadPoolExecutor(2, thread_name_prefix="ckpt-scan") as scan_pool:
+        # [issue 14] a source file's own reads (its sha256, its tensor ranges' fingerprints and, for a zip
+        # torch.save file, every record's CRC-32) start now, beside `import torch` and torch.load
+        scan = early_scan(source, scan_pool) if isinstance(source, (str, os.PathLike)) else None
+        # Everything that can refuse the input runs before a generation number is claimed, so a refusal
+        # leaves nothing behind in the repository.
+        try:
+            try:
+                prep = _prepare(source, options, annotations, retention,
+                                zip_crc_checked=scan is not None and scan.crc_checked)
+            except CkptArchiveError:
+                if scan is not None:
+                    scan.checked()  # a record that fails its CRC is the more precise reason: it wins
+                raise
+            if scan is not None:
+                scan.checked()
+        except BaseException:
+            if scan is not None:
+                scan.cancel()
+            raise
+        return _pack_prepared(prep, repo, options, on_bytes, before_publish, retention,
+                              {scan.identity: scan} if scan is not None else None)
+
+
+def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_bytes, before_publish, retention,
+                   scans: dict | None) -> PackResult:
+    """:func:`pack` once its input is read and checked: the lifecycle under the lock, then retention."""
     r = open_repo(repo, create=True)
     steps = _PackSteps(prep, options, on_bytes)
+    steps.scans = scans
     with r.lock(options.wait):
         gens = r.generations()  # read once under the lock: the leftovers here, the object index at write
         steps.generations = gens

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from ckpt_archive.errors import FormatError
 from ckpt_archive.format import fingerprint
@@ -101,7 +101,7 @@ def _file_pieces(path):
 def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: int = DEFAULT_LEVEL,
                   jobs: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                   on_bytes: Callable[[int], None] | None = None, encoded: tuple | None = None,
-                  faults: Faults = NO_FAULTS, shared=None) -> dict:
+                  faults: Faults = NO_FAULTS, shared=None, scans: "Mapping[tuple, Any] | None" = None) -> dict:
     """Write every member of a generation from a :class:`~ckpt_archive.sources.SourceCheckpoint`.
 
     ``encoded`` is ``state_tree.encode(source.state)`` when the caller already encoded it (pack does,
@@ -117,6 +117,8 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         faults: the repository's fault-injection hook (points ``member-write``, ``after-members``).
         shared: a :class:`ckpt_archive.repo.objects.SharedWriter` (format 3: large entries stored once per
             repository, docs/FORMAT.md "Shared objects"), or None to store every entry in the member.
+        scans: reads of source files a caller started earlier (:class:`~ckpt_archive.format.exact_bytes.ScanJob`),
+            by :func:`~ckpt_archive.format.exact_bytes.file_identity`; files not in it are read here.
 
     Returns:
         the manifest's archive part: ``members``, ``tensors``, ``tree_member``, ``source``, ``data``,
@@ -128,14 +130,22 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
     jobs = jobs or default_jobs()
     tree, table = encoded if encoded is not None else encode(source.state)
     w = GenerationWriter(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes, faults=faults)
+    scan_pool = None
     try:
-        # decomposed source files: their one read (tensor-range fingerprints + the file's sha256) runs
-        # on the hash pool while the tensors are encoded
+        # decomposed source files: their reads (tensor-range fingerprints + the file's sha256) run on their
+        # own threads while the tensors are encoded (or started before the source was parsed: ``scans``)
         from ckpt_archive.format import exact_bytes
 
-        scans = {id(sf): w.hash_pool.submit(exact_bytes.scan, sf.path, sf.kind, BLAKE3)
-                 for sf in source.files if sf.kind not in ("raw", "opaque") and sf.path is not None
-                 and not getattr(sf, "link_of", None)}
+        jobs_by_file: dict[int, Any] = {}
+        for sf in source.files:
+            if sf.kind in ("raw", "opaque") or sf.path is None or getattr(sf, "link_of", None):
+                continue
+            job = (scans or {}).get(exact_bytes.file_identity(sf.path))
+            if job is None or job.kind != sf.kind:
+                if scan_pool is None:
+                    scan_pool = ThreadPoolExecutor(2, thread_name_prefix="ckpt-scan")
+                job = exact_bytes.ScanJob(sf.path, sf.kind, BLAKE3, pool=scan_pool)
+            jobs_by_file[id(sf)] = job
         tensors = _write_tensors(w, table, shared=shared)
         if shared is not None:
             shared.sync()  # the new objects' names are durable before any manifest references them
@@ -158,7 +168,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
                 entry.update(member=rec["path"], raw_bytes=rec["raw_bytes"], sha256=fingerprint.split(rec["raw_fp"])[1])
             elif sf.path is not None:
                 entry["raw_bytes"] = sf.path.stat().st_size
-                entry["exact"], entry["sha256"] = _write_skeleton(w, sf, stored_entries, scans[id(sf)].result())
+                entry["exact"], entry["sha256"] = _write_skeleton(w, sf, stored_entries, jobs_by_file[id(sf)].result())
             files_meta.append(entry)
         data = write_tree_and_data_ids(w, tree, data_ids)
         for entry in files_meta:
@@ -166,6 +176,8 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
                 entry["sha256"] = entry["sha256"].result()
     finally:
         w.close()
+        if scan_pool is not None:
+            scan_pool.shutdown(wait=True, cancel_futures=True)
     faults.point("after-members")
     members = w.members
     return {

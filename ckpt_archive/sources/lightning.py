@@ -48,8 +48,9 @@ def _detect(path: Path) -> bool:
     return False
 
 
-def _read(path: Path, *, allow_numpy: bool = False, **_options) -> SourceCheckpoint:
-    obj = load_torch_file(path, allow_numpy=allow_numpy)
+def _read(path: Path, *, allow_numpy: bool = False, zip_crc_checked: bool = False, **_options) -> SourceCheckpoint:
+    """``zip_crc_checked``: the caller checks the zip records' CRC-32 itself (see ``load_torch_file``)."""
+    obj = load_torch_file(path, allow_numpy=allow_numpy, check_crc=not zip_crc_checked)
     if not isinstance(obj, dict) or "state_dict" not in obj:
         raise SourceError("not a Lightning checkpoint: no top-level state_dict", where=str(path))
     warnings: list[str] = []

@@ -128,7 +128,7 @@ def _first_line(msg: str) -> str:
     return "unknown error"
 
 
-def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True):
+def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True, check_crc: bool = True):
     """``torch.load(path, weights_only=True)``, memory-mapped where the file allows it.
 
     Args:
@@ -138,6 +138,9 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True)
             nothing else.
         mmap: map tensor storages from the file instead of reading them (zip-format files only);
             falls back to a plain load for legacy files.
+        check_crc: check every zip record's CRC-32 first (:func:`check_zip_records`); False only for a
+            caller that checks them itself before trusting anything loaded (pack's early
+            :class:`~ckpt_archive.format.exact_bytes.ScanJob`, in the same read as the file's fingerprints).
 
     Returns:
         the loaded object; tensors are CPU tensors (``map_location="cpu"``).
@@ -159,7 +162,7 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True)
     extra = (numpy_safe_globals() if allow_numpy else []) + list(current_allowed().values())
     ctx = torch.serialization.safe_globals(extra) if extra else contextlib.nullcontext()
     use_mmap = mmap and zipfile.is_zipfile(path)
-    if use_mmap or zipfile.is_zipfile(path):
+    if check_crc and (use_mmap or zipfile.is_zipfile(path)):
         check_zip_records(path)  # torch.load does not check CRCs: a flipped byte would load silently
     try:
         with ctx:
@@ -168,8 +171,9 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True)
         raise diagnose_unreadable(path, exc) from None
 
 
-def _read(path: Path, *, allow_numpy: bool = False, **_ignored) -> SourceCheckpoint:
-    state = load_torch_file(path, allow_numpy=allow_numpy)
+def _read(path: Path, *, allow_numpy: bool = False, zip_crc_checked: bool = False, **_ignored) -> SourceCheckpoint:
+    """``zip_crc_checked``: the caller checks the zip records' CRC-32 itself (see :func:`load_torch_file`)."""
+    state = load_torch_file(path, allow_numpy=allow_numpy, check_crc=not zip_crc_checked)
     return SourceCheckpoint(format="torch-file", layout="file", state=state, root=path.parent,
                             files=[SourceFile("", "torch", path)], info={"filename": path.name})
 
