@@ -22,6 +22,7 @@ the entries cover).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import zipfile
@@ -132,8 +133,7 @@ def scan(path: Path, kind: str, alg: str = "blake3") -> tuple[list[tuple[int, in
     Returns:
         (``[(offset, length, "<alg>:<hex>")]`` for each candidate range read whole, sha256 hex of the file).
     """
-    with ThreadPoolExecutor(2, thread_name_prefix="ckpt-scan") as pool:
-        return ScanJob(path, kind, alg, pool=pool).result()
+    return _scan(Path(path), kind, alg, False)
 
 
 def file_identity(path: Path) -> tuple | None:
@@ -164,10 +164,11 @@ def early_scan(path: Any, pool: ThreadPoolExecutor) -> "ScanJob | None":
 
 
 class ScanJob:
-    """[issue 14] The reads of one source file that pack needs, started as early as possible on ``pool``
-    (two workers run it: one read fingerprints the candidate ranges and checks the zip records' CRC-32,
-    the other takes the whole file's sha256; both release the GIL, so they overlap ``import torch`` and
-    ``torch.load``, and then the encoding).
+    """[issue 14] The one read of a source file that pack needs, started as early as possible on ``pool``:
+    the whole file's sha256, every candidate range's fingerprint and (``check_crc``) every zip record's
+    CRC-32, all three taken from each 1 MiB piece while it is in the CPU cache (0.8 ns/B here, against
+    1.1 ns/B for the same hashes in separate reads: sha256 alone runs at 0.5 ns/B from cache and 0.85 ns/B
+    from memory). The hashes release the GIL, so the read overlaps ``import torch`` and ``torch.load``.
 
     Args:
         path: the source file. kind: ``"torch"`` or ``"safetensors"`` (:func:`candidate_ranges`).
@@ -175,7 +176,7 @@ class ScanJob:
         check_crc: also check the CRC-32 of every record of a zip-format ``torch.save`` file, as
             :func:`ckpt_archive.sources.torchfile.check_zip_records` does (``torch.load`` does not check
             them: one flipped byte in a tensor record loads silently as a changed value).
-        pool: the executor (at least two workers, or the two reads run one after the other).
+        pool: the executor to read on.
 
     Methods :meth:`checked` and :meth:`result` raise what the reads raised: ``SourceError`` (exit 2) for a
     record that fails its CRC or a damaged zip structure, ``OSError`` for a file that cannot be read.
@@ -187,30 +188,33 @@ class ScanJob:
         self.kind = kind
         self.identity = file_identity(self.path)
         self.crc_checked = check_crc
-        self._ranges = pool.submit(_scan_ranges, self.path, kind, alg, check_crc)
-        self._sha = pool.submit(fingerprint.file_sha256, self.path)
+        self._read = pool.submit(_scan, self.path, kind, alg, check_crc)
 
     def checked(self) -> None:
-        """Wait for the ranges' read: its CRC-32 verdict (the first to finish: it does less per byte)."""
-        self._ranges.result()
+        """Wait for the read: its CRC-32 verdict."""
+        self._read.result()
 
     def result(self) -> tuple[list[tuple[int, int, str]], str]:
         """(``[(offset, length, "<alg>:<hex>")]`` per candidate range read whole, sha256 hex of the file)."""
-        return self._ranges.result(), self._sha.result()
+        return self._read.result()
 
     def cancel(self) -> None:
-        """Stop what has not started; wait for what has (nothing is left reading the file)."""
-        for fut in (self._ranges, self._sha):
-            if not fut.cancel():
-                try:
-                    fut.exception()
-                except BaseException:  # noqa: BLE001 - only waiting here, the caller's error stands
-                    pass
+        """Stop the read if it has not started; else wait for it (nothing is left reading the file)."""
+        if not self._read.cancel():
+            try:
+                self._read.exception()
+            except BaseException:  # noqa: BLE001 - only waiting here, the caller's error stands
+                pass
 
 
-def _scan_ranges(path: Path, kind: str, alg: str, check_crc: bool) -> list[tuple[int, int, str]]:
-    """One sequential read of ``path``: the fingerprint of every candidate range and, with ``check_crc``,
-    the CRC-32 of every zip record (see :class:`ScanJob`)."""
+#: Piece size of a source file's scan: small enough that sha256, the range fingerprints and CRC-32 all
+#: read each piece from the CPU cache (L2 is 2-4 MiB on the machines measured).
+SCAN_PIECE_BYTES = 1 << 20
+
+
+def _scan(path: Path, kind: str, alg: str, check_crc: bool) -> tuple[list[tuple[int, int, str]], str]:
+    """One sequential read of ``path``: the sha256 of the whole file, the fingerprint of every candidate
+    range and, with ``check_crc``, the CRC-32 of every zip record (see :class:`ScanJob`)."""
     from ckpt_archive.errors import SourceError
 
     crc_records: list[tuple[int, int, int, str]] = []
@@ -227,20 +231,22 @@ def _scan_ranges(path: Path, kind: str, alg: str, check_crc: bool) -> list[tuple
         crc_records = sorted((start, length, crc, name) for start, length, crc, name, stored in records if stored)
     ranges = candidate_ranges(path, kind)
     out: list[tuple[int, int, str]] = []
+    whole = hashlib.sha256()
     ri, cur, pos = 0, None, 0
     ci, crc = 0, 0
-    with open(path, "rb") as fh:
+    with open(path, "rb", buffering=0) as fh:
         while True:
-            piece = fh.read(READ_BYTES)
+            piece = fh.read(SCAN_PIECE_BYTES)
             if not piece:
                 break
+            whole.update(piece)
             mv = memoryview(piece)
             end = pos + len(mv)
             # feed every candidate range that overlaps this piece (ranges are sorted and disjoint)
             while ri < len(ranges) and ranges[ri][0] < end:
                 start, length = ranges[ri]
                 if cur is None:
-                    cur = fingerprint.new(alg)
+                    cur = fingerprint.new(alg, threads=1)  # one core: the pieces are small
                 lo, hi = max(start, pos), min(start + length, end)
                 cur.update(mv[lo - pos:hi - pos])
                 if start + length > end:
@@ -263,7 +269,7 @@ def _scan_ranges(path: Path, kind: str, alg: str, check_crc: bool) -> list[tuple
     if ci < len(crc_records):
         raise SourceError(f"damaged torch.save file: record {crc_records[ci][3]} runs past the end of the file "
                           f"(a truncated file); refused", where=str(path))
-    return out  # a range past the end (the file shrank) gets no fingerprint
+    return out, whole.hexdigest()  # a range past the end (the file shrank) gets no fingerprint
 
 
 def plan(scanned: list[tuple[int, int, str]], entries: dict[str, tuple[int, str]]) -> list[list]:
@@ -369,7 +375,7 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes], entry_bytes: 
         os.unlink(target)
         raise
     os.close(fd)
-    got = fingerprint.file_sha256(target, piece_bytes=READ_BYTES)
+    got = fingerprint.file_sha256(target)
     if got != record.get("sha256"):
         os.unlink(target)
         raise IntegrityError(f"the rebuilt file's sha256 {got} differs from the source's {record.get('sha256')}",

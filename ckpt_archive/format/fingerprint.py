@@ -33,11 +33,11 @@ _BLAKE3_THREADED_BYTES = 16 << 20
 class _Blake3:
     """hashlib-like wrapper: ``update`` / ``hexdigest`` / ``digest`` (threads on large updates)."""
 
-    def __init__(self):
+    def __init__(self, threads: int | None = None):
         import blake3
 
         self._mod = blake3
-        self._h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        self._h = blake3.blake3(max_threads=threads or blake3.blake3.AUTO)
 
     def update(self, data) -> None:
         self._h.update(memoryview(data).cast("B") if not isinstance(data, bytes) else data)
@@ -49,12 +49,13 @@ class _Blake3:
         return self._h.hexdigest()
 
 
-def new(alg: str):
-    """A streaming hasher for ``alg`` (``"sha256"`` or ``"blake3"``): ``update``, ``digest``, ``hexdigest``."""
+def new(alg: str, *, threads: int | None = None):
+    """A streaming hasher for ``alg`` (``"sha256"`` or ``"blake3"``): ``update``, ``digest``, ``hexdigest``.
+    ``threads``: BLAKE3's threads per update (default: all cores, for large updates)."""
     if alg == SHA256:
         return hashlib.sha256()
     if alg == BLAKE3:
-        return _Blake3()
+        return _Blake3(threads)
     raise FormatError(f"unknown fingerprint algorithm {alg!r}")
 
 
@@ -71,8 +72,9 @@ def digest(data, alg: str = BLAKE3) -> str:
     raise FormatError(f"unknown fingerprint algorithm {alg!r}")
 
 
-def file_sha256(path, on_bytes=None, piece_bytes: int = 8 << 20) -> str:
-    """sha256 (hex) of a whole file (what ``sha256sum`` prints), read in pieces of ``piece_bytes``;
+def file_sha256(path, on_bytes=None, piece_bytes: int = 1 << 20) -> str:
+    """sha256 (hex) of a whole file (what ``sha256sum`` prints), read in pieces of ``piece_bytes`` (1 MiB:
+    each piece is hashed from the CPU cache, ~0.5 ns/B here against ~0.85 ns/B for 8 MiB pieces);
     ``on_bytes`` gets each piece's size. The one whole-file sha256 of the project: ``source.files[].sha256``
     at pack, backup's change detection, and the check of a file restore rebuilt byte for byte.
 
@@ -80,7 +82,7 @@ def file_sha256(path, on_bytes=None, piece_bytes: int = 8 << 20) -> str:
         OSError: the file cannot be read.
     """
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open(path, "rb", buffering=0) as fh:
         while True:
             piece = fh.read(piece_bytes)
             if not piece:

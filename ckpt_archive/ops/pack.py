@@ -349,12 +349,14 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
     """
     options = options or PackOptions()
     annotations = annotations or Annotations()
-    with ThreadPoolExecutor(2, thread_name_prefix="ckpt-scan") as scan_pool:
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-scan") as scan_pool:
         # [issue 14] a source file's own reads (its sha256, its tensor ranges' fingerprints and, for a zip
         # torch.save file, every record's CRC-32) start now, beside `import torch` and torch.load
         scan = early_scan(source, scan_pool) if isinstance(source, (str, os.PathLike)) else None
         # Everything that can refuse the input runs before a generation number is claimed, so a refusal
         # leaves nothing behind in the repository.
+        # Its verdict is awaited where the writer needs its fingerprints (encoding starts at once); a
+        # record that fails its CRC then withdraws the claimed generation (see _pack_prepared).
         try:
             try:
                 prep = _prepare(source, options, annotations, retention,
@@ -363,14 +365,12 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
                 if scan is not None:
                     scan.checked()  # a record that fails its CRC is the more precise reason: it wins
                 raise
-            if scan is not None:
-                scan.checked()
+            return _pack_prepared(prep, repo, options, on_bytes, before_publish, retention,
+                                  {scan.identity: scan} if scan is not None else None)
         except BaseException:
             if scan is not None:
                 scan.cancel()
             raise
-        return _pack_prepared(prep, repo, options, on_bytes, before_publish, retention,
-                              {scan.identity: scan} if scan is not None else None)
 
 
 def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_bytes, before_publish, retention,
@@ -407,6 +407,17 @@ def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_byt
         except Withdrawn as exc:
             exc.warnings = steps.warnings
             exc.leftovers = leftovers
+            raise
+        except SourceError as exc:
+            # the source itself is refused (the early scan found a record that fails its CRC): the input is
+            # what is wrong, not the repository -- the claimed generation is withdrawn, nothing is left behind
+            if life.number is not None:
+                note = life.left_note()
+                r.remove_generation(life.number)
+                if exc.hint == note:
+                    exc.hint = None
+                elif exc.hint and exc.hint.endswith(f"; {note}"):
+                    exc.hint = exc.hint[:-len(note) - 2]
             raise
         except CkptArchiveError as exc:
             if life.step == "claim":
