@@ -457,6 +457,11 @@ def paired_table(results: list[dict]) -> str:
         g = big["pack_wall_median_s"] / small["pack_wall_median_s"] * 4 / f
         lines.append(f"| {small['size_mib']} -> {big['size_mib']} MiB | pack time for 4x the state | | | {g:.2f}x | | "
                      f"<= 4.4x | {_verdict(g, 4.4, False)} | |")
+        # the fixed cost is the line through both sizes at zero bytes (start-up, imports, repository work)
+        slope = (big["pack_wall_median_s"] - small["pack_wall_median_s"]) / (big["raw_bytes"] - small["raw_bytes"])
+        fixed = small["pack_wall_median_s"] - slope * small["raw_bytes"]
+        lines.append(f"| {small['size_mib']} -> {big['size_mib']} MiB | pack's fixed cost (the line through both "
+                     f"sizes at 0 bytes) | | | {fixed:.2f} s | | < 1 s | {_verdict(fixed, 1.0, False)} | |")
     return "\n".join(lines)
 
 
