@@ -114,6 +114,11 @@ class SourceError(CannotCheck):
     """The input is unreadable, not a checkpoint, or refused (e.g. it would need unpickling code)."""
 
 
+class SourceChanged(SourceError):
+    """The source file was replaced, rewritten or touched while it was being packed: its tensors and its
+    bytes may come from different versions, so nothing was kept (exit 2; ``backup`` reports it busy, 75)."""
+
+
 class RefusedPickle(SourceError):
     """A pickle references a class or function outside the allowlist; we never unpickle code."""
 

@@ -360,6 +360,115 @@ def test_packs_early_scan_refuses_a_pt_with_bytes_cut_from_a_record(tmp_path):
     assert not (tmp_path / "r" / "generations").exists() or not list((tmp_path / "r" / "generations").iterdir())
 
 
+def _touch_after_load(monkeypatch, path: Path) -> None:
+    """The source's mtime moves once torch.load has read it: a trainer rewriting or touching it mid-pack."""
+    from ckpt_archive.sources import torchfile
+
+    real = torchfile.load_torch_file
+
+    def load_then_touch(p, **kw):
+        obj = real(p, **kw)
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        return obj
+
+    monkeypatch.setattr(torchfile, "load_torch_file", load_then_touch)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_pack_refuses_a_source_that_changes_while_it_is_packed(tmp_path, monkeypatch, damaged):
+    """A source touched after the early scan began must not be packed: its CRC verdict must still be awaited
+    (a corrupted .pt touched mid-pack was once published as usable, because the writer looked the scan up by
+    the file's changed identity and started a new one without CRCs), and a file that changed at all is
+    refused -- its tensors and its bytes could come from two versions. Nothing is left behind."""
+    p = tmp_path / "ck.pt"
+    torch.save({"w": torch.arange(50_000, dtype=torch.float32), "step": 3}, p)
+    if damaged:
+        _flip_in_tensor_record(p)
+    _touch_after_load(monkeypatch, p)
+    res = cli("pack", p, "--repo", tmp_path / "r")
+    assert res.exit_code == 2, res.stderr
+    assert ("fails its CRC" if damaged else "changed while it was being packed") in res.stderr, res.stderr
+    assert "left partial" not in res.stderr and "gc" not in res.stderr, res.stderr
+    assert not (tmp_path / "r" / "generations").exists() or not list((tmp_path / "r" / "generations").iterdir())
+
+
+def test_backup_reports_a_checkpoint_that_changes_while_packed_as_busy(tmp_path, monkeypatch):
+    """backup's contract for a moving checkpoint is 'busy' (exit 75, the next tick retries), also when it is
+    pack's own check of the file it read that notices."""
+    src = tmp_path / "src"
+    src.mkdir()
+    p = src / "ck.pt"
+    torch.save({"w": torch.arange(50_000, dtype=torch.float32), "step": 3}, p)
+    old = os.stat(p).st_mtime - 3600
+    os.utime(p, (old, old))
+    _touch_after_load(monkeypatch, p)
+    from ckpt_archive.ops.backup import backup
+
+    result = backup(src, str(tmp_path / "r"), settle=0.0, sleep=lambda s: None)
+    assert result.action == "busy" and result.exit_code == 75, result
+    assert not list(Repository.open(str(tmp_path / "r")).usable())
+
+
+@pytest.mark.parametrize("how", ["encrypted", "method 99"])
+def test_a_pt_with_an_unsupported_zip_record_is_refused_not_a_bug(tmp_path, how):
+    """zipfile raises RuntimeError (encrypted) or NotImplementedError (unknown method) for such records;
+    they reached the user as 'internal error ... This is a bug' once torch.load ran before the CRC check."""
+    import struct
+
+    p = tmp_path / "ck.pt"
+    torch.save({"w": torch.arange(1000, dtype=torch.float32)}, p)
+    data = bytearray(p.read_bytes())
+    with zipfile.ZipFile(p) as zf:
+        info = next(i for i in zf.infolist() if "/data/" in i.filename)
+    pos = data.index(b"PK\x01\x02")  # the central directory's first entry
+    while data[pos + 46:pos + 46 + len(info.filename)] != info.filename.encode():  # the tensor record's entry
+        pos = data.index(b"PK\x01\x02", pos + 4)
+    if how == "encrypted":
+        flags = struct.unpack_from("<H", data, pos + 8)[0]
+        struct.pack_into("<H", data, pos + 8, flags | 0x1)
+    else:
+        struct.pack_into("<H", data, pos + 10, 99)
+    p.write_bytes(bytes(data))
+    with zipfile.ZipFile(p) as zf, pytest.raises((RuntimeError, NotImplementedError)):
+        zf.read(info.filename)  # the record is what the test says it is
+    res = cli("pack", p, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "damaged torch.save file" in res.stderr, res.stderr
+    assert not (tmp_path / "r" / "generations").exists() or not list((tmp_path / "r" / "generations").iterdir())
+
+
+@pytest.mark.parametrize("fmt", [None, "torch-file", "safetensors-file", "lightning"])
+def test_pack_refuses_a_fifo_source_at_once(tmp_path, fmt):
+    """A FIFO named like a checkpoint once hung `pack --format safetensors-file` forever (and was 'no such
+    file' with --format torch-file): every reader now meets a refusal before opening it."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "x.pt"
+    os.mkfifo(fifo)
+    args = [sys.executable, "-m", "ckpt_archive", "pack", str(fifo), "--repo", str(tmp_path / "r")]
+    if fmt:
+        args += ["--format", fmt]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "not a regular file or folder" in res.stderr, res.stderr
+
+
+def test_a_cancelled_source_scan_stops_at_its_next_piece(tmp_path):
+    """A refused input (a bad option, Ctrl-C) must not wait for a whole-file read of a large checkpoint:
+    the early scan stops at its next piece when cancelled."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckpt_archive.format.exact_bytes import SCAN_PIECE_BYTES, ScanJob
+
+    big = tmp_path / "big.safetensors"
+    with open(big, "wb") as fh:
+        fh.truncate(1 << 30)  # sparse: 1 GiB of zeros to read
+    with ThreadPoolExecutor(1) as pool:
+        job = ScanJob(big, "safetensors", pool=pool)
+        job.cancel()
+        assert job.progress[0] < (1 << 30) - SCAN_PIECE_BYTES, job.progress
+
+
 def test_a_safetensors_header_with_duplicate_keys_is_refused():
     from ckpt_archive.format.shard import parse_header
 

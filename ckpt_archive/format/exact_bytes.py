@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -79,7 +80,11 @@ def _zip_records(path: Path) -> list[tuple[int, int, int, str, bool]]:
     """
     out = []
     with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
+        size = os.fstat(fh.fileno()).st_size
         for info in zf.infolist():
+            if not 0 <= info.header_offset < size:
+                raise zipfile.BadZipFile(f"record {info.filename}: its local header offset {info.header_offset} "
+                                         f"lies outside the file ({size} bytes)")
             fh.seek(info.header_offset)
             head = fh.read(_LOCAL_HEADER.size)
             if len(head) != _LOCAL_HEADER.size:
@@ -186,9 +191,12 @@ class ScanJob:
                  pool: ThreadPoolExecutor):
         self.path = Path(path)
         self.kind = kind
+        #: the file as it was when the read started (:func:`file_identity`)
         self.identity = file_identity(self.path)
         self.crc_checked = check_crc
-        self._read = pool.submit(_scan, self.path, kind, alg, check_crc)
+        self.progress = [0]  # bytes read so far (the read updates it)
+        self._stop = threading.Event()
+        self._read = pool.submit(_scan, self.path, kind, alg, check_crc, self._stop, self.progress)
 
     def checked(self) -> None:
         """Wait for the read: its CRC-32 verdict."""
@@ -198,8 +206,15 @@ class ScanJob:
         """(``[(offset, length, "<alg>:<hex>")]`` per candidate range read whole, sha256 hex of the file)."""
         return self._read.result()
 
+    def unchanged(self) -> bool:
+        """Whether the path still names the file the read started on, unchanged (inode, size, mtime): a
+        file replaced or rewritten meanwhile would pair one version's tensors with another's bytes."""
+        return file_identity(self.path) == self.identity
+
     def cancel(self) -> None:
-        """Stop the read if it has not started; else wait for it (nothing is left reading the file)."""
+        """Stop the read at its next piece (or before it starts) and wait for it: nothing is left reading
+        the file, and a refusal of the input does not wait for a whole-file read."""
+        self._stop.set()
         if not self._read.cancel():
             try:
                 self._read.exception()
@@ -207,14 +222,20 @@ class ScanJob:
                 pass
 
 
+class ScanCancelled(Exception):
+    """A :class:`ScanJob` stopped by :meth:`ScanJob.cancel`."""
+
+
 #: Piece size of a source file's scan: small enough that sha256, the range fingerprints and CRC-32 all
 #: read each piece from the CPU cache (L2 is 2-4 MiB on the machines measured).
 SCAN_PIECE_BYTES = 1 << 20
 
 
-def _scan(path: Path, kind: str, alg: str, check_crc: bool) -> tuple[list[tuple[int, int, str]], str]:
+def _scan(path: Path, kind: str, alg: str, check_crc: bool, stop: "threading.Event | None" = None,
+          progress: list | None = None) -> tuple[list[tuple[int, int, str]], str]:
     """One sequential read of ``path``: the sha256 of the whole file, the fingerprint of every candidate
-    range and, with ``check_crc``, the CRC-32 of every zip record (see :class:`ScanJob`)."""
+    range and, with ``check_crc``, the CRC-32 of every zip record (see :class:`ScanJob`). ``stop`` set:
+    raise :class:`ScanCancelled` at the next piece; ``progress[0]``: bytes read so far."""
     from ckpt_archive.errors import SourceError
 
     crc_records: list[tuple[int, int, int, str]] = []
@@ -236,9 +257,13 @@ def _scan(path: Path, kind: str, alg: str, check_crc: bool) -> tuple[list[tuple[
     ci, crc = 0, 0
     with open(path, "rb", buffering=0) as fh:
         while True:
+            if stop is not None and stop.is_set():
+                raise ScanCancelled(str(path))
             piece = fh.read(SCAN_PIECE_BYTES)
             if not piece:
                 break
+            if progress is not None:
+                progress[0] += len(piece)
             whole.update(piece)
             mv = memoryview(piece)
             end = pos + len(mv)

@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceError, UsageError
+from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceChanged, SourceError, UsageError
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.shard import file_problem
 from ckpt_archive.ops.common import human_seconds, leftover_note
@@ -514,6 +514,9 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         result = pack_op.pack(str(checkpoint), rep, PackOptions(wait=wait, allow=tuple(allow)),
                               Annotations(tags=tuple(tags)),
                               retention=RetentionPolicy(), before_publish=before_publish)
+    except SourceChanged as exc:  # pack's own check of the file it read (withdrawn, nothing kept)
+        return BackupResult("busy", key, str(checkpoint), None, f"changed while being packed: {exc.message}",
+                            read_bytes=read_bytes, warnings=warnings, skipped=skipped)
     except Withdrawn as exc:
         gen = exc.number
         warnings += list(exc.warnings) + [leftover_note(x) for x in exc.leftovers]

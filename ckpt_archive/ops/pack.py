@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ckpt_archive import __version__
-from ckpt_archive.errors import CkptArchiveError, SourceError, StoreError, UsageError
+from ckpt_archive.errors import CkptArchiveError, SourceChanged, SourceError, StoreError, UsageError
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from ckpt_archive.format.exact_bytes import early_scan
 from ckpt_archive.format.manifest import FORMAT, dumps, validate, version_for
@@ -276,6 +276,12 @@ class _PackSteps:
                              level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
                              chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
                              encoded=p.encoded, faults=repo.faults, shared=shared, scans=self.scans)
+        for scan in (self.scans or {}).values():
+            scan.checked()  # the CRC verdict, before the manifest is sealed, whether or not the writer used it
+            if not scan.unchanged():
+                raise SourceChanged("the file changed while it was being packed (replaced, rewritten or touched): "
+                                  "its tensors and its bytes may come from different versions; nothing was "
+                                  "kept -- pack it again once it is complete", where=str(scan.path))
         self.shared = shared
         self.warnings = body.pop("warnings")
         self.manifest = build_manifest(p, number, body)
@@ -361,9 +367,8 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
             try:
                 prep = _prepare(source, options, annotations, retention,
                                 zip_crc_checked=scan is not None and scan.crc_checked)
-            except CkptArchiveError:
-                if scan is not None:
-                    scan.checked()  # a record that fails its CRC is the more precise reason: it wins
+            except SourceError:
+                _crc_reason_first(scan)
                 raise
             return _pack_prepared(prep, repo, options, on_bytes, before_publish, retention,
                                   {scan.identity: scan} if scan is not None else None)
@@ -371,6 +376,19 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
             if scan is not None:
                 scan.cancel()
             raise
+
+
+def _crc_reason_first(scan) -> None:
+    """The source was unreadable: if the early scan finds a record that fails its CRC, that more precise
+    reason is raised instead (SourceError); any other outcome of the scan leaves the caller's error."""
+    if scan is None:
+        return
+    try:
+        scan.checked()
+    except SourceError:
+        raise
+    except Exception:  # noqa: BLE001 - the file's own error (being raised by the caller) stands
+        pass
 
 
 def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_bytes, before_publish, retention,

@@ -144,7 +144,8 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
             if job is None or job.kind != sf.kind:
                 if scan_pool is None:
                     scan_pool = ThreadPoolExecutor(2, thread_name_prefix="ckpt-scan")
-                job = exact_bytes.ScanJob(sf.path, sf.kind, BLAKE3, pool=scan_pool)
+                job = exact_bytes.ScanJob(sf.path, sf.kind, BLAKE3, pool=scan_pool,  # a torch zip's CRCs too
+                                          check_crc=sf.kind == "torch")
             jobs_by_file[id(sf)] = job
         tensors = _write_tensors(w, table, shared=shared)
         if shared is not None:

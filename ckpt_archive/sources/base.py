@@ -100,11 +100,14 @@ def read_source(path: str | Path, fmt: str | None = None, **options) -> SourceCh
         **options: passed to the reader (e.g. ``allow_numpy=True``).
 
     Raises:
-        SourceError: missing path, unknown format, unreadable or refused content.
+        SourceError: missing path, not a regular file or folder, unknown format, unreadable or refused
+            content.
     """
     p = Path(path)
     if not p.exists():
         raise SourceError("no such file or folder", where=str(p))
+    if not (p.is_file() or p.is_dir()):  # a FIFO would block a reader forever, a device never ends
+        raise SourceError("not a regular file or folder (a FIFO, socket or device); refused", where=str(p))
     if fmt is not None:
         if fmt not in READERS:
             raise SourceError(f"unknown format {fmt!r}; known: {', '.join(sorted(READERS))}", where=str(p))

@@ -23,7 +23,7 @@ from pathlib import Path
 from ckpt_archive.errors import SourceError
 from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
 from ckpt_archive.sources.hf import _num, optimizer_facts, scaler_facts, scheduler_facts
-from ckpt_archive.sources.torchfile import load_torch_file
+from ckpt_archive.sources.torchfile import ZIP_ERRORS, load_torch_file
 
 _MARKER = b"pytorch-lightning_version"
 _MAX_PICKLE_SCAN = 64 << 20  # bytes of data.pkl scanned for the marker during detection
@@ -43,7 +43,7 @@ def _detect(path: Path) -> bool:
         if path.suffix.lower() == ".ckpt":
             with open(path, "rb") as fh:
                 return _MARKER in fh.read(_MAX_PICKLE_SCAN)
-    except (OSError, zipfile.BadZipFile):
+    except ZIP_ERRORS:  # damaged or unsupported (encrypted, unknown method): not ours; torch-file explains why
         return False
     return False
 

@@ -20,6 +20,11 @@ from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
 _PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"}
 
 
+#: What ``zipfile`` raises for a damaged or unsupported zip: bad structure, I/O, a short read, an encrypted
+#: record (RuntimeError), an unknown compression method (NotImplementedError), bad sizes (ValueError).
+ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, RuntimeError, NotImplementedError, ValueError)
+
+
 def numpy_safe_globals() -> list:
     """The NumPy allowlist: exactly what ``torch.save`` emits for NumPy arrays, dtypes and scalars.
 
@@ -80,12 +85,15 @@ def diagnose_unreadable(path: Path, exc: BaseException | None = None) -> SourceE
             f"ckpt-archive never unpickles code from files", where=where, hint=hint)
     if head[:2] == b"PK":
         if not zipfile.is_zipfile(path):
+            # the end-of-directory record is sought in the last 64 KiB: missing there means the end of the
+            # file is gone (the usual case: an interrupted write) or something was appended after it
             return SourceError(f"truncated torch.save file ({size} bytes, the zip directory at its end "
-                               f"is missing): it looks like an interrupted write", where=where)
+                               f"is missing): it looks like an interrupted write (or bytes were appended "
+                               f"after its end)", where=where)
         try:
             with zipfile.ZipFile(path) as zf:
                 bad = zf.testzip()
-        except (zipfile.BadZipFile, OSError, EOFError) as zexc:
+        except ZIP_ERRORS as zexc:
             return SourceError(f"damaged torch.save file: {zexc}", where=where)
         if bad is not None:
             return SourceError(f"damaged torch.save file: record {bad} fails its CRC", where=where)
@@ -112,7 +120,7 @@ def check_zip_records(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as zf:
             bad = zf.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, RuntimeError, NotImplementedError, ValueError) as zexc:
+    except ZIP_ERRORS as zexc:
         raise SourceError(f"damaged torch.save file: {zexc}", where=str(path)) from None
     if bad is not None:
         raise SourceError(f"damaged torch.save file: record {bad} fails its CRC (a changed byte); refused",
