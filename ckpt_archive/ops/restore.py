@@ -129,10 +129,12 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         ids_check = check_data_ids(r, gen0.number, data_ids, allow_change=allow_data_change)
     layout = gen0.manifest["source"]["layout"]
     first0 = (gen0.manifest["source"].get("files") or [{}])[0]
-    one_pass = (layout == "file" and not only and transform is None and map_location is None
-                and bool(first0.get("exact")))
-    # exact bytes: written once, in place, from the decoded chunks (the output's size); otherwise the
-    # output plus the spill files tensors are mapped from while torch.save writes it
+    one_pass = transform is None and map_location is None and (
+        (layout == "file" and not only and bool(first0.get("exact")))
+        or ((layout == "file" or only) and first0.get("kind") != "safetensors"))
+    # exact bytes, or a torch.save file written in one pass (ops/restore_torch.py): once, in place, from the
+    # decoded chunks (the output's size); otherwise the output plus the spill files tensors are mapped from
+    # while torch.save writes it (checked again if the one-pass writer declines the state)
     _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * (1.05 if one_pass else 2.05)) + (1 << 20))
     _check_output_target(out, r, writes_folder=(layout == "folder" and not only))
     if consolidate is not None:
@@ -167,13 +169,24 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         if layout == "file" and not only and transform is None and map_location is None and first.get("exact"):
             phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
             return _restore_exact(reader, first, tmp, on_bytes)  # [issue 11] the source file byte for byte
+        src_files = gen.manifest["source"].get("files") or [{}]
+        to_torch = not (layout == "file" and not only and src_files[0].get("kind") == "safetensors")
+        if to_torch and transform is None and map_location is None:
+            from ckpt_archive.ops.restore_torch import write_torch_file
+            from ckpt_archive.repo.reader import subtree
+
+            phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
+            tree = reader.tree()
+            nbytes = write_torch_file(reader, subtree(tree, only) if only else tree, tmp, on_bytes)
+            if nbytes is not None:
+                return nbytes
+            _check_space(out, int(gen.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))
         # tensors over memory-mapped spill files next to the output: anonymous memory stays bounded
         phase(on_bytes, f"decode and check generation {gen.number}", raw)
         state = reader.load(only, map_location=map_location, spill_dir=tmp.parent, on_bytes=on_bytes)
         phase(on_bytes, f"write {out.name}", raw)  # the tensors' raw bytes: nearly all of the file
         if transform is not None:
             state = transform(state)
-        src_files = gen.manifest["source"].get("files") or [{}]
         if layout == "file" and not only and src_files[0].get("kind") == "safetensors":
             from safetensors.torch import save_file
 

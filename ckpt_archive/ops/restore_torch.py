@@ -1,0 +1,263 @@
+"""[issue 14] Restore a re-serialised ``torch.save`` file in one pass: no spill files, no second copy.
+
+A generation packed from a Python object (``ckpt_archive.pack(state)``, the in-loop Checkpointer) has no
+original file to give back byte for byte, so ``restore`` writes the state with ``torch.save``. Done
+naively that needs every tensor in memory, or (as before) decoded into spill files first: twice the
+raw size on disk. Here the file is written once, in place:
+
+1. The state is rebuilt with *fake* tensors (``torch._subclasses.FakeTensorMode``): one fake storage per
+   stored entry, every leaf a view of it with its own dtype, shape, stride and offset, so views share
+   storages exactly as in the state that was packed; plain values and NumPy arrays are real.
+2. ``torch.save`` writes it under ``torch.serialization.skip_data(materialize_fake_tensors=True)``:
+   the pickle, every record and space for every storage's bytes, at their final offsets (torch's own
+   writer: every record is what ``torch.save`` of the real state writes, but the random
+   ``.data/serialization_id`` and the pickle, which loads the same and memoises the location string
+   ``'cpu'`` less often). A pickler hook records which storage torch named ``data/<key>``.
+3. Each storage record is filled from its entry's decoded bytes (every chunk and the member's raw
+   fingerprint checked by the reader on the way; one entry in memory at a time) and its CRC-32 written
+   into the record's data descriptor and the central directory.
+
+States this path cannot reproduce exactly go the old way (``None`` is returned before anything is
+written): an ``nn.Parameter``, a conj/neg view, a tensor with Python attributes, anything whose storage
+is not one of ours or a small real one built by the tree. Sources: ``torch/serialization.py``
+(``_save``: records ``data/<key>`` in the order storages are first pickled; ``skip_data``); the zip
+format (APPNOTE.TXT 4.3.7 local header, 4.3.9 data descriptor, 4.3.12 central directory).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from ckpt_archive.errors import CkptArchiveError, IntegrityError
+from ckpt_archive.repo.reader import ArchiveReader, leaf_from_base, tensor_refs
+
+try:  # ISA-L's CRC-32 (python-isal), as the source scan uses
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - a platform without an isal wheel
+    from zlib import crc32 as _crc32
+
+_CD_MAGIC = b"PK\x01\x02"
+_DD_MAGIC = b"PK\x07\x08"
+
+
+def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=None) -> int | None:
+    """Write the state of ``tree`` (an encoded state tree of ``reader``'s generation) as a ``torch.save``
+    file at ``target`` in one pass (see the module docstring).
+
+    Args:
+        reader: the generation's reader (its chunks and fingerprints are checked as they are decoded).
+        tree: the encoded tree to write (the whole state, or a sub-tree).
+        target: the file to create (its folder must exist; an existing file is replaced).
+        on_bytes: progress callback, raw bytes decoded.
+
+    Returns:
+        bytes written, or None when the state needs the general path (nothing was written then).
+
+    Raises:
+        IntegrityError: a chunk or entry fails its check (``target`` is removed), or torch laid out a
+            record this module does not recognise.
+        OSError: the file cannot be written (``target`` is removed).
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ckpt_archive.format.state_tree import decode, torch_dtype
+
+    tensors = reader.manifest["tensors"]
+    refs = set(tensor_refs(tree))
+    if _has_tensor_attrs(tree):
+        return None
+    torch_leaves = []
+    numpy_nodes = [node for node in _nodes(tree) if node.get("$t") == "ndarray"]
+    for leaf in refs:
+        lrec = tensors.get(leaf)
+        if lrec is None:
+            raise IntegrityError(f"state tree references tensor {leaf!r}, not in the manifest",
+                                 where=reader.manifest["tree_member"])
+        if lrec["kind"] == "numpy":
+            continue
+        if lrec.get("bits") or lrec.get("parameter"):
+            return None
+        else:
+            torch_leaves.append(leaf)
+    # NumPy arrays are pickled inline by torch.save: they are decoded (and checked) for real
+    numpy_values = dict(zip((n["key"] for n in numpy_nodes), reader.load_node(numpy_nodes))) if numpy_nodes else {}
+    member_of = {}
+    entry_rec = {}
+    for m in reader.manifest["members"]:
+        if m["role"] == "tensors":
+            for key, erec in m["entries"].items():
+                member_of[key], entry_rec[key] = m, erec
+    mode = FakeTensorMode()
+    bases: dict[str, Any] = {}
+    built: dict[str, Any] = dict(numpy_values)
+    with mode:
+        for leaf in sorted(torch_leaves):
+            lrec = tensors[leaf]
+            key = lrec["entry"]
+            erec = entry_rec.get(key)
+            if erec is None:
+                raise IntegrityError(f"tensor {leaf!r} names entry {key!r}, which no tensors member holds",
+                                     where="manifest.json")
+            if key not in bases:
+                view = lrec.get("view")
+                dname = view["entry_dtype"] if view and "entry_dtype" in view else lrec["dtype"]
+                base = torch.empty(erec["shape"], dtype=torch_dtype(dname))
+                start, end = erec["data_offsets"]
+                if base.untyped_storage().nbytes() != end - start:
+                    return None  # an entry whose bytes are not one whole storage of its dtype
+                bases[key] = base
+            built[leaf] = leaf_from_base(bases[key], lrec)
+    storage_entry = {b.untyped_storage()._cdata: key for key, b in bases.items()}
+    try:
+        state = decode(tree, built.__getitem__)
+    except CkptArchiveError:
+        raise
+    except Exception:  # noqa: BLE001 - a rebuilt object that does not take a fake tensor: the general path
+        return None
+    try:
+        named = _save_skeleton(state, target)
+    except OSError:
+        target.unlink(missing_ok=True)
+        raise  # disk full, permissions: the general path would meet the same
+    except Exception:  # noqa: BLE001 - a torch without skip_data(materialize_fake_tensors) (< 2.5), or a
+        target.unlink(missing_ok=True)  # value its fake-tensor save does not take: the general path writes it
+        return None
+    try:
+        plan = []  # (record name, entry key or real storage)
+        for key, storage in named.items():
+            entry = storage_entry.get(storage._cdata)
+            if entry is None and (storage.device.type != "cpu" or type(storage) is not torch.UntypedStorage):
+                raise _Fallback()
+            plan.append((f"data/{key}", entry if entry is not None else storage))
+        size = _fill(reader, target, plan, member_of, on_bytes)
+    except _Fallback:
+        target.unlink()
+        return None
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
+    return size
+
+
+class _Fallback(Exception):
+    """The skeleton holds a storage this module cannot fill: the general path writes the file instead."""
+
+
+def _nodes(tree: Any):
+    """Every dict node of an encoded tree."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            yield node
+            stack.extend(node.values())
+
+
+def _has_tensor_attrs(tree: Any) -> bool:
+    """Whether any tensor node carries Python attributes (torch.save of a fake tensor drops them)."""
+    return any(node.get("$t") == "tensor" and node.get("attrs") for node in _nodes(tree))
+
+
+def _save_skeleton(state: Any, target: Path) -> dict:
+    """``torch.save`` of ``state`` with storages' space reserved, not written; returns ``{record key:
+    untyped storage}`` as torch's own pickler named them (``data/<key>``)."""
+    import pickle
+    import types
+
+    import torch
+
+    named: dict = {}
+
+    class Recording(pickle.Pickler):
+        def __init__(self, *args, **kwargs):
+            inner = self.persistent_id  # torch's (its subclass of this class defines it)
+
+            def persistent_id(obj):
+                pid = inner(obj)
+                if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+                    named.setdefault(pid[2], obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage)
+                                     else obj)
+                return pid
+
+            self.persistent_id = persistent_id  # read by the C pickler at __init__, before the class's
+            super().__init__(*args, **kwargs)
+
+    module = types.SimpleNamespace(Pickler=Recording, Unpickler=pickle.Unpickler, __name__="pickle")
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(state, target, pickle_module=module)
+    return named
+
+
+def _records(path: Path) -> dict[str, tuple[int, int, int, int]]:
+    """``{record name below the archive folder: (data offset, bytes, flag bits, central-directory entry
+    offset)}`` of a zip written by torch."""
+    out = {}
+    with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
+        infos = zf.infolist()
+        fh.seek(zf.start_dir)
+        cd = fh.read()
+        pos = 0
+        cd_at = {}
+        for info in infos:
+            if cd[pos:pos + 4] != _CD_MAGIC:
+                raise IntegrityError("torch.save wrote a central directory this reader does not follow",
+                                     where=str(path))
+            n, m, k = struct.unpack_from("<HHH", cd, pos + 28)
+            cd_at[info.filename] = zf.start_dir + pos
+            pos += 46 + n + m + k
+        for info in infos:
+            fh.seek(info.header_offset)
+            head = fh.read(30)
+            n, m = struct.unpack_from("<HH", head, 26)
+            out[info.filename.split("/", 1)[-1]] = (info.header_offset + 30 + n + m, info.file_size,
+                                                    info.flag_bits, cd_at[info.filename])
+    return out
+
+
+def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_bytes) -> int:
+    """Write every planned record's bytes and CRC-32; returns the file's size."""
+    records = _records(target)
+    by_entry = {}
+    real = []
+    for name, what in plan:
+        if name not in records:
+            raise IntegrityError(f"torch.save wrote no record {name}", where=str(target))
+        (by_entry.setdefault(what, []) if isinstance(what, str) else real).append(name if isinstance(what, str)
+                                                                                  else (name, what))
+    fd = os.open(target, os.O_RDWR)
+    try:
+        def put(name: str, data) -> None:
+            start, length, flags, cd_at = records[name]
+            mv = memoryview(data).cast("B")
+            if len(mv) != length:
+                raise IntegrityError(f"record {name} holds {length} bytes, its storage {len(mv)}", where=str(target))
+            if length:
+                os.pwrite(fd, mv, start)
+            crc = struct.pack("<I", _crc32(mv) & 0xFFFFFFFF)
+            if flags & 0x08:  # a data descriptor follows the data: [signature] crc, sizes
+                sig = os.pread(fd, 4, start + length)
+                os.pwrite(fd, crc, start + length + (4 if sig == _DD_MAGIC else 0))
+            os.pwrite(fd, crc, cd_at + 16)
+
+        for name, storage in real:  # storages the tree built itself (small): their bytes from memory
+            import torch
+
+            put(name, torch.empty(0, dtype=torch.uint8).set_(storage).numpy() if storage.nbytes() else b"")
+        members: dict[str, set] = {}
+        for entry in by_entry:
+            members.setdefault(member_of[entry]["path"], set()).add(entry)
+        for path, wanted in members.items():
+            rec = reader.by_path[path]
+            for key, _, buf in reader.iter_entries(rec, wanted=wanted, on_bytes=on_bytes, transient=True):
+                for name in by_entry[key]:
+                    put(name, buf)
+        os.fsync(fd)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
