@@ -175,9 +175,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             from ckpt_archive.ops.restore_torch import write_torch_file
             from ckpt_archive.repo.reader import subtree
 
-            phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
             tree = reader.tree()
-            nbytes = write_torch_file(reader, subtree(tree, only) if only else tree, tmp, on_bytes)
+            nbytes = write_torch_file(reader, subtree(tree, only) if only else tree, tmp, on_bytes,
+                                      on_start=lambda: phase(on_bytes, f"decode, check and write generation "
+                                                                       f"{gen.number}", raw))
             if nbytes is not None:
                 return nbytes
             _check_space(out, int(gen.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))

@@ -43,7 +43,7 @@ _CD_MAGIC = b"PK\x01\x02"
 _DD_MAGIC = b"PK\x07\x08"
 
 
-def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=None) -> int | None:
+def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=None, on_start=None) -> int | None:
     """Write the state of ``tree`` (an encoded state tree of ``reader``'s generation) as a ``torch.save``
     file at ``target`` in one pass (see the module docstring).
 
@@ -52,6 +52,7 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
         tree: the encoded tree to write (the whole state, or a sub-tree).
         target: the file to create (its folder must exist; an existing file is replaced).
         on_bytes: progress callback, raw bytes decoded.
+        on_start: called once the state is taken (nothing is declined after it), before any entry is decoded.
 
     Returns:
         bytes written, or None when the state needs the general path (nothing was written then).
@@ -133,6 +134,8 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
             if entry is None and (storage.device.type != "cpu" or type(storage) is not torch.UntypedStorage):
                 raise _Fallback()
             plan.append((f"data/{key}", entry if entry is not None else storage))
+        if on_start is not None:
+            on_start()
         size = _fill(reader, target, plan, member_of, on_bytes)
     except _Fallback:
         target.unlink()
