@@ -186,3 +186,72 @@ def test_the_output_is_not_larger_than_its_need(tmp_path, monkeypatch):
     restore(tmp_path / "r", output=tmp_path / "out.pt")
     assert seen and all(not any("spill" in n for n in names) for names in seen)
     assert Path(tmp_path / "out.pt").stat().st_size < 256 * 256 * 4 + 4096
+
+
+def test_views_of_one_storage_as_two_dtypes_are_declined_and_refused_clearly(tmp_path):
+    """The one-pass writer once wrote such a state with exit 0 and one view reinterpreted (an int32 view
+    came back for a float16 one); torch.save refuses it, so restore must say so, not write it or crash."""
+    from ckpt_archive.errors import CannotCheck
+
+    f = torch.arange(16.0)
+    ckpt_archive.pack({"i": f.view(torch.int32)[2:], "h": f.view(torch.float16)[3:9]}, tmp_path / "r")
+    with pytest.raises(CannotCheck, match="torch.save cannot write this state"):
+        restore(tmp_path / "r", output=tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.pt")]
+
+
+def test_a_storage_kept_as_a_value_comes_back_on_the_cpu_with_its_bytes(tmp_path):
+    """A fake-tensor save would write it on the meta device, without data: it goes the general way."""
+    ckpt_archive.pack({"s": torch.arange(5.0).untyped_storage(), "w": torch.ones(3)}, tmp_path / "r")
+    restore(tmp_path / "r", output=tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert got["s"].device.type == "cpu" and bytes(got["s"]) == bytes(torch.arange(5.0).untyped_storage())
+
+
+@pytest.mark.parametrize("kind", ["coo", "csr"])
+def test_sparse_tensors_restore_by_the_general_path_without_noise(tmp_path, kind):
+    """A sparse COO state once failed to restore (a rebuild error on fake parts was raised, not declined);
+    a CSR one printed torch's fake-tensor traceback before succeeding."""
+    import subprocess
+    import sys
+
+    t = torch.eye(4).to_sparse() if kind == "coo" else torch.eye(4).to_sparse_csr()
+    ckpt_archive.pack({"s": t}, tmp_path / "r")
+    res = subprocess.run([sys.executable, "-m", "ckpt_archive", "restore", str(tmp_path / "r"), "--output",
+                          str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["s"].to_dense(), torch.eye(4))
+
+
+def test_a_short_write_is_never_taken_for_a_whole_one(tmp_path, monkeypatch):
+    """On a full file system pwrite may write short without raising: the rest of a record was once left as
+    zeros under a CRC of the intended bytes, exit 0. Now every byte is written or the restore fails."""
+    import errno
+    import os
+
+    from ckpt_archive.format.exact_bytes import pwrite_all
+
+    real = os.pwrite
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    monkeypatch.setattr(os, "pwrite", lambda f, data, off: real(f, memoryview(data)[:3], off))
+    pwrite_all(fd, b"0123456789", 0)  # three bytes at a time, all of them in the end
+    assert os.pread(fd, 10, 0) == b"0123456789"
+    monkeypatch.setattr(os, "pwrite", lambda f, data, off: 0)
+    with pytest.raises(OSError) as exc:
+        pwrite_all(fd, b"x", 0)
+    assert exc.value.errno == errno.ENOSPC
+    os.close(fd)
+    monkeypatch.undo()
+    ckpt_archive.pack({"w": torch.randn(4096)}, tmp_path / "r")
+    budget = [10000]  # less than the 16 KiB tensor record
+
+    def full_disk(f, data, off):  # the disk fills up part-way through the tensor record
+        n = min(len(memoryview(data).cast("B")), budget[0])
+        budget[0] -= n
+        return real(f, memoryview(data).cast("B")[:n], off) if n else 0
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    with pytest.raises((OSError, ckpt_archive.errors.CkptArchiveError)):
+        restore(tmp_path / "r", output=tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()

@@ -142,13 +142,30 @@ def scan(path: Path, kind: str, alg: str = "blake3") -> tuple[list[tuple[int, in
 
 
 def file_identity(path: Path) -> tuple | None:
-    """What says two paths name the same, unchanged file: ``(device, inode, size, mtime ns)``; None when it
-    cannot be read."""
+    """What says two paths name the same, unchanged file: ``(device, inode, size, mtime ns, ctime ns)``
+    (the ctime moves on every write even when a tool puts the mtime back, as ``rsync --inplace -t``
+    does); None when it cannot be read."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """``os.pwrite`` until every byte is written (a full file system may write short without an error).
+
+    Raises:
+        OSError: ENOSPC when nothing more can be written, or what the write raised.
+    """
+    import errno
+
+    mv = memoryview(data).cast("B")
+    while len(mv):
+        n = os.pwrite(fd, mv, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "no space left on device (short write)")
+        mv, offset = mv[n:], offset + n
 
 
 def early_scan(path: Any, pool: ThreadPoolExecutor) -> "ScanJob | None":
@@ -375,7 +392,7 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes], entry_bytes: 
                 if gi == len(gaps):
                     raise IntegrityError("skeleton is longer than the file it belongs to", where=record["relpath"])
                 take = min(len(mv), gaps[gi][1] - written_in_gap)
-                os.pwrite(fd, mv[:take], gaps[gi][0] + written_in_gap)
+                pwrite_all(fd, mv[:take], gaps[gi][0] + written_in_gap)
                 written_in_gap += take
                 mv = mv[take:]
         while gi < len(gaps) and written_in_gap == gaps[gi][1]:
@@ -389,7 +406,7 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes], entry_bytes: 
                 if len(mv) != length:
                     raise IntegrityError(f"entry {key} has {len(mv)} bytes, the segment {length}",
                                          where=record["relpath"])
-                os.pwrite(fd, mv, start)
+                pwrite_all(fd, mv, start)
             seen.add(key)
         if seen != set(by_key):
             raise IntegrityError(f"entries missing for the exact bytes: {sorted(set(by_key) - seen)[:5]}",

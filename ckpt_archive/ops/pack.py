@@ -272,16 +272,17 @@ class _PackSteps:
             gens, self.generations = self.generations, None
             shared = SharedWriter(repo.store, ObjectIndex.build(repo, gens), min_bytes=o.share_min_bytes,
                                   faults=repo.faults, distrust=self.distrust)
-        body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
-                             level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
-                             chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
-                             encoded=p.encoded, faults=repo.faults, shared=shared, scans=self.scans)
-        for scan in (self.scans or {}).values():
-            scan.checked()  # the CRC verdict, before the manifest is sealed, whether or not the writer used it
-            if not scan.unchanged():
-                raise SourceChanged("the file changed while it was being packed (replaced, rewritten or touched): "
-                                  "its tensors and its bytes may come from different versions; nothing was "
-                                  "kept -- pack it again once it is complete", where=str(scan.path))
+        try:
+            body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
+                                 level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
+                                 chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
+                                 encoded=p.encoded, faults=repo.faults, shared=shared, scans=self.scans)
+            for scan in (self.scans or {}).values():
+                scan.checked()  # the CRC verdict, before the manifest is sealed, whether the writer used it or not
+        except (CkptArchiveError, OSError):
+            _raise_if_changed(self.scans)  # a file rewritten under the reads: that is the reason, not its symptom
+            raise
+        _raise_if_changed(self.scans)
         self.shared = shared
         self.warnings = body.pop("warnings")
         self.manifest = build_manifest(p, number, body)
@@ -368,6 +369,7 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
                 prep = _prepare(source, options, annotations, retention,
                                 zip_crc_checked=scan is not None and scan.crc_checked)
             except SourceError:
+                _raise_if_changed({0: scan} if scan is not None else None)
                 _crc_reason_first(scan)
                 raise
             return _pack_prepared(prep, repo, options, on_bytes, before_publish, retention,
@@ -376,6 +378,15 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
             if scan is not None:
                 scan.cancel()
             raise
+
+
+def _raise_if_changed(scans: dict | None) -> None:
+    """SourceChanged when a source file the pack read is no longer the file its read began on."""
+    for scan in (scans or {}).values():
+        if not scan.unchanged():
+            raise SourceChanged("the file changed while it was being packed (replaced, rewritten or touched): "
+                                "its tensors and its bytes may come from different versions; nothing was "
+                                "kept -- pack it again once it is complete", where=str(scan.path))
 
 
 def _crc_reason_first(scan) -> None:

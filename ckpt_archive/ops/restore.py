@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ckpt_archive.errors import InsufficientSpace, IntegrityError, OutputExists, UsageError
+from ckpt_archive.errors import CannotCheck, InsufficientSpace, IntegrityError, OutputExists, UsageError
 from ckpt_archive.format.paths import inside
 from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick, refuse_unusable
 from ckpt_archive.ops.load import with_fallback
@@ -198,11 +198,18 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             return tmp.stat().st_size
         import torch  # only when re-serialising: the exact-bytes path above never imports it
 
-        if on_bytes:
-            with open(tmp, "wb") as fh:
-                torch.save(state, _Counted(fh, on_bytes))
-        else:
-            torch.save(state, tmp)
+        try:
+            if on_bytes:
+                with open(tmp, "wb") as fh:
+                    torch.save(state, _Counted(fh, on_bytes))
+            else:
+                torch.save(state, tmp)
+        except RuntimeError as exc:  # a state torch.save itself refuses (views of one storage as two dtypes)
+            tmp.unlink(missing_ok=True)
+            first = (str(exc).strip().splitlines() or ["?"])[0][:300]
+            raise CannotCheck(f"torch.save cannot write this state as a .pt file: {first}", where=str(out),
+                              hint="ckpt_archive.load(...) rebuilds it in memory; --only restores a part of it "
+                                   "as a .pt") from None
         _fsync_file(tmp)
         return tmp.stat().st_size
 

@@ -18,8 +18,9 @@ raw size on disk. Here the file is written once, in place:
    into the record's data descriptor and the central directory.
 
 States this path cannot reproduce exactly go the old way (``None`` is returned before anything is
-written): an ``nn.Parameter``, a conj/neg view, a tensor with Python attributes, anything whose storage
-is not one of ours or a small real one built by the tree. Sources: ``torch/serialization.py``
+written): an ``nn.Parameter``, a conj/neg view, a tensor with Python attributes, a sparse, quantized,
+nested or meta tensor, a storage kept as a value, views of one storage as different dtypes, anything
+whose storage is not one of ours or a small real one built by the tree. Sources: ``torch/serialization.py``
 (``_save``: records ``data/<key>`` in the order storages are first pickled; ``skip_data``); the zip
 format (APPNOTE.TXT 4.3.7 local header, 4.3.9 data descriptor, 4.3.12 central directory).
 """
@@ -31,7 +32,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from ckpt_archive.errors import CkptArchiveError, IntegrityError
+from ckpt_archive.errors import IntegrityError
+from ckpt_archive.format.exact_bytes import pwrite_all
 from ckpt_archive.repo.reader import ArchiveReader, leaf_from_base, tensor_refs
 
 try:  # ISA-L's CRC-32 (python-isal), as the source scan uses
@@ -69,7 +71,7 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
 
     tensors = reader.manifest["tensors"]
     refs = set(tensor_refs(tree))
-    if _has_tensor_attrs(tree):
+    if any(_declined(node) for node in _nodes(tree)):
         return None
     torch_leaves = []
     numpy_nodes = [node for node in _nodes(tree) if node.get("$t") == "ndarray"]
@@ -84,6 +86,11 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
             return None
         else:
             torch_leaves.append(leaf)
+    dtypes: dict[str, set] = {}
+    for leaf in torch_leaves:
+        dtypes.setdefault(tensors[leaf]["entry"], set()).add(tensors[leaf]["dtype"])
+    if any(len(d) > 1 for d in dtypes.values()):
+        return None  # views of one storage as different dtypes: torch.save refuses such a state itself
     # NumPy arrays are pickled inline by torch.save: they are decoded (and checked) for real
     numpy_values = dict(zip((n["key"] for n in numpy_nodes), reader.load_node(numpy_nodes))) if numpy_nodes else {}
     member_of = {}
@@ -115,10 +122,8 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
     storage_entry = {b.untyped_storage()._cdata: key for key, b in bases.items()}
     try:
         state = decode(tree, built.__getitem__)
-    except CkptArchiveError:
-        raise
-    except Exception:  # noqa: BLE001 - a rebuilt object that does not take a fake tensor: the general path
-        return None
+    except Exception:  # noqa: BLE001 - an object that does not take a fake tensor: the general path decodes
+        return None  # it for real (and raises the same error there if the tree itself is at fault)
     try:
         named = _save_skeleton(state, target)
     except OSError:
@@ -162,9 +167,12 @@ def _nodes(tree: Any):
             stack.extend(node.values())
 
 
-def _has_tensor_attrs(tree: Any) -> bool:
-    """Whether any tensor node carries Python attributes (torch.save of a fake tensor drops them)."""
-    return any(node.get("$t") == "tensor" and node.get("attrs") for node in _nodes(tree))
+def _declined(node: dict) -> bool:
+    """Nodes a fake-tensor save cannot reproduce: a tensor with Python attributes (dropped), a tensor
+    rebuilt by a function (sparse, quantized, nested, meta: built from real parts), a storage kept as a
+    value (it would be written on the meta device)."""
+    tag = node.get("$t")
+    return (tag == "tensor" and bool(node.get("attrs"))) or tag in ("rebuild", "storage")
 
 
 def _save_skeleton(state: Any, target: Path) -> dict:
@@ -240,13 +248,12 @@ def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_b
             mv = memoryview(data).cast("B")
             if len(mv) != length:
                 raise IntegrityError(f"record {name} holds {length} bytes, its storage {len(mv)}", where=str(target))
-            if length:
-                os.pwrite(fd, mv, start)
+            pwrite_all(fd, mv, start)
             crc = struct.pack("<I", _crc32(mv) & 0xFFFFFFFF)
             if flags & 0x08:  # a data descriptor follows the data: [signature] crc, sizes
                 sig = os.pread(fd, 4, start + length)
-                os.pwrite(fd, crc, start + length + (4 if sig == _DD_MAGIC else 0))
-            os.pwrite(fd, crc, cd_at + 16)
+                pwrite_all(fd, crc, start + length + (4 if sig == _DD_MAGIC else 0))
+            pwrite_all(fd, crc, cd_at + 16)
 
         for name, storage in real:  # storages the tree built itself (small): their bytes from memory
             import torch

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import zipfile
+import zlib
 from pathlib import Path
 
 from ckpt_archive.errors import RefusedPickle, SourceError
@@ -21,8 +22,9 @@ _PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"}
 
 
 #: What ``zipfile`` raises for a damaged or unsupported zip: bad structure, I/O, a short read, an encrypted
-#: record (RuntimeError), an unknown compression method (NotImplementedError), bad sizes (ValueError).
-ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, RuntimeError, NotImplementedError, ValueError)
+#: record (RuntimeError), an unknown compression method (NotImplementedError), bad sizes (ValueError), a
+#: record marked deflated that does not inflate (zlib.error).
+ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, RuntimeError, NotImplementedError, ValueError, zlib.error)
 
 
 def numpy_safe_globals() -> list:
@@ -127,6 +129,15 @@ def check_zip_records(path: Path) -> None:
                           where=str(path))
 
 
+def _all_stored(path: Path) -> bool:
+    """Whether every record of a zip is stored uncompressed (False when it cannot be read)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
+    except ZIP_ERRORS:
+        return False
+
+
 def _first_line(msg: str) -> str:
     msg = re.sub(r"\x1b\[[0-9;]*m", "", msg)
     for line in msg.splitlines():
@@ -169,7 +180,8 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True,
 
     extra = (numpy_safe_globals() if allow_numpy else []) + list(current_allowed().values())
     ctx = torch.serialization.safe_globals(extra) if extra else contextlib.nullcontext()
-    use_mmap = mmap and zipfile.is_zipfile(path)
+    # torch maps only records stored uncompressed (what torch.save writes); a re-zipped, deflated file is read
+    use_mmap = mmap and zipfile.is_zipfile(path) and _all_stored(path)
     if check_crc and (use_mmap or zipfile.is_zipfile(path)):
         check_zip_records(path)  # torch.load does not check CRCs: a flipped byte would load silently
     try:
