@@ -522,23 +522,25 @@ def encode_value(value: Any) -> Any:
     return tree
 
 
-def walk_refs(tree: Any):
-    """Yield every tensor/ndarray key referenced by an encoded tree (for reference checks)."""
+def iter_nodes(tree: Any):
+    """Yield every dict node of an encoded tree (depth first; a tensor node's ``attrs`` included)."""
     stack = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
-            if node.get("$t") in ("tensor", "ndarray"):
-                if not isinstance(node.get("key"), str):  # [issue 17] hostile until checked
-                    raise FormatError(f"malformed {node.get('$t')} node (no string 'key')")
-                yield node["key"]
-                stack.extend((node.get("attrs") or {}).values())
-            elif "$t" in node:
-                stack.extend(v for k, v in node.items() if k != "$t")
-            else:
-                stack.extend(node.values())
+            yield node
+            stack.extend(v for k, v in node.items() if k != "$t")
+
+
+def walk_refs(tree: Any):
+    """Yield every tensor/ndarray key referenced by an encoded tree (for reference checks)."""
+    for node in iter_nodes(tree):
+        if node.get("$t") in ("tensor", "ndarray"):
+            if not isinstance(node.get("key"), str):  # [issue 17] hostile until checked
+                raise FormatError(f"malformed {node.get('$t')} node (no string 'key')")
+            yield node["key"]
 
 
 def shared_nodes(tree: Any) -> dict[int, dict]:

@@ -67,14 +67,14 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ckpt_archive.format.state_tree import decode, torch_dtype
+    from ckpt_archive.format.state_tree import decode, iter_nodes, torch_dtype
 
     tensors = reader.manifest["tensors"]
     refs = set(tensor_refs(tree))
-    if any(_declined(node) for node in _nodes(tree)):
+    if any(_declined(node) for node in iter_nodes(tree)):
         return None
     torch_leaves = []
-    numpy_nodes = [node for node in _nodes(tree) if node.get("$t") == "ndarray"]
+    numpy_nodes = [node for node in iter_nodes(tree) if node.get("$t") == "ndarray"]
     for leaf in refs:
         lrec = tensors.get(leaf)
         if lrec is None:
@@ -153,18 +153,6 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
 
 class _Fallback(Exception):
     """The skeleton holds a storage this module cannot fill: the general path writes the file instead."""
-
-
-def _nodes(tree: Any):
-    """Every dict node of an encoded tree."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            yield node
-            stack.extend(node.values())
 
 
 def _declined(node: dict) -> bool:
