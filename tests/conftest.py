@@ -1,7 +1,19 @@
 """Shared pytest hooks. Keep each section small and marked with who uses it."""
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
+
+# --- the user cache (validated manifests, remote-repository locks) --------------------------------
+# Tests (and the CLI processes they start, which inherit the environment) use a cache of their own, so a
+# run neither reads verdicts an earlier run left in ~/.cache nor leaves thousands behind there.
+_CACHE = tempfile.mkdtemp(prefix="ckpt-archive-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 # --- fault-injection tally (tests/test_faults.py) ------------------------------------------------
 # test_faults.py records every injection point it tried and whether the repository survived it; the

@@ -6,6 +6,7 @@ deleted outside the repository and the target, and memory bounded.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import zipfile
@@ -818,3 +819,52 @@ def test_a_socket_where_a_marker_should_be_makes_that_generation_damaged_not_the
         assert res.exit_code == 0, res.output
     finally:
         sock.close()
+
+
+# --- the schema verdict remembered in the user's cache (format/manifest.py) ------------------------------
+def test_a_remembered_schema_verdict_skips_only_the_schema_pass(tmp_path, monkeypatch):
+    """Manifest bytes that passed their schema once are not validated again in a later process (0.8 s for
+    a 70 GB state's chunk table, per generation, per command); the path and size checks still run, and a
+    marker planted for hostile bytes cannot make them pass those."""
+    from ckpt_archive.format import manifest as M
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ckpt_archive.pack({"w": torch.ones(3)}, tmp_path / "r")
+    raw = (gen_dir(tmp_path / "r") / "manifest.json").read_bytes()
+    M._PASSED.clear()  # a fresh process, as far as the in-memory verdicts go
+    calls = []
+    real = M.validate
+    monkeypatch.setattr(M, "validate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    M.parse(raw)
+    assert calls == []  # pack recorded its verdict at seal
+    # hostile bytes with a planted verdict: the schema pass is skipped, the path check is not
+    doc = json.loads(raw)
+    doc["members"][0]["stored_path"] = "../../escape"
+    bad = json.dumps(doc).encode()
+    M._mark_validated(hashlib.sha256(bad).digest(), M.SCHEMAS[doc["format_version"]])
+    with pytest.raises(UnsafePath):
+        M.parse(bad)
+    # another schema (or tool version) never reuses a verdict
+    assert M._validated_marker(b"\x00" * 32, "manifest.v2.schema.json").parent.parent != \
+        M._validated_marker(b"\x00" * 32, "manifest.v3.schema.json").parent.parent
+
+
+def test_no_cache_means_every_manifest_is_validated(tmp_path, monkeypatch):
+    from ckpt_archive.format import manifest as M
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ckpt_archive.pack({"w": torch.ones(3)}, tmp_path / "r")
+    raw = (gen_dir(tmp_path / "r") / "manifest.json").read_bytes()
+    monkeypatch.setenv("CKPT_ARCHIVE_NO_CACHE", "1")
+    M._PASSED.clear()
+    calls = []
+    real = M.validate
+    monkeypatch.setattr(M, "validate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    M.parse(raw)
+    assert calls == [1]
+    # an unwritable cache is not an error either
+    monkeypatch.delenv("CKPT_ARCHIVE_NO_CACHE")
+    (tmp_path / "ro").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro"))
+    M._PASSED.clear()
+    M.parse(raw)

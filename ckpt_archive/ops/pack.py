@@ -19,7 +19,7 @@ from ckpt_archive import __version__
 from ckpt_archive.errors import CkptArchiveError, SourceChanged, SourceError, StoreError, UsageError
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from ckpt_archive.format.exact_bytes import early_scan
-from ckpt_archive.format.manifest import FORMAT, dumps, validate, version_for
+from ckpt_archive.format.manifest import FORMAT, dumps, remember_validated, validate, version_for
 from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
 from ckpt_archive.format.metrics import metrics_to_json
 from ckpt_archive.ops.common import RepoLike, open_repo
@@ -291,6 +291,7 @@ class _PackSteps:
         key = gen_key(number)
         validate(self.manifest, where=f"{key}/{MANIFEST}")
         raw = dumps(self.manifest)
+        remember_validated(raw, self.manifest["format_version"])  # its readers skip the schema pass
         repo.store.write_bytes_once(f"{key}/{MANIFEST}", raw)
         return self.manifest, raw
 
