@@ -868,3 +868,55 @@ def test_no_cache_means_every_manifest_is_validated(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro"))
     M._PASSED.clear()
     M.parse(raw)
+
+
+def test_a_nan_epoch_packs_into_a_manifest_every_reader_accepts(tmp_path, monkeypatch):
+    """A float epoch NaN taken from a checkpoint was written as a tagged object the schema refuses: pack
+    said usable while every later read called the generation damaged -- and with the verdict cache,
+    pack's remembered verdict (given to the dict, not to the bytes) made reads crash instead."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    p = tmp_path / "c.pt"
+    torch.save({"w": torch.ones(2), "epoch": float("nan")}, p)
+    assert cli("pack", p, "--repo", tmp_path / "r").exit_code == 0
+    for env in ({}, {"CKPT_ARCHIVE_NO_CACHE": "1"}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        from ckpt_archive.format import manifest as M
+
+        M._PASSED.clear()
+        res = cli("verify", tmp_path / "r")
+        assert res.exit_code == 0, (env, res.stderr)
+        assert cli("inspect", f"{tmp_path / 'r'}@1").exit_code == 0
+
+
+def test_seal_checks_the_bytes_it_writes_not_the_dict(tmp_path):
+    """The verdict remembered at seal must be the verdict of the bytes: a value strict JSON rewrites (NaN in
+    a field whose schema wants a number) is refused at seal, before anything is published."""
+    from ckpt_archive.errors import ManifestInvalid
+    from ckpt_archive.format import manifest as M
+
+    ckpt_archive.pack({"w": torch.ones(3)}, tmp_path / "r")
+    doc = json.loads((gen_dir(tmp_path / "r") / "manifest.json").read_bytes())
+    doc["progress"]["epoch"] = float("nan")
+    with pytest.raises(ManifestInvalid):
+        M.seal_bytes(doc)
+
+
+def test_a_relative_cache_home_is_ignored_so_an_archive_cannot_vouch_for_itself(tmp_path, monkeypatch):
+    """With XDG_CACHE_HOME=. run inside a repository, verdict markers shipped in the archive were honoured
+    (the XDG spec says to ignore a relative value); a marker path that is a link is no verdict either."""
+    from ckpt_archive.format import manifest as M
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", ".")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    marker = M._validated_marker(b"\x01" * 32, "manifest.v3.schema.json")
+    assert marker.is_absolute() and str(marker).startswith(str(tmp_path / "home" / ".cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    marker = M._validated_marker(b"\x02" * 32, "manifest.v3.schema.json")
+    marker.parent.mkdir(parents=True)
+    target = tmp_path / "elsewhere"
+    os.symlink(target, marker)  # a dangling link where the marker goes
+    M._mark_validated(b"\x02" * 32, "manifest.v3.schema.json")
+    assert not target.exists()  # nothing written through it
+    assert not M._validated_before(b"\x02" * 32, "manifest.v3.schema.json")

@@ -100,8 +100,9 @@ def _validated_marker(digest: bytes, schema_name: str):
 
     if os.environ.get("CKPT_ARCHIVE_NO_CACHE"):
         return None
-    try:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    xdg = os.environ.get("XDG_CACHE_HOME") or ""
+    try:  # a relative XDG_CACHE_HOME is ignored (XDG Base Directory spec): it could name a repository
+        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
     except RuntimeError:  # no home directory
         return None
     hexd = digest.hex()
@@ -110,36 +111,61 @@ def _validated_marker(digest: bytes, schema_name: str):
 
 @functools.lru_cache(maxsize=None)
 def _schema_key(schema_name: str) -> str:
+    """The schema's bytes, this tool's version, and what decides a verdict in the validator: jsonschema's
+    version and whether its ``date-time`` checker can run (it needs ``rfc3339-validator``) -- looked up
+    without importing jsonschema, which a remembered verdict saves."""
+    import importlib.metadata
+    import importlib.util
+
     from ckpt_archive import __version__
 
+    try:
+        validator = importlib.metadata.version("jsonschema")
+    except importlib.metadata.PackageNotFoundError:
+        validator = "?"
+    checker = importlib.util.find_spec("rfc3339_validator") is not None
     raw = resources.files("ckpt_archive").joinpath("schemas", schema_name).read_bytes()
-    return hashlib.sha256(raw + b"\0" + __version__.encode()).hexdigest()[:16]
+    return hashlib.sha256(b"\0".join([raw, __version__.encode(), validator.encode(), str(checker).encode()])
+                          ).hexdigest()[:16]
 
 
 def _validated_before(digest: bytes, schema_name: str) -> bool:
+    import os
+    import stat
+
     marker = _validated_marker(digest, schema_name)
     try:
-        return marker is not None and marker.is_file()
+        return marker is not None and stat.S_ISREG(os.lstat(marker).st_mode)  # a link is no verdict
     except OSError:
         return False
 
 
-def remember_validated(data: bytes, version: int) -> None:
-    """Record that manifest bytes of format ``version`` passed their schema (best effort: a cache that
-    cannot be written is simply not used). Pack calls it for the manifest it validated at seal, so the
-    reads that follow (trial reload, verify, list) skip the schema pass -- ~45 µs per chunk of a chunk
-    table, 0.8 s for a 70 GB state's manifest, once per generation per process before."""
-    _mark_validated(hashlib.sha256(data).digest(), SCHEMAS.get(version, SCHEMAS[FORMAT_VERSION]))
+def seal_bytes(doc: dict, *, where: str = "manifest.json") -> bytes:
+    """The bytes of a new manifest, checked against its schema *as those bytes read back* (strict JSON
+    writes a NaN as a tagged object, which a reader's schema pass would refuse), and their verdict
+    remembered for the reads that follow (trial reload, verify, list: ~45 µs per chunk-table row saved).
+
+    Raises:
+        ManifestInvalid: the bytes break the schema (nothing is written; the caller refuses the generation).
+        FormatError: not strict JSON.
+    """
+    raw = dumps(doc)
+    schema_name = SCHEMAS.get(doc.get("format_version"), SCHEMAS[FORMAT_VERSION])
+    validate(jsonio.loads(raw, where=where), where=where, schema_name=schema_name)
+    _mark_validated(hashlib.sha256(raw).digest(), schema_name)
+    return raw
 
 
 def _mark_validated(digest: bytes, schema_name: str) -> None:
     marker = _validated_marker(digest, schema_name)
     if marker is None:
         return
+    import os
+
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    except OSError:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644))
+    except OSError:  # unwritable, or a link where the marker goes (never written through)
         pass
 
 

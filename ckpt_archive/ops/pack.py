@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from ckpt_archive import __version__
 from ckpt_archive.errors import CkptArchiveError, SourceChanged, SourceError, StoreError, UsageError
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from ckpt_archive.format.exact_bytes import early_scan
-from ckpt_archive.format.manifest import FORMAT, dumps, remember_validated, validate, version_for
+from ckpt_archive.format.manifest import FORMAT, seal_bytes, version_for
 from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
 from ckpt_archive.format.metrics import metrics_to_json
 from ckpt_archive.ops.common import RepoLike, open_repo
@@ -192,6 +193,9 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
     given = {k: v for k, v in (notes.progress or {}).items() if v is not None}
     prog = {**found, **(source.progress or {}), **given}
     prog = {k: prog.get(k) for k in ("step", "epoch", "cursor")}
+    # a NaN or infinite counter (a float epoch taken from a checkpoint) says nothing, and strict JSON can
+    # only write it as a tagged object, which the manifest schema refuses: it is left out
+    prog = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in prog.items()}
     if options.level is not None and not -7 <= int(options.level) <= 22:
         raise UsageError(f"zstd level must be between -7 and 22, not {options.level}")
     if options.jobs is not None and int(options.jobs) < 1:
@@ -289,9 +293,7 @@ class _PackSteps:
 
     def seal(self, repo: Repository, number: int) -> tuple[dict, bytes]:
         key = gen_key(number)
-        validate(self.manifest, where=f"{key}/{MANIFEST}")
-        raw = dumps(self.manifest)
-        remember_validated(raw, self.manifest["format_version"])  # its readers skip the schema pass
+        raw = seal_bytes(self.manifest, where=f"{key}/{MANIFEST}")  # checked as read back; verdict remembered
         repo.store.write_bytes_once(f"{key}/{MANIFEST}", raw)
         return self.manifest, raw
 

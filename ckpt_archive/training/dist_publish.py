@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 
 from ckpt_archive.errors import CannotCheck, CkptArchiveError, StoreError
-from ckpt_archive.format.manifest import dumps, remember_validated, validate
+from ckpt_archive.format.manifest import seal_bytes
 from ckpt_archive.repo.publish import PACK_POINTS, Lifecycle
 from ckpt_archive.repo.reader import Problem
 from ckpt_archive.repo.repository import MANIFEST, gen_key, host_record, iso, raise_if_problems, utcnow
@@ -75,9 +75,7 @@ class _DistSteps:
 
     def seal(self, repo, number: int):
         key = gen_key(number)
-        validate(self.manifest, where=f"{key}/{MANIFEST}")
-        raw = dumps(self.manifest)
-        remember_validated(raw, self.manifest["format_version"])  # its readers skip the schema pass
+        raw = seal_bytes(self.manifest, where=f"{key}/{MANIFEST}")  # checked as read back; verdict remembered
         repo.store.write_bytes_once(f"{key}/{MANIFEST}", raw)
         return self.manifest, raw
 
