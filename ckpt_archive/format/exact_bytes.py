@@ -27,6 +27,7 @@ import os
 import struct
 import threading
 import zipfile
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -34,10 +35,16 @@ from typing import Any, Callable, Iterator
 from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.errors import IntegrityError
 
-try:  # ISA-L's CRC-32 (python-isal): ~5x zlib's here; the same checksum (tests/test_exact_bytes.py)
-    from isal.isal_zlib import crc32 as _crc32
+try:  # ISA-L's CRC-32 (python-isal): ~5x zlib's here; the same checksum (zlib.crc32's signature)
+    from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - a platform without an isal wheel
-    from zlib import crc32 as _crc32
+    from zlib import crc32
+
+#: What reading a damaged or unsupported zip raises: bad structure, I/O, a short read, a bad header field
+#: (struct.error), an encrypted record (RuntimeError), an unknown compression method (NotImplementedError),
+#: bad sizes (ValueError), a record marked deflated that does not inflate (zlib.error).
+ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, struct.error, RuntimeError, NotImplementedError, ValueError,
+              zlib.error)
 
 READ_BYTES = 8 << 20
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
@@ -58,9 +65,9 @@ def candidate_ranges(path: Path, kind: str) -> list[tuple[int, int]]:
         if kind == "safetensors":
             return _safetensors_ranges(path)
         if kind == "torch" and zipfile.is_zipfile(path):
-            return _disjoint([(start, length) for start, length, _, name, stored in _zip_records(path)
+            return _disjoint([(start, length) for start, length, _, name, stored in zip_records(path)
                               if stored and length and _is_tensor_record(name)])
-    except (OSError, ValueError, zipfile.BadZipFile, struct.error):
+    except ZIP_ERRORS:
         return []
     return []
 
@@ -70,7 +77,7 @@ def _is_tensor_record(name: str) -> bool:
     return len(parts) >= 3 and parts[-2] == "data"
 
 
-def _zip_records(path: Path) -> list[tuple[int, int, int, str, bool]]:
+def zip_records(path: Path) -> list[tuple[int, int, int, str, bool]]:
     """Every record of a zip file: ``(data offset, stored length, CRC-32 from the central directory, name,
     stored uncompressed)``, in central-directory order; the data offset comes from the record's own local
     header (its extra field may differ from the central directory's).
@@ -131,16 +138,6 @@ def _disjoint(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def scan(path: Path, kind: str, alg: str = "blake3") -> tuple[list[tuple[int, int, str]], str]:
-    """The fingerprint (``alg``) of every candidate range and the sha256 of the whole file
-    (:class:`ScanJob` run to completion on this thread's pool of two).
-
-    Returns:
-        (``[(offset, length, "<alg>:<hex>")]`` for each candidate range read whole, sha256 hex of the file).
-    """
-    return _scan(Path(path), kind, alg, False)
-
-
 def file_identity(path: Path) -> tuple | None:
     """What says two paths name the same, unchanged file: ``(device, inode, size, mtime ns, ctime ns)``
     (the ctime moves on every write even when a tool puts the mtime back, as ``rsync --inplace -t``
@@ -188,9 +185,9 @@ def early_scan(path: Any, pool: ThreadPoolExecutor) -> "ScanJob | None":
 class ScanJob:
     """[issue 14] The one read of a source file that pack needs, started as early as possible on ``pool``:
     the whole file's sha256, every candidate range's fingerprint and (``check_crc``) every zip record's
-    CRC-32, all three taken from each 1 MiB piece while it is in the CPU cache (0.8 ns/B here, against
-    1.1 ns/B for the same hashes in separate reads: sha256 alone runs at 0.5 ns/B from cache and 0.85 ns/B
-    from memory). The hashes release the GIL, so the read overlaps ``import torch`` and ``torch.load``.
+    CRC-32, all three taken from each 1 MiB piece while it is in the CPU cache (0.8-0.9 ns/B here with the
+    read, against 1.1 ns/B for the same hashes in separate reads: sha256 alone runs at 0.5 ns/B from cache
+    and 0.85 ns/B from memory). The hashes release the GIL, so the read overlaps ``import torch`` and ``torch.load``.
 
     Args:
         path: the source file. kind: ``"torch"`` or ``"safetensors"`` (:func:`candidate_ranges`).
@@ -224,8 +221,8 @@ class ScanJob:
         return self._read.result()
 
     def unchanged(self) -> bool:
-        """Whether the path still names the file the read started on, unchanged (inode, size, mtime): a
-        file replaced or rewritten meanwhile would pair one version's tensors with another's bytes."""
+        """Whether the path still names the file the read started on, unchanged (:func:`file_identity`):
+        a file replaced or rewritten meanwhile would pair one version's tensors with another's bytes."""
         return file_identity(self.path) == self.identity
 
     def cancel(self) -> None:
@@ -258,8 +255,8 @@ def _scan(path: Path, kind: str, alg: str, check_crc: bool, stop: "threading.Eve
     crc_records: list[tuple[int, int, int, str]] = []
     if check_crc and zipfile.is_zipfile(path):
         try:
-            records = _zip_records(path)
-        except (OSError, ValueError, zipfile.BadZipFile, struct.error, EOFError) as exc:
+            records = zip_records(path)
+        except ZIP_ERRORS as exc:
             raise SourceError(f"damaged torch.save file: {exc}", where=str(path)) from None
         if not all(stored for *_, stored in records):
             # not what torch.save writes (it stores records uncompressed): zipfile checks those
@@ -300,7 +297,7 @@ def _scan(path: Path, kind: str, alg: str, check_crc: bool, stop: "threading.Eve
                 start, length, want, name = crc_records[ci]
                 lo, hi = max(start, pos), min(start + length, end)
                 if hi > lo:
-                    crc = _crc32(mv[lo - pos:hi - pos], crc)
+                    crc = crc32(mv[lo - pos:hi - pos], crc)
                 if start + length > end:
                     break
                 if crc != want:

@@ -91,8 +91,8 @@ _PASSED_MAX = 512
 
 def _validated_marker(digest: bytes, schema_name: str):
     """The user-cache file that says these manifest bytes passed ``schema_name`` before, in any process:
-    ``$XDG_CACHE_HOME/ckpt-archive/validated/<schema key>/<hh>/<sha256 hex>`` (empty). The key is the
-    schema's own bytes and this tool's version, so a changed schema or validator never reuses a verdict.
+    ``$XDG_CACHE_HOME/ckpt-archive/validated/<schema key>/<hh>/<sha256 hex>`` (empty). The key
+    (:func:`_schema_key`) changes with the schema, the tool or the validator, so none reuses a verdict.
     It lives in the user's cache, never in a repository: nothing an archive carries can vouch for itself.
     None when no cache folder can be named (``CKPT_ARCHIVE_NO_CACHE`` set, no home)."""
     import os

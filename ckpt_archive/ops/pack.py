@@ -284,9 +284,10 @@ class _PackSteps:
             for scan in (self.scans or {}).values():
                 scan.checked()  # the CRC verdict, before the manifest is sealed, whether the writer used it or not
         except (CkptArchiveError, OSError):
-            _raise_if_changed(self.scans)  # a file rewritten under the reads: that is the reason, not its symptom
+            # a file rewritten under the reads is the reason for what failed, not its symptom
+            _raise_if_changed((self.scans or {}).values())
             raise
-        _raise_if_changed(self.scans)
+        _raise_if_changed((self.scans or {}).values())
         self.shared = shared
         self.warnings = body.pop("warnings")
         self.manifest = build_manifest(p, number, body)
@@ -363,16 +364,16 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
         # [issue 14] a source file's own reads (its sha256, its tensor ranges' fingerprints and, for a zip
         # torch.save file, every record's CRC-32) start now, beside `import torch` and torch.load
         scan = early_scan(source, scan_pool) if isinstance(source, (str, os.PathLike)) else None
-        # Everything that can refuse the input runs before a generation number is claimed, so a refusal
-        # leaves nothing behind in the repository.
-        # Its verdict is awaited where the writer needs its fingerprints (encoding starts at once); a
-        # record that fails its CRC then withdraws the claimed generation (see _pack_prepared).
+        # What can refuse the input runs before a generation number is claimed, except the scan's verdict:
+        # it is awaited before the manifest is sealed (encoding starts at once), and a record that fails
+        # its CRC, or a file that changed meanwhile, withdraws the claimed generation (_pack_prepared).
+        # Either way a refusal leaves nothing behind in the repository.
         try:
             try:
                 prep = _prepare(source, options, annotations, retention,
                                 zip_crc_checked=scan is not None and scan.crc_checked)
             except SourceError:
-                _raise_if_changed({0: scan} if scan is not None else None)
+                _raise_if_changed([scan] if scan is not None else [])
                 _crc_reason_first(scan)
                 raise
             return _pack_prepared(prep, repo, options, on_bytes, before_publish, retention,
@@ -383,9 +384,10 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
             raise
 
 
-def _raise_if_changed(scans: dict | None) -> None:
-    """SourceChanged when a source file the pack read is no longer the file its read began on."""
-    for scan in (scans or {}).values():
+def _raise_if_changed(scans) -> None:
+    """SourceChanged when a source file the pack read (``scans``: ScanJobs) is no longer the file its read
+    began on."""
+    for scan in scans:
         if not scan.unchanged():
             raise SourceChanged("the file changed while it was being packed (replaced, rewritten or touched): "
                                 "its tensors and its bytes may come from different versions; nothing was "

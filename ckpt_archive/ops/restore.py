@@ -130,8 +130,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     layout = gen0.manifest["source"]["layout"]
     first0 = (gen0.manifest["source"].get("files") or [{}])[0]
     one_pass = transform is None and map_location is None and (
-        (layout == "file" and not only and bool(first0.get("exact")))
-        or ((layout == "file" or only) and first0.get("kind") != "safetensors"))
+        (layout == "file" and not only and bool(first0.get("exact"))) or _torch_output(layout, only, first0))
     # exact bytes, or a torch.save file written in one pass (ops/restore_torch.py): once, in place, from the
     # decoded chunks (the output's size); otherwise the output plus the spill files tensors are mapped from
     # while torch.save writes it (checked again if the one-pass writer declines the state)
@@ -170,8 +169,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
             return _restore_exact(reader, first, tmp, on_bytes)  # [issue 11] the source file byte for byte
         src_files = gen.manifest["source"].get("files") or [{}]
-        to_torch = not (layout == "file" and not only and src_files[0].get("kind") == "safetensors")
-        if to_torch and transform is None and map_location is None:
+        if _torch_output(layout, only, src_files[0]) and transform is None and map_location is None:
             from ckpt_archive.ops.restore_torch import write_torch_file
             from ckpt_archive.repo.reader import subtree
 
@@ -253,6 +251,12 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         target = consolidate_dcp(out, consolidate)
         result.extra["consolidated"] = str(target)
     return result
+
+
+def _torch_output(layout: str, only: str | None, first: dict) -> bool:
+    """Whether restore writes a ``torch.save`` file: a file source that was not a ``.safetensors`` file,
+    or a part of any source (``only``)."""
+    return bool(only) or (layout == "file" and first.get("kind") != "safetensors")
 
 
 def _check_output_target(out: Path, r: Repository, *, writes_folder: bool) -> None:

@@ -33,13 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_archive.errors import IntegrityError
-from ckpt_archive.format.exact_bytes import pwrite_all
+from ckpt_archive.format.exact_bytes import crc32, pwrite_all, zip_records
 from ckpt_archive.repo.reader import ArchiveReader, leaf_from_base, tensor_refs
-
-try:  # ISA-L's CRC-32 (python-isal), as the source scan uses
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - a platform without an isal wheel
-    from zlib import crc32 as _crc32
 
 _CD_MAGIC = b"PK\x01\x02"
 _DD_MAGIC = b"PK\x07\x08"
@@ -84,8 +79,7 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
             continue
         if lrec.get("bits") or lrec.get("parameter"):
             return None
-        else:
-            torch_leaves.append(leaf)
+        torch_leaves.append(leaf)
     dtypes: dict[str, set] = {}
     for leaf in torch_leaves:
         dtypes.setdefault(tensors[leaf]["entry"], set()).add(tensors[leaf]["dtype"])
@@ -195,40 +189,37 @@ def _save_skeleton(state: Any, target: Path) -> dict:
 
 def _records(path: Path) -> dict[str, tuple[int, int, int, int]]:
     """``{record name below the archive folder: (data offset, bytes, flag bits, central-directory entry
-    offset)}`` of a zip written by torch."""
-    out = {}
+    offset)}`` of a zip written by torch (data offsets: :func:`~ckpt_archive.format.exact_bytes.zip_records`)."""
     with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
-        infos = zf.infolist()
         fh.seek(zf.start_dir)
         cd = fh.read()
         pos = 0
         cd_at = {}
-        for info in infos:
+        for info in zf.infolist():
             if cd[pos:pos + 4] != _CD_MAGIC:
                 raise IntegrityError("torch.save wrote a central directory this reader does not follow",
                                      where=str(path))
             n, m, k = struct.unpack_from("<HHH", cd, pos + 28)
-            cd_at[info.filename] = zf.start_dir + pos
+            cd_at[info.filename] = (info.flag_bits, zf.start_dir + pos)
             pos += 46 + n + m + k
-        for info in infos:
-            fh.seek(info.header_offset)
-            head = fh.read(30)
-            n, m = struct.unpack_from("<HH", head, 26)
-            out[info.filename.split("/", 1)[-1]] = (info.header_offset + 30 + n + m, info.file_size,
-                                                    info.flag_bits, cd_at[info.filename])
-    return out
+    return {name.split("/", 1)[-1]: (start, length, *cd_at[name])
+            for start, length, _, name, _ in zip_records(path)}
 
 
 def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_bytes) -> int:
     """Write every planned record's bytes and CRC-32; returns the file's size."""
+    import torch
+
     records = _records(target)
-    by_entry = {}
-    real = []
+    by_entry: dict[str, list[str]] = {}  # entry key -> the records it fills
+    real = []  # (record, storage) of storages the tree built itself
     for name, what in plan:
         if name not in records:
             raise IntegrityError(f"torch.save wrote no record {name}", where=str(target))
-        (by_entry.setdefault(what, []) if isinstance(what, str) else real).append(name if isinstance(what, str)
-                                                                                  else (name, what))
+        if isinstance(what, str):
+            by_entry.setdefault(what, []).append(name)
+        else:
+            real.append((name, what))
     fd = os.open(target, os.O_RDWR)
     try:
         def put(name: str, data) -> None:
@@ -237,15 +228,13 @@ def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_b
             if len(mv) != length:
                 raise IntegrityError(f"record {name} holds {length} bytes, its storage {len(mv)}", where=str(target))
             pwrite_all(fd, mv, start)
-            crc = struct.pack("<I", _crc32(mv) & 0xFFFFFFFF)
+            crc = struct.pack("<I", crc32(mv) & 0xFFFFFFFF)
             if flags & 0x08:  # a data descriptor follows the data: [signature] crc, sizes
                 sig = os.pread(fd, 4, start + length)
                 pwrite_all(fd, crc, start + length + (4 if sig == _DD_MAGIC else 0))
             pwrite_all(fd, crc, cd_at + 16)
 
-        for name, storage in real:  # storages the tree built itself (small): their bytes from memory
-            import torch
-
+        for name, storage in real:  # small: their bytes from memory
             put(name, torch.empty(0, dtype=torch.uint8).set_(storage).numpy() if storage.nbytes() else b"")
         members: dict[str, set] = {}
         for entry in by_entry:

@@ -232,7 +232,7 @@ def _entries_by_sha(members: list[dict]) -> dict[str, tuple[int, str]]:
 
 def _write_skeleton(w: GenerationWriter, sf, stored_entries: dict, scanned: tuple) -> tuple[dict, str]:
     """[issue 11] The skeleton member of a decomposed file (format/exact_bytes.py): its bytes minus the
-    ranges that equal stored tensor entries. ``scanned``: :func:`exact_bytes.scan`'s result. Returns the
+    ranges that equal stored tensor entries. ``scanned``: :meth:`exact_bytes.ScanJob.result`. Returns the
     ``source.files[].exact`` record and the file's sha256 (taken in that same read)."""
     from ckpt_archive.format import exact_bytes
 

@@ -21,9 +21,10 @@ import zipfile
 from pathlib import Path
 
 from ckpt_archive.errors import SourceError
+from ckpt_archive.format.exact_bytes import ZIP_ERRORS
 from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
 from ckpt_archive.sources.hf import _num, optimizer_facts, scaler_facts, scheduler_facts
-from ckpt_archive.sources.torchfile import ZIP_ERRORS, load_torch_file
+from ckpt_archive.sources.torchfile import load_torch_file
 
 _MARKER = b"pytorch-lightning_version"
 _MAX_PICKLE_SCAN = 64 << 20  # bytes of data.pkl scanned for the marker during detection

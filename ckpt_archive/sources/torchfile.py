@@ -12,19 +12,13 @@ from __future__ import annotations
 
 import re
 import zipfile
-import zlib
 from pathlib import Path
 
 from ckpt_archive.errors import RefusedPickle, SourceError
+from ckpt_archive.format.exact_bytes import ZIP_ERRORS
 from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
 
 _PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"}
-
-
-#: What ``zipfile`` raises for a damaged or unsupported zip: bad structure, I/O, a short read, an encrypted
-#: record (RuntimeError), an unknown compression method (NotImplementedError), bad sizes (ValueError), a
-#: record marked deflated that does not inflate (zlib.error).
-ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, RuntimeError, NotImplementedError, ValueError, zlib.error)
 
 
 def numpy_safe_globals() -> list:
