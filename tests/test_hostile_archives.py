@@ -229,6 +229,79 @@ def test_a_tensor_entry_outside_its_member_is_refused_before_allocation(file_rep
     assert res.exit_code == 1 and "data_offsets" in res.stdout + res.stderr
 
 
+# --- schema-valid once, still not what a reader can read: damaged, named, never an "internal error" ---------
+@pytest.fixture()
+def view_repo(tmp_path):
+    p = tmp_path / "ck.pt"
+    x = torch.randn(16, 16)
+    torch.save({"model": {"w": x, "v": x[2:6, 3:7]}, "step": 3}, p)
+    repo = tmp_path / "repo"
+    assert cli("pack", p, "--repo", repo).exit_code == 0
+    return repo
+
+
+def _no_offset(m):
+    next(t for t in m["tensors"].values() if t["view"]["storage_offset"])["view"].pop("storage_offset")
+
+
+def _float_stride(m):
+    for t in m["tensors"].values():
+        t["view"]["stride"] = [float(s) for s in t["view"]["stride"]]
+
+
+def _float_sizes(m):
+    for r in m["members"]:
+        r["raw_bytes"], r["stored_bytes"] = float(r["raw_bytes"]), float(r["stored_bytes"])
+
+
+def _swap_roles(m):  # the tree member called tensors (with an entries table, so the schema passes)
+    tree, tensors = member(m, "tree"), member(m, "tensors")
+    tree["role"], tree["entries"], tensors["role"] = "tensors", {}, "tree"
+
+
+def _tree_is_tensors(m):
+    m["tree_member"] = member(m, "tensors")["path"]
+
+
+def _entry_elsewhere(m):
+    next(iter(m["tensors"].values()))["entry"] = "no/such/entry"
+
+
+@pytest.mark.parametrize("edit", [_no_offset, _float_stride, _float_sizes, _swap_roles, _tree_is_tensors,
+                                  _entry_elsewhere])
+def test_a_manifest_that_breaks_what_readers_index_is_refused_by_every_command(tmp_path, view_repo, edit):
+    # Fault: a resealed manifest valid under the old schema (view without storage_offset, 64.0 for 64,
+    # roles swapped) made verify --deep and export stop with "internal error (KeyError)" and load with a
+    # TypeError; the schema now requires what readers index, JSON integers only, and references that
+    # name parts of the right kind.
+    edit_manifest(view_repo, edit)
+    res = cli("verify", f"{view_repo}@1")
+    assert res.exit_code == 1 and "manifest.json" in res.stdout + res.stderr, res.stdout + res.stderr
+    for args in (("verify", f"{view_repo}@1", "--deep"), ("restore", f"{view_repo}@1", "-o", tmp_path / "o.pt"),
+                 ("export", f"{view_repo}@1", "--to", tmp_path / "dest")):
+        res = cli(*args)
+        assert res.exit_code in (1, 2), (args, res.stdout, res.stderr)
+    assert not (tmp_path / "o.pt").exists()
+    with pytest.raises(ckpt_archive.errors.CkptArchiveError):
+        ckpt_archive.load(view_repo, 1)
+
+
+def test_the_trial_reload_names_a_manifest_it_cannot_index_as_a_problem(view_repo, monkeypatch):
+    # Fault: whatever the schema and reference checks still let through reached the CLI as an internal error.
+    from ckpt_archive.repo import trial_reload as tr
+
+    def lacks(*a, **k):
+        raise KeyError("storage_offset")
+    monkeypatch.setattr(tr, "trial_reload", lacks)
+    from ckpt_archive.repo.reader import ArchiveReader
+
+    r = Repository.open(view_repo)
+    gen = r.generation(1)
+    problems = []
+    ArchiveReader(r.store, gen.key, gen.manifest).trial_reload(problems)
+    assert len(problems) == 1 and "malformed where it is read (KeyError" in problems[0].reason
+
+
 # --- partial and damaged generations are not restored unchecked --------------------------------------
 def test_restore_refuses_a_partial_generation_unless_restore_unverified(tmp_path, file_repo):
     (gen_dir(file_repo) / "USABLE.json").unlink()

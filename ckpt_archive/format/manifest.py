@@ -50,7 +50,19 @@ def _validator(name: str):
 
     s = schema(name)
     cls = jsonschema.validators.validator_for(s)
-    return cls(s, format_checker=cls.FORMAT_CHECKER)
+    # JSON Schema counts 64.0 as an integer (draft 6 on); every reader indexes, slices and allocates with
+    # these fields, where a float is a TypeError deep inside a command: only JSON integers pass
+    strict = jsonschema.validators.extend(cls, type_checker=cls.TYPE_CHECKER.redefine("integer", _is_int))
+    return strict(s, format_checker=cls.FORMAT_CHECKER)
+
+
+def _is_int(checker, instance) -> bool:
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+#: What a verdict of :func:`validate` depends on beyond the schema's bytes and the validator's version
+#: (part of :func:`_schema_key`): change it when the validation itself changes.
+_VALIDATION_RULES = b"integers-are-json-integers"
 
 
 def validate(doc: dict, *, where: str = "manifest.json", schema_name: str | None = None) -> None:
@@ -125,8 +137,8 @@ def _schema_key(schema_name: str) -> str:
         validator = "?"
     checker = importlib.util.find_spec("rfc3339_validator") is not None
     raw = resources.files("ckpt_archive").joinpath("schemas", schema_name).read_bytes()
-    return hashlib.sha256(b"\0".join([raw, __version__.encode(), validator.encode(), str(checker).encode()])
-                          ).hexdigest()[:16]
+    return hashlib.sha256(b"\0".join([raw, __version__.encode(), validator.encode(), str(checker).encode(),
+                                      _VALIDATION_RULES])).hexdigest()[:16]
 
 
 def _validated_before(digest: bytes, schema_name: str) -> bool:
@@ -211,7 +223,35 @@ def parse(data: bytes, *, where: str = "manifest.json") -> dict:
 
     check_manifest_paths(doc, where=where)
     check_manifest_sizes(doc, where=where)
+    check_manifest_refs(doc, where=where)
     _PASSED[passed] = None
     while len(_PASSED) > _PASSED_MAX:
         _PASSED.popitem(last=False)
     return doc
+
+
+def check_manifest_refs(doc: dict, *, where: str = "manifest.json") -> None:
+    """Every name the manifest uses for another of its parts names a part of the right kind: the tree
+    member has role ``tree``; every tensor record names a member of role ``tensors`` that lists the
+    record's entry. The schema cannot say this (the names are data); a hand-made manifest that breaks it
+    would otherwise fail as a ``KeyError`` deep inside whichever command reads it first.
+
+    Runs after the schema check (``members`` is a list of objects with ``path`` and ``role``).
+
+    Raises:
+        ManifestInvalid: (exit 1) naming the field that points at the wrong part.
+    """
+    members = {m["path"]: m for m in doc["members"]}
+    tree = members.get(doc["tree_member"])
+    if tree is None or tree["role"] != "tree":
+        what = "names no member" if tree is None else f"names a member of role {tree['role']!r}"
+        raise ManifestInvalid(f"tree_member {doc['tree_member']!r} {what}, not the state tree", where=where)
+    for leaf, rec in doc["tensors"].items():
+        m = members.get(rec["member"])
+        if m is None or m["role"] != "tensors":
+            what = "names no member" if m is None else f"names a member of role {m['role']!r}"
+            raise ManifestInvalid(f"tensor {leaf!r}: member {rec['member']!r} {what}, not a tensors member",
+                                  where=where)
+        if rec["entry"] not in m["entries"]:
+            raise ManifestInvalid(f"tensor {leaf!r}: entry {rec['entry']!r} is not in member {rec['member']!r}",
+                                  where=where)
