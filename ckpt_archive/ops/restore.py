@@ -194,20 +194,15 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             if on_bytes:
                 on_bytes(tmp.stat().st_size)  # safetensors writes in one call: reported when done
             return tmp.stat().st_size
-        import torch  # only when re-serialising: the exact-bytes path above never imports it
-
         try:
             if on_bytes:
                 with open(tmp, "wb") as fh:
-                    torch.save(state, _Counted(fh, on_bytes))
+                    _torch_save(state, _Counted(fh, on_bytes), out)
             else:
-                torch.save(state, tmp)
-        except RuntimeError as exc:  # a state torch.save itself refuses (views of one storage as two dtypes)
+                _torch_save(state, tmp, out)
+        except CannotCheck:
             tmp.unlink(missing_ok=True)
-            first = (str(exc).strip().splitlines() or ["?"])[0][:300]
-            raise CannotCheck(f"torch.save cannot write this state as a .pt file: {first}", where=str(out),
-                              hint="ckpt_archive.load(...) rebuilds it in memory; --only restores a part of it "
-                                   "as a .pt") from None
+            raise
         _fsync_file(tmp)
         return tmp.stat().st_size
 
@@ -349,12 +344,36 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
 
                 save_file(obj, str(target), metadata=f.get("metadata") or None)
             else:
-                import torch
-
-                torch.save(obj, target)
+                try:
+                    _torch_save(obj, target, target)
+                except CannotCheck:
+                    target.unlink(missing_ok=True)
+                    raise
         _fsync_file(target)
         total += target.stat().st_size
     return total
+
+
+def _torch_save(state: Any, dest, out) -> None:
+    """``torch.save(state, dest)``; a state torch.save itself refuses is :class:`CannotCheck` (exit 2) naming
+    why, never a failed check of the generation.
+
+    torch refuses views of one storage as two dtypes (``RuntimeError``) and the dtypes it has no storage
+    type for, ``uint1``-``uint7`` / ``int1``-``int7`` (``KeyError`` "dtype ... is not recognized", from
+    ``torch/storage.py: _pickle_storage_type``) -- both of which pack and ``load`` take.
+    """
+    import torch  # only when re-serialising: the exact-bytes path never imports it
+
+    try:
+        torch.save(state, dest)
+    except (RuntimeError, KeyError) as exc:
+        if isinstance(exc, KeyError) and "not recognized" not in str(exc):
+            raise
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        first = (str(text).strip().splitlines() or ["?"])[0][:300]
+        raise CannotCheck(f"torch.save cannot write this state as a .pt file: {first}", where=str(out),
+                          hint="ckpt_archive.load(...) rebuilds it in memory; --only restores a part of it "
+                               "as a .pt") from None
 
 
 def _restore_exact(reader: ArchiveReader, f: dict, target: Path, on_bytes=None) -> int:
