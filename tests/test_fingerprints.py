@@ -159,3 +159,71 @@ def test_a_format_2_manifest_naming_a_rotated_codec_breaks_its_schema(tmp_path):
     doc["format_version"] = 2
     with pytest.raises(ManifestInvalid, match="codec"):
         manifest_mod.validate(doc)
+
+
+# --- pack hashes each stored chunk once; its trial reload decodes every chunk it wrote ----------------------
+class _CountingHashlib:
+    """Stands in for ``hashlib`` in format/codec.py: counts the sha256 objects made there."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(hashlib, name)
+
+    def sha256(self, *a):
+        self.calls += 1
+        return hashlib.sha256(*a)
+
+
+def test_pack_takes_each_stored_chunks_sha256_once(tmp_path, monkeypatch):
+    """Fault (issue 14, "nothing twice"): pack's trial reload hashed every stored chunk again, a moment after
+    the writer hashed the same bytes (~0.5 ns per stored byte, 6 % of pack's CPU). verify still hashes them."""
+    from ckpt_archive.format import codec
+
+    counting = _CountingHashlib()
+    monkeypatch.setattr(codec, "hashlib", counting)
+    _, m, _ = _pack(tmp_path)
+    chunks = sum(len(rec["chunks"]) for rec in m["members"])
+    assert chunks > 4 and counting.calls == chunks
+    from ckpt_archive.ops.verify import verify
+
+    counting.calls = 0
+    verify(tmp_path / "repo", "1", deep=True)
+    assert counting.calls >= chunks  # a check of bytes already published hashes every chunk
+
+
+@pytest.mark.parametrize("where", [0.0, 0.5, 0.999])
+def test_a_stored_byte_changed_between_write_and_trial_reload_withdraws_the_generation(tmp_path, monkeypatch,
+                                                                                      where):
+    """The trial reload of a chunk pack wrote decodes it and checks every raw byte: a stored byte that
+    changed after the write (frame header, body, last byte of the frame) still stops the pack."""
+    from ckpt_archive.ops import pack as pack_mod
+
+    real = pack_mod._PackSteps.verify
+
+    def flip_then_verify(self, repo, number, reader):
+        rec = next(r for r in self.manifest["members"] if r["role"] == "tensors")
+        c = max(rec["chunks"], key=lambda c: c["stored_bytes"])
+        p = tmp_path / "repo" / "generations" / f"{number:08d}" / rec["stored_path"]
+        data = bytearray(p.read_bytes())
+        data[c["stored_offset"] + min(int(where * c["stored_bytes"]), c["stored_bytes"] - 1)] ^= 0x01
+        p.write_bytes(data)
+        return real(self, repo, number, reader)
+
+    monkeypatch.setattr(pack_mod._PackSteps, "verify", flip_then_verify)
+    with pytest.raises(IntegrityError):
+        _pack(tmp_path)
+    assert not list((tmp_path / "repo" / "generations").glob("*/USABLE.json"))
+
+
+def test_bytes_after_a_chunks_zstd_frame_do_not_decode():
+    """A chunk is one zstd frame and nothing else: bytes after it (which decoding would never read, so no
+    raw fingerprint could notice them) make the chunk fail to decode."""
+    from ckpt_archive.format.codec import decode_chunk, encode_chunk
+
+    raw = bytes(range(256)) * 64
+    codec, stored, _ = encode_chunk(memoryview(raw), "zstd", 3)
+    assert codec == "zstd" and bytes(decode_chunk(stored, codec, len(raw))) == raw
+    with pytest.raises(IntegrityError, match="unused data"):
+        decode_chunk(bytes(stored) + b"\0", codec, len(raw))

@@ -213,6 +213,27 @@ def test_an_object_vouched_for_only_by_an_unpublished_generation_is_checked_in_f
     assert _cli("verify", f"{repo}@{r2.generation}", "--deep").returncode == 0
 
 
+def test_an_object_found_in_place_is_hashed_by_the_trial_reload_though_pack_wrote_its_own_files(tmp_path):
+    """Fault guarded: pack's trial reload skips the stored sha256 of chunks this pack has just written
+    (issue 14); an object it found in place and kept was written by someone else, so a change that every
+    decode reads past (the zstd frame header's unused bit) must still fail its sha256 there and the object
+    be written again, never published unchecked."""
+    repo = tmp_path / "repo"
+    r1 = ckpt_archive.pack(_state(1), repo)
+    (_gen(repo, 1) / "USABLE.json").unlink()  # generation 1 partial: its objects are kept, not vouched for
+    oid = sorted(refs(r1.manifest))[0]
+    obj = repo / object_key(oid)
+    good = _flip(obj, 4 / obj.stat().st_size, 0x10)  # byte 4: the first frame's header descriptor
+    import zstandard
+
+    with zstandard.ZstdDecompressor().stream_reader(obj.read_bytes()) as rd:  # decodes as it did
+        assert rd.read(16)
+    r2 = ckpt_archive.pack(_state(1), repo)
+    assert obj.read_bytes() == good
+    assert any(object_key(oid) in w for w in r2.warnings), r2.warnings
+    assert _cli("verify", f"{repo}@{r2.generation}", "--deep").returncode == 0
+
+
 def test_a_rotted_shared_object_is_written_again_by_the_next_pack_and_repairs_its_users(tmp_path):
     """Fault guarded: one damaged shared object making every later pack of the same frozen weights fail
     (the pack kept referencing it on trust), so a training run could no longer checkpoint."""

@@ -157,10 +157,10 @@ def decode_chunk(stored, codec: str, raw_bytes: int, out=None):
         if codec == "store":
             res = stored
         elif codec == "zstd":
-            res = _decompressor().decompress(stored, max_output_size=raw_bytes) if raw_bytes else b""
+            res = _unframe(stored, raw_bytes)
         elif codec in _GROUPED:
             n, rot = _GROUPED[codec]
-            planes = _decompressor().decompress(stored, max_output_size=raw_bytes) if raw_bytes else b""
+            planes = _unframe(stored, raw_bytes)
             if len(planes) % n:
                 raise IntegrityError(f"byte-grouped chunk of {len(planes)} bytes is not a multiple of {n}")
             if len(planes) != raw_bytes:
@@ -181,6 +181,15 @@ def decode_chunk(stored, codec: str, raw_bytes: int, out=None):
         mv[:] = memoryview(res).cast("B")
         return mv
     return res
+
+
+def _unframe(stored, raw_bytes: int):
+    """The one zstd frame a chunk holds, decompressed: no byte may follow it (``allow_extra_data=False``),
+    so every stored byte of a chunk is one that decoding reads -- what lets pack's trial reload check a
+    chunk it has just written by decoding it, without hashing it again."""
+    if not raw_bytes:
+        return b""
+    return _decompressor().decompress(stored, max_output_size=raw_bytes, allow_extra_data=False)
 
 
 def check_chunk_table(record: dict, member: str) -> None:
@@ -397,7 +406,7 @@ def _read_exact(fh: BinaryIO, n: int) -> bytes:
 
 def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = None,
                  stored_hasher=None, verify_chunks: bool = True, into=None,
-                 skip_sha: frozenset = frozenset()) -> Iterator[tuple[int, bytes]]:
+                 skip_sha: frozenset | range = frozenset()) -> Iterator[tuple[int, bytes]]:
     """Yield ``(raw_offset, raw_chunk)`` for each chunk of a stored member, in order.
 
     Each chunk's stored sha256 is checked before decoding; decoding runs on a thread pool with ordered
@@ -414,9 +423,11 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
             then rejects.
         into: optional writable buffer of the member's raw size: every chunk is decoded straight into
             its place there (no per-chunk allocation) and the yielded chunks are views of it.
-        skip_sha: indices of chunks whose stored sha256 is not checked here (shared objects proven when
-            they were created, whose decoded bytes the caller checks end to end; see
-            :attr:`ckpt_archive.repo.reader.ArchiveReader.proven_objects`).
+        skip_sha: indices of chunks whose stored sha256 is not checked here, because the caller checks
+            every decoded byte end to end: shared objects proven when they were created
+            (:attr:`ckpt_archive.repo.reader.ArchiveReader.proven_objects`), or chunks pack has just
+            hashed and written (:attr:`~ckpt_archive.repo.reader.ArchiveReader.written_here`); a
+            ``frozenset`` or ``range`` of indices.
 
     Raises:
         IntegrityError: a chunk is short, fails its sha256, or does not decode; names member and chunk.

@@ -300,10 +300,13 @@ class _PackSteps:
 
     def verify(self, repo: Repository, number: int, reader: ArchiveReader) -> dict:
         problems: list[Problem] = []
-        # sizes here; every chunk's stored sha256 is checked by the trial reload's single read, except
-        # those of shared objects a usable generation already proved (their decoded bytes still are)
+        # sizes, tiling and frame headers here; the trial reload then decodes every chunk and checks every
+        # raw byte against its fingerprint. The chunks' stored sha256 were taken from the bytes this pack
+        # wrote and are not taken twice (issue 14); verify, export and adopt hash them (reader.written_here)
+        reader.written_here = True
         if self.shared is not None:
             reader.proven_objects = frozenset(self.shared.reused)
+            reader.written_objects = frozenset(self.shared.written)
         reader.check_stored(problems, hash_files=False)
         raise_if_problems("verify", problems, number)
         return {"when": iso(utcnow()), "result": "ok", "members": len(self.manifest["members"])}

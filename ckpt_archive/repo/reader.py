@@ -64,6 +64,16 @@ class ArchiveReader:
         #: sha256 -- their content is still decoded and checked end to end. Set by pack for the objects
         #: it referenced; empty otherwise.
         self.proven_objects: frozenset[str] = frozenset()
+        #: [issue 14: each role hashed once] Set by pack for the generation it has just written: every
+        #: chunk's stored sha256 in the manifest was taken from the very bytes this process handed to the
+        #: store. A read that checks the raw fingerprint of every byte it decodes (the trial reload: each
+        #: entry, a tensors member's header, every other member whole) then skips hashing the stored bytes
+        #: a second time: a stored byte that differs changes what decodes, or fails the decode. ``verify``,
+        #: export's check at its destination and adopt hash every stored chunk (bytes someone else wrote).
+        self.written_here = False
+        #: With :attr:`written_here`: the shared objects whose file this pack wrote (created or replaced);
+        #: an object it found in place and referenced is not among them, and is hashed in full.
+        self.written_objects: frozenset[str] = frozenset()
 
     def key(self, rec: dict) -> str:
         return f"{self.gen_key}/{rec['stored_path']}"
@@ -220,9 +230,14 @@ class ArchiveReader:
         pending: collections.deque = collections.deque()
         try:
             with fh:
-                skip = frozenset()
-                if raw_check is not None and self.proven_objects and rec.get("objects"):
-                    skip = frozenset(i for p in parts(rec) if p.oid in self.proven_objects for i in p.index)
+                skip = frozenset()  # chunks decoded and raw-checked here, whose stored sha256 is not taken again
+                if raw_check is not None and not rec.get("objects"):
+                    if self.written_here:
+                        skip = range(len(rec["chunks"]))
+                elif raw_check is not None and (self.written_here or self.proven_objects):
+                    trusted = self.proven_objects | self.written_objects
+                    skip = frozenset(i for p in parts(rec) if (p.oid is None and self.written_here)
+                                     or p.oid in trusted for i in p.index)
                 for off, chunk in iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs,
                                                verify_chunks=verify_chunks, into=into, skip_sha=skip):
                     if raw_check is not None:
