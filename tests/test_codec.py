@@ -483,3 +483,23 @@ def test_load_buffers_are_not_advised_huge_pages():
     if getattr(core.multiarray, "_get_madvise_hugepage", lambda: False)():  # numpy advises here: the probe sees it
         assert "hg" in _vm_flags(probe.ctypes.data + middle)
     assert len(codec.anon_buffer(0)) == 0
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_blocked_grouping_equals_the_whole_chunk_transform_across_block_edges(n, rotate):
+    """Fault guarded: the cache-sized blocks of byte_group / byte_ungroup (planes.BLOCK_ELEMS) dropping,
+    repeating or misplacing the elements at a block's edge or in the ragged last block. The reference is
+    the whole chunk at once in NumPy: rotate (FORMAT.md's definition), then a transposed copy."""
+    from ckpt_archive.format.planes import BLOCK_ELEMS
+
+    count = 3 * BLOCK_ELEMS + 17
+    u = np.random.default_rng(n).integers(0, 1 << (8 * n), size=count, dtype=np.uint64).astype(f"<u{n}")
+    u[BLOCK_ELEMS - 1:BLOCK_ELEMS + 2] = np.array([1 << (8 * n - 1), (1 << (8 * n)) - 1, 1], dtype=f"<u{n}")
+    raw = u.tobytes()
+    r = ((u << np.array(1, u.dtype)) | (u >> np.array(8 * n - 1, u.dtype))) if rotate else u
+    want = r.view(np.uint8).reshape(-1, n).T.tobytes()
+    assert bytes(codec.byte_group(raw, n, rotate=rotate)) == want
+    out = bytearray(len(raw))
+    assert bytes(codec.byte_ungroup(want, n, out=out, rotate=rotate)) == raw and bytes(out) == raw
+    assert bytes(codec.byte_ungroup(want, n, rotate=rotate)) == raw
