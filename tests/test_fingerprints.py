@@ -193,21 +193,33 @@ def test_pack_takes_each_stored_chunks_sha256_once(tmp_path, monkeypatch):
     assert counting.calls >= chunks  # a check of bytes already published hashes every chunk
 
 
-@pytest.mark.parametrize("where", [0.0, 0.5, 0.999])
+@pytest.mark.parametrize("where,bit", [(4, 0x10), (0.5, 0x01), (0.999, 0x01)])
 def test_a_stored_byte_changed_between_write_and_trial_reload_withdraws_the_generation(tmp_path, monkeypatch,
-                                                                                      where):
-    """The trial reload of a chunk pack wrote decodes it and checks every raw byte: a stored byte that
-    changed after the write (frame header, body, last byte of the frame) still stops the pack."""
+                                                                                      where, bit):
+    """The trial reload of a chunk pack wrote compares it, read back, with the CRC-32 of the bytes written,
+    then decodes it and checks every raw byte. A changed byte in the body or the last byte of the frame, and
+    one that every decoder reads past (byte 4, bit 0x10: the frame header's unused bit; break test, after
+    the reload stopped hashing chunks: that pack published a generation that verify and restore refuse),
+    must all stop the pack, leaving nothing usable."""
+    import zstandard
+
     from ckpt_archive.ops import pack as pack_mod
 
     real = pack_mod._PackSteps.verify
 
     def flip_then_verify(self, repo, number, reader):
         rec = next(r for r in self.manifest["members"] if r["role"] == "tensors")
-        c = max(rec["chunks"], key=lambda c: c["stored_bytes"])
+        c = max((c for c in rec["chunks"] if c["codec"] != "store"), key=lambda c: c["stored_bytes"])
         p = tmp_path / "repo" / "generations" / f"{number:08d}" / rec["stored_path"]
         data = bytearray(p.read_bytes())
-        data[c["stored_offset"] + min(int(where * c["stored_bytes"]), c["stored_bytes"] - 1)] ^= 0x01
+        at = where if isinstance(where, int) else min(int(where * c["stored_bytes"]), c["stored_bytes"] - 1)
+        data[c["stored_offset"] + at] ^= bit
+        if isinstance(where, int):  # the frame still decodes to the same bytes: only the CRC can tell
+            frame = bytes(data[c["stored_offset"]:c["stored_offset"] + c["stored_bytes"]])
+            good = p.read_bytes()[c["stored_offset"]:c["stored_offset"] + c["stored_bytes"]]
+            dec = zstandard.ZstdDecompressor()
+            assert dec.decompress(frame, max_output_size=c["raw_bytes"]) == \
+                dec.decompress(good, max_output_size=c["raw_bytes"])
         p.write_bytes(data)
         return real(self, repo, number, reader)
 

@@ -213,11 +213,11 @@ def test_an_object_vouched_for_only_by_an_unpublished_generation_is_checked_in_f
     assert _cli("verify", f"{repo}@{r2.generation}", "--deep").returncode == 0
 
 
-def test_an_object_found_in_place_is_hashed_by_the_trial_reload_though_pack_wrote_its_own_files(tmp_path):
-    """Fault guarded: pack's trial reload skips the stored sha256 of chunks this pack has just written
-    (issue 14); an object it found in place and kept was written by someone else, so a change that every
-    decode reads past (the zstd frame header's unused bit) must still fail its sha256 there and the object
-    be written again, never published unchecked."""
+def test_an_object_found_in_place_is_checked_byte_for_byte_by_the_trial_reload(tmp_path):
+    """Fault guarded: pack's trial reload does not hash the chunks this pack has just written (issue 14);
+    an object it found in place and kept was written by someone else, so a change that every decode reads
+    past (the zstd frame header's unused bit) must still be caught there -- the kept file is not the bytes
+    pack encoded under that name -- and the object written again, never published unchecked."""
     repo = tmp_path / "repo"
     r1 = ckpt_archive.pack(_state(1), repo)
     (_gen(repo, 1) / "USABLE.json").unlink()  # generation 1 partial: its objects are kept, not vouched for

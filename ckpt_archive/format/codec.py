@@ -406,7 +406,7 @@ def _read_exact(fh: BinaryIO, n: int) -> bytes:
 
 def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = None,
                  stored_hasher=None, verify_chunks: bool = True, into=None,
-                 skip_sha: frozenset | range = frozenset()) -> Iterator[tuple[int, bytes]]:
+                 skip_sha: frozenset = frozenset(), written_crc=None) -> Iterator[tuple[int, bytes]]:
     """Yield ``(raw_offset, raw_chunk)`` for each chunk of a stored member, in order.
 
     Each chunk's stored sha256 is checked before decoding; decoding runs on a thread pool with ordered
@@ -423,11 +423,13 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
             then rejects.
         into: optional writable buffer of the member's raw size: every chunk is decoded straight into
             its place there (no per-chunk allocation) and the yielded chunks are views of it.
-        skip_sha: indices of chunks whose stored sha256 is not checked here, because the caller checks
-            every decoded byte end to end: shared objects proven when they were created
-            (:attr:`ckpt_archive.repo.reader.ArchiveReader.proven_objects`), or chunks pack has just
-            hashed and written (:attr:`~ckpt_archive.repo.reader.ArchiveReader.written_here`); a
-            ``frozenset`` or ``range`` of indices.
+        skip_sha: indices of chunks whose stored sha256 is not checked here (shared objects proven when
+            they were created, whose decoded bytes the caller checks end to end; see
+            :attr:`ckpt_archive.repo.reader.ArchiveReader.proven_objects`).
+        written_crc: per chunk, the CRC-32 of the stored bytes as this process wrote them, or None:
+            a chunk with one is compared with it instead of its sha256 (the sha256 was taken from those
+            bytes; :attr:`ckpt_archive.repo.reader.ArchiveReader.written_crc`). Only for a caller that
+            checks every decoded byte end to end.
 
     Raises:
         IntegrityError: a chunk is short, fails its sha256, or does not decode; names member and chunk.
@@ -459,7 +461,15 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
         dest = None
         if into is not None:
             dest = memoryview(into).cast("B")[chunk["raw_offset"]:chunk["raw_offset"] + chunk["raw_bytes"]]
-        if not verify_chunks or i in skip_sha:
+        want_crc = written_crc[i] if written_crc is not None and verify_chunks and i not in skip_sha else None
+        if want_crc is not None:
+            from ckpt_archive.format.exact_bytes import crc32
+
+            if crc32(stored) != want_crc:
+                raise IntegrityError(f"chunk {i} (stored bytes {chunk['stored_offset']}..."
+                                     f"{chunk['stored_offset'] + chunk['stored_bytes']}) is not the bytes written "
+                                     f"there a moment ago (CRC-32 differs)", where=member)
+        if not verify_chunks or i in skip_sha or want_crc is not None:
             try:
                 return decode_chunk(stored, chunk["codec"], chunk["raw_bytes"], dest)
             except IntegrityError as exc:

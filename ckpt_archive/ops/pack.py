@@ -261,6 +261,7 @@ class _PackSteps:
         self.distrust: set[str] = set()  # shared objects found damaged: written again, not referenced
         self.generations = None  # the repository's generations as pack read them under the lock, once
         self.scans: dict | None = None  # source files' reads started before parsing (exact_bytes.ScanJob)
+        self.written_crc: dict = {}  # member path -> CRC-32 of each chunk as written (MemberWriter.written_crc)
 
     def claim(self, repo: Repository) -> int:
         return repo.claim_next()
@@ -290,6 +291,7 @@ class _PackSteps:
         _raise_if_changed((self.scans or {}).values())
         self.shared = shared
         self.warnings = body.pop("warnings")
+        self.written_crc = body.pop("written_crc")
         self.manifest = build_manifest(p, number, body)
 
     def seal(self, repo: Repository, number: int) -> tuple[dict, bytes]:
@@ -300,13 +302,13 @@ class _PackSteps:
 
     def verify(self, repo: Repository, number: int, reader: ArchiveReader) -> dict:
         problems: list[Problem] = []
-        # sizes, tiling and frame headers here; the trial reload then decodes every chunk and checks every
-        # raw byte against its fingerprint. The chunks' stored sha256 were taken from the bytes this pack
-        # wrote and are not taken twice (issue 14); verify, export and adopt hash them (reader.written_here)
-        reader.written_here = True
+        # sizes here; the trial reload then reads every chunk back, compares it with the CRC-32 of the
+        # bytes this pack wrote, decodes it and checks every raw byte against its fingerprint. The stored
+        # sha256 were taken from those bytes and are not taken twice (issue 14; reader.written_crc);
+        # verify, export and adopt hash every chunk
+        reader.written_crc = self.written_crc
         if self.shared is not None:
             reader.proven_objects = frozenset(self.shared.reused)
-            reader.written_objects = frozenset(self.shared.written)
         reader.check_stored(problems, hash_files=False)
         raise_if_problems("verify", problems, number)
         return {"when": iso(utcnow()), "result": "ok", "members": len(self.manifest["members"])}

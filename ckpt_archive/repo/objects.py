@@ -93,9 +93,6 @@ class SharedWriter:
         #: names (oids) of objects referenced because a usable generation vouches for them
         #: (see ArchiveReader.proven_objects)
         self.reused: set[str] = set()
-        #: names (oids) of objects whose file this generation wrote (created, or replaced when damaged or
-        #: left over); one found in place and kept is not here (see ArchiveReader.written_objects)
-        self.written: set[str] = set()
         self._folders: set[str] = set()
 
     def sync(self) -> None:
@@ -150,10 +147,8 @@ class SharedWriter:
             # generations that reference it); else kept as it is, and this generation's trial reload
             # checks every byte of it (the lock is held: nothing else writes here)
             replace = oid not in self.index.users or oid in self.distrust
-            wrote = pending.commit(key, sync_dir=False, replace=replace)  # folders fsynced once, by sync()
+            pending.commit(key, sync_dir=False, replace=replace)  # folders fsynced once, by sync()
             with self._lock:
-                if wrote:
-                    self.written.add(oid)
                 self._folders.add(key.rsplit("/", 1)[0])
                 self._made[fp] = (oid, rebased)
                 self._open.discard(fp)

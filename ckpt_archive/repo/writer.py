@@ -54,6 +54,8 @@ class GenerationWriter:
         self.pool = ThreadPoolExecutor(jobs, thread_name_prefix="ckpt-enc")
         self.hash_pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="ckpt-hash")
         self.members: list[dict] = []
+        #: member path -> CRC-32 per chunk as written (MemberWriter.written_crc), for pack's trial reload
+        self.written_crc: dict[str, list[int | None]] = {}
 
     def member(self, path: str, role: str, pieces: Iterator[tuple[Any, str]], *, raw_alg: str | None = BLAKE3,
                **extra) -> dict:
@@ -75,6 +77,7 @@ class GenerationWriter:
                     if i == 1:
                         self.faults.point("member-write")
                 rec = w.finish()
+                self.written_crc[path] = w.written_crc
             except BaseException:
                 w.abort()
                 raise
@@ -195,6 +198,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
                     **({"new_stored_bytes": sum(own_stored_bytes(m) for m in members) + shared.new_stored_bytes}
                        if shared is not None and any(m.get("objects") for m in members) else {})},
         "warnings": list(table.warnings) + list(getattr(source, "warnings", []) or []),
+        "written_crc": w.written_crc,
     }
 
 
