@@ -302,6 +302,72 @@ def test_the_trial_reload_names_a_manifest_it_cannot_index_as_a_problem(view_rep
     assert len(problems) == 1 and "malformed where it is read (KeyError" in problems[0].reason
 
 
+# --- a resealed tensor record: every reader runs the trial reload's leaf checks ----------------------------
+_RECORD_EDITS = {
+    "dtype reinterpreted": {"dtype": "int32"},
+    "dtype of another size": {"dtype": "float16"},
+    "sub-byte dtype": {"dtype": "uint4"},
+    "float8 dtype": {"dtype": "float8_e4m3fn"},
+    "conjugate of a real tensor": {"bits": {"conj": True}},
+    "kind numpy for a tensor node": {"kind": "numpy"},
+    "shape of another size": {"shape": [64]},
+    "shape past any memory": {"shape": [2 ** 62, 2 ** 62]},
+    "view repeating one element": {"view": {"storage_offset": 0, "stride": [0]}},
+    "view with too few strides": {"view": {"storage_offset": 0, "stride": []}},
+    "view far outside": {"view": {"storage_offset": 2 ** 62, "stride": [1]}},
+    "view over another entry dtype": {"view": {"storage_offset": 0, "stride": [1], "entry_dtype": "float64"}},
+    "record naming the other entry": {"entry": "b", "raw_fp": None},
+}
+
+
+@pytest.mark.parametrize("name", sorted(_RECORD_EDITS))
+def test_a_resealed_tensor_record_is_refused_by_restore_and_load_as_by_the_trial_reload(tmp_path, name):
+    """Fault (break test): restore and load built each tensor from its manifest record as written, checking
+    only the entry's bytes. A resealed record (dtype int32 over float32 bytes, a view with stride 0, another
+    entry) restored with exit 0 and wrong values; others (float16, uint4, conj, a short stride, a huge
+    offset) crashed them with "internal error" from torch. verify --deep, restore and load now apply the
+    same checks of each leaf against its entry: exit 1, the tensor named."""
+    repo = tmp_path / "r"
+    ckpt_archive.pack({"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0, 5.0])}, repo)
+    edit = dict(_RECORD_EDITS[name])
+
+    def apply(m):
+        if edit.get("raw_fp", 0) is None:  # point at the other entry, with its fingerprint: all consistent
+            edit["raw_fp"] = m["tensors"]["b"]["raw_fp"]
+        m["tensors"]["w"].update(edit)
+    edit_manifest(repo, apply)
+    assert cli("verify", f"{repo}@1", "--deep").exit_code == 1
+    res = cli("restore", f"{repo}@1", "-o", tmp_path / "o.pt")
+    assert res.exit_code == 1 and not (tmp_path / "o.pt").exists(), res.stdout + res.stderr
+    with pytest.raises(ckpt_archive.errors.IntegrityError):
+        ckpt_archive.load(repo, 1)
+
+
+def test_a_resealed_view_offset_inside_its_storage_is_caught_by_its_own_fingerprint(tmp_path):
+    """A view moved inside its storage stays in bounds; only the view's own bytes can tell. Restore wrote
+    the moved view with exit 0 (it checked the storage's bytes only). (A .pt source restores its exact
+    bytes instead, which the manifest's view records do not shape: packed from Python here.)"""
+    x = torch.randn(16, 16)
+    view_repo = tmp_path / "r"
+    ckpt_archive.pack({"w": x, "v": x[2:6, 3:7]}, view_repo)
+
+    def shift(m):
+        v = next(t for t in m["tensors"].values() if t["view"]["storage_offset"])
+        v["view"]["storage_offset"] += 1
+    edit_manifest(view_repo, shift)
+    res = cli("restore", f"{view_repo}@1", "-o", tmp_path / "o.pt")
+    assert res.exit_code == 1 and "fingerprint" in res.stdout + res.stderr
+    with pytest.raises(ckpt_archive.errors.IntegrityError, match="fingerprint"):
+        ckpt_archive.load(view_repo, 1)
+
+
+def test_a_code_version_that_is_not_text_breaks_the_schema_and_inspect_says_so(tmp_path, file_repo):
+    """Fault (break test): inspect stopped with "internal error (TypeError)" on code.version given as a list."""
+    edit_manifest(file_repo, lambda m: m.update(code={"git_commit": 5, "dirty": "yes", "version": ["x"]}))
+    res = cli("inspect", f"{file_repo}@1")
+    assert res.exit_code == 1 and "code" in res.stdout + res.stderr
+
+
 # --- partial and damaged generations are not restored unchecked --------------------------------------
 def test_restore_refuses_a_partial_generation_unless_restore_unverified(tmp_path, file_repo):
     (gen_dir(file_repo) / "USABLE.json").unlink()

@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
                                              for k in ("step", "epoch", "cursor")))
         code = m["code"]
         out.say(f"  code: {code.get('git_commit') or '-'}{' (dirty)' if code.get('dirty') else ''}"
-                f"{'  version ' + code['version'] if code.get('version') else ''}")
+                f"{'  version ' + str(code['version']) if code.get('version') else ''}")
         env = m["environment"]
         out.say(f"  environment: python {env.get('python')}, torch {env.get('torch')}, numpy {env.get('numpy')}")
         if m["tags"]:

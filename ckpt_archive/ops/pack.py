@@ -226,7 +226,9 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
                                 " (it is stored in the manifest, which every `list` reads; put large records "
                                 "in a file of the checkpoint folder)"))
     return _Prepared(source, encoded, prog, config_enc, metrics_plain, ids_v, [str(t) for t in tags],
-                     _instructions(notes.instructions, source), notes.code_version, sorted(allowed or ()))
+                     _instructions(notes.instructions, source),
+                     None if notes.code_version is None else str(notes.code_version),  # the schema's string
+                     sorted(allowed or ()))
 
 
 def build_manifest(p: _Prepared, number: int, body: dict) -> dict:

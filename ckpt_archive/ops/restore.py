@@ -197,9 +197,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         try:
             if on_bytes:
                 with open(tmp, "wb") as fh:
-                    _torch_save(state, _Counted(fh, on_bytes), out)
+                    _torch_save(state, _Counted(fh, on_bytes), out, part=bool(only))
             else:
-                _torch_save(state, tmp, out)
+                _torch_save(state, tmp, out, part=bool(only))
         except CannotCheck:
             tmp.unlink(missing_ok=True)
             raise
@@ -354,13 +354,14 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
     return total
 
 
-def _torch_save(state: Any, dest, out) -> None:
+def _torch_save(state: Any, dest, out, *, part: bool = False) -> None:
     """``torch.save(state, dest)``; a state torch.save itself refuses is :class:`CannotCheck` (exit 2) naming
     why, never a failed check of the generation.
 
     torch refuses views of one storage as two dtypes (``RuntimeError``) and the dtypes it has no storage
     type for, ``uint1``-``uint7`` / ``int1``-``int7`` (``KeyError`` "dtype ... is not recognized", from
-    ``torch/storage.py: _pickle_storage_type``) -- both of which pack and ``load`` take.
+    ``torch/storage.py: _pickle_storage_type``) -- both of which pack and ``load`` take. ``part``: the state
+    is already a part (``--only``), so the hint does not offer that again.
     """
     import torch  # only when re-serialising: the exact-bytes path never imports it
 
@@ -372,8 +373,8 @@ def _torch_save(state: Any, dest, out) -> None:
         text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         first = (str(text).strip().splitlines() or ["?"])[0][:300]
         raise CannotCheck(f"torch.save cannot write this state as a .pt file: {first}", where=str(out),
-                          hint="ckpt_archive.load(...) rebuilds it in memory; --only restores a part of it "
-                               "as a .pt") from None
+                          hint="ckpt_archive.load(...) rebuilds it in memory" + (
+                              "" if part else "; --only restores a part of it as a .pt")) from None
 
 
 def _restore_exact(reader: ArchiveReader, f: dict, target: Path, on_bytes=None) -> int:

@@ -64,8 +64,12 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
 
     from ckpt_archive.format.state_tree import decode, iter_nodes, torch_dtype
 
+    from ckpt_archive.format import fingerprint
+    from ckpt_archive.repo.trial_reload import check_leaf_geometry, check_tree_kinds
+
     tensors = reader.manifest["tensors"]
     refs = set(tensor_refs(tree))
+    check_tree_kinds(tree, tensors)
     if any(_declined(node) for node in iter_nodes(tree)):
         return None
     torch_leaves = []
@@ -94,6 +98,7 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
             for key, erec in m["entries"].items():
                 member_of[key], entry_rec[key] = m, erec
     mode = FakeTensorMode()
+    part_views: dict[str, list] = {}  # entry key -> [(leaf, record)] of views of part of it
     bases: dict[str, Any] = {}
     built: dict[str, Any] = dict(numpy_values)
     with mode:
@@ -104,6 +109,14 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
             if erec is None:
                 raise IntegrityError(f"tensor {leaf!r} names entry {key!r}, which no tensors member holds",
                                      where="manifest.json")
+            # the trial reload's checks of the leaf against its entry (dtype, shape, a view's bounds);
+            # a view of part of its entry has its own bytes, checked by _fill when the entry is decoded
+            start, end = erec["data_offsets"]
+            if not check_leaf_geometry(erec, lrec, leaf, end - start):
+                part_views.setdefault(key, []).append((leaf, lrec))
+            elif fingerprint.raw_fp(lrec) != fingerprint.raw_fp(erec):
+                raise IntegrityError(f"raw fingerprint {fingerprint.raw_fp(lrec)} is not its entry's "
+                                     f"({fingerprint.raw_fp(erec)})", where=leaf)
             if key not in bases:
                 view = lrec.get("view")
                 dname = view["entry_dtype"] if view and "entry_dtype" in view else lrec["dtype"]
@@ -135,7 +148,7 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
             plan.append((f"data/{key}", entry if entry is not None else storage))
         if on_start is not None:
             on_start()
-        size = _fill(reader, target, plan, member_of, on_bytes)
+        size = _fill(reader, target, plan, member_of, on_bytes, part_views)
     except _Fallback:
         target.unlink()
         return None
@@ -206,9 +219,15 @@ def _records(path: Path) -> dict[str, tuple[int, int, int, int]]:
             for start, length, _, name, _ in zip_records(path)}
 
 
-def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_bytes) -> int:
-    """Write every planned record's bytes and CRC-32; returns the file's size."""
+def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_bytes,
+          part_views: dict | None = None) -> int:
+    """Write every planned record's bytes and CRC-32; returns the file's size. ``part_views``: entry key
+    -> ``[(leaf, record)]`` of views of part of that entry, whose own bytes are checked against their
+    raw fingerprints while the entry's decoded bytes are at hand (IntegrityError when one fails)."""
     import torch
+
+    from ckpt_archive.format import fingerprint
+    from ckpt_archive.repo.trial_reload import check_leaf_bytes
 
     records = _records(target)
     by_entry: dict[str, list[str]] = {}  # entry key -> the records it fills
@@ -241,7 +260,9 @@ def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_b
             members.setdefault(member_of[entry]["path"], set()).add(entry)
         for path, wanted in members.items():
             rec = reader.by_path[path]
-            for key, _, buf in reader.iter_entries(rec, wanted=wanted, on_bytes=on_bytes, transient=True):
+            for key, erec, buf in reader.iter_entries(rec, wanted=wanted, on_bytes=on_bytes, transient=True):
+                for leaf, lrec in (part_views or {}).get(key, ()):
+                    check_leaf_bytes(buf, erec, lrec, leaf, fingerprint.raw_fp(erec))
                 for name in by_entry[key]:
                     put(name, buf)
         os.fsync(fd)

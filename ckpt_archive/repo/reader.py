@@ -431,8 +431,11 @@ class ArchiveReader:
         larger than RAM stays within the chunk pipeline's memory. Needs free space for the raw bytes.
         [codec/benchmarks helper]
         """
+        from ckpt_archive.repo.trial_reload import check_tree_kinds
+
         wanted_leaves = set(tensor_refs(tree))
         tensors = self.manifest["tensors"]
+        check_tree_kinds(tree, tensors)
         wanted_entries: dict[str, set] = {}
         for leaf in wanted_leaves:
             lrec = tensors.get(leaf)
@@ -462,6 +465,8 @@ class ArchiveReader:
 
     def _build(self, wanted_entries, by_entry, tensors, built, bases, checks, hash_pool, map_location,
                on_bytes, spill_dir) -> dict:
+        from ckpt_archive.repo.trial_reload import check_leaf_bytes
+
         for path, entries in wanted_entries.items():
             rec = self.by_path[path]
             # [codec/benchmarks helper] In memory, every returned tensor's bytes are hashed against
@@ -481,11 +486,15 @@ class ArchiveReader:
                 source = self.iter_entries(rec, wanted=entries, on_bytes=on_bytes, checked_by_caller=True,
                                            into=into)
             for key, erec, buf in source:
+                entry_fp = fingerprint.raw_fp(erec)
                 if spill_dir is None:
-                    checks.append((path, key, erec, hash_pool.submit(fingerprint.digest_like, buf,
-                                                                     fingerprint.raw_fp(erec))))
+                    checks.append((path, key, erec, hash_pool.submit(fingerprint.digest_like, buf, entry_fp)))
                 for leaf in by_entry[key]:
                     lrec = tensors[leaf]
+                    # the trial reload's checks of each leaf against its entry (dtype, shape, a view's
+                    # bounds and own bytes): what is returned is what the trial reload proved; the
+                    # entry's bytes themselves are checked against entry_fp by the hash pool
+                    check_leaf_bytes(buf, erec, lrec, leaf, entry_fp)
                     if key not in bases:
                         bases[key] = entry_tensor(buf, erec, lrec)
                     t = leaf_from_base(bases[key], lrec)

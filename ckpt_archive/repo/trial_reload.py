@@ -102,6 +102,7 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
         if missing:
             problems.append(Problem(f"state tree references {len(missing)} tensor(s) not in the manifest: "
                                     f"{', '.join(missing[:5])}", member=reader.manifest["tree_member"]))
+        check_tree_kinds(tree, tensors)
         decode(tree, lambda k: None, objects="check")
         from ckpt_archive.format.exact_bytes import exact_problems  # [issue 11]
 
@@ -125,7 +126,7 @@ def check_entry_leaves(tensors: dict, rec: dict, erec: dict, buf, leaves: list[s
     for leaf in leaves:
         lrec = tensors[leaf]
         try:
-            _check_leaf_bytes(buf, erec, lrec, leaf, entry_fp)
+            check_leaf_bytes(buf, erec, lrec, leaf, entry_fp)
             passed += 1
         except CkptArchiveError as exc:
             problems.append(Problem(exc.message, member=rec["path"], field=f"tensors/{leaf}"))
@@ -145,38 +146,33 @@ def _itemsize(dtype: str, kind: str) -> int:
     return size
 
 
-def _check_leaf_bytes(buf, erec: dict, lrec: dict, leaf: str, entry_fp: str | None) -> None:
-    """Raise IntegrityError when the leaf cannot be rebuilt from the entry's bytes as the manifest says."""
+def check_leaf_bytes(buf, erec: dict, lrec: dict, leaf: str, entry_fp: str | None) -> None:
+    """Raise IntegrityError when the leaf cannot be rebuilt from the entry's bytes as the manifest says.
+
+    What is checked (the trial reload, ``load`` and ``restore`` run the same checks, so a generation
+    they read is the one the trial reload proved): dtype and shape against the entry (or, for a view,
+    its offset and strides inside the entry's bytes, and the view's own bytes against its raw
+    fingerprint); a plain leaf's raw fingerprint is the entry's (``entry_fp``); a conjugate view is of a
+    complex dtype.
+
+    Args:
+        buf: the entry's raw bytes (bytes-like, or :class:`~ckpt_archive.repo.reader.SizeOnly`).
+        erec: the entry's record (member ``entries``); lrec: the leaf's record (manifest ``tensors``).
+        leaf: the leaf's key (for messages). entry_fp: the entry's raw fingerprint, known to hold for
+            ``buf`` or checked by the caller.
+    """
     import numpy as np
 
-    kind, dtype, shape = lrec["kind"], lrec["dtype"], [int(x) for x in lrec["shape"]]
-    view = lrec.get("view")
     nbytes = buf.nbytes if isinstance(buf, SizeOnly) else (len(memoryview(buf).cast("B")) if len(buf) else 0)
-    size = _itemsize(dtype, kind)
-    numel = math.prod(shape)
-    st_of = NUMPY_TO_ST if kind == "numpy" else TORCH_TO_ST
-    if not view:
-        want_st = st_of.get(np.dtype(dtype).str if kind == "numpy" else dtype)
-        if want_st is not None and want_st != erec.get("dtype"):
-            raise IntegrityError(f"dtype {dtype} != entry dtype {erec.get('dtype')}", where=leaf)
-        if shape != list(erec.get("shape", shape)):
-            raise IntegrityError(f"shape {shape} != entry shape {erec.get('shape')}", where=leaf)
-        if numel * size != nbytes:
-            raise IntegrityError(f"shape {shape} of {dtype} needs {numel * size} bytes, the entry has {nbytes}",
-                                 where=leaf)
-        data = buf
+    whole = check_leaf_geometry(erec, lrec, leaf, nbytes)
+    view = lrec.get("view")
+    if whole:
+        data = buf  # the leaf's bytes are the entry's: its fingerprint is the entry's
     else:
-        entry_dtype = view.get("entry_dtype")
-        if entry_dtype is not None and TORCH_TO_ST.get(entry_dtype, erec.get("dtype")) != erec.get("dtype"):
-            raise IntegrityError(f"view's entry dtype {entry_dtype} != entry dtype {erec.get('dtype')}", where=leaf)
+        size = _itemsize(lrec["dtype"], lrec["kind"])
+        shape = [int(x) for x in lrec["shape"]]
         offset, stride = int(view["storage_offset"]), [int(s) for s in view["stride"]]
-        if len(stride) != len(shape) or offset < 0 or any(s < 0 for s in stride):
-            raise IntegrityError(f"view of shape {shape} has stride {stride}, offset {offset}", where=leaf)
-        if numel:
-            last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
-            if (last + 1) * size > nbytes:
-                raise IntegrityError(f"view (offset {offset}, shape {shape}, stride {stride}) reaches past its "
-                                     f"storage of {nbytes} bytes", where=leaf)
+        if math.prod(shape):
             elems = np.frombuffer(buf, dtype=np.uint8)[:(nbytes // size) * size].view(f"V{size}")
             data = np.ascontiguousarray(np.lib.stride_tricks.as_strided(
                 elems[offset:], shape=shape, strides=[s * size for s in stride], writeable=False)).view(np.uint8)
@@ -189,3 +185,68 @@ def _check_leaf_bytes(buf, erec: dict, lrec: dict, leaf: str, entry_fp: str | No
         if want.startswith("sha256:"):  # format 1's wording
             raise IntegrityError(f"raw sha256 mismatch: expected {want[7:]}, got {got.partition(':')[2]}", where=leaf)
         raise IntegrityError(f"raw fingerprint mismatch: expected {want}, got {got}", where=leaf)
+
+
+def check_leaf_geometry(erec: dict, lrec: dict, leaf: str, nbytes: int) -> bool:
+    """The checks of :func:`check_leaf_bytes` that need no bytes: dtype and shape against the entry of
+    ``nbytes`` raw bytes, a view's offset and strides inside them, a conjugate view only of a complex dtype.
+
+    Returns:
+        True when the leaf's bytes are exactly the entry's (no view, or a view at offset 0 with the
+        entry's dtype, C-contiguous strides and all its bytes): its raw fingerprint is then the entry's.
+
+    Raises:
+        IntegrityError: the leaf cannot be what the manifest says it is; names the leaf.
+    """
+    import numpy as np
+
+    kind, dtype, shape = lrec["kind"], lrec["dtype"], [int(x) for x in lrec["shape"]]
+    view = lrec.get("view")
+    if (lrec.get("bits") or {}).get("conj") and not dtype.startswith("complex"):
+        raise IntegrityError(f"a conjugate view of {dtype}: only complex tensors have one", where=leaf)
+    size = _itemsize(dtype, kind)
+    numel = math.prod(shape)
+    st_of = NUMPY_TO_ST if kind == "numpy" else TORCH_TO_ST
+    if not view:
+        want_st = st_of.get(np.dtype(dtype).str if kind == "numpy" else dtype)
+        if want_st is not None and want_st != erec.get("dtype"):
+            raise IntegrityError(f"dtype {dtype} != entry dtype {erec.get('dtype')}", where=leaf)
+        if shape != list(erec.get("shape", shape)):
+            raise IntegrityError(f"shape {shape} != entry shape {erec.get('shape')}", where=leaf)
+        if numel * size != nbytes:
+            raise IntegrityError(f"shape {shape} of {dtype} needs {numel * size} bytes, the entry has {nbytes}",
+                                 where=leaf)
+        return True
+    entry_dtype = view.get("entry_dtype")
+    if entry_dtype is not None and TORCH_TO_ST.get(entry_dtype, erec.get("dtype")) != erec.get("dtype"):
+        raise IntegrityError(f"view's entry dtype {entry_dtype} != entry dtype {erec.get('dtype')}", where=leaf)
+    offset, stride = int(view["storage_offset"]), [int(s) for s in view["stride"]]
+    if len(stride) != len(shape) or offset < 0 or any(s < 0 for s in stride):
+        raise IntegrityError(f"view of shape {shape} has stride {stride}, offset {offset}", where=leaf)
+    if numel:
+        last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
+        if (last + 1) * size > nbytes:
+            raise IntegrityError(f"view (offset {offset}, shape {shape}, stride {stride}) reaches past its "
+                                 f"storage of {nbytes} bytes", where=leaf)
+    contiguous = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    return (offset == 0 and numel * size == nbytes and stride == contiguous and kind == "torch"
+            and (entry_dtype is None or entry_dtype == dtype) and TORCH_TO_ST.get(dtype) == erec.get("dtype"))
+
+
+def check_tree_kinds(tree, tensors: dict) -> None:
+    """Every tensor node of the state tree names a ``torch`` record, every ndarray node a ``numpy`` one.
+
+    Raises:
+        IntegrityError: a node and its record disagree (a hand-edited ``kind`` would otherwise restore a
+            tensor as an ndarray, which ``torch.load(weights_only=True)`` then refuses).
+    """
+    from ckpt_archive.format.state_tree import iter_nodes
+
+    for node in iter_nodes(tree):
+        tag = node.get("$t")
+        if tag in ("tensor", "ndarray"):
+            rec = tensors.get(node.get("key"))
+            want = "torch" if tag == "tensor" else "numpy"
+            if rec is not None and rec.get("kind") != want:
+                raise IntegrityError(f"the state tree holds a {tag} here, the manifest's record says kind "
+                                     f"{rec.get('kind')!r}", where=str(node.get("key")))
