@@ -12,6 +12,7 @@ import os
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ckpt_archive.format import fingerprint
@@ -317,6 +318,9 @@ _RECORD_EDITS = {
     "view far outside": {"view": {"storage_offset": 2 ** 62, "stride": [1]}},
     "view over another entry dtype": {"view": {"storage_offset": 0, "stride": [1], "entry_dtype": "float64"}},
     "record naming the other entry": {"entry": "b", "raw_fp": None},
+    "plain complex32 (no safetensors code)": {"dtype": "complex32"},
+    "plain quantized dtype": {"dtype": "qint32"},
+    "plain bits8": {"dtype": "bits8"},
 }
 
 
@@ -359,6 +363,40 @@ def test_a_resealed_view_offset_inside_its_storage_is_caught_by_its_own_fingerpr
     assert res.exit_code == 1 and "fingerprint" in res.stdout + res.stderr
     with pytest.raises(ckpt_archive.errors.IntegrityError, match="fingerprint"):
         ckpt_archive.load(view_repo, 1)
+
+
+@pytest.mark.parametrize("state_fn,leaf,edit", [
+    (lambda: {"v": torch.randn(6, 8)[1:3]}, "v", {"dtype": "int32"}),                    # view reinterpreted
+    (lambda: {"i": torch.arange(4, dtype=torch.int8)}, "i", {"requires_grad": True}),     # torch refuses it
+    (lambda: {"a": np.arange(6, dtype="<f4")}, "a", {"dtype": ">f4"}),                     # NumPy byte order
+], ids=["view dtype", "requires_grad on int8", "numpy byte order"])
+def test_a_resealed_record_of_a_view_or_array_is_refused_too(tmp_path, state_fn, leaf, edit):
+    """Second break test: a view's dtype was never compared with its entry's, a NumPy dtype without a
+    safetensors code skipped the dtype check, and requires_grad on an int tensor crashed inside torch."""
+    repo = tmp_path / "r"
+    ckpt_archive.pack(state_fn(), repo)
+    edit_manifest(repo, lambda m: m["tensors"][leaf].update(edit))
+    res = cli("restore", f"{repo}@1", "-o", tmp_path / "o.pt")
+    assert res.exit_code == 1 and not (tmp_path / "o.pt").exists(), res.stdout + res.stderr
+    with pytest.raises(ckpt_archive.errors.IntegrityError):
+        ckpt_archive.load(repo, 1)
+
+
+def test_unedited_arrays_views_and_sparse_tensors_pass_every_check(tmp_path):
+    """False alarms guarded: verify's policy audit read small NumPy arrays as tensor nodes (exit 1 after
+    the tree-kind check came in), handed undecoded parts to torch's sparse rebuild (internal error), and
+    a big-endian NumPy array is kept as raw bytes whose entry shape is not the array's."""
+    w = torch.randn(6, 8)
+    state = {"a": np.zeros(3), "be": np.arange(6, dtype=">f4").reshape(2, 3), "sp": torch.randn(4, 4).to_sparse(),
+             "w": w, "v": w[1:3], "t": w.t(), "i": w.view(torch.int32)[0], "step": 3}
+    repo = tmp_path / "r"
+    ckpt_archive.pack(state, repo)
+    assert cli("verify", repo).exit_code == 0
+    assert cli("verify", repo, "--deep").exit_code == 0
+    back = ckpt_archive.load(repo)
+    assert back["be"].dtype == np.dtype(">f4") and np.array_equal(back["be"], state["be"])
+    assert torch.equal(back["v"], state["v"]) and back["v"].data_ptr() == back["w"][1].data_ptr()
+    assert torch.equal(back["sp"].to_dense(), state["sp"].to_dense())
 
 
 def test_a_code_version_that_is_not_text_breaks_the_schema_and_inspect_says_so(tmp_path, file_repo):

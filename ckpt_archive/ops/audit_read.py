@@ -79,7 +79,8 @@ def state_for_audit(repo: Any, generation: str | int = "latest", *, budget: int 
             break
         spent += size
         chosen.extend(by_member[member])
-    loaded = dict(zip(chosen, reader.load_node([{"$t": "tensor", "key": k} for k in chosen]))) if chosen else {}
+    loaded = dict(zip(chosen, reader.load_node([{"$t": "ndarray" if recs[k].get("kind") == "numpy" else "tensor", "key": k}
+                                                     for k in chosen]))) if chosen else {}
     if info is not None:
         info.update(small_tensors=len(small), small_tensors_decoded=len(loaded), budget=budget)
 

@@ -125,7 +125,10 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
                 if base.untyped_storage().nbytes() != end - start:
                     return None  # an entry whose bytes are not one whole storage of its dtype
                 bases[key] = base
-            built[leaf] = leaf_from_base(bases[key], lrec)
+            try:
+                built[leaf] = leaf_from_base(bases[key], lrec)
+            except (RuntimeError, ValueError, TypeError):
+                return None  # torch refuses what the record says: the general path names it (IntegrityError)
     storage_entry = {b.untyped_storage()._cdata: key for key, b in bases.items()}
     try:
         state = decode(tree, built.__getitem__)

@@ -495,9 +495,14 @@ class ArchiveReader:
                     # bounds and own bytes): what is returned is what the trial reload proved; the
                     # entry's bytes themselves are checked against entry_fp by the hash pool
                     check_leaf_bytes(buf, erec, lrec, leaf, entry_fp)
-                    if key not in bases:
-                        bases[key] = entry_tensor(buf, erec, lrec)
-                    t = leaf_from_base(bases[key], lrec)
+                    try:
+                        if key not in bases:
+                            bases[key] = entry_tensor(buf, erec, lrec)
+                        t = leaf_from_base(bases[key], lrec)
+                    except (RuntimeError, ValueError, TypeError) as exc:  # torch refuses what the record says
+                        raise IntegrityError(f"cannot be built as its manifest record says: "
+                                             f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc!r}",
+                                             where=leaf) from None
                     if map_location is not None and lrec["kind"] == "torch":
                         t = t.to(map_location)
                     built[leaf] = t

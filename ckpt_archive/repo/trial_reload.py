@@ -204,14 +204,26 @@ def check_leaf_geometry(erec: dict, lrec: dict, leaf: str, nbytes: int) -> bool:
     view = lrec.get("view")
     if (lrec.get("bits") or {}).get("conj") and not dtype.startswith("complex"):
         raise IntegrityError(f"a conjugate view of {dtype}: only complex tensors have one", where=leaf)
+    if lrec.get("requires_grad") and not (dtype.startswith(("float", "bfloat", "complex"))):
+        raise IntegrityError(f"requires_grad on a {dtype} tensor: only floating point and complex tensors "
+                             f"can require gradients", where=leaf)
     size = _itemsize(dtype, kind)
     numel = math.prod(shape)
     st_of = NUMPY_TO_ST if kind == "numpy" else TORCH_TO_ST
     if not view:
-        want_st = st_of.get(np.dtype(dtype).str if kind == "numpy" else dtype)
-        if want_st is not None and want_st != erec.get("dtype"):
+        try:
+            want_st = st_of.get(np.dtype(dtype).str if kind == "numpy" else dtype)
+        except TypeError:
+            raise IntegrityError(f"dtype {dtype!r} is not a NumPy dtype", where=leaf) from None
+        want_shape = shape
+        if want_st is None and kind == "numpy":  # the writer keeps such an array as raw bytes (U8)
+            want_st, want_shape = "U8", [numel * size]
+        if want_st is None:  # the writer keeps such a tensor as a view of raw bytes, never plain
+            raise IntegrityError(f"dtype {dtype} has no safetensors code: it cannot be a plain entry",
+                                 where=leaf)
+        if want_st != erec.get("dtype"):
             raise IntegrityError(f"dtype {dtype} != entry dtype {erec.get('dtype')}", where=leaf)
-        if shape != list(erec.get("shape", shape)):
+        if want_shape != list(erec.get("shape", want_shape)):
             raise IntegrityError(f"shape {shape} != entry shape {erec.get('shape')}", where=leaf)
         if numel * size != nbytes:
             raise IntegrityError(f"shape {shape} of {dtype} needs {numel * size} bytes, the entry has {nbytes}",
@@ -220,6 +232,12 @@ def check_leaf_geometry(erec: dict, lrec: dict, leaf: str, nbytes: int) -> bool:
     entry_dtype = view.get("entry_dtype")
     if entry_dtype is not None and TORCH_TO_ST.get(entry_dtype, erec.get("dtype")) != erec.get("dtype"):
         raise IntegrityError(f"view's entry dtype {entry_dtype} != entry dtype {erec.get('dtype')}", where=leaf)
+    # the writer keeps views of one dtype over an entry of that dtype, and views of several dtypes (or of
+    # one with no safetensors code) over raw bytes (uint8): any other pairing is a reinterpretation
+    typed = entry_dtype if entry_dtype is not None else next(
+        (k for k, v in TORCH_TO_ST.items() if v == erec.get("dtype")), None)
+    if typed not in (None, "uint8") and dtype != typed:
+        raise IntegrityError(f"a {dtype} view of a {typed} entry", where=leaf)
     offset, stride = int(view["storage_offset"]), [int(s) for s in view["stride"]]
     if len(stride) != len(shape) or offset < 0 or any(s < 0 for s in stride):
         raise IntegrityError(f"view of shape {shape} has stride {stride}, offset {offset}", where=leaf)
