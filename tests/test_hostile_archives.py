@@ -384,16 +384,22 @@ def test_a_resealed_record_of_a_view_or_array_is_refused_too(tmp_path, state_fn,
 
 def test_unedited_arrays_views_and_sparse_tensors_pass_every_check(tmp_path):
     """False alarms guarded: verify's policy audit read small NumPy arrays as tensor nodes (exit 1 after
-    the tree-kind check came in), handed undecoded parts to torch's sparse rebuild (internal error), and
-    a big-endian NumPy array is kept as raw bytes whose entry shape is not the array's."""
+    the tree-kind check came in), handed undecoded parts to torch's sparse rebuild (internal error) and to
+    a quantized tensor's storage node (exit 1), and a big-endian NumPy array is kept as raw bytes whose
+    entry shape is not the array's."""
     w = torch.randn(6, 8)
     state = {"a": np.zeros(3), "be": np.arange(6, dtype=">f4").reshape(2, 3), "sp": torch.randn(4, 4).to_sparse(),
-             "w": w, "v": w[1:3], "t": w.t(), "i": w.view(torch.int32)[0], "step": 3}
+             "w": w, "v": w[1:3], "t": w.t(), "i": w.view(torch.int32)[0], "step": 3,
+             # third break test: a quantized tensor of more than 8 elements failed the CLI verify (its
+             # storage node met an undecoded stand-in), and a 0-d array came back with shape (1,)
+             "q": torch.quantize_per_tensor(torch.randn(16), 0.1, 0, torch.quint8), "z": np.array(3.5)}
     repo = tmp_path / "r"
     ckpt_archive.pack(state, repo)
     assert cli("verify", repo).exit_code == 0
     assert cli("verify", repo, "--deep").exit_code == 0
     back = ckpt_archive.load(repo)
+    assert back["z"].shape == () and back["z"] == 3.5
+    assert torch.equal(back["q"].int_repr(), state["q"].int_repr())
     assert back["be"].dtype == np.dtype(">f4") and np.array_equal(back["be"], state["be"])
     assert torch.equal(back["v"], state["v"]) and back["v"].data_ptr() == back["w"][1].data_ptr()
     assert torch.equal(back["sp"].to_dense(), state["sp"].to_dense())
