@@ -219,3 +219,20 @@ def test_only_with_a_missing_key_lists_the_keys_that_are_there(tmp_path):
     with pytest.raises(NotFound) as info:
         ckpt_archive.load(repo, only="model")
     assert "no key 'model'" in str(info.value) and "keys there: model.safetensors, optimizer.pt" in str(info.value)
+
+
+def test_empty_tensors_keep_their_strides_through_load_and_restore(tmp_path):
+    """Fault (break test): torch counts an empty tensor as contiguous whatever its strides, so
+    ``torch.empty(2, 0).t()`` (strides (1, 1)) was stored as a plain entry and came back with (2, 1) from
+    load and restore; an empty tensor whose strides are not C-order is now kept as a view."""
+    from ckpt_archive.ops.restore import restore
+
+    state = {"f": torch.empty(2, 0).t(), "g": torch.empty(0, 4)[:, ::2], "h": torch.empty(3, 0, 4).permute(2, 0, 1),
+             "e": torch.empty(0, 3), "w": torch.ones(2, 3)}
+    ckpt_archive.pack(state, tmp_path / "r")
+    back = ckpt_archive.load(tmp_path / "r")
+    restore(tmp_path / "r", output=tmp_path / "o.pt")
+    restored = torch.load(tmp_path / "o.pt", weights_only=True)
+    for k, t in state.items():
+        assert (back[k].shape, back[k].stride()) == (t.shape, t.stride()), k
+        assert (restored[k].shape, restored[k].stride()) == (t.shape, t.stride()), k

@@ -403,12 +403,15 @@ class _Encoder:
             dname = str(t0.dtype).replace("torch.", "")
 
             def natural(t):
+                # an empty tensor counts as contiguous whatever its strides: those are kept (as a view)
+                # unless they are the C-order ones a plain entry comes back with
                 return (t.is_contiguous() and t.storage_offset() == 0
-                        and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+                        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+                        and (t.numel() > 0 or list(t.stride()) == _c_strides(t.shape)))
 
             same_geometry = all(t.dtype == t0.dtype and t.shape == t0.shape and t.stride() == t0.stride()
                                 and t.storage_offset() == t0.storage_offset() for _, t in views)
-            if (len(views) == 1 or same_geometry) and (natural(t0) or nbytes_storage == 0) \
+            if (len(views) == 1 or same_geometry) and natural(t0) \
                     and dname in TORCH_TO_ST:
                 self.table.entries[key0] = Entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape],
                                                  lambda t=t0: _tensor_u8(t), t0.numel() * t0.element_size())
@@ -438,6 +441,15 @@ class _Encoder:
                                 "entry_dtype": fname}, **_leaf_flags(t)}
                 self.table.leaves[key] = rec
                 self.table.leaf_bytes[key] = lambda t=t: _tensor_u8(t)
+
+
+def _c_strides(shape) -> list[int]:
+    """The strides, in elements, of a C-contiguous tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed([int(x) for x in shape]):
+        out.append(acc)
+        acc *= max(n, 1)
+    return out[::-1]
 
 
 def _leaf_flags(t) -> dict:
