@@ -1,9 +1,10 @@
 """Nested training state <-> (strict-JSON tree, tensor table).
 
-Why one long module (~760 lines, over the ~600 guide): encode and decode are the two halves of one
+Why one long module (~730 lines, over the ~600 guide): encode and decode are the two halves of one
 contract (docs/FORMAT.md "State tree") and must change together, tag by tag; splitting them apart made
-every new tag a two-file edit that could drift. The next split, when it grows again, is the view bits
-and the shared/ref (aliasing) helpers into a module of their own.
+every new tag a two-file edit that could drift. Walking an encoded tree (nodes, tensor references,
+shared/ref aliasing) is the readers' concern and lives in :mod:`ckpt_archive.format.tree_walk`; the next
+split, when this grows again, is the view bits into a module of their own.
 
 :func:`encode` walks a nested state (dict / OrderedDict / list / tuple, tensors, NumPy arrays and
 scalars, plain values) and returns a JSON-able tree whose tensor leaves point at keys of a
@@ -532,76 +533,6 @@ def encode_value(value: Any) -> Any:
                           + (f": {names}" if names else ""),
                           hint="pass numbers, e.g. loss.item() instead of loss" if names else None)
     return tree
-
-
-def iter_nodes(tree: Any):
-    """Yield every dict node of an encoded tree (depth first; a tensor node's ``attrs`` included)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            yield node
-            stack.extend(v for k, v in node.items() if k != "$t")
-
-
-def walk_refs(tree: Any):
-    """Yield every tensor/ndarray key referenced by an encoded tree (for reference checks)."""
-    for node in iter_nodes(tree):
-        if node.get("$t") in ("tensor", "ndarray"):
-            if not isinstance(node.get("key"), str):  # [issue 17] hostile until checked
-                raise FormatError(f"malformed {node.get('$t')} node (no string 'key')")
-            yield node["key"]
-
-
-def shared_nodes(tree: Any) -> dict[int, dict]:
-    """``{id: shared node}`` of every ``{"$t":"shared"}`` node in an encoded tree."""
-    out: dict[int, dict] = {}
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            if node.get("$t") == "shared" and type(node.get("id")) is int:
-                out.setdefault(node["id"], node)
-            stack.extend(node.values())
-    return out
-
-
-def inline_refs(node: Any, origins: dict[int, dict]) -> Any:
-    """A sub-tree made self-contained: the first ``ref`` to a container whose ``shared`` node lies outside
-    it becomes that shared node (later refs then resolve to the same object)."""
-    inside = set(shared_nodes(node))
-    placed: set[int] = set()
-
-    def walk(n):
-        if isinstance(n, list):
-            return [walk(v) for v in n]
-        if not isinstance(n, dict):
-            return n
-        if n.get("$t") == "shared":
-            placed.add(n.get("id"))
-        if n.get("$t") == "ref" and n.get("id") not in inside and n.get("id") not in placed \
-                and n.get("id") in origins:
-            placed.add(n["id"])
-            return walk(origins[n["id"]])
-        return {k: walk(v) for k, v in n.items()}
-
-    return walk(node) if any(True for _ in _refs(node)) else node
-
-
-def _refs(node: Any):
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, list):
-            stack.extend(n)
-        elif isinstance(n, dict):
-            if n.get("$t") == "ref":
-                yield n
-            stack.extend(n.values())
 
 
 def _torch_attr(name: str, kind: str):

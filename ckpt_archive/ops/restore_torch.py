@@ -62,9 +62,9 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ckpt_archive.format.state_tree import decode, iter_nodes, torch_dtype
-
     from ckpt_archive.format import fingerprint
+    from ckpt_archive.format.state_tree import decode, torch_dtype
+    from ckpt_archive.format.tree_walk import iter_nodes
     from ckpt_archive.repo.trial_reload import check_leaf_geometry, check_tree_kinds
 
     tensors = reader.manifest["tensors"]

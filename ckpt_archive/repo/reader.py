@@ -549,7 +549,7 @@ def _spill_member(reader: "ArchiveReader", rec: dict, spill_dir, on_bytes=None):
 
 def tensor_refs(tree) -> list[str]:
     """The tensor keys an encoded state tree references, in walk order."""
-    from ckpt_archive.format.state_tree import walk_refs
+    from ckpt_archive.format.tree_walk import walk_refs
 
     return list(walk_refs(tree))
 
@@ -646,7 +646,7 @@ def subtree(tree: Any, path: str) -> Any:
     Raises:
         NotFound: a part of the path names nothing.
     """
-    from ckpt_archive.format.state_tree import shared_nodes, inline_refs
+    from ckpt_archive.format.tree_walk import inline_refs, shared_nodes
 
     origins = shared_nodes(tree)
     node = tree

@@ -258,7 +258,7 @@ def check_tree_kinds(tree, tensors: dict) -> None:
         IntegrityError: a node and its record disagree (a hand-edited ``kind`` would otherwise restore a
             tensor as an ndarray, which ``torch.load(weights_only=True)`` then refuses).
     """
-    from ckpt_archive.format.state_tree import iter_nodes
+    from ckpt_archive.format.tree_walk import iter_nodes
 
     for node in iter_nodes(tree):
         tag = node.get("$t")

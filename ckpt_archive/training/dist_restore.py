@@ -26,7 +26,7 @@ def _leaf_of(key: str) -> str:
 
 
 def _refs(tree) -> list[str]:
-    from ckpt_archive.format.state_tree import walk_refs
+    from ckpt_archive.format.tree_walk import walk_refs
 
     return list(walk_refs(tree))
 

@@ -1,0 +1,63 @@
+"""Walking an encoded state tree (docs/FORMAT.md "State tree") as readers do: its nodes, the tensors it
+references, and its aliasing (``shared`` / ``ref`` nodes). Split out of
+:mod:`ckpt_archive.format.state_tree`, which encodes and decodes trees; these only read them, and treat
+what they read as hostile (a node without a string key is a FormatError, never a KeyError).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt_archive.errors import FormatError
+
+
+def iter_nodes(tree: Any):
+    """Yield every dict node of an encoded tree (depth first; a tensor node's ``attrs`` included)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            yield node
+            stack.extend(v for k, v in node.items() if k != "$t")
+
+
+def walk_refs(tree: Any):
+    """Yield every tensor/ndarray key referenced by an encoded tree (for reference checks)."""
+    for node in iter_nodes(tree):
+        if node.get("$t") in ("tensor", "ndarray"):
+            if not isinstance(node.get("key"), str):  # [issue 17] hostile until checked
+                raise FormatError(f"malformed {node.get('$t')} node (no string 'key')")
+            yield node["key"]
+
+
+def shared_nodes(tree: Any) -> dict[int, dict]:
+    """``{id: shared node}`` of every ``{"$t":"shared"}`` node in an encoded tree (the first met, in
+    :func:`iter_nodes` order, for an id given twice)."""
+    out: dict[int, dict] = {}
+    for node in iter_nodes(tree):
+        if node.get("$t") == "shared" and type(node.get("id")) is int:
+            out.setdefault(node["id"], node)
+    return out
+
+
+def inline_refs(node: Any, origins: dict[int, dict]) -> Any:
+    """A sub-tree made self-contained: the first ``ref`` to a container whose ``shared`` node lies outside
+    it becomes that shared node (later refs then resolve to the same object)."""
+    inside = set(shared_nodes(node))
+    placed: set[int] = set()
+
+    def walk(n):
+        if isinstance(n, list):
+            return [walk(v) for v in n]
+        if not isinstance(n, dict):
+            return n
+        if n.get("$t") == "shared":
+            placed.add(n.get("id"))
+        if n.get("$t") == "ref" and n.get("id") not in inside and n.get("id") not in placed \
+                and n.get("id") in origins:
+            placed.add(n["id"])
+            return walk(origins[n["id"]])
+        return {k: walk(v) for k, v in n.items()}
+
+    return walk(node) if any(n.get("$t") == "ref" for n in iter_nodes(node)) else node
