@@ -164,6 +164,14 @@ class StoreError(CannotCheck):
     """A destination store refused or failed an operation (credentials, permissions, network)."""
 
 
+def first_line(exc: BaseException | str, limit: int | None = None) -> str:
+    """The first non-blank line of an exception's message or of a text (an exception's type name, or
+    ``"?"``, when it has none), cut to ``limit`` characters: the one-line reason a refusal quotes from a
+    library (torch, safetensors, a config parser), whose messages often run to many lines."""
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else "?" if isinstance(exc, str) else type(exc).__name__)[:limit]
+
+
 def exit_code_for(result: Any) -> int:
     """The one rule from a result (or an exception) to the CLI's exit code.
 

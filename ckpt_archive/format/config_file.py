@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ckpt_archive.errors import SourceError
+from ckpt_archive.errors import SourceError, first_line
 from ckpt_archive.format import jsonio
 
 
@@ -61,7 +61,7 @@ def load_value_file(path: str | os.PathLike, *, what: str = "file") -> Any:
     except SourceError:
         raise
     except Exception as exc:  # parsers raise many types; report one line naming the file
-        raise SourceError(f"cannot parse {what}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+        raise SourceError(f"cannot parse {what}: {first_line(exc)}",
                           where=str(p)) from None
 
 

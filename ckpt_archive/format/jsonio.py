@@ -52,7 +52,7 @@ def dumps(obj: Any, *, indent: int | None = 1, sort_keys: bool = False, ensure_a
         obj: dicts, lists, tuples, str, int, float (non-finite ones are tagged), bool, None.
         indent: spaces per level (``None``: one line).
         sort_keys: sort object keys (else the order as built).
-        ensure_ascii: escape non-ASCII characters as ``\\uXXXX``.
+        ensure_ascii: escape non-ASCII characters as ``\\u`` plus four hex digits (JSON's escape).
         default: called for values JSON cannot hold (e.g. ``str`` for paths); ``None`` refuses them.
 
     Returns:

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ckpt_archive.errors import CannotCheck, InsufficientSpace, IntegrityError, OutputExists, UsageError
+from ckpt_archive.errors import (CannotCheck, InsufficientSpace, IntegrityError, OutputExists, UsageError,
+                                 first_line)
 from ckpt_archive.format.paths import inside
 from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick, refuse_unusable
 from ckpt_archive.ops.load import with_fallback
@@ -370,8 +371,8 @@ def _torch_save(state: Any, dest, out, *, part: bool = False) -> None:
     except (RuntimeError, KeyError) as exc:
         if isinstance(exc, KeyError) and "not recognized" not in str(exc):
             raise
-        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        first = (str(text).strip().splitlines() or ["?"])[0][:300]
+        # (a KeyError's str() is its repr, quotes included: its argument is the message)
+        first = first_line(str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else exc, 300)
         raise CannotCheck(f"torch.save cannot write this state as a .pt file: {first}", where=str(out),
                           hint="ckpt_archive.load(...) rebuilds it in memory" + (
                               "" if part else "; --only restores a part of it as a .pt")) from None

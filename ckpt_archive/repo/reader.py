@@ -15,7 +15,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
-from ckpt_archive.errors import FormatError, IntegrityError, NotFound
+from ckpt_archive.errors import FormatError, IntegrityError, NotFound, first_line
 from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.format.codec import StoredStream, _fileno, default_jobs, iter_decoded, submit_chunk_checks
 from ckpt_archive.format.objects import parts, stored_files
@@ -215,7 +215,6 @@ class ArchiveReader:
         ``check_whole=False, verify_chunks=False``: no hashing at all -- only for a caller that
         hashes every byte it uses against the manifest (``load_node``'s per-tensor check).
         """
-        key = self.key(rec)
         # The member's stored fingerprint is not recomputed here: iter_decoded checks every chunk's
         # stored sha256 and that the chunk table tiles the file (and derives format 2's), which implies
         # it. The raw fingerprint (whole, or per entry for a format-2 tensors member: each byte hashed
@@ -501,8 +500,7 @@ class ArchiveReader:
                         t = leaf_from_base(bases[key], lrec)
                     except (RuntimeError, ValueError, TypeError) as exc:  # torch refuses what the record says
                         raise IntegrityError(f"cannot be built as its manifest record says: "
-                                             f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc!r}",
-                                             where=leaf) from None
+                                             f"{first_line(exc, 200)}", where=leaf) from None
                     if map_location is not None and lrec["kind"] == "torch":
                         t = t.to(map_location)
                     built[leaf] = t

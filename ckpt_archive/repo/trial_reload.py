@@ -179,8 +179,13 @@ def check_leaf_bytes(buf, erec: dict, lrec: dict, leaf: str, entry_fp: str | Non
         else:
             data = b""
         entry_fp = None
+    check_leaf_fp(lrec, leaf, entry_fp or fingerprint.digest_like(data, fingerprint.raw_fp(lrec)))
+
+
+def check_leaf_fp(lrec: dict, leaf: str, got: str) -> None:
+    """Raise IntegrityError when ``got`` (the fingerprint of the leaf's bytes: for a leaf that is its whole
+    entry, the entry's) is not the leaf's raw fingerprint in the manifest."""
     want = fingerprint.raw_fp(lrec)
-    got = entry_fp or fingerprint.digest_like(data, want)
     if got != want:
         if want.startswith("sha256:"):  # format 1's wording
             raise IntegrityError(f"raw sha256 mismatch: expected {want[7:]}, got {got.partition(':')[2]}", where=leaf)

@@ -30,7 +30,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterable
 
-from ckpt_archive.errors import RefusedPickle, SourceError
+from ckpt_archive.errors import RefusedPickle, SourceError, first_line
 from ckpt_archive.sources.base import SourceFile
 from ckpt_archive.sources.torchfile import load_torch_file
 
@@ -139,7 +139,7 @@ def load_safetensors(path: Path) -> tuple[dict, dict[str, str]]:
             for key in fh.keys():
                 tensors[key] = fh.get_tensor(key)
     except Exception as exc:  # safetensors raises SafetensorError/OSError/...: one line naming the file
-        raise SourceError(f"unreadable safetensors file: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+        raise SourceError(f"unreadable safetensors file: {first_line(exc)}",
                           where=str(path)) from None
     return tensors, metadata
 
