@@ -22,6 +22,7 @@ from ckpt_archive.cli.app import app
 from ckpt_archive.errors import RefusedPickle, SourceError
 from ckpt_archive.format.allowlist import torch_allowed_globals
 from ckpt_archive.ops.pack import PackOptions
+from ckpt_archive.sources.torchfile import numpy_safe_globals
 
 runner = CliRunner()
 warnings.filterwarnings("ignore", message=".*(TypedStorage|quantiz|nested tensors|Sparse invariant).*")
@@ -307,10 +308,40 @@ def test_aliasing_views_tied_weights_and_storage_values_come_back_shared(tmp_pat
     ptr = back["base"].untyped_storage().data_ptr()
     assert {back[k].untyped_storage().data_ptr() for k in ("view", "strided", "as_bytes")} == {ptr}
     assert back["storage"].data_ptr() == ptr
-    assert back["head"] is not back["emb"] and back["head"].data_ptr() == back["emb"].data_ptr()
+    assert back["head"] is back["emb"]  # one object under two names, as torch.load's memo gives it
     assert back["q_view"].untyped_storage().data_ptr() == back["q"].untyped_storage().data_ptr()
     back["base"][4] = 100.0
     assert back["view"][0, 1] == 100.0 and bytes(back["storage"][16:20]) == torch.tensor([100.0]).numpy().tobytes()
+
+
+def test_one_tensor_or_array_under_two_names_comes_back_as_one_object_from_load_and_restore(tmp_path):
+    """Fault guarded: the same tensor (or NumPy array) object reached twice came back as two objects (a
+    tensor pair sharing storage, an array as two copies), where torch.load gives one: an in-place change
+    through one name no longer showed through the other (a resumed run's tied parameter list diverges)."""
+    import numpy as np
+
+    p = torch.nn.Parameter(torch.ones(3))
+    t = torch.arange(6.0)
+    arr = np.arange(4)
+    state = {"a": t, "b": t, "params": [p, p], "named": {"p": p}, "n1": arr, "n2": arr, "other": t.clone()}
+    torch.save(state, tmp_path / "src.pt")
+    ckpt_archive.pack(state, tmp_path / "r")
+    back = ckpt_archive.load(tmp_path / "r")
+    assert back["a"] is back["b"] and back["params"][0] is back["params"][1] is back["named"]["p"]
+    assert back["n1"] is back["n2"] and back["other"] is not back["a"]
+    assert_exact({k: v for k, v in state.items() if k[0] != "n"}, {k: v for k, v in back.items() if k[0] != "n"})
+    assert back["n1"].dtype == arr.dtype and np.array_equal(back["n1"], arr)
+    res = runner.invoke(app, ["restore", str(tmp_path / "r"), "-o", str(tmp_path / "out.pt")])
+    assert res.exit_code == 0, res.output
+    with torch.serialization.safe_globals(numpy_safe_globals()):
+        out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["a"] is out["b"] and out["params"][0] is out["params"][1] is out["named"]["p"]
+    assert out["n1"] is out["n2"]
+    out["n1"][0] = 7
+    assert out["n2"][0] == 7
+    # a part that holds only the second name still restores whole
+    only = ckpt_archive.load(tmp_path / "r", only="named")
+    assert torch.equal(only["p"], p) and type(only["p"]) is torch.nn.Parameter
 
 
 def test_dynamic_quantization_packed_params_round_trip_and_load_into_the_model(tmp_path):

@@ -201,18 +201,30 @@ class _Encoder:
         self.table = TensorTable()
         self._tensor_leaves: list[tuple[str, Any]] = []  # (leaf key, tensor)
         self._used: set[str] = set()
-        self._multi: set[int] = set()          # ids of containers met more than once (see _count_shared)
+        self._multi: set[int] = set()          # ids of containers/tensors met more than once (count_shared)
         self._shared: dict[int, int] = {}      # id -> shared number, once encoded
         self._open: set[int] = set()           # containers being encoded (a cycle is refused)
         self._keep: list = []                  # keeps every counted container alive (ids stay unique)
 
     def count_shared(self, root) -> None:
-        """First pass: find the mutable containers (list, dict and dict subclasses, set) reached more than
-        once, so that they are encoded once and referenced after (torch.save's memo keeps that sharing)."""
+        """First pass: find the mutable containers (list, dict and dict subclasses, set), tensors and NumPy
+        arrays reached more than once, so that they are encoded once and referenced after: torch.save's
+        pickle memo keeps that identity (``state["a"] is state["b"]`` after ``torch.load``), and an
+        in-place change through one name must show through the other after a restore too."""
+        import numpy as np
+
+        tensor_type = _torch().Tensor
         seen: set[int] = set()
         stack = [root]
         while stack:
             obj = stack.pop()
+            if isinstance(obj, tensor_type) or type(obj) is np.ndarray:
+                if id(obj) in seen:
+                    self._multi.add(id(obj))
+                else:
+                    seen.add(id(obj))
+                    self._keep.append(obj)
+                continue
             if not isinstance(obj, (list, dict, set)):
                 if type(obj) is tuple:
                     stack.extend(obj)
@@ -238,7 +250,8 @@ class _Encoder:
         return key
 
     def enc(self, obj: Any, path: tuple) -> Any:
-        """Encode one value; a container met before is a ``ref`` to its first (``shared``) encoding."""
+        """Encode one value; a container, tensor or array met before is a ``ref`` to its first (``shared``)
+        encoding."""
         oid = id(obj)
         if oid not in self._multi:
             return self._enc(obj, path)
