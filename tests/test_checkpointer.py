@@ -100,6 +100,35 @@ def test_checkpointer_generation_is_what_pack_makes_of_the_same_state(tmp_path):
     assert got["f16"].dtype == torch.float16 and torch.equal(got["f16"], state["f16"])
 
 
+def test_checkpointer_keeps_conj_neg_bits_attributes_and_non_strided_tensors(tmp_path):
+    """Fault guarded: the snapshot rebuilt each tensor over its copied storage with ``set_``, which drops the
+    lazy conj/neg bits (a conjugate view came back unconjugated: wrong values, and verify passed) and the
+    tensor's Python attributes, and raised in the training thread on a nested tensor; ``pack`` of the same
+    state kept all of them."""
+    import warnings
+
+    c = torch.tensor([1 + 2j, 3 - 4j])
+    p = torch.nn.Parameter(torch.ones(2))
+    p.tag = "emb"
+    t = torch.zeros(3)
+    t.note = {"k": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = {"conj": c.conj(), "neg": c.conj().imag, "p": p, "t": t,
+                 "nested": torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(1, 3)]),
+                 "sparse": torch.eye(3).to_sparse(),
+                 "q": torch.quantize_per_tensor(torch.ones(4), 0.5, 0, torch.qint8)}
+        with Checkpointer(tmp_path / "ckpt") as ckpt:
+            ckpt.save(1, state).result()
+        got = ckpt_archive.load(tmp_path / "ckpt")
+    assert got["conj"].is_conj() and torch.equal(got["conj"].resolve_conj(), state["conj"].resolve_conj())
+    assert got["neg"].is_neg() and torch.equal(got["neg"].resolve_neg(), torch.tensor([-2.0, 4.0]))
+    assert type(got["p"]) is torch.nn.Parameter and vars(got["p"]) == {"tag": "emb"}
+    assert vars(got["t"]) == {"note": {"k": 1}}
+    assert got["nested"].is_nested and all(torch.equal(a, b) for a, b in zip(got["nested"].unbind(), state["nested"].unbind()))
+    assert torch.equal(got["sparse"].to_dense(), torch.eye(3)) and got["q"].is_quantized
+
+
 def test_snapshot_keeps_parameters_views_and_reuses_its_buffers():
     p = torch.nn.Parameter(torch.randn(4, 4))
     base = torch.arange(10.0)

@@ -11,8 +11,9 @@ are copied too; plain values (ints, floats, strings, tuples, RNG states) are dee
 rebuilt (``copy.deepcopy`` with the tensor copies pre-seeded in its memo, so dict subclasses, OrderedDict
 attributes such as a state_dict's ``_metadata`` and aliasing between containers come back as they were).
 
-A tensor's copy keeps what the archive records of it: its dtype, shape, stride and storage offset, whether
-it is an ``nn.Parameter`` and ``requires_grad``, and its original device (attribute ``DEVICE_ATTR``, read
+A tensor's copy keeps what the archive records of it: its dtype, shape, stride and storage offset, its lazy
+conjugate / negative bits, its Python attributes, whether it is an ``nn.Parameter`` and ``requires_grad``
+(sparse, quantized, nested and meta tensors are copied whole, as ``clone`` does), and its original device (attribute ``DEVICE_ATTR``, read
 by :func:`ckpt_archive.format.state_tree.encode`), so the manifest says ``cuda:0`` for a tensor that lived
 there, as ``pack`` of the live state would.
 
@@ -160,8 +161,9 @@ class Snapshotter:
                     raise TypeError("a DTensor is in the state: save it with the Checkpointer under an initialised "
                                     "torch.distributed process group (it writes each rank's shards)")
                 src = t.to_local()
-            if src.layout != torch.strided or src.is_quantized or src.is_meta:
-                memo[id(t)] = src.detach().clone()  # the encoder refuses it later, naming its path
+            if src.layout != torch.strided or src.is_quantized or src.is_meta or src.is_nested:
+                # sparse, quantized, meta, nested: a plain copy (pack encodes them through torch's rebuild)
+                memo[id(t)] = _with_attrs(_copy_whole(src, torch), t, memo)
                 continue
             st = src.untyped_storage()
             nbytes = st.nbytes()
@@ -185,6 +187,12 @@ class Snapshotter:
                         devices.add(src.device)
                 copy_t = torch.empty(0, dtype=src.dtype).set_(base.untyped_storage(), src.storage_offset(),
                                                              src.shape, src.stride())
+            # the lazy conjugate / negative bits are not in the storage's bytes: set them on the copy again
+            # (a conj view over the same bytes reads as the source reads)
+            if src.is_neg():
+                copy_t = torch._neg_view(copy_t)
+            if src.is_conj():
+                copy_t = copy_t.conj()
             if isinstance(src, torch.nn.Parameter) or isinstance(t, torch.nn.Parameter):
                 copy_t = torch.nn.Parameter(copy_t, requires_grad=src.requires_grad)
             elif src.requires_grad:
@@ -193,12 +201,33 @@ class Snapshotter:
                 setattr(copy_t, DEVICE_ATTR, str(src.device))
             if is_dtensor:
                 self.on_dtensor(copy_t, t)
-            memo[id(t)] = copy_t
+            memo[id(t)] = _with_attrs(copy_t, t, memo)
         for dev in devices:  # the copies were queued on each device's current stream: wait for them
             torch.cuda.current_stream(dev).synchronize()
         out = copy.deepcopy(state, memo)
         self.last = stats
         return out
+
+
+def _copy_whole(src: Any, torch: Any) -> Any:
+    """A detached copy of a tensor that has no plain strided storage (sparse, quantized, meta, nested),
+    keeping Parameter-ness and ``requires_grad``; CPU tensors stay on the CPU, others are copied there."""
+    copy_t = src.detach().clone()
+    if isinstance(src, torch.nn.Parameter):
+        copy_t = torch.nn.Parameter(copy_t, requires_grad=src.requires_grad)
+    elif src.requires_grad:
+        copy_t.requires_grad_(True)
+    return copy_t
+
+
+def _with_attrs(copy_t: Any, t: Any, memo: dict) -> Any:
+    """``copy_t`` with the Python attributes of ``t`` (``vars``) copied onto it, deep-copied through the
+    snapshot's memo (so a tensor held in an attribute is the snapshot's copy too). ``pack`` stores them."""
+    attrs = getattr(t, "__dict__", None)
+    for name, value in (attrs or {}).items():
+        if name != DEVICE_ATTR:
+            setattr(copy_t, name, copy.deepcopy(value, memo))
+    return copy_t
 
 
 def _is_dtensor(t: Any) -> bool:
