@@ -307,3 +307,23 @@ def test_the_one_header_writer_is_read_by_safetensors_and_by_the_completeness_ch
     assert file_problem(path) is None
     path.write_bytes(prefix + data.tobytes()[:-4])
     assert "data ends at byte" in file_problem(path)
+
+
+def test_text_that_is_not_utf8_is_refused_before_a_generation_is_claimed(tmp_path, ckpt):
+    """Fault guarded: a tag or code version with lone surrogates (what os.fsdecode gives a shell argument
+    that is not UTF-8) and a folder holding a file whose name is not UTF-8 were written up to the seal,
+    then failed as "internal error" / "manifest is not strict JSON", each leaving a partial generation
+    (a cron backup left one more per tick)."""
+    import os
+
+    bad = os.fsdecode(b"caf\xe9")
+    for args in (["--tag", bad], ["--code-version", bad]):
+        res = cli("pack", ckpt, "--repo", tmp_path / "r", *args)
+        assert res.exit_code == 2 and "not UTF-8" in res.stderr and "internal error" not in res.stderr, res.stderr
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torch.save({"w": torch.ones(2)}, folder / "model.pt")
+    (folder / f"notes_{bad}.txt").write_bytes(b"hi")
+    res = cli("pack", folder, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "not UTF-8" in res.stderr and "notes_" in res.stderr, res.stderr
+    assert not (tmp_path / "r" / "generations").exists() or not any((tmp_path / "r" / "generations").iterdir())

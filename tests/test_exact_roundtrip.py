@@ -344,6 +344,28 @@ def test_one_tensor_or_array_under_two_names_comes_back_as_one_object_from_load_
     assert torch.equal(only["p"], p) and type(only["p"]) is torch.nn.Parameter
 
 
+def test_strings_with_lone_surrogates_round_trip_as_values_and_keys(tmp_path):
+    """Fault guarded: a str holding lone surrogates (os.fsdecode of a file name that is not UTF-8, as a data
+    loader's state records it; torch.load(weights_only=True) accepts it) made pack fail with "internal
+    error (UnicodeEncodeError)" after claiming a generation; it is now stored exactly (tagged, base64 of
+    its surrogate-passing UTF-8) and comes back equal from load and restore."""
+    import os
+
+    name = os.fsdecode(b"/data/caf\xe9.jpg")
+    state = {"files": [name, "plain"], "by_name": {name: 1, "ok": 2}, "w": torch.ones(2)}
+    torch.save(state, tmp_path / "src.pt")
+    res = runner.invoke(app, ["pack", str(tmp_path / "src.pt"), "--repo", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    back = ckpt_archive.load(tmp_path / "r")
+    assert back["files"] == [name, "plain"] and list(back["by_name"].items()) == [(name, 1), ("ok", 2)]
+    res = runner.invoke(app, ["restore", str(tmp_path / "r"), "-o", str(tmp_path / "out.pt")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "out.pt").read_bytes() == (tmp_path / "src.pt").read_bytes()
+    ckpt_archive.pack(state, tmp_path / "r2")
+    assert_exact(state, ckpt_archive.load(tmp_path / "r2"))
+    assert runner.invoke(app, ["verify", "--deep", str(tmp_path / "r2")]).exit_code == 0
+
+
 def test_dynamic_quantization_packed_params_round_trip_and_load_into_the_model(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     qmodel = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)

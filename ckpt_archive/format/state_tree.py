@@ -184,13 +184,30 @@ def _plain_state(obj, path) -> dict:
     if why is not None:
         raise refusal(_path_name(path), obj, why)
     state = vars(obj)
-    if not all(type(k) is str for k in state):
-        raise refusal(_path_name(path), obj, "its __dict__ has non-str keys")
+    if not all(type(k) is str and _utf8_ok(k) for k in state):
+        raise refusal(_path_name(path), obj, "its __dict__ has keys that are not UTF-8 text")
     return dict(state)
 
 
+def _utf8_ok(s: str) -> bool:
+    """Whether ``s`` is a sequence of Unicode scalar values (UTF-8 can hold it): False for a str with lone
+    surrogates, which is what ``os.fsdecode`` gives for a file name that is not UTF-8 (``'caf\\udce9'``)."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(s: str) -> str:
+    """``s`` with lone surrogates written as ``\\udcXX`` escapes: a name safe for messages and manifests."""
+    return s if _utf8_ok(s) else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _path_name(path: tuple) -> str:
-    parts = [str(p) for p in path]
+    parts = [_printable(p) if type(p) is str else str(p) for p in path]
     return "/".join(parts) if parts else "value"
 
 
@@ -273,6 +290,9 @@ class _Encoder:
         import numpy as np
 
         tp = type(obj)
+        if tp is str and not _utf8_ok(obj):
+            # lone surrogates (a non-UTF-8 file name through os.fsdecode): JSON text cannot carry them
+            return {"$t": "str", "b64": base64.b64encode(obj.encode("utf-8", "surrogatepass")).decode("ascii")}
         if obj is None or tp is str or tp is bool:
             return obj
         if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
@@ -317,10 +337,10 @@ class _Encoder:
                     "items": self._items(obj, path)}
             attrs = dict(vars(obj))
             if attrs:
-                node["attrs"] = {k: self.enc(v, path + ("attrs", k)) for k, v in attrs.items()}
+                node["attrs"] = self._attrs(obj, attrs, path)
             return node
         if tp is dict:
-            if all(type(k) is str for k in obj) and "$t" not in obj:
+            if all(type(k) is str and _utf8_ok(k) for k in obj) and "$t" not in obj:
                 return {k: self.enc(v, path + (k,)) for k, v in obj.items()}
             return {"$t": "dict", "items": self._items(obj, path)}
         cname = class_name(tp)
@@ -328,6 +348,12 @@ class _Encoder:
             return {"$t": "object", "class": cname,
                     "state": {k: self.enc(v, path + (k,)) for k, v in _plain_state(obj, path).items()}}
         raise refusal(_path_name(path), obj)
+
+    def _attrs(self, obj, attrs: dict, path) -> dict:
+        """Encoded Python attributes of a tensor or OrderedDict (names must be UTF-8 text: JSON keys)."""
+        if not all(type(k) is str and _utf8_ok(k) for k in attrs):
+            raise refusal(_path_name(path), obj, "it has attributes whose names are not UTF-8 text")
+        return {k: self.enc(v, path + ("attrs", k)) for k, v in attrs.items()}
 
     def _items(self, obj, path) -> list:
         return [[self.enc(k, path + ("key",)), self.enc(v, path + (k,))] for k, v in obj.items()]
@@ -361,7 +387,7 @@ class _Encoder:
             if t.requires_grad:
                 node["requires_grad"] = True
         if attrs:
-            node["attrs"] = {k: self.enc(v, path + ("attrs", k)) for k, v in attrs.items()}
+            node["attrs"] = self._attrs(t, attrs, path)
         return node
 
     def _storage(self, s, path) -> dict:
@@ -644,6 +670,12 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
                 return torch.TypedStorage(wrap_storage=storage, dtype=_torch_attr(node["dtype"], "dtype"),
                                           _internal=True)
             return storage
+        if t == "str":  # a str with lone surrogates (see _Encoder._enc)
+            raw = base64.b64decode(node["b64"], validate=True)
+            try:
+                return raw.decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError as exc:
+                raise FormatError(f"malformed str node: {exc}") from None
         if t == "bytes":
             return base64.b64decode(node["b64"])
         if t == "bytearray":

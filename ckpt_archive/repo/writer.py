@@ -11,6 +11,7 @@ tensors member's raw fingerprint is derived from those), sha256 of each source f
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping
 
@@ -189,7 +190,9 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         "members": members,
         "tensors": tensors,
         "source": {"format": source.format, "layout": source.layout,
-                   "path": str(source.root) if source.root else None, "files": files_meta,
+                   # where it was packed from, for people: a name that is not UTF-8 is kept with \\x escapes
+                   "path": (os.fsencode(source.root).decode("utf-8", "backslashreplace") if source.root
+                            else None), "files": files_meta,
                    "info": source.info or {}},
         "data": data,
         "summary": {"raw_bytes": sum(m["raw_bytes"] for m in members),

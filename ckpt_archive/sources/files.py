@@ -73,6 +73,15 @@ def _is_utf8_text(path: Path) -> bool:
         return False
 
 
+def _utf8_name(rel: str) -> bool:
+    """Whether a relpath is UTF-8 text: ``os.walk`` gives a name that is not as a str with lone surrogates."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _walk(root: Path) -> tuple[list[str], list[str]]:
     """All regular files under ``root`` as sorted POSIX relpaths, plus warnings for skipped entries."""
     rels: list[str] = []
@@ -87,6 +96,11 @@ def _walk(root: Path) -> tuple[list[str], list[str]]:
         for name in filenames:
             full = dpath / name
             rel = full.relative_to(root).as_posix()
+            if not _utf8_name(rel):
+                shown = rel.encode("utf-8", "backslashreplace").decode("utf-8")
+                raise SourceError(f"file name is not UTF-8 text: {shown!r} (a manifest names every file in UTF-8); "
+                                  f"rename it (e.g. `convmv -f latin1 -t utf8`) or move it out of the folder, then "
+                                  f"pack again", where=str(root))
             if full.is_symlink():
                 if not full.is_file():
                     warnings.append(f"{rel}: dangling symlink skipped (not archived)")
