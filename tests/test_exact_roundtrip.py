@@ -342,6 +342,12 @@ def test_one_tensor_or_array_under_two_names_comes_back_as_one_object_from_load_
     # a part that holds only the second name still restores whole
     only = ckpt_archive.load(tmp_path / "r", only="named")
     assert torch.equal(only["p"], p) and type(only["p"]) is torch.nn.Parameter
+    # the other mutable values torch.load's memo keeps as one object: a bytearray, an admitted object
+    ns, ba = argparse.Namespace(lr=0.1, w=t), bytearray(b"ab")
+    ckpt_archive.pack({"args": ns, "hparams": ns, "ba": [ba, ba]}, tmp_path / "r2",
+                      PackOptions(allow=["argparse.Namespace"]))
+    back2 = ckpt_archive.load(tmp_path / "r2", allow=["argparse.Namespace"])
+    assert back2["args"] is back2["hparams"] and back2["ba"][0] is back2["ba"][1]
 
 
 def test_strings_with_lone_surrogates_round_trip_as_values_and_keys(tmp_path):

@@ -224,23 +224,27 @@ class _Encoder:
         self._keep: list = []                  # keeps every counted container alive (ids stay unique)
 
     def count_shared(self, root) -> None:
-        """First pass: find the mutable containers (list, dict and dict subclasses, set), tensors and NumPy
-        arrays reached more than once, so that they are encoded once and referenced after: torch.save's
+        """First pass: find the mutable values (list, dict and dict subclasses, set, bytearray, admitted
+        plain-data objects), tensors, storages and NumPy arrays reached more than once, so that they are encoded once and referenced after: torch.save's
         pickle memo keeps that identity (``state["a"] is state["b"]`` after ``torch.load``), and an
         in-place change through one name must show through the other after a restore too."""
         import numpy as np
 
-        tensor_type = _torch().Tensor
+        torch = _torch()
+        leaf_types = (torch.Tensor, np.ndarray, bytearray, torch.UntypedStorage, torch.TypedStorage)
         seen: set[int] = set()
         stack = [root]
         while stack:
             obj = stack.pop()
-            if isinstance(obj, tensor_type) or type(obj) is np.ndarray:
+            admitted = class_name(type(obj)) in self.allow and hasattr(obj, "__dict__")
+            if isinstance(obj, leaf_types) or admitted:
                 if id(obj) in seen:
                     self._multi.add(id(obj))
                 else:
                     seen.add(id(obj))
                     self._keep.append(obj)
+                    if admitted:  # an admitted plain-data object (argparse.Namespace): its fields may share too
+                        stack.extend(vars(obj).values())
                 continue
             if not isinstance(obj, (list, dict, set)):
                 if type(obj) is tuple:
