@@ -327,3 +327,32 @@ def test_text_that_is_not_utf8_is_refused_before_a_generation_is_claimed(tmp_pat
     res = cli("pack", folder, "--repo", tmp_path / "r")
     assert res.exit_code == 2 and "not UTF-8" in res.stderr and "notes_" in res.stderr, res.stderr
     assert not (tmp_path / "r" / "generations").exists() or not any((tmp_path / "r" / "generations").iterdir())
+
+
+@pytest.mark.parametrize("wrap", [list, tuple], ids=["lists", "tuples"])
+def test_a_state_nested_too_deeply_is_refused_before_a_generation_is_claimed(tmp_path, wrap):
+    """Fault guarded: a state of containers nested ~400 deep (torch.save and torch.load take it) failed pack
+    with "internal error (RecursionError) ... This is a bug"; one that encoded but was deeper than the
+    readers' JSON limit would have failed only at the trial reload, after the claim."""
+    x = torch.ones(1)
+    for _ in range(400):
+        x = wrap([x])
+    src = tmp_path / "deep.pt"
+    torch.save({"x": x}, src)
+    res = cli("pack", src, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and "nested too deeply" in res.stderr and "internal error" not in res.stderr, res.stderr
+    assert not (tmp_path / "r" / "generations").exists() or not any((tmp_path / "r" / "generations").iterdir())
+
+
+@pytest.mark.parametrize("value, name", [(lambda: torch.Generator(), "torch._C.Generator"),
+                                         (lambda: torch.nn.LazyLinear(3).weight,
+                                          "torch.nn.parameter.UninitializedParameter")],
+                         ids=["generator", "lazy-parameter"])
+def test_a_refused_class_that_allow_cannot_admit_is_not_offered_allow(tmp_path, value, name):
+    """Fault guarded: the refusal of a torch.Generator or a lazy module's UninitializedParameter told the user
+    to re-run with --allow <that class>, which is then always refused (neither is plain data)."""
+    src = tmp_path / "x.pt"
+    torch.save({"v": value()}, src)
+    res = cli("pack", src, "--repo", tmp_path / "r")
+    assert res.exit_code == 2 and f"{name} cannot be admitted" in res.stderr, res.stderr
+    assert f"--allow {name}" not in res.stderr

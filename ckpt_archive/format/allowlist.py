@@ -228,8 +228,32 @@ def refused_global_hint(name: str) -> str:
     if name.startswith("builtins."):  # frozenset, range, ...: no __dict__, so --allow could never admit it
         return (f"{name} cannot be admitted (it is not a class whose state is a plain __dict__); convert it to "
                 f"plain values before saving (a frozenset to a set or a sorted list, a range to a list)")
+    special = _NOT_ADMISSIBLE_HINTS.get(name)
+    if special is not None:
+        return f"{name} cannot be admitted: {special}"
+    try:  # a class already imported (torch's own) can be judged now, without importing anything new
+        module, qual = _split(name)
+        cls = _lookup(module, qual, import_module=False)
+    except Exception:  # a name that does not split or resolve: judged when --allow imports it
+        cls = None
+    why = plain_class_problem(cls) if cls is not None else None
+    if why is not None:
+        return (f"{name} cannot be admitted ({why}; only classes whose state is a plain __dict__ are); convert "
+                f"it to plain values (dict, list, numbers, str, tensors) before saving")
     return (f"if {name} is a plain-data class you trust, re-run with --allow {name}; only classes whose state "
             f"is a plain __dict__ are admitted, never code")
+
+
+#: Refused globals that --allow can never admit, with what to save instead.
+_NOT_ADMISSIBLE_HINTS = {
+    "torch._C.Generator": "save its state instead (generator.get_state(), a uint8 tensor) and restore it "
+                          "with generator.set_state(...)",
+    "torch.nn.parameter.UninitializedParameter": "a lazy module was saved before its first forward pass; run "
+                                                 "one batch through the model (or call its initialising "
+                                                 "method) so every parameter has a shape, then save",
+    "torch.nn.parameter.UninitializedBuffer": "a lazy module was saved before its first forward pass; run "
+                                              "one batch through the model so every buffer has a shape, then save",
+}
 
 
 def refusal(path: str, obj: Any, why: str = "") -> SourceError:

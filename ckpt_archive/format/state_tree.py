@@ -561,9 +561,35 @@ def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
     """
     enc = _Encoder(allow)
     enc.count_shared(state)
-    tree = enc.enc(state, ())
+    from ckpt_archive.format.jsonio import MAX_DEPTH
+
+    too_deep = SourceError(f"the state is nested too deeply to archive: its encoded tree would be more than "
+                           f"{MAX_DEPTH - 2} JSON levels deep, where readers stop (containers inside containers, "
+                           f"a few hundred levels); flatten that part of the state", where="state")
+    try:
+        tree = enc.enc(state, ())
+    except RecursionError:
+        raise too_deep from None
+    if _json_depth(tree) > MAX_DEPTH - 2:  # refused here, before a generation is claimed, not by the trial reload
+        raise too_deep
     enc.finish_tensors()
     return tree, enc.table
+
+
+def _json_depth(tree: Any) -> int:
+    """Nesting depth of a JSON value (objects and arrays), counted as :func:`ckpt_archive.format.jsonio.loads`
+    counts it; iterative."""
+    deepest = 0
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in node)
+    return deepest
 
 
 def encode_value(value: Any) -> Any:
