@@ -46,6 +46,16 @@ def test_safetensors_file_restores_as_safetensors_with_its_metadata(tmp_path):
         assert_same(v, back[k], k)
 
 
+def test_a_safetensors_file_loads_in_the_order_load_file_gives(tmp_path):
+    """Fault guarded: ``load`` of a packed .safetensors file gave its tensors sorted by name, where
+    ``safetensors.torch.load_file`` gives them in the file's order (by dtype alignment, then name)."""
+    src = tmp_path / "m.safetensors"
+    save_file({"zeta": torch.ones(2), "alpha": torch.ones(3, dtype=torch.float16),
+               "mid": torch.ones(1, dtype=torch.int64)}, src)
+    ckpt_archive.pack(src, tmp_path / "r")
+    assert list(ckpt_archive.load(tmp_path / "r")) == list(load_file(src))
+
+
 def test_truncated_safetensors_file_is_refused_naming_it(tmp_path):
     src = tmp_path / "model.safetensors"
     save_file(_weights(), src)

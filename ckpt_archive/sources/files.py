@@ -150,7 +150,9 @@ def load_safetensors(path: Path) -> tuple[dict, dict[str, str]]:
         tensors = {}
         with safe_open(str(path), framework="pt", device="cpu") as fh:
             metadata = dict(fh.metadata() or {})
-            for key in fh.keys():
+            # in the file's order, as safetensors.torch.load_file gives them (keys() is sorted by name)
+            keys = fh.offset_keys() if hasattr(fh, "offset_keys") else fh.keys()
+            for key in keys:
                 tensors[key] = fh.get_tensor(key)
     except Exception as exc:  # safetensors raises SafetensorError/OSError/...: one line naming the file
         raise SourceError(f"unreadable safetensors file: {first_line(exc)}",
