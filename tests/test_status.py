@@ -130,3 +130,15 @@ def test_created_with_lower_case_t_and_z_is_a_valid_rfc3339_time(tmp_path):
     assert report.ok and report.age_s == 3600.0, report.problems
     res = cli("prune", repo, "--keep-daily", "3", "--dry-run")
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("age", ["inf", "Infinity", "1e400", "9" * 400 + "h", "nan", "-1", "0", "0s"])
+def test_a_non_finite_negative_or_zero_max_age_is_a_usage_error(tmp_path, age):
+    """Fault: ``status --max-age inf`` was accepted (a watchdog that never fires) and ``--json`` then
+    printed ``"max_age_s": {"$t": "float", "v": "inf"}``. Non-finite, negative and zero durations are a
+    usage error (exit 2) and the JSON error object is plain."""
+    _pack(tmp_path / "repo", 100)
+    res = cli("status", tmp_path / "repo", "--max-age", age, "--state", tmp_path / "st.json", "--json")
+    assert res.exit_code == 2, res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["error"] == "UsageError" and "$t" not in res.stdout

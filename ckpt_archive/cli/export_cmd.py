@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes, split_repo_spec
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes, split_repo_spec, seconds_callback
 
 
 def register(app: typer.Typer) -> None:
@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
                                                      help="KMS key for --sse aws:kms."),
         report: Optional[Path] = typer.Option(None, "--report", metavar="FILE", help="Write the recovery proof "
                                               "here: Markdown, or JSON with --json."),
-        wait: float = typer.Option(0.0, "--wait", metavar="SECONDS", help="Wait this long for DEST's writer lock."),
+        wait: float = typer.Option(0.0, "--wait", metavar="SECONDS", callback=seconds_callback("--wait"), help="Wait this long for DEST's writer lock."),
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.errors import UsageError

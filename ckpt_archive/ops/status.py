@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ckpt_archive.errors import UsageError
 from ckpt_archive.format import jsonio
+from ckpt_archive.format.durations import check_seconds
 from ckpt_archive.ops.common import RepoLike, human_seconds, open_repo
 from ckpt_archive.repo.repository import iso, utcnow
 
@@ -49,7 +50,7 @@ def parse_age(text: str | float | int) -> float:
     months in retention policies, minutes elsewhere).
 
     Raises:
-        UsageError: not such a duration, or not positive.
+        UsageError: not such a duration, or not positive and finite (``inf``, ``nan`` refused).
 
     Example:
         >>> parse_age("1h30min"), parse_age("2d"), parse_age(90)
@@ -68,7 +69,10 @@ def parse_age(text: str | float | int) -> float:
             seconds = sum(float(n) * mult[u] for n, u in _DURATION_PART.findall(s))
     if not seconds > 0:
         raise UsageError(f"bad duration {text!r}: must be positive")
-    return seconds
+    try:  # inf, 1e400, 9...9h: a limit that never fires
+        return check_seconds(seconds, "duration", allow_zero=False)
+    except UsageError:
+        raise UsageError(f"bad duration {text!r}: must be finite") from None
 
 
 def default_state_file(location: str) -> Path:

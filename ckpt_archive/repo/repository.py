@@ -490,6 +490,9 @@ class Repository:
         """
         import filelock
 
+        from ckpt_archive.format.durations import check_seconds
+
+        wait = check_seconds(wait, "--wait")  # filelock waits forever on a negative timeout
         if self._lock_depth:
             self._lock_depth += 1
             try:
