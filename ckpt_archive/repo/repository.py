@@ -263,6 +263,9 @@ class Repository:
         self.store = store
         self.config = config
         self.faults = faults
+        #: store keys met while listing for a cleanup (gc, prune, forget) whose path breaks the path rule
+        #: (``generations/00000002/../x`` on an object store), each with why: skipped, never read or deleted
+        self.unsafe_keys: list[str] = []
         self.place = Place.of(store)
         self._lock_depth = 0
 
@@ -614,20 +617,48 @@ class Repository:
             raise
         return objects.sweep(self, refs) if sweep else None
 
+    def safe_listdir(self, key: str) -> list[str]:
+        """``store.listdir(key)`` without the names whose key breaks the path rule (``..``, ``.``, a name
+        holding a slash: stray keys an object store may hold, e.g. ``generations/00000002/../x``). Each
+        one skipped is named in :attr:`unsafe_keys`; a cleanup goes on without reading or deleting it."""
+        return self._split_listing(key)[0]
+
+    def _split_listing(self, key: str) -> tuple[list[str], list[str]]:
+        from ckpt_archive.format.paths import check_relpath
+
+        safe, unsafe = [], []
+        for name in self.store.listdir(key):
+            full = f"{key}/{name}" if key else name
+            try:
+                if not name or "/" in name or "\\" in name:
+                    raise UnsafePath(f"store key {full!r} is refused: not a plain name")
+                check_relpath(full, what="store key")
+            except UnsafePath as exc:
+                unsafe.append(name)
+                note = (f"skipped store key {full!r} at {self.location}: {exc.message}; never read or deleted "
+                        f"through, remove it by hand")
+                if note not in self.unsafe_keys:
+                    self.unsafe_keys.append(note)
+                continue
+            safe.append(name)
+        return safe, unsafe
+
     def _remove_generation(self, number: int) -> None:
         key = gen_key(number)
         self.faults.point("prune-before-marker-removal")
         self.store.remove(f"{key}/{MARKER}")
         self.store.fsync_dir(key)  # durable where that means anything (a no-op on object stores)
         self.faults.point("prune-after-marker-removal")
-        names = [n for n in self.store.listdir(key) if n not in (MANIFEST, CLAIM)]
+        safe, unsafe = self._split_listing(key)
+        names = [n for n in safe if n not in (MANIFEST, CLAIM)]
         for i, name in enumerate(sorted(names)):
             self.store.remove_prefix(f"{key}/{name}")
             if i == 0:
                 self.faults.point("prune-mid-delete")
         self.store.remove(f"{key}/{MANIFEST}")
         self.store.remove(f"{key}/{CLAIM}")
-        self.store.remove_prefix(key)
+        if not unsafe:  # a recursive delete of the folder would take an unsafe key with it: left alone
+            self.store.remove_prefix(key)
 
 
 def _ranges(numbers: list[int]) -> str:
