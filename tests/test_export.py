@@ -537,3 +537,24 @@ def test_a_missing_bucket_is_one_clear_line_with_exit_2(source, s3_server, s3_en
     res = cli("export", str(repo), "--to", url, "--json")
     assert res.exit_code == 2 and res.stderr == ""
     assert "bucket does not exist" in json.loads(res.stdout)["reason"]
+
+
+def test_a_re_export_to_a_destination_whose_usable_copy_rotted_is_exit_1_naming_the_member(tmp_path):
+    """Fault: re-running ``export`` to a DEST that already holds the generation marked usable answered
+    ``already-usable`` (exit 0) after checking sizes only, though a byte of a DEST member had flipped and
+    restore there exited 1. The stored chunks' sha256 are re-read from DEST before answering."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    ca.pack({"w": torch.randn(1000, generator=torch.Generator().manual_seed(3))}, src)
+    runner = CliRunner()
+    assert runner.invoke(app, ["export", str(src), "--to", str(dest), "-q"]).exit_code == 0
+    res = runner.invoke(app, ["export", str(src), "--to", str(dest), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["generations"][0]["status"] == "already-usable"
+    (member,) = (dest / "generations" / "00000001").glob("tensors-*.ckz")
+    data = bytearray(member.read_bytes())
+    data[len(data) // 2] ^= 1
+    member.write_bytes(bytes(data))
+    res = runner.invoke(app, ["export", str(src), "--to", str(dest), "--json"])
+    assert res.exit_code == 1, res.stdout
+    doc = json.loads(res.stdout)
+    assert doc["error"] == "IntegrityError" and "tensors-00000.safetensors" in (doc["where"] or "") \
+        and "sha256" in doc["reason"]

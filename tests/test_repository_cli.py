@@ -845,3 +845,32 @@ def test_inspect_shows_numpy_metrics_as_numbers_and_unknown_progress_as_dash(tmp
     assert 'metrics: {"val_loss": 0.25, "acc": "nan"}' in text
     assert "npscalar" not in text and "None" not in text.split("environment")[0]
     assert "progress: step -  epoch -  cursor -" in text
+
+
+def test_gc_prune_and_forget_skip_a_stray_unsafe_key_on_an_object_store_and_go_on(s3_url):
+    """Fault: a stray key ``generations/00000002/../x`` in an S3 repository made ``gc`` exit 1 (UnsafePath)
+    although gc documents only 0 or 2, and it blocked every cleanup. Such a key is skipped with a warning
+    naming it (never read or deleted through), and gc / prune / forget go on."""
+    for i in (1, 2, 3):
+        ckpt_archive.pack(state(i), s3_url)
+    repo = Repository.open(s3_url)
+    root = s3_url.split("://", 1)[1]
+    stray = f"{root}/generations/00000004/../x"
+    repo.store.fs.pipe(stray, b"junk")
+    repo.store.fs.pipe(f"{root}/generations/00000001/../y", b"junk")
+    repo.store.fs.invalidate_cache()
+    repo.store.remove("generations/00000003/USABLE.json")  # a partial generation for gc to remove
+    res, out = cli_json("gc", s3_url)
+    assert res.exit_code == 0, res.stdout
+    assert sorted(x["generation"] for x in out["removed"]) == [3, 4]
+    assert any("generations/00000004/.." in k for k in out["skipped_keys"]), out
+    res = cli("gc", s3_url)
+    assert res.exit_code == 0 and "generations/00000004/.." in res.stderr, res.output
+    ckpt_archive.pack(state(5), s3_url)
+    res, out = cli_json("forget", f"{s3_url}@1")
+    assert res.exit_code == 0 and any("generations/00000001/.." in w for w in out["warnings"]), res.stdout
+    res, out = cli_json("prune", s3_url, "--keep-last", 1)
+    assert res.exit_code == 0 and out["removed"] == [2], res.stdout
+    repo.store.fs.invalidate_cache()
+    assert repo.store.fs.exists(stray)  # never deleted
+    assert [g.number for g in Repository.open(s3_url).usable()] == [5]

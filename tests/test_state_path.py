@@ -115,3 +115,31 @@ def test_a_config_that_is_no_mapping_or_missing_is_refused_naming_the_file(tmp_p
     bad.write_text("lr = = 1")
     with pytest.raises(SourceError, match="cannot parse config"):
         load_config(bad)
+
+
+def test_only_refuses_empty_components_and_reaches_keys_holding_a_slash(tmp_path):
+    """Faults: ``--only ""``, ``/``, ``//`` silently selected the whole state and ``model//weight`` was read
+    as ``model/weight``; a key containing "/" (a folder source's relpath, ``global_step10/x.pt``) could not
+    be reached, and ``{"a/b": X, "a": {"b": Y}}`` with only="a/b" silently returned Y. Empty components
+    are usage errors (exit 2), slash keys are resolved, and two resolutions are refused as ambiguous."""
+    import torch
+    from typer.testing import CliRunner
+
+    import ckpt_archive
+    from ckpt_archive.cli.app import app
+    from ckpt_archive.errors import UsageError
+
+    repo = tmp_path / "repo"
+    ckpt_archive.pack({"model": {"weight": torch.ones(2)}, "g/x.pt": {"module": torch.zeros(3)},
+                       "a/b": torch.full((1,), 1.0), "a": {"b": torch.full((1,), 2.0)}}, str(repo))
+    for bad in ("", "/", "//", "model//weight", "model/"):
+        with pytest.raises(UsageError, match="empty path component"):
+            ckpt_archive.load(str(repo), only=bad)
+        res = CliRunner().invoke(app, ["restore", f"{repo}@latest", "--output", str(tmp_path / "o.pt"), "--only", bad])
+        assert res.exit_code == 2 and not (tmp_path / "o.pt").exists(), res.output
+    assert torch.equal(ckpt_archive.load(str(repo), only="g/x.pt/module"), torch.zeros(3))
+    assert torch.equal(ckpt_archive.load(str(repo), only="model/weight"), torch.ones(2))
+    with pytest.raises(UsageError, match="ambiguous"):
+        ckpt_archive.load(str(repo), only="a/b")
+    res = CliRunner().invoke(app, ["restore", f"{repo}@latest", "--output", str(tmp_path / "o.pt"), "--only", "a/b"])
+    assert res.exit_code == 2 and "ambiguous" in res.output

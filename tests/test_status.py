@@ -90,3 +90,55 @@ def test_ages_parse_with_explicit_units():
     assert parse_age("2h") == 7200 and parse_age("1d12h") == 129600 and parse_age("90min") == 5400
     with pytest.raises(UsageError):
         parse_age("5m")                       # months in retention, minutes elsewhere: refused
+
+
+def test_a_newest_generation_dated_in_the_future_is_unhealthy(tmp_path):
+    """Fault: a generation whose manifest ``created`` lies in the future (a trainer host with a fast clock,
+    or a resealed hand-edit to 2999) had a negative age forever, so ``status --max-age`` said healthy
+    (exit 0, "-8521108.9 h old") and the watchdog never fired. It must be exit 1 naming the clock skew,
+    and must not become the baseline the next step check compares with."""
+    from hostile_archive import edit_manifest
+
+    repo, state = tmp_path / "repo", tmp_path / "st.json"
+    _pack(repo, 100)
+    edit_manifest(repo, lambda m: m.__setitem__("created", "2999-01-01T00:00:00Z"))
+    res = cli("status", repo, "--max-age", "2h", "--state", state, "--json")
+    assert res.exit_code == 1, res.output
+    (problem,) = json.loads(res.stdout)["problems"]
+    assert "in the future" in problem and "clock skew" in problem
+    assert not state.exists()
+    # a few minutes of drift is tolerated
+    from ckpt_archive.ops.status import CLOCK_SKEW_TOLERANCE_S
+
+    when = dt.datetime(2999, 1, 1, tzinfo=dt.timezone.utc)
+    assert status(repo, max_age="2h", record=False, now=when - dt.timedelta(seconds=60)).ok
+    assert not status(repo, max_age="2h", record=False,
+                      now=when - dt.timedelta(seconds=CLOCK_SKEW_TOLERANCE_S + 60)).ok
+
+
+def test_created_with_lower_case_t_and_z_is_a_valid_rfc3339_time(tmp_path):
+    """Fault: ``created: "2026-12-01t10:00:00z"`` (valid RFC 3339, accepted by the schema) was not parsed:
+    status printed "is of unknown age old" and ``prune --keep-daily 3`` exited 2 ("keeps none"). One
+    parser (repository.parse_time) reads every created time."""
+    from hostile_archive import edit_manifest
+
+    repo = tmp_path / "repo"
+    _pack(repo, 100)
+    edit_manifest(repo, lambda m: m.__setitem__("created", "2026-12-01t10:00:00z"))
+    when = dt.datetime(2026, 12, 1, 11, 0, tzinfo=dt.timezone.utc)
+    report = status(repo, max_age="2h", record=False, now=when)
+    assert report.ok and report.age_s == 3600.0, report.problems
+    res = cli("prune", repo, "--keep-daily", "3", "--dry-run")
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("age", ["inf", "Infinity", "1e400", "9" * 400 + "h", "nan", "-1", "0", "0s"])
+def test_a_non_finite_negative_or_zero_max_age_is_a_usage_error(tmp_path, age):
+    """Fault: ``status --max-age inf`` was accepted (a watchdog that never fires) and ``--json`` then
+    printed ``"max_age_s": {"$t": "float", "v": "inf"}``. Non-finite, negative and zero durations are a
+    usage error (exit 2) and the JSON error object is plain."""
+    _pack(tmp_path / "repo", 100)
+    res = cli("status", tmp_path / "repo", "--max-age", age, "--state", tmp_path / "st.json", "--json")
+    assert res.exit_code == 2, res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["error"] == "UsageError" and "$t" not in res.stdout

@@ -5,7 +5,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, seconds_callback
 from ckpt_archive.cli.prune_cmd import (BEST_BY, KEEP_BEST, KEEP_DAILY, KEEP_HOURLY, KEEP_LAST, KEEP_MONTHLY, KEEP_TAG, KEEP_WEEKLY,
                     KEEP_WITHIN, WAIT, policy_from_flags)
 
@@ -35,9 +35,10 @@ def register(app: typer.Typer) -> None:
     def backup_cmd(
         source: str = typer.Argument(..., metavar="SOURCE", help="Checkpoint file/folder or training output folder."),
         repo: str = typer.Option(..., "--repo", "-r", metavar="REPO", help="Repository path or URL (created if absent)."),
-        settle: float = typer.Option(10.0, "--settle", metavar="SECONDS", min=0.0,
+        settle: float = typer.Option(10.0, "--settle", metavar="SECONDS", callback=seconds_callback("--settle"),
                                      help="The checkpoint must stay unchanged this long before it is packed."),
-        stale_after: Optional[float] = typer.Option(None, "--stale-after", metavar="SECONDS", min=0.0,
+        stale_after: Optional[float] = typer.Option(None, "--stale-after", metavar="SECONDS",
+                                                    callback=seconds_callback("--stale-after", allow_zero=False),
                                                     help="An incomplete checkpoint whose newest mtime is older than "
                                                     "this is broken (a killed save), not being written: skip it and "
                                                     "back up the newest complete one (default: max(600, 10 x "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, seconds_callback
 
 HELP = (
     "Run a training command continuous, interrupted, archived + restored + resumed, and under negative "
@@ -141,7 +141,8 @@ def register(app: typer.Typer) -> None:
                                                  help="extra arguments for a script-side negative control, e.g. "
                                                       "--script-control=--omit-rng-restore; repeatable"),
         jobs: int = typer.Option(1, "--jobs", "-j", help="runs at once (each a separate process)"),
-        timeout: float = typer.Option(None, "--timeout", help="seconds per run"),
+        timeout: float = typer.Option(None, "--timeout", help="seconds per run",
+                                      callback=seconds_callback("--timeout", allow_zero=False)),
         data_ids: str = typer.Option(None, "--data-ids", help="the run's data ids (JSON/YAML/TOML, or .txt one id per "
                                                             "line), packed with every interruption checkpoint"),
         resume_data_ids: str = typer.Option(None, "--resume-data-ids",

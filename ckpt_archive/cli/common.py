@@ -378,4 +378,22 @@ def human_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
+def seconds_callback(name: str, *, allow_zero: bool = True):
+    """A Typer callback refusing ``inf``, ``nan``, negative (and, unless ``allow_zero``, zero) seconds as a
+    usage error (exit 2) at parse time (:func:`ckpt_archive.format.durations.check_seconds`)."""
+
+    def check(value):
+        if value is None:
+            return None
+        from ckpt_archive.errors import UsageError
+        from ckpt_archive.format.durations import check_seconds
+
+        try:
+            return check_seconds(value, name, allow_zero=allow_zero)
+        except UsageError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+    return check
+
+
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else there.")

@@ -9,14 +9,15 @@ from typing import Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes, split_repo_spec
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes, split_repo_spec, seconds_callback
 
 
 def register(app: typer.Typer) -> None:
     @app.command("export", help="Copy usable generations to DEST (a local path or s3://bucket/prefix), re-read "
                  "every member from DEST (size, sha256 of every chunk and whole), trial-reload from DEST, then "
                  "write DEST's USABLE marker last. Idempotent and resumable: a generation already usable at DEST "
-                 "is not copied again; a re-run after an interruption finishes its own partial copy, aborting the "
+                 "is not copied again, but its stored bytes are re-read there (sha256 of every chunk; a mismatch "
+                 "is exit 1 naming the member); a re-run after an interruption finishes its own partial copy, aborting the "
                  "unfinished multipart uploads it left. Credentials, region and endpoint come from the standard "
                  "AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_REGION, "
                  "AWS_ENDPOINT_URL); the recovery proof records the endpoint and region it used."
@@ -43,7 +44,7 @@ def register(app: typer.Typer) -> None:
                                                      help="KMS key for --sse aws:kms."),
         report: Optional[Path] = typer.Option(None, "--report", metavar="FILE", help="Write the recovery proof "
                                               "here: Markdown, or JSON with --json."),
-        wait: float = typer.Option(0.0, "--wait", metavar="SECONDS", help="Wait this long for DEST's writer lock."),
+        wait: float = typer.Option(0.0, "--wait", metavar="SECONDS", callback=seconds_callback("--wait"), help="Wait this long for DEST's writer lock."),
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.errors import UsageError

@@ -40,6 +40,8 @@ def register(app: typer.Typer) -> None:
             out.warn(result.objects_kept)
         for why in result.objects_skipped:
             out.warn(f"left alone: {why}")
+        for why in result.skipped_keys:
+            out.warn(why)
         for item in result.kept_not_usable:
             out.warn(f"generation {item['generation']} is {item['status']} ({item['reason']}); not a leftover, "
                      f"left in place")

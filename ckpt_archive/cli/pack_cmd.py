@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, human_bytes
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, human_bytes, seconds_callback
 from ckpt_archive.cli.prune_cmd import (BEST_BY, KEEP_BEST, KEEP_DAILY, KEEP_HOURLY, KEEP_LAST, KEEP_MONTHLY, KEEP_TAG, KEEP_WEEKLY,
                     KEEP_WITHIN, policy_from_flags)
 
@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
                                              "class; only classes whose state is a plain __dict__, never code."),
         jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Encoder/decoder threads (default: all cores)."),
         level: Optional[int] = typer.Option(None, "--level", help="zstd level (default 3)."),
-        wait: float = typer.Option(0.0, "--wait", help="Seconds to wait for another writer's lock."),
+        wait: float = typer.Option(0.0, "--wait", callback=seconds_callback("--wait"), help="Seconds to wait for another writer's lock."),
         no_share: bool = typer.Option(False, "--no-share",
                                       help="Store every tensor in this generation, even when an equal one is "
                                            "already stored in the repository (default: tensors of 1 MiB or "

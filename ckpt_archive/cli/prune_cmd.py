@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_code_for, human_bytes
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_code_for, human_bytes, seconds_callback
 
 KEEP_LAST = typer.Option(None, "--keep-last", min=0, metavar="N", help="Keep the N newest usable generations.",
                          rich_help_panel="Retention policy")
@@ -32,7 +32,7 @@ KEEP_BEST = typer.Option(None, "--keep-best", min=0, metavar="N", help="Keep the
 BEST_BY = typer.Option(None, "--best-by", metavar="METRIC:min|max", help="Metric from the manifest, e.g. "
                        "val_loss:min. A generation without it (or NaN) is never best.",
                        rich_help_panel="Retention policy")
-WAIT = typer.Option(0.0, "--wait", metavar="SECONDS", min=0.0, help="Wait up to SECONDS for another writer's lock "
+WAIT = typer.Option(0.0, "--wait", metavar="SECONDS", callback=seconds_callback("--wait"), help="Wait up to SECONDS for another writer's lock "
                     "(default: fail at once with exit 2).")
 
 POLICY_HELP = ("The newest usable generation is always kept; generations that are not usable are never counted "

@@ -28,7 +28,12 @@ def register(app: typer.Typer) -> None:
         output: Path = typer.Option(..., "--output", "-o", help="The .pt file or folder to create."),
         force: bool = typer.Option(False, "--force", help="Replace an existing output (after the new one is complete)."),
         only: Optional[str] = typer.Option(None, "--only", help="Restore part of the state, e.g. 'model' "
-                                                                "(a '/'-separated path)."),
+                                                                "(a '/'-separated path of keys and indices). A key "
+                                                                "may contain '/' (a folder's file, "
+                                                                "'global_step10/mp_rank_00_model_states.pt/module'): "
+                                                                "every split is tried and exactly one must exist; "
+                                                                "an ambiguous path or an empty component ('', "
+                                                                "'/', 'a//b') is refused (exit 2)."),
         fallback: bool = typer.Option(False, "--fallback", help="If @latest fails its checks, use the newest "
                                                                 "generation that verifies."),
         map_location: Optional[str] = typer.Option(None, "--map-location", help="Device for tensors (default cpu)."),

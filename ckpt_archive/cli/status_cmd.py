@@ -16,8 +16,9 @@ def register(app: typer.Typer) -> None:
                  "(default ~/.local/state/ckpt-archive/status/, keyed by the repository's place). Run it from "
                  "cron or a systemd timer and alert on a non-zero exit."
                  + exit_codes_help({0: "healthy",
-                                    1: "unhealthy: no usable generation, the newest is older than --max-age, or "
-                                       "a newer generation did not advance the step",
+                                    1: "unhealthy: no usable generation, the newest is older than --max-age or "
+                                       "dated more than 5 min in the future (clock skew), or a newer generation "
+                                       "did not advance the step",
                                     2: "could not check (not a repository, store refused, bad flags)"}))
     @command
     def status_cmd(

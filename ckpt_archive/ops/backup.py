@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceChanged, SourceError, UsageError
+from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceChanged, SourceError
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.shard import file_problem
 from ckpt_archive.ops.common import human_seconds, leftover_note
@@ -442,12 +442,12 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
     from ckpt_archive.ops.prune import apply_after_pack
     from ckpt_archive.retention.policy import RetentionPolicy
 
-    if settle < 0:
-        raise UsageError(f"--settle must be >= 0 seconds, got {settle}")
+    from ckpt_archive.format.durations import check_seconds
+
+    settle = check_seconds(settle, "--settle")
     if stale_after is None:
         stale_after = default_stale_after(settle)
-    if not stale_after > 0:
-        raise UsageError(f"--stale-after must be > 0 seconds, got {stale_after}")
+    stale_after = check_seconds(stale_after, "--stale-after", allow_zero=False)
     policy = None if retention is None else RetentionPolicy.from_dict(retention)
     src = Path(source).absolute()
     candidates = [c.absolute() for c in checkpoint_candidates(src)]

@@ -558,7 +558,10 @@ class _ExportSteps:
 
 
 def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> ExportedGeneration:
-    """DEST already holds this archive, usable there: re-check sizes (cheap), copy nothing."""
+    """DEST already holds this archive, usable there: re-check sizes, then the sha256 of every stored chunk
+    read from DEST (the shallow verify); copy nothing. A byte that rotted at DEST since it was proven
+    fails the export (exit 1, the member named): exit 0 still means DEST holds it verified."""
+    from ckpt_archive.repo.reader import ArchiveReader
     from ckpt_archive.repo.repository import MANIFEST, MARKER
 
     out.status = "already-usable"
@@ -578,6 +581,16 @@ def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> Exporte
                                 member=f.key if f.fp is not None else rec["path"]))
         out.members.append({"key": f.key, "member": f.member, "bytes": rec["stored_bytes"],
                             "sha256": stored_digest(rec), "action": "kept", "object": f.fp})
+    if all(c.ok for c in out.checks):  # sizes right: read DEST's bytes (sha256 of every stored chunk)
+        problems: list = []
+        ArchiveReader(dst.store, key, existing.manifest).check_stored(problems)
+        for p in problems:
+            out.checks.append(Check("already usable at destination: stored sha256 re-read from there", False,
+                                    f"{p.reason}; run ckpt-archive verify --deep there, then forget it there "
+                                    f"(ckpt-archive forget --force) and export again", member=p.member))
+        if not problems:
+            out.checks.append(Check("already usable at destination: stored sha256 re-read from there", True,
+                                    "every stored chunk matches the manifest"))
     trial = (existing.marker or {}).get("trial_reload") or {}
     out.checks.append(Check("marker at destination matches the manifest and names the destination", True,
                             f"trial reload there on {trial.get('when')} by {trial.get('host')}"))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ForgetResult", "forget"]
@@ -26,6 +26,7 @@ class ForgetResult:
     status: str
     newest_usable: int | None
     objects: Any = None
+    skipped_keys: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -35,7 +36,8 @@ class ForgetResult:
     @property
     def warnings(self) -> list[str]:
         """Why shared objects were not deleted (a manifest that cannot be read), if so."""
-        return [self.objects.kept] if self.objects is not None and self.objects.kept else []
+        kept = [self.objects.kept] if self.objects is not None and self.objects.kept else []
+        return kept + list(self.skipped_keys)  # unsafe store keys left alone (never deleted through)
 
     def to_json(self) -> dict[str, Any]:
         """``{"repository", "generation", "status", "newest_usable", "objects", "warnings"}`` (JSON-ready;
@@ -97,4 +99,5 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
             raise LinkInRepository(f"not removed: {exc.message}", where=exc.where) from None
         remaining = [g.number for g in r.usable()]
     return ForgetResult(repository=r.location, generation=gen.number, status=status,
-                        newest_usable=remaining[-1] if remaining else None, objects=swept)
+                        newest_usable=remaining[-1] if remaining else None, objects=swept,
+                        skipped_keys=list(r.unsafe_keys))

@@ -32,6 +32,8 @@ class GcResult:
         objects_kept: why no shared object was deleted (a manifest that cannot be read), or None.
         objects_skipped: object paths left alone (a symbolic link on the way: never deleted through),
             each with why.
+        skipped_keys: store keys whose path is unsafe (``generations/00000002/../x`` on an object store),
+            each with why: skipped with a warning, never read or deleted; the cleanup goes on.
     """
 
     repository: str
@@ -43,6 +45,7 @@ class GcResult:
     freed_object_bytes: int = 0
     objects_kept: str | None = None
     objects_skipped: list[str] = field(default_factory=list)
+    skipped_keys: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -51,11 +54,12 @@ class GcResult:
 
     def to_json(self) -> dict[str, Any]:
         """``{"repository", "dry_run", "removed", "removed_files", "kept_not_usable", "removed_objects",
-        "freed_object_bytes", "objects_kept", "objects_skipped"}`` (JSON-ready)."""
+        "freed_object_bytes", "objects_kept", "objects_skipped", "skipped_keys"}`` (JSON-ready)."""
         return {"repository": self.repository, "dry_run": self.dry_run, "removed": list(self.removed),
                 "removed_files": list(self.removed_files), "kept_not_usable": list(self.kept_not_usable),
                 "removed_objects": list(self.removed_objects), "freed_object_bytes": self.freed_object_bytes,
-                "objects_kept": self.objects_kept, "objects_skipped": list(self.objects_skipped)}
+                "objects_kept": self.objects_kept, "objects_skipped": list(self.objects_skipped),
+                "skipped_keys": list(self.skipped_keys)}
 
 
 def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> GcResult:
@@ -108,10 +112,10 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
                     kept.append({"generation": g.number, "status": g.status, "reason": g.reason})
                 if isinstance(g.error, UnsafePath):
                     continue  # e.g. a generation folder that is a symbolic link: never listed through
-                for name in r.store.listdir(gen_key(g.number)):
+                for name in r.safe_listdir(gen_key(g.number)):
                     if TMP_NAME.match(name):
                         removed_files.append(f"{gen_key(g.number)}/{name}")
-        for name in r.store.listdir(""):
+        for name in r.safe_listdir(""):
             if TMP_NAME.match(name):
                 removed_files.append(name)
         removed_files += all_objects(r.store, [])[1]  # objects whose write was interrupted before the link
@@ -121,4 +125,4 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
         swept = sweep(r, None, dry_run=dry_run, exclude=[x["generation"] for x in removed])
     return GcResult(repository=r.location, dry_run=dry_run, removed=removed, removed_files=removed_files,
                     kept_not_usable=kept, removed_objects=swept.removed, freed_object_bytes=swept.freed_bytes,
-                    objects_kept=swept.kept, objects_skipped=swept.skipped)
+                    objects_kept=swept.kept, objects_skipped=swept.skipped, skipped_keys=list(r.unsafe_keys))

@@ -288,6 +288,7 @@ class PruneResult:
     saved_default: bool = False
     refused: str | None = None
     objects: Any = None
+    skipped_keys: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -299,7 +300,7 @@ class PruneResult:
         """Kept generations that fail verify while an older kept one passes; shared objects that were not
         deleted because a manifest cannot be read."""
         extra = [self.objects.kept] if self.objects is not None and self.objects.kept else []
-        return self.check.warnings() + extra
+        return self.check.warnings() + extra + list(self.skipped_keys)  # unsafe store keys left alone
 
     def to_json(self) -> dict[str, Any]:
         """``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed", "saved_default",
@@ -384,7 +385,8 @@ def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry
                 saved = True
             removed = execute_prune(r, decision, check=check, objects=swept)
     return PruneResult(repository=r.location, dry_run=dry_run, decision=decision, generations=gens, check=check,
-                       removed=removed, saved_default=saved, refused=refused, objects=swept[0] if swept else None)
+                       removed=removed, saved_default=saved, refused=refused, objects=swept[0] if swept else None,
+                       skipped_keys=list(r.unsafe_keys))
 
 
 def _forecast_sweep(repo: Any, decision: Decision):

@@ -115,6 +115,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     """
     if output is None:
         raise UsageError("restore needs an output path (--output)")
+    if only is not None:
+        from ckpt_archive.repo.reader import check_only
+
+        check_only(only)  # "" or "model//w" would select the whole state, or another place than written
     out = Path(output).expanduser().absolute()
     if (out.exists() or out.is_symlink()) and not force:
         raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
@@ -175,7 +179,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             from ckpt_archive.repo.reader import subtree
 
             tree = reader.tree()
-            nbytes = write_torch_file(reader, subtree(tree, only) if only else tree, tmp, on_bytes,
+            nbytes = write_torch_file(reader, subtree(tree, only) if only is not None else tree, tmp, on_bytes,
                                       on_start=lambda: phase(on_bytes, f"decode, check and write generation "
                                                                        f"{gen.number}", raw))
             if nbytes is not None:

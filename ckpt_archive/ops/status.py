@@ -8,6 +8,10 @@ last check?
   that stopped, a trainer that stopped saving, a destination that stopped accepting);
 * **not advancing**: a generation newer than the one the last check saw does not hold a later step
   (a trainer in a crash loop, resuming from the same checkpoint and saving it again);
+* **dated in the future**: the newest usable generation's ``created`` lies more than
+  :data:`CLOCK_SKEW_TOLERANCE_S` (5 minutes) after now (a trainer host with a fast clock, or a
+  hand-edited manifest): its age would be negative forever and ``--max-age`` would never fire, so it is
+  unhealthy, and it never counts as the step advancing;
 * nothing usable at all.
 
 Each of these is exit 1 ("examined and found wrong"); a repository that cannot be read is exit 2.
@@ -28,10 +32,14 @@ from pathlib import Path
 
 from ckpt_archive.errors import UsageError
 from ckpt_archive.format import jsonio
+from ckpt_archive.format.durations import check_seconds
 from ckpt_archive.ops.common import RepoLike, human_seconds, open_repo
 from ckpt_archive.repo.repository import iso, utcnow
 
 STATE_VERSION = 1
+#: How far (seconds) a generation's ``created`` may lie after now before it counts as clock skew: a few
+#: minutes of drift between the trainer's host and the watchdog's is normal, more is not.
+CLOCK_SKEW_TOLERANCE_S = 300.0
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(w|d|h|min|s)")
 
 
@@ -42,7 +50,7 @@ def parse_age(text: str | float | int) -> float:
     months in retention policies, minutes elsewhere).
 
     Raises:
-        UsageError: not such a duration, or not positive.
+        UsageError: not such a duration, or not positive and finite (``inf``, ``nan`` refused).
 
     Example:
         >>> parse_age("1h30min"), parse_age("2d"), parse_age(90)
@@ -61,7 +69,10 @@ def parse_age(text: str | float | int) -> float:
             seconds = sum(float(n) * mult[u] for n, u in _DURATION_PART.findall(s))
     if not seconds > 0:
         raise UsageError(f"bad duration {text!r}: must be positive")
-    return seconds
+    try:  # inf, 1e400, 9...9h: a limit that never fires
+        return check_seconds(seconds, "duration", allow_zero=False)
+    except UsageError:
+        raise UsageError(f"bad duration {text!r}: must be finite") from None
 
 
 def default_state_file(location: str) -> Path:
@@ -146,6 +157,13 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
         if counts.get("copied"):
             text += f" ({counts['copied']} copied: `ckpt-archive adopt {r.location}` makes them usable here)"
         problems.append(text)
+    elif age is not None and age < -CLOCK_SKEW_TOLERANCE_S:
+        # A future date (a fast clock on the trainer's host, a hand-edit) would stay "fresh" forever and
+        # says nothing about progress either: unhealthy, and not compared with the last check's step.
+        problems.append(f"the newest usable generation ({newest.number}, step {newest.step}) is dated "
+                        f"{iso(created)}, {_human_age(-age)} in the future (clock skew of more than "
+                        f"{_human_age(CLOCK_SKEW_TOLERANCE_S)} between the host that wrote it and this one, or an "
+                        f"edited manifest): its age cannot be judged")
     else:
         if limit is not None and (age is None or age > limit):
             problems.append(f"the newest usable generation ({newest.number}, step {newest.step}) is "
@@ -163,7 +181,8 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
                           newest.step if newest else None, iso(created) if created else None,
                           round(age, 3) if age is not None else None, limit, previous,
                           str(state_path) if record else None, counts)
-    if record and newest is not None:
+    future = age is not None and age < -CLOCK_SKEW_TOLERANCE_S
+    if record and newest is not None and not future:  # a future-dated one never becomes the baseline
         _remember(state_path, r.location, {"generation": newest.number, "step": newest.step,
                                            "checked": iso(now)})
     return report
@@ -203,4 +222,4 @@ def _human_age(seconds: float | None) -> str:
     return human_seconds(seconds)
 
 
-__all__ = ["status", "StatusReport", "parse_age", "default_state_file"]
+__all__ = ["status", "StatusReport", "parse_age", "default_state_file", "CLOCK_SKEW_TOLERANCE_S"]

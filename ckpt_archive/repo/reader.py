@@ -15,7 +15,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
-from ckpt_archive.errors import FormatError, IntegrityError, NotFound, first_line
+from ckpt_archive.errors import FormatError, IntegrityError, NotFound, UsageError, first_line
 from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.format.codec import StoredStream, _fileno, default_jobs, iter_decoded, submit_chunk_checks
 from ckpt_archive.format.objects import parts, stored_files
@@ -417,7 +417,7 @@ class ArchiveReader:
             NotFound: ``only`` names no part of the state.
         """
         tree = self.tree()
-        if only:
+        if only is not None:
             tree = subtree(tree, only)
         return self.load_node(tree, map_location=map_location, on_bytes=on_bytes, spill_dir=spill_dir)
 
@@ -641,19 +641,76 @@ def subtree(tree: Any, path: str) -> Any:
     (``"model"``, ``"optimizer/state/0"``; state_dict keys such as ``fc1.weight`` contain dots, so the
     separator is ``/`` only).
 
+    A key may itself contain ``/`` (a folder source's relpaths, ``global_step10/mp_rank_00_model_states.pt``):
+    every split of the remaining parts into keys is tried, so ``global_step10/mp_rank_00_model_states.pt/module``
+    reaches ``module`` inside that file. Exactly one resolution must exist: two (``{"a/b": X, "a": {"b": Y}}``
+    with ``a/b``) are refused as ambiguous, listing them, never one picked silently.
+
     Raises:
+        UsageError: an empty path or an empty component (``""``, ``/``, ``model//w``); an ambiguous path.
         NotFound: a part of the path names nothing.
     """
     from ckpt_archive.format.tree_walk import inline_refs, shared_nodes
 
+    parts = check_only(path).split("/")
     origins = shared_nodes(tree)
-    node = tree
-    walked = []
-    for part in [p for p in path.split("/") if p]:
-        walked.append(part)
-        node = _child(_unshare(node, origins), part, "/".join(walked))
+    found = _resolve(tree, parts, [], origins)
+    if not found:
+        node, walked = tree, []
+        for part in parts:  # no resolution: name the first part that names nothing, as before
+            walked.append(part)
+            node = _child(_unshare(node, origins), part, "/".join(walked))
+    if len(found) > 1:
+        shown = "; ".join(" -> ".join(repr(k) for k in keys) for keys, _ in found[:6])
+        raise UsageError(f"--only {path!r} is ambiguous: it names {len(found)} places in the state ({shown}); "
+                         f"nothing was selected")
     # a container shared with a part outside the sub-tree comes along (first occurrence inlined)
-    return inline_refs(node, origins)
+    return inline_refs(found[0][1], origins)
+
+
+def check_only(path) -> str:
+    """Refuse an empty selector or one with an empty component (``""``, ``/``, ``model//weight``): it
+    would silently select the whole state, or another place than written. Returns ``path``."""
+    if not isinstance(path, str) or any(p == "" for p in path.split("/")):
+        raise UsageError(f"--only {path!r}: empty path component; name a part of the state as KEY/KEY/... "
+                         f"(e.g. 'model' or 'optimizer/state/0'), without leading, trailing or doubled '/'")
+    return path
+
+
+_MISSING = object()
+
+
+def _resolve(node, parts: list[str], keys: list[str], origins: dict) -> list[tuple[list[str], Any]]:
+    """Every way ``parts`` walks down from ``node``, a key taking one or more parts joined with ``/``."""
+    if not parts:
+        return [(keys, node)]
+    out = []
+    node = _unshare(node, origins)
+    for i in range(1, len(parts) + 1):
+        key = "/".join(parts[:i])
+        if i > 1 and not _has_slash_keys(node):
+            break
+        child = _lookup(node, key)
+        if child is not _MISSING:
+            out += _resolve(child, parts[i:], keys + [key], origins)
+            if len(out) > 1:
+                break
+    return out
+
+
+def _has_slash_keys(node) -> bool:
+    if isinstance(node, dict) and "$t" not in node:
+        return any("/" in str(k) for k in node)
+    if isinstance(node, dict) and node.get("$t") in ("dict", "odict"):
+        return any("/" in str(k.get("v") if isinstance(k, dict) else k) for k, _ in node["items"])
+    return False
+
+
+def _lookup(node, part: str):
+    try:
+        return _child(node, part, part)
+    except NotFound:
+        return _MISSING
 
 
 def _unshare(node, origins: dict):

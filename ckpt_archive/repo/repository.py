@@ -56,12 +56,28 @@ def iso(t: dt.datetime) -> str:
     return t.astimezone(dt.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
+_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})$")
+
+
 def parse_time(text: str | None) -> dt.datetime | None:
-    if not text or not isinstance(text, str):
+    """THE parser of a timestamp read from an archive (a manifest's ``created``, a marker's times):
+    RFC 3339 (``T``/``t`` or a space between date and time, ``Z``/``z`` or an offset), returned in UTC.
+    Anything else, including a time without an offset, is None ("unknown"), never a crash.
+
+    Example:
+        >>> parse_time("2026-12-01t10:00:00z") == parse_time("2026-12-01T11:00:00+01:00")
+        True
+        >>> parse_time("2026-12-01T10:00:00") is None
+        True
+    """
+    if not text or not isinstance(text, str) or not _RFC3339.match(text):
         return None
+    norm = text[:10] + "T" + text[11:]
+    if norm[-1] in "Zz":
+        norm = norm[:-1] + "+00:00"
     try:
-        return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:  # a hostile manifest's "created" is shown as unknown, never a crash
+        return dt.datetime.fromisoformat(norm).astimezone(dt.timezone.utc)
+    except (ValueError, OverflowError):  # a hostile manifest's "created" is shown as unknown, never a crash
         return None
 
 
@@ -247,6 +263,9 @@ class Repository:
         self.store = store
         self.config = config
         self.faults = faults
+        #: store keys met while listing for a cleanup (gc, prune, forget) whose path breaks the path rule
+        #: (``generations/00000002/../x`` on an object store), each with why: skipped, never read or deleted
+        self.unsafe_keys: list[str] = []
         self.place = Place.of(store)
         self._lock_depth = 0
 
@@ -474,6 +493,9 @@ class Repository:
         """
         import filelock
 
+        from ckpt_archive.format.durations import check_seconds
+
+        wait = check_seconds(wait, "--wait")  # filelock waits forever on a negative timeout
         if self._lock_depth:
             self._lock_depth += 1
             try:
@@ -595,20 +617,48 @@ class Repository:
             raise
         return objects.sweep(self, refs) if sweep else None
 
+    def safe_listdir(self, key: str) -> list[str]:
+        """``store.listdir(key)`` without the names whose key breaks the path rule (``..``, ``.``, a name
+        holding a slash: stray keys an object store may hold, e.g. ``generations/00000002/../x``). Each
+        one skipped is named in :attr:`unsafe_keys`; a cleanup goes on without reading or deleting it."""
+        return self._split_listing(key)[0]
+
+    def _split_listing(self, key: str) -> tuple[list[str], list[str]]:
+        from ckpt_archive.format.paths import check_relpath
+
+        safe, unsafe = [], []
+        for name in self.store.listdir(key):
+            full = f"{key}/{name}" if key else name
+            try:
+                if not name or "/" in name or "\\" in name:
+                    raise UnsafePath(f"store key {full!r} is refused: not a plain name")
+                check_relpath(full, what="store key")
+            except UnsafePath as exc:
+                unsafe.append(name)
+                note = (f"skipped store key {full!r} at {self.location}: {exc.message}; never read or deleted "
+                        f"through, remove it by hand")
+                if note not in self.unsafe_keys:
+                    self.unsafe_keys.append(note)
+                continue
+            safe.append(name)
+        return safe, unsafe
+
     def _remove_generation(self, number: int) -> None:
         key = gen_key(number)
         self.faults.point("prune-before-marker-removal")
         self.store.remove(f"{key}/{MARKER}")
         self.store.fsync_dir(key)  # durable where that means anything (a no-op on object stores)
         self.faults.point("prune-after-marker-removal")
-        names = [n for n in self.store.listdir(key) if n not in (MANIFEST, CLAIM)]
+        safe, unsafe = self._split_listing(key)
+        names = [n for n in safe if n not in (MANIFEST, CLAIM)]
         for i, name in enumerate(sorted(names)):
             self.store.remove_prefix(f"{key}/{name}")
             if i == 0:
                 self.faults.point("prune-mid-delete")
         self.store.remove(f"{key}/{MANIFEST}")
         self.store.remove(f"{key}/{CLAIM}")
-        self.store.remove_prefix(key)
+        if not unsafe:  # a recursive delete of the folder would take an unsafe key with it: left alone
+            self.store.remove_prefix(key)
 
 
 def _ranges(numbers: list[int]) -> str:
