@@ -9,6 +9,8 @@ import errno
 import hashlib
 import json
 import os
+import shutil
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -779,6 +781,72 @@ def test_a_state_tree_nested_100k_deep_is_refused_not_an_internal_error(file_rep
     assert res.exit_code == 1 and "nested more than" in res.stderr
     # (a plain restore of a file source rebuilds the exact source bytes from the skeleton and entries,
     # sha256-checked against the source, and needs no tree)
+
+
+_QSTORAGE = '{"$t":"storage","data":{"$t":"tensor","key":"q/<0>/<storage>"},"dtype":"qint8"}'
+_QREST = '{"$t":"tuple","v":[{"$t":"global","v":"torch.per_tensor_affine"}, 0.1, 0]}, false, {"$t":"odict","items":[]}'
+_BAD_NODES = {
+    "int in hex": '{"$t":"int","v":"0x10"}',
+    "int of 5000 digits": '{"$t":"int","v":"%s"}' % ("9" * 5000),
+    "float word": '{"$t":"float","v":"NaNx"}',
+    "complex of text": '{"$t":"complex","re":"a","im":0.0}',
+    "npscalar of dtype O": '{"$t":"npscalar","dtype":"O","hex":"00"}',
+    "npscalar with bytes to spare": '{"$t":"npscalar","dtype":"<i4","hex":"0100000002000000"}',
+    "device index out of range": '{"$t":"device","v":"cuda:99999999999999999999"}',
+    "meta tensor whose numel overflows": '{"$t":"rebuild","f":"torch._utils._rebuild_meta_tensor_no_storage",'
+                                         '"args":[{"$t":"dtype","v":"float32"},[4611686018427387904,4],[4,1],false]}',
+    "tensor larger than its storage": '{"$t":"rebuild","f":"torch._utils._rebuild_tensor_v2","args":[%s, 0, [1000], '
+                                      '[1], false, {"$t":"odict","items":[]}]}' % _QSTORAGE.replace("qint8", "uint8"),
+    "qtensor of 2^40 elements": '{"$t":"rebuild","f":"torch._utils._rebuild_qtensor","args":[%s, 0, '
+                                '{"$t":"tuple","v":[1099511627776]}, {"$t":"tuple","v":[1]}, %s]}' % (_QSTORAGE, _QREST),
+    "qtensor with a negative offset": '{"$t":"rebuild","f":"torch._utils._rebuild_qtensor","args":[%s, -3, '
+                                      '{"$t":"tuple","v":[4]}, {"$t":"tuple","v":[1]}, %s]}' % (_QSTORAGE, _QREST),
+    "unknown tag": '{"$t":"eval","v":"1"}',
+}
+
+
+@pytest.fixture(scope="module")
+def qtensor_repo(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("q") / "repo"
+    with warnings.catch_warnings():  # torch: quantized tensors are deprecated (said once per process)
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_tensor(torch.arange(4.0), 0.1, 0, torch.qint8)
+    ckpt_archive.pack({"w": torch.arange(4.0), "q": q, "x": 1}, repo)
+    return repo
+
+
+@pytest.mark.parametrize("name", sorted(_BAD_NODES))
+def test_a_malformed_tree_node_is_damaged_in_every_command_never_a_bug(tmp_path, qtensor_repo, name):
+    """Fault (fourth break test): decode caught only KeyError/TypeError/IndexError/AttributeError, so a
+    resealed tree node that Python, NumPy or torch refuse otherwise (int("0x10"), an int over 4300 digits,
+    float("NaNx"), an object-dtype NumPy scalar, torch.device("cuda:<huge>"), a meta tensor whose numel
+    overflows, a rebuild larger than its storage) made verify / verify --deep / restore answer "internal
+    error ... This is a bug" (exit 2); a qtensor's size was allocated before torch looked at its storage.
+    And where a node was reported cleanly (an unknown tag), verify said damaged (1) but restore and load
+    "could not check" (2). Now every command says damaged, exit 1, naming the tree member."""
+    repo = tmp_path / "repo"
+    shutil.copytree(qtensor_repo, repo)
+    tree = member(read_manifest(repo), "tree")["path"]
+    set_tree(repo, ('{"w":{"$t":"tensor","key":"w"},"q":{"$t":"tensor","key":"q/<0>/<storage>"},"x":%s}'
+                    % _BAD_NODES[name]).encode())
+    res = cli("restore", f"{repo}@1", "-o", tmp_path / "o.pt")
+    assert res.exit_code == 1 and tree in res.stderr and not (tmp_path / "o.pt").exists(), res.stderr
+    res = cli("restore", f"{repo}@1", "-o", tmp_path / "x.pt", "--only", "x")
+    assert res.exit_code == 1 and not (tmp_path / "x.pt").exists(), res.stderr
+    with pytest.raises(ckpt_archive.errors.IntegrityError) as exc:
+        ckpt_archive.load(repo, 1)
+    assert isinstance(exc.value, ckpt_archive.errors.FormatError) and exc.value.where == tree
+    assert cli("inspect", f"{repo}@1").exit_code in (0, 1)  # inspect reads no tree node: never a bug
+    for args in (("verify", f"{repo}@1"), ("verify", f"{repo}@1", "--deep")):
+        res = cli(*args)
+        assert res.exit_code == 1 and tree in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+def test_unedited_quantized_tensors_still_rebuild_through_the_geometry_check(tmp_path, qtensor_repo):
+    """The storage-fit check before torch's rebuild refuses only what does not fit: a real qtensor comes back."""
+    state = ckpt_archive.load(qtensor_repo, 1)
+    assert torch.equal(state["q"].dequantize(), torch.arange(4.0).mul(10).round().div(10))
+    assert cli("verify", f"{qtensor_repo}@1", "--deep").exit_code == 0
 
 
 def test_a_manifest_holding_1e999_is_damaged_and_list_still_shows_the_good_ones(tmp_path, file_repo):
