@@ -85,6 +85,55 @@ def test_restore_refuses_a_folder_member_whose_relpath_leaves_the_target(tmp_pat
     assert res.exit_code == 1 and "source/files/1/relpath" in res.stdout + res.stderr
 
 
+def _refused_everywhere(tmp_path, repo, words: str) -> None:
+    """verify, verify --deep: damaged (1); restore: refused as damaged (2), and the explicit override finds
+    the manifest wrong (1); load too; nothing written."""
+    for args in (("verify", f"{repo}@1"), ("verify", f"{repo}@1", "--deep")):
+        res = cli(*args)
+        assert res.exit_code == 1 and words in res.stdout + res.stderr, res.stdout + res.stderr
+    out = tmp_path / "out"
+    res = cli("restore", f"{repo}@1", "-o", out)
+    assert res.exit_code == 2 and "is damaged" in res.stderr and words in res.stderr, res.stderr
+    res = cli("restore", f"{repo}@1", "-o", out, "--restore-unverified")
+    assert res.exit_code == 1 and words in res.stderr and not out.exists(), res.stderr
+    with pytest.raises(ckpt_archive.errors.CheckFailed):
+        ckpt_archive.load(repo, 1, unverified=True)
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("relpath, words", [("model.pt", "listed twice"), ("model.pt/notes.txt", "lies inside")])
+def test_two_source_files_with_one_relpath_or_a_file_inside_a_file_are_damaged(tmp_path, folder_repo, relpath, words):
+    """Fault (fourth break test): a resealed manifest listing relpath 'a' twice passed verify --deep, and restore
+    exited 0 writing one file over the other (a file silently lost). A file 'a' and a file 'a/b' cannot both
+    be restored either. The manifest parser now refuses both: damaged in verify, the trial reload, restore
+    and load."""
+    _relpath_attack(folder_repo, relpath)
+    _refused_everywhere(tmp_path, folder_repo, words)
+
+
+def test_case_only_relpaths_restore_and_a_folding_file_system_refuses_instead_of_overwriting(tmp_path, monkeypatch):
+    """Names differing only by case are two files on Linux and restore as two. Where the file system folds
+    them into one (simulated: every path lower-cased), restore used to let the second file overwrite the
+    first (open "wb"); each file is now created exclusively: exit 2 naming the collision, nothing replaced."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "A.txt").write_text("upper")
+    (src / "a.txt").write_text("lower")
+    repo = tmp_path / "repo"
+    assert cli("pack", src, "--repo", repo).exit_code == 0
+    assert cli("restore", f"{repo}@1", "-o", tmp_path / "out").exit_code == 0
+    assert {p.name: p.read_text() for p in (tmp_path / "out").iterdir()} == {"A.txt": "upper", "a.txt": "lower"}
+    import ckpt_archive.ops.restore as restore_mod
+
+    real_inside = restore_mod.inside
+    monkeypatch.setattr(restore_mod, "inside", lambda base, rel, **kw: real_inside(base, rel.lower(), **kw))
+    (tmp_path / "out").rename(tmp_path / "out2")
+    res = cli("restore", f"{repo}@1", "-o", tmp_path / "out2", "--force")
+    assert res.exit_code == 2 and "collides" in res.stderr, res.stderr
+    assert {p.name: p.read_text() for p in (tmp_path / "out2").iterdir()} == {"A.txt": "upper", "a.txt": "lower"}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out2")] == []
+
+
 def test_a_hardlink_of_pointing_outside_is_refused(tmp_path, folder_repo):
     def edit(m):
         f = next(f for f in m["source"]["files"] if f["relpath"] == "notes.txt")
