@@ -111,6 +111,38 @@ def test_two_source_files_with_one_relpath_or_a_file_inside_a_file_are_damaged(t
     _refused_everywhere(tmp_path, folder_repo, words)
 
 
+def test_a_relpath_of_1500_parts_is_damaged_before_anything_is_written(tmp_path, folder_repo):
+    """Fault (fourth break test): a relpath of 1500 parts (2999 bytes, inside the 4096-byte rule) passed
+    verify --deep, and restore failed with "internal error (RecursionError)" in a recursive mkdir. The path
+    rule now allows at most 512 parts (format/paths.py MAX_PATH_PARTS): damaged, nothing written; a
+    resealed relpath at the limit restores."""
+    at_limit = tmp_path / "at-limit"
+    shutil.copytree(folder_repo, at_limit)
+    _relpath_attack(at_limit, "/".join(["d"] * 512))
+    assert cli("restore", f"{at_limit}@1", "-o", tmp_path / "ok").exit_code == 0
+    assert (tmp_path / "ok").joinpath(*["d"] * 512).read_text() == "hello"
+    _relpath_attack(folder_repo, "/".join(["d"] * 1500))
+    _refused_everywhere(tmp_path, folder_repo, "more than 512")
+
+
+def test_a_folder_255_levels_deep_packs_and_restores(tmp_path):
+    """The part limit leaves legit deep folders alone; one deeper than it is refused at pack (exit 2),
+    not packed into an archive every reader would call damaged."""
+    src = tmp_path / "src"
+    deep = src.joinpath(*["d"] * 254)
+    deep.mkdir(parents=True)
+    (deep / "f.txt").write_text("deep")
+    (src / "top.txt").write_text("top")
+    repo = tmp_path / "repo"
+    assert cli("pack", src, "--repo", repo).exit_code == 0
+    assert cli("restore", f"{repo}@1", "-o", tmp_path / "out").exit_code == 0
+    assert (tmp_path / "out").joinpath(*["d"] * 254, "f.txt").read_text() == "deep"
+    (src / "x").joinpath(*["d"] * 500).mkdir(parents=True)
+    (src / "x").joinpath(*["d"] * 500, "g.txt").write_text("too deep")
+    res = cli("pack", src, "--repo", repo)
+    assert res.exit_code == 2 and "more than 499" in res.stderr, res.stderr
+
+
 def test_case_only_relpaths_restore_and_a_folding_file_system_refuses_instead_of_overwriting(tmp_path, monkeypatch):
     """Names differing only by case are two files on Linux and restore as two. Where the file system folds
     them into one (simulated: every path lower-cased), restore used to let the second file overwrite the
