@@ -10,7 +10,7 @@ from typing import Any, Callable
 from ckpt_archive.errors import (CannotCheck, InsufficientSpace, IntegrityError, OutputExists, UsageError,
                                  first_line)
 from ckpt_archive.format.paths import inside
-from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick, refuse_unusable
+from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick, refuse_special_output, refuse_unusable
 from ckpt_archive.ops.load import with_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -98,7 +98,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
 
     Raises:
         OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1);
-        UsageError (exit 2): no output, or an output that would destroy the repository or the current folder;
+        UsageError (exit 2): no output, or an output that would destroy the repository or the current folder,
+            or one that is a FIFO, device or socket (with or without ``force``: not ours to replace);
             ``folder_rewrite`` for a generation that does not restore to a folder.
         DataIdentityMismatch (exit 1): ``data_ids`` differ from the archived ones (changed, added and removed
             entries listed) and ``allow_data_change`` is False; nothing is written.
@@ -116,6 +117,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     if output is None:
         raise UsageError("restore needs an output path (--output)")
     out = Path(output).expanduser().absolute()
+    refuse_special_output(out)
     if (out.exists() or out.is_symlink()) and not force:
         raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
     r = open_repo(repo, **store_options)
@@ -142,6 +144,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             raise UsageError("--consolidate applies to a torch.distributed.checkpoint (DCP) folder source only "
                              f"(this generation's source is {gen0.manifest['source']['format']})")
         consolidate = Path(consolidate).expanduser().absolute()
+        refuse_special_output(consolidate)
         if consolidate.exists() and not force:
             raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(consolidate))
     if folder_rewrite is not None and (layout != "folder" or only):
@@ -215,6 +218,11 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             gen, nbytes = with_fallback(r, generation, fallback, write, unverified=unverified, action="restore",
                                         override="--restore-unverified", notes=notes)
     except BaseException:
+        _remove(tmp)
+        raise
+    try:
+        refuse_special_output(out)  # again: one may have been put there while we wrote
+    except UsageError:
         _remove(tmp)
         raise
     if out.exists() or out.is_symlink():
