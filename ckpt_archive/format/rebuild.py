@@ -54,6 +54,10 @@ _STORAGE_REBUILDS = ("torch._utils._rebuild_tensor", "torch._utils._rebuild_tens
                      "torch._utils._rebuild_tensor_v3", "torch._utils._rebuild_qtensor")
 
 
+#: tensor elements per storage element of the sub-byte quantized dtypes
+_PACKED = {"torch.quint4x2": 2, "torch.quint2x4": 4}
+
+
 def _check_rebuild_geometry(name: str, args: list) -> None:
     """Refuse a storage-backed rebuild whose size/stride/offset reach outside its storage, before torch
     is asked: ``_rebuild_qtensor`` allocates ``size`` first (a hostile size would be a huge allocation),
@@ -70,7 +74,9 @@ def _check_rebuild_geometry(name: str, args: list) -> None:
     if 0 in size:
         return
     last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-    have = storage._size()  # (its elements; the public size() warns that TypedStorage is deprecated)
+    # its elements (the public size() warns that TypedStorage is deprecated); sub-byte quantized dtypes
+    # pack several tensor elements into one storage element
+    have = storage._size() * _PACKED.get(str(storage.dtype), 1)
     if last >= have:
         raise MalformedTree(f"{name} node reaches element {last} of a storage of {have} elements")
 
