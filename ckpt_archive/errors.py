@@ -127,6 +127,12 @@ class FormatError(CannotCheck):
     """The archive's manifest or layout cannot be read at all (schema broken, unknown layout)."""
 
 
+class MalformedTree(IntegrityError, FormatError):
+    """A node of a generation's state tree cannot be rebuilt (a hostile or damaged archive: a bad number,
+    an unknown tag, torch refusing a rebuild's arguments). A FormatError that was examined and found
+    wrong: exit 1, as ``verify`` reports the same tree, in ``restore`` and ``load`` too."""
+
+
 class NewerFormatError(CannotCheck):
     """The archive was written by a newer format version than this reader knows."""
 

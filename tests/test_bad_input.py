@@ -356,3 +356,55 @@ def test_a_refused_class_that_allow_cannot_admit_is_not_offered_allow(tmp_path, 
     res = cli("pack", src, "--repo", tmp_path / "r")
     assert res.exit_code == 2 and f"{name} cannot be admitted" in res.stderr, res.stderr
     assert f"--allow {name}" not in res.stderr
+
+
+@pytest.mark.parametrize("layout", ["exact file", "one-pass .pt", "--only", "folder"])
+@pytest.mark.parametrize("force", [False, True])
+def test_restore_never_replaces_a_fifo_or_socket_even_with_force(tmp_path, ckpt, layout, force):
+    """Fault (fourth break test): `restore --output X --force` replaced a FIFO or a character device at X
+    with a regular file (as root, `--output /dev/null --force` would replace /dev/null); a folder was
+    refused, a device not. An output that exists and is not a regular file, folder or symbolic link is now
+    refused (exit 2, named), with or without --force, on every restore path, and is left as it was."""
+    import os
+    import socket
+    import stat
+
+    repo = tmp_path / "repo"
+    if layout == "folder":
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "notes.txt").write_text("hello")
+        torch.save({"w": torch.ones(3)}, src / "model.pt")
+        assert cli("pack", src, "--repo", repo).exit_code == 0
+    elif layout == "one-pass .pt":
+        ckpt_archive.pack({"model": {"w": torch.ones(3)}, "step": 3}, repo)
+    else:
+        assert cli("pack", ckpt, "--repo", repo).exit_code == 0
+    extra = ["--only", "model"] if layout == "--only" else []
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    res = cli("restore", f"{repo}@1", "-o", fifo, *extra, *(["--force"] if force else []))
+    assert res.exit_code == 2 and "is a FIFO" in res.stderr, res.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    sock_path = tmp_path / "s"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(sock_path))
+        res = cli("restore", f"{repo}@1", "-o", sock_path, *extra, *(["--force"] if force else []))
+        assert res.exit_code == 2 and "is a socket" in res.stderr, res.stderr
+        assert stat.S_ISSOCK(os.lstat(sock_path).st_mode)
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_export_report_and_status_state_refuse_a_fifo(tmp_path, repo):
+    """The same rule where another command writes a file the user named: export --report (checked before
+    the copy, not after it) and status --state (whose read would block on a FIFO, then replace it)."""
+    import os
+    import stat
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    res = cli("export", repo, "--to", tmp_path / "dest", "--report", fifo)
+    assert res.exit_code == 2 and "is a FIFO" in res.stderr and not (tmp_path / "dest").exists(), res.stderr
+    res = cli("status", repo, "--state", fifo)
+    assert res.exit_code == 2 and "is a FIFO" in res.stderr, res.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)

@@ -9,6 +9,8 @@ import errno
 import hashlib
 import json
 import os
+import shutil
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -81,6 +83,87 @@ def test_restore_refuses_a_folder_member_whose_relpath_leaves_the_target(tmp_pat
     # verify names the field and exits 1; list shows it as damaged
     res = cli("verify", f"{folder_repo}@1")
     assert res.exit_code == 1 and "source/files/1/relpath" in res.stdout + res.stderr
+
+
+def _refused_everywhere(tmp_path, repo, words: str) -> None:
+    """verify, verify --deep: damaged (1); restore: refused as damaged (2), and the explicit override finds
+    the manifest wrong (1); load too; nothing written."""
+    for args in (("verify", f"{repo}@1"), ("verify", f"{repo}@1", "--deep")):
+        res = cli(*args)
+        assert res.exit_code == 1 and words in res.stdout + res.stderr, res.stdout + res.stderr
+    out = tmp_path / "out"
+    res = cli("restore", f"{repo}@1", "-o", out)
+    assert res.exit_code == 2 and "is damaged" in res.stderr and words in res.stderr, res.stderr
+    res = cli("restore", f"{repo}@1", "-o", out, "--restore-unverified")
+    assert res.exit_code == 1 and words in res.stderr and not out.exists(), res.stderr
+    with pytest.raises(ckpt_archive.errors.CheckFailed):
+        ckpt_archive.load(repo, 1, unverified=True)
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("relpath, words", [("model.pt", "listed twice"), ("model.pt/notes.txt", "lies inside")])
+def test_two_source_files_with_one_relpath_or_a_file_inside_a_file_are_damaged(tmp_path, folder_repo, relpath, words):
+    """Fault (fourth break test): a resealed manifest listing relpath 'a' twice passed verify --deep, and restore
+    exited 0 writing one file over the other (a file silently lost). A file 'a' and a file 'a/b' cannot both
+    be restored either. The manifest parser now refuses both: damaged in verify, the trial reload, restore
+    and load."""
+    _relpath_attack(folder_repo, relpath)
+    _refused_everywhere(tmp_path, folder_repo, words)
+
+
+def test_a_relpath_of_1500_parts_is_damaged_before_anything_is_written(tmp_path, folder_repo):
+    """Fault (fourth break test): a relpath of 1500 parts (2999 bytes, inside the 4096-byte rule) passed
+    verify --deep, and restore failed with "internal error (RecursionError)" in a recursive mkdir. The path
+    rule now allows at most 512 parts (format/paths.py MAX_PATH_PARTS): damaged, nothing written; a
+    resealed relpath at the limit restores."""
+    at_limit = tmp_path / "at-limit"
+    shutil.copytree(folder_repo, at_limit)
+    _relpath_attack(at_limit, "/".join(["d"] * 512))
+    assert cli("restore", f"{at_limit}@1", "-o", tmp_path / "ok").exit_code == 0
+    assert (tmp_path / "ok").joinpath(*["d"] * 512).read_text() == "hello"
+    _relpath_attack(folder_repo, "/".join(["d"] * 1500))
+    _refused_everywhere(tmp_path, folder_repo, "more than 512")
+
+
+def test_a_folder_255_levels_deep_packs_and_restores(tmp_path):
+    """The part limit leaves legit deep folders alone; one deeper than it is refused at pack (exit 2),
+    not packed into an archive every reader would call damaged."""
+    src = tmp_path / "src"
+    deep = src.joinpath(*["d"] * 254)
+    deep.mkdir(parents=True)
+    (deep / "f.txt").write_text("deep")
+    (src / "top.txt").write_text("top")
+    repo = tmp_path / "repo"
+    assert cli("pack", src, "--repo", repo).exit_code == 0
+    assert cli("restore", f"{repo}@1", "-o", tmp_path / "out").exit_code == 0
+    assert (tmp_path / "out").joinpath(*["d"] * 254, "f.txt").read_text() == "deep"
+    (src / "x").joinpath(*["d"] * 500).mkdir(parents=True)
+    (src / "x").joinpath(*["d"] * 500, "g.txt").write_text("too deep")
+    res = cli("pack", src, "--repo", repo)
+    assert res.exit_code == 2 and "more than 499" in res.stderr, res.stderr
+
+
+def test_case_only_relpaths_restore_and_a_folding_file_system_refuses_instead_of_overwriting(tmp_path, monkeypatch):
+    """Names differing only by case are two files on Linux and restore as two. Where the file system folds
+    them into one (simulated: every path lower-cased), restore used to let the second file overwrite the
+    first (open "wb"); each file is now created exclusively: exit 2 naming the collision, nothing replaced."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "A.txt").write_text("upper")
+    (src / "a.txt").write_text("lower")
+    repo = tmp_path / "repo"
+    assert cli("pack", src, "--repo", repo).exit_code == 0
+    assert cli("restore", f"{repo}@1", "-o", tmp_path / "out").exit_code == 0
+    assert {p.name: p.read_text() for p in (tmp_path / "out").iterdir()} == {"A.txt": "upper", "a.txt": "lower"}
+    import ckpt_archive.ops.restore as restore_mod
+
+    real_inside = restore_mod.inside
+    monkeypatch.setattr(restore_mod, "inside", lambda base, rel, **kw: real_inside(base, rel.lower(), **kw))
+    (tmp_path / "out").rename(tmp_path / "out2")
+    res = cli("restore", f"{repo}@1", "-o", tmp_path / "out2", "--force")
+    assert res.exit_code == 2 and "collides" in res.stderr, res.stderr
+    assert {p.name: p.read_text() for p in (tmp_path / "out2").iterdir()} == {"A.txt": "upper", "a.txt": "lower"}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out2")] == []
 
 
 def test_a_hardlink_of_pointing_outside_is_refused(tmp_path, folder_repo):
@@ -779,6 +862,72 @@ def test_a_state_tree_nested_100k_deep_is_refused_not_an_internal_error(file_rep
     assert res.exit_code == 1 and "nested more than" in res.stderr
     # (a plain restore of a file source rebuilds the exact source bytes from the skeleton and entries,
     # sha256-checked against the source, and needs no tree)
+
+
+_QSTORAGE = '{"$t":"storage","data":{"$t":"tensor","key":"q/<0>/<storage>"},"dtype":"qint8"}'
+_QREST = '{"$t":"tuple","v":[{"$t":"global","v":"torch.per_tensor_affine"}, 0.1, 0]}, false, {"$t":"odict","items":[]}'
+_BAD_NODES = {
+    "int in hex": '{"$t":"int","v":"0x10"}',
+    "int of 5000 digits": '{"$t":"int","v":"%s"}' % ("9" * 5000),
+    "float word": '{"$t":"float","v":"NaNx"}',
+    "complex of text": '{"$t":"complex","re":"a","im":0.0}',
+    "npscalar of dtype O": '{"$t":"npscalar","dtype":"O","hex":"00"}',
+    "npscalar with bytes to spare": '{"$t":"npscalar","dtype":"<i4","hex":"0100000002000000"}',
+    "device index out of range": '{"$t":"device","v":"cuda:99999999999999999999"}',
+    "meta tensor whose numel overflows": '{"$t":"rebuild","f":"torch._utils._rebuild_meta_tensor_no_storage",'
+                                         '"args":[{"$t":"dtype","v":"float32"},[4611686018427387904,4],[4,1],false]}',
+    "tensor larger than its storage": '{"$t":"rebuild","f":"torch._utils._rebuild_tensor_v2","args":[%s, 0, [1000], '
+                                      '[1], false, {"$t":"odict","items":[]}]}' % _QSTORAGE.replace("qint8", "uint8"),
+    "qtensor of 2^40 elements": '{"$t":"rebuild","f":"torch._utils._rebuild_qtensor","args":[%s, 0, '
+                                '{"$t":"tuple","v":[1099511627776]}, {"$t":"tuple","v":[1]}, %s]}' % (_QSTORAGE, _QREST),
+    "qtensor with a negative offset": '{"$t":"rebuild","f":"torch._utils._rebuild_qtensor","args":[%s, -3, '
+                                      '{"$t":"tuple","v":[4]}, {"$t":"tuple","v":[1]}, %s]}' % (_QSTORAGE, _QREST),
+    "unknown tag": '{"$t":"eval","v":"1"}',
+}
+
+
+@pytest.fixture(scope="module")
+def qtensor_repo(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("q") / "repo"
+    with warnings.catch_warnings():  # torch: quantized tensors are deprecated (said once per process)
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_tensor(torch.arange(4.0), 0.1, 0, torch.qint8)
+    ckpt_archive.pack({"w": torch.arange(4.0), "q": q, "x": 1}, repo)
+    return repo
+
+
+@pytest.mark.parametrize("name", sorted(_BAD_NODES))
+def test_a_malformed_tree_node_is_damaged_in_every_command_never_a_bug(tmp_path, qtensor_repo, name):
+    """Fault (fourth break test): decode caught only KeyError/TypeError/IndexError/AttributeError, so a
+    resealed tree node that Python, NumPy or torch refuse otherwise (int("0x10"), an int over 4300 digits,
+    float("NaNx"), an object-dtype NumPy scalar, torch.device("cuda:<huge>"), a meta tensor whose numel
+    overflows, a rebuild larger than its storage) made verify / verify --deep / restore answer "internal
+    error ... This is a bug" (exit 2); a qtensor's size was allocated before torch looked at its storage.
+    And where a node was reported cleanly (an unknown tag), verify said damaged (1) but restore and load
+    "could not check" (2). Now every command says damaged, exit 1, naming the tree member."""
+    repo = tmp_path / "repo"
+    shutil.copytree(qtensor_repo, repo)
+    tree = member(read_manifest(repo), "tree")["path"]
+    set_tree(repo, ('{"w":{"$t":"tensor","key":"w"},"q":{"$t":"tensor","key":"q/<0>/<storage>"},"x":%s}'
+                    % _BAD_NODES[name]).encode())
+    res = cli("restore", f"{repo}@1", "-o", tmp_path / "o.pt")
+    assert res.exit_code == 1 and tree in res.stderr and not (tmp_path / "o.pt").exists(), res.stderr
+    res = cli("restore", f"{repo}@1", "-o", tmp_path / "x.pt", "--only", "x")
+    assert res.exit_code == 1 and not (tmp_path / "x.pt").exists(), res.stderr
+    with pytest.raises(ckpt_archive.errors.IntegrityError) as exc:
+        ckpt_archive.load(repo, 1)
+    assert isinstance(exc.value, ckpt_archive.errors.FormatError) and exc.value.where == tree
+    assert cli("inspect", f"{repo}@1").exit_code in (0, 1)  # inspect reads no tree node: never a bug
+    for args in (("verify", f"{repo}@1"), ("verify", f"{repo}@1", "--deep")):
+        res = cli(*args)
+        assert res.exit_code == 1 and tree in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+def test_unedited_quantized_tensors_still_rebuild_through_the_geometry_check(tmp_path, qtensor_repo):
+    """The storage-fit check before torch's rebuild refuses only what does not fit: a real qtensor comes back."""
+    state = ckpt_archive.load(qtensor_repo, 1)
+    assert torch.equal(state["q"].dequantize(), torch.arange(4.0).mul(10).round().div(10))
+    assert cli("verify", f"{qtensor_repo}@1", "--deep").exit_code == 0
 
 
 def test_a_manifest_holding_1e999_is_damaged_and_list_still_shows_the_good_ones(tmp_path, file_repo):

@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
     def restore_cmd(
         spec: str = typer.Argument(..., metavar="REPO[@GEN]"),
         output: Path = typer.Option(..., "--output", "-o", help="The .pt file or folder to create."),
-        force: bool = typer.Option(False, "--force", help="Replace an existing output (after the new one is complete)."),
+        force: bool = typer.Option(False, "--force", help="Replace an existing output (after the new one is complete); never a FIFO, device or socket."),
         only: Optional[str] = typer.Option(None, "--only", help="Restore part of the state, e.g. 'model' "
                                                                 "(a '/'-separated path of keys and indices). A key "
                                                                 "may contain '/' (a folder's file, "

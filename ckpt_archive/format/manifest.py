@@ -233,7 +233,8 @@ def parse(data: bytes, *, where: str = "manifest.json") -> dict:
 def check_manifest_refs(doc: dict, *, where: str = "manifest.json") -> None:
     """Every name the manifest uses for another of its parts names a part of the right kind: the tree
     member has role ``tree``; every tensor record names a member of role ``tensors`` that lists the
-    record's entry. The schema cannot say this (the names are data); a hand-made manifest that breaks it
+    record's entry; source files have distinct relpaths, none inside another (:func:`check_source_relpaths`).
+    The schema cannot say this (the names are data); a hand-made manifest that breaks it
     would otherwise fail as a ``KeyError`` deep inside whichever command reads it first.
 
     Runs after the schema check (``members`` is a list of objects with ``path`` and ``role``).
@@ -255,3 +256,31 @@ def check_manifest_refs(doc: dict, *, where: str = "manifest.json") -> None:
         if rec["entry"] not in m["entries"]:
             raise ManifestInvalid(f"tensor {leaf!r}: entry {rec['entry']!r} is not in member {rec['member']!r}",
                                   where=where)
+    check_source_relpaths(doc, where=where)
+
+
+def check_source_relpaths(doc: dict, *, where: str = "manifest.json") -> None:
+    """``source.files[].relpath`` names one file each: no relpath twice, and none that is a folder of
+    another (a file ``a`` and a file ``a/b``). Either way restore would write one file over another, or
+    fail half-way; verify and the trial reload would pass it. Names differing only by case or Unicode
+    normalisation are distinct here (they are on Linux); restore creates each file exclusively, so a file
+    system that folds them refuses the second instead of overwriting the first.
+
+    Raises:
+        ManifestInvalid: (exit 1) naming the relpath.
+    """
+    seen: set[str] = set()
+    for f in (doc.get("source") or {}).get("files") or []:
+        rel = f.get("relpath") if isinstance(f, dict) else None
+        if not isinstance(rel, str):
+            continue  # the schema and the path rule speak for it
+        if rel in seen:
+            raise ManifestInvalid(f"source.files: relpath {rel!r} is listed twice", where=where)
+        seen.add(rel)
+    for rel in seen:
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            folder = "/".join(parts[:i])
+            if folder in seen:
+                raise ManifestInvalid(f"source.files: relpath {rel!r} lies inside {folder!r}, which is listed "
+                                      f"as a file", where=where)

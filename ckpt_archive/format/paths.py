@@ -21,6 +21,12 @@ __all__ = ["check_relpath", "check_manifest_paths", "inside", "manifest_paths"]
 
 #: Longest path accepted (bytes of UTF-8); longer ones are refused rather than passed to a file system.
 MAX_PATH_BYTES = 4096
+#: Most parts (names between ``/``) a path may have: deeper ones are refused before anything is written
+#: (restore creates and removes folders with functions that recurse once per level).
+MAX_PATH_PARTS = 512
+#: Most parts of a source file's relpath that ``pack`` takes: its member's store key adds a few
+#: (``generations/<n>/files/...``) and must still pass :data:`MAX_PATH_PARTS`.
+MAX_SOURCE_PARTS = 500
 
 
 def _why_not_plain(path: Any) -> str | None:
@@ -38,7 +44,10 @@ def _why_not_plain(path: Any) -> str | None:
         return "absolute"
     if len(path) >= 2 and path[1] == ":" and path[0].isalpha():
         return "starts with a drive letter"
-    for part in path.split("/"):
+    parts = path.split("/")
+    if len(parts) > MAX_PATH_PARTS:
+        return f"has {len(parts)} parts, more than {MAX_PATH_PARTS}"
+    for part in parts:
         if part == "":
             return "has an empty part (// or a trailing /)"
         if part in (".", ".."):

@@ -28,9 +28,10 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from ckpt_archive.errors import FormatError, SourceError
+from ckpt_archive.errors import CkptArchiveError, FormatError, MalformedTree, SourceError, first_line
 from ckpt_archive.format.allowlist import (class_name, current_allowed, decode_class, global_name,
                                            plain_class_problem, refusal, resolve_global)
+from ckpt_archive.format.rebuild import holds_stub, rebuild
 
 MAX_SAFE_INT = 2**53
 
@@ -614,7 +615,17 @@ def _torch_attr(name: str, kind: str):
     return obj
 
 
-def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build") -> Any:
+class _ReaderError(Exception):
+    """An exception raised by ``decode``'s tensor getter, carried through unchanged (a store or integrity
+    error of the reader is not a malformed tree node)."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(exc)
+        self.exc = exc
+
+
+def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build",
+           where: str | None = None) -> Any:
     """Rebuild the nested state from an encoded tree.
 
     Args:
@@ -624,18 +635,30 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
             :func:`ckpt_archive.format.allowlist.allowing`, or built in such as
             ``argparse.Namespace``); ``"check"`` only checks their shape (trial reload: the tree is
             checked, not used), and builds no tensor from a rebuild function either.
+        where: the tree member's name, for the errors.
 
     Raises:
-        FormatError: an unknown tag, a malformed node, a name outside torch's allowlist, or a plain-data
-            class the reader did not admit (names the ``--allow`` that would).
+        MalformedTree (a FormatError, exit 1): an unknown tag or a malformed node -- whatever Python,
+            NumPy or torch raise while rebuilding a node from a hostile tree (a bad number, a dtype that
+            cannot hold a scalar, a device index out of range, a rebuild whose geometry does not fit its
+            storage) is reported so, never as an internal error.
+        FormatError (exit 2): a name outside torch's allowlist, a plain-data class the reader did not
+            admit (names the ``--allow`` that would), a reference to a shared value outside the part read.
+        Whatever ``get_tensor`` raises, unchanged.
     """
     build = objects == "build"
     shared: dict[int, Any] = {}
 
+    def tensor(key):
+        try:
+            return get_tensor(key)
+        except Exception as exc:  # noqa: BLE001 - the reader's own error, not the tree's
+            raise _ReaderError(exc) from None
+
     def items(node):
         its = node.get("items")
         if not isinstance(its, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in its):
-            raise FormatError(f"malformed {node.get('$t')} node")
+            raise MalformedTree(f"malformed {node.get('$t')} node")
         return [(_hashable(dec(k)), dec(v)) for k, v in its]
 
     def dec(node):
@@ -644,14 +667,14 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
         if isinstance(node, list):
             return [dec(v) for v in node]
         if not isinstance(node, dict):
-            raise FormatError(f"malformed tree node {node!r}")
+            raise MalformedTree(f"malformed tree node {node!r}")
         t = node.get("$t")
         if t is None:
             return {k: dec(v) for k, v in node.items()}
         if t == "shared":  # a container reached more than once: decoded once, the same object after
             n = node.get("id")
             if type(n) is not int or n in shared:
-                raise FormatError(f"malformed shared node (id {n!r})")
+                raise MalformedTree(f"malformed shared node (id {n!r})")
             shared[n] = value = dec(node.get("v"))
             return value
         if t == "ref":
@@ -681,17 +704,17 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
                 setattr(obj, name, dec(val))
             return obj
         if t in ("tensor", "ndarray"):
-            obj = get_tensor(node["key"])
+            obj = tensor(node["key"])
             if node.get("attrs") and obj is not None:
                 obj.__dict__.update({k: dec(v) for k, v in node["attrs"].items()})
             return obj
         if t == "rebuild":
-            return _rebuild(node, dec, build)
+            return rebuild(node, dec, build)
         if t == "storage":
             data = dec(node["data"])
             if data is None:
                 return None
-            if _holds_stub(data):  # left undecoded by its reader (the policy audit): so is its storage
+            if holds_stub(data):  # left undecoded by its reader (the policy audit): so is its storage
                 return data
             storage = data.untyped_storage()
             if "dtype" in node:
@@ -713,7 +736,10 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
         if t == "npscalar":
             import numpy as np
 
-            return np.frombuffer(bytes.fromhex(node["hex"]), dtype=np.dtype(node["dtype"]))[0]
+            raw, dtype = bytes.fromhex(node["hex"]), np.dtype(node["dtype"])
+            if dtype.hasobject or len(raw) != dtype.itemsize:
+                raise MalformedTree(f"malformed npscalar node: {len(raw)} bytes for dtype {dtype.str!r}")
+            return np.frombuffer(raw, dtype=dtype)[0]
         if t == "npdtype":
             import numpy as np
 
@@ -731,7 +757,7 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
         if t == "object":
             state = node.get("state")
             if not isinstance(state, dict) or "$t" in state:
-                raise FormatError(f"malformed object node for {node.get('class')!r}")
+                raise MalformedTree(f"malformed object node for {node.get('class')!r}")
             values = {k: dec(v) for k, v in state.items()}
             if not build:
                 return None
@@ -739,58 +765,21 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
             obj = object.__new__(cls)
             obj.__dict__.update(values)
             return obj
-        raise FormatError(f"unknown tree tag {t!r}")
+        raise MalformedTree(f"unknown tree tag {t!r}")
 
     try:
         return dec(tree)
-    except (KeyError, TypeError, IndexError, AttributeError) as exc:  # [issue 17] a hand-made node
-        raise FormatError(f"malformed state tree node ({type(exc).__name__}: {exc})") from None
-
-
-def _rebuild(node: dict, dec, build: bool):
-    """A non-dense tensor: torch's own allowlisted rebuild function applied to its decoded arguments,
-    exactly what ``torch.load(weights_only=True)`` does for it."""
-    name = node.get("f")
-    if not isinstance(name, str) or not name.startswith("torch._utils._rebuild"):
-        raise FormatError(f"rebuild node names {name!r}, not one of torch's tensor rebuild functions")
-    func = resolve_global(name)
-    args = [dec(a) for a in node.get("args") or []]
-    if not build:
-        return None
-    if _holds_stub(args):  # a reader that left parts undecoded (the policy audit): so is the whole
-        from ckpt_archive.format.tensor_stub import TensorStub
-
-        return TensorStub({"kind": "torch", "dtype": None, "shape": []})
-    torch = _torch()
-    if name == "torch._utils._rebuild_sparse_tensor":
-        # what torch.load does for a sparse tensor, with the invariant checks always on: an archive is
-        # hostile until checked, and indices out of range would be memory errors later
-        with torch.sparse.check_sparse_tensor_invariants(enable=True):
-            t = func(*args)
-            try:
-                torch._utils._validate_loaded_sparse_tensors()
-            except (RuntimeError, ValueError, IndexError) as exc:
-                raise FormatError(f"sparse tensor fails torch's invariant checks: {exc}") from None
-    else:
-        t = func(*args)
-    if node.get("parameter"):
-        t = torch.nn.Parameter(t, requires_grad=bool(node.get("requires_grad")))
-    elif node.get("requires_grad") and not t.requires_grad:
-        t.requires_grad_(True)
-    return t
-
-
-def _holds_stub(value) -> bool:
-    """Whether decoded rebuild arguments hold a :class:`~ckpt_archive.format.tensor_stub.TensorStub`."""
-    from ckpt_archive.format.tensor_stub import TensorStub
-
-    if isinstance(value, TensorStub):
-        return True
-    if isinstance(value, (list, tuple)):
-        return any(_holds_stub(v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds_stub(v) for v in value.values())
-    return False
+    except _ReaderError as exc:
+        raise exc.exc from None
+    except CkptArchiveError as exc:
+        if exc.where is None:
+            exc.where = where
+        raise
+    except Exception as exc:  # noqa: BLE001 - [issue 17, break test 4] a hand-made node: any error
+        # (ValueError from int("0x10"), RuntimeError from torch.device or a rebuild, OverflowError,
+        # RecursionError, MemoryError) is the tree's fault, reported as damaged, never as a bug
+        raise MalformedTree(f"malformed state tree node ({type(exc).__name__}: {first_line(exc, 300)})",
+                            where=where) from None
 
 
 def _hashable(k):

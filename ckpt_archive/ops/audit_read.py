@@ -87,4 +87,4 @@ def state_for_audit(repo: Any, generation: str | int = "latest", *, budget: int 
     def get(key: str) -> Any:
         return loaded[key] if key in loaded else TensorStub(recs.get(key, {}))
 
-    return decode(tree, get), gen.manifest, gen.number
+    return decode(tree, get, where=gen.manifest.get("tree_member")), gen.manifest, gen.number

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Union
 
-from ckpt_archive.errors import IntegrityError, NotUsable, NoUsableGeneration
+from ckpt_archive.errors import IntegrityError, NotUsable, NoUsableGeneration, UsageError
 from ckpt_archive.repo.repository import Generation, Repository
 
 #: A repository argument: a local path, a URL (``s3://bucket/prefix``) or an open Repository.
@@ -154,3 +154,28 @@ def leftover_note(line: str) -> str:
     if " is damaged:" in line:
         return f"{line} (`ckpt-archive verify` says what is wrong; `ckpt-archive forget` removes it)"
     return f"leftover of an interrupted write: {line} (ckpt-archive gc removes it)"
+
+
+def refuse_special_output(path: str | os.PathLike, *, option: str = "--force") -> None:
+    """Refuse an output path that exists and is not a regular file, a folder or a symbolic link: a FIFO, a
+    character or block device, a socket. Replacing it with a file would destroy something that is not
+    ours (as root, ``--output /dev/null --force`` would replace ``/dev/null``), so it is refused with or
+    without ``option``. Whether a file may replace a folder (or the reverse) is the caller's rule.
+
+    Raises:
+        UsageError (exit 2): naming the path and its kind; nothing is changed.
+    """
+    import stat
+
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:  # absent (or unreachable: the write itself reports that)
+        return
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
+        return
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a special file")
+    raise UsageError(f"is {kind}, not a regular file or folder; refusing to replace it (even with {option}); "
+                     f"nothing was written", where=str(path))
+

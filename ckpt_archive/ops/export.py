@@ -277,6 +277,10 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
     from ckpt_archive.repo.repository import Repository
 
     started = _now()
+    if report is not None:  # before any copy, not after it: a FIFO or device there is not ours to replace
+        from ckpt_archive.ops.common import refuse_special_output
+
+        refuse_special_output(report, option="--report")
     src = repo if isinstance(repo, Repository) else Repository.open(repo)
     picked = select_generations(src, generations)
     _check_destination(src, dest)

@@ -126,9 +126,13 @@ def fingerprints(manifest: dict, manifest_sha256: str | None) -> dict:
 
 
 def write_report(result, path, fmt: str = "markdown") -> None:
-    """Write the recovery proof (Markdown or JSON) atomically at ``path``."""
+    """Write the recovery proof (Markdown or JSON) atomically at ``path`` (a FIFO, device or socket there is
+    refused, UsageError exit 2: it is not ours to replace)."""
     from ckpt_archive.format.jsonio import dumps
+    from ckpt_archive.ops.common import refuse_special_output
     from ckpt_archive.store.local import write_atomic
+
+    refuse_special_output(path, option="--report")
 
     data = (dumps(result.to_json(), indent=2, ensure_ascii=True, default=str) if fmt == "json"
             else render_markdown(result).encode("utf-8"))

@@ -63,7 +63,7 @@ def rewrite_folder_files(reader: Any, manifest: dict, dest: Path, rewrite: Folde
     files = {f["relpath"]: f for f in manifest["source"]["files"]}
     tree = reader.tree()
     recs = manifest["tensors"]
-    stub_state = decode(tree, lambda key: TensorStub(recs.get(key, {})))
+    stub_state = decode(tree, lambda key: TensorStub(recs.get(key, {})), where=manifest.get("tree_member"))
 
     def torch_file(relpath: str) -> dict:
         f = files.get(relpath)

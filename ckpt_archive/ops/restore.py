@@ -10,7 +10,7 @@ from typing import Any, Callable
 from ckpt_archive.errors import (CannotCheck, InsufficientSpace, IntegrityError, OutputExists, UsageError,
                                  first_line)
 from ckpt_archive.format.paths import inside
-from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick, refuse_unusable
+from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick, refuse_special_output, refuse_unusable
 from ckpt_archive.ops.load import with_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -98,7 +98,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
 
     Raises:
         OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1);
-        UsageError (exit 2): no output, or an output that would destroy the repository or the current folder;
+        UsageError (exit 2): no output, or an output that would destroy the repository or the current folder,
+            or one that is a FIFO, device or socket (with or without ``force``: not ours to replace);
             ``folder_rewrite`` for a generation that does not restore to a folder.
         DataIdentityMismatch (exit 1): ``data_ids`` differ from the archived ones (changed, added and removed
             entries listed) and ``allow_data_change`` is False; nothing is written.
@@ -120,6 +121,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
 
         check_only(only)  # "" or "model//w" would select the whole state, or another place than written
     out = Path(output).expanduser().absolute()
+    refuse_special_output(out)
     if (out.exists() or out.is_symlink()) and not force:
         raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
     r = open_repo(repo, **store_options)
@@ -146,6 +148,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             raise UsageError("--consolidate applies to a torch.distributed.checkpoint (DCP) folder source only "
                              f"(this generation's source is {gen0.manifest['source']['format']})")
         consolidate = Path(consolidate).expanduser().absolute()
+        refuse_special_output(consolidate)
         if consolidate.exists() and not force:
             raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(consolidate))
     if folder_rewrite is not None and (layout != "folder" or only):
@@ -219,6 +222,11 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             gen, nbytes = with_fallback(r, generation, fallback, write, unverified=unverified, action="restore",
                                         override="--restore-unverified", notes=notes)
     except BaseException:
+        _remove(tmp)
+        raise
+    try:
+        refuse_special_output(out)  # again: one may have been put there while we wrote
+    except UsageError:
         _remove(tmp)
         raise
     if out.exists() or out.is_symlink():
@@ -330,33 +338,48 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
     for f in manifest["source"]["files"]:
         # every final path resolved and kept inside the output folder (format/paths.py)
         target = inside(dest, f["relpath"], where=f"manifest.json: source.files {f['relpath']!r}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if f.get("hardlink_of"):  # [issue 11] hardlinks come back as hardlinks
-            os.link(inside(dest, f["hardlink_of"], where=f"manifest.json: hardlink_of {f['hardlink_of']!r}"),
-                    target)
-        elif f.get("exact") and map_location is None:  # [issue 11] byte for byte
-            _restore_exact(reader, f, target, on_bytes)
-        elif f["kind"] in ("raw", "opaque"):
-            rec = reader.by_path[f["member"]]
-            with open(target, "wb") as fh:
-                for _, chunk in reader.iter_member(rec, on_bytes=on_bytes):
-                    fh.write(chunk)
-        else:
-            node = _folder_node(tree, f["relpath"])
-            obj = reader.load_node(node, map_location=map_location, on_bytes=on_bytes)
-            if f["kind"] == "safetensors":
-                from safetensors.torch import save_file
-
-                save_file(obj, str(target), metadata=f.get("metadata") or None)
-            else:
-                try:
-                    _torch_save(obj, target, target)
-                except CannotCheck:
-                    target.unlink(missing_ok=True)
-                    raise
+        try:
+            _restore_folder_file(reader, tree, f, dest, target, map_location, on_bytes)
+        except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
+            # the manifest's relpaths are distinct and none lies inside another (format/manifest.py): a
+            # file system that folds names (case, Unicode normalisation) made two of them one
+            raise CannotCheck(f"source file {f['relpath']!r} collides with a file or folder already restored "
+                              f"here ({exc.strerror}); this file system treats two names of the archive as "
+                              f"one (case or Unicode normalisation?)", where=str(target),
+                              hint="restore to a folder on a case-sensitive file system") from None
         _fsync_file(target)
         total += target.stat().st_size
     return total
+
+
+def _restore_folder_file(reader: ArchiveReader, tree: Any, f: dict, dest: Path, target: Path, map_location,
+                         on_bytes) -> None:
+    """One file of a folder source, created exclusively in the fresh staging folder: a name already
+    there is ``FileExistsError``, never a file silently written over another."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if f.get("hardlink_of"):  # [issue 11] hardlinks come back as hardlinks
+        os.link(inside(dest, f["hardlink_of"], where=f"manifest.json: hardlink_of {f['hardlink_of']!r}"), target)
+    elif f.get("exact") and map_location is None:  # [issue 11] byte for byte (format/exact_bytes.py: O_EXCL)
+        _restore_exact(reader, f, target, on_bytes)
+    elif f["kind"] in ("raw", "opaque"):
+        rec = reader.by_path[f["member"]]
+        with open(target, "xb") as fh:
+            for _, chunk in reader.iter_member(rec, on_bytes=on_bytes):
+                fh.write(chunk)
+    else:
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))  # the name is ours from here
+        node = _folder_node(tree, f["relpath"])
+        obj = reader.load_node(node, map_location=map_location, on_bytes=on_bytes)
+        if f["kind"] == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(obj, str(target), metadata=f.get("metadata") or None)
+        else:
+            try:
+                _torch_save(obj, target, target)
+            except CannotCheck:
+                target.unlink(missing_ok=True)
+                raise
 
 
 def _torch_save(state: Any, dest, out, *, part: bool = False) -> None:

@@ -128,7 +128,8 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
         :class:`StatusReport` (``ok`` False: exit 1).
 
     Raises:
-        NotFound / StoreError: the repository cannot be read (exit 2). UsageError: a bad ``max_age``.
+        NotFound / StoreError: the repository cannot be read (exit 2). UsageError: a bad ``max_age``, or a
+            ``state`` path that is a FIFO, device or socket.
 
     Example:
         >>> import torch, ckpt_archive, tempfile, os
@@ -148,6 +149,9 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
     usable = [g for g in gens if g.usable]
     newest = usable[-1] if usable else None
     state_path = Path(state) if state is not None else default_state_file(r.location)
+    from ckpt_archive.ops.common import refuse_special_output
+
+    refuse_special_output(state_path, option="--state")  # a FIFO would block the read, then be replaced
     previous = _read_previous(state_path, r.location)
     problems: list[str] = []
     created = newest.created if newest else None

@@ -460,7 +460,7 @@ class ArchiveReader:
                                          where=f"{path}:{key}")
         finally:
             hash_pool.shutdown(wait=True, cancel_futures=True)
-        return decode(tree, built.__getitem__)
+        return decode(tree, built.__getitem__, where=self.manifest["tree_member"])
 
     def _build(self, wanted_entries, by_entry, tensors, built, bases, checks, hash_pool, map_location,
                on_bytes, spill_dir) -> dict:

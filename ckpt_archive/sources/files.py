@@ -30,7 +30,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterable
 
-from ckpt_archive.errors import RefusedPickle, SourceError, first_line
+from ckpt_archive.errors import RefusedPickle, SourceError, UnsafePath, first_line
+from ckpt_archive.format.paths import MAX_SOURCE_PARTS, check_relpath
 from ckpt_archive.sources.base import SourceFile
 from ckpt_archive.sources.torchfile import load_torch_file
 
@@ -109,6 +110,13 @@ def _walk(root: Path) -> tuple[list[str], list[str]]:
             elif not full.is_file():
                 warnings.append(f"{rel}: not a regular file (skipped)")
                 continue
+            try:  # the path rule every reader applies (format/paths.py): refused here, not at the read-back
+                check_relpath(rel, what="file")
+                if rel.count("/") >= MAX_SOURCE_PARTS:
+                    raise UnsafePath(f"file {rel!r} lies {rel.count('/')} folders deep, more than "
+                                     f"{MAX_SOURCE_PARTS - 1}")
+            except UnsafePath as exc:
+                raise SourceError(f"{exc.message}; it cannot be archived", where=str(root)) from None
             rels.append(rel)
     rels.sort()
     return rels, warnings
