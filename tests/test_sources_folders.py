@@ -264,3 +264,42 @@ def test_a_checkpoint_named_file_that_cannot_be_parsed_rode_along_opaque_without
     notes = [w for w in src.warnings if w.startswith("random.pt")]
     assert len(notes) == 1 and "kept opaque" in notes[0] and "never loaded" in notes[0]
     assert not any(w.startswith("image.png") for w in src.warnings)  # nothing was expected of it
+
+
+def test_restored_files_keep_their_permission_bits_never_wider_than_the_umask(tmp_path):
+    """Fault guarded: every restored file came back 0644 whatever it was: a 0600 file (HF writes weights
+    and tokens 0600) was widened to world-readable, a 0755 script lost its execute bit. Modes are now
+    recorded at pack and applied less the umask, so a hostile manifest cannot make a file wider or setuid."""
+    import os
+    import stat
+
+    from hostile_archive import edit_manifest
+
+    src = tmp_path / "run"
+    src.mkdir()
+    torch.save({"w": torch.ones(2)}, src / "model.pt")
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    (src / "notes.txt").write_text("x")
+    modes = {"model.pt": 0o600, "run.sh": 0o755, "notes.txt": 0o640}
+    for name, mode in modes.items():
+        os.chmod(src / name, mode)
+    ckpt_archive.pack(src, tmp_path / "r")
+    ckpt_archive.restore(tmp_path / "r", "latest", tmp_path / "out")
+    assert {n: stat.S_IMODE((tmp_path / "out" / n).stat().st_mode) for n in modes} == modes
+    one = tmp_path / "one.pt"
+    torch.save({"w": torch.ones(2)}, one)
+    os.chmod(one, 0o600)
+    ckpt_archive.pack(one, tmp_path / "r1")
+    ckpt_archive.restore(tmp_path / "r1", "latest", tmp_path / "one_back.pt")
+    assert stat.S_IMODE((tmp_path / "one_back.pt").stat().st_mode) == 0o600
+    # a manifest asking for 0777 gets at most what the umask allows
+    def widen(m):
+        for f in m["source"]["files"]:
+            f["mode"] = 0o777
+    edit_manifest(tmp_path / "r", widen)
+    old = os.umask(0o027)
+    try:
+        ckpt_archive.restore(tmp_path / "r", "latest", tmp_path / "out2", unverified=True)
+    finally:
+        os.umask(old)
+    assert {stat.S_IMODE((tmp_path / "out2" / n).stat().st_mode) for n in modes} == {0o750}

@@ -224,6 +224,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     except BaseException:
         _remove(tmp)
         raise
+    if layout == "file" and not only and transform is None:  # the source file itself: its permission bits
+        apply_mode(tmp, (gen.manifest["source"].get("files") or [{}])[0])
     try:
         refuse_special_output(out)  # again: one may have been put there while we wrote
     except UsageError:
@@ -347,9 +349,34 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
                               f"here ({exc.strerror}); this file system treats two names of the archive as "
                               f"one (case or Unicode normalisation?)", where=str(target),
                               hint="restore to a folder on a case-sensitive file system") from None
+        apply_mode(target, f)
         _fsync_file(target)
         total += target.stat().st_size
     return total
+
+
+def apply_mode(path: Path, f: dict) -> None:
+    """Give a restored source file the permission bits recorded at pack (``source.files[].mode``), less this
+    process's umask, as ``tar`` does for a user who is not root: a 0600 file comes back 0600, a 0755 script
+    executable, and an archive can never make a file wider than the umask allows (nor setuid: only the
+    0o777 bits are read). A manifest without ``mode`` (written before it was recorded) leaves the default."""
+    mode = f.get("mode")
+    if type(mode) is int:
+        os.chmod(path, mode & 0o777 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask (read from /proc where it can be, since ``os.umask`` can only be read by setting it)."""
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
 
 
 def _restore_folder_file(reader: ArchiveReader, tree: Any, f: dict, dest: Path, target: Path, map_location,

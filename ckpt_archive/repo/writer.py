@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping
 
@@ -158,6 +159,8 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         stored_entries = _entries_by_sha(w.members)
         for sf in source.files:
             entry = {"relpath": sf.relpath, "kind": sf.kind, "member": None, "raw_bytes": None, "sha256": None}
+            if sf.path is not None:  # its permission bits: a 0600 file (tokens, HF's weights) stays 0600
+                entry["mode"] = stat.S_IMODE(sf.path.stat().st_mode) & 0o777
             if sf.metadata is not None:
                 entry["metadata"] = dict(sf.metadata)
             if getattr(sf, "link_of", None):  # [issue 11] a hardlink of an earlier file: restored as a link
