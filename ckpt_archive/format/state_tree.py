@@ -212,6 +212,10 @@ def _path_name(path: tuple) -> str:
     return "/".join(parts) if parts else "value"
 
 
+#: types whose values are immutable: never counted for sharing
+_ATOM_TYPES = frozenset({int, float, str, bool, type(None), bytes, complex})
+
+
 class _Encoder:
     def __init__(self, allow=None):
         allow = current_allowed() if allow is None else allow
@@ -226,18 +230,23 @@ class _Encoder:
 
     def count_shared(self, root) -> None:
         """First pass: find the mutable values (list, dict and dict subclasses, set, bytearray, admitted
-        plain-data objects), tensors, storages and NumPy arrays reached more than once, so that they are encoded once and referenced after: torch.save's
-        pickle memo keeps that identity (``state["a"] is state["b"]`` after ``torch.load``), and an
-        in-place change through one name must show through the other after a restore too."""
+        plain-data objects), tensors, storages and NumPy arrays reached more than once, so that they are
+        encoded once and referenced after: torch.save's pickle memo keeps that identity (``state["a"] is
+        state["b"]`` after ``torch.load``), and an in-place change through one name must show through the
+        other after a restore too."""
         import numpy as np
 
         torch = _torch()
         leaf_types = (torch.Tensor, np.ndarray, bytearray, torch.UntypedStorage, torch.TypedStorage)
+        atoms = _ATOM_TYPES  # immutable: their identity is nobody's business (and a sampler's list is long)
         seen: set[int] = set()
         stack = [root]
         while stack:
             obj = stack.pop()
-            admitted = class_name(type(obj)) in self.allow and hasattr(obj, "__dict__")
+            tp = type(obj)
+            if tp in atoms:
+                continue
+            admitted = bool(self.allow) and class_name(tp) in self.allow and hasattr(obj, "__dict__")
             if isinstance(obj, leaf_types) or admitted:
                 if id(obj) in seen:
                     self._multi.add(id(obj))
