@@ -229,3 +229,32 @@ def test_tensor_metric_is_refused_naming_the_metric_and_the_fix():
         encode_value({"acc": 0.9, "val_loss": torch.tensor(0.5)})
     assert "val_loss" in str(info.value) and "loss.item()" in str(info.value)
     assert "acc" not in str(info.value)
+
+
+def test_long_lists_of_plain_values_keep_every_edge_through_the_fast_path(tmp_path):
+    """Fault guarded: long lists of ints, floats or str (a sampler's permutation, a loss history) are
+    encoded and decoded as a whole when every element is its own JSON form; an element that is not (an int
+    past 2**53, a nan or -inf, a bool among ints, a str with lone surrogates) must still take the tagged
+    path, or it would come back as another value or type."""
+    import math
+    import os
+
+    n = 40
+    state = {
+        "perm": list(range(n)),
+        "big": list(range(n)) + [2**53 + 1],
+        "neg_big": [-(2**53) - 1] + list(range(n)),
+        "floats": [0.5] * n + [-0.0],
+        "nan": [1.0] * n + [float("nan"), float("-inf")],
+        "bools_in_ints": [1] * n + [True],
+        "strs": ["a"] * n,
+        "bad_str": ["a"] * n + [os.fsdecode(b"\xe9")],
+        "nested": [[1, 2]] * n,
+    }
+    ckpt_archive.pack(state, tmp_path / "r")
+    back = ckpt_archive.load(tmp_path / "r")
+    for key in ("perm", "big", "neg_big", "strs", "bad_str", "nested"):
+        assert back[key] == state[key] and [type(v) for v in back[key]] == [type(v) for v in state[key]], key
+    assert math.copysign(1.0, back["floats"][-1]) == -1.0 and back["floats"][:-1] == state["floats"][:-1]
+    assert math.isnan(back["nan"][-2]) and back["nan"][-1] == float("-inf")
+    assert type(back["bools_in_ints"][-1]) is bool and type(back["bools_in_ints"][0]) is int

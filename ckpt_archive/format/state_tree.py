@@ -179,6 +179,19 @@ def _float(v: float):
     return {"$t": "float", "v": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
 
 
+def _plain_json_list(obj: list) -> bool:
+    """Whether every element of a list is its own JSON encoding: all safe-range ints, all finite floats or
+    all UTF-8 str (what :meth:`_Encoder._enc` would return unchanged, one element at a time)."""
+    kinds = set(map(type, obj))
+    if kinds == {int}:
+        return -MAX_SAFE_INT <= min(obj) and max(obj) <= MAX_SAFE_INT
+    if kinds == {float}:
+        return all(map(math.isfinite, obj))
+    if kinds == {str}:
+        return all(map(_utf8_ok, obj))
+    return False
+
+
 def _plain_state(obj, path) -> dict:
     """The ``__dict__`` of an admitted plain-data object (str keys only)."""
     why = plain_class_problem(type(obj))
@@ -212,6 +225,8 @@ def _path_name(path: tuple) -> str:
     return "/".join(parts) if parts else "value"
 
 
+#: what a JSON parser gives for a scalar: each decodes to itself
+_JSON_ATOMS = frozenset({int, float, str, bool, type(None)})
 #: types whose values are immutable: never counted for sharing
 _ATOM_TYPES = frozenset({int, float, str, bool, type(None), bytes, complex})
 
@@ -266,10 +281,10 @@ class _Encoder:
             seen.add(id(obj))
             self._keep.append(obj)
             if isinstance(obj, dict):
-                stack.extend(obj.keys())
-                stack.extend(obj.values())
+                stack.extend([k for k in obj.keys() if type(k) not in atoms])
+                stack.extend([v for v in obj.values() if type(v) not in atoms])
             else:
-                stack.extend(obj)
+                stack.extend([v for v in obj if type(v) not in atoms])
 
     def _leaf_key(self, path: tuple) -> str:
         base = _path_name(path)
@@ -343,6 +358,8 @@ class _Encoder:
         if tp is tuple:
             return {"$t": "tuple", "v": [self.enc(v, path + (i,)) for i, v in enumerate(obj)]}
         if tp is list:
+            if len(obj) > 16 and _plain_json_list(obj):  # a sampler's permutation, a loss history: as is
+                return list(obj)
             return [self.enc(v, path + (i,)) for i, v in enumerate(obj)]
         if tp is set:
             return {"$t": "set", "v": [self.enc(v, path + (i,)) for i, v in enumerate(obj)]}
@@ -589,16 +606,16 @@ def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
 def _json_depth(tree: Any) -> int:
     """Nesting depth of a JSON value (objects and arrays), counted as :func:`ckpt_archive.format.jsonio.loads`
     counts it; iterative."""
+    if type(tree) not in (dict, list):
+        return 0
     deepest = 0
     stack = [(tree, 1)]
     while stack:
         node, depth = stack.pop()
-        if isinstance(node, dict):
-            deepest = max(deepest, depth)
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            deepest = max(deepest, depth)
-            stack.extend((v, depth + 1) for v in node)
+        deepest = max(deepest, depth)
+        for v in (node.values() if type(node) is dict else node):
+            if type(v) is dict or type(v) is list:
+                stack.append((v, depth + 1))
     return deepest
 
 
@@ -674,6 +691,8 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
         if node is None or isinstance(node, (str, bool, int, float)):
             return node
         if isinstance(node, list):
+            if len(node) > 16 and _JSON_ATOMS.issuperset(map(type, node)):
+                return list(node)  # every element decodes to itself (a sampler's permutation)
             return [dec(v) for v in node]
         if not isinstance(node, dict):
             raise MalformedTree(f"malformed tree node {node!r}")

@@ -16,10 +16,11 @@ def iter_nodes(tree: Any):
     while stack:
         node = stack.pop()
         if isinstance(node, list):
-            stack.extend(node)
+            # only containers go on the stack: a list of a million ints is one pass, not a million pops
+            stack.extend([v for v in node if isinstance(v, (dict, list))])
         elif isinstance(node, dict):
             yield node
-            stack.extend(v for k, v in node.items() if k != "$t")
+            stack.extend([v for k, v in node.items() if k != "$t" and isinstance(v, (dict, list))])
 
 
 def walk_refs(tree: Any):
