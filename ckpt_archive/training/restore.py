@@ -192,8 +192,12 @@ def _session_policy_kw(state: Any, parts: dict, scheduler: Any, session_bases: l
     if kind != "plateau" or not isinstance(saved, dict):
         return {}
     groups = [dict(g) for g in saved.get("param_groups") or [] if isinstance(g, dict)]
-    olds = plateau_bases(groups, parts["scheduler"][1] or {}, _archived_lr(state, None))
-    impose_plateau(groups, None, session_bases, olds, parts["optimizer"][0] or "optimizer", "scheduler", [])
+    ssd = parts["scheduler"][1] if isinstance(parts["scheduler"][1], dict) else {}
+    olds = plateau_bases(groups, ssd, _archived_lr(state, None))
+    # The archived factor and min_lrs decide whether the lr is the session's base after whole reductions (a
+    # dry run on copies: the archived state is not touched here).
+    facts = {"factor": ssd.get("factor"), "min_lrs": list(ssd.get("min_lrs") or [])}
+    impose_plateau(groups, facts, session_bases, olds, parts["optimizer"][0] or "optimizer", "scheduler", [])
     return {"archived_bases": olds}
 
 

@@ -1,0 +1,77 @@
+"""Break-test faults in the session policy: an archived policy must never silently override the session's,
+and a correct resume must not raise a false alarm. Real torch schedulers, tiny models.
+"""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch.optim import lr_scheduler as L
+
+import ckpt_archive
+from ckpt_archive.training.restore import restore_training_state
+
+
+def _rt(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+# --- ReduceLROnPlateau under policy="session" ----------------------------------------------------------------
+
+def _plateau(lr, steps=6, **kw):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(2, 1)
+    o = torch.optim.AdamW(m.parameters(), lr=lr)
+    s = L.ReduceLROnPlateau(o, patience=0, **kw)
+    for _ in range(steps):
+        m(torch.ones(1, 2)).sum().backward()
+        o.step()
+        o.zero_grad()
+        s.step(1.0)
+    return m, o, s
+
+
+@pytest.mark.parametrize("lr,kw", [(1e-3, {"factor": 0.5}), (1e-3, {"factor": 0.1}),
+                                   (1e-3, {"factor": 0.5, "min_lr": 3e-4}), (0.3, {"factor": 0.7}),
+                                   (1e-4, {"factor": 0.1, "eps": 0})])
+def test_plateau_session_resume_with_the_same_lr_is_not_refused(lr, kw):
+    """Fault: restore_training_state(policy="session") raised UsageError on every ReduceLROnPlateau run once its
+    LR was reduced ("0.00025 is not the session's lr 0.001 after whole reductions", though 0.00025 = 1e-3 *
+    0.5**2): the scheduler's factor and min_lrs were not passed to the check. The same session restores as
+    saved, reductions kept."""
+    m, o, s = _plateau(lr, **kw)
+    st = _rt({"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()})
+    archived_lr = o.param_groups[0]["lr"]
+    assert archived_lr < lr
+    before = copy.deepcopy(st["scheduler"])
+    m2, o2, s2 = _plateau(lr, steps=0, **kw)
+    rep = restore_training_state(st, model=m2, optimizer=o2, scheduler=s2, policy="session", rng=False)
+    assert rep.next_lrs == [archived_lr]
+    assert rep.changes == []
+    assert st["scheduler"] == before  # the dry run did not touch the archived state
+
+
+def test_checkpointer_restore_of_a_reduced_plateau_run(tmp_path):
+    """Fault: Checkpointer.restore() (policy "session" by default) refused every ReduceLROnPlateau run after its
+    first reduction, so a loop could not resume from its own checkpoints."""
+    m, o, s = _plateau(1e-3, steps=3, factor=0.5)
+    with ckpt_archive.Checkpointer(tmp_path / "repo") as ck:
+        ck.save(2, {"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()}, block=True)
+    m2, o2, s2 = _plateau(1e-3, steps=0, factor=0.5)
+    with ckpt_archive.Checkpointer(tmp_path / "repo") as ck:
+        r = ck.restore(model=m2, optimizer=o2, scheduler=s2, rng=False)
+    assert r.step == 2
+    assert r.report.next_lrs == [o.param_groups[0]["lr"]] == [2.5e-4]
