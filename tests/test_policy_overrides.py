@@ -75,3 +75,71 @@ def test_checkpointer_restore_of_a_reduced_plateau_run(tmp_path):
         r = ck.restore(model=m2, optimizer=o2, scheduler=s2, rng=False)
     assert r.step == 2
     assert r.report.next_lrs == [o.param_groups[0]["lr"]] == [2.5e-4]
+
+
+# --- scheduler base_lrs from an older run next to a fresh optimizer --------------------------------------------
+
+def _warmup(lr, steps=2):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(2, 1)
+    o = torch.optim.AdamW(m.parameters(), lr=lr)
+    s = L.LambdaLR(o, lambda e: min(1.0, (e + 1) / 5))
+    for _ in range(steps):
+        m(torch.ones(1, 2)).sum().backward()
+        o.step()
+        s.step()
+    return m, o, s
+
+
+def _founding_state():
+    """The founding story: optimizer built with 1e-4, scheduler state from an older run (base_lrs 1e-6)."""
+    m, o, s = _warmup(1e-4)
+    sd = s.state_dict()
+    sd["base_lrs"] = [1e-6]
+    return _rt({"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": sd})
+
+
+def _lr_after_next_scheduler_step(state):
+    m, o, s = _warmup(1e-4, steps=0)
+    m.load_state_dict(state["model"])
+    o.load_state_dict(state["optimizer"])
+    s.load_state_dict(state["scheduler"])
+    m(torch.ones(1, 2)).sum().backward()
+    o.step()
+    s.step()
+    return o.param_groups[0]["lr"]
+
+
+def test_session_config_reports_and_rewrites_archived_scheduler_base_lrs(tmp_path):
+    """Fault: with initial_lr 1e-4 (= the session's optimizer.lr) but scheduler.base_lrs [1e-6] from an older
+    run, `restore --session-config --policy session` said "nothing rewritten" and kept base_lrs 1e-6, so the
+    next scheduler.step() went 6e-5 -> 8e-7; without --policy no warning either (only initial_lr was compared).
+    Now scheduler.base_lrs[0] is a difference, and --policy session rewrites it: the resumed run steps to 8e-5."""
+    state = _founding_state()
+    assert _lr_after_next_scheduler_step(state) == pytest.approx(8e-7)
+    src, cfg, repo = tmp_path / "s.pt", tmp_path / "sess.yaml", tmp_path / "repo"
+    torch.save(state, src)
+    cfg.write_text("optimizer:\n  lr: 1.0e-4\n")
+    assert _cli("pack", src, "--repo", repo).exit_code == 0
+    r = _cli("restore", f"{repo}@latest", "-o", tmp_path / "a.pt", "--session-config", cfg)
+    assert r.exit_code == 0, r.stderr
+    assert "scheduler.base_lrs[0]: archived 1e-06, session 0.0001" in r.stderr
+    assert "scheduler.load_state_dict restores it" in r.stderr
+    r = _cli("restore", f"{repo}@latest", "-o", tmp_path / "b.pt", "--session-config", cfg, "--policy", "session")
+    assert r.exit_code == 0, r.stderr
+    assert "nothing rewritten" not in r.stderr
+    out = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert out["scheduler"]["base_lrs"] == [1e-4]
+    assert out["optimizer"]["param_groups"][0]["lr"] == state["optimizer"]["param_groups"][0]["lr"]
+    assert _lr_after_next_scheduler_step(out) == pytest.approx(8e-5)
+
+
+def test_session_config_equal_to_a_consistent_state_says_nothing():
+    """Guard against crying wolf: a consistent warmup state (base_lrs == initial_lr == config lr) and the
+    same config give no difference and rewrite nothing."""
+    from ckpt_archive.training.session import apply_session_policy, compare_with_session
+
+    m, o, s = _warmup(1e-4)
+    state = _rt({"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()})
+    assert compare_with_session(state, session_config={"optimizer": {"lr": 1e-4}}) == []
+    assert apply_session_policy(state, session_config={"optimizer": {"lr": 1e-4}})[1] == []

@@ -19,7 +19,7 @@ from ckpt_archive.training.audit import audit
 from ckpt_archive.training.lr_bases import (base_kind, compare_cyclic, cyclic_wants, impose_cyclic, impose_plateau,
                                             plateau_bases, plateau_reductions)
 from ckpt_archive.training.parts import find_parts, is_tensor
-from ckpt_archive.training.schedulers import derive_lrs
+from ckpt_archive.training.schedulers import derive_lrs, scheduler_kind
 from ckpt_archive.training.values import as_float, coerce_float, flatten, fmt_pair, fmt_value, jsonable, nearly_equal
 
 _LR_NAMES = ("lr", "learning_rate", "base_lr")
@@ -253,7 +253,9 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
     def add(field: str, archived: Any, session: Any, what: str, when: str = "now") -> None:
         a, s = fmt_pair(archived, session)
         if wins == "checkpoint":
-            tail = (f"the checkpoint's value wins (optimizer.load_state_dict restores it); {switch} keeps the "
+            loader = "scheduler" if field.rsplit(".", 1)[-1].startswith(("base_lrs", "_last_lr", "max_lrs")) \
+                else "optimizer"
+            tail = (f"the checkpoint's value wins ({loader}.load_state_dict restores it); {switch} keeps the "
                     f"session's")
         else:
             tail = f"the session's value wins (--policy session rewrites it); {switch} keeps the checkpoint's"
@@ -290,7 +292,8 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                         f"config {sess['source']['lr']}; ReduceLROnPlateau keeps no base LR and the lr is not "
                         f"this one after whole reductions by factor {fmt_value(as_float(sch.get('factor')))}")
         elif "lr" in sess:
-            for i, (g, want) in enumerate(zip(groups, session_bases(groups, sess))):
+            bases_wanted = session_bases(groups, sess)
+            for i, (g, want) in enumerate(zip(groups, bases_wanted)):
                 fname = lr_base_field(g)
                 have = as_float(g.get(fname))
                 if want is not None and have is not None and not nearly_equal(have, want):
@@ -300,6 +303,8 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                         what += f"; {fname} is the schedule's base LR"
                     when = "now" if fname == "lr" else "at the next scheduler.step()"
                     add(f"{opt_field}.param_groups[{i}].{fname}", have, want, what, when)
+            if kind == "plain" and isinstance(sch, dict):
+                _compare_sched_bases(groups, sch, sch_field, bases_wanted, sess, add)
         for name in ("weight_decay", "momentum", "eps"):
             if name in sess:
                 for i, g in enumerate(groups):
@@ -341,6 +346,32 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                 field = f"{gp.field}.lr" if gp.lr is not None else f"{a.scheduler.get('field')}._last_lr[{i}]"
                 add(field, gp.next_lr, want, "--expect-lr: the LR of the next step")
     return diffs
+
+
+def _compare_sched_bases(groups: list, sch: dict, sch_field: str, wants: list, sess: dict, add: Any) -> None:
+    """The scheduler's own ``base_lrs`` (also of SequentialLR/ChainedScheduler sub-schedulers) against the
+    session's base, where they disagree with the group's base field (which is compared already).
+
+    ``scheduler.load_state_dict`` restores ``base_lrs`` and the next ``scheduler.step()`` computes the LR from
+    them, whatever the group's ``initial_lr`` says: a scheduler state from an older run (``base_lrs`` 1e-6)
+    next to an optimizer built with 1e-4 runs the next day at 1e-6's schedule."""
+    subs = [(sch_field, sch)] + [(f"{sch_field}._schedulers[{j}]", s)
+                                 for j, s in enumerate(sch.get("_schedulers") or []) if isinstance(s, dict)]
+    for field, sd in subs:
+        if scheduler_kind(sd) == "OneCycleLR":
+            continue  # its base_lrs are max_lr / div_factor, not the configured LR
+        for i, b in enumerate(sd.get("base_lrs") or []):
+            have = as_float(b)
+            want = coerce_float(wants[i]) if i < len(wants) else None
+            g = groups[i] if i < len(groups) else None
+            gbase = as_float(g.get(lr_base_field(g))) if g is not None else None
+            if have is None or want is None or nearly_equal(have, want):
+                continue
+            if gbase is not None and nearly_equal(gbase, have) and not nearly_equal(gbase, want):
+                continue  # the same value as the group's base field, reported there
+            add(f"{field}.base_lrs[{i}]", have, want,
+                f"config {sess['source']['lr']}; the scheduler computes the LR from its restored base_lrs, not "
+                f"from the group's {lr_base_field(g) if g is not None else 'lr'}", "at the next scheduler.step()")
 
 
 def _archived_lr(state: Any, archived_config: Any) -> Any:
@@ -474,6 +505,8 @@ def _replace_change(changes: list[PolicyChange], field: str, old: float, new: fl
     for c in changes:
         if c.field == field:
             c.new = new
+            if c.new == c.old:  # rescaled, then set back by the closed form / the group's lr: no change
+                changes.remove(c)
             return
     changes.append(PolicyChange(field, old, new))
 
