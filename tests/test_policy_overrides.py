@@ -143,3 +143,62 @@ def test_session_config_equal_to_a_consistent_state_says_nothing():
     state = _rt({"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()})
     assert compare_with_session(state, session_config={"optimizer": {"lr": 1e-4}}) == []
     assert apply_session_policy(state, session_config={"optimizer": {"lr": 1e-4}})[1] == []
+
+
+# --- several param groups with different LRs and a single config lr -------------------------------------------
+
+def _two_groups(steps=3):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    o = torch.optim.AdamW([{"params": m[0].parameters()}, {"params": m[1].parameters(), "lr": 5e-5}], lr=1e-4)
+    s = L.CosineAnnealingLR(o, T_max=10)
+    for _ in range(steps):
+        m(torch.ones(1, 2)).sum().backward()
+        o.step()
+        s.step()
+    return m, o, s
+
+
+def test_single_config_lr_with_a_head_group_at_another_lr_is_a_no_op_for_the_same_config(tmp_path):
+    """Fault: group 0 at 1e-4, a head group 1 at 5e-5, the run's config `optimizer.lr: 1e-4`: inspect warned
+    "config says 1e-4 but the state holds 5e-05" for group 1, and `restore --session-config run.yaml --policy
+    session` rewrote group 1 to 1e-4 (the very config the run was trained with must be a no-op). The rule: one
+    lr sets the reference base (the archived config's lr, else group 0's) and every group keeps its ratio."""
+    m, o, s = _two_groups()
+    src, cfg, repo = tmp_path / "mg.pt", tmp_path / "run.yaml", tmp_path / "repo"
+    torch.save({"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()}, src)
+    cfg.write_text("optimizer:\n  lr: 1.0e-4\n")
+    assert _cli("pack", src, "--repo", repo, "--config", cfg).exit_code == 0
+    r = _cli("inspect", f"{repo}@latest")
+    assert r.exit_code == 0
+    assert "but the state holds" not in r.stderr, r.stderr
+    r = _cli("restore", f"{repo}@latest", "-o", tmp_path / "o.pt", "--session-config", cfg, "--policy", "session")
+    assert r.exit_code == 0, r.stderr
+    assert "nothing rewritten" in r.stderr
+    assert (tmp_path / "o.pt").read_bytes() == src.read_bytes()
+
+
+def test_single_session_lr_keeps_every_groups_ratio_in_library_and_cli_alike():
+    """Fault: apply_session_policy with a scalar lr collapsed every group to one base (head 5e-5 -> the body's
+    LR). Now a new scalar moves the reference and every group keeps its ratio, said in the difference;
+    restore_training_state(session_lr=) follows the same rule."""
+    from ckpt_archive.training.session import apply_session_policy, compare_with_session
+
+    m, o, s = _two_groups()
+    state = _rt({"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()})
+    assert apply_session_policy(state, lr=1e-4)[1] == []
+    assert apply_session_policy(state, session_config={"lr": 1e-4})[1] == []
+    new, changes = apply_session_policy(state, session_config={"optimizer": {"lr": 1e-3}})
+    assert [g["initial_lr"] for g in new["optimizer"]["param_groups"]] == pytest.approx([1e-3, 5e-4])
+    assert new["scheduler"]["base_lrs"] == pytest.approx([1e-3, 5e-4])
+    diffs = compare_with_session(state, session_config={"optimizer": {"lr": 1e-3}})
+    assert [d.session for d in diffs] == pytest.approx([1e-3, 5e-4])
+    assert all("keeps its ratio" in d.message and "param_groups: [{lr" in d.message for d in diffs)
+    # per-group LRs set each group
+    new, _ = apply_session_policy(state, session_config={"optimizer": {"param_groups": [{"lr": 1e-3}, {"lr": 1e-3}]}})
+    assert [g["initial_lr"] for g in new["optimizer"]["param_groups"]] == pytest.approx([1e-3, 1e-3])
+    m2, o2, s2 = _two_groups(steps=0)
+    rep = restore_training_state(state, model=m2, optimizer=o2, scheduler=s2, policy="session", session_lr=1e-4,
+                                 rng=False)
+    assert rep.changes == []
+    assert rep.next_lrs == [g["lr"] for g in o.param_groups]

@@ -192,10 +192,46 @@ def lr_base_field(g: dict) -> str:
     return "lr"
 
 
-def session_bases(groups: list, sess: dict) -> list | None:
+def spread_scalar_lr(value: Any, archived: list, reference: Any = None, notes: list | None = None) -> list:
+    """One session base per param group from a session LR (the rule for several groups with different LRs).
+
+    A list gives one LR per group (:func:`per_group`). A single LR ``S`` is the base of every group when the
+    archived groups share one base (or there is one group). When their archived bases ``b_i`` differ (a head
+    at half the body's LR), ``S`` is the new value of a *reference* base ``R``: the archived config's ``lr``
+    (``reference``) where it equals some group's base, else group 0's base; every group keeps its ratio to
+    ``R``: ``b_i / R * S`` (exactly ``S`` where ``b_i == R``). So the very config the run was trained with is
+    a no-op and a group's ratio is never changed silently; the rule is said in ``notes`` (when ``S != R``).
+
+    Raises:
+        UsageError: a list of neither 1 nor as many LRs as groups.
+    """
+    n = len(archived)
+    if isinstance(value, (list, tuple)) or n <= 1:
+        return per_group(value, n)
+    s = coerce_float(value)
+    known = [b for b in archived if b is not None]
+    if s is None or not known or all(nearly_equal(b, known[0]) for b in known):
+        return [value] * n
+    ref = None if isinstance(reference, (list, tuple)) else coerce_float(reference)
+    whom = "the archived config's lr"
+    if ref is None or not any(nearly_equal(ref, b) for b in known):
+        ref = archived[0] if archived[0] is not None else known[0]
+        whom = "group 0's archived base"
+    if not ref:
+        return [value] * n
+    out = [s if b is None or nearly_equal(b, ref) else b / ref * s for b in archived]
+    if notes is not None and not nearly_equal(s, ref):
+        notes.append(f"one lr for {n} param groups with different base LRs ({', '.join(fmt_value(b) for b in archived)}):"
+                     f" each group keeps its ratio to {whom} {fmt_value(ref)}; to set each group, give one LR per "
+                     f"group (optimizer.param_groups: [{{lr: ...}}, ...] or a list lr)")
+    return out
+
+
+def session_bases(groups: list, sess: dict, archived_lr: Any = None, notes: list | None = None) -> list | None:
     """The session's base LR per param group, each read from the config key its base field takes it from:
     ``max_lr`` for a OneCycleLR group (never the optimizer constructor's ``lr``, which OneCycleLR
-    overrides), else ``lr``. None when the config gives no LR.
+    overrides), else ``lr``. None when the config gives no LR. A single LR for groups with different archived
+    bases is spread by :func:`spread_scalar_lr` (``archived_lr``: the archived config's lr, the reference).
 
     Raises:
         UsageError: as many LRs as neither 1 nor the number of groups.
@@ -203,10 +239,11 @@ def session_bases(groups: list, sess: dict) -> list | None:
     if "lr" not in sess:
         return None
     n = len(groups)
-    lrs = per_group(sess["lr"], n)
-    peaks = per_group(sess["max_lr"], n) if "max_lr" in sess else lrs
-    return [peaks[i] if isinstance(g, dict) and lr_base_field(g) == "max_lr" else lrs[i]
-            for i, g in enumerate(groups)]
+    fields = [lr_base_field(g) if isinstance(g, dict) else "lr" for g in groups]
+    archived = [as_float(g.get(f)) if isinstance(g, dict) else None for g, f in zip(groups, fields)]
+    one_cycle = any(f == "max_lr" for f in fields)
+    key = "max_lr" if one_cycle and "max_lr" in sess else "lr"
+    return spread_scalar_lr(sess[key], archived, archived_lr if key == "lr" else None, notes)
 
 
 def compare_with_session(state: Any, *, session_config: dict | str | Path | None = None,
@@ -292,7 +329,8 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                         f"config {sess['source']['lr']}; ReduceLROnPlateau keeps no base LR and the lr is not "
                         f"this one after whole reductions by factor {fmt_value(as_float(sch.get('factor')))}")
         elif "lr" in sess:
-            bases_wanted = session_bases(groups, sess)
+            spread: list = []
+            bases_wanted = session_bases(groups, sess, arch_lr, spread)
             for i, (g, want) in enumerate(zip(groups, bases_wanted)):
                 fname = lr_base_field(g)
                 have = as_float(g.get(fname))
@@ -301,6 +339,8 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                     what = f"config {src}"
                     if fname != "lr":
                         what += f"; {fname} is the schedule's base LR"
+                    if spread:
+                        what += f"; {spread[0]}"
                     when = "now" if fname == "lr" else "at the next scheduler.step()"
                     add(f"{opt_field}.param_groups[{i}].{fname}", have, want, what, when)
             if kind == "plain" and isinstance(sch, dict):
@@ -331,7 +371,7 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
             if base_kind(sch) in ("one_cycle", "plateau"):
                 continue  # OneCycleLR reads the session's groups (max_lr), Plateau keeps no base_lrs
             bases = [as_float(b) for b in (sch.get("base_lrs") or [])] if isinstance(sch, dict) else []
-            for i, (have, want) in enumerate(zip(bases, per_group(sess["lr"], len(bases)))):
+            for i, (have, want) in enumerate(zip(bases, spread_scalar_lr(sess["lr"], bases, arch_lr))):
                 want = coerce_float(want)
                 if have is not None and want is not None and not nearly_equal(have, want):
                     add(f"{sfield}.base_lrs[{i}]", have, want,
@@ -585,7 +625,8 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
             for sch_path, sch in sch_entries:
                 n_groups = len((sch.get("base_lrs") or []) if isinstance(sch, dict) else [])
                 wants, want_max = cyclic_wants(sch, sess, lr, n_groups)
-                changes += impose_lrs([], sch, wants if wants is not None else per_group(sess["lr"], n_groups),
+                bases = [as_float(b) for b in ((sch.get("base_lrs") or []) if isinstance(sch, dict) else [])]
+                changes += impose_lrs([], sch, wants if wants is not None else spread_scalar_lr(sess["lr"], bases, arch_lr),
                                       "optimizer", str(sch_path) or "scheduler", want_max=want_max)
             return new_state, changes
         if "lr" in sess or any(k in sess for k in HYPER_NAMES):
@@ -602,8 +643,12 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
             wants, want_max = cyclic_wants(sch, sess, lr, len(groups))
             changes += impose_lrs(groups, sch, wants or [], opt_field, sch_field, want_max=want_max)
         elif "lr" in sess:
-            wants = per_group(lr, len(groups)) if lr is not None else session_bases(groups, sess)
             olds = plateau_bases(groups, sch, arch_lr) if kind == "plateau" else None
+            if kind == "plateau":
+                wants = per_group(sess["lr"], len(groups)) if None in olds else spread_scalar_lr(sess["lr"], olds,
+                                                                                                arch_lr)
+            else:
+                wants = session_bases(groups, {"lr": lr} if lr is not None else sess, arch_lr)
             changes += impose_lrs(groups, sch, wants, opt_field, sch_field, archived_bases=olds)
         for name in ("weight_decay", "momentum", "eps"):
             if name in sess:
