@@ -202,3 +202,51 @@ def test_single_session_lr_keeps_every_groups_ratio_in_library_and_cli_alike():
                                  rng=False)
     assert rep.changes == []
     assert rep.next_lrs == [g["lr"] for g in o.param_groups]
+
+
+# --- --expect-lr ------------------------------------------------------------------------------------------------
+
+def test_expect_lr_warns_on_a_scheduler_only_state_whose_base_lrs_take_over(tmp_path):
+    """Fault: `restore --expect-lr 1e-4` on a state with only a scheduler (base_lrs 1e-6, no optimizer) printed
+    no warning and `differences: []`, although the next scheduler.step() sets the LR to ~1e-6's schedule
+    whatever the session's. Now compared with the archived _last_lr; a matching value stays quiet."""
+    import json
+
+    m, o, s = _warmup(1e-6)
+    src, repo = tmp_path / "s3.pt", tmp_path / "repo"
+    torch.save({"model": m.state_dict(), "scheduler": s.state_dict()}, src)
+    assert _cli("pack", src, "--repo", repo).exit_code == 0
+    r = _cli("restore", f"{repo}@latest", "-o", tmp_path / "x.pt", "--expect-lr", "1e-4", "--json")
+    assert r.exit_code == 0, r.stdout
+    diffs = json.loads(r.stdout)["policy"]["differences"]
+    assert [d["field"] for d in diffs] == ["scheduler._last_lr[0]"]
+    assert "whatever the session's LR" in diffs[0]["message"]
+    r = _cli("restore", f"{repo}@latest", "-o", tmp_path / "y.pt", "--expect-lr", str(s.get_last_lr()[0]), "--json")
+    assert json.loads(r.stdout)["policy"]["differences"] == []
+
+
+def test_expect_lr_accepts_inspects_printed_precision_and_means_group_0(tmp_path):
+    """Faults: `--expect-lr 7.938926e-05` (copied from inspect's 7 significant digits) warned "archived
+    7.938926261462366e-05, session 7.938926e-05" (tolerance 1e-9); and a single --expect-lr always warned for a
+    head group at another LR. Now rtol 1e-6 (said in --help), one value means group 0, a list one per group."""
+    import json
+
+    m, o, s = _two_groups()
+    src, repo = tmp_path / "mg.pt", tmp_path / "repo"
+    torch.save({"model": m.state_dict(), "optimizer": o.state_dict(), "scheduler": s.state_dict()}, src)
+    assert _cli("pack", src, "--repo", repo).exit_code == 0
+    lr0, lr1 = (g["lr"] for g in o.param_groups)
+    assert f"{lr0:.7g}" == "7.938926e-05" and float(f"{lr0:.7g}") != lr0
+
+    def diffs(arg):
+        r = _cli("restore", f"{repo}@latest", "-o", tmp_path / "o.pt", "--force", "--expect-lr", arg, "--json")
+        assert r.exit_code == 0, r.stdout
+        return [d["field"] for d in json.loads(r.stdout)["policy"]["differences"]]
+
+    assert diffs(f"{lr0:.7g}") == []
+    assert diffs(f"{lr0:.7g},{lr1:.7g}") == []
+    assert diffs(f"{lr0:.7g},{lr0:.7g}") == ["optimizer.param_groups[1].lr"]
+    assert diffs("7.9e-05") == ["optimizer.param_groups[0].lr"]
+    assert _cli("restore", f"{repo}@latest", "-o", tmp_path / "p.pt", "--expect-lr", "1e-4,x").exit_code == 2
+    r = _cli("restore", "--help")
+    assert "1e-6" in r.stdout

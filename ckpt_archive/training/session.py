@@ -23,6 +23,8 @@ from ckpt_archive.training.schedulers import derive_lrs, scheduler_kind
 from ckpt_archive.training.values import as_float, coerce_float, flatten, fmt_pair, fmt_value, jsonable, nearly_equal
 
 _LR_NAMES = ("lr", "learning_rate", "base_lr")
+#: relative tolerance of ``expect_lr``: accepts an LR copied from ``inspect``'s 7 significant digits
+EXPECT_RTOL = 1e-6
 #: Config keys of a OneCycleLR/CyclicLR peak LR: the base a OneCycle schedule takes its LRs from (the
 #: optimizer constructor's ``lr`` is overridden by OneCycleLR and must not be compared with ``max_lr``).
 _MAX_LR_NAMES = ("max_lr", "peak_lr")
@@ -257,8 +259,9 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
             (compared with the group's ``initial_lr`` when a scheduler was attached, with ``max_lr`` for
             OneCycleLR, else with ``lr``); ``weight_decay``, ``momentum``, ``eps``, ``betas`` with the
             group's fields. See :func:`session_values`.
-        expect_lr: the LR the session expects the *next step* to use (float, or one per group); compared
-            with the audit's ``next_lr`` (field ``...param_groups[i].lr``).
+        expect_lr: the LR the session expects the *next step* to use: a float (compared with group 0 of each
+            optimizer) or one per group; compared with the audit's ``next_lr`` (field ``...param_groups[i].lr``)
+            within :data:`EXPECT_RTOL`; without optimizer state with the scheduler's ``_last_lr``.
         policy: ``"checkpoint"`` (default: ``optimizer.load_state_dict`` overrides the session's values) or
             ``"session"``; decides ``wins`` and the switch named for the other choice.
         keys: part -> path overrides (see :func:`find_parts`).
@@ -380,11 +383,29 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                         "at the next scheduler.step()")
     if expect_lr is not None:
         a = audit(state, keys=keys)
-        for i, (gp, want) in enumerate(zip(a.groups, per_group(expect_lr, len(a.groups)))):
+        if isinstance(expect_lr, (list, tuple)):
+            if len(expect_lr) not in (1, len(a.groups)):
+                raise UsageError(f"--expect-lr gives {len(expect_lr)} LRs for {len(a.groups)} param groups")
+            wants = list(expect_lr) * (len(a.groups) if len(expect_lr) == 1 else 1)
+        else:  # one LR: each optimizer's group 0 (other groups, e.g. a head at another LR, are not meant)
+            wants = [expect_lr if gp.index == 0 else None for gp in a.groups]
+        for i, (gp, want) in enumerate(zip(a.groups, wants)):
             want = coerce_float(want)
-            if gp.next_lr is not None and want is not None and not nearly_equal(gp.next_lr, want):
-                field = f"{gp.field}.lr" if gp.lr is not None else f"{a.scheduler.get('field')}._last_lr[{i}]"
-                add(field, gp.next_lr, want, "--expect-lr: the LR of the next step")
+            if want is None:
+                continue
+            if gp.next_lr is not None:
+                if not nearly_equal(gp.next_lr, want, EXPECT_RTOL):
+                    field = f"{gp.field}.lr" if gp.lr is not None else f"{a.scheduler.get('field')}._last_lr[{i}]"
+                    add(field, gp.next_lr, want, "--expect-lr: the LR of the next step")
+            elif gp.lr is None and gp.last_lr is not None and not nearly_equal(gp.last_lr, want, EXPECT_RTOL):
+                # no optimizer state: the next step runs at the session's LR, but the archived scheduler is at
+                # _last_lr and its next step computes from the archived base_lrs, whatever the session's LR
+                after = (f"; the next scheduler.step() sets {fmt_value(gp.after_step_lr)} whatever the session's LR"
+                         if gp.after_step_lr is not None and "whatever" in (gp.after_step_basis or "") else "")
+                add(f"{a.scheduler.get('field') or 'scheduler'}._last_lr[{gp.index}]", gp.last_lr, want,
+                    f"--expect-lr: no optimizer state, so the next step runs at the session's LR, but the archived "
+                    f"scheduler's LR is this one (base_lrs {fmt_value(gp.base_lr)}){after}",
+                    "at the next scheduler.step()")
     return diffs
 
 
