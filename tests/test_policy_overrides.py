@@ -250,3 +250,21 @@ def test_expect_lr_accepts_inspects_printed_precision_and_means_group_0(tmp_path
     assert _cli("restore", f"{repo}@latest", "-o", tmp_path / "p.pt", "--expect-lr", "1e-4,x").exit_code == 2
     r = _cli("restore", "--help")
     assert "1e-6" in r.stdout
+
+
+def test_after_sched_step_estimate_of_a_lambda_lr_with_a_foreign_base_lrs():
+    """Fault: inspect's after_sched_step showed 6e-05 for the founding state (LambdaLR, initial_lr 1e-4,
+    base_lrs [1e-6] from an older run) where real torch gives 8e-07: the lambda factor was guessed as
+    _last_lr / base_lrs = 60. Now the group's lr / initial_lr (0.6) is used where they disagree, and said."""
+    from ckpt_archive.training.audit import audit
+
+    state = _founding_state()
+    real = _lr_after_next_scheduler_step(state)
+    gp = audit(state).groups[0]
+    assert gp.after_step_lr == pytest.approx(6e-7)  # 1e-6 * 0.6: the constant-factor guess, same order as real
+    assert real / 2 < gp.after_step_lr < real * 2
+    assert "lr / initial_lr" in gp.after_step_basis
+    m, o, s = _warmup(1e-4)  # a consistent state keeps the old estimate (= _last_lr)
+    gp = audit(_rt({"optimizer": o.state_dict(), "scheduler": s.state_dict()})).groups[0]
+    assert gp.after_step_lr == pytest.approx(s.get_last_lr()[0])
+    assert "(_last_lr / base_lrs)" in gp.after_step_basis
