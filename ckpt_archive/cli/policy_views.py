@@ -139,7 +139,30 @@ def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
     report.extra["policy"] = {**section, "strict": strict}
 
 
-def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str | None, expect_lr: float | None,
+def _parse_expect_lr(value: Any) -> float | list[float] | None:
+    """``--expect-lr``: one LR (group 0 of each optimizer) or a comma-separated list (one per param group).
+
+    Raises:
+        UsageError: not finite non-negative numbers.
+    """
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (int, float)) else str(value).split(",")
+    out = []
+    for item in items:
+        try:
+            v = float(item)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and v >= 0):
+            raise UsageError(f"--expect-lr must be finite, non-negative numbers (comma-separated per param group), "
+                             f"not {value}")
+        out.append(v)
+    return out[0] if len(out) == 1 and not (isinstance(value, str) and "," in value) else out
+
+
+def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str | None,
+                        expect_lr: float | str | None,
                         policy: str, out: Any):
     """``restore --session-config F / --expect-lr LR / --policy session``: print the differences first.
 
@@ -154,8 +177,7 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     """
     if policy not in ("checkpoint", "session"):
         raise UsageError(f"--policy must be 'checkpoint' or 'session', not {policy!r}")
-    if expect_lr is not None and not (math.isfinite(expect_lr) and expect_lr >= 0):
-        raise UsageError(f"--expect-lr must be a finite, non-negative number, not {expect_lr}")
+    expect_lr = _parse_expect_lr(expect_lr)
     if session_config is None and expect_lr is None and policy == "checkpoint":
         return None, {}
     state, manifest, _ = state_for_audit(repo, generation)

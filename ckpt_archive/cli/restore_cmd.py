@@ -47,8 +47,12 @@ def register(app: typer.Typer) -> None:
         session_config: Optional[Path] = typer.Option(
             None, "--session-config", help="This session's config (JSON/YAML/TOML): warn where the archived "
                                            "lr/weight_decay/... differ, naming the field and which value wins."),
-        expect_lr: Optional[float] = typer.Option(
-            None, "--expect-lr", help="The LR you expect the next step to use; warn if the archive says otherwise."),
+        expect_lr: Optional[str] = typer.Option(
+            None, "--expect-lr", metavar="LR[,LR...]",
+            help="The LR you expect the next step to use; warn if the archive says otherwise (relative tolerance "
+                 "1e-6, so a value copied from inspect's 7 digits passes). One LR is compared with group 0 of each "
+                 "optimizer; a comma-separated list gives one LR per param group, in inspect's order. Without "
+                 "optimizer state it is compared with the archived scheduler's _last_lr."),
         policy: str = typer.Option(
             "checkpoint", "--policy", help="'checkpoint' (default: the archived lr wins, as load_state_dict does) "
                                            "or 'session': rewrite lr/initial_lr/base_lrs in the output from "

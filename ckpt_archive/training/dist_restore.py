@@ -197,7 +197,7 @@ def apply_state(view: Any, *, model=None, optimizer=None, scheduler=None, scaler
     found = find_parts(view)
     msd = found["model"][0][1] if found.get("model") else None
     osd = found["optimizer"][0][1] if found.get("optimizer") else None
-    bases = _session_bases(optimizer, session_lr) if (policy == "session" and optimizer is not None) else None
+    bases = _session_bases(optimizer, session_lr, view, osd) if (policy == "session" and optimizer is not None) else None
     ssd = found["scheduler"][0][1] if found.get("scheduler") else None
     policy_kw = (_session_policy_kw(view, {"optimizer": ("optimizer", osd), "scheduler": ("scheduler", ssd)},
                                     scheduler, bases, session_lr) if bases is not None else {})

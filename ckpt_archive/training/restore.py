@@ -126,7 +126,7 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
     parts = {name: ((str(e[0][0]) or name, e[0][1]) if (e := found.get(name)) else (None, None))
              for name in ("model", "optimizer", "scheduler", "scaler")}
     check_structure(parts, model=model, optimizer=optimizer, scheduler=scheduler)
-    session_bases = _session_bases(optimizer, session_lr) if policy == "session" else None
+    session_bases = _session_bases(optimizer, session_lr, state, parts["optimizer"][1]) if policy == "session" else None
     policy_kw = _session_policy_kw(state, parts, scheduler, session_bases, session_lr) if policy == "session" else {}
 
     live = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
@@ -166,10 +166,20 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
                          audit=a)
 
 
-def _session_bases(optimizer: Any, session_lr: float | Sequence[float] | None) -> list:
-    """The session's base LR per group: ``session_lr``, else what the live optimizer was built with."""
+def _session_bases(optimizer: Any, session_lr: float | Sequence[float] | None, state: Any = None,
+                   saved_optimizer: Any = None) -> list:
+    """The session's base LR per group: ``session_lr``, else what the live optimizer was built with. A single
+    ``session_lr`` for archived groups with different base LRs keeps each group's ratio
+    (:func:`~ckpt_archive.training.session.spread_scalar_lr`, as ``apply_session_policy`` and the CLI do)."""
     if session_lr is not None:
-        return per_group(session_lr, len(optimizer.param_groups))
+        from ckpt_archive.training.session import _archived_lr, lr_base_field, spread_scalar_lr
+
+        saved = [g for g in ((saved_optimizer or {}).get("param_groups") or []) if isinstance(g, dict)] \
+            if isinstance(saved_optimizer, dict) else []
+        if isinstance(session_lr, (list, tuple)) or len(saved) != len(optimizer.param_groups):
+            return per_group(session_lr, len(optimizer.param_groups))
+        return spread_scalar_lr(session_lr, [as_float(g.get(lr_base_field(g))) for g in saved],
+                                _archived_lr(state, None) if state is not None else None)
     return [as_float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in optimizer.param_groups]
 
 
@@ -192,8 +202,12 @@ def _session_policy_kw(state: Any, parts: dict, scheduler: Any, session_bases: l
     if kind != "plateau" or not isinstance(saved, dict):
         return {}
     groups = [dict(g) for g in saved.get("param_groups") or [] if isinstance(g, dict)]
-    olds = plateau_bases(groups, parts["scheduler"][1] or {}, _archived_lr(state, None))
-    impose_plateau(groups, None, session_bases, olds, parts["optimizer"][0] or "optimizer", "scheduler", [])
+    ssd = parts["scheduler"][1] if isinstance(parts["scheduler"][1], dict) else {}
+    olds = plateau_bases(groups, ssd, _archived_lr(state, None))
+    # The archived factor and min_lrs decide whether the lr is the session's base after whole reductions (a
+    # dry run on copies: the archived state is not touched here).
+    facts = {"factor": ssd.get("factor"), "min_lrs": list(ssd.get("min_lrs") or [])}
+    impose_plateau(groups, facts, session_bases, olds, parts["optimizer"][0] or "optimizer", "scheduler", [])
     return {"archived_bases": olds}
 
 

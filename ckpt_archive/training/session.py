@@ -19,10 +19,12 @@ from ckpt_archive.training.audit import audit
 from ckpt_archive.training.lr_bases import (base_kind, compare_cyclic, cyclic_wants, impose_cyclic, impose_plateau,
                                             plateau_bases, plateau_reductions)
 from ckpt_archive.training.parts import find_parts, is_tensor
-from ckpt_archive.training.schedulers import derive_lrs
+from ckpt_archive.training.schedulers import derive_lrs, scheduler_kind
 from ckpt_archive.training.values import as_float, coerce_float, flatten, fmt_pair, fmt_value, jsonable, nearly_equal
 
 _LR_NAMES = ("lr", "learning_rate", "base_lr")
+#: relative tolerance of ``expect_lr``: accepts an LR copied from ``inspect``'s 7 significant digits
+EXPECT_RTOL = 1e-6
 #: Config keys of a OneCycleLR/CyclicLR peak LR: the base a OneCycle schedule takes its LRs from (the
 #: optimizer constructor's ``lr`` is overridden by OneCycleLR and must not be compared with ``max_lr``).
 _MAX_LR_NAMES = ("max_lr", "peak_lr")
@@ -192,10 +194,46 @@ def lr_base_field(g: dict) -> str:
     return "lr"
 
 
-def session_bases(groups: list, sess: dict) -> list | None:
+def spread_scalar_lr(value: Any, archived: list, reference: Any = None, notes: list | None = None) -> list:
+    """One session base per param group from a session LR (the rule for several groups with different LRs).
+
+    A list gives one LR per group (:func:`per_group`). A single LR ``S`` is the base of every group when the
+    archived groups share one base (or there is one group). When their archived bases ``b_i`` differ (a head
+    at half the body's LR), ``S`` is the new value of a *reference* base ``R``: the archived config's ``lr``
+    (``reference``) where it equals some group's base, else group 0's base; every group keeps its ratio to
+    ``R``: ``b_i / R * S`` (exactly ``S`` where ``b_i == R``). So the very config the run was trained with is
+    a no-op and a group's ratio is never changed silently; the rule is said in ``notes`` (when ``S != R``).
+
+    Raises:
+        UsageError: a list of neither 1 nor as many LRs as groups.
+    """
+    n = len(archived)
+    if isinstance(value, (list, tuple)) or n <= 1:
+        return per_group(value, n)
+    s = coerce_float(value)
+    known = [b for b in archived if b is not None]
+    if s is None or not known or all(nearly_equal(b, known[0]) for b in known):
+        return [value] * n
+    ref = None if isinstance(reference, (list, tuple)) else coerce_float(reference)
+    whom = "the archived config's lr"
+    if ref is None or not any(nearly_equal(ref, b) for b in known):
+        ref = archived[0] if archived[0] is not None else known[0]
+        whom = "group 0's archived base"
+    if not ref:
+        return [value] * n
+    out = [s if b is None or nearly_equal(b, ref) else b / ref * s for b in archived]
+    if notes is not None and not nearly_equal(s, ref):
+        notes.append(f"one lr for {n} param groups with different base LRs ({', '.join(fmt_value(b) for b in archived)}):"
+                     f" each group keeps its ratio to {whom} {fmt_value(ref)}; to set each group, give one LR per "
+                     f"group (optimizer.param_groups: [{{lr: ...}}, ...] or a list lr)")
+    return out
+
+
+def session_bases(groups: list, sess: dict, archived_lr: Any = None, notes: list | None = None) -> list | None:
     """The session's base LR per param group, each read from the config key its base field takes it from:
     ``max_lr`` for a OneCycleLR group (never the optimizer constructor's ``lr``, which OneCycleLR
-    overrides), else ``lr``. None when the config gives no LR.
+    overrides), else ``lr``. None when the config gives no LR. A single LR for groups with different archived
+    bases is spread by :func:`spread_scalar_lr` (``archived_lr``: the archived config's lr, the reference).
 
     Raises:
         UsageError: as many LRs as neither 1 nor the number of groups.
@@ -203,10 +241,11 @@ def session_bases(groups: list, sess: dict) -> list | None:
     if "lr" not in sess:
         return None
     n = len(groups)
-    lrs = per_group(sess["lr"], n)
-    peaks = per_group(sess["max_lr"], n) if "max_lr" in sess else lrs
-    return [peaks[i] if isinstance(g, dict) and lr_base_field(g) == "max_lr" else lrs[i]
-            for i, g in enumerate(groups)]
+    fields = [lr_base_field(g) if isinstance(g, dict) else "lr" for g in groups]
+    archived = [as_float(g.get(f)) if isinstance(g, dict) else None for g, f in zip(groups, fields)]
+    one_cycle = any(f == "max_lr" for f in fields)
+    key = "max_lr" if one_cycle and "max_lr" in sess else "lr"
+    return spread_scalar_lr(sess[key], archived, archived_lr if key == "lr" else None, notes)
 
 
 def compare_with_session(state: Any, *, session_config: dict | str | Path | None = None,
@@ -220,8 +259,9 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
             (compared with the group's ``initial_lr`` when a scheduler was attached, with ``max_lr`` for
             OneCycleLR, else with ``lr``); ``weight_decay``, ``momentum``, ``eps``, ``betas`` with the
             group's fields. See :func:`session_values`.
-        expect_lr: the LR the session expects the *next step* to use (float, or one per group); compared
-            with the audit's ``next_lr`` (field ``...param_groups[i].lr``).
+        expect_lr: the LR the session expects the *next step* to use: a float (compared with group 0 of each
+            optimizer) or one per group; compared with the audit's ``next_lr`` (field ``...param_groups[i].lr``)
+            within :data:`EXPECT_RTOL`; without optimizer state with the scheduler's ``_last_lr``.
         policy: ``"checkpoint"`` (default: ``optimizer.load_state_dict`` overrides the session's values) or
             ``"session"``; decides ``wins`` and the switch named for the other choice.
         keys: part -> path overrides (see :func:`find_parts`).
@@ -253,7 +293,9 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
     def add(field: str, archived: Any, session: Any, what: str, when: str = "now") -> None:
         a, s = fmt_pair(archived, session)
         if wins == "checkpoint":
-            tail = (f"the checkpoint's value wins (optimizer.load_state_dict restores it); {switch} keeps the "
+            loader = "scheduler" if field.rsplit(".", 1)[-1].startswith(("base_lrs", "_last_lr", "max_lrs")) \
+                else "optimizer"
+            tail = (f"the checkpoint's value wins ({loader}.load_state_dict restores it); {switch} keeps the "
                     f"session's")
         else:
             tail = f"the session's value wins (--policy session rewrites it); {switch} keeps the checkpoint's"
@@ -290,7 +332,9 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                         f"config {sess['source']['lr']}; ReduceLROnPlateau keeps no base LR and the lr is not "
                         f"this one after whole reductions by factor {fmt_value(as_float(sch.get('factor')))}")
         elif "lr" in sess:
-            for i, (g, want) in enumerate(zip(groups, session_bases(groups, sess))):
+            spread: list = []
+            bases_wanted = session_bases(groups, sess, arch_lr, spread)
+            for i, (g, want) in enumerate(zip(groups, bases_wanted)):
                 fname = lr_base_field(g)
                 have = as_float(g.get(fname))
                 if want is not None and have is not None and not nearly_equal(have, want):
@@ -298,8 +342,12 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                     what = f"config {src}"
                     if fname != "lr":
                         what += f"; {fname} is the schedule's base LR"
+                    if spread:
+                        what += f"; {spread[0]}"
                     when = "now" if fname == "lr" else "at the next scheduler.step()"
                     add(f"{opt_field}.param_groups[{i}].{fname}", have, want, what, when)
+            if kind == "plain" and isinstance(sch, dict):
+                _compare_sched_bases(groups, sch, sch_field, bases_wanted, sess, add)
         for name in ("weight_decay", "momentum", "eps"):
             if name in sess:
                 for i, g in enumerate(groups):
@@ -326,7 +374,7 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
             if base_kind(sch) in ("one_cycle", "plateau"):
                 continue  # OneCycleLR reads the session's groups (max_lr), Plateau keeps no base_lrs
             bases = [as_float(b) for b in (sch.get("base_lrs") or [])] if isinstance(sch, dict) else []
-            for i, (have, want) in enumerate(zip(bases, per_group(sess["lr"], len(bases)))):
+            for i, (have, want) in enumerate(zip(bases, spread_scalar_lr(sess["lr"], bases, arch_lr))):
                 want = coerce_float(want)
                 if have is not None and want is not None and not nearly_equal(have, want):
                     add(f"{sfield}.base_lrs[{i}]", have, want,
@@ -335,12 +383,56 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                         "at the next scheduler.step()")
     if expect_lr is not None:
         a = audit(state, keys=keys)
-        for i, (gp, want) in enumerate(zip(a.groups, per_group(expect_lr, len(a.groups)))):
+        if isinstance(expect_lr, (list, tuple)):
+            if len(expect_lr) not in (1, len(a.groups)):
+                raise UsageError(f"--expect-lr gives {len(expect_lr)} LRs for {len(a.groups)} param groups")
+            wants = list(expect_lr) * (len(a.groups) if len(expect_lr) == 1 else 1)
+        else:  # one LR: each optimizer's group 0 (other groups, e.g. a head at another LR, are not meant)
+            wants = [expect_lr if gp.index == 0 else None for gp in a.groups]
+        for i, (gp, want) in enumerate(zip(a.groups, wants)):
             want = coerce_float(want)
-            if gp.next_lr is not None and want is not None and not nearly_equal(gp.next_lr, want):
-                field = f"{gp.field}.lr" if gp.lr is not None else f"{a.scheduler.get('field')}._last_lr[{i}]"
-                add(field, gp.next_lr, want, "--expect-lr: the LR of the next step")
+            if want is None:
+                continue
+            if gp.next_lr is not None:
+                if not nearly_equal(gp.next_lr, want, EXPECT_RTOL):
+                    field = f"{gp.field}.lr" if gp.lr is not None else f"{a.scheduler.get('field')}._last_lr[{i}]"
+                    add(field, gp.next_lr, want, "--expect-lr: the LR of the next step")
+            elif gp.lr is None and gp.last_lr is not None and not nearly_equal(gp.last_lr, want, EXPECT_RTOL):
+                # no optimizer state: the next step runs at the session's LR, but the archived scheduler is at
+                # _last_lr and its next step computes from the archived base_lrs, whatever the session's LR
+                after = (f"; the next scheduler.step() sets {fmt_value(gp.after_step_lr)} whatever the session's LR"
+                         if gp.after_step_lr is not None and "whatever" in (gp.after_step_basis or "") else "")
+                add(f"{a.scheduler.get('field') or 'scheduler'}._last_lr[{gp.index}]", gp.last_lr, want,
+                    f"--expect-lr: no optimizer state, so the next step runs at the session's LR, but the archived "
+                    f"scheduler's LR is this one (base_lrs {fmt_value(gp.base_lr)}){after}",
+                    "at the next scheduler.step()")
     return diffs
+
+
+def _compare_sched_bases(groups: list, sch: dict, sch_field: str, wants: list, sess: dict, add: Any) -> None:
+    """The scheduler's own ``base_lrs`` (also of SequentialLR/ChainedScheduler sub-schedulers) against the
+    session's base, where they disagree with the group's base field (which is compared already).
+
+    ``scheduler.load_state_dict`` restores ``base_lrs`` and the next ``scheduler.step()`` computes the LR from
+    them, whatever the group's ``initial_lr`` says: a scheduler state from an older run (``base_lrs`` 1e-6)
+    next to an optimizer built with 1e-4 runs the next day at 1e-6's schedule."""
+    subs = [(sch_field, sch)] + [(f"{sch_field}._schedulers[{j}]", s)
+                                 for j, s in enumerate(sch.get("_schedulers") or []) if isinstance(s, dict)]
+    for field, sd in subs:
+        if scheduler_kind(sd) == "OneCycleLR":
+            continue  # its base_lrs are max_lr / div_factor, not the configured LR
+        for i, b in enumerate(sd.get("base_lrs") or []):
+            have = as_float(b)
+            want = coerce_float(wants[i]) if i < len(wants) else None
+            g = groups[i] if i < len(groups) else None
+            gbase = as_float(g.get(lr_base_field(g))) if g is not None else None
+            if have is None or want is None or nearly_equal(have, want):
+                continue
+            if gbase is not None and nearly_equal(gbase, have) and not nearly_equal(gbase, want):
+                continue  # the same value as the group's base field, reported there
+            add(f"{field}.base_lrs[{i}]", have, want,
+                f"config {sess['source']['lr']}; the scheduler computes the LR from its restored base_lrs, not "
+                f"from the group's {lr_base_field(g) if g is not None else 'lr'}", "at the next scheduler.step()")
 
 
 def _archived_lr(state: Any, archived_config: Any) -> Any:
@@ -474,6 +566,8 @@ def _replace_change(changes: list[PolicyChange], field: str, old: float, new: fl
     for c in changes:
         if c.field == field:
             c.new = new
+            if c.new == c.old:  # rescaled, then set back by the closed form / the group's lr: no change
+                changes.remove(c)
             return
     changes.append(PolicyChange(field, old, new))
 
@@ -552,7 +646,8 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
             for sch_path, sch in sch_entries:
                 n_groups = len((sch.get("base_lrs") or []) if isinstance(sch, dict) else [])
                 wants, want_max = cyclic_wants(sch, sess, lr, n_groups)
-                changes += impose_lrs([], sch, wants if wants is not None else per_group(sess["lr"], n_groups),
+                bases = [as_float(b) for b in ((sch.get("base_lrs") or []) if isinstance(sch, dict) else [])]
+                changes += impose_lrs([], sch, wants if wants is not None else spread_scalar_lr(sess["lr"], bases, arch_lr),
                                       "optimizer", str(sch_path) or "scheduler", want_max=want_max)
             return new_state, changes
         if "lr" in sess or any(k in sess for k in HYPER_NAMES):
@@ -569,8 +664,12 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
             wants, want_max = cyclic_wants(sch, sess, lr, len(groups))
             changes += impose_lrs(groups, sch, wants or [], opt_field, sch_field, want_max=want_max)
         elif "lr" in sess:
-            wants = per_group(lr, len(groups)) if lr is not None else session_bases(groups, sess)
             olds = plateau_bases(groups, sch, arch_lr) if kind == "plateau" else None
+            if kind == "plateau":
+                wants = per_group(sess["lr"], len(groups)) if None in olds else spread_scalar_lr(sess["lr"], olds,
+                                                                                                arch_lr)
+            else:
+                wants = session_bases(groups, {"lr": lr} if lr is not None else sess, arch_lr)
             changes += impose_lrs(groups, sch, wants, opt_field, sch_field, archived_bases=olds)
         for name in ("weight_decay", "momentum", "eps"):
             if name in sess:

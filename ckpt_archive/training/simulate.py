@@ -183,10 +183,21 @@ def simulate(sch_sd: dict, *, archived_groups: list[dict] | None, session_lrs: l
             g.update(extra)
         groups.append(g)
     factors = _sub_lambda_factors(sch_sd)
+    basis = "_last_lr / base_lrs"
+    if factors is not None and kind == "LambdaLR" and archived_groups and len(archived_groups) == len(factors):
+        # _last_lr / base_lrs is the factor only while base_lrs are what _last_lr was computed from; a base_lrs
+        # from another run (1e-6 next to initial_lr 1e-4) makes it 60 instead of 0.6. The group's own lr /
+        # initial_lr is the factor the lambda last applied to this optimizer: prefer it where they disagree.
+        own = []
+        for g, f in zip(archived_groups, factors):
+            lr, ini = as_float(g.get("lr")), as_float(g.get("initial_lr"))
+            own.append(lr / ini if lr is not None and ini else None)
+        if None not in own and any(abs(a - b) > 1e-6 * max(abs(a), abs(b)) for a, b in zip(own, factors)):
+            factors, basis = own, "the group's lr / initial_lr; _last_lr / base_lrs disagrees"
     note = ""
     if kind == "LambdaLR" or (kind in ("SequentialLR", "ChainedScheduler") and factors is not None):
         note = ("a guess: the lambda is code, not state; assumed constant at the archived factor "
-                + ", ".join(f"{f:.7g}" for f in (factors or [1.0])) + " (_last_lr / base_lrs)")
+                + ", ".join(f"{f:.7g}" for f in (factors or [1.0])) + f" ({basis})")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
