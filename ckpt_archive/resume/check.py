@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ckpt_archive.errors import IntegrityError, SourceError, UsageError
+from ckpt_archive.errors import CannotCheck, IntegrityError, SourceError, UsageError
 from ckpt_archive.resume.compare import (MAX_LISTED, TreeDiff, compact, compare_runs, compare_trajectories, describe,
                                          short_value, span)
 from ckpt_archive.resume.controls import (CONTROL_LABELS, STREAMS, TOOL_CONTROLS, canonical_control, control_verdict,
@@ -367,7 +367,11 @@ def _run_controls(runs: _Runs, base: _Baseline, archived_state, chosen: list[str
     total = base.interrupt_at + base.updates
     for name in chosen:
         label = CONTROL_LABELS[name]
-        new_state, pert = perturb(archived_state, name, previous_lr=previous_lr)
+        try:
+            new_state, pert = perturb(archived_state, name, previous_lr=previous_lr)
+        except CannotCheck as exc:  # no type-preserving perturbation: nothing to run, nothing shown
+            entries.append(_could_not_perturb(name, str(exc)))
+            continue
         if not pert.applied:
             entries.append(control_verdict(None, name=name, kind="tool", label=label,
                                            expected_no_effect=name in no_effect, applied=False, note=pert.note))
@@ -416,6 +420,13 @@ def _judge_control(rec: RunRecord, base: _Baseline, *, name: str, kind: str, lab
     return e
 
 
+def _could_not_perturb(name: str, message: str) -> dict:
+    """The entry of a tool-made control whose perturbation failed: could not check (exit 2)."""
+    return {"name": name, "kind": "tool", "diverged": False, "first_divergent_step": None, "field": None,
+            "expected": None, "got": None, "status": "could-not-check", "ok": False,
+            "message": f"could not check control {name}: {message}", "changed": []}
+
+
 def _not_run(chosen: list[str], scripted: list[list[str]]) -> list[dict]:
     """Entries for the controls when the resume itself already diverged (they would show nothing)."""
     names = [(name, "tool") for name in chosen] + [(script_control_name(a), "script") for a in scripted]
@@ -443,7 +454,7 @@ def _verdict(determinism: dict, positive: dict, positive_ok: bool, entries: list
             problems.append(e["message"])
         elif e["status"] == "skipped":
             warnings.append(f"control {e['name']} {e['message']}")
-    if positive_ok and not ran:
+    if positive_ok and not ran and not any(e["status"] == "could-not-check" for e in entries):
         problems.append("no negative control could run, so nothing shows that this check would see a broken "
                         "resume (the checkpoint holds none of rng/optimizer/scheduler/data)")
     if facts["step"] is not None and facts["step"] != interrupt_at:
