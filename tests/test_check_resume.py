@@ -673,3 +673,32 @@ def test_check_resume_ignores_a_changed_data_identity(tmp_path):
     r = cli("check-resume", "--steps", "6", "--interrupt-at", "3", "--output", str(tmp_path / "b"), "--control",
             "data", "--data-ids", str(ids), "--resume-data-ids", str(now), "--", *template("epoch_cursor.py"))
     assert r.returncode == 1 and "person: archived 3, now 1" in r.stderr, r.stderr
+
+
+def test_a_resumed_run_that_records_too_few_updates_could_not_check_exit_2(tmp_path):
+    """Issue #9: a resumed run that exits 0 after 2 of the 5 updates asked for was judged "diverged" (exit 1)
+    while the docs list the wrong number of updates under exit 2: such a run cannot be compared. It must be
+    exit 2 naming the run and both counts, never a pass."""
+    r = cli("check-resume", "--steps", "8", "--interrupt-at", "3", "--output", str(tmp_path / "o"), "--control", "data",
+            "--", *template("epoch_cursor.py", "--short-resume"))
+    assert r.returncode == 2, r.stderr
+    assert "run 'resumed' recorded 2 updates (steps 4..5) where it was asked for 5 (4..8)" in r.stderr
+    assert "Traceback" not in r.stderr
+    # the same for a middle segment of several interruptions
+    r = cli("check-resume", "--steps", "8", "--interrupt-at", "2,5", "--output", str(tmp_path / "m"), "--no-controls",
+            "--", *template("epoch_cursor.py", "--short-resume"))
+    assert r.returncode == 2 and "run 'resumed-1' recorded 2 updates" in r.stderr, r.stderr
+
+
+def test_a_control_run_that_records_too_few_updates_is_could_not_check_not_diverged(tmp_path):
+    """A control run cut short (exit 0, 2 of 5 updates) differs from the continuous run, but shows nothing about
+    the resume: counting it as "diverged" would pass the check on a run that did not train. Could not check."""
+    out = tmp_path / "o"
+    r = cli("check-resume", "--steps", "8", "--interrupt-at", "3", "--output", str(out), "--control", "data",
+            "--json", "--", *template("epoch_cursor.py", "--short-on-odd-cursor"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    report = _report(out)
+    (e,) = report["negative_controls"]
+    assert e["status"] == "could-not-check" and e["diverged"] is False and not report["all_checks_passed"]
+    assert "recorded 2 updates" in e["message"] and report["positive"] is True
+    assert report["negative_divergence_detected"] is False
