@@ -209,6 +209,91 @@ def test_rng_streams_are_found_by_shape_under_any_key():
     assert type(new["my_rngs"]) is list and new["my_rngs"][0] != st["my_rngs"][0]
 
 
+def _plain(x):
+    """A bit_generator.state with its arrays as lists, as a checkpoint loadable with weights_only=True holds it."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x.tolist() if isinstance(x, np.ndarray) else x
+
+
+def _types(x):
+    """The container and value types of ``x`` all the way down (tensors by dtype and shape)."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, tuple(x.shape))
+    if isinstance(x, dict):
+        return (type(x), [(k, _types(v)) for k, v in x.items()])
+    if isinstance(x, (list, tuple)):
+        return (type(x), [_types(v) for v in x])
+    return type(x)
+
+
+def _every_rng_format_state():
+    st = _state()
+    random.seed(2)
+    random.gauss(0.0, 1.0)  # gauss_next cached: the third item of getstate() is a float
+    legacy = np.random.RandomState(4).get_state()
+    st["rng"] = {"python": random.getstate(), "torch": torch.get_rng_state(),
+                 "numpy_legacy": (legacy[0], legacy[1].tolist(), legacy[2], legacy[3], legacy[4]),
+                 "numpy": {n: _plain(getattr(np.random, n)(5).state) for n in ("PCG64", "MT19937", "SFC64", "Philox")}}
+    return st
+
+
+@pytest.mark.parametrize("control", ["python-rng", "numpy-rng", "torch-rng", "optimizer-moments", "scheduler-stale",
+                                     "data-cursor"])
+def test_every_control_keeps_the_saved_types_for_every_rng_format_so_weights_only_loads_it(control, tmp_path):
+    """Issue #4: the numpy-rng control turned the legacy get_state() tuple's list (saved with .tolist(), as
+    the docs prescribe) into an ndarray, so the script's torch.load(weights_only=True) refused the perturbed
+    file and a correct resume exited 2. A perturbed state must hold exactly the types the archived one held."""
+    st = _every_rng_format_state()
+    new, p = perturb(st, control, previous_lr=[0.03])
+    assert p.applied, p.note
+    assert _types(new) == _types(st)
+    path = tmp_path / "control.pt"
+    torch.save(new, path)
+    back = torch.load(path, weights_only=True)  # what a script following the contract does
+    if control == "numpy-rng":
+        assert p.changed == ["rng.numpy_legacy"] + [f"rng.numpy.{n}" for n in ("PCG64", "MT19937", "SFC64", "Philox")]
+        s = back["rng"]["numpy_legacy"]
+        assert s[1] != st["rng"]["numpy_legacy"][1]
+        np.random.RandomState().set_state((s[0], np.array(s[1], dtype=np.uint32), s[2], s[3], s[4]))  # valid
+        for n, saved in back["rng"]["numpy"].items():
+            assert saved["state"] != st["rng"]["numpy"][n]["state"]
+    if control == "python-rng":
+        assert type(back["rng"]["python"][2]) is float and back["rng"]["python"] != st["rng"]["python"]
+        random.Random().setstate(back["rng"]["python"])  # valid
+
+
+def test_a_perturbation_that_would_change_a_type_is_could_not_check_not_a_run():
+    """A control that cannot keep the saved types must not hand the script a file it would refuse (the run
+    would then test the loader, not the resume): perturb refuses, naming where (the check reports the
+    control as could-not-check, exit 2)."""
+    from ckpt_archive.errors import CannotCheck
+    from ckpt_archive.resume import controls
+
+    st = _state()
+    st["rng"]["numpy"] = {"bit_generator": "MT19937", "state": {"key": [1] * 624, "pos": 624}}
+    orig = controls._coerce_like
+    try:
+        controls._coerce_like = lambda old, new: new  # a perturber that forgets the saved types
+        with pytest.raises(CannotCheck, match=r"rng\.numpy\.state\.key: list -> ndarray"):
+            perturb(st, "numpy")
+    finally:
+        controls._coerce_like = orig
+
+
+def test_correct_resume_with_every_rng_format_passes_the_rng_controls(tmp_path):
+    """Issue #4 end to end: a correct script saving every RNG format the docs list (the legacy NumPy tuple and
+    MT19937/SFC64/Philox states with their arrays as .tolist(), a Python state with a cached Gaussian) must
+    pass with each RNG control diverging, never exit 2 because a control's file could not be loaded."""
+    out = tmp_path / "fmt"
+    r = cli("check-resume", "--steps", "6", "--interrupt-at", "3", "--jobs", "2", "--output", str(out),
+            "--control", "python,numpy,torch", "--json", "--", *template("rng_formats.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = _report(out)
+    assert {e["name"]: e["status"] for e in report["negative_controls"]} == {
+        "python-rng": "diverged", "numpy-rng": "diverged", "torch-rng": "diverged"}
+
+
 # ------------------------------------------------------------------------------------------------
 # Comparison
 # ------------------------------------------------------------------------------------------------
@@ -588,3 +673,32 @@ def test_check_resume_ignores_a_changed_data_identity(tmp_path):
     r = cli("check-resume", "--steps", "6", "--interrupt-at", "3", "--output", str(tmp_path / "b"), "--control",
             "data", "--data-ids", str(ids), "--resume-data-ids", str(now), "--", *template("epoch_cursor.py"))
     assert r.returncode == 1 and "person: archived 3, now 1" in r.stderr, r.stderr
+
+
+def test_a_resumed_run_that_records_too_few_updates_could_not_check_exit_2(tmp_path):
+    """Issue #9: a resumed run that exits 0 after 2 of the 5 updates asked for was judged "diverged" (exit 1)
+    while the docs list the wrong number of updates under exit 2: such a run cannot be compared. It must be
+    exit 2 naming the run and both counts, never a pass."""
+    r = cli("check-resume", "--steps", "8", "--interrupt-at", "3", "--output", str(tmp_path / "o"), "--control", "data",
+            "--", *template("epoch_cursor.py", "--short-resume"))
+    assert r.returncode == 2, r.stderr
+    assert "run 'resumed' recorded 2 updates (steps 4..5) where it was asked for 5 (4..8)" in r.stderr
+    assert "Traceback" not in r.stderr
+    # the same for a middle segment of several interruptions
+    r = cli("check-resume", "--steps", "8", "--interrupt-at", "2,5", "--output", str(tmp_path / "m"), "--no-controls",
+            "--", *template("epoch_cursor.py", "--short-resume"))
+    assert r.returncode == 2 and "run 'resumed-1' recorded 2 updates" in r.stderr, r.stderr
+
+
+def test_a_control_run_that_records_too_few_updates_is_could_not_check_not_diverged(tmp_path):
+    """A control run cut short (exit 0, 2 of 5 updates) differs from the continuous run, but shows nothing about
+    the resume: counting it as "diverged" would pass the check on a run that did not train. Could not check."""
+    out = tmp_path / "o"
+    r = cli("check-resume", "--steps", "8", "--interrupt-at", "3", "--output", str(out), "--control", "data",
+            "--json", "--", *template("epoch_cursor.py", "--short-on-odd-cursor"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    report = _report(out)
+    (e,) = report["negative_controls"]
+    assert e["status"] == "could-not-check" and e["diverged"] is False and not report["all_checks_passed"]
+    assert "recorded 2 updates" in e["message"] and report["positive"] is True
+    assert report["negative_divergence_detected"] is False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -788,8 +789,12 @@ def test_backup_still_exits_75_for_a_recent_incomplete_checkpoint_even_with_an_o
     age(save_pt(runs / "a.pt", 1), 3700)
     truncate(save_pt(runs / "z.pt", 2))  # just written: the trainer may be between two writes
     res, out = backup_cli(runs, tmp_path / "repo")
+    # exit 75 for z.pt; meanwhile the complete a.pt, not yet archived, is (see the HF folder test below)
+    assert res.exit_code == 75 and out["busy"]["checkpoint"].endswith("z.pt") and not out["ok"]
+    assert out["action"] == "packed" and out["checkpoint"].endswith("a.pt") and out["skipped"] == []
+    res, out = backup_cli(runs, tmp_path / "repo")  # a.pt archived already: only busy, nothing packed again
     assert res.exit_code == 75 and out["action"] == "busy" and out["checkpoint"].endswith("z.pt")
-    assert out["skipped"] == [] and not (tmp_path / "repo" / "generations").exists() or usable(tmp_path / "repo") == []
+    assert out["generation"] is None and usable(tmp_path / "repo") == [1]
 
 
 def test_backup_with_only_a_stale_broken_checkpoint_exits_2_not_75(tmp_path):
@@ -807,8 +812,9 @@ def test_backup_stale_after_sets_when_an_incomplete_checkpoint_counts_as_broken(
     age(truncate(save_pt(runs / "z.pt", 2)), 120)
     res, out = backup_cli(runs, tmp_path / "repo")  # default max(600, 10 x settle): 2 min is recent
     assert res.exit_code == 75
-    res, out = backup_cli(runs, tmp_path / "repo", "--stale-after", 60)
+    res, out = backup_cli(runs, tmp_path / "repo1", "--stale-after", 60)
     assert res.exit_code == 0 and out["action"] == "packed" and out["checkpoint"].endswith("a.pt"), res.stderr
+    assert out["skipped"] and out["busy"] is None
     res, out = cli_json("backup", runs, "--repo", tmp_path / "repo2", "--settle", 20)  # default 600 s
     assert res.exit_code == 75
     assert backup_mod.default_stale_after(10) == 600 and backup_mod.default_stale_after(120) == 1200
@@ -824,6 +830,79 @@ def test_backup_stale_broken_checkpoint_folder_falls_back_to_the_previous_checkp
     assert res.exit_code == 0, res.stderr
     assert out["checkpoint"].endswith("checkpoint-10") and out["skipped"][0]["checkpoint"].endswith("checkpoint-20")
     assert "temporary file name" in out["skipped"][0]["reason"]
+
+
+def hf_checkpoint(out_dir: Path, n: int, *, partial: bool = False) -> Path:
+    """A Hugging Face Trainer ``checkpoint-N/``: weights and config first; optimizer, scheduler, RNG and
+    trainer_state.json (HF writes it last) only when the save got that far (``partial=False``)."""
+    from safetensors.torch import save_file
+
+    d = out_dir / f"checkpoint-{n}"
+    d.mkdir(parents=True)
+    model = torch.nn.Linear(4, 4)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"model_type": "x"}))
+    if not partial:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+        torch.save(opt.state_dict(), d / "optimizer.pt")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0)
+        torch.save(sched.state_dict(), d / "scheduler.pt")
+        torch.save({"cpu": torch.get_rng_state()}, d / "rng_state.pth")
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": n, "log_history": []}))
+    return d
+
+
+def test_backup_never_packs_an_hf_checkpoint_folder_still_lacking_its_training_state(tmp_path):
+    """Issue #6: a checkpoint-20/ holding only config.json and model.safetensors (the Trainer still writing
+    optimizer.pt, scheduler.pt, rng_state.pth and trainer_state.json) was packed as usable (exit 0) and the
+    complete checkpoint-10 never backed up; verify --strict then listed 3 problems. A folder lacking a
+    training-state file its complete sibling has is incomplete: exit 75 while recent, the complete sibling
+    backed up meanwhile; broken (skipped with a warning) once stale."""
+    out_dir, repo = tmp_path / "out", tmp_path / "repo"
+    age(hf_checkpoint(out_dir, 10), 3600)
+    partial = hf_checkpoint(out_dir, 20, partial=True)
+    res, out = backup_cli(out_dir, repo)
+    assert res.exit_code == 75, res.stdout
+    assert out["busy"]["checkpoint"] == str(partial.absolute())
+    assert "trainer_state.json" in out["busy"]["reason"] and "optimizer.pt" in out["busy"]["reason"]
+    assert out["action"] == "packed" and out["checkpoint"].endswith("checkpoint-10") and out["generation"] == 1
+    assert ckpt_archive.verify(str(repo)).ok and usable(repo) == [1]
+    # the Trainer finishes its save: the next tick packs checkpoint-20, exit 0
+    shutil.rmtree(partial)
+    hf_checkpoint(out_dir, 20)
+    res, out = backup_cli(out_dir, repo)
+    assert res.exit_code == 0 and out["action"] == "packed" and out["checkpoint"].endswith("checkpoint-20"), res.stdout
+    assert out["busy"] is None and usable(repo) == [1, 2]
+    # a save killed after the weights: stale, so broken, skipped with a warning; never packed as usable
+    age(hf_checkpoint(out_dir, 30, partial=True), 3600)
+    res, out = backup_cli(out_dir, repo)
+    assert res.exit_code == 0 and out["action"] == "unchanged" and out["checkpoint"].endswith("checkpoint-20")
+    assert out["skipped"][0]["checkpoint"].endswith("checkpoint-30") and "broken" in out["skipped"][0]["reason"]
+    assert usable(repo) == [1, 2]
+
+
+def test_sibling_rule_uses_the_part_names_of_the_completeness_lint(tmp_path):
+    """The files backup requires of a checkpoint-N/ are those its complete sibling has for a resume part, named
+    as the completeness lint (verify --strict) finds parts: Accelerate and per-rank names included, weights and
+    extra files (tokenizer, README) not."""
+    ref, new = tmp_path / "checkpoint_1", tmp_path / "checkpoint_2"
+    for d in (ref, new):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x")
+    for name in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "random_states_1.pkl", "tokenizer.json",
+                 "sampler.bin"):
+        (ref / name).write_bytes(b"x")
+    for name in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "sampler.bin"):
+        (new / name).write_bytes(b"x")
+    assert backup_mod.resume_part_files(ref) == {"optimizer.bin": "optimizer", "scheduler.bin": "scheduler",
+                                                 "random_states_0.pkl": "rng", "random_states_1.pkl": "rng",
+                                                 "sampler.bin": "data"}
+    assert backup_mod.sibling_problem(new, ref) == ("lacks random_states_1.pkl (rng), which checkpoint_1 has: "
+                                                     "still being written?")
+    (new / "random_states_1.pkl").write_bytes(b"x")
+    assert backup_mod.sibling_problem(new, ref) is None and backup_mod.sibling_problem(new, None) is None
 
 
 def test_backup_help_documents_stale_after_and_exit_2_for_only_broken_checkpoints():

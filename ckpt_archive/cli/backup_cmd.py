@@ -12,9 +12,11 @@ from ckpt_archive.cli.prune_cmd import (BEST_BY, KEEP_BEST, KEEP_DAILY, KEEP_HOU
 BACKUP_EXIT_CODES = exit_codes_help({
     0: "a new generation was packed, or the source equals the newest usable generation (nothing done), also "
        "when a newer broken checkpoint was skipped (with a warning)",
-    75: "(EX_TEMPFAIL) the checkpoint is still being written (changed within the settle window, or incomplete - "
-        "a zip without its directory, a truncated safetensors file, a missing shard, a temporary file - and "
-        "changed within --stale-after): nothing packed, retry on the next tick",
+    75: "(EX_TEMPFAIL) the newest checkpoint is still being written (changed within the settle window, or "
+        "incomplete - a zip without its directory, a truncated safetensors file, a missing shard, a temporary "
+        "file, a checkpoint-N/ folder lacking a training-state file such as trainer_state.json or optimizer.pt "
+        "that its complete older sibling has - and changed within --stale-after): it is not packed, retry on the "
+        "next tick; the newest complete checkpoint is packed meanwhile when no usable generation holds it yet",
     1: "the new generation failed verification or trial reload (nothing published)",
     2: "could not be carried out (SOURCE missing, holding no checkpoint, or holding only broken ones - "
        "incomplete and unchanged for longer than --stale-after; refused input, bad flags, lock held by another "
@@ -29,7 +31,8 @@ def register(app: typer.Typer) -> None:
                  "one is backed up instead. Idempotent: decides from size, mtime "
                  "and inode first (remembered in REPO/backup-state.json) and reads the files only when those "
                  "changed; when the content equals the newest usable generation's source, does nothing. Never "
-                 "packs a checkpoint still being written. Retention (policy flags, else the repository's "
+                 "packs a checkpoint still being written (exit 75; the newest complete one is packed meanwhile "
+                 "when no usable generation holds it yet). Retention (policy flags, else the repository's "
                  "default) runs only after the new generation is usable." + BACKUP_EXIT_CODES)
     @command
     def backup_cmd(
@@ -71,6 +74,9 @@ def register(app: typer.Typer) -> None:
             out.say(f"unchanged: {result.checkpoint} equals generation {result.generation}; nothing to do")
         else:
             out.say(f"packed {result.checkpoint} as generation {result.generation} (usable)")
+            if result.busy:
+                out.say(f"not yet {result.busy['checkpoint']}: {result.busy['reason']} (exit 75: retry later)",
+                        style="yellow")
             ret = result.retention or {}
             if ret.get("removed"):
                 out.say(f"retention removed generation(s) {', '.join(map(str, ret['removed']))}")

@@ -16,8 +16,8 @@ HELP = (
 EXIT_CODES = exit_codes_help({0: "the resume is exact and every negative control diverged",
                               1: "a divergence: the resume differs from the continuous run, or a control had no "
                                  "effect (the report names the update and field)",
-                              2: "could not check (a run failed or timed out, the template is incomplete, the "
-                                 "output folder is not empty)"})
+                              2: "could not check (a run failed, timed out or ran another number of updates than "
+                                 "asked, the template is incomplete, the output folder is not empty)"})
 
 
 def _fmt(v) -> str:

@@ -9,8 +9,11 @@ A cron tick must be cheap and safe:
 * **safe**: a checkpoint still being written is never packed. It must be unchanged over a short
   settle window (``settle`` seconds: no size/mtime/inode change, no entry added or removed) and
   complete (a ``torch.save`` zip whose central directory is whole, a safetensors file whose size
-  matches its header, every shard an index names, parseable JSON, no temporary names). Otherwise the
-  run is skipped with exit 75 (``EX_TEMPFAIL``) so cron reports it and the next tick retries.
+  matches its header, every shard an index names, parseable JSON, no temporary names; a
+  ``checkpoint-N/`` folder holding every training-state file its newest complete older sibling holds,
+  :func:`sibling_problem`). Otherwise it is not packed and the run exits 75 (``EX_TEMPFAIL``) so cron
+  reports it and the next tick retries; meanwhile the newest complete checkpoint is packed when no
+  usable generation holds it yet (``BackupResult.busy`` names the newer one).
   A file that changes while it is being packed makes the new generation be withdrawn before it is
   published (pack's before-publish hook; exit 75).
 * **never stuck**: an incomplete checkpoint that has not changed for longer than ``stale_after``
@@ -229,6 +232,35 @@ def completeness_problem(checkpoint: Path) -> str | None:
     return None
 
 
+def resume_part_files(checkpoint: Path) -> dict[str, str]:
+    """The files of a checkpoint folder that hold a part a resume needs besides the weights, by the names
+    the completeness lint (``verify --strict``) finds parts by (:data:`~ckpt_archive.training.parts.ALIASES`:
+    ``optimizer.pt`` -> optimizer, ``rng_state_1.pth`` -> rng, ``trainer_state.json`` -> progress,
+    ``scheduler.bin``, ``scaler.pt``, ``random_states_0.pkl``, ``sampler.bin``): ``{relpath: part}``.
+    Reads no file content."""
+    from ckpt_archive.training.parts import ALIASES, norm_key
+
+    by_name = {alias: part for part, aliases in ALIASES.items() if part != "model" for alias in aliases}
+    if not checkpoint.is_dir():
+        return {}
+    return {rel: by_name[norm_key(rel)] for rel, _ in _walk_files(checkpoint) if norm_key(rel) in by_name}
+
+
+def sibling_problem(checkpoint: Path, reference: Path | None) -> str | None:
+    """Why a ``checkpoint-N/`` folder is not complete yet although every file in it is whole: it lacks a
+    training-state file its complete older sibling ``reference`` has (a Hugging Face Trainer writes the
+    weights first and ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth`` and ``trainer_state.json``
+    after). ``None`` when it has them all, or there is no sibling to compare with."""
+    if reference is None or not checkpoint.is_dir():
+        return None
+    mine = resume_part_files(checkpoint)
+    missing = {rel: part for rel, part in resume_part_files(reference).items() if rel not in mine}
+    if not missing:
+        return None
+    names = ", ".join(f"{rel} ({part})" for rel, part in sorted(missing.items()))
+    return f"lacks {names}, which {reference.name} has: still being written?"
+
+
 def hash_files(checkpoint: Path, on_bytes: Callable[[int], None] | None = None) -> dict[str, str]:
     """sha256 of every file of the checkpoint: ``{relpath: hex}`` (``""`` for a single file).
 
@@ -292,6 +324,9 @@ class BackupResult:
         warnings: human-readable notes (broken checkpoints skipped, pack warnings, leftovers found).
         skipped: newer checkpoints skipped as broken (incomplete and unchanged for longer than the
             stale threshold): ``[{"checkpoint": path, "reason": str, "unchanged_s": seconds}]``.
+        busy: when a newer checkpoint is still being written and the newest complete one was backed up
+            instead (``action`` packed): ``{"checkpoint": path, "reason": str}``; the exit code is then 75
+            (retry for the newer one). ``None`` otherwise.
     """
 
     action: str
@@ -303,14 +338,15 @@ class BackupResult:
     retention: dict | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
     skipped: list[dict] = dataclasses.field(default_factory=list)
+    busy: dict | None = None
 
     @property
     def exit_code(self) -> int:
-        """0 for packed/unchanged, 75 (EX_TEMPFAIL) for busy."""
-        return EX_TEMPFAIL if self.action == "busy" else EXIT_OK
+        """0 for packed/unchanged, 75 (EX_TEMPFAIL) for busy, or when a newer checkpoint is (``busy``)."""
+        return EX_TEMPFAIL if self.action == "busy" or self.busy else EXIT_OK
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.action != "busy", **dataclasses.asdict(self), "exit_code": self.exit_code}
+        return {"ok": self.exit_code == EXIT_OK, **dataclasses.asdict(self), "exit_code": self.exit_code}
 
 
 def _settled(checkpoint: Path, settle: float, sleep: Callable[[float], None]) -> tuple[list[list] | None, str]:
@@ -354,10 +390,13 @@ class _Examined:
 
 
 def _examine(checkpoint: Path, entry: Mapping[str, Any], *, settle: float, stale_after: float,
-             sleep: Callable[[float], None], on_bytes: Callable[[int], None] | None) -> _Examined:
+             sleep: Callable[[float], None], on_bytes: Callable[[int], None] | None,
+             reference: Path | None = None) -> _Examined:
     """Decide whether one checkpoint can be backed up now: ``ready`` (with its hashes), ``busy`` (being
     written: changed within the settle window, or incomplete and recent) or ``broken`` (incomplete and
-    unchanged for longer than ``stale_after``)."""
+    unchanged for longer than ``stale_after``). Incomplete: :func:`completeness_problem`, or (a
+    ``checkpoint-N/`` folder) lacking a training-state file its complete older sibling ``reference`` has
+    (:func:`sibling_problem`)."""
     snap_now = _snapshot_or_none(checkpoint)
     if snap_now is None:
         return _Examined("busy", "vanished while being examined (rotated?)")
@@ -377,7 +416,7 @@ def _examine(checkpoint: Path, entry: Mapping[str, Any], *, settle: float, stale
             on_bytes(n)
 
     try:
-        problem = completeness_problem(checkpoint)
+        problem = completeness_problem(checkpoint) or sibling_problem(checkpoint, reference)
         if problem:
             # Unchanged over the settle window and incomplete: a trainer pausing between writes, or one
             # killed mid-save. Only the age tells them apart: a checkpoint nobody touched for longer than
@@ -405,8 +444,9 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
     """Back up the newest complete checkpoint in SOURCE to REPO, if it changed.
 
     The newest checkpoint is examined first. Changed within ``settle`` seconds, or incomplete and
-    changed within ``stale_after`` seconds: it is being written, the run is skipped (``busy``, exit
-    75). Incomplete and unchanged for longer than ``stale_after``: it is broken (a save that was
+    changed within ``stale_after`` seconds: it is being written and not packed (exit 75); the older ones
+    are examined for the newest complete one, packed when no usable generation holds it (``action``
+    packed, ``busy`` naming the newer one), else the run is ``busy``. Incomplete and unchanged for longer than ``stale_after``: it is broken (a save that was
     killed); it is skipped with a warning and the next newest checkpoint is examined the same way.
 
     Args:
@@ -426,7 +466,7 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         allow: plain-data classes to admit when packing (``"argparse.Namespace"``; see ``pack``).
 
     Returns:
-        A :class:`BackupResult`; ``exit_code`` is 75 when the checkpoint was still being written.
+        A :class:`BackupResult`; ``exit_code`` is 75 when the newest checkpoint was still being written.
 
     Raises:
         NotFound, SourceError: SOURCE missing or holding no checkpoint, or holding no complete one
@@ -456,29 +496,63 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
     state = read_state(rep.store)
     entry = state["sources"].get(key) or {}
 
+    def reference_for(i: int) -> Path | None:
+        """The newest older sibling of a ``checkpoint-N/`` candidate whose files are whole (what a complete
+        checkpoint of this run holds), or None."""
+        if not candidates[i].is_dir() or not _CKPT_DIR.match(candidates[i].name):
+            return None
+        for older in candidates[i + 1:]:
+            try:
+                if older.is_dir() and completeness_problem(older) is None:
+                    return older
+            except FileNotFoundError:  # rotated away meanwhile
+                continue
+        return None
+
     skipped: list[dict] = []
     warnings: list[str] = []
-    for checkpoint in candidates:
-        seen = _examine(checkpoint, entry, settle=settle, stale_after=stale_after, sleep=sleep, on_bytes=on_bytes)
+    busy: _Examined | None = None
+    busy_at: Path | None = None
+    read_before = 0
+    for i, checkpoint in enumerate(candidates):
+        seen = _examine(checkpoint, entry, settle=settle, stale_after=stale_after, sleep=sleep, on_bytes=on_bytes,
+                        reference=reference_for(i))
         if seen.kind == "broken":
             skipped.append({"checkpoint": str(checkpoint), "reason": seen.reason, "unchanged_s": seen.unchanged_s})
             warnings.append(f"skipped {checkpoint}: {seen.reason}")
             continue
         if seen.kind == "busy":
-            return BackupResult("busy", key, str(checkpoint), None, seen.reason, read_bytes=seen.read_bytes,
-                                warnings=warnings, skipped=skipped)
+            if busy is None:  # the newest being written: exit 75 whatever else happens; look for an older one
+                busy, busy_at = seen, checkpoint
+            read_before += seen.read_bytes
+            continue
         break
     else:
+        if busy is not None:
+            return BackupResult("busy", key, str(busy_at), None, busy.reason, read_bytes=read_before,
+                                warnings=warnings, skipped=skipped)
         names = "; ".join(f"{x['checkpoint']}: {x['reason']}" for x in skipped)
         raise SourceError(f"no complete checkpoint to back up: {names}", where=key,
                           hint="remove or repair the broken checkpoint(s); exit 75 is only for one still being written")
-    if skipped:
-        warnings.append(f"backing up the newest complete checkpoint instead: {checkpoint}")
-    snap, hashes, recorded, read_bytes = seen.snap, seen.hashes, seen.recorded, seen.read_bytes
+    snap, hashes, recorded, read_bytes = seen.snap, seen.hashes, seen.recorded, seen.read_bytes + read_before
 
     def newest_usable():
         gens = rep.usable()
         return gens[-1] if gens else None
+
+    if busy is not None:
+        # The newest checkpoint is being written (exit 75: the next tick takes it). Meanwhile the newest complete
+        # one is backed up unless a usable generation already holds it: never nothing while a newer one is
+        # half written (a trainer that dies now would leave no backup of it), never an incomplete one.
+        done = next((g for g in reversed(rep.usable()) if manifest_source_hashes(g.manifest) == hashes), None)
+        if done is not None:
+            return BackupResult("busy", key, str(busy_at), None, busy.reason, read_bytes=read_bytes,
+                                warnings=warnings, skipped=skipped)
+        warnings.append(f"{busy_at} is still being written ({busy.reason}); backing up the newest complete "
+                        f"checkpoint instead: {checkpoint} (exit 75: retry for the newer one)")
+    elif skipped:
+        warnings.append(f"backing up the newest complete checkpoint instead: {checkpoint}")
+    busy_fields = {} if busy is None else {"busy": {"checkpoint": str(busy_at), "reason": busy.reason}}
 
     def remember(generation: int | None) -> None:
         state["sources"][key] = {"checkpoint": str(checkpoint), "stat": snap, "files": hashes,
@@ -492,7 +566,7 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
                 remember(newest.number)
         return BackupResult("unchanged", key, str(checkpoint), newest.number,
                             f"source equals generation {newest.number}; nothing to do", read_bytes=read_bytes,
-                            warnings=warnings, skipped=skipped)
+                            warnings=warnings, skipped=skipped, **busy_fields)
 
     # The source must not have moved while it was packed: decided through pack's before-publish hook,
     # under the lock, so a generation of a moving source is withdrawn before it is ever usable.
@@ -516,21 +590,21 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
                               retention=RetentionPolicy(), before_publish=before_publish)
     except SourceChanged as exc:  # pack's own check of the file it read (withdrawn, nothing kept)
         return BackupResult("busy", key, str(checkpoint), None, f"changed while being packed: {exc.message}",
-                            read_bytes=read_bytes, warnings=warnings, skipped=skipped)
+                            read_bytes=read_bytes, warnings=warnings, skipped=skipped, **busy_fields)
     except Withdrawn as exc:
         gen = exc.number
         warnings += list(exc.warnings) + [leftover_note(x) for x in exc.leftovers]
         if "duplicate_of" not in withdrawn_as:
             return BackupResult("busy", key, str(checkpoint), None,
                                 f"changed while being packed: generation {gen} forgotten again",
-                                read_bytes=read_bytes, warnings=warnings, skipped=skipped)
+                                read_bytes=read_bytes, warnings=warnings, skipped=skipped, **busy_fields)
         theirs = withdrawn_as["duplicate_of"]
         with rep.lock(wait=max(wait, 60.0)):
             remember(theirs)
         return BackupResult("unchanged", key, str(checkpoint), theirs,
                             f"a concurrent backup packed the same content as generation {theirs}; "
                             f"duplicate generation {gen} removed", read_bytes=read_bytes, warnings=warnings,
-                            skipped=skipped)
+                            skipped=skipped, **busy_fields)
     gen = result.generation
     warnings += list(result.warnings) + [leftover_note(x) for x in result.leftovers]
     with rep.lock(wait=max(wait, 60.0)):
@@ -539,4 +613,4 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         ret = apply_after_pack(rep, policy.to_dict() if policy is not None else None, now=now, verified=(gen,))
     warnings += ret.get("warnings", [])
     return BackupResult("packed", key, str(checkpoint), gen, f"packed as generation {gen}", read_bytes=read_bytes,
-                        retention=ret, warnings=warnings, skipped=skipped)
+                        retention=ret, warnings=warnings, skipped=skipped, **busy_fields)

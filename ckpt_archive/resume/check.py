@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ckpt_archive.errors import IntegrityError, SourceError, UsageError
+from ckpt_archive.errors import CannotCheck, IntegrityError, SourceError, UsageError
 from ckpt_archive.resume.compare import (MAX_LISTED, TreeDiff, compact, compare_runs, compare_trajectories, describe,
                                          short_value, span)
 from ckpt_archive.resume.controls import (CONTROL_LABELS, STREAMS, TOOL_CONTROLS, canonical_control, control_verdict,
@@ -141,6 +141,7 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int | Sequ
             prev = runs.launch(name, end - point, trip["restored"], total=end)
             require_ok(prev)
             seg = load_trajectory(prev.output)
+            _require_update_count(prev, seg, end - point, point)
             segments.append(seg)
             line += seg["updates"]
         res, res_traj = prev, segments[-1]
@@ -283,6 +284,25 @@ class _Runs:
         return self.pool.submit(self.launch, name, n, resume, extra, total)
 
 
+def _wrong_update_count(rec: RunRecord, traj: dict, n: int, after: int) -> str | None:
+    """Why a resumed (or control) run that was asked for ``n`` updates after update ``after`` cannot be
+    compared: it recorded another number of them. None when the count is right (its step numbers are then
+    part of the comparison: a resume that restores the wrong step is a divergence)."""
+    got = [u["step"] for u in traj["updates"]]
+    if len(got) == n:
+        return None
+    return (f"run '{rec.name}' recorded {len(got)} updates (steps {span(got)}) where it was asked for {n} "
+            f"({after + 1}..{after + n}): a run that does not run the updates asked for cannot be compared "
+            "(does the script run {steps} updates, or {total_steps} for a total, and record each one?)")
+
+
+def _require_update_count(rec: RunRecord, traj: dict, n: int, after: int) -> None:
+    """Raise :class:`SourceError` (could not check, exit 2) unless the run recorded ``n`` updates."""
+    why = _wrong_update_count(rec, traj, n, after)
+    if why:
+        raise SourceError(why, where=str(rec.output / TRAJECTORY_FILE))
+
+
 def _run_baselines(runs: _Runs, steps: int, interrupt_at: int, atol: float, rtol: float):
     """The continuous and the interrupted run (at once), checked; and whether they agree up to the interruption.
 
@@ -367,7 +387,11 @@ def _run_controls(runs: _Runs, base: _Baseline, archived_state, chosen: list[str
     total = base.interrupt_at + base.updates
     for name in chosen:
         label = CONTROL_LABELS[name]
-        new_state, pert = perturb(archived_state, name, previous_lr=previous_lr)
+        try:
+            new_state, pert = perturb(archived_state, name, previous_lr=previous_lr)
+        except CannotCheck as exc:  # no type-preserving perturbation: nothing to run, nothing shown
+            entries.append(_could_not_check(name, "tool", f"could not check control {name}: {exc}"))
+            continue
         if not pert.applied:
             entries.append(control_verdict(None, name=name, kind="tool", label=label,
                                            expected_no_effect=name in no_effect, applied=False, note=pert.note))
@@ -406,7 +430,11 @@ def _judge_control(rec: RunRecord, base: _Baseline, *, name: str, kind: str, lab
                       or not (rec.output / TRAJECTORY_FILE).is_file()) else None
     cmp = None
     if crashed is None:
-        cmp = compare_runs(base.traj, load_trajectory(rec.output), base.state,
+        traj = load_trajectory(rec.output)
+        why = _wrong_update_count(rec, traj, base.updates, base.interrupt_at)
+        if why:  # a run cut short "diverges" from the continuous one, but shows nothing about the resume
+            return _could_not_check(name, kind, f"could not check control {name}: {why}")
+        cmp = compare_runs(base.traj, traj, base.state,
                            load_checkpoint(rec.output / CHECKPOINT_FILE), interrupt_at=base.interrupt_at,
                            atol=base.atol, rtol=base.rtol, prefix=base.prefix, name=name, training_only=True)
     e = control_verdict(cmp, name=name, kind=kind, label=label, expected_no_effect=expected_no_effect,
@@ -414,6 +442,13 @@ def _judge_control(rec: RunRecord, base: _Baseline, *, name: str, kind: str, lab
     if cmp is not None:
         e["comparison"] = compact(cmp)
     return e
+
+
+def _could_not_check(name: str, kind: str, message: str) -> dict:
+    """The entry of a control that tested nothing (its perturbation or its run failed): exit 2."""
+    return {"name": name, "kind": kind, "diverged": False, "first_divergent_step": None, "field": None,
+            "expected": None, "got": None, "status": "could-not-check", "ok": False,
+            "message": message, "changed": []}
 
 
 def _not_run(chosen: list[str], scripted: list[list[str]]) -> list[dict]:
@@ -443,7 +478,7 @@ def _verdict(determinism: dict, positive: dict, positive_ok: bool, entries: list
             problems.append(e["message"])
         elif e["status"] == "skipped":
             warnings.append(f"control {e['name']} {e['message']}")
-    if positive_ok and not ran:
+    if positive_ok and not ran and not any(e["status"] == "could-not-check" for e in entries):
         problems.append("no negative control could run, so nothing shows that this check would see a broken "
                         "resume (the checkpoint holds none of rng/optimizer/scheduler/data)")
     if facts["step"] is not None and facts["step"] != interrupt_at:

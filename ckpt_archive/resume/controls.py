@@ -62,16 +62,28 @@ def _like(template, values):
 
 
 def _new_python_state(old, salt: int):
-    """Another valid ``random.getstate()`` value, with the container types of ``old``."""
+    """Another valid ``random.getstate()`` value, with the container and value types of ``old`` (a
+    cached Gaussian stays a float, ``None`` stays ``None``)."""
     for seed in _PERTURB_SEEDS:
-        new = _random.Random(seed + salt).getstate()
+        r = _random.Random(seed + salt)
+        if old[2] is not None:
+            r.gauss(0.0, 1.0)  # leaves the second Gaussian of the pair cached: gauss_next a float
+        new = r.getstate()
         if list(new[1]) != list(old[1]):
             break
-    return _like(old, [new[0], _like(old[1], list(new[1])), None])
+    return _like(old, [new[0], _like(old[1], list(new[1])), _coerce_like(old[2], new[2])])
 
 
 def _coerce_like(old, new):
-    """``new`` converted to the type of ``old`` where both are plain values; containers recursively."""
+    """``new`` converted to the type of ``old`` where both are plain values; containers recursively.
+
+    A NumPy array or scalar in ``new`` (a fresh ``bit_generator.state`` holds arrays: MT19937 ``key``,
+    SFC64 ``state``, Philox ``counter``) becomes what ``old`` held there: the list a checkpoint saved
+    with ``.tolist()`` stays a list (``torch.load(weights_only=True)`` refuses NumPy arrays), a tensor
+    stays a tensor of its dtype.
+    """
+    if type(new).__module__ == "numpy" and hasattr(new, "tolist") and type(old).__module__ != "numpy":
+        new = new.tolist()
     if isinstance(old, dict) and isinstance(new, dict):
         out = type(old)()
         for k in old:
@@ -249,12 +261,41 @@ _PERTURBERS = {
 
 _MISSING_NOTES = {
     "python-rng": "no Python random state (a random.getstate() tuple) in the checkpoint",
-    "numpy-rng": "no NumPy generator state (a dict with 'bit_generator') in the checkpoint",
+    "numpy-rng": "no NumPy generator state (a dict with 'bit_generator', or a legacy 'MT19937' tuple) in the checkpoint",
     "torch-rng": "no torch RNG state (a uint8 tensor from torch.get_rng_state()) in the checkpoint",
     "optimizer-moments": "the optimizer state holds no moment tensors (e.g. SGD without momentum)",
     "scheduler-stale": "no LR scheduler state (a dict with 'last_epoch') in the checkpoint",
     "data-cursor": "no data cursor ('data': {'cursor': int}) in the checkpoint",
 }
+
+
+def _type_change(old, new, path: StatePath = StatePath(())) -> str | None:
+    """Where ``new`` holds another type than ``old`` (a list become an ndarray, a tuple a list, an int a
+    float, a tensor of another dtype or shape), as ``"<path>: list -> ndarray"``; None when the types match
+    all the way down. ``None`` and a float are both valid cached Gaussians and are not told apart."""
+    if type(old) is not type(new):
+        if {type(old), type(new)} <= {type(None), float}:
+            return None
+        return f"{_show(path)}: {type(old).__name__} -> {type(new).__name__}"
+    if is_tensor(old):
+        if old.dtype != new.dtype or old.shape != new.shape:
+            return f"{_show(path)}: tensor {old.dtype} {tuple(old.shape)} -> {new.dtype} {tuple(new.shape)}"
+        return None
+    if isinstance(old, dict):
+        if list(old) != list(new):
+            return f"{_show(path)}: keys {list(old)} -> {list(new)}"
+        for k in old:
+            hit = _type_change(old[k], new[k], path.child(k))
+            if hit:
+                return hit
+    elif isinstance(old, (list, tuple)):
+        if len(old) != len(new):
+            return f"{_show(path)}: {len(old)} items -> {len(new)}"
+        for i, (o, n) in enumerate(zip(old, new)):
+            hit = _type_change(o, n, path.at(i))
+            if hit:
+                return hit
+    return None
 
 
 @dataclasses.dataclass
@@ -283,9 +324,18 @@ def perturb(state, control: str, *, previous_lr: Sequence[float] | None = None) 
     Returns:
         (new_state, Perturbation). ``Perturbation.applied`` is False (and the state unchanged) when
         the part is not in the state.
+
+    Raises:
+        CannotCheck: the perturbation would change a type somewhere (a list saved with ``.tolist()``
+            become an array, which ``torch.load(weights_only=True)`` refuses): a control run from it
+            would test the script's loader, not its resume.
     """
     control = canonical_control(control)
     st, changed = _PERTURBERS[control](copy.deepcopy(state), TOOL_CONTROLS.index(control), previous_lr)
+    if changed:
+        hit = _type_change(state, st)
+        if hit:
+            raise CannotCheck(f"control {control} could not perturb the state without changing a type ({hit})")
     applied = bool(changed)
     note = "" if applied else _MISSING_NOTES[control]
     if control == "optimizer-moments" and not applied and not _find_optimizer_states(st):

@@ -9,6 +9,8 @@ and the resumed run replays samples it has already seen.
 ``--steps-is-total``: ``--steps`` is the global update to stop at (for the ``{total_steps}`` placeholder).
 ``--refuse-odd-cursor``: refuse (exit 1) a state whose cursor is not on a batch boundary (as the
 data-cursor negative control makes it): the control's run fails instead of training.
+``--short-resume``: a resumed run stops after 2 updates and exits 0 (a run that did not do what it was
+asked); ``--short-on-odd-cursor``: only when the cursor is off a batch boundary (the data-cursor control's run).
 """
 import argparse
 import os
@@ -28,6 +30,8 @@ p.add_argument("--resume-from")
 p.add_argument("--cursor-since-resume", action="store_true")
 p.add_argument("--steps-is-total", action="store_true")
 p.add_argument("--refuse-odd-cursor", action="store_true")
+p.add_argument("--short-resume", action="store_true")
+p.add_argument("--short-on-odd-cursor", action="store_true")
 args = p.parse_args()
 
 torch.manual_seed(3)
@@ -48,6 +52,8 @@ if args.resume_from:
 batches_this_run = 0  # in the current epoch, since this process started
 
 todo = args.steps - step if args.steps_is_total else args.steps
+if args.resume_from and (args.short_resume or (args.short_on_odd_cursor and pos % BATCH)):
+    todo = min(todo, 2)
 traj = Trajectory(args.output)
 for _ in range(todo):
     if pos >= len(perm):
