@@ -143,3 +143,33 @@ def test_only_refuses_empty_components_and_reaches_keys_holding_a_slash(tmp_path
         ckpt_archive.load(str(repo), only="a/b")
     res = CliRunner().invoke(app, ["restore", f"{repo}@latest", "--output", str(tmp_path / "o.pt"), "--only", "a/b"])
     assert res.exit_code == 2 and "ambiguous" in res.output
+
+
+def test_only_matches_keys_by_their_text_refusing_two_that_read_alike_and_loose_positions(tmp_path):
+    """Faults (final break test): with ``{1: A, "1": B}`` and ``{True: ..., "True": ...}`` the step ``1`` /
+    ``True`` silently took the first key; ``e/None`` returned the value of a lone-surrogate str key
+    (tagged keys were matched as ``str(k.get("v"))``, "None" for them), which itself could not be
+    selected; Counter keys were unreachable; a list position was read by ``int()``, so ``-1``, ``1_0``,
+    ``+2``, ``01`` and an Arabic-Indic ``3`` all selected elements the slash form never writes."""
+    import collections
+    import os
+
+    import ckpt_archive
+    from ckpt_archive.errors import NotFound
+
+    bad = os.fsdecode(b"caf\xe9")
+    ckpt_archive.pack({"d": {1: "int-one", "1": "str-one"}, "f": {True: "t", "True": "T"},
+                       "e": {bad: "surrogate", None: "none-key"}, "u": {1: "only-int"},
+                       "c": collections.Counter({"x": 3, 5: 2}), "l": list(range(20))}, str(tmp_path / "r"))
+
+    def only(sel):
+        return ckpt_archive.load(str(tmp_path / "r"), only=sel)
+
+    for sel in ("d/1", "f/True"):
+        with pytest.raises(UsageError, match="ambiguous"):
+            only(sel)
+    assert only("e/None") == "none-key" and only(f"e/{bad}") == "surrogate" and only("u/1") == "only-int"
+    assert only("c/x") == 3 and only("c/5") == 2 and only("l/0") == 0 and only("l/12") == 12
+    for sel in ("l/-1", "l/1_0", "l/+2", "l/01", "l/\u0663", "l/ 1", "l/20"):
+        with pytest.raises(NotFound):
+            only(sel)

@@ -701,8 +701,9 @@ def _resolve(node, parts: list[str], keys: list[str], origins: dict) -> list[tup
 def _has_slash_keys(node) -> bool:
     if isinstance(node, dict) and "$t" not in node:
         return any("/" in str(k) for k in node)
-    if isinstance(node, dict) and node.get("$t") in ("dict", "odict"):
-        return any("/" in str(k.get("v") if isinstance(k, dict) else k) for k, _ in node["items"])
+    if isinstance(node, dict) and node.get("$t") in ("dict", "odict", "counter"):
+        return any("/" in (_key_text(kv[0]) or "") for kv in node.get("items") or []
+                   if isinstance(kv, list) and len(kv) == 2)
     return False
 
 
@@ -721,24 +722,56 @@ def _unshare(node, origins: dict):
 
 
 def _child(node, part: str, where: str):
+    """The child of an encoded container that one ``--only`` step names: a list/tuple position written as
+    plain decimal digits (``0``, ``12``; not ``-1``, ``+2``, ``01`` or ``1_0``, which ``int()`` would take),
+    or the key whose text is ``part`` (a tagged key by its decoded text: an int key ``1``, a str with lone
+    surrogates). Two keys with the same text (``1`` and ``"1"``, ``True`` and ``"True"``) are refused as
+    ambiguous, never one picked silently."""
     if isinstance(node, list) or (isinstance(node, dict) and node.get("$t") == "tuple"):
         items = node if isinstance(node, list) else node["v"]
-        try:
+        if part.isascii() and part.isdigit() and (part == "0" or not part.startswith("0")) \
+                and int(part) < len(items):
             return items[int(part)]
-        except (ValueError, IndexError):
-            raise NotFound(f"no element {part!r} in the state", where=where) from None
+        raise NotFound(f"no element {part!r} in the state (positions are 0..{len(items) - 1})", where=where)
+    pairs: list = []
     if isinstance(node, dict) and "$t" not in node:
-        if part in node:
-            return node[part]
-    elif isinstance(node, dict) and node.get("$t") in ("dict", "odict"):
-        for k, v in node["items"]:
-            if str(k) == part or (isinstance(k, dict) and str(k.get("v")) == part):
-                return v
-    keys: list[str] = []
-    if isinstance(node, dict) and "$t" not in node:
-        keys = [str(k) for k in node]
-    elif isinstance(node, dict) and node.get("$t") in ("dict", "odict"):
-        keys = [str(k.get("v") if isinstance(k, dict) else k) for k, _ in node["items"]]
+        pairs = list(node.items())
+    elif isinstance(node, dict) and node.get("$t") in ("dict", "odict", "counter"):
+        pairs = [kv for kv in node.get("items") or [] if isinstance(kv, list) and len(kv) == 2]
+    texts = [(_key_text(k), k, v) for k, v in pairs]
+    found = [(k, v) for text, k, v in texts if text == part]
+    if len(found) > 1:
+        kinds = ", ".join(_key_kind(k) for k, _ in found)
+        raise UsageError(f"--only step {part!r} is ambiguous: {len(found)} keys there read {part!r} "
+                         f"({kinds}); nothing was selected (load the container and pick the key in Python)")
+    if found:
+        return found[0][1]
+    keys = [t for t, _, _ in texts if t is not None]
     shown = ", ".join(keys[:12]) + (", ..." if len(keys) > 12 else "")
     raise NotFound(f"no key {part!r} in the state" + (f"; keys there: {shown}" if keys else ""), where=where)
 
+
+def _key_text(k) -> str | None:
+    """The text an ``--only`` step matches a key by: a plain key as ``str()`` gives it (``1``, ``True``,
+    ``None``), a tagged int/float by its digits, a tagged str (lone surrogates) decoded; None for keys
+    that have no text of their own (tuples, dtypes)."""
+    if k is None or isinstance(k, (str, int, float, bool)):
+        return str(k)
+    if isinstance(k, dict):
+        if k.get("$t") == "str":
+            import base64
+
+            try:
+                return base64.b64decode(k.get("b64") or "", validate=True).decode("utf-8", "surrogatepass")
+            except (ValueError, TypeError):
+                return None
+        if k.get("$t") in ("int", "float") and isinstance(k.get("v"), str):
+            return k["v"]
+    return None
+
+
+def _key_kind(k) -> str:
+    """The type of an encoded key, for messages."""
+    if isinstance(k, dict):
+        return str(k.get("$t"))
+    return type(k).__name__ if k is not None else "None"
