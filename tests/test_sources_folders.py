@@ -303,3 +303,25 @@ def test_restored_files_keep_their_permission_bits_never_wider_than_the_umask(tm
     finally:
         os.umask(old)
     assert {stat.S_IMODE((tmp_path / "out2" / n).stat().st_mode) for n in modes} == {0o750}
+
+
+def test_a_checkpoint_under_a_folder_name_that_is_not_utf8_packs_and_restores(tmp_path):
+    """Fault guarded (final break test): a sound .pt or .safetensors file inside a folder named in Latin-1
+    was refused ("torch.load failed: 'utf-8' codec can't encode character"): torch and safetensors take
+    paths as UTF-8 text, so such a file is now opened and named through /proc/self/fd."""
+    import os
+
+    import numpy as np
+    import safetensors.numpy
+
+    folder = tmp_path / os.fsdecode(b"d\xe9")
+    folder.mkdir()
+    with open(folder / "p.pt", "wb") as fh:
+        torch.save({"w": torch.ones(2), "step": 3}, fh)
+    (folder / "m.safetensors").write_bytes(safetensors.numpy.save({"x": np.ones(3, dtype=np.float32)}))
+    ckpt_archive.pack(folder, tmp_path / "r")
+    ckpt_archive.pack(folder / "p.pt", tmp_path / "r2")
+    ckpt_archive.restore(tmp_path / "r", "latest", tmp_path / "out")
+    for name in ("p.pt", "m.safetensors"):
+        assert (tmp_path / "out" / name).read_bytes() == (folder / name).read_bytes()
+    assert ckpt_archive.load(tmp_path / "r2")["step"] == 3

@@ -19,7 +19,9 @@ The archive writer needs nothing else. This module imports no reader.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -78,6 +80,36 @@ class SourceCheckpoint:
 #: name -> (detect(path) -> bool, read(path, **options) -> SourceCheckpoint).
 READERS: dict[str, tuple[Callable[[Path], bool], Callable[..., SourceCheckpoint]]] = {}
 _PRIORITY: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def library_path(path: Path):
+    """A path string that torch's and safetensors' file readers accept for ``path``.
+
+    Both take paths as UTF-8 text: a path holding bytes that are not UTF-8 (a folder named in Latin-1;
+    Python gives it as a str with lone surrogates) fails inside them with a codec error. Such a file is
+    opened here and named through ``/proc/self/fd/<n>`` (Linux), which reads the same file; elsewhere it
+    is refused with what to do.
+
+    Raises:
+        SourceError: the path is not UTF-8 and this system has no ``/proc/self/fd``.
+    """
+    text = str(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    else:
+        yield text
+        return
+    if not os.path.isdir("/proc/self/fd"):
+        raise SourceError("path is not UTF-8 text, which torch and safetensors cannot open; rename it",
+                          where=text.encode("utf-8", "backslashreplace").decode("utf-8"))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
 
 
 def register(name: str, detect: Callable[[Path], bool], read: Callable[..., SourceCheckpoint],

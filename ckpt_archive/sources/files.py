@@ -32,7 +32,7 @@ from typing import Iterable
 
 from ckpt_archive.errors import RefusedPickle, SourceError, UnsafePath, first_line
 from ckpt_archive.format.paths import MAX_SOURCE_PARTS, check_relpath
-from ckpt_archive.sources.base import SourceFile
+from ckpt_archive.sources.base import SourceFile, library_path
 from ckpt_archive.sources.torchfile import load_torch_file
 
 #: File suffixes ``torch.save`` files usually carry (a file with another suffix is still recognised by
@@ -156,7 +156,7 @@ def load_safetensors(path: Path) -> tuple[dict, dict[str, str]]:
 
     try:
         tensors = {}
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
+        with library_path(path) as name, safe_open(name, framework="pt", device="cpu") as fh:
             metadata = dict(fh.metadata() or {})
             # in the file's order, as safetensors.torch.load_file gives them (keys() is sorted by name)
             keys = fh.offset_keys() if hasattr(fh, "offset_keys") else fh.keys()

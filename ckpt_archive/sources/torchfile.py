@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ckpt_archive.errors import RefusedPickle, SourceError
 from ckpt_archive.format.exact_bytes import ZIP_ERRORS
-from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
+from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, library_path, register
 
 _PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"}
 
@@ -180,7 +180,8 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True,
         check_zip_records(path)  # torch.load does not check CRCs: a flipped byte would load silently
     try:
         with ctx:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+            with library_path(path) as name:
+                return torch.load(name, map_location="cpu", weights_only=True, mmap=use_mmap)
     except Exception as exc:  # torch raises RuntimeError/UnpicklingError/EOFError/...: diagnose them all
         raise diagnose_unreadable(path, exc) from None
 
