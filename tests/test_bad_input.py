@@ -408,3 +408,19 @@ def test_export_report_and_status_state_refuse_a_fifo(tmp_path, repo):
     res = cli("status", repo, "--state", fifo)
     assert res.exit_code == 2 and "is a FIFO" in res.stderr, res.stderr
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_json_output_holds_no_lone_surrogates_for_a_path_that_is_not_utf8(tmp_path, ckpt):
+    """Fault guarded (final break test): `list --json` on a repository whose path holds bytes that are not
+    UTF-8 wrote them as JSON's \\udcXX escapes of lone surrogates, which strict JSON parsers refuse; the
+    path is now written with \\xNN escapes of its bytes."""
+    import os
+
+    repo = tmp_path / os.fsdecode(b"r\xe9")
+    assert cli("pack", ckpt, "--repo", repo).exit_code == 0
+    res = cli("list", repo, "--json")
+    assert res.exit_code == 0
+    doc = json.loads(res.stdout)
+    assert doc["repository"].endswith("r\\xe9") and "\\udc" not in res.stdout
+    doc_text = json.dumps(doc, ensure_ascii=False)
+    doc_text.encode("utf-8")  # every string is Unicode text

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import os
 import re
 import sys
 from typing import Any, Callable
@@ -82,6 +83,25 @@ def split_repo_spec(spec: str) -> tuple[str, str]:
 _QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_archive_quiet", default=False)
 
 
+def _unicode_only(obj):
+    """``obj`` with every str that holds lone surrogates (a path in bytes that are not UTF-8) written with
+    ``\\x`` escapes: JSON's ``\\udcXX`` for a lone surrogate is refused by strict parsers."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+            return obj
+        except UnicodeEncodeError:
+            try:  # the bytes the name had on disk, the ones that are not UTF-8 as \xNN
+                return os.fsencode(obj).decode("utf-8", "backslashreplace")
+            except UnicodeEncodeError:  # surrogates that did not come from undecodable bytes
+                return obj.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(obj, dict):
+        return {_unicode_only(k): _unicode_only(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_unicode_only(v) for v in obj]
+    return obj
+
+
 class Output:
     """Human lines to stderr (rich, no tracebacks); one JSON object to stdout in ``--json`` mode.
 
@@ -125,7 +145,7 @@ class Output:
         if self.json_mode:
             from ckpt_archive.format.jsonio import dumps
 
-            sys.stdout.write(dumps(obj, indent=2, ensure_ascii=True, default=str).decode("utf-8"))
+            sys.stdout.write(dumps(_unicode_only(obj), indent=2, ensure_ascii=True, default=str).decode("utf-8"))
             sys.stdout.flush()
 
     def progress(self, total: int | None, description: str):
