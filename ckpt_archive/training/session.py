@@ -455,20 +455,36 @@ def _rescale(value: float, old_base: float, new_base: float) -> float:
     return value / old_base * new_base
 
 
-def _copy_tree(obj: Any) -> Any:
-    """Copy dicts/lists/tuples (keeping dict subclasses' types); tensors and arrays are shared, not copied."""
+def _copy_tree(obj: Any, memo: dict | None = None) -> Any:
+    """Copy dicts/lists/tuples (keeping dict subclasses' types); tensors and arrays are shared, not copied.
+
+    A container reached twice (``state["opt_alias"] is state["optimizer"]``, or ``state["pg"]`` the very
+    ``param_groups`` list) is copied once (``memo``, by ``id``), so the copy keeps the aliasing and a rewrite
+    seen through one path is seen through every other: ``torch.save`` of the result still has one object."""
+    if memo is None:
+        memo = {}
+    if isinstance(obj, (dict, list)) or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
+        hit = memo.get(id(obj))
+        if hit is not None:
+            return hit[1]
     if isinstance(obj, dict):
         try:
             new = copy.copy(obj)
         except Exception:
             new = dict(obj)
+        memo[id(obj)] = (obj, new)  # the original is kept so that its id is not reused while copying
         for k, v in obj.items():
-            new[k] = _copy_tree(v)
+            new[k] = _copy_tree(v, memo)
         return new
     if isinstance(obj, list):
-        return [_copy_tree(v) for v in obj]
+        new_list: list = []
+        memo[id(obj)] = (obj, new_list)
+        new_list.extend(_copy_tree(v, memo) for v in obj)
+        return new_list
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_copy_tree(v) for v in obj)
+        new_t = tuple(_copy_tree(v, memo) for v in obj)
+        memo[id(obj)] = (obj, new_t)
+        return new_t
     return obj
 
 
@@ -586,7 +602,10 @@ def _rescale_scheduler(sd: dict, path: str, olds: list, news: list, changes: lis
                 if nv != fv:
                     new_vals[i] = _same_type(v, nv)
                     changes.append(PolicyChange(f"{path}.{key}[{i}]", fv, nv))
-            sd[key] = type(vals)(new_vals) if isinstance(vals, tuple) else new_vals
+            if isinstance(vals, list):
+                vals[:] = new_vals  # in place: a list reached through another path sees the same values
+            else:
+                sd[key] = type(vals)(new_vals)
     for j, sub in enumerate(sd.get("_schedulers") or []):
         sub_d = sub if isinstance(sub, dict) else getattr(sub, "__dict__", None)
         if isinstance(sub_d, dict):
