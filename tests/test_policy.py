@@ -711,3 +711,38 @@ def test_plain_sgd_without_momentum_was_warned_of_missing_optimizer_moments():
 
     assert lint() == []
     assert lint(momentum=0.9) and "no moments saved" in lint(momentum=0.9)[0].message
+
+
+def test_policy_session_keeps_object_identity_of_an_aliased_optimizer_state(tmp_path):
+    """D3: `restore --policy session` split an optimizer state reached twice (`optimizer` and `opt_alias` the
+    same dict, `pg` its param_groups list) into separate copies and rewrote only one: torch.load gave
+    `optimizer is opt_alias` False and LRs 1e-5 / 1e-3 / 1e-3, exit 0. Every alias must see the session's
+    value, and the aliasing must survive as in a restore without --policy."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    osd = opt.state_dict()
+    state = {"model": m.state_dict(), "optimizer": osd, "opt_alias": osd, "pg": osd["param_groups"], "step": 1}
+    new, changes = apply_session_policy(state, lr=1e-5)
+    assert new["optimizer"] is new["opt_alias"] and new["pg"] is new["optimizer"]["param_groups"]
+    assert state["optimizer"]["param_groups"][0]["lr"] == 1e-3  # the input is not modified
+    src = tmp_path / "ck.pt"
+    torch.save(state, src)
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"optimizer": {"lr": 1e-5}}))
+    run = CliRunner().invoke
+    assert run(app, ["pack", str(src), "--repo", str(tmp_path / "r")]).exit_code == 0
+    res = run(app, ["restore", str(tmp_path / "r"), "-o", str(tmp_path / "o.pt"), "--session-config", str(cfg),
+                    "--policy", "session"])
+    assert res.exit_code == 0, res.stderr
+    o = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert o["optimizer"] is o["opt_alias"]
+    assert o["pg"] is o["optimizer"]["param_groups"]
+    assert [o["optimizer"]["param_groups"][0]["lr"], o["opt_alias"]["param_groups"][0]["lr"], o["pg"][0]["lr"]] \
+        == [1e-5] * 3
+    assert o["optimizer"]["state"][0]["exp_avg"] is o["opt_alias"]["state"][0]["exp_avg"]

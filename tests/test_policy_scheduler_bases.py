@@ -238,3 +238,91 @@ def test_policy_session_with_the_packed_config_re_saved_the_file_although_nothin
     assert res.exit_code == 0, res.stderr
     assert "nothing rewritten" in res.stderr
     assert (tmp_path / "o.pt").read_bytes() == src.read_bytes()
+
+
+def _seq(lr):
+    p = torch.nn.Parameter(torch.zeros(1))
+    o = torch.optim.AdamW([p], lr=lr)
+    return o, L.SequentialLR(o, [L.LinearLR(o, 0.1, total_iters=3), L.CosineAnnealingLR(o, 20, eta_min=1e-7)], [3])
+
+
+def _seq_run(lr, n):
+    o, s = _seq(lr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(n):
+            o.step()
+            s.step()
+    return o, s
+
+
+def _next_after_step(o, s):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o.step()
+        s.step()
+    return o.param_groups[0]["lr"]
+
+
+def test_sequential_sub_scheduler_stale_base_lrs_are_reported_and_rewritten():
+    """D2: SequentialLR sub-scheduler base_lrs (1e-6, from an older run) were reported by the comparison but
+    not rewritten by --policy session ("nothing rewritten"), and a scheduler-only SequentialLR state was neither
+    reported nor rewritten; restore_training_state(policy="session") then ran the next scheduler.step() at
+    9.70e-06 where a consistent 1e-4 run is at 9.46e-05. Real torch schedulers: the next LR must match."""
+    want = _next_after_step(*_seq_run(1e-4, 5))
+    # full state whose sub-scheduler bases are stale
+    o, s = _seq_run(1e-4, 5)
+    sd = s.state_dict()
+    for sub in sd["_schedulers"]:
+        sub["base_lrs"] = [1e-6]
+    full = _rt({"optimizer": o.state_dict(), "scheduler": sd})
+    diffs = {d.field for d in compare_with_session(full, session_config={"lr": 1e-4})}
+    new, changes = apply_session_policy(full, lr=1e-4)
+    assert diffs and diffs <= {c.field for c in changes}
+    o2, s2 = _seq(1e-4)
+    o2.load_state_dict(new["optimizer"])
+    s2.load_state_dict(new["scheduler"])
+    assert math.isclose(_next_after_step(o2, s2), want, rel_tol=1e-9)
+    o3, s3 = _seq(1e-4)
+    restore_training_state(_rt(full), optimizer=o3, scheduler=s3, policy="session", rng=False)
+    assert math.isclose(_next_after_step(o3, s3), want, rel_tol=1e-9)
+    # scheduler-only state trained at 1e-6
+    o, s = _seq_run(1e-6, 5)
+    only = _rt({"scheduler": s.state_dict(), "step": 5})
+    diffs = {d.field for d in compare_with_session(only, session_config={"lr": 1e-4})}
+    assert "scheduler._schedulers[1].base_lrs[0]" in diffs
+    new, changes = apply_session_policy(only, lr=1e-4)
+    assert diffs <= {c.field for c in changes}
+    assert [x["base_lrs"] for x in new["scheduler"]["_schedulers"]] == [[1e-4], [1e-4]]
+    from ckpt_archive.training.audit import audit
+    assert audit(only).groups[0].base_lr == 1e-6  # inspect shows the sub-scheduler's base, not "-"
+    o4, s4 = _seq(1e-4)
+    rep = restore_training_state(_rt(only), optimizer=o4, scheduler=s4, policy="session", rng=False)
+    assert math.isclose(_next_after_step(o4, s4), want, rel_tol=1e-9)
+    assert rep.changes
+
+
+def test_scheduler_only_stale_base_lrs_warn_under_policy_checkpoint(caplog):
+    """D4: restore_training_state of a scheduler-only state (LambdaLR, base_lrs 1e-6) into a session built at
+    1e-4, policy "checkpoint": report.warnings and the log held only "moments restart"; the stale base_lrs
+    (next scheduler.step() at 7e-07 instead of 7e-05) was only in report.audit. It must warn, as the CLI does;
+    a consistent session must not."""
+    def mk(lr):
+        p = torch.nn.Parameter(torch.zeros(1))
+        o = torch.optim.AdamW([p], lr=lr)
+        return o, L.LambdaLR(o, lambda e: min(1.0, (e + 1) / 10))
+
+    o, s = mk(1e-6)
+    for _ in range(5):
+        o.step()
+        s.step()
+    state = _rt({"model": {}, "scheduler": s.state_dict(), "step": 5})
+    o2, s2 = mk(1e-4)
+    with caplog.at_level("WARNING", logger="ckpt_archive.training.policy"):
+        rep = restore_training_state(state, optimizer=o2, scheduler=s2, rng=False)
+    stale = [w for w in rep.warnings if "scheduler.base_lrs[0]" in w]
+    assert stale and "1e-06" in stale[0] and "0.0001" in stale[0]
+    assert any("scheduler.base_lrs[0]" in r.getMessage() for r in caplog.records)
+    o3, s3 = mk(1e-6)
+    rep = restore_training_state(_rt({"scheduler": s.state_dict(), "step": 5}), optimizer=o3, scheduler=s3, rng=False)
+    assert not [w for w in rep.warnings if "base_lrs" in w]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_archive.training.parts import find_parts, sub_checkpoints
-from ckpt_archive.training.schedulers import derive_lrs
+from ckpt_archive.training.schedulers import derive_lrs, nested_base_lrs, primary_base_lrs
 from ckpt_archive.training.values import DERIVED_RTOL, as_float, as_number, fmt_pair, fmt_value, jsonable, nearly_equal
 
 
@@ -249,7 +249,7 @@ def _audit_pair(opt_field: str, opt: Any, sch_field: str, sch: Any, findings: li
         kind, derived, note = derive_lrs(sch, dict_groups or None)
         le = as_number(sch.get("last_epoch"))
         sched_info.update(kind=kind, field=sch_field, last_epoch=le, derivable=derived is not None, note=note)
-        bases = list(sch.get("base_lrs") or [])
+        bases = primary_base_lrs(sch)  # SequentialLR/ChainedScheduler: the sub-scheduler's
         last = list(sch.get("_last_lr") or [])
         n_sched = len(last) or len(bases)
         mismatch = bool(groups_sd and n_sched and n_sched != len(groups_sd))
@@ -286,9 +286,10 @@ def _audit_pair(opt_field: str, opt: Any, sch_field: str, sch: Any, findings: li
                 "warning", f"{sch_field}.base_lrs",
                 f"no optimizer state: the next optimizer step runs at the session's LR, then {sch_field}.base_lrs "
                 f"[{shown}] (archived) override it: {then}; --policy session rewrites base_lrs to the session's"))
-            for i, b in enumerate(bases):
-                overrides.append(Override(f"{sch_field}.base_lrs[{i}]", as_float(b), None,
-                                          "at the next scheduler.step()"))
+            for bfield, bs in nested_base_lrs(sch, sch_field):  # also SequentialLR sub-schedulers'
+                for i, b in enumerate(bs):
+                    overrides.append(Override(f"{bfield}.base_lrs[{i}]", as_float(b), None,
+                                              "at the next scheduler.step()"))
 
     groups: list[GroupPolicy] = []
     n = max(len(groups_sd), len(last), len(bases))

@@ -129,8 +129,10 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
     session_bases = _session_bases(optimizer, session_lr, state, parts["optimizer"][1]) if policy == "session" else None
     policy_kw = _session_policy_kw(state, parts, scheduler, session_bases, session_lr) if policy == "session" else {}
 
+    stale = _stale_scheduler_bases(state, parts, optimizer, keys) if policy == "checkpoint" else []
     live = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
     restored, skipped, warnings = _load_in_order(parts, live, a)
+    warnings.extend(stale)
     changes: list[PolicyChange] = []
     if policy == "session":
         changes = impose_lrs(optimizer.param_groups, scheduler, session_bases, parts["optimizer"][0] or "optimizer",
@@ -164,6 +166,25 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
     return RestoreReport(restored=restored, skipped=skipped, policy=policy, next_lrs=next_lrs, changes=changes,
                          rng=rng_report, bitwise_resumable=bitwise, warnings=warnings, numpy_generator=numpy_gen,
                          audit=a)
+
+
+def _stale_scheduler_bases(state: Any, parts: dict, optimizer: Any, keys: dict | None) -> list[str]:
+    """Under policy "checkpoint", a scheduler-only state whose ``base_lrs`` (also SequentialLR sub-schedulers')
+    differ from the live optimizer's base LRs (read before the restore): the next step runs at the session's
+    LR, then the next ``scheduler.step()`` switches to the archived bases. A warning, as the CLI's is."""
+    if optimizer is None or parts["optimizer"][1] is not None or not isinstance(parts["scheduler"][1], dict):
+        return []
+    from ckpt_archive.training.session import compare_with_session, lr_base_field
+
+    bases = [as_float(g.get(lr_base_field(g))) for g in optimizer.param_groups]
+    if None in bases:
+        return []
+    diffs = compare_with_session(state, session_config={"optimizer": {"param_groups": [{"lr": b} for b in bases]}},
+                                 keys=keys)
+    return [f"{d.field}: archived {fmt_value(d.archived)}, session {fmt_value(d.session)} (the live optimizer's base "
+            f"LR): the checkpoint holds no optimizer state, so the next step runs at the session's LR, then the next "
+            f"scheduler.step() computes from the archived base_lrs; policy='session' keeps the session's"
+            for d in diffs if ".base_lrs[" in d.field]
 
 
 def _session_bases(optimizer: Any, session_lr: float | Sequence[float] | None, state: Any = None,

@@ -159,3 +159,40 @@ def derive_lrs(sd: dict, groups: list[dict] | None = None) -> tuple[str, list[fl
     if kind == "ReduceLROnPlateau":
         return kind, None, "depends on the metric history: the LR stays until the plateau rule fires"
     return kind, None, f"{kind}: no closed form known here"
+
+
+def nested_base_lrs(sd: dict, field: str = "scheduler") -> list[tuple[str, list]]:
+    """Every ``base_lrs`` a scheduler state holds: its own, and those of its SequentialLR/ChainedScheduler
+    sub-schedulers (``scheduler._schedulers[1].base_lrs``), each with its field path; OneCycleLR's are left
+    out (``max_lr / div_factor``, not a configured LR). ``scheduler.load_state_dict`` restores all of them and
+    the sub-scheduler that steps next computes the LR from its own."""
+    out: list[tuple[str, list]] = []
+    if not isinstance(sd, dict):
+        return out
+    if isinstance(sd.get("base_lrs"), (list, tuple)) and scheduler_kind(sd) != "OneCycleLR":
+        out.append((field, list(sd["base_lrs"])))
+    for j, sub in enumerate(sd.get("_schedulers") or []):
+        sub_d = sub if isinstance(sub, dict) else getattr(sub, "__dict__", None)
+        if isinstance(sub_d, dict):
+            out += nested_base_lrs(sub_d, f"{field}._schedulers[{j}]")
+    return out
+
+
+def primary_base_lrs(sd: dict) -> list:
+    """The base LRs a scheduler state schedules from: its own ``base_lrs``, else (SequentialLR/ChainedScheduler,
+    which keep none) those of the sub-scheduler active at ``last_epoch`` (SequentialLR), else the first."""
+    if not isinstance(sd, dict):
+        return []
+    if sd.get("base_lrs"):
+        return list(sd["base_lrs"])
+    subs = [d for s in (sd.get("_schedulers") or [])
+            if isinstance(d := (s if isinstance(s, dict) else getattr(s, "__dict__", None)), dict)]
+    if not subs:
+        return []
+    idx = 0
+    ms, le = sd.get("_milestones"), as_number(sd.get("last_epoch"))
+    if isinstance(ms, (list, tuple)) and le is not None:
+        import bisect
+
+        idx = min(bisect.bisect_right(list(ms), le), len(subs) - 1)
+    return primary_base_lrs(subs[idx]) or next((b for s in subs if (b := primary_base_lrs(s))), [])

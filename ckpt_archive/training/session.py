@@ -19,7 +19,7 @@ from ckpt_archive.training.audit import audit
 from ckpt_archive.training.lr_bases import (base_kind, compare_cyclic, cyclic_wants, impose_cyclic, impose_plateau,
                                             plateau_bases, plateau_reductions)
 from ckpt_archive.training.parts import find_parts, is_tensor
-from ckpt_archive.training.schedulers import derive_lrs, scheduler_kind
+from ckpt_archive.training.schedulers import derive_lrs, nested_base_lrs, primary_base_lrs, scheduler_kind
 from ckpt_archive.training.values import as_float, coerce_float, flatten, fmt_pair, fmt_value, jsonable, nearly_equal
 
 _LR_NAMES = ("lr", "learning_rate", "base_lr")
@@ -373,14 +373,17 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                 continue
             if base_kind(sch) in ("one_cycle", "plateau"):
                 continue  # OneCycleLR reads the session's groups (max_lr), Plateau keeps no base_lrs
-            bases = [as_float(b) for b in (sch.get("base_lrs") or [])] if isinstance(sch, dict) else []
-            for i, (have, want) in enumerate(zip(bases, spread_scalar_lr(sess["lr"], bases, arch_lr))):
-                want = coerce_float(want)
-                if have is not None and want is not None and not nearly_equal(have, want):
-                    add(f"{sfield}.base_lrs[{i}]", have, want,
-                        f"config {sess['source']['lr']}; the checkpoint holds no optimizer state, so the next "
-                        f"step runs at the session's LR, then scheduler.step() switches to the archived base_lrs",
-                        "at the next scheduler.step()")
+            primary = [as_float(b) for b in primary_base_lrs(sch)]
+            wanted = spread_scalar_lr(sess["lr"], primary, arch_lr)
+            # every base_lrs the scheduler restores, also SequentialLR/ChainedScheduler sub-schedulers'
+            for bfield, bs in nested_base_lrs(sch, sfield):
+                for i, (have, want) in enumerate(zip([as_float(b) for b in bs], wanted)):
+                    want = coerce_float(want)
+                    if have is not None and want is not None and not nearly_equal(have, want):
+                        add(f"{bfield}.base_lrs[{i}]", have, want,
+                            f"config {sess['source']['lr']}; the checkpoint holds no optimizer state, so the next "
+                            f"step runs at the session's LR, then scheduler.step() switches to the archived base_lrs",
+                            "at the next scheduler.step()")
     if expect_lr is not None:
         a = audit(state, keys=keys)
         if isinstance(expect_lr, (list, tuple)):
@@ -455,20 +458,36 @@ def _rescale(value: float, old_base: float, new_base: float) -> float:
     return value / old_base * new_base
 
 
-def _copy_tree(obj: Any) -> Any:
-    """Copy dicts/lists/tuples (keeping dict subclasses' types); tensors and arrays are shared, not copied."""
+def _copy_tree(obj: Any, memo: dict | None = None) -> Any:
+    """Copy dicts/lists/tuples (keeping dict subclasses' types); tensors and arrays are shared, not copied.
+
+    A container reached twice (``state["opt_alias"] is state["optimizer"]``, or ``state["pg"]`` the very
+    ``param_groups`` list) is copied once (``memo``, by ``id``), so the copy keeps the aliasing and a rewrite
+    seen through one path is seen through every other: ``torch.save`` of the result still has one object."""
+    if memo is None:
+        memo = {}
+    if isinstance(obj, (dict, list)) or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
+        hit = memo.get(id(obj))
+        if hit is not None:
+            return hit[1]
     if isinstance(obj, dict):
         try:
             new = copy.copy(obj)
         except Exception:
             new = dict(obj)
+        memo[id(obj)] = (obj, new)  # the original is kept so that its id is not reused while copying
         for k, v in obj.items():
-            new[k] = _copy_tree(v)
+            new[k] = _copy_tree(v, memo)
         return new
     if isinstance(obj, list):
-        return [_copy_tree(v) for v in obj]
+        new_list: list = []
+        memo[id(obj)] = (obj, new_list)
+        new_list.extend(_copy_tree(v, memo) for v in obj)
+        return new_list
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_copy_tree(v) for v in obj)
+        new_t = tuple(_copy_tree(v, memo) for v in obj)
+        memo[id(obj)] = (obj, new_t)
+        return new_t
     return obj
 
 
@@ -509,7 +528,9 @@ def impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str, *,
         olds = archived_bases if archived_bases is not None else plateau_bases(groups, sd or {})
         impose_plateau(groups, sd, wants, olds, ofield, sfield, changes)
         return changes
-    sched_bases = [as_float(b) for b in ((sd or {}).get("base_lrs") or [])]
+    # SequentialLR/ChainedScheduler keep no base_lrs of their own: without groups, their sub-scheduler's tell
+    sched_bases = [as_float(b) for b in ((sd or {}).get("base_lrs") or (primary_base_lrs(sd or {}) if not groups
+                                                                         else []))]
     olds: list = []      # the archived base of each group's own fields
     sched_olds: list = []  # the base the scheduler's base_lrs/_last_lr are rescaled from
     news: list = []
@@ -534,11 +555,17 @@ def impose_lrs(groups: list, sch: Any, wants: list, ofield: str, sfield: str, *,
                 if nv != fv:
                     g[key] = _same_type(g[key], nv)
                     changes.append(PolicyChange(f"{ofield}.param_groups[{i}].{key}", fv, nv))
+    nested = [as_float(b) for _, bs in nested_base_lrs(sd or {}) for b in bs[:len(news)]]
+    nested_news = [w for _, bs in nested_base_lrs(sd or {}) for w in news[:len(bs)]]
     if not any(o is not None and w is not None and not nearly_equal(o, w)
-               for o, w in zip(olds + sched_olds, news + news)):
+               for o, w in zip(olds + sched_olds + nested, news + news + nested_news)):
         return changes  # the session asks for what is archived: nothing to rewrite, not even by a closed form
     if isinstance(sd, dict):
-        _rescale_scheduler(sd, sfield, sched_olds, news, changes)
+        if not isinstance(sch, dict):  # a live scheduler shares its lists with the state it loaded: never write into them
+            for key in ("base_lrs", "_last_lr"):
+                if isinstance(sd.get(key), list):
+                    sd[key] = list(sd[key])
+        _rescale_scheduler(sd, sfield, sched_olds, news, changes, in_place=isinstance(sch, dict))
         # Where the schedule has a closed form, the LR at the archived position is the closed form with the
         # session's base (exact also for absolute floors such as eta_min, which a ratio would scale).
         view = sch if isinstance(sch, dict) else (sch.state_dict() if hasattr(sch, "state_dict") else None)
@@ -572,25 +599,49 @@ def _replace_change(changes: list[PolicyChange], field: str, old: float, new: fl
     changes.append(PolicyChange(field, old, new))
 
 
-def _rescale_scheduler(sd: dict, path: str, olds: list, news: list, changes: list) -> None:
-    """Rescale ``base_lrs`` and ``_last_lr`` (also of SequentialLR/ChainedScheduler sub-schedulers)."""
+def _rescale_scheduler(sd: dict, path: str, olds: list, news: list, changes: list, *, in_place: bool = True,
+                       last_olds: list | None = None, seen: set | None = None) -> None:
+    """Rescale ``base_lrs`` and ``_last_lr`` (also of SequentialLR/ChainedScheduler sub-schedulers).
+
+    ``in_place``: write into the lists (a copied state, where a list may be reached by another path too); a
+    live scheduler gets new lists (its lists are the very ones of the state dict it loaded, the caller's).
+    ``last_olds``: the base ``_last_lr`` is rescaled from (default ``olds``)."""
+    seen = set() if seen is None else seen
     for key in ("base_lrs", "_last_lr"):
         vals = sd.get(key)
+        if id(vals) in seen:  # SequentialLR's _last_lr is its active sub-scheduler's very list: rescale it once
+            continue
+        seen.add(id(vals))
+        key_olds = olds if key == "base_lrs" or last_olds is None else last_olds
         if isinstance(vals, (list, tuple)):
             new_vals = list(vals)
             for i, v in enumerate(vals):
                 fv = as_float(v)
-                if fv is None or i >= len(olds) or olds[i] is None or news[i] is None:
+                if fv is None or i >= len(key_olds) or key_olds[i] is None or i >= len(news) or news[i] is None:
                     continue
-                nv = _rescale(fv, olds[i], news[i])
+                nv = _rescale(fv, key_olds[i], news[i])
                 if nv != fv:
                     new_vals[i] = _same_type(v, nv)
                     changes.append(PolicyChange(f"{path}.{key}[{i}]", fv, nv))
-            sd[key] = type(vals)(new_vals) if isinstance(vals, tuple) else new_vals
+            if isinstance(vals, list) and in_place:
+                vals[:] = new_vals  # in place: a list reached through another path sees the same values
+            else:
+                sd[key] = type(vals)(new_vals)
     for j, sub in enumerate(sd.get("_schedulers") or []):
         sub_d = sub if isinstance(sub, dict) else getattr(sub, "__dict__", None)
         if isinstance(sub_d, dict):
-            _rescale_scheduler(sub_d, f"{path}._schedulers[{j}]", olds, news, changes)
+            # A sub-scheduler schedules from its own base_lrs (restored by load_state_dict, whatever the group's
+            # initial_lr says): rescale from those, so a stale sub-scheduler base gets the session's too.
+            own = [as_float(b) for b in (sub_d.get("base_lrs") or [])]
+            sub_olds = ([own[i] if i < len(own) and own[i] is not None else o for i, o in enumerate(olds)]
+                        if scheduler_kind(sub_d) != "OneCycleLR" and own else olds)
+            if not in_place:
+                for key in ("base_lrs", "_last_lr"):
+                    if isinstance(sub_d.get(key), list):
+                        sub_d[key] = list(sub_d[key])
+            # its _last_lr is at the group's scale (the closed form below sets the current LR)
+            _rescale_scheduler(sub_d, f"{path}._schedulers[{j}]", sub_olds, news, changes, in_place=in_place,
+                               last_olds=last_olds if last_olds is not None else olds, seen=seen)
 
 
 def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = None,
@@ -644,9 +695,8 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
         # A scheduler alone: its base_lrs take over at the next scheduler.step(); rewrite them (and _last_lr).
         if "lr" in sess and sch_entries:
             for sch_path, sch in sch_entries:
-                n_groups = len((sch.get("base_lrs") or []) if isinstance(sch, dict) else [])
-                wants, want_max = cyclic_wants(sch, sess, lr, n_groups)
-                bases = [as_float(b) for b in ((sch.get("base_lrs") or []) if isinstance(sch, dict) else [])]
+                bases = [as_float(b) for b in primary_base_lrs(sch)]  # SequentialLR: its sub-schedulers'
+                wants, want_max = cyclic_wants(sch, sess, lr, len(bases))
                 changes += impose_lrs([], sch, wants if wants is not None else spread_scalar_lr(sess["lr"], bases, arch_lr),
                                       "optimizer", str(sch_path) or "scheduler", want_max=want_max)
             return new_state, changes
