@@ -166,6 +166,11 @@ class UsageError(CannotCheck):
     """Bad arguments (a malformed REPO@GEN, an empty retention policy, conflicting flags)."""
 
 
+class Unreadable(CannotCheck):
+    """A member or shared object of a generation is there but cannot be read here (permissions): the
+    generation could not be checked (exit 2); ``--fallback`` may still use an older one that verifies."""
+
+
 class StoreError(CannotCheck):
     """A destination store refused or failed an operation (credentials, permissions, network)."""
 

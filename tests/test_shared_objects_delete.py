@@ -290,3 +290,44 @@ def test_a_file_where_the_objects_folder_should_be_is_a_missing_object_not_an_os
                              capture_output=True, text=True)
         assert res.returncode == 1, res.stderr
         assert "missing" in res.stdout + res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("harm", ["symlink", "unreadable"])
+def test_a_symlinked_or_unreadable_object_lets_fallback_use_the_older_sound_generation(tmp_path, monkeypatch, harm):
+    """Fault guarded (shared-objects break test): a shared object replaced by a symbolic link, or made
+    unreadable (chmod 000), stopped `restore --fallback` for the whole repository (UnsafePath exit 1, a bare
+    PermissionError exit 2) and verify named no generation, while an older generation that does not
+    reference the object was sound. Now the object is a problem naming every generation it breaks, and
+    --fallback restores the older one; without --fallback restore refuses naming it."""
+    from ckpt_archive.errors import CkptArchiveError
+    from ckpt_archive.store.local import LocalStore
+
+    repo = tmp_path / "r"
+    ckpt_archive.pack(big_state(0, 1), repo)
+    later = big_state(0, 2)
+    later["model"]["emb"] = torch.randn(280_000, generator=torch.Generator().manual_seed(9))  # a new object
+    ckpt_archive.pack(later, repo)
+    ckpt_archive.pack({**later, "step": 3}, repo)
+    bad = sorted(manifest_fps(repo, 3) - manifest_fps(repo, 1))
+    assert bad, "generations 2 and 3 share an object generation 1 does not have"
+    path = repo / object_key(bad[0])
+    if harm == "symlink":
+        target = tmp_path / "moved.ckz"
+        os.replace(path, target)
+        os.symlink(target, path)
+    else:
+        real_open = LocalStore.open_read
+
+        def deny(self, key):
+            if key == object_key(bad[0]):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(self, key)
+
+        monkeypatch.setattr(LocalStore, "open_read", deny)
+    report = ckpt_archive.verify(repo, 3)
+    assert not report.ok and any("2, 3" in p.reason for p in report.problems), report.problems
+    with pytest.raises(CkptArchiveError):
+        ckpt_archive.restore(repo, "latest", tmp_path / "x.pt")
+    res = ckpt_archive.restore(repo, "latest", tmp_path / "x.pt", fallback=True)
+    assert res.generation == 1
+    assert_bit_exact(torch.load(tmp_path / "x.pt", weights_only=True), big_state(0, 1))

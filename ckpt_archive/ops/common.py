@@ -83,14 +83,28 @@ def check_present(r: Repository, gen: Generation) -> None:
     member is damaged, even when the part asked for does not need that member.
 
     Raises:
-        IntegrityError: a member is missing or has another size (names it).
+        IntegrityError: a member is missing, a symbolic link, or has another size (names it).
+        Unreadable: a member is there but cannot be read (permissions).
     """
+    from ckpt_archive.errors import UnsafePath, Unreadable
     from ckpt_archive.format.objects import stored_files
 
     for member in gen.manifest["members"]:
         for key, fp, rec in stored_files(member, gen.key):  # format 3: its shared objects too
-            if not r.store.exists(key):
-                what = rec["stored_path"] if fp is None else f"shared object {key}"
+            what = rec["stored_path"] if fp is None else f"shared object {key}"
+            try:
+                present = r.store.exists(key)
+            except UnsafePath as exc:  # a symbolic link where the file must be: not this repository's bytes
+                raise IntegrityError(f"{what} (used by generation {gen.number}): {exc.message}",
+                                     where=member["path"] if fp is None else key) from None
+            if present and r.store.local_path() is not None:  # a local file: can this process read it?
+                try:
+                    with r.store.open_read(key):
+                        pass
+                except PermissionError as exc:
+                    raise Unreadable(f"{what} (used by generation {gen.number}) cannot be read here: "
+                                     f"{exc.strerror}", where=member["path"] if fp is None else key) from None
+            if not present:
                 raise IntegrityError(f"missing: {what} is not in generation {gen.number}" if fp is None else
                                      f"missing: {what} (used by generation {gen.number}) is not in the repository",
                                      where=member["path"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
 
-from ckpt_archive.errors import IntegrityError
+from ckpt_archive.errors import IntegrityError, Unreadable
 from ckpt_archive.ops.common import RepoLike, check_present, open_repo, refuse_unusable, require_readable
 from ckpt_archive.ops.verify import find_fallback
 from ckpt_archive.repo.reader import ArchiveReader
@@ -47,7 +47,7 @@ def with_fallback(r: Repository, generation: str | int, fallback: bool,
 
     try:
         return gen, checked(gen)
-    except IntegrityError as exc:
+    except (IntegrityError, Unreadable) as exc:  # found wrong, or a file of it cannot be read here
         if str(generation) != "latest":
             raise
         fb = find_fallback(r, gen.number, deep=False)
@@ -55,8 +55,8 @@ def with_fallback(r: Repository, generation: str | int, fallback: bool,
             return r.generation(fb), checked(r.generation(fb))
         hint = (f"the newest generation that verifies is {fb}: use --fallback or @{fb}" if fb is not None
                 else "no older usable generation verifies either")
-        raise IntegrityError(f"generation {gen.number} (latest) does not verify: {exc.message}; {hint}",
-                             where=exc.where) from None
+        raise type(exc)(f"generation {gen.number} (latest) does not verify: {exc.message}; {hint}",
+                        where=exc.where) from None
 
 
 def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None = None, fallback: bool = False,

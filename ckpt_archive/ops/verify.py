@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ckpt_archive.errors import IntegrityError
+from ckpt_archive.errors import CannotCheck, IntegrityError
 from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import MANIFEST, Generation, Repository
@@ -159,7 +159,10 @@ def find_fallback(r: Repository, newer_than_bad: int, deep: bool, jobs=None) -> 
     for g in reversed(r.usable()):
         if g.number >= newer_than_bad:
             continue
-        problems, _ = check_generation(r, g, deep, jobs)
+        try:
+            problems, _ = check_generation(r, g, deep, jobs)
+        except (CannotCheck, OSError):  # a file of it cannot be read here (an unreadable shared object)
+            continue
         if not problems:
             return g.number
     return None

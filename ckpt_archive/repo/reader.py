@@ -15,7 +15,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
-from ckpt_archive.errors import FormatError, IntegrityError, NotFound, UsageError, first_line
+from ckpt_archive.errors import FormatError, IntegrityError, NotFound, UnsafePath, UsageError, first_line
 from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.format.codec import StoredStream, _fileno, default_jobs, iter_decoded, submit_chunk_checks
 from ckpt_archive.format.objects import parts, stored_files
@@ -125,6 +125,9 @@ class ArchiveReader:
                                     if not key.startswith("objects/") else
                                     f"missing: shared object {key} is not in the repository", member=rec["path"]))
             return False
+        except UnsafePath as exc:  # a symbolic link where the file must be: never read through it
+            problems.append(Problem(f"not a file of this repository: {exc.message}", member=rec["path"]))
+            return False
         if size != rec["stored_bytes"]:
             kind = "truncated" if size < rec["stored_bytes"] else "longer than recorded"
             problems.append(Problem(f"{kind}: {size} bytes stored, manifest says {rec['stored_bytes']}",
@@ -138,9 +141,14 @@ class ArchiveReader:
                       "sized": False}
         if not self._check_size(rec, key, item["problems"]):
             return item
+        try:
+            cm = self.store.open_read(key)
+            fh = cm.__enter__()
+        except PermissionError as exc:  # there, but this process may not read it: reported, never skipped
+            item["problems"].append(Problem(f"cannot be read here: {exc.strerror}", member=rec["path"]))
+            return item
         item["sized"] = True
-        item["fh_cm"] = self.store.open_read(key)
-        fh = item["fh"] = item["fh_cm"].__enter__()
+        item["fh_cm"], item["fh"] = cm, fh
         fd = _fileno(fh)
         if fd is not None:
             item["futs"] = submit_chunk_checks(fd, rec, member=rec["path"], pool=pool) or False
