@@ -190,9 +190,9 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     if policy == "checkpoint":
         return None, section
     sess = session_values(session_config)
-    if not any(k in sess for k in ("lr", *HYPER_NAMES, "betas")):
+    if not any(k in sess for k in ("lr", *HYPER_NAMES, "betas", "scheduler")):
         raise UsageError("--policy session needs --session-config with an lr (or weight_decay, momentum, eps, "
-                         "betas) to impose; --expect-lr only checks")
+                         "betas, scheduler settings) to impose; --expect-lr only checks")
     if not diffs:  # the archive already holds the session's values: restore it as packed (byte for byte)
         if manifest["source"]["layout"] == "folder":
             section["rewritten"] = []

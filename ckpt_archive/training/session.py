@@ -19,6 +19,7 @@ from ckpt_archive.training.audit import audit
 from ckpt_archive.training.lr_bases import (base_kind, compare_cyclic, cyclic_wants, impose_cyclic, impose_plateau,
                                             plateau_bases, plateau_reductions)
 from ckpt_archive.training.parts import find_parts, is_tensor
+from ckpt_archive.training import sched_settings
 from ckpt_archive.training.schedulers import derive_lrs, nested_base_lrs, primary_base_lrs, scheduler_kind
 from ckpt_archive.training.values import as_float, coerce_float, flatten, fmt_pair, fmt_value, jsonable, nearly_equal
 
@@ -100,9 +101,13 @@ def session_values(session_config: dict | str | Path | None) -> dict:
     (``adam_epsilon``), and ``betas`` (or ``adam_beta1``/``adam_beta2``, as in Hugging Face
     TrainingArguments). Per-group values: ``optimizer.param_groups: [{lr: ...}, ...]``.
 
+    Scheduler settings: every scalar (or list of scalars) under a top-level ``scheduler`` / ``lr_scheduler`` /
+    ``sched`` section, kept by its key (``T_max``, ``eta_min``, ...) as ``"scheduler": {key: (value, config
+    key path)}`` (see :mod:`.sched_settings`).
+
     Returns:
-        ``{"lr": float | list[float] | None, "weight_decay": ..., "momentum": ..., "eps": ..., "betas": ...}``
-        with absent values left out, and ``"source"``: field -> config key path used.
+        ``{"lr": float | list[float] | None, "weight_decay": ..., "momentum": ..., "eps": ..., "betas": ...,
+        "scheduler": ...}`` with absent values left out, and ``"source"``: field -> config key path used.
 
     Raises:
         SourceError: unreadable config file.
@@ -167,6 +172,9 @@ def session_values(session_config: dict | str | Path | None) -> dict:
         if b1 and b2 and coerce_float(b1[1]) is not None and coerce_float(b2[1]) is not None:
             out["betas"] = (coerce_float(b1[1]), coerce_float(b2[1]))
             out["source"]["betas"] = f"{b1[0]}, {b2[0]}"
+    sched = sched_settings.config_settings(cfg)
+    if sched:  # the scheduler's own settings (T_max, eta_min, ...), by the archived state's key names
+        out["scheduler"] = sched
     return out
 
 
@@ -290,11 +298,11 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
     sess = session_values(session_config)
     diffs: list[PolicyDifference] = []
 
-    def add(field: str, archived: Any, session: Any, what: str, when: str = "now") -> None:
+    def add(field: str, archived: Any, session: Any, what: str, when: str = "now", loader: str = "") -> None:
         a, s = fmt_pair(archived, session)
         if wins == "checkpoint":
-            loader = "scheduler" if field.rsplit(".", 1)[-1].startswith(("base_lrs", "_last_lr", "max_lrs")) \
-                else "optimizer"
+            loader = loader or ("scheduler" if field.rsplit(".", 1)[-1].startswith(("base_lrs", "_last_lr", "max_lrs"))
+                                else "optimizer")
             tail = (f"the checkpoint's value wins ({loader}.load_state_dict restores it); {switch} keeps the "
                     f"session's")
         else:
@@ -363,6 +371,12 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
                     if not all(nearly_equal(x, y) for x, y in zip(have, sess["betas"])):
                         add(f"{opt_field}.param_groups[{i}].betas", have, tuple(sess["betas"]),
                             f"config {sess['source']['betas']}")
+    for sch_path, sch in sch_entries if "scheduler" in sess else []:
+        # The scheduler's own settings: scheduler.load_state_dict restores them over the session's constructor
+        for key, have, want, src in sched_settings.differences(sch, sess["scheduler"]):
+            add(f"{str(sch_path) or 'scheduler'}.{key}", have, want,
+                f"config {src}; a scheduler setting, restored by scheduler.load_state_dict over the session's",
+                "at the next scheduler.step()", loader="scheduler")
     if not entries and "lr" in sess:
         # No optimizer state: the session's optimizer keeps its LR for the next step, then the archived
         # scheduler's base_lrs take over at the next scheduler.step() (scripts that restore only the scheduler).
@@ -693,12 +707,15 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
     sch_entries = parts.get("scheduler", [])
     if not opt_entries:
         # A scheduler alone: its base_lrs take over at the next scheduler.step(); rewrite them (and _last_lr).
-        if "lr" in sess and sch_entries:
+        if ("lr" in sess or "scheduler" in sess) and sch_entries:
             for sch_path, sch in sch_entries:
-                bases = [as_float(b) for b in primary_base_lrs(sch)]  # SequentialLR: its sub-schedulers'
-                wants, want_max = cyclic_wants(sch, sess, lr, len(bases))
-                changes += impose_lrs([], sch, wants if wants is not None else spread_scalar_lr(sess["lr"], bases, arch_lr),
-                                      "optimizer", str(sch_path) or "scheduler", want_max=want_max)
+                if "lr" in sess:
+                    bases = [as_float(b) for b in primary_base_lrs(sch)]  # SequentialLR: its sub-schedulers'
+                    wants, want_max = cyclic_wants(sch, sess, lr, len(bases))
+                    changes += impose_lrs([], sch, wants if wants is not None else
+                                          spread_scalar_lr(sess["lr"], bases, arch_lr),
+                                          "optimizer", str(sch_path) or "scheduler", want_max=want_max)
+                changes += _impose_sched_settings(sch, [], sess, str(sch_path) or "scheduler", "optimizer")
             return new_state, changes
         if "lr" in sess or any(k in sess for k in HYPER_NAMES):
             raise UsageError("the checkpoint has neither optimizer nor scheduler state: there is no policy to "
@@ -735,4 +752,37 @@ def apply_session_policy(state: Any, *, lr: float | Sequence[float] | None = Non
                     changes.append(PolicyChange(f"{opt_field}.param_groups[{i}].betas",
                                                 tuple(as_float(x) for x in b), tuple(sess["betas"])))
                     g["betas"] = type(b)(sess["betas"])
+        if sch is not None:
+            changes += _impose_sched_settings(sch, groups, sess, sch_field or "scheduler", opt_field)
+    for sch_path, sch in sch_entries[len(opt_entries):]:  # schedulers without an optimizer of their own
+        changes += _impose_sched_settings(sch, [], sess, str(sch_path) or "scheduler", "optimizer")
     return new_state, changes
+
+
+def _impose_sched_settings(sch: Any, groups: list, sess: dict, sfield: str, ofield: str) -> list[PolicyChange]:
+    """Write the session config's scheduler settings (``T_max``, ``eta_min``, ...) into the copied scheduler
+    state; where the schedule has a closed form (:func:`derive_lrs`), the group's ``lr`` and ``_last_lr`` become
+    it at the archived ``last_epoch`` with the session's settings, so the next ``scheduler.step()`` (chainable
+    schedulers compute from the current LR) continues the session's schedule. Progress is never touched."""
+    if "scheduler" not in sess or not isinstance(sch, dict):
+        return []
+    changes = [PolicyChange(f"{sfield}.{k}", old, new, note)
+               for k, old, new, note in sched_settings.impose(sch, sess["scheduler"])]
+    if not changes:
+        return changes
+    _, lrs, _ = derive_lrs(sch, list(groups) or None)
+    if lrs is None:
+        return changes
+    for i, v in enumerate(lrs):
+        g = groups[i] if i < len(groups) else None
+        if g is not None and as_float(g.get("lr")) is not None and as_float(g["lr"]) != v:
+            changes.append(PolicyChange(f"{ofield}.param_groups[{i}].lr", as_float(g["lr"]), v,
+                                        "the schedule's LR at the archived last_epoch with the session's settings"))
+            g["lr"] = _same_type(g["lr"], v)
+    last = sch.get("_last_lr")
+    if isinstance(last, list) and len(last) == len(lrs):
+        for i, v in enumerate(lrs):
+            if as_float(last[i]) is not None and as_float(last[i]) != v:
+                changes.append(PolicyChange(f"{sfield}._last_lr[{i}]", as_float(last[i]), v))
+                last[i] = _same_type(last[i], v)
+    return changes
