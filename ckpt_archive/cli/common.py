@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import os
 import re
 import sys
 from typing import Any, Callable
@@ -87,14 +86,9 @@ def _unicode_only(obj):
     """``obj`` with every str that holds lone surrogates (a path in bytes that are not UTF-8) written with
     ``\\x`` escapes: JSON's ``\\udcXX`` for a lone surrogate is refused by strict parsers."""
     if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-            return obj
-        except UnicodeEncodeError:
-            try:  # the bytes the name had on disk, the ones that are not UTF-8 as \xNN
-                return os.fsencode(obj).decode("utf-8", "backslashreplace")
-            except UnicodeEncodeError:  # surrogates that did not come from undecodable bytes
-                return obj.encode("utf-8", "backslashreplace").decode("utf-8")
+        from ckpt_archive.format.text import shown
+
+        return shown(obj)
     if isinstance(obj, dict):
         return {_unicode_only(k): _unicode_only(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

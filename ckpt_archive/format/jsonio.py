@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ckpt_archive.errors import InvalidJSON
 
-__all__ = ["dumps", "loads", "tag_float", "MAX_BYTES", "MAX_DEPTH"]
+__all__ = ["dumps", "loads", "depth_exceeds", "tag_float", "MAX_BYTES", "MAX_DEPTH"]
 
 #: Largest JSON document :func:`loads` reads by default (bytes). A manifest of a model with 100,000
 #: tensors is a few tens of MiB.
@@ -95,7 +95,8 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
-def _depth_exceeds(doc: Any, limit: int) -> bool:
+def depth_exceeds(doc: Any, limit: int) -> bool:
+    """Whether a JSON value nests objects/arrays deeper than ``limit`` levels (as :func:`loads` counts them)."""
     stack = [(doc, 1)]
     while stack:
         node, depth = stack.pop()
@@ -151,6 +152,6 @@ def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_dept
         raise InvalidJSON(f"not read: nested more than {max_depth} levels deep", where=where) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidJSON(f"not valid JSON ({exc})", where=where) from None
-    if _depth_exceeds(doc, max_depth):
+    if depth_exceeds(doc, max_depth):
         raise InvalidJSON(f"not read: nested more than {max_depth} levels deep", where=where)
     return doc

@@ -29,6 +29,7 @@ import math
 from typing import Any, Callable
 
 from ckpt_archive.errors import CkptArchiveError, FormatError, MalformedTree, SourceError, first_line
+from ckpt_archive.format.text import shown, str_from_node, str_node, utf8_ok
 from ckpt_archive.format.allowlist import (class_name, current_allowed, decode_class, global_name,
                                            plain_class_problem, refusal, resolve_global)
 from ckpt_archive.format.rebuild import holds_stub, rebuild
@@ -188,7 +189,7 @@ def _plain_json_list(obj: list) -> bool:
     if kinds == {float}:
         return all(map(math.isfinite, obj))
     if kinds == {str}:
-        return all(map(_utf8_ok, obj))
+        return all(map(utf8_ok, obj))
     return False
 
 
@@ -198,30 +199,13 @@ def _plain_state(obj, path) -> dict:
     if why is not None:
         raise refusal(_path_name(path), obj, why)
     state = vars(obj)
-    if not all(type(k) is str and _utf8_ok(k) for k in state):
+    if not all(type(k) is str and utf8_ok(k) for k in state):
         raise refusal(_path_name(path), obj, "its __dict__ has keys that are not UTF-8 text")
     return dict(state)
 
 
-def _utf8_ok(s: str) -> bool:
-    """Whether ``s`` is a sequence of Unicode scalar values (UTF-8 can hold it): False for a str with lone
-    surrogates, which is what ``os.fsdecode`` gives for a file name that is not UTF-8 (``'caf\\udce9'``)."""
-    if s.isascii():
-        return True
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _printable(s: str) -> str:
-    """``s`` with lone surrogates written as ``\\udcXX`` escapes: a name safe for messages and manifests."""
-    return s if _utf8_ok(s) else s.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def _path_name(path: tuple) -> str:
-    parts = [_printable(p) if type(p) is str else str(p) for p in path]
+    parts = [shown(p) if type(p) is str else str(p) for p in path]
     return "/".join(parts) if parts else "value"
 
 
@@ -319,9 +303,9 @@ class _Encoder:
         import numpy as np
 
         tp = type(obj)
-        if tp is str and not _utf8_ok(obj):
+        if tp is str and not utf8_ok(obj):
             # lone surrogates (a non-UTF-8 file name through os.fsdecode): JSON text cannot carry them
-            return {"$t": "str", "b64": base64.b64encode(obj.encode("utf-8", "surrogatepass")).decode("ascii")}
+            return str_node(obj)
         if obj is None or tp is str or tp is bool:
             return obj
         if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
@@ -371,7 +355,7 @@ class _Encoder:
                 node["attrs"] = self._attrs(obj, attrs, path)
             return node
         if tp is dict:
-            if all(type(k) is str and _utf8_ok(k) for k in obj) and "$t" not in obj:
+            if all(type(k) is str and utf8_ok(k) for k in obj) and "$t" not in obj:
                 return {k: self.enc(v, path + (k,)) for k, v in obj.items()}
             return {"$t": "dict", "items": self._items(obj, path)}
         cname = class_name(tp)
@@ -382,7 +366,7 @@ class _Encoder:
 
     def _attrs(self, obj, attrs: dict, path) -> dict:
         """Encoded Python attributes of a tensor or OrderedDict (names must be UTF-8 text: JSON keys)."""
-        if not all(type(k) is str and _utf8_ok(k) for k in attrs):
+        if not all(type(k) is str and utf8_ok(k) for k in attrs):
             raise refusal(_path_name(path), obj, "it has attributes whose names are not UTF-8 text")
         return {k: self.enc(v, path + ("attrs", k)) for k, v in attrs.items()}
 
@@ -588,7 +572,7 @@ def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
     """
     enc = _Encoder(allow)
     enc.count_shared(state)
-    from ckpt_archive.format.jsonio import MAX_DEPTH
+    from ckpt_archive.format.jsonio import MAX_DEPTH, depth_exceeds
 
     too_deep = SourceError(f"the state is nested too deeply to archive: its encoded tree would be more than "
                            f"{MAX_DEPTH - 2} JSON levels deep, where readers stop (containers inside containers, "
@@ -597,26 +581,10 @@ def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
         tree = enc.enc(state, ())
     except RecursionError:
         raise too_deep from None
-    if _json_depth(tree) > MAX_DEPTH - 2:  # refused here, before a generation is claimed, not by the trial reload
+    if depth_exceeds(tree, MAX_DEPTH - 2):  # refused here, before a generation is claimed, not by the trial reload
         raise too_deep
     enc.finish_tensors()
     return tree, enc.table
-
-
-def _json_depth(tree: Any) -> int:
-    """Nesting depth of a JSON value (objects and arrays), counted as :func:`ckpt_archive.format.jsonio.loads`
-    counts it; iterative."""
-    if type(tree) not in (dict, list):
-        return 0
-    deepest = 0
-    stack = [(tree, 1)]
-    while stack:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        for v in (node.values() if type(node) is dict else node):
-            if type(v) is dict or type(v) is list:
-                stack.append((v, depth + 1))
-    return deepest
 
 
 def encode_value(value: Any) -> Any:
@@ -752,11 +720,7 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
                                           _internal=True)
             return storage
         if t == "str":  # a str with lone surrogates (see _Encoder._enc)
-            raw = base64.b64decode(node["b64"], validate=True)
-            try:
-                return raw.decode("utf-8", "surrogatepass")
-            except UnicodeDecodeError as exc:
-                raise FormatError(f"malformed str node: {exc}") from None
+            return str_from_node(node)
         if t == "bytes":
             return base64.b64decode(node["b64"])
         if t == "bytearray":

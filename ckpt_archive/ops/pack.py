@@ -231,32 +231,15 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
                          sorted(allowed or ()))
     # the manifest and members are UTF-8 JSON: text that is not (lone surrogates, as os.fsdecode gives for
     # bytes that are not UTF-8, e.g. from a shell argument) is refused here, before a generation is claimed
+    from ckpt_archive.format.text import first_not_utf8, shown
+
     for what, value in (("tag", prepared.tags), ("code version", prepared.code_version),
                         ("metrics", metrics_plain), ("data ids", ids_v), ("instructions", prepared.instructions),
                         ("source info", source.info)):
-        bad = _not_utf8(value)
+        bad = first_not_utf8(value)
         if bad is not None:
-            shown = bad.encode("utf-8", "backslashreplace").decode("utf-8")
-            raise UsageError(f"{what} holds text that is not UTF-8: {shown!r}; give it as UTF-8 text")
+            raise UsageError(f"{what} holds text that is not UTF-8: {shown(bad)!r}; give it as UTF-8 text")
     return prepared
-
-
-def _not_utf8(value: Any) -> str | None:
-    """The first str in a JSON-like value (dict keys included) that UTF-8 cannot hold, or None."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return v
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-    return None
 
 
 def build_manifest(p: _Prepared, number: int, body: dict) -> dict:

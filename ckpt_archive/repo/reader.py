@@ -767,11 +767,11 @@ def _key_text(k) -> str | None:
         return str(k)
     if isinstance(k, dict):
         if k.get("$t") == "str":
-            import base64
+            from ckpt_archive.format.text import str_from_node
 
             try:
-                return base64.b64decode(k.get("b64") or "", validate=True).decode("utf-8", "surrogatepass")
-            except (ValueError, TypeError):
+                return str_from_node(k)
+            except FormatError:
                 return None
         if k.get("$t") in ("int", "float") and isinstance(k.get("v"), str):
             return k["v"]

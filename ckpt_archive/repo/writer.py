@@ -11,7 +11,6 @@ tensors member's raw fingerprint is derived from those), sha256 of each source f
 from __future__ import annotations
 
 import json
-import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping
@@ -20,6 +19,7 @@ from ckpt_archive.errors import FormatError
 from ckpt_archive.format import fingerprint
 from ckpt_archive.format.fingerprint import BLAKE3, SHA256
 from ckpt_archive.format.objects import own_stored_bytes
+from ckpt_archive.format.text import shown
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, default_jobs
 from ckpt_archive.format.member_writer import MemberWriter
 from ckpt_archive.format.shard import encode_header
@@ -194,8 +194,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         "tensors": tensors,
         "source": {"format": source.format, "layout": source.layout,
                    # where it was packed from, for people: a name that is not UTF-8 is kept with \\x escapes
-                   "path": (os.fsencode(source.root).decode("utf-8", "backslashreplace") if source.root
-                            else None), "files": files_meta,
+                   "path": shown(str(source.root)) if source.root else None, "files": files_meta,
                    "info": source.info or {}},
         "data": data,
         "summary": {"raw_bytes": sum(m["raw_bytes"] for m in members),

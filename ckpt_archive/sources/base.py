@@ -94,17 +94,15 @@ def library_path(path: Path):
     Raises:
         SourceError: the path is not UTF-8 and this system has no ``/proc/self/fd``.
     """
+    from ckpt_archive.format.text import shown, utf8_ok
+
     text = str(path)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        pass
-    else:
+    if utf8_ok(text):
         yield text
         return
     if not os.path.isdir("/proc/self/fd"):
         raise SourceError("path is not UTF-8 text, which torch and safetensors cannot open; rename it",
-                          where=text.encode("utf-8", "backslashreplace").decode("utf-8"))
+                          where=shown(text))
     fd = os.open(path, os.O_RDONLY)
     try:
         yield f"/proc/self/fd/{fd}"

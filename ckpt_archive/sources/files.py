@@ -32,6 +32,7 @@ from typing import Iterable
 
 from ckpt_archive.errors import RefusedPickle, SourceError, UnsafePath, first_line
 from ckpt_archive.format.paths import MAX_SOURCE_PARTS, check_relpath
+from ckpt_archive.format.text import shown, utf8_ok
 from ckpt_archive.sources.base import SourceFile, library_path
 from ckpt_archive.sources.torchfile import load_torch_file
 
@@ -74,15 +75,6 @@ def _is_utf8_text(path: Path) -> bool:
         return False
 
 
-def _utf8_name(rel: str) -> bool:
-    """Whether a relpath is UTF-8 text: ``os.walk`` gives a name that is not as a str with lone surrogates."""
-    try:
-        rel.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _walk(root: Path) -> tuple[list[str], list[str]]:
     """All regular files under ``root`` as sorted POSIX relpaths, plus warnings for skipped entries."""
     rels: list[str] = []
@@ -97,9 +89,9 @@ def _walk(root: Path) -> tuple[list[str], list[str]]:
         for name in filenames:
             full = dpath / name
             rel = full.relative_to(root).as_posix()
-            if not _utf8_name(rel):
-                shown = rel.encode("utf-8", "backslashreplace").decode("utf-8")
-                raise SourceError(f"file name is not UTF-8 text: {shown!r} (a manifest names every file in UTF-8); "
+            if not utf8_ok(rel):  # os.walk gives a name that is not UTF-8 as a str with lone surrogates
+                raise SourceError(f"file name is not UTF-8 text: {shown(rel)!r} (a manifest names every file in "
+                                  f"UTF-8); "
                                   f"rename it (e.g. `convmv -f latin1 -t utf8`) or move it out of the folder, then "
                                   f"pack again", where=str(root))
             if full.is_symlink():
