@@ -85,14 +85,14 @@ def l_run(request, tmp_path_factory):
     L.seed_everything(0, verbose=False)
     io2 = ArchiveCheckpointIO(root / "half")
     _trainer(root / "half-run", 2, wrap(io2)).fit(Tiny(), _loader())
-    return root, wrap, io, _state(t)
+    return root, wrap, io, _state(t), t
 
 
 def test_each_checkpoint_is_a_generation_tagged_with_its_file_name_and_topk_removals_forget(l_run):
     """ModelCheckpoint(save_top_k=2, save_last=True) over 4 epochs: epochs 0 and 1 fall out of the top 2 and their
     generations are forgotten (under AsyncCheckpointIO the removal comes before the save it follows has even
     started); last.ckpt is saved every epoch and kept; no file is written in the checkpoint folder."""
-    root, _, io, _ = l_run
+    root, _, io, _, _ = l_run
     assert _tags(root / "repo") == [
         (2, 4, ["last.ckpt"]), (4, 8, ["last.ckpt"]), (5, 12, ["epoch=2-step=12.ckpt"]), (6, 12, ["last.ckpt"]),
         (7, 16, ["epoch=3-step=16.ckpt"]), (8, 16, ["last.ckpt"])]
@@ -106,7 +106,7 @@ def test_each_checkpoint_is_a_generation_tagged_with_its_file_name_and_topk_remo
 def test_fit_resumes_from_repo_at_latest_bitwise_params_optimizer_and_lr(l_run, tmp_path):
     """An uninterrupted 4-epoch run against 2 epochs + a resume from REPO@latest (the generation restored and
     checked by the plugin): parameters, AdamW moments and LR equal bit for bit."""
-    root, wrap, _, uninterrupted = l_run
+    root, wrap, _, uninterrupted, _ = l_run
     L.seed_everything(123, verbose=False)  # the resume must not depend on the new process's seed
     t = _trainer(tmp_path, 4, wrap(ArchiveCheckpointIO(tmp_path / "repo")))
     t.fit(Tiny(), _loader(), ckpt_path=f"{root / 'half'}@latest")
@@ -114,7 +114,7 @@ def test_fit_resumes_from_repo_at_latest_bitwise_params_optimizer_and_lr(l_run, 
 
 
 def test_resume_without_the_archived_optimizer_diverges_so_the_comparison_has_teeth(l_run, tmp_path):
-    root, _, _, uninterrupted = l_run
+    root, _, _, uninterrupted, _ = l_run
     io = ArchiveCheckpointIO(root / "half")
     state = io.load_checkpoint(f"{root / 'half'}@latest")
     for s in state["optimizer_states"][0]["state"].values():
@@ -128,7 +128,7 @@ def test_resume_without_the_archived_optimizer_diverges_so_the_comparison_has_te
 
 
 def test_load_checkpoint_accepts_every_form_and_refuses_a_file(l_run, tmp_path):
-    root, _, io, _ = l_run
+    root, _, io, _, _ = l_run
     repo = root / "repo"
     by_number = io.load_checkpoint(f"{repo}@5")
     assert by_number["global_step"] == 12 and by_number["epoch"] == 2
@@ -146,6 +146,27 @@ def test_load_checkpoint_accepts_every_form_and_refuses_a_file(l_run, tmp_path):
         io.load_checkpoint(f)
     with pytest.raises(TypeError):
         io.save_checkpoint({"state_dict": {}}, "x.ckpt", storage_options={"a": 1})
+
+
+class TinyVal(Tiny):
+    def validation_step(self, batch, _i):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+def test_ckpt_path_best_loads_the_generation_model_checkpoint_names(l_run):
+    """ModelCheckpoint.best_model_path names a file the plugin never wrote; Lightning hands it to load_checkpoint
+    unchecked, and the plugin finds the generation tagged with its name."""
+    import os
+
+    root, _, _, _, t = l_run
+    best = t.checkpoint_callback.best_model_path
+    assert best.endswith("epoch=3-step=16.ckpt") and not os.path.exists(best)
+    model = TinyVal()
+    t.validate(model, dataloaders=_loader(), ckpt_path="best", verbose=False)
+    assert t.ckpt_path == best
+    want = ckpt_archive.load(root / "repo", "tag:epoch=3-step=16.ckpt")["state_dict"]
+    assert all(torch.equal(want[k], v) for k, v in model.state_dict().items())
 
 
 def test_removing_the_newest_usable_generation_waits_for_the_next_save(tmp_path):
@@ -206,3 +227,26 @@ def test_an_async_wrapper_that_hands_over_live_tensors_is_refused(tmp_path, monk
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, "a.ckpt")  # the caller's thread: fine
     monkeypatch.undo()
     assert mod._async_io_clones() is True  # the installed Lightning clones (the async tests above rely on it)
+
+
+@pytest.mark.slow
+def test_end_of_rental_export_only_exports_what_the_plugin_archived(l_run, tmp_path):
+    """The plugin writes no checkpoint file for `--newest-in` to find: `--export-only REPO DEST` exports the
+    newest usable generation as it is, packing nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, _, _, _, _ = l_run
+    script = Path(__file__).resolve().parents[1] / "scripts" / "end-of-rental.sh"
+    env = dict(os.environ, CKPT_ARCHIVE=f"{sys.executable} -m ckpt_archive", REPORT=str(tmp_path / "proof.md"),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    before = [n for n, _, _ in _tags(root / "repo")]
+    proc = subprocess.run(["bash", str(script), "--export-only", str(root / "repo"), str(tmp_path / "dest")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing to pack" in proc.stderr and "recoverable from" in proc.stderr
+    assert [n for n, _, _ in _tags(root / "repo")] == before
+    (g,) = ckpt_archive.list_generations(tmp_path / "dest")
+    assert g.number == before[-1] and g.status == "usable" and g.tags == ["last.ckpt"]

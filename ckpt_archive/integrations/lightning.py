@@ -125,9 +125,9 @@ class ArchiveCheckpointIO(CheckpointIO):
 
         name = _tag_of(path)
         if threading.current_thread() is not threading.main_thread() and not _async_io_clones():
-            raise UsageError("this Lightning's AsyncCheckpointIO hands the live tensors to its saving thread (it "
-                             "clones them only from lightning 2.5.x on, PR #21079), so training would change them "
-                             "while they are packed and the generation would mix steps; upgrade lightning, or use "
+            raise UsageError("this Lightning's AsyncCheckpointIO hands the live tensors to its saving thread (later "
+                             "releases clone them first: Lightning PR #21079), so training would change them while "
+                             "they are packed and the generation would mix steps; upgrade lightning, or use "
                              f"{type(self).__name__} without AsyncCheckpointIO")
         with self._mutex:
             self._saving += 1
@@ -286,7 +286,7 @@ class ArchiveCheckpointIO(CheckpointIO):
 
 def _async_io_clones() -> bool:
     """Whether the installed ``AsyncCheckpointIO`` clones a checkpoint's tensors in the caller's thread before it
-    hands them to its own (added in lightning 2.5.x; before, the training thread kept changing them)."""
+    hands them to its own (Lightning PR #21079, August 2025; before, the training thread kept changing them)."""
     try:
         from lightning.pytorch.plugins.io import async_plugin
     except ImportError:  # no AsyncCheckpointIO at all: whoever calls from a thread passes their own copy
