@@ -250,3 +250,16 @@ def test_end_of_rental_export_only_exports_what_the_plugin_archived(l_run, tmp_p
     assert [n for n, _, _ in _tags(root / "repo")] == before
     (g,) = ckpt_archive.list_generations(tmp_path / "dest")
     assert g.number == before[-1] and g.status == "usable" and g.tags == ["last.ckpt"]
+
+
+def test_only_the_saving_rank_creates_the_repository_and_early_removals_wait(tmp_path):
+    """Under DDP every rank builds the plugin but only global rank 0 saves: constructing it (and a removal before
+    any save, as under AsyncCheckpointIO) must not create the repository."""
+    io = ArchiveCheckpointIO(tmp_path / "repo")
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert not (tmp_path / "repo").exists() and io._to_forget == [("a.ckpt", None)]
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(tmp_path / "a.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "a.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 2}, tmp_path / "b.ckpt")
+    assert [n for n, _, _ in _tags(tmp_path / "repo")] == [2] and io.forgotten == [1]

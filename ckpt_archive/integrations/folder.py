@@ -295,6 +295,11 @@ class FolderPublisher:
             raise
         return self._last
 
+    @property
+    def last(self) -> "PackResult | None":
+        """The newest publish known to have finished (its PackResult), without waiting."""
+        return self._last
+
     def wait(self) -> "PackResult | None":
         """Wait for the publish in flight, if any.
 

@@ -77,7 +77,6 @@ class ArchiveCheckpointIO(CheckpointIO):
     def __init__(self, repo: Any, retention: "RetentionPolicy | None" = None, *, config: Any = None,
                  data_ids: Any = None, tags: tuple[str, ...] | str = (), code_version: str | None = None,
                  options: "PackOptions | None" = None):
-        from ckpt_archive.ops.common import open_repo
         from ckpt_archive.ops.pack import PackOptions
         from ckpt_archive.training.checkpointer import DEFAULT_LOCK_WAIT
 
@@ -88,7 +87,7 @@ class ArchiveCheckpointIO(CheckpointIO):
             if not isinstance(retention, RetentionPolicy):
                 raise UsageError(f"retention must be a RetentionPolicy or None, not {type(retention).__name__}")
         self.repo = repo
-        self.location = open_repo(repo, create=True).location
+        self._location: str | None = None  # resolved at first use: only the rank that saves creates the repository
         self.retention = retention
         self.config = config
         self.data_ids = data_ids
@@ -124,6 +123,7 @@ class ArchiveCheckpointIO(CheckpointIO):
         from ckpt_archive.ops.pack import Annotations, pack
 
         name = _tag_of(path)
+        self._repo_location(create=True)
         if threading.current_thread() is not threading.main_thread() and not _async_io_clones():
             raise UsageError("this Lightning's AsyncCheckpointIO hands the live tensors to its saving thread (later "
                              "releases clone them first: Lightning PR #21079), so training would change them while "
@@ -226,7 +226,12 @@ class ArchiveCheckpointIO(CheckpointIO):
             return
         keep: list[tuple[str, int | None]] = []
         try:
-            usable = Repository.open(self.location).usable()
+            try:
+                location = self._repo_location()
+            except NotFound:  # nothing saved yet (its save may still be queued): every removal waits
+                keep = pending
+                return
+            usable = Repository.open(location).usable()
             newest = usable[-1].number if usable else None
             for i, (name, limit) in enumerate(pending):
                 numbers = [g.number for g in usable if name in g.tags and (limit is None or g.number <= limit)]
@@ -240,7 +245,7 @@ class ArchiveCheckpointIO(CheckpointIO):
                         keep.append((name, limit))
                         continue
                     try:
-                        forget(self.location, n, wait=wait)
+                        forget(location, n, wait=wait)
                     except NotFound:  # gone already (retention, another forget)
                         continue
                     except LockError:  # another writer: retried after the next save, never waited for here
@@ -276,12 +281,25 @@ class ArchiveCheckpointIO(CheckpointIO):
             pass
         name = Path(text).name
         try:
-            Repository.open(self.location).resolve(f"tag:{name}")
-            return self.location, f"tag:{name}"
+            location = self._repo_location()
+            Repository.open(location).resolve(f"tag:{name}")
+            return location, f"tag:{name}"
         except (NoUsableGeneration, NotFound):
             pass
         raise FileNotFoundError(f"{text}: neither REPO@GEN, a repository, nor the name of a usable generation of "
-                                f"{self.location} (give ckpt_path=\"{self.location}@latest\")")
+                                f"{os.fspath(self.repo)} (give ckpt_path=\"{os.fspath(self.repo)}@latest\")")
+
+    def _repo_location(self, create: bool = False) -> str:
+        """The repository's location (created on first save; under DDP only global rank 0 saves).
+
+        Raises:
+            NotFound: no repository there yet and ``create`` is false.
+        """
+        if self._location is None:
+            from ckpt_archive.ops.common import open_repo
+
+            self._location = open_repo(self.repo, create=create).location
+        return self._location
 
 
 def _async_io_clones() -> bool:

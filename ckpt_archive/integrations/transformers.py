@@ -115,7 +115,7 @@ class ArchiveCallback(TrainerCallback):
         folder = _checkpoint_folder(args, state)
         publisher = self._publisher_for(args)
         publisher.publish(folder, step=int(state.global_step), metrics=_metrics(state), block=self.block)
-        self.last = publisher._last
+        self.last = publisher.last
 
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero or self._publisher is None:
