@@ -125,7 +125,7 @@ def test_resume_without_the_archived_optimizer_diverges_so_the_comparison_has_te
     for s in state["optimizer_states"][0]["state"].values():
         s["exp_avg"].zero_()
     broken = ArchiveCheckpointIO(tmp_path / "broken")
-    broken.save_checkpoint(state, "broken.ckpt")
+    broken.save_checkpoint(state, tmp_path / "broken.ckpt")
     t = _trainer(tmp_path, 4, ArchiveCheckpointIO(tmp_path / "repo"))
     t.fit(Tiny(), _loader(), ckpt_path=f"{tmp_path / 'broken'}@latest")
     with pytest.raises(AssertionError):
@@ -199,9 +199,9 @@ def test_a_removal_never_waits_for_a_lock_held_elsewhere(tmp_path):
         io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": step}, name)
     other = Repository.open(tmp_path / "repo")
     with other.lock():
-        io.remove_checkpoint("a.ckpt")  # returns at once
+        io.remove_checkpoint(tmp_path / "a.ckpt")  # returns at once
         assert io.forgotten == [] and [t for t, _ in io._to_forget] == ["a.ckpt"]
-    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, "c.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, tmp_path / "c.ckpt")
     assert io.forgotten == [1]
     with pytest.raises(LockError):  # (the lock really was exclusive)
         with other.lock():
@@ -222,7 +222,7 @@ def test_an_async_wrapper_that_hands_over_live_tensors_is_refused(tmp_path, monk
 
     def save():
         try:
-            io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, "a.ckpt")
+            io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "a.ckpt")
         except UsageError as exc:
             errors.append(exc)
 
@@ -231,7 +231,7 @@ def test_an_async_wrapper_that_hands_over_live_tensors_is_refused(tmp_path, monk
     t.join(60)
     assert errors and "upgrade lightning" in errors[0].message
     assert ckpt_archive.list_generations(tmp_path / "repo", all=True) == []
-    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, "a.ckpt")  # the caller's thread: fine
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "a.ckpt")  # the caller's thread: fine
     monkeypatch.undo()
     assert mod._async_io_clones() is True  # the installed Lightning clones (the async tests above rely on it)
 
