@@ -196,7 +196,7 @@ def test_a_removal_never_waits_for_a_lock_held_elsewhere(tmp_path):
 
     io = ArchiveCheckpointIO(tmp_path / "repo")
     for step, name in ((1, "a.ckpt"), (2, "b.ckpt")):
-        io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": step}, name)
+        io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": step}, tmp_path / name)
     other = Repository.open(tmp_path / "repo")
     with other.lock():
         io.remove_checkpoint(tmp_path / "a.ckpt")  # returns at once
