@@ -152,3 +152,64 @@ def test_bad_arguments_fail_in_the_caller_before_anything_is_written(tmp_path):
     with pytest.raises(UsageError, match="closed"):
         pub.publish(tmp_path, step=1)
     assert not (tmp_path / STAGING_NAME).exists()
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_snapshot_left_by_a_killed_publisher_is_removed_by_the_next_publish(tmp_path):
+    """Guards the leak a kill -9 mid-publish left: its hard-linked snapshot stayed in _ckpt-archive-staging/ for
+    ever, holding the space of a checkpoint folder the trainer's rotation deleted later. The next publish on this
+    host removes snapshots of processes that are gone, and only those (a live process's, another host's, a name
+    that is not ours stay)."""
+    from ckpt_archive.integrations.folder import _host
+
+    out = tmp_path / "out"
+    staging = out / STAGING_NAME
+    dead = staging / f"{_host()}-{_dead_pid()}-{'a' * 32}" / "step_1"
+    live = staging / f"{_host()}-{os.getppid()}-{'b' * 32}" / "step_1"
+    other_host = staging / f"elsewhere-{_dead_pid()}-{'c' * 32}" / "step_1"
+    foreign = staging / "notes"
+    for d in (dead, live, other_host, foreign):
+        d.mkdir(parents=True)
+        (d / "optimizer.bin").write_bytes(b"x")
+    with FolderPublisher(tmp_path / "repo") as pub:
+        pub.publish(_save_state(out / "step_2"), step=2, block=True)
+    assert sorted(p.name for p in staging.iterdir()) == sorted(
+        [live.parent.name, other_host.parent.name, foreign.name])
+
+
+def test_ctrl_c_while_waiting_for_the_previous_publish_keeps_it_in_flight_and_says_so(tmp_path, monkeypatch):
+    """Guards two wrong outcomes of a Ctrl-C that lands while publish() waits for the previous publish: the note
+    said that publish 'was not archived' (it goes on and becomes usable), and the publisher forgot it, so wait()
+    and close() returned before it ended."""
+    from ckpt_archive.integrations.folder import PublishHandle
+
+    gate = _Gate(monkeypatch)
+    pub = FolderPublisher(tmp_path / "repo")
+    first = pub.publish(_save_state(tmp_path / "out" / "step_1"), step=1)
+    assert gate.entered.wait(60)
+    real_result = PublishHandle.result
+    calls = []
+
+    def interrupted(self, timeout=None):
+        if not calls:
+            calls.append(1)
+            raise KeyboardInterrupt  # what a Ctrl-C does to a thread blocked in Future.result()
+        return real_result(self, timeout)
+
+    monkeypatch.setattr(PublishHandle, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt) as info:
+        pub.publish(_save_state(tmp_path / "out" / "step_2"), step=2)
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "goes on" in notes and "was not archived" not in notes
+    assert not first.done()
+    gate.go.set()
+    assert pub.close().generation == 1  # close() waited for the publish the Ctrl-C interrupted the wait for
+    assert [(g.number, g.status) for g in ckpt_archive.list_generations(tmp_path / "repo")] == [(1, "usable")]

@@ -7,6 +7,8 @@ Lightning keeps no RNG state in a checkpoint, so everything the next update depe
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 L = pytest.importorskip("lightning")
@@ -97,7 +99,10 @@ def test_each_checkpoint_is_a_generation_tagged_with_its_file_name_and_topk_remo
         (2, 4, ["last.ckpt"]), (4, 8, ["last.ckpt"]), (5, 12, ["epoch=2-step=12.ckpt"]), (6, 12, ["last.ckpt"]),
         (7, 16, ["epoch=3-step=16.ckpt"]), (8, 16, ["last.ckpt"])]
     assert sorted(io.forgotten) == [1, 3] and io._to_forget == []
-    assert not (root / "full" / "ckpts").exists()
+    # what ModelCheckpoint keeps is there as pointer files (its file checks need them); the removed ones are gone
+    assert sorted(p.name for p in (root / "full" / "ckpts").iterdir()) == [
+        "epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"]
+    assert (root / "full" / "ckpts" / "last.ckpt").stat().st_size < 1024
     g = ckpt_archive.list_generations(root / "repo")[-1]
     assert set(g.manifest["metrics"]) == {"train_loss"} and g.manifest["progress"]["epoch"] == 3
     assert ckpt_archive.verify(root / "repo", deep=True).ok
@@ -120,7 +125,7 @@ def test_resume_without_the_archived_optimizer_diverges_so_the_comparison_has_te
     for s in state["optimizer_states"][0]["state"].values():
         s["exp_avg"].zero_()
     broken = ArchiveCheckpointIO(tmp_path / "broken")
-    broken.save_checkpoint(state, "broken.ckpt")
+    broken.save_checkpoint(state, tmp_path / "broken.ckpt")
     t = _trainer(tmp_path, 4, ArchiveCheckpointIO(tmp_path / "repo"))
     t.fit(Tiny(), _loader(), ckpt_path=f"{tmp_path / 'broken'}@latest")
     with pytest.raises(AssertionError):
@@ -134,8 +139,10 @@ def test_load_checkpoint_accepts_every_form_and_refuses_a_file(l_run, tmp_path):
     assert by_number["global_step"] == 12 and by_number["epoch"] == 2
     assert io.load_checkpoint(f"{repo}@tag:epoch=3-step=16.ckpt")["global_step"] == 16
     assert io.load_checkpoint(str(repo))["global_step"] == 16  # a repository: its newest usable generation
-    # ModelCheckpoint.best_model_path names no file: its name is a tag of the plugin's repository
+    # the pointer file ModelCheckpoint's path names; where none is (a new machine: only the repository came along,
+    # best_model_path restored from the checkpoint), the name is a tag of the plugin's repository
     assert io.load_checkpoint(root / "full" / "ckpts" / "epoch=2-step=12.ckpt")["global_step"] == 12
+    assert io.load_checkpoint(tmp_path / "elsewhere" / "epoch=2-step=12.ckpt")["global_step"] == 12
     assert torch.equal(by_number["state_dict"]["net.0.weight"],
                        ckpt_archive.load(repo, 5)["state_dict"]["net.0.weight"])
     with pytest.raises(FileNotFoundError, match="@latest"):
@@ -155,13 +162,13 @@ class TinyVal(Tiny):
 
 
 def test_ckpt_path_best_loads_the_generation_model_checkpoint_names(l_run):
-    """ModelCheckpoint.best_model_path names a file the plugin never wrote; Lightning hands it to load_checkpoint
-    unchecked, and the plugin finds the generation tagged with its name."""
+    """ModelCheckpoint.best_model_path names the pointer file the plugin wrote; Lightning hands it to load_checkpoint,
+    which loads the generation it names."""
     import os
 
     root, _, _, _, t = l_run
     best = t.checkpoint_callback.best_model_path
-    assert best.endswith("epoch=3-step=16.ckpt") and not os.path.exists(best)
+    assert best.endswith("epoch=3-step=16.ckpt") and os.path.getsize(best) < 1024  # a pointer file
     model = TinyVal()
     t.validate(model, dataloaders=_loader(), ckpt_path="best", verbose=False)
     assert t.ckpt_path == best
@@ -189,12 +196,12 @@ def test_a_removal_never_waits_for_a_lock_held_elsewhere(tmp_path):
 
     io = ArchiveCheckpointIO(tmp_path / "repo")
     for step, name in ((1, "a.ckpt"), (2, "b.ckpt")):
-        io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": step}, name)
+        io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": step}, tmp_path / name)
     other = Repository.open(tmp_path / "repo")
     with other.lock():
-        io.remove_checkpoint("a.ckpt")  # returns at once
+        io.remove_checkpoint(tmp_path / "a.ckpt")  # returns at once
         assert io.forgotten == [] and [t for t, _ in io._to_forget] == ["a.ckpt"]
-    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, "c.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, tmp_path / "c.ckpt")
     assert io.forgotten == [1]
     with pytest.raises(LockError):  # (the lock really was exclusive)
         with other.lock():
@@ -215,7 +222,7 @@ def test_an_async_wrapper_that_hands_over_live_tensors_is_refused(tmp_path, monk
 
     def save():
         try:
-            io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, "a.ckpt")
+            io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "a.ckpt")
         except UsageError as exc:
             errors.append(exc)
 
@@ -224,7 +231,7 @@ def test_an_async_wrapper_that_hands_over_live_tensors_is_refused(tmp_path, monk
     t.join(60)
     assert errors and "upgrade lightning" in errors[0].message
     assert ckpt_archive.list_generations(tmp_path / "repo", all=True) == []
-    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, "a.ckpt")  # the caller's thread: fine
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "a.ckpt")  # the caller's thread: fine
     monkeypatch.undo()
     assert mod._async_io_clones() is True  # the installed Lightning clones (the async tests above rely on it)
 
@@ -263,3 +270,69 @@ def test_only_the_saving_rank_creates_the_repository_and_early_removals_wait(tmp
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "a.ckpt")
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 2}, tmp_path / "b.ckpt")
     assert [n for n, _, _ in _tags(tmp_path / "repo")] == [2] and io.forgotten == [1]
+
+
+class TinyStep(Tiny):
+    def training_step(self, batch, _i):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss_step", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+def _fit_with(root, plugins, **mc):
+    L.seed_everything(0, verbose=False)
+    ckpt = ModelCheckpoint(dirpath=str(root / "ckpts"), **mc)
+    t = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, default_root_dir=str(root), deterministic=True, plugins=plugins,
+                  callbacks=[ckpt])
+    t.fit(TinyStep(), _loader())
+    return t, ckpt
+
+
+def test_a_file_name_saved_twice_is_versioned_as_lightning_does_and_best_is_the_best(tmp_path):
+    """Guards a silent wrong 'best': ModelCheckpoint gives a name that exists a -v1 suffix, deciding by the files in
+    its folder. The plugin wrote none, so with filename="{epoch}" and a save every step every save of an epoch got
+    the same name: top-k kept one entry per name, removals forgot the generations it meant to keep, and
+    ckpt_path="best" loaded the newest save of that epoch instead of the best. With the pointer files the top k
+    are the same names and scores as with Lightning's own files, and "best" loads the best model's state."""
+    mc = dict(save_top_k=2, monitor="train_loss_step", every_n_train_steps=1, filename="{epoch}")
+    plain, plain_ckpt = _fit_with(tmp_path / "plain", [], **mc)
+    ours, our_ckpt = _fit_with(tmp_path / "ours", [ArchiveCheckpointIO(tmp_path / "repo")], **mc)
+    names = lambda c: {Path(k).name: float(v) for k, v in c.best_k_models.items()}  # noqa: E731
+    assert names(our_ckpt) == names(plain_ckpt) and len(names(plain_ckpt)) == 2
+    assert Path(our_ckpt.best_model_path).name == Path(plain_ckpt.best_model_path).name
+    want = torch.load(plain_ckpt.best_model_path, weights_only=True)["state_dict"]
+    got = ours.strategy.checkpoint_io.load_checkpoint(our_ckpt.best_model_path)["state_dict"]
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_ckpt_path_last_finds_the_pointer_and_a_pointer_is_checked_as_hostile(tmp_path):
+    """Lightning resolves ckpt_path="last" by looking for last*.ckpt files: the pointer makes it work. A pointer is
+    read as hostile input: one naming a forgotten generation, or another archive under the same number, is refused;
+    a file that is not a pointer is still refused as a file."""
+    import json
+
+    io = ArchiveCheckpointIO(tmp_path / "repo")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "ckpts" / "a.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "global_step": 2}, tmp_path / "ckpts" / "last.ckpt")
+    t = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, default_root_dir=str(tmp_path), plugins=[io],
+                  callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), save_last=True)])
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    last = t._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", True, False)  # what fit() does
+    assert last is not None and Path(last).name == "last.ckpt" and io.load_checkpoint(last)["global_step"] == 2
+    pointer = json.loads((tmp_path / "ckpts" / "a.ckpt").read_text())
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, tmp_path / "ckpts" / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "ckpts" / "a.ckpt")
+    assert not (tmp_path / "ckpts" / "a.ckpt").exists() and io.forgotten == [1]
+    (tmp_path / "stale.ckpt").write_text(json.dumps(pointer))
+    with pytest.raises(FileNotFoundError, match="not usable there any more"):
+        io.load_checkpoint(tmp_path / "stale.ckpt")
+    (tmp_path / "other.ckpt").write_text(json.dumps(dict(pointer, generation=2, archive_id="x" * 26)))
+    with pytest.raises(FileNotFoundError, match="another archive"):
+        io.load_checkpoint(tmp_path / "other.ckpt")
+    (tmp_path / "bad.ckpt").write_text(json.dumps(dict(pointer, generation="../../etc")))
+    with pytest.raises(UsageError, match="pack the file first"):
+        io.load_checkpoint(tmp_path / "bad.ckpt")

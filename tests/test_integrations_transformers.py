@@ -144,13 +144,54 @@ def test_restored_generation_resumes_bitwise_params_optimizer_and_lr(hf_archived
     _assert_bit_equal(uninterrupted, _training_state(trainer))
 
 
-def test_restore_checkpoint_latest_names_the_folder_and_refuses_to_overwrite(hf_archived, tmp_path):
+def test_restore_checkpoint_latest_names_the_folder_and_refuses_to_overwrite_another(hf_archived, tmp_path):
+    """An existing checkpoint-N/ that is not this generation's untouched restore is refused (a file changed since
+    the restore, or a folder restore_checkpoint never wrote); force replaces it."""
     root, _, _, _ = hf_archived
     out = restore_checkpoint(root / "repo", tmp_path)
     assert out == tmp_path / "checkpoint-4" and (out / "trainer_state.json").is_file()
+    (out / "trainer_state.json").write_text("{}")  # edited since the restore
     with pytest.raises(OutputExists):
         restore_checkpoint(root / "repo", tmp_path)
     assert restore_checkpoint(root / "repo", tmp_path, force=True) == out
+    assert (out / "trainer_state.json").read_text() != "{}"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "checkpoint-4").mkdir()  # the Trainer's own folder, never restored
+    with pytest.raises(OutputExists):
+        restore_checkpoint(root / "repo", tmp_path / "other")
+
+
+def _restore_in_child(repo, out, conn):
+    try:
+        conn.send(("ok", str(restore_checkpoint(repo, out, generation=1))))
+    except BaseException as exc:  # noqa: BLE001 - sent to the test
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def test_restore_checkpoint_on_every_process_restores_once_and_each_gets_the_folder(hf_archived, tmp_path):
+    """Guards the multi-process resume: under torchrun every rank runs
+    trainer.train(resume_from_checkpoint=restore_checkpoint(...)) into the same output_dir. A later rank got
+    OutputExists (its job died) or replaced the folder while rank 0 was loading it. Now the first restores under a
+    file lock and every other call returns that folder, untouched."""
+    import multiprocessing
+
+    root, _, _, _ = hf_archived
+    first = restore_checkpoint(root / "repo", tmp_path / "seq", generation=1)
+    inode = (first / "optimizer.pt").stat().st_ino
+    assert restore_checkpoint(root / "repo", tmp_path / "seq", generation=1) == first  # the second rank, later
+    assert (first / "optimizer.pt").stat().st_ino == inode  # not rewritten under a rank that reads it
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(2):  # the ranks at once
+        out = tmp_path / f"par{attempt}"
+        pipes = [ctx.Pipe(duplex=False) for _ in range(3)]
+        procs = [ctx.Process(target=_restore_in_child, args=(root / "repo", out, w)) for _, w in pipes]
+        for p in procs:
+            p.start()
+        answers = [r.recv() for r, _ in pipes]
+        for p in procs:
+            p.join(60)
+        assert answers == [("ok", str(out / "checkpoint-2"))] * 3, answers
+    assert ckpt_archive.verify(root / "repo", 1).ok
 
 
 def test_restore_checkpoint_refuses_a_generation_not_packed_from_a_trainer_folder(tmp_path):

@@ -239,7 +239,9 @@ class FolderPublisher:
         t0 = time.perf_counter()
         self._finish_previous()
         t1 = time.perf_counter()
-        root = (self.staging or default_staging(folder)) / uuid.uuid4().hex
+        staging = self.staging or default_staging(folder)
+        remove_stale_snapshots(staging)
+        root = staging / _snapshot_name()
         snap_dir = root / folder.name  # the folder's own name: the HF reader reads the step from checkpoint-N
         try:
             linked, copied, warnings = snapshot_folder(folder, snap_dir)
@@ -291,6 +293,11 @@ class FolderPublisher:
         try:
             self._last = handle.result()
         except BaseException as exc:
+            if not handle.done():  # the wait itself was interrupted (Ctrl-C): the publish goes on, still ours
+                self._inflight = handle
+                exc.add_note(f"(interrupted while waiting for the background publish of {handle.folder}, which goes "
+                             f"on; it is usable only if `ckpt-archive list REPO` shows it)")
+                raise
             exc.add_note(f"(raised by the background publish of {handle.folder}; it was not archived)")
             raise
         return self._last
@@ -349,6 +356,52 @@ def _changed_entries(before: list, after: list | None) -> list[str]:
     return names[:5] + ([f"{len(names) - 5} more"] if len(names) > 5 else [])
 
 
+def _snapshot_name() -> str:
+    """A snapshot's folder name under the staging folder: ``<host>-<pid>-<random>``, so that a later publisher on
+    this host can tell the snapshots of a process that is gone (killed mid-publish) from those of a live one."""
+    return f"{_host()}-{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _host() -> str:
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+
+
+def remove_stale_snapshots(staging: Path) -> list[str]:
+    """Remove the snapshots a killed publisher left in ``staging`` (``kill -9`` runs no cleanup): those named for this
+    host and a process that no longer exists. A snapshot holds hard links, so one left behind keeps the disk space
+    of a checkpoint folder the trainer's rotation has deleted since; the trainer's own files are never touched.
+
+    Returns:
+        the names removed.
+    """
+    pattern = re.compile(rf"^{re.escape(_host())}-(\d+)-[0-9a-f]{{32}}$")
+    try:
+        names = os.listdir(staging)
+    except OSError:  # no staging folder yet
+        return []
+    removed = []
+    for name in names:
+        m = pattern.match(name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(staging / name, ignore_errors=True)
+            removed.append(name)
+    if removed:
+        _LOG.info("removed %d snapshot(s) left in %s by publishers that are gone", len(removed), staging)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
 def _remove_staging(root: Path) -> None:
     """Remove one publish's staging folder (links only: the trainer's files are untouched), then the staging
     parent when empty."""
@@ -367,4 +420,5 @@ def _log_failure(fut: concurrent.futures.Future, name: str) -> None:
         _LOG.error("archiving %s failed: %s: %s", name, type(exc).__name__, exc)
 
 
-__all__ = ["FolderPublisher", "PublishHandle", "snapshot_folder", "default_staging", "STAGING_NAME"]
+__all__ = ["FolderPublisher", "PublishHandle", "snapshot_folder", "default_staging", "remove_stale_snapshots",
+           "STAGING_NAME"]

@@ -14,17 +14,20 @@
 ``optimizer_states``, ``lr_schedulers``, ``loops``, ``callbacks``, ...) into a new generation with
 :func:`ckpt_archive.ops.pack.pack`: verified and trial-reloaded before it counts, retention after; the file name
 Lightning chose (``epoch=3-step=400.ckpt``, ``last.ckpt``) is its tag, and the monitored value of each
-``ModelCheckpoint`` a metric (so ``--keep-best --best-by val_loss:min`` can use it). No file is written at
-``path``. ``remove_checkpoint(path)`` forgets the usable generations tagged with that name (``ModelCheckpoint``'s
-top-k rotation). ``load_checkpoint(path)`` takes ``REPO@GEN`` (``latest``, a number, ``tag:NAME``), a repository
-(its newest usable generation), or a path whose file name is a tag of this plugin's repository (what
-``ModelCheckpoint.best_model_path`` holds, so ``trainer.test(ckpt_path="best")`` works); every byte is checked on
-the way (:func:`ckpt_archive.load`) and nothing is unpickled.
+``ModelCheckpoint`` a metric (so ``--keep-best --best-by val_loss:min`` can use it). At ``path`` it writes a small
+*pointer file* (JSON: repository, generation, archive id), because ``ModelCheckpoint`` decides by the files in its
+folder (a name that exists gets a ``-v1`` suffix; ``ckpt_path="last"`` looks for ``last*.ckpt``): without one,
+saves collided on one name and ``ckpt_path="best"`` loaded another save than the best. ``remove_checkpoint(path)``
+deletes the pointer and forgets the usable generations tagged with that name (``ModelCheckpoint``'s top-k
+rotation). ``load_checkpoint(path)`` takes ``REPO@GEN`` (``latest``, a number, ``tag:NAME``), a pointer file (the
+generation it names), a repository (its newest usable generation), or a path that names no file whose file name
+is a tag of this plugin's repository (``best_model_path`` on a new machine); every byte is checked on the way
+(:func:`ckpt_archive.load`) and nothing is unpickled.
 
 Lightning hands ``ckpt_path`` to ``strategy.load_checkpoint`` -> ``checkpoint_io.load_checkpoint`` without looking
 at the file system (only ``"last"``, ``"best"``, ``"hpc"`` and ``"registry:"`` are resolved first; ``"last"``
-looks for files on disk and finds none here: use ``REPO@latest``). Strategies that save sharded folders
-themselves (FSDP, DeepSpeed) do not go through a ``CheckpointIO`` and are not covered.
+finds the newest ``last*.ckpt`` pointer in ``dirpath``; on a new machine use ``REPO@latest``). Strategies that save
+sharded folders themselves (FSDP, DeepSpeed) do not go through a ``CheckpointIO`` and are not covered.
 
 Under ``AsyncCheckpointIO`` the save runs in Lightning's thread (tensors cloned by Lightning first) while
 ``remove_checkpoint`` is called from the training thread: a forget that would race the publish in flight (or
@@ -35,6 +38,7 @@ This module imports ``lightning`` (``pip install ckpt-archive[lightning]``); ``i
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -101,6 +105,7 @@ class ArchiveCheckpointIO(CheckpointIO):
         # removals not done yet: (tag, the newest generation number it may forget, or None while no usable
         # generation carries the tag -- under AsyncCheckpointIO the save it follows may still be queued)
         self._to_forget: list[tuple[str, int | None]] = []
+        self._pointers: dict[str, Any] = {}  # file name -> the path its newest pointer was written at
 
     # -- CheckpointIO ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -135,6 +140,7 @@ class ArchiveCheckpointIO(CheckpointIO):
             notes = Annotations(config=self.config, metrics=_monitored(checkpoint), data_ids=self.data_ids,
                                 tags=self.tags + (name,), code_version=self.code_version)
             self.last = pack(checkpoint, self.repo, self.options, notes, retention=self.retention)
+            self._write_pointer(path, self.last)
         finally:
             self._end_save()
 
@@ -143,8 +149,9 @@ class ArchiveCheckpointIO(CheckpointIO):
         """The checkpoint dict of a generation, every chunk and tensor checked (nothing is unpickled).
 
         Args:
-            path: ``REPO@GEN`` (``latest``, a number, ``tag:NAME``), a repository (its newest usable
-                generation), or a path that names no file and whose file name is a tag of this plugin's
+            path: ``REPO@GEN`` (``latest``, a number, ``tag:NAME``), a pointer file this plugin wrote (the
+                generation it names), a repository (its newest usable generation), or a path that names no file
+                and whose file name is a tag of this plugin's
                 repository (``ModelCheckpoint.best_model_path``).
             map_location: a device (or its name) to move tensors to; a function is ignored (tensors come back
                 on the CPU and Lightning moves them).
@@ -154,8 +161,9 @@ class ArchiveCheckpointIO(CheckpointIO):
             the checkpoint dict as it was saved (types, dtypes, shapes and bits).
 
         Raises:
-            FileNotFoundError: ``path`` is none of the above. UsageError: ``path`` is a file (this plugin loads
-            generations; pack the file first). NoUsableGeneration / NotFound / IntegrityError: as
+            FileNotFoundError: ``path`` is none of the above, or a pointer to a generation that is gone (or is
+            another archive now). UsageError: ``path`` is a file but not a pointer (this plugin loads generations;
+            pack the file first). NoUsableGeneration / NotFound / IntegrityError: as
             :func:`ckpt_archive.load`.
         """
         from ckpt_archive.ops.load import load
@@ -180,6 +188,7 @@ class ArchiveCheckpointIO(CheckpointIO):
         name is never touched by it.
         """
         name = _tag_of(path)
+        _remove_pointer(path)  # ModelCheckpoint's file checks see it gone at once, as a deleted file
         with self._mutex:
             self._to_forget.append((name, None))
             if self._saving:
@@ -252,6 +261,9 @@ class ArchiveCheckpointIO(CheckpointIO):
                         keep.extend([(name, limit)] + pending[i + 1:])
                         return
                     self.forgotten.append(n)
+                    pointer = self._pointers.get(name)
+                    if pointer is not None and _read_pointer(pointer, quiet=True).get("generation") == n:
+                        _remove_pointer(pointer)  # written by a save that landed after its removal (async)
         except BaseException:
             keep = pending  # nothing is dropped: retried after the next save
             raise
@@ -270,6 +282,9 @@ class ArchiveCheckpointIO(CheckpointIO):
         repo, generation = split_repo_spec(text)
         if repo != text:  # REPO@GEN
             return repo, generation
+        pointer = _read_pointer(text)
+        if pointer:
+            return self._pointed(text, pointer)
         if os.path.isfile(text):
             raise UsageError(f"{text} is a file: {type(self).__name__} loads generations of a repository (REPO@latest, "
                              f"REPO@N, REPO@tag:NAME); pack the file first (ckpt-archive pack {text} --repo REPO) or "
@@ -288,6 +303,38 @@ class ArchiveCheckpointIO(CheckpointIO):
             pass
         raise FileNotFoundError(f"{text}: neither REPO@GEN, a repository, nor the name of a usable generation of "
                                 f"{os.fspath(self.repo)} (give ckpt_path=\"{os.fspath(self.repo)}@latest\")")
+
+    def _write_pointer(self, path: Any, result: "PackResult") -> None:
+        """Write the pointer file at ``path`` (atomically where it is local): ModelCheckpoint decides by the files in
+        its folder (a name that exists gets a ``-v1`` suffix; ``ckpt_path="last"`` looks for ``last*.ckpt``), so
+        a checkpoint it saved must exist there as a file, as with Lightning's own ``TorchCheckpointIO``."""
+        from ckpt_archive.store.local import write_atomic
+
+        text = os.fspath(path)
+        if not _is_local(text):  # a remote dirpath (s3://): no pointer; the generation is tagged all the same
+            return
+        text = text.removeprefix("file://")
+        data = json.dumps({_POINTER_KEY: 1, "repository": self._repo_location(), "generation": result.generation,
+                           "archive_id": result.manifest.get("archive_id")}, indent=1).encode() + b"\n"
+        os.makedirs(os.path.dirname(os.path.abspath(text)), exist_ok=True)
+        write_atomic(text, data)
+        self._pointers[_tag_of(path)] = path
+
+    def _pointed(self, text: str, pointer: dict) -> tuple[Any, str]:
+        """(repository, generation) a pointer file names, checked to be that archive's generation and usable."""
+        from ckpt_archive.errors import NoUsableGeneration, NotFound
+        from ckpt_archive.repo.repository import Repository
+
+        repo, number = pointer["repository"], pointer["generation"]
+        try:
+            gen = Repository.open(repo).resolve(str(number))
+        except (NotFound, NoUsableGeneration) as exc:
+            raise FileNotFoundError(f"{text} points to generation {number} of {repo}, which is not usable there any "
+                                    f"more ({exc}); `ckpt-archive list {repo}` shows what is") from exc
+        if (gen.manifest or {}).get("archive_id") != pointer["archive_id"]:
+            raise FileNotFoundError(f"{text} points to generation {number} of {repo}, but that generation is another "
+                                    f"archive now; load by REPO@GEN (`ckpt-archive list {repo}`)")
+        return repo, str(number)
 
     def _repo_location(self, create: bool = False) -> str:
         """The repository's location (created on first save; under DDP only global rank 0 saves).
@@ -317,6 +364,48 @@ def _async_io_clones() -> bool:
         return "clone" in inspect.getsource(async_plugin.AsyncCheckpointIO.save_checkpoint)
     except (OSError, TypeError):
         return False
+
+
+#: the key that marks a pointer file this plugin wrote at a checkpoint path
+_POINTER_KEY = "ckpt-archive-lightning-pointer"
+_POINTER_MAX = 64 << 10
+
+
+def _is_local(text: str) -> bool:
+    return "://" not in text or text.startswith("file://")
+
+
+def _read_pointer(path: Any, quiet: bool = False) -> dict:
+    """The pointer file at ``path`` as ``{"repository", "generation", "archive_id"}``, or ``{}`` when ``path`` is not
+    a local file this plugin wrote (missing, too large, not JSON, other keys). Read as hostile input: at most
+    64 KiB, every field type-checked."""
+    text = os.fspath(path)
+    if not _is_local(text):
+        return {}
+    try:
+        with open(text.removeprefix("file://"), "rb") as fh:
+            raw = fh.read(_POINTER_MAX + 1)
+        data = json.loads(raw) if len(raw) <= _POINTER_MAX else None
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get(_POINTER_KEY) != 1:
+        return {}
+    repo, number, archive_id = data.get("repository"), data.get("generation"), data.get("archive_id")
+    if (not isinstance(repo, str) or not repo or isinstance(number, bool) or not isinstance(number, int)
+            or number < 1 or not isinstance(archive_id, str)):
+        if not quiet:
+            _LOG.warning("%s looks like a ckpt-archive pointer but its fields are not valid; ignored", text)
+        return {}
+    return {"repository": repo, "generation": number, "archive_id": archive_id}
+
+
+def _remove_pointer(path: Any) -> None:
+    """Delete the pointer file at ``path`` if it is one this plugin wrote (never another file)."""
+    if _read_pointer(path, quiet=True):
+        try:
+            os.unlink(os.fspath(path).removeprefix("file://"))
+        except FileNotFoundError:
+            pass
 
 
 def _tag_of(path: Any) -> str:

@@ -167,12 +167,22 @@ def restore_checkpoint(repo: Any, output_dir: str | os.PathLike, generation: str
     ``training_args.bin``), so ``trainer.train(resume_from_checkpoint=...)`` continues bit for bit where the
     archived run was.
 
+    Safe to call from every process of a multi-process run (``torchrun``, ``accelerate launch``), as the one-line
+    ``trainer.train(resume_from_checkpoint=restore_checkpoint(...))`` does: the processes that share
+    ``output_dir`` take turns under a file lock (``<output_dir>/.checkpoint-N.ckpt-archive-restore.lock``); the
+    first restores, the others find the folder it restored and return it. What was restored is recorded beside it
+    (``.checkpoint-N.ckpt-archive-restore.json``: the generation's archive id and manifest sha256, and every
+    file's size, mtime and inode), so a folder is reused only when it is exactly that restore, untouched since;
+    any other ``checkpoint-N/`` already there is refused (or replaced with ``force``). Each process resolves
+    ``"latest"`` itself: while another machine may still publish to the repository, pass a number.
+
     Args:
         repo: repository path or URL.
         output_dir: the folder to restore into (the Trainer's ``output_dir`` on the new machine); created if
             absent.
         generation: ``"latest"`` (newest usable), a number or ``"tag:NAME"``.
-        force: replace an existing ``checkpoint-N/`` there (only after the restored one is complete).
+        force: replace an existing ``checkpoint-N/`` there (only after the restored one is complete) unless it is
+            this generation's restore, unchanged since.
 
     Returns:
         the restored folder, ``<output_dir>/checkpoint-N`` (N: the Trainer's global step).
@@ -180,10 +190,12 @@ def restore_checkpoint(repo: Any, output_dir: str | os.PathLike, generation: str
     Raises:
         UsageError: the generation was not packed from a Trainer ``checkpoint-N/`` folder (it was a
         ``torch.save`` file or a state from memory: use :func:`ckpt_archive.restore`). OutputExists: the folder
-        exists (without ``force``). NoUsableGeneration / NotFound: nothing to restore. IntegrityError: the
-        generation fails its checks (nothing is written; ``ckpt-archive verify REPO --fallback`` names the newest
-        that verifies).
+        exists and is not this generation's unchanged restore (without ``force``). NoUsableGeneration / NotFound:
+        nothing to restore. IntegrityError: the generation fails its checks (nothing is written;
+        ``ckpt-archive verify REPO --fallback`` names the newest that verifies).
     """
+    from filelock import FileLock
+
     from ckpt_archive.ops.common import open_repo, pick
     from ckpt_archive.ops.restore import restore
 
@@ -194,9 +206,39 @@ def restore_checkpoint(repo: Any, output_dir: str | os.PathLike, generation: str
         raise UsageError(f"generation {gen.number} was packed from a {source.get('format')!r} source, not a Hugging "
                          f"Face Trainer checkpoint-N/ folder; restore it with ckpt_archive.restore(...)",
                          where=r.location)
-    out = Path(output_dir) / _folder_name(gen)
-    restore(r, gen.number, out, force=force)  # the generation picked, even if a newer one is published meanwhile
+    name = _folder_name(gen)
+    root = Path(output_dir)
+    out = root / name
+    root.mkdir(parents=True, exist_ok=True)
+    record = root / f".{name}.ckpt-archive-restore.json"
+    identity = {"archive_id": gen.manifest.get("archive_id"), "generation": gen.number,
+                "manifest_sha256": gen.manifest_sha256}
+    with FileLock(str(root / f".{name}.ckpt-archive-restore.lock")):
+        if _restored_before(record, out, identity):
+            return out  # another process of this run (or an earlier call) restored exactly this; untouched since
+        record.unlink(missing_ok=True)  # the folder is about to change: an old record must not vouch for it
+        restore(r, gen.number, out, force=force)  # the generation picked, even if a newer one is published meanwhile
+        from ckpt_archive.ops.backup import stat_snapshot
+        from ckpt_archive.store.local import write_atomic
+
+        write_atomic(record, json.dumps(dict(identity, files=stat_snapshot(out))).encode())
     return out
+
+
+def _restored_before(record: Path, out: Path, identity: dict) -> bool:
+    """Whether ``out`` is the restore of ``identity`` that ``record`` describes, with every file as it was written
+    then (size, mtime, inode; no entry added or removed). A record that cannot be read counts as none."""
+    from ckpt_archive.ops.backup import stat_snapshot
+
+    try:
+        if record.stat().st_size > 16 << 20:  # ours is a few KiB per file; never read a huge one
+            return False
+        saved = json.loads(record.read_bytes())
+        if not isinstance(saved, dict) or any(saved.get(k) != v for k, v in identity.items()):
+            return False
+        return out.is_dir() and not out.is_symlink() and saved.get("files") == stat_snapshot(out)
+    except (OSError, ValueError):
+        return False
 
 
 def _folder_name(gen) -> str:
