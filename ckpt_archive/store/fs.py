@@ -35,6 +35,7 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
@@ -83,6 +84,26 @@ def refuse_link(rel: str, root: str) -> Exception:
     """The default rule for a symbolic link below a root: :class:`UnsafePath` (exit 1)."""
     return UnsafePath(f"{rel} is a symbolic link; nothing is written, read or deleted through one here "
                       f"(remove the link by hand if it is yours)", where=root)
+
+
+def _rmtree_at(parent_fd: int, name: str) -> None:
+    """Remove the folder ``name`` of ``parent_fd`` with everything in it, never following a link inside:
+    ``shutil.rmtree(name, dir_fd=)`` (Python >= 3.11), else the same walk by descriptors."""
+    if sys.version_info >= (3, 11):
+        shutil.rmtree(name, dir_fd=parent_fd)
+        return
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        with os.scandir(fd) as entries:
+            names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        for child, is_dir in names:
+            if is_dir:
+                _rmtree_at(fd, child)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
 
 
 def _is_link(fd: int, name: str) -> bool:
@@ -293,7 +314,7 @@ class Dir:
         if st is None:
             return False
         if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(name, dir_fd=self.fd)
+            _rmtree_at(self.fd, name)
         else:
             self.unlink(name, missing_ok=True)
         return True
