@@ -558,6 +558,7 @@ def staged_file(target: str | os.PathLike) -> Iterator[str]:
     ``dcp_to_torch_save``); on success fsync it and rename it over ``target`` (:meth:`Staging.commit`); on an
     exception nothing is left and ``target`` is unchanged."""
     with Staging(target) as st:
+        os.close(st.entry.create())  # the name is ours (O_EXCL | O_NOFOLLOW) before the library opens it
         yield st.path
         st.dir.finish_file(st.name)
         st.commit(replace=True)
