@@ -237,14 +237,12 @@ class Trajectory:
         return out
 
     def write(self) -> Path:
-        """Write ``trajectory.json`` atomically (temporary name, fsync, rename). Returns its path."""
+        """Write ``trajectory.json`` atomically (the file layer: a fresh ``O_EXCL`` temporary name, fsync,
+        rename; never through a link planted at a predictable name). Returns its path."""
+        from ckpt_archive.store.fs import write_file_atomic
+
         path = self.output / TRAJECTORY_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_json(), f, allow_nan=False, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_file_atomic(path, json.dumps(self.to_json(), allow_nan=False, indent=1).encode("utf-8"))
         return path
 
 
