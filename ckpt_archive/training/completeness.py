@@ -68,80 +68,103 @@ def lint_completeness(state: Any, *, config: dict | str | Path | None = None, pr
                 cfg = state[key]
                 break
     parts = find_parts(state, keys)
-    out: list[Finding] = []
-    nb = "not bitwise-resumable: "
-    cc = "could not check: "
+    hidden = _Hidden(unseen, dcp)
+    return (_lint_rng(parts, hidden) + _lint_data(state, parts, progress or {}, hidden)
+            + _lint_optimizer(parts, hidden) + _lint_scheduler(state, parts, progress, keys)
+            + _lint_scaler(cfg, parts, hidden))
 
-    def hidden(part: str) -> str | None:
-        """Where ``part`` may be although it is not in the readable state (opaque files, DCP shards)."""
-        if dcp:
+
+_NB = "not bitwise-resumable: "
+_CC = "could not check: "
+
+
+class _Hidden:
+    """Where a part may be although it is not in the readable state (opaque files, DCP shards)."""
+
+    def __init__(self, unseen: list[str] | tuple, dcp: bool):
+        self.unseen, self.dcp = list(unseen), dcp
+
+    def __call__(self, part: str) -> str | None:
+        if self.dcp:
             return ("the torch.distributed.checkpoint shards (kept byte for byte, not read here) hold the "
                     f"checkpoint's state; {part} state may be inside them")
-        names = [u for u in unseen if norm_key(u) in ALIASES.get(part, ()) or part in norm_key(u)]
+        names = [u for u in self.unseen if norm_key(u) in ALIASES.get(part, ()) or part in norm_key(u)]
         if names:
             return f"{part} state is inside an opaque file ({', '.join(names)}), kept byte for byte and never loaded"
-        if unseen:
-            return (f"no {part} state in the readable files; {len(unseen)} opaque file(s) ({', '.join(unseen[:4])}"
-                    f"{', ...' if len(unseen) > 4 else ''}) were not read and may hold it")
+        if self.unseen:
+            return (f"no {part} state in the readable files; {len(self.unseen)} opaque file(s) "
+                    f"({', '.join(self.unseen[:4])}{', ...' if len(self.unseen) > 4 else ''}) were not read and may "
+                    f"hold it")
         return None
 
+
+def _lint_rng(parts: dict, hidden: _Hidden) -> list[Finding]:
     rng_entries = parts.get("rng")
     if not rng_entries and hidden("rng"):
-        out.append(Finding("info", "rng", cc + hidden("rng")))
-    elif not rng_entries:
-        out.append(Finding("warning", "rng", nb + "no RNG state saved (Python, NumPy, torch): dropout masks, "
-                           "augmentations and shuffles draw different numbers after the resume"))
-    else:
-        streams = rng_streams_by_key(rng_entries[0][1])
-        if not streams and is_tensor(rng_entries[0][1]):
-            streams = {"torch": rng_entries[0][1]}
-        missing = [s for s in RNG_STREAMS if s not in streams]
-        if missing:
-            out.append(Finding("warning", str(rng_entries[0][0]),
-                               nb + f"RNG streams missing: {', '.join(missing)}: those draw different numbers "
-                               f"after the resume"))
-    prog_cursor = (progress or {}).get("cursor")
-    data = parts.get("data")
-    if not data and prog_cursor is None and not _has_data_order(state):
-        counters = parts.get("progress")
-        if hidden("data"):
-            out.append(Finding("info", "data", cc + hidden("data")))
-        elif counters:
-            # A script may derive its position in the epoch from the saved step and epoch (and reseed its
-            # sampler): then nothing is lost. Only a guess either way.
-            out.append(Finding("info", "data", cc + "no data permutation or cursor found, only step/epoch "
-                               "counters: if the script derives its position in the epoch from them (and reseeds "
-                               "its sampler per epoch), the resume is exact; if not, the resumed run probably "
-                               "restarts the epoch's sample order"))
-        else:
-            out.append(Finding("warning", "data", nb + "no data permutation, cursor or step counter saved: the "
-                               "resumed run probably restarts the epoch's sample order, replaying some samples "
-                               "and never seeing others"))
+        return [Finding("info", "rng", _CC + hidden("rng"))]
+    if not rng_entries:
+        return [Finding("warning", "rng", _NB + "no RNG state saved (Python, NumPy, torch): dropout masks, "
+                        "augmentations and shuffles draw different numbers after the resume")]
+    streams = rng_streams_by_key(rng_entries[0][1])
+    if not streams and is_tensor(rng_entries[0][1]):
+        streams = {"torch": rng_entries[0][1]}
+    missing = [s for s in RNG_STREAMS if s not in streams]
+    if missing:
+        return [Finding("warning", str(rng_entries[0][0]), _NB + f"RNG streams missing: {', '.join(missing)}: those "
+                        f"draw different numbers after the resume")]
+    return []
+
+
+def _lint_data(state: Any, parts: dict, progress: dict, hidden: _Hidden) -> list[Finding]:
+    """No data permutation, cursor or sampler state. With step/epoch counters (in the state, or the manifest's
+    ``progress`` a source recorded, e.g. an Accelerate folder's optimizer step) a script may derive its position
+    from them: only a guess either way (info); without any counter a warning."""
+    if parts.get("data") or progress.get("cursor") is not None or _has_data_order(state):
+        return []
+    if hidden("data"):
+        return [Finding("info", "data", _CC + hidden("data"))]
+    if parts.get("progress") or any(progress.get(k) is not None for k in ("step", "epoch")):
+        # A script may derive its position in the epoch from the saved step and epoch (and reseed its
+        # sampler): then nothing is lost. Only a guess either way.
+        return [Finding("info", "data", _CC + "no data permutation or cursor found, only step/epoch "
+                        "counters: if the script derives its position in the epoch from them (and reseeds "
+                        "its sampler per epoch), the resume is exact; if not, the resumed run probably "
+                        "restarts the epoch's sample order")]
+    return [Finding("warning", "data", _NB + "no data permutation, cursor or step counter saved: the "
+                    "resumed run probably restarts the epoch's sample order, replaying some samples "
+                    "and never seeing others")]
+
+
+def _lint_optimizer(parts: dict, hidden: _Hidden) -> list[Finding]:
     opt = parts.get("optimizer")
     if not opt and hidden("optimizer"):
-        out.append(Finding("info", "optimizer", cc + hidden("optimizer")))
-    elif not opt:
-        out.append(Finding("warning", "optimizer", nb + "no optimizer state: moments and step counters restart "
-                           "from zero (Adam's bias correction starts over)"))
-    else:
-        for path, o in opt:
-            st = o.get("state") if isinstance(o, dict) else None
-            if not st and not _stateless(o):
-                out.append(Finding("warning", f"{path}.state",
-                                   nb + "optimizer state is empty: no moments saved, the resumed run restarts "
-                                   "them from zero"))
-    if not parts.get("scheduler") and opt and any(
-            isinstance(g, dict) and "initial_lr" in g for _, o in opt for g in (o.get("param_groups") or [])):
-        a = audit(state, progress=progress, keys=keys)
-        out.append(Finding("warning", "scheduler", nb + missing_scheduler_message(a.counters)))
+        return [Finding("info", "optimizer", _CC + hidden("optimizer"))]
+    if not opt:
+        return [Finding("warning", "optimizer", _NB + "no optimizer state: moments and step counters restart "
+                        "from zero (Adam's bias correction starts over)")]
+    return [Finding("warning", f"{path}.state", _NB + "optimizer state is empty: no moments saved, the resumed run "
+                    "restarts them from zero")
+            for path, o in opt if not (o.get("state") if isinstance(o, dict) else None) and not _stateless(o)]
+
+
+def _lint_scheduler(state: Any, parts: dict, progress: dict | None, keys: dict | None) -> list[Finding]:
+    opt = parts.get("optimizer") or []
+    if parts.get("scheduler") or not any(isinstance(g, dict) and "initial_lr" in g
+                                         for _, o in opt for g in (o.get("param_groups") or [])):
+        return []
+    a = audit(state, progress=progress, keys=keys)
+    return [Finding("warning", "scheduler", _NB + missing_scheduler_message(a.counters))]
+
+
+def _lint_scaler(cfg: dict, parts: dict, hidden: _Hidden) -> list[Finding]:
     amp = _amp_configured(cfg)
-    if amp and not parts.get("scaler") and hidden("scaler"):
-        out.append(Finding("info", "scaler", cc + f"AMP configured ({amp}); " + hidden("scaler")))
-    elif amp and not parts.get("scaler"):
-        out.append(Finding("warning", "scaler", nb + f"AMP configured ({amp}) but no GradScaler state: the loss "
-                           f"scale restarts at its initial value, so the first steps after the resume are "
-                           f"skipped or scaled differently"))
-    return out
+    if not amp or parts.get("scaler"):
+        return []
+    if hidden("scaler"):
+        return [Finding("info", "scaler", _CC + f"AMP configured ({amp}); " + hidden("scaler"))]
+    return [Finding("warning", "scaler", _NB + f"AMP configured ({amp}) but no GradScaler state: the loss "
+                    f"scale restarts at its initial value, so the first steps after the resume are "
+                    f"skipped or scaled differently")]
 
 
 def _has_data_order(state: Any) -> bool:
