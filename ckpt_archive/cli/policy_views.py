@@ -14,7 +14,9 @@ from typing import Any
 from ckpt_archive.errors import UsageError
 from ckpt_archive.ops.audit_read import state_for_audit
 from ckpt_archive.training.audit import PolicyAudit
-from ckpt_archive.training.session import HYPER_NAMES, PolicyChange, apply_session_policy, compare_with_session, session_values
+from ckpt_archive.training.nextstep import build_model
+from ckpt_archive.training.session import (HYPER_NAMES, PolicyChange, apply_session_policy, differences,
+                                           session_values)
 
 
 #: The table's columns in display order, and the order they give way in when the terminal is narrow (the
@@ -100,6 +102,10 @@ def audit_renderable(a: PolicyAudit):
     return Group(*items)
 
 
+#: Param groups whose next steps are listed in words (``--json`` has every one).
+_SHOWN = 8
+
+
 def _say_counters(a: PolicyAudit, out: Any) -> None:
     """The counters line, the partial-decoding note, what was audited, and what overrides the session."""
     out.say("  counters: " + ", ".join(f"{k} {v}" for k, v in a.counter_rows()))
@@ -107,6 +113,13 @@ def _say_counters(a: PolicyAudit, out: Any) -> None:
         out.say(f"  ({a.counters['partial']})")
     for note in a.notes:
         out.say(f"  {note}")
+    described = [g for g in a.groups if g.next_steps_from]
+    if described:
+        out.say(f"  the next {len(described[0].next_steps)} optimizer steps (real torch):")
+        for g in described[:_SHOWN]:
+            out.say(f"    {g.field}: {g.next_steps_from}")
+        if len(described) > _SHOWN:
+            out.say(f"    ... {len(described) - _SHOWN} more group(s) (--json lists every one)")
     if a.overrides:
         out.say("  archived fields that override the session's:")
         for o in a.overrides:
@@ -189,20 +202,22 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     expect_lr = _parse_expect_lr(expect_lr)
     if session_config is None and expect_lr is None and policy == "checkpoint":
         return None, {}
+    if policy == "session" and not _imposes(session_config):
+        # refused before anything is compared or printed: no advice that --policy session cannot follow
+        raise UsageError("--policy session needs --session-config with an lr (or weight_decay, momentum, eps, "
+                         "betas, scheduler settings) to impose; --expect-lr only checks")
     state, manifest, _ = state_for_audit(repo, generation)
     packed_cfg = manifest.get("config") or None
-    diffs = compare_with_session(state, session_config=session_config, expect_lr=expect_lr, policy=policy,
-                                 archived_config=packed_cfg)
+    model = build_model(state, session_config=session_config, archived_config=packed_cfg)
+    diffs = differences(model, expect_lr=expect_lr, policy=policy)
     for d in diffs:
         out.warn(d.message)
     section: dict = {"mode": policy, "differences": [d.to_json() for d in diffs], "changes": []}
     if policy == "checkpoint":
         return None, section
-    sess = session_values(session_config)
-    if not any(k in sess for k in ("lr", *HYPER_NAMES, "betas", "scheduler")):
-        raise UsageError("--policy session needs --session-config with an lr (or weight_decay, momentum, eps, "
-                         "betas, scheduler settings) to impose; --expect-lr only checks")
-    if not diffs:  # the archive already holds the session's values: restore it as packed (byte for byte)
+    if model.refused:
+        raise UsageError(model.refused)
+    if not model.changes:  # the archive already holds the session's values: restore it as packed (byte for byte)
         if manifest["source"]["layout"] == "folder":
             section["rewritten"] = []
         return None, section
@@ -220,6 +235,14 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
         return new
 
     return transform, section
+
+
+def _imposes(session_config: Any) -> bool:
+    """Whether a session config gives something ``--policy session`` can impose."""
+    if session_config is None:
+        return False
+    sess = session_values(session_config)
+    return any(k in sess for k in ("lr", *HYPER_NAMES, "betas", "scheduler"))
 
 
 def cli_restore_finish(section: dict, out: Any, folder_report: dict | None = None) -> dict:

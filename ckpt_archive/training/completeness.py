@@ -13,6 +13,8 @@ from typing import Any
 from ckpt_archive.format.config_file import load_config
 from ckpt_archive.training.audit import Finding, PolicyAudit, audit, missing_scheduler_message
 from ckpt_archive.training.parts import ALIASES, RNG_STREAMS, find_parts, is_tensor, norm_key, rng_streams_by_key
+from ckpt_archive.training.session import compare_with_session
+from ckpt_archive.training.session_config import archived_config
 from ckpt_archive.training.values import flatten, fmt_value
 
 
@@ -183,38 +185,35 @@ def _has_data_order(state: Any) -> bool:
     return False
 
 
-def archived_config(state: Any, config: Any = None) -> tuple[dict, str]:
-    """The run's own config: ``config`` (packed with ``--config``) if given, else the copy inside the state
-    (``config``, ``hyper_parameters`` (Lightning), ``hparams``, ``args``, ``cfg``). Returns ``(dict, where)``."""
-    cfg = load_config(config) if config else {}
-    if cfg:
-        return cfg, "the packed config"
-    if isinstance(state, dict):
-        for key in ("config", "hyper_parameters", "hparams", "args", "cfg"):
-            if isinstance(state.get(key), dict) and state[key]:
-                return state[key], f"the state's {key}"
-    return {}, ""
-
-
 def config_disagreements(state: Any, config: Any = None) -> list[Finding]:
     """The archived config's LR keys against the optimizer/scheduler state of the same checkpoint.
 
     A config that says ``lr: 1e-4`` while the state's ``initial_lr`` and ``base_lrs`` say ``1e-6`` means the
     state was not trained (or will not resume) with that config: the resumed run follows the state. Each
-    differing field is a warning naming both values and the config key.
+    differing field is a warning naming both values and the config key. What the next-step model knows is not
+    policy carried by the state is not compared (:func:`~ckpt_archive.training.session.compare_with_session`):
+    the ``lr`` of a group the script schedules itself (no scheduler state, a hand-written schedule in the
+    config), a hyperparameter of a group the script set apart (``weight_decay = 0`` on norms and biases). The
+    ``lr`` of a group without scheduler state that is not the config's, with no schedule named, is information:
+    the run itself set it (or the config is not the one it ran with), and the resume continues it.
     """
-    from ckpt_archive.training.session import compare_with_session
-
     cfg, where = archived_config(state, config)
     if not cfg:
         return []
     out = []
     for d in compare_with_session(state, session_config=cfg, archived_config=cfg):
         key = d.config_key or d.field.rsplit(".", 1)[-1]
+        a, c = fmt_value(d.archived), fmt_value(d.session)
+        if d.lr_set_by == "state" and d.field.endswith(".lr"):
+            out.append(Finding("info", d.field,
+                               f"{where} says {key} = {c} but the state holds {a} and no scheduler state is saved: "
+                               f"the script set the LR itself (a hand-written schedule), or the config is not the "
+                               f"one the run used; the resumed run uses what the script sets, else {a}"))
+            continue
         out.append(Finding("warning", d.field,
-                           f"{where} says {key} = {fmt_value(d.session)} but the state holds {fmt_value(d.archived)} "
-                           f"(takes effect {d.when}): optimizer and scheduler state do not follow the config they "
-                           f"were archived with; the resumed run uses the state's value"))
+                           f"{where} says {key} = {c} but the state holds {a} (takes effect {d.when}): optimizer and "
+                           f"scheduler state do not follow the config they were archived with; the resumed run uses "
+                           f"the state's value"))
     return out
 
 
