@@ -161,6 +161,9 @@ def test_hand_set_lr_and_unused_weight_decay_are_warned_as_config_mismatches(tmp
     a = audit(state, config=state["config"])
     assert [g.lr_set_by for g in a.groups] == ["script", "script"]
     assert all("set by the training script" in g.next_steps_from and "decay_lr" in g.next_steps_from for g in a.groups)
+    assert a.next_lrs == [None, None]  # what the script sets, not the archived last step's lr
+    assert {o.when for o in a.overrides if o.field.endswith(".lr")} == {"never: the training script sets lr before "
+                                                                         "every step"}
     repo = tmp_path / "repo"
     ckpt_archive.pack(state, repo)
     rep = ckpt_archive.verify(repo)

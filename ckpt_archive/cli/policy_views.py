@@ -115,7 +115,7 @@ def _say_counters(a: PolicyAudit, out: Any) -> None:
         out.say(f"  {note}")
     described = [g for g in a.groups if g.next_steps_from]
     if described:
-        out.say(f"  the next {len(described[0].next_steps)} optimizer steps (real torch):")
+        out.say(f"  the next {len(described[0].next_steps)} optimizer steps:")
         for g in described[:_SHOWN]:
             out.say(f"    {g.field}: {g.next_steps_from}")
         if len(described) > _SHOWN:

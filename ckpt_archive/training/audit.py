@@ -390,7 +390,8 @@ def _group_overrides(p: PairPlan, i: int, g: dict, gp: GroupPolicy, gs: GroupSte
     """The archived fields of one optimizer group (and its scheduler) that override the session's."""
     gfield, out = gp.field, []
     if gp.lr is not None:
-        out.append(Override(f"{gfield}.lr", gp.lr, None, "now"))
+        out.append(Override(f"{gfield}.lr", gp.lr, None, "now" if gp.lr_set_by != "script" else
+                            "never: the training script sets lr before every step"))
     for key in ("initial_lr", "max_lr", "min_lr"):
         if as_float(g.get(key)) is not None:
             out.append(Override(f"{gfield}.{key}", as_float(g[key]), None,
@@ -416,16 +417,18 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
     Args:
         state: nested checkpoint dict (``torch.load(weights_only=True)`` or :func:`ckpt_archive.load`).
             Parts are found under conventional keys (see :data:`ALIASES`) or by shape.
-        config: the experiment's config (dict or path of JSON/YAML/TOML); not needed for the audit
-            itself, accepted so callers can pass one object to audit and lint.
+        config: the run's own config (dict or path of JSON/YAML/TOML; default: the copy inside the state):
+            whether the script schedules the LR itself (a hand-written schedule, no scheduler state).
         progress: ``{"step": int, "epoch": int}`` from the manifest, overriding what the state holds.
         keys: part -> path overrides, as in :func:`find_parts`.
 
     Returns:
         :class:`PolicyAudit`. The LR the next step will use (``next_lr``) is the archived optimizer
         group's ``lr`` (``Optimizer.load_state_dict`` restores it, ``LRScheduler.load_state_dict`` never
-        writes a group, and ``optimizer.step()`` reads ``group["lr"]``); without an optimizer it is the
-        scheduler's ``_last_lr``. Findings:
+        writes a group, and ``optimizer.step()`` reads ``group["lr"]``); without optimizer state it is the
+        session's (None here); where the script sets the LR every step, None. ``next_steps`` /
+        ``after_step_lr`` / ``next_steps_from`` come from the next-step model
+        (:mod:`~ckpt_archive.training.nextstep`: real torch, with the fields each step comes from). Findings:
 
         * warning ``optimizer.param_groups[i].lr``: the group's lr differs from the scheduler's
           ``_last_lr`` (the optimizer was loaded before its scheduler was built, or the policy was
@@ -435,8 +438,11 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
         * warning ``optimizer.state``: progress step and optimizer step disagree, or per-parameter
           step counters differ;
         * warning ``scheduler``: scheduler state missing although ``initial_lr`` shows one was attached;
+        * warning ``scheduler.base_lrs``: no optimizer state, so the archived base_lrs take over after the
+          session's LR ran one step;
+        * info ``scheduler.last_epoch``: a finished schedule (the next ``scheduler.step()`` raises);
         * error: non-finite or non-numeric lr, a scheduler with a different number of groups than the
-          optimizer, a OneCycleLR whose next step raises (``last_epoch >= total_steps``).
+          optimizer.
 
     Raises:
         UsageError: a ``keys`` path does not exist.
