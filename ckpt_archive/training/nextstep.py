@@ -155,7 +155,7 @@ class PolicyModel:
 
 def build_model(state: Any, *, session_config: dict | str | Path | None = None, sess: dict | None = None,
                 lr: float | Sequence[float] | None = None, keys: dict | None = None, archived_config: Any = None,
-                steps: int = STEPS) -> PolicyModel:
+                steps: int = STEPS, drivers: bool = True) -> PolicyModel:
     """The next-step model of ``state``, under the checkpoint policy and, where the session gives values, under
     the session policy too.
 
@@ -166,6 +166,7 @@ def build_model(state: Any, *, session_config: dict | str | Path | None = None, 
         keys: part -> path overrides.
         archived_config: the run's own config (packed with ``--config``; default: the copy inside the state).
         steps: how many optimizer steps to follow.
+        drivers: find which archived fields drive each step (``later_from``; a few more real torch runs).
 
     Returns:
         :class:`PolicyModel`. A ``--policy session`` rewrite that is refused (ReduceLROnPlateau without a known
@@ -180,7 +181,7 @@ def build_model(state: Any, *, session_config: dict | str | Path | None = None, 
         sess["lr"] = lr
     arch = archived_values(state, archived_config)
     plans = plan_pairs(state, sess, lr=lr, keys=keys, archived=arch)
-    model = PolicyModel(plans, [pair_steps(p, steps) for p in plans], sess, steps=steps)
+    model = PolicyModel(plans, [pair_steps(p, steps, drivers=drivers) for p in plans], sess, steps=steps)
     if _asks(sess):
         _session_column(model, state, lr, keys, arch)
     return model

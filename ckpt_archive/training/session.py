@@ -126,7 +126,8 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
     """
     if policy not in ("checkpoint", "session"):
         raise UsageError(f"policy must be 'checkpoint' or 'session', not {policy!r}")
-    model = build_model(state, session_config=session_config, keys=keys, archived_config=archived_config)
+    model = build_model(state, session_config=session_config, keys=keys, archived_config=archived_config,
+                        drivers=expect_lr is not None)  # only --expect-lr's message names what drives the steps
     return differences(model, expect_lr=expect_lr, policy=policy)
 
 
