@@ -23,8 +23,7 @@ makes those facts visible and gives a restore that does them in the right order.
 * :mod:`~ckpt_archive.training.values`: numbers from a state, LR tolerances, value formatting.
 
 Everything here works on the plain nested state (as returned by ``torch.load(weights_only=True)`` or
-:func:`ckpt_archive.load`); nothing is unpickled (the next-step model rebuilds scheduler objects from plain state on a dummy
-optimizer), and nothing reads an
-archive (:mod:`ckpt_archive.ops.audit_read` does), judges a generation (:mod:`ckpt_archive.ops.policy_check`
-does) or prints (:mod:`ckpt_archive.cli.policy_views` does).
+:func:`ckpt_archive.load`); nothing is unpickled (the next-step model rebuilds scheduler objects from plain
+state on a dummy optimizer), and nothing reads an archive (:mod:`ckpt_archive.ops.audit_read` does), judges a
+generation (:mod:`ckpt_archive.ops.policy_check` does) or prints (:mod:`ckpt_archive.cli.policy_views` does).
 """
