@@ -128,8 +128,10 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
                     f"refusing to forget generation {gen.number}: it is the only generation that verifies"
                     f"{others}; forgetting it would leave nothing that restores, so nothing was removed",
                     where=r.location,
-                    hint="a pack of the same state writes damaged shared objects again (which repairs the "
-                         "generations that reference them); `ckpt-archive verify REPO@N` names what is damaged")
+                    hint=("a pack of the same state writes damaged shared objects again (which repairs the "
+                          "generations that reference them); `ckpt-archive verify REPO@N` names what is damaged"
+                          if failures else "pack a newer generation first; to discard every generation, remove "
+                          "the repository itself"))
         try:
             swept = r.remove_generation(gen.number)
         except UnsafePath as exc:  # a generation that is a link: nothing is deleted through it

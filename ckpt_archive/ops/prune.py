@@ -363,8 +363,8 @@ class PruneResult:
 
     @property
     def warnings(self) -> list[str]:
-        """Kept generations that fail verify while an older kept one passes; shared objects that were not
-        deleted because a manifest cannot be read."""
+        """Kept generations that fail verify while another generation that stays passes (or one the policy
+        removes, kept for that); shared objects that were not deleted because a manifest cannot be read."""
         extra = [self.objects.kept] if self.objects is not None and self.objects.kept else []
         return self.check.warnings() + extra + list(self.skipped_keys)  # unsafe store keys left alone
 
