@@ -451,6 +451,98 @@ class MemberStream:
         self.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class ProvenRange:
+    """In a member's decoded stream (:func:`decode_around`), in place of a proven object's chunks: its raw
+    size (bytes), raw fingerprint and name (``ArchiveReader.proven_objects``)."""
+
+    nbytes: int
+    fp: str
+    oid: str
+
+
+class StreamWindow:
+    """Stored bytes ``[start, start + length)`` of a member's stream (a :class:`MemberStream`), seen as a file
+    of their own: positional reads when the stream has them, else sequential reads that stop at its end."""
+
+    def __init__(self, fh, start: int, length: int):
+        self._fh, self._start, self._len, self._pos = fh, start, length, 0
+        self.positional = bool(getattr(fh, "positional", False))
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return self._fh.pread(n, self._start + offset)
+
+    def size(self) -> int:
+        return self._len
+
+    def read(self, n: int = -1) -> bytes:
+        left = self._len - self._pos
+        n = left if n is None or n < 0 else min(n, left)
+        if n <= 0:
+            return b""
+        self._fh.seek(self._start + self._pos)
+        data = self._fh.read(n)
+        self._pos += len(data)
+        return data
+
+
+def decode_around(fh, rec: dict, proven: frozenset, *, jobs: int, verify_chunks: bool = True,
+                  skip_sha: frozenset = frozenset(), written_crc=None):
+    """The codec's ``iter_decoded`` over a member's chunks except those of the ``proven`` objects: each run of
+    other chunks is decoded as a stream of its own (a :class:`StreamWindow` on the member's stream); each
+    proven object yields one ``(raw offset, ProvenRange)`` instead, in stream order (never read).
+
+    Args:
+        fh: the member's stream (:func:`open_member`). rec: its manifest record. proven: object names.
+        jobs: decoder threads. verify_chunks, skip_sha, written_crc: as ``iter_decoded`` takes them, for
+            the whole member (sliced here for each run).
+
+    Raises:
+        IntegrityError: the chunk table does not tile the member, its stream has another size, or a chunk
+            fails its check or decode (named as ``iter_decoded`` names it, within its run).
+    """
+    from ckpt_archive.format.codec import check_chunk_table, iter_decoded
+
+    member = rec["path"]
+    check_chunk_table(rec, member)
+    chunks = rec["chunks"]
+    size = fh.size() if hasattr(fh, "size") else None
+    if size is not None and size != rec["stored_bytes"]:
+        raise IntegrityError(f"stored stream holds {size} bytes, manifest says {rec['stored_bytes']}", where=member)
+    at = {p.index[0]: p for p in parts(rec) if p.oid in proven and p.index}
+    i, n = 0, len(chunks)
+    while i < n:
+        p = at.get(i)
+        if p is not None:
+            yield chunks[i]["raw_offset"], ProvenRange(p.record["raw_bytes"], p.fp, p.oid)
+            i = p.index[-1] + 1  # an object's chunks are consecutive in the stream
+            continue
+        j = i + 1
+        while j < n and j not in at:
+            j += 1
+        run = rebase(chunks[i:j])
+        raw0, stored0 = chunks[i]["raw_offset"], chunks[i]["stored_offset"]
+        for off, chunk in iter_decoded(StreamWindow(fh, stored0, run["stored_bytes"]), run, member=member, jobs=jobs,
+                                       verify_chunks=verify_chunks,
+                                       skip_sha=frozenset(k - i for k in skip_sha if i <= k < j),
+                                       written_crc=None if written_crc is None else written_crc[i:j]):
+            yield raw0 + off, chunk
+        i = j
+
+
+def object_entries(rec: dict) -> dict[str, str]:
+    """``{object name (oid): entry key}`` of a format-3 tensors member: the one entry each object holds."""
+    base = rec.get("header_bytes", 0)
+    start_of = {base + e["data_offsets"][0]: k for k, e in (rec.get("entries") or {}).items()
+                if e["data_offsets"][1] > e["data_offsets"][0]}
+    out = {}
+    for p, o in zip(parts(rec)[1:], rec.get("objects") or ()):
+        key = start_of.get(o["raw_offset"])
+        if key is not None and p.oid is not None:
+            out[p.oid] = key
+    return out
+
+
 def open_member(store, gen_key: str, rec: dict):
     """The member's stored bytes: its own file, or a :class:`MemberStream` over its file and objects.
 
@@ -624,4 +716,5 @@ def users_of(repo) -> dict[str, list[int]]:
 
 
 __all__ = ["ObjectIndex", "SharedWriter", "MemberStream", "open_member", "sweep", "SweepResult", "all_objects",
-           "users_of", "manifest_refs", "refs_of", "check_object", "damaged_objects", "not_a_file", "same_chunks"]
+           "users_of", "manifest_refs", "refs_of", "check_object", "damaged_objects", "not_a_file", "same_chunks",
+           "ProvenRange", "StreamWindow", "decode_around", "object_entries"]

@@ -17,10 +17,9 @@ from typing import Any, Iterator
 
 from ckpt_archive.errors import FormatError, IntegrityError, NotFound, UnsafePath, UsageError, first_line
 from ckpt_archive.format import fingerprint, jsonio
-from ckpt_archive.format.codec import (StoredStream, _fileno, check_chunk_table, default_jobs, iter_decoded,
-                                       submit_chunk_checks)
+from ckpt_archive.format.codec import StoredStream, _fileno, default_jobs, iter_decoded, submit_chunk_checks
 from ckpt_archive.format.objects import parts, stored_files
-from ckpt_archive.repo.objects import open_member
+from ckpt_archive.repo.objects import ProvenRange, decode_around, object_entries, open_member
 from ckpt_archive.format.limits import check_allocation, frame_size_problem, lazy_buffer
 from ckpt_archive.format.shard import check_header as _check_header
 from ckpt_archive.format.state_tree import apply_view_bits, decode, torch_dtype
@@ -256,8 +255,8 @@ class ArchiveReader:
                 proven = (frozenset(skip_objects) & self.proven_objects if raw_check is not None and into is None
                           and raw_check.alg == fingerprint.BLAKE3_ENTRIES and rec.get("objects") else frozenset())
                 if proven:
-                    chunks = self._decode_around(fh, rec, proven, verify_chunks=verify_chunks, skip_sha=skip,
-                                                 written_crc=crcs)
+                    chunks = decode_around(fh, rec, proven, jobs=self.jobs, verify_chunks=verify_chunks,
+                                           skip_sha=skip, written_crc=crcs)
                 else:
                     chunks = iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs, verify_chunks=verify_chunks,
                                           into=into, skip_sha=skip, written_crc=crcs)
@@ -284,42 +283,6 @@ class ArchiveReader:
             bad = raw_check.problem()
             if bad is not None:
                 raise IntegrityError(bad, where=rec["path"])
-
-    def _decode_around(self, fh, rec: dict, proven: frozenset, *, verify_chunks: bool, skip_sha: frozenset,
-                       written_crc) -> Iterator[tuple[int, Any]]:
-        """:func:`iter_decoded` over a member's chunks except those of the ``proven`` objects: each run of
-        other chunks is decoded as a stream of its own (a window on the member's stream); each proven
-        object yields one :class:`ProvenRange` instead, in stream order."""
-        from ckpt_archive.format.objects import rebase
-
-        member = rec["path"]
-        check_chunk_table(rec, member)
-        chunks = rec["chunks"]
-        size = fh.size() if hasattr(fh, "size") else None
-        if size is not None and size != rec["stored_bytes"]:
-            raise IntegrityError(f"stored stream holds {size} bytes, manifest says {rec['stored_bytes']}", where=member)
-        at: dict[int, Any] = {}
-        for p in parts(rec):
-            if p.oid in proven and p.index:
-                at[p.index[0]] = p
-        i, n = 0, len(chunks)
-        while i < n:
-            p = at.get(i)
-            if p is not None:
-                yield chunks[i]["raw_offset"], ProvenRange(p.record["raw_bytes"], p.fp, p.oid)
-                i = p.index[-1] + 1  # an object's chunks are consecutive in the stream
-                continue
-            j = i + 1
-            while j < n and j not in at:
-                j += 1
-            run = rebase(chunks[i:j])
-            raw0, stored0 = chunks[i]["raw_offset"], chunks[i]["stored_offset"]
-            window = _Window(fh, stored0, run["stored_bytes"])
-            for off, chunk in iter_decoded(window, run, member=member, jobs=self.jobs, verify_chunks=verify_chunks,
-                                           skip_sha=frozenset(k - i for k in skip_sha if i <= k < j),
-                                           written_crc=None if written_crc is None else written_crc[i:j]):
-                yield raw0 + off, chunk
-            i = j
 
     def read_member_bytes(self, path: str) -> bytes:
         rec = self.by_path.get(path)
@@ -383,7 +346,7 @@ class ArchiveReader:
         header_checked = False
         skip = frozenset()
         if skip_objects and not checked_by_caller and rec.get("objects"):
-            skip = frozenset(oid for oid, key in _object_entries(rec).items()
+            skip = frozenset(oid for oid, key in object_entries(rec).items()
                              if oid in skip_objects and key in sizes_only)
         for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
                                            verify_chunks=not checked_by_caller, skip_objects=skip):
@@ -623,59 +586,11 @@ class ProvenSize(SizeOnly):
     __slots__ = ()
 
 
-@dataclasses.dataclass(frozen=True)
-class ProvenRange:
-    """In :meth:`ArchiveReader.iter_member`'s output, in place of a proven object's decoded chunks: its
-    raw size (bytes), raw fingerprint and name."""
-
-    nbytes: int
-    fp: str
-    oid: str
-
-
 def _skip_or_fail(raw_check, proven: ProvenRange, member: str) -> None:
     """Give the member's raw check a proven object's fingerprint for its entry (on the raw-hash thread, in
     stream order); a range that is not exactly one entry is a problem of the member."""
     if not raw_check.skip(proven.nbytes, proven.fp):
         raise IntegrityError(f"shared object {proven.oid} is not one entry of its member", where=member)
-
-
-class _Window:
-    """Stored bytes ``[start, start + length)`` of a member's stream (a :class:`MemberStream`), seen as a file
-    of their own: positional reads when the stream has them, else sequential reads that stop at its end."""
-
-    def __init__(self, fh, start: int, length: int):
-        self._fh, self._start, self._len, self._pos = fh, start, length, 0
-        self.positional = bool(getattr(fh, "positional", False))
-
-    def pread(self, n: int, offset: int) -> bytes:
-        return self._fh.pread(n, self._start + offset)
-
-    def size(self) -> int:
-        return self._len
-
-    def read(self, n: int = -1) -> bytes:
-        left = self._len - self._pos
-        n = left if n is None or n < 0 else min(n, left)
-        if n <= 0:
-            return b""
-        self._fh.seek(self._start + self._pos)
-        data = self._fh.read(n)
-        self._pos += len(data)
-        return data
-
-
-def _object_entries(rec: dict) -> dict[str, str]:
-    """``{object name (oid): entry key}`` of a format-3 tensors member: the one entry each object holds."""
-    base = rec.get("header_bytes", 0)
-    start_of = {base + e["data_offsets"][0]: k for k, e in (rec.get("entries") or {}).items()
-                if e["data_offsets"][1] > e["data_offsets"][0]}
-    out = {}
-    for p, o in zip(parts(rec)[1:], rec.get("objects") or ()):
-        key = start_of.get(o["raw_offset"])
-        if key is not None and p.oid is not None:
-            out[p.oid] = key
-    return out
 
 
 def _spill_member(reader: "ArchiveReader", rec: dict, spill_dir, on_bytes=None):
