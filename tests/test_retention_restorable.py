@@ -229,3 +229,21 @@ def test_rot_then_gc_removes_nothing_a_usable_generation_references(rotted, tmp_
     res, out = cli_json("pack", src[2], "--repo", repo, "--keep-last", 1)
     assert res.exit_code == 0 and out["retention"]["removed"] == [1, 2], res.stdout
     restores_bit_identical(repo, out["generation"], src[2], tmp_path)
+
+
+def test_gc_leaves_a_folder_at_an_unreferenced_object_name_alone_and_names_it(tmp_path):
+    """Fault guarded: gc crashing (exit 2, "Is a directory") at a folder standing where an unreferenced object
+    would be, so nothing after it was swept; it is not ours to delete: named and left alone."""
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(state(1), repo)
+    odd = repo / object_key("ab" * 32 + "-" + "cd" * 32)
+    odd.mkdir(parents=True)
+    (odd / "inside").write_bytes(b"x")
+    orphan = repo / object_key("ef" * 32 + "-" + "01" * 32)
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"left by a killed pack")
+    res, out = cli_json("gc", repo)
+    assert res.exit_code == 0, res.stdout
+    assert out["removed_objects"] == [str(orphan.relative_to(repo))] and not orphan.exists()
+    assert any("is a folder" in s for s in out["objects_skipped"]) and (odd / "inside").exists()
+    assert cli("verify", f"{repo}@1").exit_code == 0
