@@ -290,6 +290,9 @@ class _PackSteps:
             gens, self.generations = self.generations, None
             shared = SharedWriter(repo.store, ObjectIndex.build(repo, gens), min_bytes=o.share_min_bytes,
                                   faults=repo.faults, distrust=self.distrust)
+        from ckpt_archive.repo.publish import phase
+
+        phase(self.on_bytes, "write", _raw_total(p))
         try:
             body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
                                  level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
@@ -382,6 +385,7 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
         # [issue 14] a source file's own reads (its sha256, its tensor ranges' fingerprints and, for a zip
         # torch.save file, every record's CRC-32) start now, beside `import torch` and torch.load
         scan = early_scan(source, scan_pool) if isinstance(source, (str, os.PathLike)) else None
+        reading = _ReadProgress(on_bytes, source, scan)  # [issue 26] the bar moves from the first second
         # What can refuse the input runs before a generation number is claimed, except the scan's verdict:
         # it is awaited before the manifest is sealed (encoding starts at once), and a record that fails
         # its CRC, or a file that changed meanwhile, withdraws the claimed generation (_pack_prepared).
@@ -394,12 +398,74 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
                 _raise_if_changed([scan] if scan is not None else [])
                 _crc_reason_first(scan)
                 raise
+            finally:
+                reading.stop()
             return _pack_prepared(prep, repo, options, on_bytes, before_publish, retention,
                                   {scan.identity: scan} if scan is not None else None)
         except BaseException:
             if scan is not None:
                 scan.cancel()
             raise
+
+
+class _ReadProgress:
+    """[issue 26] The first phase of packing a file or folder, ``read and hash NAME``: while ``torch.load``
+    parses the source, the bytes its early scan (:class:`~ckpt_archive.format.exact_bytes.ScanJob`: sha256,
+    range fingerprints, zip CRCs) has read are reported to ``on_bytes`` every 0.2 s from one helper thread,
+    which is stopped (joined) before pack reports anything else, so calls never overlap. A source without a
+    scan (a folder, a legacy pickle) has its phase named, without a total. Nothing for a state given as an
+    object, or without a callback."""
+
+    def __init__(self, on_bytes, source: Any, scan) -> None:
+        import threading
+
+        self.on_bytes, self.scan, self._sent, self._thread = on_bytes, scan, 0, None
+        self._stop = threading.Event()
+        if on_bytes is None or not isinstance(source, (str, os.PathLike)):
+            return
+        from ckpt_archive.repo.publish import phase
+
+        name = Path(source).name or str(source)
+        if scan is None:
+            phase(on_bytes, f"read {name}")
+            return
+        try:
+            size = scan.path.stat().st_size
+        except OSError:
+            size = None
+        phase(on_bytes, f"read and hash {name}", size)
+        self._thread = threading.Thread(target=self._feed, name="ckpt-read-progress", daemon=True)
+        self._thread.start()
+
+    def _feed(self) -> None:
+        while not self._stop.wait(0.2):
+            self._send()
+
+    def _send(self) -> None:
+        done = self.scan.progress[0]
+        if done > self._sent:
+            delta, self._sent = done - self._sent, done
+            self.on_bytes(delta)
+
+    def stop(self) -> None:
+        """End the phase: the helper thread is joined and what was read meanwhile reported (idempotent)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._send()
+
+
+def _raw_total(p: "_Prepared") -> int | None:
+    """Raw bytes the write phase handles: the state's tensor entries and the files stored as they are."""
+    try:
+        total = sum(e.nbytes for e in p.encoded[1].entries.values())
+        for sf in p.source.files:
+            if sf.kind in ("raw", "opaque") and sf.path is not None and not getattr(sf, "link_of", None):
+                total += sf.path.stat().st_size
+        return total
+    except (AttributeError, IndexError, TypeError, OSError):
+        return None
 
 
 def _raise_if_changed(scans) -> None:
