@@ -25,7 +25,7 @@ from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
 from ckpt_archive.format.metrics import metrics_to_json
 from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.ops.meta import (code_identity, default_instructions, environment, find_metrics, find_progress,
-                                   value_or_file)
+                                   needs_by_part, value_or_file)
 from ckpt_archive.repo.publish import PACK_POINTS, BeforePublish, Lifecycle, Withdrawn
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import MANIFEST, Repository, gen_key, host_record, iso, raise_if_problems, utcnow
@@ -124,9 +124,13 @@ class PackResult:
                 "trial_reload": self.trial_reload}
 
 
-def _instructions(instructions: Any, source) -> dict:
+def _instructions(instructions: Any, source, allowed: list[str] | None = None) -> dict:
     top = [str(k) for k in source.state.keys()] if isinstance(source.state, dict) else []
-    base = default_instructions(source.format, source.layout, top)
+    # [issue 26] from what the restored .pt needs: the globals to allow, the parts that need none
+    needs = needs_by_part(source.state) if source.layout == "file" else None
+    base = default_instructions(source.format, source.layout, top, needs, allowed)
+    if needs is not None:
+        base["plain_parts"] = needs["plain_parts"]
     if instructions is None:
         return base
     if isinstance(instructions, dict):
@@ -226,7 +230,7 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
                                 " (it is stored in the manifest, which every `list` reads; put large records "
                                 "in a file of the checkpoint folder)"))
     prepared = _Prepared(source, encoded, prog, config_enc, metrics_plain, ids_v, [str(t) for t in tags],
-                         _instructions(notes.instructions, source),
+                         _instructions(notes.instructions, source, sorted(allowed or ())),
                          None if notes.code_version is None else str(notes.code_version),  # the schema's string
                          sorted(allowed or ()))
     # the manifest and members are UTF-8 JSON: text that is not (lone surrogates, as os.fsdecode gives for
