@@ -604,7 +604,9 @@ def test_cursor_counting_batches_since_the_last_resume_passes_a_second_interrupt
     from ckpt_archive.cli.common import Output
 
     report_human(Output(False), report, "check-resume")  # what a run without --json prints
-    assert "duplicated ids" in capsys.readouterr().err and any("data.cursor 4" in w for w in report["warnings"])
+    printed = capsys.readouterr()                             # the table: stdout; warnings: stderr (issue 26)
+    assert "duplicated ids" in printed.out and any("data.cursor 4" in w for w in report["warnings"])
+    assert "warning: interruption at update 4: data.cursor 4" in printed.err
     # the correct cursor passes the same two interruptions
     ok = cli("check-resume", "--steps", "8", "--interrupt-at", "2", "--interrupt-at", "4", "--output",
              str(tmp_path / "ok"), "--control", "data", "--json", "--", *template("epoch_cursor.py"))

@@ -115,6 +115,25 @@ def test_demo_prints_a_proof_table_on_stdout(demo, report, capsys):
     assert printed.err == ""
 
 
+def test_demo_draws_every_run_next_to_the_report_and_its_archive_remembers_it(demo, report):
+    """[issue 26] A picture where people would rather look than read: written next to verification.json,
+    naming the continuous, resumed and every control run with its first divergent update; the archive
+    repository records the check, so an export of it links the picture."""
+    pytest.importorskip("matplotlib")
+    from ckpt_archive.ops.export_proof import read_last_check
+    from ckpt_archive.repo.repository import Repository
+
+    _, out = demo
+    assert report["picture"] == "verification.svg"
+    svg = (out / "verification.svg").read_text()
+    assert "continuous (never interrupted)" in svg and "interrupted, archived, restored, resumed" in svg
+    for e in report["negative_controls"]:
+        assert f"control {e['name']}: first divergent update {e['first_divergent_step']}" in svg, e["name"]
+    assert "interrupted after update 5" in svg and "resume: 0 at every update (identical)" in svg
+    rec = read_last_check(Repository.open(report["archive"]["repository"]))
+    assert rec["kind"] == "demo" and rec["passed"] is True and rec["picture"] == str(out / "verification.svg")
+
+
 def test_demo_never_overwrites_an_earlier_proof(demo):
     _, out = demo
     before = (out / "verification.json").read_bytes()
@@ -143,3 +162,6 @@ def test_resume_that_forgets_the_scheduler_exits_1_with_lr_apart_from_loss(tmp_p
 
     report_human(Output(False), report, "check-resume")  # what a run without --json prints
     assert "LR diverges at update 7" in capsys.readouterr().out
+    if report.get("picture"):                                 # the failure, named where a person looks
+        svg = (out / report["picture"]).read_text()
+        assert "the resume diverges here: update 7 (lr[0])" in svg and "the resume DIVERGES at update 7" in svg

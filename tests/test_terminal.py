@@ -138,7 +138,8 @@ def test_progress_shows_no_eta_until_a_rate_is_known():
                                   ["restore", "{repo}", "--output", "{tmp}/o.pt"], ["adopt", "{repo}"],
                                   ["status", "{repo}", "--state", "{tmp}/st.json"],
                                   ["export", "{repo}", "--to", "{tmp}/dst"],
-                                  ["prune", "{repo}", "--keep-last", "1", "--dry-run"]])
+                                  ["prune", "{repo}", "--keep-last", "1", "--dry-run"], ["gc", "{repo}"],
+                                  ["forget", "{repo}@1", "--force"]])
 def test_json_mode_prints_only_the_json_object_and_nothing_on_stderr(tmp_path, args):
     repo = tmp_path / "repo"
     ca.pack(_state(), repo)

@@ -124,12 +124,23 @@ def fit(cols: Sequence[Col], rows: Sequence[Sequence[str]], width: int, *, title
     shown = active()
     widths = {c.name: least(c) for c in shown}
     spare = width - needed()
-    for kind in ("text", "prose"):  # what is left goes to cut text first, then to prose
-        for c in shown:
-            if c.kind == kind and spare > 0:
-                more = min(spare, natural(c) - widths[c.name])
-                widths[c.name] += more
-                spare -= more
+    for c in shown:  # what is left goes to cut text first (left to right)...
+        if c.kind == "text" and spare > 0:
+            more = min(spare, natural(c) - widths[c.name])
+            widths[c.name] += more
+            spare -= more
+    prose = [c for c in shown if c.kind == "prose"]
+    wants = {c.name: natural(c) - widths[c.name] for c in prose}
+    total_want = sum(wants.values())
+    if spare > 0 and total_want > 0:  # ...then to prose, in proportion to what each lacks
+        give = {n: min(w, spare * w // total_want) for n, w in wants.items()}
+        for c in prose:
+            widths[c.name] += give[c.name]
+        rest = spare - sum(give.values())
+        for c in reversed(prose):  # rounding: the last columns first
+            more = min(rest, wants[c.name] - give[c.name])
+            widths[c.name] += more
+            rest -= more
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
                   padding=(0, 1, 0, 0))
     for c in shown:

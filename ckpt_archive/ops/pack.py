@@ -360,8 +360,10 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
         retention: a :class:`~ckpt_archive.retention.policy.RetentionPolicy` applied after publish;
             ``None`` applies the repository's default policy, if any; an empty ``RetentionPolicy()``
             applies none even when the repository has a default (``backup`` runs retention itself).
-        on_bytes: progress callback, raw bytes processed (written, then decoded by the trial reload; one
-            with a ``phase(name, total)`` method is told when each phase starts).
+        on_bytes: progress callback, bytes processed: a source file's bytes read and hashed (phase ``read and
+            hash NAME``; these calls come from one helper thread, never at the same time as another call),
+            raw bytes written (``write``), then decoded by the trial reload; one with a ``phase(name, total)``
+            method is told when each phase starts.
         before_publish: called under the lock with the checked generation before its marker is written
             (:data:`~ckpt_archive.repo.publish.BeforePublish`); a returned reason withdraws it.
 
