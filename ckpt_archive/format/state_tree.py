@@ -122,6 +122,19 @@ def view_bits(t) -> dict:
     return bits
 
 
+def empty_tensor(dtype, device=None):
+    """A 0-element tensor of ``dtype`` for ``.set_()`` that allocates and fills nothing.
+
+    ``torch.empty(0, dtype=...)`` runs the deterministic fill when a training script turned on
+    ``torch.use_deterministic_algorithms(True)``, and that fill has no kernel for ``uint1``-``uint7``,
+    ``int1``-``int7`` (``"fill_empty_deterministic_" not implemented for 'UInt4'``): a pack or restore in such
+    a process crashed. A view of an empty ``uint8`` tensor runs no kernel.
+    """
+    torch = _torch()
+    base = torch.empty(0, dtype=torch.uint8, device=device)
+    return base if dtype == torch.uint8 else base.view(dtype)
+
+
 def physical(t):
     """``t`` without its lazy conj/neg bits: the same storage, offset, shape and strides, i.e. the bytes
     as they lie in memory (what ``torch.save`` writes for such a view). ``t`` itself when it has none."""
@@ -129,8 +142,7 @@ def physical(t):
     if not (t.is_conj() or t.is_neg()):
         return t
     with torch.no_grad():
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
-                                                                   t.shape, t.stride())
+        return empty_tensor(t.dtype, t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
 def apply_view_bits(t, bits: dict):
@@ -488,7 +500,7 @@ class _Encoder:
             dtypes = {t.dtype for _, t in views}
             flat_dtype = t0.dtype if len(dtypes) == 1 else torch.uint8
             fname = str(flat_dtype).replace("torch.", "")
-            itemsize = torch.empty(0, dtype=flat_dtype).element_size()
+            itemsize = flat_dtype.itemsize
             if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
                 fname, itemsize = "uint8", 1
             entry_key = f"storage/{n_shared}:{key0}"

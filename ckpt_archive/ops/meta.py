@@ -361,10 +361,18 @@ def restored_file_loading(path: str | os.PathLike, *, plain_parts: list[str] | N
     """
     import zipfile
 
+    from pathlib import Path
+
+    from ckpt_archive.store import fs
+
     p = os.fspath(path)
     if not zipfile.is_zipfile(p):
-        with open(p, "rb") as fh:
-            head = fh.read(1)
+        with fs.Dir.open(Path(p).parent) as folder:  # the target just written, read through the file layer
+            fd = folder.open_file(Path(p).name, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                head = os.read(fd, 1)
+            finally:
+                os.close(fd)
         if head != b"\x80":  # not a pickle either: a .safetensors file (restore writes nothing else)
             return {"format": "safetensors", "allow": [], "text": "loads with safetensors.torch.load_file(path)",
                     "snippet": f"from safetensors.torch import load_file\nstate = load_file({p!r})\n"}

@@ -662,11 +662,10 @@ def leaf_from_base(base, lrec: dict):
     if lrec["kind"] == "numpy" or not view:
         t = base
     else:
-        import torch
+        from ckpt_archive.format.state_tree import empty_tensor
 
         dt = torch_dtype(lrec["dtype"])
-        t = torch.empty(0, dtype=dt).set_(base.untyped_storage(), view["storage_offset"], lrec["shape"],
-                                          view["stride"])
+        t = empty_tensor(dt).set_(base.untyped_storage(), view["storage_offset"], lrec["shape"], view["stride"])
     if lrec.get("bits") and lrec["kind"] == "torch":  # an unresolved conj / neg view: the bytes are physical, the bits come back
         t = apply_view_bits(t, lrec["bits"])
     if lrec.get("parameter"):

@@ -180,6 +180,8 @@ class Snapshotter:
         import numpy as np
         import torch
 
+        from ckpt_archive.format.state_tree import empty_tensor
+
         if self._holder is not owner:
             raise BuffersBusy(f"the snapshot buffers are held by {self._holder!r}, not by {owner!r}: its snapshot "
                               f"may still be read, so they are not overwritten")
@@ -236,8 +238,8 @@ class Snapshotter:
                     if on_gpu:
                         stats.device_bytes += nbytes
                         devices.add(src.device)
-                copy_t = torch.empty(0, dtype=src.dtype).set_(base.untyped_storage(), src.storage_offset(),
-                                                             src.shape, src.stride())
+                copy_t = empty_tensor(src.dtype).set_(base.untyped_storage(), src.storage_offset(), src.shape,
+                                                      src.stride())
             # the lazy conjugate / negative bits are not in the storage's bytes: set them on the copy again
             # (a conj view over the same bytes reads as the source reads)
             if src.is_neg():
