@@ -86,6 +86,83 @@ def set_tree(repo: Path, tree_json: bytes, number: int = 1) -> None:
     edit_manifest(repo, edit, number)
 
 
+_FRAMES: dict = {}
+_FPS: dict = {}
+
+
+def _frame(raw: bytes) -> bytes:
+    """One zstandard frame of ``raw`` (cached: bombs repeat the same chunk)."""
+    import zstandard
+
+    key = (len(raw), hashlib.sha256(raw).digest())
+    if key not in _FRAMES:
+        _FRAMES[key] = zstandard.ZstdCompressor(level=19).compress(raw)
+    return _FRAMES[key]
+
+
+def bomb_member(repo: Path, rec: dict, m: dict, *, chunk_raw: int, chunks: int, head: bytes = b"",
+                fill: bytes = b" ", number: int = 1) -> None:
+    """Make ``rec`` (a member record of manifest ``m``) a *declared-size bomb* that tells the truth: ``chunks``
+    zstandard chunks that really decode to ``chunk_raw`` bytes each -- ``head`` then ``fill`` repeated -- a
+    few KB on disk, with every fingerprint recomputed (chunk sha256s, the derived stored fingerprint, the raw
+    fingerprint of all the decoded bytes in the member's own algorithm), so that only the *size* is hostile.
+    The caller writes the manifest (:func:`edit_manifest` does) and reseals.
+
+    A tree whose JSON is followed by gigabytes of spaces is still valid JSON: a reader that decodes before
+    it checks the declared size holds all of it.
+    """
+    from ckpt_archive.format import fingerprint
+
+    first = (head + fill * (chunk_raw // len(fill) + 1))[:chunk_raw]
+    rest = (fill * (chunk_raw // len(fill) + 1))[:chunk_raw]
+    frames = [_frame(first)] + [_frame(rest)] * (chunks - 1)
+    stored = b"".join(frames)
+    g = gen_dir(repo, number)
+    path = g / rec["stored_path"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        path.unlink()  # a hard-linked shared object is never written through
+    path.write_bytes(stored)
+    out, pos = [], 0
+    for i, fr in enumerate(frames):
+        out.append({"raw_offset": i * chunk_raw, "raw_bytes": chunk_raw, "stored_offset": pos,
+                    "stored_bytes": len(fr), "stored_sha256": hashlib.sha256(fr).hexdigest(), "codec": "zstd"})
+        pos += len(fr)
+    total = chunk_raw * chunks
+    alg = (fingerprint.raw_fp(rec) or "blake3:").partition(":")[0]
+    alg = "blake3" if alg not in ("sha256", "blake3") else alg
+    key = (alg, hashlib.sha256(first).digest(), hashlib.sha256(rest).digest(), chunks)
+    if key not in _FPS:
+        h = fingerprint.new(alg)
+        h.update(first)
+        for _ in range(chunks - 1):
+            h.update(rest)
+        _FPS[key] = f"{alg}:{h.hexdigest()}"
+    rec.update(raw_bytes=total, stored_bytes=len(stored), chunk_codecs=["zstd"], chunks=out)
+    if "raw_fp" in rec or m.get("format_version", 1) >= 2:
+        rec.update(raw_fp=_FPS[key], stored_fp=fingerprint.sha256_chunks(c["stored_sha256"] for c in out))
+        rec.pop("raw_sha256", None)
+        rec.pop("stored_sha256", None)
+    else:
+        rec.update(raw_sha256=_FPS[key].partition(":")[2], stored_sha256=hashlib.sha256(stored).hexdigest())
+    m["summary"]["raw_bytes"] = sum(r["raw_bytes"] for r in m["members"])
+    m["summary"]["stored_bytes"] = sum(r["stored_bytes"] for r in m["members"])
+
+
+def json_bomb(nbytes: int, unit: bytes = b"[],") -> bytes:
+    """A JSON array of ``nbytes`` that costs a parser ~25 times its size (``[[],[],...]``): 3 bytes per list."""
+    n = max(1, (nbytes - 2) // len(unit))
+    return b"[" + unit * (n - 1) + unit.rstrip(b",") + b"]"
+
+
+def forget_notes(repo: Path) -> None:
+    """Remove every failed-check note (``CHECK-FAILED.json``) a reader recorded, so that the next command meets
+    the damage itself, as the first reader did (docs/FORMAT.md, "One status rule": otherwise it refuses the
+    generation as recorded, exit 2)."""
+    for note in Path(repo).glob("generations/*/CHECK-FAILED.json"):
+        note.unlink()
+
+
 def folder_source(root: Path) -> Path:
     """A small checkpoint folder: one torch file, one raw file."""
     src = root / "src"

@@ -84,7 +84,7 @@ def _verify_problems(repo: Any, number: int) -> list[str]:
     from ckpt_archive.ops import verify as verify_op  # looked up at call time: tests replace verify_op.verify
 
     try:
-        report = verify_op.verify(repo, str(number))
+        report = verify_op.verify(repo, str(number), record=False)  # the refusal reports it (issue 24: retention's call)
     except (CkptArchiveError, OSError) as exc:
         return [f"could not be verified: {exc}"]
     lines = []

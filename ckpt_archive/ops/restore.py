@@ -157,10 +157,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(out)
     rewritten: dict = {}
+    passed: list[str] = []  # latest passing over newer damaged generations, a fallback taken
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
 
-    def write(gen: Generation) -> int:
-        reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
+    def write(gen: Generation, reader: ArchiveReader) -> int:
         raw = None if only else gen.manifest["summary"].get("raw_bytes")
         if layout == "folder" and not only:
             phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
@@ -220,7 +220,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     try:
         with allowing(allow):
             gen, nbytes = with_fallback(r, generation, fallback, write, unverified=unverified, action="restore",
-                                        override="--restore-unverified", notes=notes)
+                                        override="--restore-unverified", notes=notes, warnings=passed, jobs=jobs)
     except BaseException:
         _remove(tmp)
         raise
@@ -242,7 +242,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
 
     fsync_directory(out.parent)
     result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only,
-                           warnings=list(notes))
+                           warnings=list(notes) + passed)
     if notes:
         result.extra["unverified"] = True
     if ids_check is not None:

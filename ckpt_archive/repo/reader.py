@@ -15,12 +15,14 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
-from ckpt_archive.errors import FormatError, IntegrityError, NotFound, UnsafePath, UsageError, first_line
+from ckpt_archive.errors import (CkptArchiveError, FormatError, IntegrityError, NotFound, UnsafePath, UsageError,
+                                 first_line)
 from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.format.codec import StoredStream, _fileno, default_jobs, iter_decoded, submit_chunk_checks
 from ckpt_archive.format.objects import parts, stored_files
 from ckpt_archive.repo.objects import open_member
-from ckpt_archive.format.limits import check_allocation, frame_size_problem, lazy_buffer
+from ckpt_archive.format.limits import (IN_FLIGHT_RAW_BYTES, MAX_TREE_BYTES, MAX_TREE_COST, check_allocation,
+                                       check_whole_read, frame_size_problem, lazy_buffer)
 from ckpt_archive.format.shard import check_header as _check_header
 from ckpt_archive.format.state_tree import apply_view_bits, decode, torch_dtype
 
@@ -36,9 +38,19 @@ class Problem:
     reason: str
     member: str | None = None
     field: str | None = None
+    #: True when what failed is this machine, not the generation (a buffer larger than its memory:
+    #: :class:`~ckpt_archive.errors.TooLargeHere`): reported, but never recorded as a failed check.
+    local: bool = False
 
     def to_json(self) -> dict:
         return {"member": self.member, "field": self.field, "reason": self.reason}
+
+    @classmethod
+    def of(cls, exc: CkptArchiveError, *, member: str | None = None, field: str | None = None) -> "Problem":
+        """The problem an error of the tool names (``exc.where`` when it names a place, else ``member``)."""
+        from ckpt_archive.errors import TooLargeHere
+
+        return cls(exc.message, member=exc.where or member, field=field, local=isinstance(exc, TooLargeHere))
 
 
 
@@ -74,22 +86,31 @@ class ArchiveReader:
         #: bytes are the manifest's. ``verify``, export's check at its destination and adopt hash every
         #: stored chunk (bytes someone else wrote).
         self.written_crc: dict[str, list] = {}
+        #: [issue 24: one status rule] store keys of the stored files (member files and shared objects) whose
+        #: every chunk's stored sha256 a completed read of this reader checked: :meth:`check_unread` checks
+        #: the others, so a reader that used only part of a generation still vouches for all of it.
+        self.verified_keys: set[str] = set()
+        self._tree: Any = None  # the parsed state tree, once read (:meth:`tree`)
 
     def key(self, rec: dict) -> str:
         return f"{self.gen_key}/{rec['stored_path']}"
 
     # -- shallow -----------------------------------------------------------------------------------
-    def check_stored(self, problems: list[Problem], on_bytes=None, *, hash_files: bool = True) -> None:
+    def check_stored(self, problems: list[Problem], on_bytes=None, *, hash_files: bool = True,
+                     skip: set[str] | frozenset = frozenset()) -> None:
         """Sizes and whole-file stored sha256 of every member (reads stored bytes, decodes nothing).
 
         ``hash_files=False`` checks sizes only: for callers that run :meth:`trial_reload` next, whose
         single read checks every chunk's stored sha256 (which implies the whole file's).
+        ``skip``: store keys of stored files not to check (already checked by this reader).
         [codec/benchmarks helper: verify and trial reload share one read in pack]
         """
         files: list[tuple[dict, str]] = []
         seen: set[str] = set()
         for member in self.manifest["members"]:
             for key, fp, rec in stored_files(member, self.gen_key):
+                if key in skip:
+                    continue
                 if fp is not None:
                     if fp in seen:
                         continue  # one object referenced twice by this generation is checked once
@@ -115,6 +136,14 @@ class ArchiveReader:
                 for item in window:  # an error on the way: close what is still open
                     if item["fh_cm"] is not None:
                         item["fh_cm"].__exit__(None, None, None)
+
+    def check_unread(self, problems: list[Problem]) -> None:
+        """[issue 24: one status rule] What a shallow ``verify`` checks -- every stored file's size and every
+        chunk's stored sha256 -- for the stored files this reader has not checked while decoding
+        (:attr:`verified_keys`): a generation with one damaged member is damaged for every reader, whether
+        or not it reads that member (``restore`` of a ``.pt`` kept as exact bytes never decodes the tree;
+        ``load(only="model")`` never decodes the optimizer's shard)."""
+        self.check_stored(problems, skip=frozenset(self.verified_keys))
 
     def _check_size(self, rec: dict, key: str, problems: list[Problem]) -> bool:
         """The stored file exists and has the recorded size (a problem is added when not)."""
@@ -145,7 +174,10 @@ class ArchiveReader:
             cm = self.store.open_read(key)
             fh = cm.__enter__()
         except PermissionError as exc:  # there, but this process may not read it: reported, never skipped
-            item["problems"].append(Problem(f"cannot be read here: {exc.strerror}", member=rec["path"]))
+            item["problems"].append(Problem(f"cannot be read here: {exc.strerror}", member=rec["path"], local=True))
+            return item
+        except UnsafePath as exc:  # a folder, a FIFO, a device where the file must be: never read
+            item["problems"].append(Problem(f"not a file of this repository: {exc.message}", member=rec["path"]))
             return item
         item["sized"] = True
         item["fh_cm"], item["fh"] = cm, fh
@@ -245,31 +277,63 @@ class ArchiveReader:
                         crcs = written
                     if self.proven_objects and rec.get("objects"):
                         skip = frozenset(i for p in parts(rec) if p.oid in self.proven_objects for i in p.index)
+                hashing = 0  # raw bytes queued for the raw fingerprint (bounded: IN_FLIGHT_RAW_BYTES)
                 for off, chunk in iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs,
                                                verify_chunks=verify_chunks, into=into, skip_sha=skip,
                                                written_crc=crcs):
                     if raw_check is not None:
-                        pending.append(hasher.submit(raw_check.update, chunk))
-                        while len(pending) > 2 * self.jobs:
-                            pending.popleft().result()
+                        pending.append((len(chunk), hasher.submit(raw_check.update, chunk)))
+                        hashing += len(chunk)
+                        while len(pending) > 2 * self.jobs or (len(pending) > 1 and hashing > IN_FLIGHT_RAW_BYTES):
+                            n, fut = pending.popleft()
+                            fut.result()
+                            hashing -= n
                     total += len(chunk)
                     if on_bytes:
                         on_bytes(len(chunk))
                     yield off, chunk
             while pending:
-                pending.popleft().result()
+                pending.popleft()[1].result()
         finally:
             hasher.shutdown(wait=True, cancel_futures=True)
         if raw_check is not None:
             bad = raw_check.problem()
             if bad is not None:
                 raise IntegrityError(bad, where=rec["path"])
+        if verify_chunks and not skip and crcs is None:  # every chunk's stored sha256 was checked here
+            self.verified_keys.update(key for key, _, _ in stored_files(rec, self.gen_key))
 
-    def read_member_bytes(self, path: str) -> bytes:
+    def read_member_bytes(self, path: str, *, limit: int) -> bytearray:
+        """The whole raw bytes of a member a reader holds in memory (the state tree, the data ids), every
+        chunk's stored sha256 and the member's raw fingerprint checked.
+
+        Bounded before anything is read (docs/FORMAT.md, "Reading hostile archives"): the member's declared
+        raw and stored sizes, in total and summed over its chunks, must fit ``limit``
+        (:func:`~ckpt_archive.format.limits.check_whole_read`); the chunks are then decoded into one buffer
+        of exactly the declared size (never joined), and the read stops at the first byte beyond it.
+
+        Args:
+            path: the member's path. limit: the most raw bytes held (e.g. ``limits.MAX_TREE_BYTES``).
+
+        Returns:
+            the raw bytes (a ``bytearray`` of the member's ``raw_bytes``).
+
+        Raises:
+            FormatError: the manifest lists no such member.
+            ImplausibleSize: (exit 1) larger than ``limit``; names the member and the limit.
+            IntegrityError: (exit 1) a chunk or the raw fingerprint fails.
+        """
         rec = self.by_path.get(path)
         if rec is None:
             raise FormatError(f"manifest lists no member {path!r}", where="manifest.json")
-        return b"".join(chunk for _, chunk in self.iter_member(rec))
+        check_whole_read(rec, path, limit)
+        buf = bytearray(rec["raw_bytes"])
+        got = 0
+        for _, chunk in self.iter_member(rec, into=buf if rec["raw_bytes"] else None):
+            got += len(chunk)
+            if got > len(buf):  # cannot happen with a tiling chunk table: checked on the real bytes anyway
+                raise IntegrityError(f"decodes to more than its {len(buf)} raw bytes", where=path)
+        return buf
 
     def iter_entries(self, rec: dict, *, wanted: set[str] | None = None, on_bytes=None,
                      checked_by_caller: bool = False, into=None, transient: bool = False,
@@ -379,6 +443,57 @@ class ArchiveReader:
         if idx != len(order):
             raise IntegrityError(f"shard ends before entry {order[idx][0]}", where=rec["path"])
 
+    def entry_pieces(self, rec: dict, key: str, *, on_bytes=None) -> Iterator[memoryview]:
+        """The raw bytes of one entry of a tensors member, in order, decoded from only the chunks that hold
+        them (each chunk read where it lives -- the member's file or a shared object -- its stored sha256
+        checked before it is decoded); the entry's raw fingerprint is checked once its last byte is out.
+        Memory: one chunk at a time. For reading entries out of their data order (a source file's exact
+        bytes rebuilt in file order).
+
+        Raises:
+            IntegrityError: a chunk is short, fails its sha256 or does not decode; the entry's fingerprint
+                differs (names the member and the entry).
+        """
+        from ckpt_archive.format.codec import decode_chunk
+
+        e = rec["entries"][key]
+        base = rec["header_bytes"]
+        lo, hi = base + e["data_offsets"][0], base + e["data_offsets"][1]
+        where = f"{rec['path']}:{key}"
+        want = fingerprint.raw_fp(e)
+        h = fingerprint.new(fingerprint.split(want)[0]) if want else None
+        if hi > lo:
+            from ckpt_archive.format.objects import object_key
+
+            chunks = rec["chunks"]
+            for part in parts(rec):
+                local = [(i, c) for i, c in zip(part.index, part.record["chunks"])
+                         if chunks[i]["raw_offset"] < hi and chunks[i]["raw_offset"] + chunks[i]["raw_bytes"] > lo]
+                if not local:
+                    continue
+                part_key = self.key(rec) if part.oid is None else object_key(part.oid)
+                with self.store.open_read(part_key) as fh:
+                    for i, c in local:
+                        fh.seek(c["stored_offset"])
+                        stored = fh.read(c["stored_bytes"])
+                        if stored is None or len(stored) != c["stored_bytes"]:
+                            raise IntegrityError(f"truncated: chunk {i} is short", where=rec["path"])
+                        if hashlib.sha256(stored).hexdigest() != c["stored_sha256"]:
+                            raise IntegrityError(f"chunk {i} fails its stored sha256", where=rec["path"])
+                        try:
+                            raw = memoryview(decode_chunk(stored, c["codec"], c["raw_bytes"])).cast("B")
+                        except IntegrityError as exc:
+                            raise IntegrityError(f"chunk {i}: {exc.message}", where=rec["path"]) from None
+                        start = chunks[i]["raw_offset"]
+                        piece = raw[max(lo - start, 0):min(hi - start, len(raw))]
+                        if h is not None:
+                            h.update(piece)
+                        if on_bytes:
+                            on_bytes(len(piece))
+                        yield piece
+        if h is not None and f"{fingerprint.split(want)[0]}:{h.hexdigest()}" != want:
+            raise IntegrityError(f"tensor bytes fingerprint mismatch: expected {want}", where=where)
+
     def _spilled_entries(self, rec: dict, wanted: set, spill_dir, on_bytes=None
                          ) -> Iterator[tuple[str, dict, memoryview]]:
         """Like :meth:`iter_entries` (``wanted`` only) but over a spilled, memory-mapped member."""
@@ -392,12 +507,24 @@ class ArchiveReader:
                 yield k, e, view[base + start:base + end]
 
     def tree(self) -> Any:
-        data = self.read_member_bytes(self.manifest["tree_member"])
-        try:  # the one strict reader: depth, duplicate keys, non-finite numbers (format/jsonio.py)
-            return jsonio.loads(data, where=self.manifest["tree_member"])
+        """The parsed state tree (its member read whole, bounded: :data:`~ckpt_archive.format.limits.MAX_TREE_BYTES`
+        raw bytes, :data:`~ckpt_archive.format.limits.MAX_TREE_COST` of parse). Read once per reader: later
+        calls return the same object, which callers must not modify.
+
+        Raises:
+            ImplausibleSize: (exit 1) the tree member declares more than the limit (nothing read).
+            IntegrityError: (exit 1) a chunk or fingerprint fails; not strict JSON; too costly to parse.
+        """
+        if self._tree is not None:
+            return self._tree
+        data = self.read_member_bytes(self.manifest["tree_member"], limit=MAX_TREE_BYTES)
+        try:  # the one strict reader: depth, duplicate keys, non-finite numbers, size, cost (format/jsonio.py)
+            self._tree = jsonio.loads(data, where=self.manifest["tree_member"], max_bytes=MAX_TREE_BYTES,
+                                      max_cost=MAX_TREE_COST)
         except ValueError as exc:
             raise IntegrityError(f"state tree is not valid JSON ({getattr(exc, 'message', exc)})",
                                  where=self.manifest["tree_member"]) from None
+        return self._tree
 
     # -- trial reload --------------------------------------------------------------------------------
     def trial_reload(self, problems: list[Problem], on_bytes=None) -> dict:
