@@ -35,7 +35,7 @@ import os
 from ckpt_archive.errors import ImplausibleSize, IntegrityError, TooLargeHere
 
 __all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_CHUNK_STORED_BYTES", "MAX_ZSTD_RATIO", "MAX_ANNOTATION_BYTES",
-           "MAX_DATA_IDS_BYTES", "MAX_DATA_IDS_COST", "MAX_TREE_BYTES", "MAX_TREE_COST", "MAX_HEADER_BYTES", "MAX_HEADER_COST",
+           "MAX_DATA_IDS_BYTES", "MAX_DATA_IDS_COST", "MAX_TREE_BYTES", "MAX_TREE_COST", "MAX_HEADER_BYTES", "MAX_HEADER_COST", "MAX_MEMBER_HEADER_BYTES", "WHOLE_READ_LIMITS",
            "MAX_MANIFEST_BYTES", "MAX_MANIFEST_COST", "MAX_SMALL_DOC_BYTES", "MAX_SMALL_DOC_COST", "IN_FLIGHT_RAW_BYTES",
            "stored_bound", "check_member_sizes", "check_manifest_sizes", "check_whole_read", "read_bounded",
            "memory_available", "check_allocation", "lazy_buffer", "frame_size_problem"]
@@ -66,8 +66,11 @@ MAX_TREE_BYTES = 64 << 20
 MAX_TREE_COST = 256 << 20
 #: Largest safetensors header of a tensors member (bytes; the safetensors library's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 << 20
-#: Largest estimated parse cost of a tensors member's safetensors header (bytes of Python objects).
+#: Largest estimated parse cost of a safetensors header (bytes of Python objects).
 MAX_HEADER_COST = 256 << 20
+#: Largest safetensors header of an archive's tensors member (bytes, length prefix included). The writer
+#: makes ~100 bytes per entry: 32 MiB holds 300,000 entries, more than a manifest may list.
+MAX_MEMBER_HEADER_BYTES = 32 << 20
 #: Largest ``manifest.json`` (bytes). Measured: 100,000 tensors (one shard, indent 1) make a 57 MB manifest.
 MAX_MANIFEST_BYTES = 128 << 20
 #: Largest estimated parse cost of a manifest (bytes of Python objects). The 57 MB manifest of 100,000
@@ -86,6 +89,10 @@ IN_FLIGHT_RAW_BYTES = 128 << 20
 
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+#: Members every reader holds whole, by role: their declared size is refused at parse above these (bytes).
+WHOLE_READ_LIMITS = {"tree": MAX_TREE_BYTES, "data-ids": MAX_DATA_IDS_BYTES}
 
 
 def stored_bound(raw_bytes: int) -> int:
@@ -140,9 +147,12 @@ def check_member_sizes(rec: dict, member: str) -> None:
         base = rec.get("header_bytes", 0)
         if not _int(base) or base > total:
             raise ImplausibleSize(f"safetensors header of {base} bytes in a member of {total} raw bytes", where=member)
-        if base > MAX_HEADER_BYTES + 8:  # the header is held whole to be parsed
+        if base > MAX_MEMBER_HEADER_BYTES:  # the header is held whole to be parsed
             raise ImplausibleSize(f"declares a safetensors header of {base} bytes; the limit is "
-                                  f"{MAX_HEADER_BYTES + 8} (refused before reading it)", where=member)
+                                  f"{MAX_MEMBER_HEADER_BYTES} (refused before reading it)", where=member)
+    whole = WHOLE_READ_LIMITS.get(rec.get("role"))
+    if whole is not None:  # held whole by every reader: a larger one is damaged for all of them, here already
+        check_whole_read(rec, member, whole)
         for key, e in (rec.get("entries") or {}).items():
             off = e.get("data_offsets") if isinstance(e, dict) else None
             if not (isinstance(off, list) and len(off) == 2 and all(_int(x) for x in off)

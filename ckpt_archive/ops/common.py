@@ -181,9 +181,10 @@ def vouch(r: Repository, gen: Generation, reader, *, by: str) -> None:
         note_damage(r, gen, problems, by=by)
         first = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise IntegrityError(f"generation {gen.number} is damaged: {first.member or first.field or '-'}: "
-                             f"{first.reason}{more}; nothing was handed out (`ckpt-archive verify "
-                             f"{r.location}@{gen.number}` lists every problem)", where=first.member or first.field)
+        place = " ".join(x for x in (first.field, first.member) if x) or "-"
+        raise IntegrityError(f"generation {gen.number} is damaged: {place}: {first.reason}{more}; nothing was "
+                             f"handed out (`ckpt-archive verify {r.location}@{gen.number}` lists every problem)",
+                             where=first.member or first.field)
 
 
 def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action: str, override: str) -> str | None:

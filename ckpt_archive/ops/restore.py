@@ -10,7 +10,8 @@ from typing import Any, Callable
 from ckpt_archive.errors import (CannotCheck, InsufficientSpace, IntegrityError, OutputExists, UsageError,
                                  first_line)
 from ckpt_archive.format.paths import inside
-from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick, refuse_special_output, refuse_unusable
+from ckpt_archive.ops.common import (RepoLike, copied_note, open_repo, refuse_special_output, refuse_unusable,
+                                     require_readable)
 from ckpt_archive.ops.load import with_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -126,9 +127,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
     r = open_repo(repo, **store_options)
     notes: list[str] = []
-    refuse_unusable(r, r.resolve(generation, copied=True), unverified=unverified, action="restore",
-                    override="--restore-unverified")
-    gen0 = pick(r, generation, fallback)
+    gen0 = r.resolve(generation, copied=True)
+    refuse_unusable(r, gen0, unverified=unverified, action="restore", override="--restore-unverified")
+    gen0 = require_readable(r, gen0, allow_noted=unverified)  # (a recorded failed check: read only when overridden)
     ids_check = None
     if data_ids is not None:
         from ckpt_archive.ops.data_identity import check_data_ids

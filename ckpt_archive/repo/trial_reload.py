@@ -92,9 +92,9 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
                     checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []), got, problems)
             elif rec["path"] == reader.manifest["tree_member"]:
                 continue  # read whole below (reader.tree(): its declared size checked before any byte is read)
+            elif rec["role"] == "data-ids":  # read whole and parsed as `restore --data-ids` reads them
+                decoded += len(data_ids(reader, rec, on_bytes))
             else:
-                if rec["role"] == "data-ids":  # held whole by whoever compares them: bounded alike, before decoding
-                    check_whole_read(rec, rec["path"], MAX_DATA_IDS_BYTES)
                 for _, chunk in reader.iter_member(rec, on_bytes=on_bytes):
                     decoded += len(chunk)
         except StoreError:
@@ -114,6 +114,30 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
     if not reader.written_crc:  # [issue 24] bytes this process did not just write from the source itself
         problems.extend(exact_sha256_problems(reader, on_bytes=on_bytes))
     return {"tensors": checked, "bytes": decoded, "members": len(reader.manifest["members"])}
+
+
+def data_ids(reader: ArchiveReader, rec: dict, on_bytes=None) -> bytearray:
+    """The data ids member as ``restore --data-ids`` reads it: whole, bounded (``limits.MAX_DATA_IDS_BYTES``,
+    refused from the declared size before any byte is read), strict JSON within ``limits.MAX_DATA_IDS_COST``
+    of parse. Returns its raw bytes.
+
+    Raises:
+        ImplausibleSize: (exit 1) larger than the limit. IntegrityError: a chunk or fingerprint fails; not
+            strict JSON; too costly to parse.
+    """
+    from ckpt_archive.format import jsonio
+    from ckpt_archive.format.limits import MAX_DATA_IDS_COST
+
+    check_whole_read(rec, rec["path"], MAX_DATA_IDS_BYTES)
+    raw = reader.read_member_bytes(rec["path"], limit=MAX_DATA_IDS_BYTES)
+    if on_bytes:
+        on_bytes(len(raw))
+    try:
+        jsonio.loads(raw, where=rec["path"], max_bytes=MAX_DATA_IDS_BYTES, max_cost=MAX_DATA_IDS_COST)
+    except ValueError as exc:
+        raise IntegrityError(f"data ids are not valid JSON ({getattr(exc, 'message', exc)})",
+                             where=rec["path"]) from None
+    return raw
 
 
 def index_problems(reader: ArchiveReader, tree, *, geometry: bool = True) -> list[Problem]:
