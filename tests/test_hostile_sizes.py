@@ -378,3 +378,53 @@ def test_limits_leave_room_for_a_state_of_100k_tensors():
     assert len(manifest) < limits.MAX_MANIFEST_BYTES and parse_cost(manifest) < limits.MAX_MANIFEST_COST
     assert len(tree) < limits.MAX_TREE_BYTES and parse_cost(tree) < limits.MAX_TREE_COST
     assert 3 * parse_cost(manifest) > limits.MAX_MANIFEST_COST  # the cost is linear in the tensors
+
+
+#: JSON the tool reads that is not an archive's or a repository's (a user's own input file, a source, the
+#: tool's own schemas, bytes it has just encoded itself), each with why no parse-cost bound applies there
+_INPUT_JSON = {
+    ("ckpt_archive/ops/backup.py", "busy-source check of a source folder's .json (at most 16 MiB, read only when that small)"),
+    ("ckpt_archive/ops/status.py", "the user's own status state file"),
+    ("ckpt_archive/format/manifest.py", "the tool's schemas; a manifest just sealed (its cost checked first)"),
+    ("ckpt_archive/repo/repository.py", "the lock owner file (64 KiB limit; the file layer's)"),
+}
+
+
+def test_every_archive_json_and_file_read_is_bounded_by_construction():
+    """The bound is structural (issue 24): no module reads a repository file through ``store.read_bytes`` (only
+    ``repository.read_small``/``read_json``, at most limit + 1 bytes), every strict-JSON parse of an archive or
+    repository document passes a parse-cost bound (``max_cost``), and ``ArchiveReader.read_member_bytes`` has
+    no default limit. A new reader cannot forget: this test names the call that does."""
+    import ast
+    import inspect as pyinspect
+
+    from ckpt_archive.repo.reader import ArchiveReader
+
+    root = Path(ckpt_archive.__file__).parent
+    allowed = {f for f, _ in _INPUT_JSON}
+    unbounded, raw_reads = [], []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root.parent))
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            base = f.value if isinstance(f, ast.Attribute) else None
+            if name == "read_bytes" and isinstance(base, ast.Attribute) and base.attr == "store" \
+                    and not rel.startswith("ckpt_archive/store/"):
+                raw_reads.append(f"{rel}:{node.lineno}")
+            if name == "read_bytes" and isinstance(base, ast.Name) and base.id == "store" \
+                    and not rel.startswith("ckpt_archive/store/"):
+                raw_reads.append(f"{rel}:{node.lineno}")
+            is_jsonio = (isinstance(base, ast.Name) and base.id == "jsonio") or (base is None and name == "loads")
+            if name == "loads" and is_jsonio and rel.startswith(("ckpt_archive/repo/", "ckpt_archive/ops/",
+                                                                  "ckpt_archive/format/manifest.py",
+                                                                  "ckpt_archive/format/shard.py")):
+                if not any(k.arg == "max_cost" for k in node.keywords) and rel not in allowed:
+                    unbounded.append(f"{rel}:{node.lineno}")
+    assert not raw_reads, f"repository files read whole without a limit (use repository.read_small): {raw_reads}"
+    assert not unbounded, f"archive JSON parsed without a parse-cost bound (max_cost=): {unbounded}"
+    limit = pyinspect.signature(ArchiveReader.read_member_bytes).parameters["limit"]
+    assert limit.default is pyinspect.Parameter.empty and limit.kind is pyinspect.Parameter.KEYWORD_ONLY

@@ -11,7 +11,10 @@ alone, when the manifest is parsed (:func:`ckpt_archive.format.manifest.parse`):
   :data:`MAX_ZSTD_RATIO` times its stored size (a zstd block of 128 KiB takes at least 4 stored bytes:
   nothing decodes to more);
 * the chunk table tiles the member's raw and stored bytes exactly;
-* a tensors member's header and every entry lie inside the member's raw bytes.
+* a tensors member's header and every entry lie inside the member's raw bytes, and its header is at most
+  :data:`MAX_MEMBER_HEADER_BYTES`; a chunk's stored size is at most :func:`stored_bound` of its raw size;
+* a member every reader holds whole (the state tree, the data ids: :data:`WHOLE_READ_LIMITS`) declares at
+  most its limit (:func:`check_whole_read`).
 
 What passes these checks is still only *declared*: readers then decode chunk by chunk and compare every
 size and sha256, and buffers that must hold a whole entry are allocated lazily
@@ -21,7 +24,7 @@ memory the machine has.
 Everything a reader holds *whole* in memory has a limit of its own, checked from the declared numbers
 before the first byte is read or decoded (:func:`check_whole_read`, :func:`read_bounded`), and again on
 the bytes really read: the state tree (:data:`MAX_TREE_BYTES`), the data ids (:data:`MAX_DATA_IDS_BYTES`),
-a tensors member's safetensors header (:data:`MAX_HEADER_BYTES`), ``manifest.json``
+a tensors member's safetensors header (:data:`MAX_MEMBER_HEADER_BYTES`), ``manifest.json``
 (:data:`MAX_MANIFEST_BYTES`), the marker, ``repository.json``, a failed-check note and ``backup-state.json``
 (:data:`MAX_SMALL_DOC_BYTES`). A JSON document's parse is bounded too (``ckpt_archive.format.jsonio``'s
 ``max_cost``): Python objects cost up to ~25 times the bytes that spell them (``[[],[],...]``). Members
@@ -59,12 +62,12 @@ MAX_CHUNK_STORED_BYTES = MAX_CHUNK_RAW_BYTES + (MAX_CHUNK_RAW_BYTES >> 7) + 1024
 
 # -- what a reader holds whole in memory (each refused from the declared sizes before any read) -------------
 #: Largest state tree a reader decodes (raw JSON bytes). Measured: the tree of a state of 100,000 tensors is
-#: 11 MB (``benchmarks``-free measurement in docs/FORMAT.md, "Reading hostile archives").
+#: 11 MB (docs/FORMAT.md, "Reading hostile archives"; tests/test_hostile_sizes.py keeps the limits above it).
 MAX_TREE_BYTES = 64 << 20
 #: Largest estimated parse cost of a state tree (bytes of Python objects, ``jsonio.parse_cost``). The tree of
 #: 100,000 tensors estimates at 75 MiB.
 MAX_TREE_COST = 256 << 20
-#: Largest safetensors header of a tensors member (bytes; the safetensors library's own limit is 100 MB).
+#: Largest safetensors header of a source file (bytes; the safetensors library's own limit is 100 MB).
 MAX_HEADER_BYTES = 100 << 20
 #: Largest estimated parse cost of a safetensors header (bytes of Python objects).
 MAX_HEADER_COST = 256 << 20
@@ -74,7 +77,8 @@ MAX_MEMBER_HEADER_BYTES = 32 << 20
 #: Largest ``manifest.json`` (bytes). Measured: 100,000 tensors (one shard, indent 1) make a 57 MB manifest.
 MAX_MANIFEST_BYTES = 128 << 20
 #: Largest estimated parse cost of a manifest (bytes of Python objects). The 57 MB manifest of 100,000
-#: tensors estimates at 337 MiB (it really takes 160 MiB once parsed: repeated keys are shared).
+#: tensors estimates at ~430 MiB (it really takes 160 MiB once parsed: repeated keys are shared): about
+#: 120,000 tensors fit. A larger parse would break the 600 MB bound on a hostile repository.
 MAX_MANIFEST_COST = 512 << 20
 #: Largest marker (``USABLE.json``), ``repository.json``, failed-check note (``CHECK-FAILED.json``) and
 #: ``backup-state.json`` (bytes). Each is a few KiB; a backup state lists one fingerprint per source file.

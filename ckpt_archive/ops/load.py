@@ -137,9 +137,15 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
     Returns:
         the nested state, equal to what was packed in structure, types, dtypes, shapes and bits.
 
+    Whatever part is loaded, the rest of the generation is checked before the state is returned (stored
+    bytes of every member and object not decoded, the tensor index: docs/FORMAT.md, "One status rule"); a
+    failure is recorded (``CHECK-FAILED.json``), so later readers and ``list`` see the generation damaged.
+
     Raises:
-        IntegrityError (exit 1) -- never returns wrong data; NotFound / NoUsableGeneration (exit 2);
-        NotUsable (exit 2): a partial or damaged generation without ``unverified``.
+        IntegrityError (exit 1) -- never returns wrong data; also for a generation whose failed check a
+            reader recorded. ImplausibleSize (exit 1): a size no reader accepts. NotFound /
+            NoUsableGeneration (exit 2); NotUsable (exit 2): a partial or damaged generation without
+            ``unverified``.
 
     Example:
         >>> import torch, ckpt_archive, tempfile

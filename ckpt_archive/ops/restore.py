@@ -97,8 +97,13 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     Returns:
         :class:`RestoreResult`.
 
+    Whatever it decodes, the rest of the generation is checked before the output is put in place (stored
+    bytes of every member and object not decoded, the tensor index: docs/FORMAT.md, "One status rule"); a
+    failure is recorded (``CHECK-FAILED.json``), so later readers and ``list`` see the generation damaged.
+
     Raises:
-        OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1);
+        OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1): a
+            member, object or record of the generation fails a check (also one recorded by an earlier reader);
         UsageError (exit 2): no output, or an output that would destroy the repository or the current folder,
             or one that is a FIFO, device or socket (with or without ``force``: not ours to replace);
             ``folder_rewrite`` for a generation that does not restore to a folder.
