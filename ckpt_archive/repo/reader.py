@@ -336,7 +336,8 @@ class ArchiveReader:
         return buf
 
     def iter_entries(self, rec: dict, *, wanted: set[str] | None = None, on_bytes=None,
-                     checked_by_caller: bool = False, into=None, transient: bool = False,
+                     checked_by_caller: bool = False, verify_stored: bool | None = None, into=None,
+                     transient: bool = False,
                      sizes_only: set[str] | frozenset = frozenset()) -> Iterator[tuple[str, dict, Any]]:
         """Yield ``(entry key, entry record, raw bytes)`` of a tensors shard, one tensor at a time.
 
@@ -344,6 +345,9 @@ class ArchiveReader:
         are skipped (their bytes are still read and checked: chunks are hashed as wholes). The raw
         bytes are writable and bytes-like: a zero-copy view of the decoded chunk when the entry lies
         in one writable chunk, else one preallocated ``bytearray`` (no growth by appending).
+        ``verify_stored``: check every chunk's stored sha256 (default: unless ``checked_by_caller``); a reader
+        that vouches for the whole generation afterwards (``load``) checks them in this one read rather than
+        in a second one (:meth:`check_unread` skips the files checked here).
         ``checked_by_caller``: skip the chunk and member hashes because the caller checks the raw
         sha256 of every entry it receives (and receives every entry it returns data from).
         ``into``: a writable buffer of the member's raw size; chunks are decoded straight into it and
@@ -357,13 +361,14 @@ class ArchiveReader:
         """
         entries = rec["entries"]
         base = rec["header_bytes"]
+        verify = not checked_by_caller if verify_stored is None else verify_stored
         order = sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
         idx = 0
         if into is not None:
             whole = memoryview(into).cast("B")
             header_checked = base == 0
             for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
-                                               verify_chunks=not checked_by_caller, into=into):
+                                               verify_chunks=verify, into=into):
                 frontier = off + len(chunk)
                 if not header_checked:
                     if frontier < base:
@@ -387,7 +392,7 @@ class ArchiveReader:
         header_buf = bytearray()
         header_checked = False
         for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
-                                           verify_chunks=not checked_by_caller):
+                                           verify_chunks=verify):
             mv = memoryview(chunk).cast("B") if memoryview(chunk).format != "B" else memoryview(chunk)
             pos = 0
             if not header_checked:
@@ -618,6 +623,7 @@ class ArchiveReader:
                     check_allocation(rec["raw_bytes"], rec["path"])  # pages taken as decoded, 4 KiB ones
                     into = anon_buffer(rec["raw_bytes"])
                 source = self.iter_entries(rec, wanted=entries, on_bytes=on_bytes, checked_by_caller=True,
+                                           verify_stored=True,  # [issue 24] the stored check, in this read
                                            into=into)
             for key, erec, buf in source:
                 entry_fp = fingerprint.raw_fp(erec)
