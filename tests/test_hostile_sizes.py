@@ -31,7 +31,7 @@ import ckpt_archive
 from ckpt_archive.format import limits
 
 from hostile_archive import (bomb_member, bomb_pieces, edit_manifest, folder_source, gen_dir, json_bomb, member,
-                             put_member_chunks, read_manifest, reseal, run_many)
+                             put_member_chunks, reseal, run_many)
 
 #: Peak RSS any command may reach on a hostile repository (bytes); the interpreter with torch takes ~170-300 MB.
 BOUND = 600 << 20

@@ -129,19 +129,29 @@ def is_damage(exc: BaseException) -> bool:
             and not isinstance(exc, (TooLargeHere, LinkInRepository)))
 
 
-def fails_generation(exc: BaseException) -> bool:
+def fails_generation(exc: BaseException, r: Repository | None = None) -> bool:
     """Whether an error raised while reading one generation is that generation's problem, so ``--fallback``
-    goes on to an older one (never stops): anything found wrong in it (exit 1), a member or object that is
-    a folder, a FIFO, a device, a link, truncated, or cannot be read here (permissions), a manifest it cannot
-    index. Not: a store that cannot be reached, a lock, a user's wrong arguments (``--only`` naming nothing),
-    an output that cannot be written."""
-    from ckpt_archive.errors import CheckFailed, FormatError, LinkInRepository, NotFound, StoreError, Unreadable
+    goes on to an older one (never stops): a member, object or record found wrong (corrupt, missing, a size
+    no reader accepts, a manifest it cannot index), a member or object that is a folder, a FIFO, a device, a
+    link, or cannot be read here (permissions; an ``OSError`` naming a file inside the repository ``r``).
+    Not: a store that cannot be reached, a lock, a user's wrong arguments (``--only`` naming nothing), a state
+    a transform or ``torch.save`` refuses, an output that cannot be written."""
+    from ckpt_archive.errors import (FormatError, ImplausibleSize, LinkInRepository, ManifestInvalid, Unreadable,
+                                     UnsafePath)
 
-    if isinstance(exc, (StoreError, LinkInRepository)):
+    if isinstance(exc, LinkInRepository):
         return False
-    if isinstance(exc, (CheckFailed, Unreadable, FormatError)):
+    if isinstance(exc, (IntegrityError, ManifestInvalid, ImplausibleSize, UnsafePath, Unreadable, FormatError)):
         return True
-    return isinstance(exc, OSError) and not isinstance(exc, NotFound)
+    if isinstance(exc, OSError) and r is not None and getattr(exc, "filename", None):
+        root = r.store.local_path("")
+        if root is not None:
+            try:
+                inside = os.path.realpath(str(exc.filename)).startswith(os.path.realpath(root) + os.sep)
+            except (TypeError, ValueError):
+                return False
+            return inside
+    return False
 
 
 def note_damage(r: Repository, gen: Generation, problems: list, *, by: str) -> str | None:

@@ -65,7 +65,7 @@ def with_fallback(r: Repository, generation: str | int, fallback: bool,
     try:
         return gen, checked(gen)
     except Exception as exc:  # noqa: BLE001 - sorted by fails_generation; anything else goes on unchanged
-        if not fails_generation(exc):
+        if not fails_generation(exc, r):
             raise
         from ckpt_archive.repo.reader import Problem
 

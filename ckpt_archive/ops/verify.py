@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ckpt_archive.errors import CkptArchiveError, IntegrityError
+from ckpt_archive.errors import CannotCheck, CkptArchiveError, IntegrityError
 from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import CHECK_FAILED, MANIFEST, Generation, Repository
@@ -160,9 +160,10 @@ def source_layout_problems(manifest: dict) -> list[Problem]:
 def find_fallback(r: Repository, newer_than_bad: int, deep: bool, jobs=None) -> int | None:
     """The newest usable generation older than ``newer_than_bad`` that passes :func:`check_generation`.
 
-    Whatever fails while one generation is checked is that generation's problem (a member or object that is
-    a folder, a FIFO, a device, a link, truncated, unreadable here: :func:`~ckpt_archive.ops.common.fails_generation`):
-    it is passed over, never the end of the search. A failure of the store itself stops it (raised).
+    Whatever fails while one generation is checked -- a member or object that is a folder, a FIFO, a device,
+    a link, truncated, unreadable here (:func:`~ckpt_archive.ops.common.fails_generation`), or anything else
+    that keeps it from being checked -- passes that generation over: it is not one that verifies. Never the
+    end of the search.
     """
     from ckpt_archive.ops.common import fails_generation
 
@@ -172,8 +173,8 @@ def find_fallback(r: Repository, newer_than_bad: int, deep: bool, jobs=None) -> 
         try:
             problems, _ = check_generation(r, g, deep, jobs)
         except Exception as exc:  # noqa: BLE001 - sorted by fails_generation
-            if fails_generation(exc):
-                continue
+            if fails_generation(exc, r) or isinstance(exc, (CannotCheck, OSError)):
+                continue  # (an older generation that cannot be checked here is not one that verifies)
             raise
         if not problems:
             return g.number
