@@ -98,19 +98,22 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def depth_exceeds(doc: Any, limit: int) -> bool:
-    """Whether a JSON value nests objects/arrays deeper than ``limit`` levels (as :func:`loads` counts them)."""
-    stack = [(doc, 1)]
+    """Whether a JSON value nests objects/arrays deeper than ``limit`` levels (as :func:`loads` counts them).
+
+    Walks with one iterator per open level, so its memory follows the depth, not the width: a parse of
+    ``[[],[],...]`` is not doubled by the check that follows it (:func:`parse_cost` counts only the parse)."""
+    if not isinstance(doc, (dict, list)):
+        return False
+    stack = [iter(doc.values() if isinstance(doc, dict) else doc)]
     while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > limit:
+        if len(stack) > limit:
             return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        for child in stack[-1]:
+            if isinstance(child, (dict, list)):
+                stack.append(iter(child.values() if isinstance(child, dict) else child))
+                break
+        else:
+            stack.pop()
     return False
 
 
@@ -145,7 +148,7 @@ def parse_cost(data: bytes | str) -> int:
         width = 1 if data.isascii() else 4
         marks: tuple = ("{", "[", ",", ":", '"')
     else:
-        data = data if isinstance(data, bytes) else bytes(data)
+        data = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # (a bytearray is counted in place)
         width = 1 if data.isascii() else 4 if _UTF8_4.search(data) else 2
         marks = (b"{", b"[", b",", b":", b'"')
     brace, bracket, comma, colon, quote = (data.count(m) for m in marks)
