@@ -326,11 +326,6 @@ def test_a_symlinked_or_unreadable_object_lets_fallback_use_the_older_sound_gene
         monkeypatch.setattr(LocalStore, "open_read", deny)
     report = ckpt_archive.verify(repo, 3)
     assert not report.ok and any("2, 3" in p.reason for p in report.problems), report.problems
-    if harm == "symlink":  # damage, recorded on every generation using the object (issue 24: one status rule)
-        res = ckpt_archive.restore(repo, "latest", tmp_path / "y.pt")
-        assert res.generation == 1 and sum("newer but damaged" in w for w in res.warnings) == 2, res.warnings
-        for note in repo.glob("generations/*/CHECK-FAILED.json"):
-            note.unlink()  # as if no reader had met it yet
     with pytest.raises(CkptArchiveError):
         ckpt_archive.restore(repo, "latest", tmp_path / "x.pt")
     res = ckpt_archive.restore(repo, "latest", tmp_path / "x.pt", fallback=True)

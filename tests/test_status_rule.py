@@ -153,16 +153,24 @@ def test_a_reader_never_replaces_a_note_another_wrote_meanwhile(exact_repo):
     assert (gen_dir(exact_repo) / CHECK_FAILED).read_bytes() == theirs
 
 
-def test_latest_passing_over_a_newer_damaged_generation_says_so(tmp_path):
+def test_a_recorded_failure_of_latest_is_refused_naming_the_newest_that_verifies_and_fallback_uses_it(tmp_path):
+    """A failed check recorded on the newest generation does not move ``@latest`` back silently: restore and
+    load of ``latest`` refuse it (exit 1) naming the newest that verifies, and --fallback uses that one --
+    as when nothing was recorded. list shows it damaged meanwhile."""
     repo = tmp_path / "repo"
     for step in (1, 2):
         ckpt_archive.pack({"w": torch.full((8,), float(step)), "step": step}, repo)
     _flip(gen_dir(repo, 2) / member(read_manifest(repo, 2), "tensors")["stored_path"])
-    assert not ckpt_archive.verify(repo, 2).ok  # recorded: latest is generation 1 from now on
-    res = ckpt_archive.restore(repo, "latest", tmp_path / "o.pt")
-    assert res.generation == 1 and any("generation 2 is newer but damaged" in w for w in res.warnings), res.warnings
-    with pytest.warns(UserWarning, match="generation 2 is newer but damaged"):
-        assert ckpt_archive.load(repo)["step"] == 1
+    assert not ckpt_archive.verify(repo, 2).ok  # recorded
+    assert _status(repo, 2) == "damaged"
+    with pytest.raises(IntegrityError, match="newest generation that verifies is 1: use --fallback"):
+        ckpt_archive.restore(repo, "latest", tmp_path / "o.pt")
+    assert not (tmp_path / "o.pt").exists()
+    res = ckpt_archive.restore(repo, "latest", tmp_path / "o.pt", fallback=True)
+    assert res.generation == 1 and any("generation 2 (latest) does not verify" in w for w in res.warnings)
+    with pytest.raises(IntegrityError, match="use --fallback"):
+        ckpt_archive.load(repo)
+    assert cli("verify", repo).exit_code == 1  # verify @latest checks the damaged newest, not the older one
 
 
 # --- item 5: fallback passes over a generation whatever way its files fail --------------------------------

@@ -43,9 +43,9 @@ def register(app: typer.Typer) -> None:
     @app.command("inspect", help="Show a generation's manifest: progress, config, metrics, code, environment, "
                                  "members (opaque ones flagged), tensors, loading instructions."
                  + exit_codes_help({0: "shown",
-                                    1: "the generation's manifest, marker or state tree is not valid (not JSON, "
-                                       "breaks the schema, larger than a reader accepts, does not match the "
-                                       "tensor index; named); shown as far as it reads",
+                                    1: "the generation's manifest or marker is not valid (not JSON, breaks the "
+                                       "schema, larger than a reader accepts; the field is named), or its state "
+                                       "tree is damaged (shown as far as it reads)",
                                     2: "could not show it (no such generation: the existing ones are listed; not "
                                        "a repository; written by a newer format; its state tree cannot be read "
                                        "here)"}))

@@ -154,15 +154,15 @@ def check_member_sizes(rec: dict, member: str) -> None:
         if base > MAX_MEMBER_HEADER_BYTES:  # the header is held whole to be parsed
             raise ImplausibleSize(f"declares a safetensors header of {base} bytes; the limit is "
                                   f"{MAX_MEMBER_HEADER_BYTES} (refused before reading it)", where=member)
-    whole = WHOLE_READ_LIMITS.get(rec.get("role"))
-    if whole is not None:  # held whole by every reader: a larger one is damaged for all of them, here already
-        check_whole_read(rec, member, whole)
         for key, e in (rec.get("entries") or {}).items():
             off = e.get("data_offsets") if isinstance(e, dict) else None
             if not (isinstance(off, list) and len(off) == 2 and all(_int(x) for x in off)
                     and off[0] <= off[1] and base + off[1] <= total):
                 raise ImplausibleSize(f"entry {key!r} has data_offsets {off!r} outside the member's {total} raw "
                                       f"bytes", where=member)
+    whole = WHOLE_READ_LIMITS.get(rec.get("role"))
+    if whole is not None:  # held whole by every reader: a larger one is damaged for all of them, here already
+        check_whole_read(rec, member, whole)
     _check_objects(rec, member)
 
 

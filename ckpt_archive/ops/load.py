@@ -42,10 +42,16 @@ def with_fallback(r: Repository, generation: str | int, fallback: bool,
         NotUsable: partial or damaged without ``unverified`` (exit 2).
     """
     gen = r.resolve(generation, copied=True)  # parses (and validates) the manifests once
-    note = refuse_unusable(r, gen, unverified=unverified, action=action, override=override)
+    recorded = None  # a failed check recorded earlier: for latest, the fallback rule below, as a new finding
+    try:
+        note = refuse_unusable(r, gen, unverified=unverified, action=action, override=override)
+    except IntegrityError as exc:
+        if not (gen.found_damaged_here and str(generation) == "latest"):
+            raise
+        recorded, note = exc, None
     if note is not None and notes is not None:
         notes.append(note)
-    gen = require_readable(r, gen, allow_noted=unverified)
+    gen = require_readable(r, gen, allow_noted=unverified or recorded is not None)
     if str(generation) == "latest" and warnings is not None:
         warnings.extend(passed_over(r, gen))
 
@@ -63,6 +69,8 @@ def with_fallback(r: Repository, generation: str | int, fallback: bool,
         return result
 
     try:
+        if recorded is not None:
+            raise recorded
         return gen, checked(gen)
     except Exception as exc:  # noqa: BLE001 - sorted by fails_generation; anything else goes on unchanged
         if not fails_generation(exc, r):
@@ -102,7 +110,7 @@ def passed_over(r: Repository, gen: Generation) -> list[str]:
             g = r.generation(n)
         except CkptArchiveError:
             continue
-        if g.status == "damaged":
+        if g.status == "damaged" and not g.found_damaged_here:
             out.append(f"generation {n} is newer but damaged ({g.reason}); generation {gen.number} is the newest "
                        f"readable one and was used")
     return out

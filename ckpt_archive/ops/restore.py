@@ -133,8 +133,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     r = open_repo(repo, **store_options)
     notes: list[str] = []
     gen0 = r.resolve(generation, copied=True)
-    refuse_unusable(r, gen0, unverified=unverified, action="restore", override="--restore-unverified")
-    gen0 = require_readable(r, gen0, allow_noted=unverified)  # (a recorded failed check: read only when overridden)
+    latest_recorded = gen0.found_damaged_here and str(generation) == "latest"  # refused by with_fallback's rule
+    if not latest_recorded:
+        refuse_unusable(r, gen0, unverified=unverified, action="restore", override="--restore-unverified")
+    gen0 = require_readable(r, gen0, allow_noted=unverified or latest_recorded)
     ids_check = None
     if data_ids is not None:
         from ckpt_archive.ops.data_identity import check_data_ids

@@ -231,6 +231,9 @@ class Generation:
     manifest_sha256: str | None = None
     error: CkptArchiveError | None = None
     check_failed: dict | None = None  # the CHECK-FAILED.json note that made it ``damaged``, if one did
+    #: ``damaged`` only by a recorded failed check, and its marker names this place (it was usable here):
+    #: ``@latest`` still stops at it, and readers refuse it naming the newest that verifies (--fallback)
+    found_damaged_here: bool = False
 
     def __repr__(self) -> str:
         return (f"Generation({self.number}, {self.status!r}, step={self.step!r}, "
@@ -429,7 +432,7 @@ class Repository:
                                   f"({note.get('when')}): {first.get('member') or first.get('field') or '-'}: "
                                   f"{first.get('reason')}; after repairing it, `ckpt-archive verify --deep "
                                   f"{self.location}@{number}` checks it again", manifest, marker, sha,
-                                  check_failed=note)
+                                  check_failed=note, found_damaged_here=self.place.holds(marker))
         if not self.place.holds(marker):
             return Generation(number, "copied", f"trial-reloaded at {marker.get('location')}, not here (restore "
                               f"reads it, checking every byte; ckpt-archive adopt makes it usable here)",
@@ -515,6 +518,11 @@ class Repository:
     def resolve(self, spec: str | int = "latest", *, copied: bool = False) -> Generation:
         """Find a generation: ``"latest"`` (newest usable), a number, or ``"tag:NAME"`` (newest usable so tagged).
 
+        A generation usable here whose check failed later (a recorded ``CHECK-FAILED.json``:
+        :attr:`Generation.found_damaged_here`) is still what ``latest``/``tag:`` names: it is refused where it
+        is read, naming the newest that verifies, so falling back to an older generation stays the user's
+        choice (``--fallback``), never a silent one (docs/FORMAT.md, "One status rule").
+
         Args:
             spec: the selector.
             copied: also pick ``copied`` generations for ``latest``/``tag:`` (restore and load, which
@@ -525,7 +533,7 @@ class Repository:
             UsageError: bad spec.
         """
         spec = str(spec)
-        want = (lambda g: g.readable) if copied else (lambda g: g.usable)
+        want = (lambda g: g.readable or g.found_damaged_here) if copied else (lambda g: g.usable or g.found_damaged_here)
         if spec.isdigit():
             try:
                 return self.generation(int(spec))

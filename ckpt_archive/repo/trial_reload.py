@@ -103,7 +103,10 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
             problems.append(Problem.of(exc, member=rec["path"]))
     try:
         tree = reader.tree()
-        decoded += reader.by_path[reader.manifest["tree_member"]]["raw_bytes"]
+        tree_bytes = reader.by_path[reader.manifest["tree_member"]]["raw_bytes"]
+        decoded += tree_bytes
+        if on_bytes:
+            on_bytes(tree_bytes)
     except StoreError:
         raise
     except CkptArchiveError as exc:
