@@ -22,20 +22,6 @@ SMALL_TENSOR_ELEMENTS = 8
 AUDIT_DECODE_BUDGET = 256 << 20
 
 
-def _tree_refs(node: Any, out: list) -> list:
-    """The tensor keys an encoded state tree references, appended to ``out``."""
-    if isinstance(node, dict):
-        if node.get("$t") in ("tensor", "ndarray") and "key" in node:
-            out.append(node["key"])
-        else:
-            for v in node.values():
-                _tree_refs(v, out)
-    elif isinstance(node, list):
-        for v in node:
-            _tree_refs(v, out)
-    return out
-
-
 def state_for_audit(repo: Any, generation: str | int = "latest", *, budget: int = AUDIT_DECODE_BUDGET,
                     info: dict | None = None) -> tuple[Any, dict, int]:
     """The archived state with only small tensors decoded (others are :class:`TensorStub`).
@@ -66,7 +52,14 @@ def state_for_audit(repo: Any, generation: str | int = "latest", *, budget: int 
     reader = ArchiveReader(r.store, gen.key, gen.manifest)
     tree = reader.tree()
     recs = gen.manifest["tensors"]
-    small = sorted({k for k in _tree_refs(tree, []) if k in recs
+    from ckpt_archive.errors import FormatError, MalformedTree
+    from ckpt_archive.format.tree_walk import walk_refs
+
+    try:
+        refs = list(walk_refs(tree))
+    except FormatError as exc:  # a tensor node whose key is not text (it crashed here with TypeError)
+        raise MalformedTree(exc.message, where=gen.manifest.get("tree_member")) from None
+    small = sorted({k for k in refs if k in recs
                     and math.prod(int(x) for x in recs[k].get("shape", ())) <= SMALL_TENSOR_ELEMENTS})
     by_member: dict[str, list[str]] = {}
     for k in small:
