@@ -23,7 +23,7 @@ from ckpt_archive.errors import UsageError
 from ckpt_archive.training import checkpointer as ckmod
 from ckpt_archive.training.checkpointer import Checkpointer, SaveState
 
-from test_checkpointer_interrupts import _Gate, _bits, _check_repository
+from test_checkpointer_interrupts import _Gate, _check_repository
 
 ROOT = Path(__file__).resolve().parents[1]
 

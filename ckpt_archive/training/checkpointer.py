@@ -478,6 +478,7 @@ class Checkpointer:
     def _send_skips(self) -> None:
         """Hand the background thread every earlier save call of this rank whose copy was never handed over
         (torch.distributed; in call order, before anything newer). Sending one twice is harmless."""
+        self._skips = [f for f in self._skips if not f.done()]
         while self._sent < self._seq:
             seq = self._sent + 1
             step, why = self._unsent.get(seq, (None, "it raised before its copy was handed over"))

@@ -103,7 +103,7 @@ class _Comm:
     """JSON exchanges over a gloo group; once one fails, the group is treated as broken.
 
     Every exchange is labelled with the operation it belongs to (:attr:`context`: ``"save #K"`` for a
-    Checkpointer's K-th save call, ``"restore #K"``) and its number within it; every rank checks that every
+    Checkpointer's K-th save call, ``"restore"``) and its number within it; every rank checks that every
     other rank sent the same label. Collectives pair up by order alone, so two ranks out of step (one rank
     skipped an exchange, or a whole save) would otherwise mix one save's payloads with another's.
     """
@@ -284,8 +284,7 @@ class DistributedWriter:
         """Restore this rank's part (see :func:`ckpt_archive.training.dist_restore.restore_distributed`)."""
         from ckpt_archive.training.dist_restore import restore_distributed
 
-        self._restores = getattr(self, "_restores", 0) + 1
-        self.comm.begin(f"restore #{self._restores}")
+        self.comm.begin("restore")  # (no count: a restore interrupted before its exchange is retried as the same)
         return restore_distributed(self, generation, **kwargs)
 
     def close(self) -> None:
