@@ -240,3 +240,32 @@ def test_a_write_into_the_buffers_after_the_copy_withdraws_the_generation_even_u
     assert any("not archived" in n for n in info.value.__notes__)
     assert ckpt_archive.list_generations(tmp_path / "repo") == []
     ckpt.close()
+
+
+_EXIT_THREAD_SCRIPT = r"""
+import sys, threading, time, torch
+from ckpt_archive.training import checkpointer as ck
+ckpt = ck.Checkpointer(sys.argv[1])
+def slow_copy(point):
+    if point == "copy-acquired" and threading.current_thread().name == "saver":
+        time.sleep(1.5)  # the interpreter starts exiting while this thread is inside the copy
+ck._HOOK = slow_copy
+threading.Thread(target=ckpt.save, args=(1, {"w": torch.arange(1000.0)}), name="saver").start()
+time.sleep(0.3)
+print("main ends", flush=True)
+"""
+
+
+def test_a_save_still_copying_in_another_thread_at_exit_is_not_abandoned(tmp_path):
+    """The exit hook settles the Checkpointer while a (non-daemon) thread is still inside ``save``'s copy:
+    settling without waiting its turn took that running copy for an interrupted one and abandoned it, so
+    the thread's save failed its check in the background with nobody left to raise it. The hook now
+    waits for the running call first, then for the save it handed over."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("CKPT_ARCHIVE_INJECT", None)
+    proc = subprocess.run([sys.executable, "-c", _EXIT_THREAD_SCRIPT, str(tmp_path / "repo")], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "failed" not in proc.stderr, proc.stderr[-3000:]
+    gens = ckpt_archive.list_generations(tmp_path / "repo", all=True)
+    assert [(g.number, g.status) for g in gens] == [(1, "usable")], [(g.number, g.status, g.reason) for g in gens]
+    assert torch.equal(ckpt_archive.load(tmp_path / "repo", 1)["w"], torch.arange(1000.0))

@@ -376,6 +376,10 @@ class Checkpointer:
                 rec.metrics, rec.tags = metrics, self.tags + extra
                 _at("copied")
                 with rec.lock:  # copying -> publishing: handed over; the background thread owns rec from here
+                    if rec.phase != "copying":  # abandoned by someone while being written: never hand it over
+                        from ckpt_archive.training.snapshot import BuffersBusy
+
+                        raise BuffersBusy(f"{rec!r} was abandoned while its copy was being written: not saved")
                     self._pool.submit(self._run, rec)
                     _at("submitted")
                     rec.phase = "queued"
@@ -717,6 +721,20 @@ class Checkpointer:
         concurrent.futures stops accepting work, which would fail it), and write a failure nobody will raise
         any more to the log (stderr unless logging is configured)."""
         if self._closed or os.getpid() != self._pid:
+            return
+        # a call still running in another thread (a non-daemon thread goes on at exit): its turn first, as
+        # for any caller (settling here beside its copy would abandon a copy still being written)
+        if not self._calls.acquire(timeout=DEFAULT_LOCK_WAIT):
+            _LOG.error("the interpreter is exiting while another thread's Checkpointer call still runs after %s s: "
+                       "its save in flight, if any, is not waited for here", DEFAULT_LOCK_WAIT)
+            return
+        try:
+            self._finish_at_exit_locked()
+        finally:
+            self._calls.release()
+
+    def _finish_at_exit_locked(self) -> None:
+        if self._closed:
             return
         if self._dist is not None:
             self._send_skips()
