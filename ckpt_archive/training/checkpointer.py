@@ -621,6 +621,7 @@ class Checkpointer:
             :class:`Restored`, or None when ``generation="latest"`` and nothing is usable yet (a fresh start).
 
         Raises:
+            the save in flight's exception, as :meth:`wait` (once; nothing is restored: call again).
             IntegrityError: the generation fails a check (nothing wrong is restored). IncoherentState:
             structure mismatch (nothing restored). NotFound: a named generation does not exist.
             UsageError: called from inside another call of this Checkpointer, or from a forked child.
