@@ -269,3 +269,82 @@ def test_a_save_still_copying_in_another_thread_at_exit_is_not_abandoned(tmp_pat
     gens = ckpt_archive.list_generations(tmp_path / "repo", all=True)
     assert [(g.number, g.status) for g in gens] == [(1, "usable")], [(g.number, g.status, g.reason) for g in gens]
     assert torch.equal(ckpt_archive.load(tmp_path / "repo", 1)["w"], torch.arange(1000.0))
+
+
+_INSIDE_THREADING_SCRIPT = r"""
+import os, sys, threading, time, torch
+from ckpt_archive.training import checkpointer as ck
+
+class Boom(Exception):
+    pass
+
+real = ck.Checkpointer._write
+gate = threading.Event()
+def gated(self, rec):
+    gate.wait(30)
+    return real(self, rec)
+ck.Checkpointer._write = gated
+
+def watchdog(what, seconds=20):
+    t = threading.Timer(seconds, lambda: (print("HUNG", what, flush=True), os._exit(3)))
+    t.daemon = True
+    t.start()
+    return t
+
+LIBS = (os.sep + "threading.py", os.sep + "concurrent" + os.sep, os.sep + "queue.py")
+call, first, last = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+for k in range(first, last + 1):
+    gate.clear()
+    ckpt = ck.Checkpointer(os.path.join(sys.argv[1], f"{call}-{k}"))
+    ckpt.save(1, {"w": torch.ones(8)})
+    seen = [0]
+    def local(frame, event, arg):
+        if event in ("line", "return"):
+            seen[0] += 1
+            if seen[0] == k:
+                raise Boom(f"event {k}: {event} in {frame.f_code.co_name}")
+        return local
+    def tracer(frame, event, arg):
+        if threading.current_thread() is threading.main_thread() and any(p in frame.f_code.co_filename for p in LIBS):
+            return local  # (only the caller's thread: signal handlers run nowhere else)
+        return None
+    threading.Timer(0.1, gate.set).start()
+    sys.settrace(tracer)
+    try:
+        {"wait": ckpt.wait, "close": ckpt.close, "save": lambda: ckpt.save(2, {"w": torch.zeros(8)})}[call]()
+        got = "returned"
+    except Boom:
+        got = "Boom"
+    except BaseException as exc:
+        got = f"OTHER {type(exc).__name__}: {exc}"
+    finally:
+        sys.settrace(None)
+    gate.set()
+    dog = watchdog(f"{call} event {k}")
+    try:
+        ckpt.close()
+    except BaseException as exc:
+        got += f" / close raised {type(exc).__name__}: {exc}"
+    dog.cancel()
+    print(k, got, flush=True)
+print("DONE", flush=True)
+"""
+
+
+@pytest.mark.parametrize("call", ["wait", "save", "close"])
+def test_an_exception_raised_inside_pythons_threading_code_during_a_call_never_hangs_it(tmp_path, call):
+    """A signal handler's exception can land inside the Python code of ``threading`` and
+    ``concurrent.futures`` that a wait runs (``Condition.__enter__`` after its lock was taken,
+    ``Condition.wait`` after it released its lock): the lock stayed taken, and the next ``close()`` deadlocked
+    with the background thread (seen under a 0.2 ms SIGALRM storm: close() hung after 15 s of waits), or
+    the caller got ``RuntimeError: release unlocked lock`` instead of its own exception. The caller's side now
+    runs no such code: it waits on plain locks and reads the save's outcome from the save itself. Here an
+    exception is raised at each of the first 30 line/return events of that code, in turn."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("CKPT_ARCHIVE_INJECT", None)
+    proc = subprocess.run([sys.executable, "-c", _INSIDE_THREADING_SCRIPT, str(tmp_path), call, "1", "30"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    out = proc.stdout
+    assert "HUNG" not in out and "DONE" in out, out[-3000:] + proc.stderr[-3000:]
+    bad = [line for line in out.splitlines() if "OTHER" in line or "close raised" in line]
+    assert bad == [], bad

@@ -28,7 +28,7 @@ modules that path needs are imported by that thread when the Checkpointer is bui
 thread during a save.
 
 **The state machine** (:class:`SaveState`, :attr:`Checkpointer.state`). One object owns the save in flight
-(:class:`_Save`: its step, its future, and the snapshot buffers, which it holds from before its copy until
+(:class:`_Save`: its step, its outcome, and the snapshot buffers, which it holds from before its copy until
 its background write has finished reading them), and the Checkpointer holds at most one:
 
 ==============  ==========================================================================================
@@ -47,7 +47,8 @@ from which the next call continues correctly:
 
 * while ``save``/``wait``/``close`` waits for the save in flight: nothing changes; the save stays in
   flight, owns its buffers, and the next call waits for it again and raises its error if it fails (a
-  ``TimeoutError`` raised there is the caller's, never taken for the wait's own);
+  ``TimeoutError`` raised there is the caller's, never taken for the wait's own; the waits run no Python
+  code of ``threading``, whose locks an interrupt there could leave taken: see :class:`_Done`);
 * during the copy (``copying``): that ``save`` raises; its copy is abandoned (never published), and the
   buffers go back to the Checkpointer, which no write was reading;
 * after the copy was handed over: the save publishes as if ``save`` had returned (``wait`` tells);
@@ -78,12 +79,12 @@ time (:attr:`SaveHandle.waited_s`). A failure in the background is raised by the
 """
 from __future__ import annotations
 
-import concurrent.futures
 import concurrent.futures.thread  # (imported before _finish_all_at_exit registers: see there)
 import dataclasses
 import enum
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
@@ -128,8 +129,51 @@ class SaveState(str, enum.Enum):
     CLOSED = "closed"
 
 
+class _Done:
+    """A completion flag that the caller's thread can wait on whatever interrupts it.
+
+    ``threading.Event``, ``Condition`` and ``concurrent.futures.Future`` run Python code around their locks
+    (``Condition.__enter__``, ``Condition.wait``): a signal handler's exception raised in there leaves a lock
+    taken or released twice, and the next wait deadlocks with the background thread or raises
+    ``RuntimeError: release unlocked lock`` instead of the handler's exception. Here the caller's side is one
+    C-level ``Lock.acquire`` with a timeout (an interrupt there takes nothing) and a plain attribute: the
+    lock is held from creation until :meth:`set` releases it, after ``flag`` is True, so a caller interrupted
+    right after its acquire succeeded leaves it taken but ``flag`` already says done, and nobody waits on the
+    lock again.
+    """
+
+    __slots__ = ("flag", "_lock")
+
+    def __init__(self):
+        self.flag = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        """Done (called once, by the background thread)."""
+        self.flag = True
+        self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; returns ``flag``."""
+        if not self.flag and self._lock.acquire(timeout=timeout):
+            self._lock.release()
+        return self.flag
+
+
+def _wait_done(done: _Done, timeout: float | None = None) -> bool:
+    """Wait for ``done`` (forever when ``timeout`` is None), in slices; returns ``done.flag``."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while not done.flag:
+        left = _WAIT_SLICE if end is None else min(_WAIT_SLICE, end - time.monotonic())
+        if left <= 0:
+            break
+        done.wait(left)
+    return done.flag
+
+
 class _Save:
-    """The one owner of a save in flight: its step, its future, its snapshot (and, through the Snapshotter,
+    """The one owner of a save in flight: its step, its outcome, its snapshot (and, through the Snapshotter,
     the buffers it holds). ``phase`` goes ``copying -> queued -> publishing`` and ends ``done`` or
     ``abandoned``; the caller's thread and the background thread change it only under ``lock``. ``seq``
     numbers the save calls of a Checkpointer (under torch.distributed, the exchanges of every rank's call
@@ -140,8 +184,9 @@ class _Save:
         self.seq = seq
         self.lock = threading.Lock()
         self.phase = "copying"
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-        self.finished = threading.Event()  # set once the future is (waited on instead: see _settle)
+        self.over = _Done()   # set by the background thread once result/error is final
+        self.result: "PackResult | None" = None
+        self.error: BaseException | None = None
         self.writes = -1  # the Snapshotter's write count right after this save's copy (see intact())
         self.snap: Any = None
         self.metrics: Any = None
@@ -164,10 +209,9 @@ class SaveHandle:
         snapshot_bytes: tensor bytes copied.
     """
 
-    def __init__(self, step: int, future: concurrent.futures.Future, waited_s: float, snapshot_s: float,
-                 snapshot_bytes: int):
+    def __init__(self, step: int, rec: _Save, waited_s: float, snapshot_s: float, snapshot_bytes: int):
         self.step = step
-        self._future = future
+        self._rec = rec
         self.waited_s = waited_s
         self.snapshot_s = snapshot_s
         self.blocked_s = waited_s + snapshot_s
@@ -175,16 +219,21 @@ class SaveHandle:
 
     def done(self) -> bool:
         """True once the background write finished (published or failed)."""
-        return self._future.done()
+        return self._rec.over.flag
 
     def result(self, timeout: float | None = None) -> "PackResult":
         """Wait for the background write and return its :class:`~ckpt_archive.ops.pack.PackResult`.
 
         Raises:
             whatever the background write raised (the Checkpointer's next ``save``/``wait``/``close``
-            raises it too: it owns the error); concurrent.futures.TimeoutError after ``timeout`` s.
+            raises it too: it owns the error); TimeoutError after ``timeout`` s (the save goes on).
         """
-        return self._future.result(timeout)
+        rec = self._rec
+        if not _wait_done(rec.over, timeout):
+            raise TimeoutError(f"the save of step {rec.step} was still in flight after {timeout} s")
+        if rec.error is not None:
+            raise rec.error
+        return rec.result
 
 
 @dataclasses.dataclass
@@ -264,10 +313,18 @@ class Checkpointer:
 
             self.repo = open_repo(repo, create=True)
         self._snap = Snapshotter(pin_memory=pin_memory)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-checkpointer")
+        # the background thread: one, fed through a SimpleQueue (its put is one C call: no Python-level lock
+        # a signal handler's exception could leave taken, as ThreadPoolExecutor.submit's semaphore could);
+        # a daemon, so an unclosed Checkpointer never keeps the interpreter alive (at exit, the save in
+        # flight is finished first: _finish_all_at_exit)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker_done = _Done()
+        self._worker = threading.Thread(target=_work, args=(self._jobs, self._worker_done), daemon=True,
+                                        name="ckpt-checkpointer")
+        self._worker.start()
         # the publish path's modules, imported by the background thread now (a first save would otherwise
         # wait for them, or import them in the caller's thread)
-        self._pool.submit(_import_publish_path, self._dist is not None, retention is not None)
+        self._jobs.put((_import_publish_path, (self._dist is not None, retention is not None)))
         self._current: _Save | None = None       # the one save in flight (copying or publishing)
         self._error: BaseException | None = None  # a failed save's error, not yet raised (state "failed")
         self._raised: BaseException | None = None  # the last background error raised (for __exit__)
@@ -283,7 +340,7 @@ class Checkpointer:
         self._sent = 0                             # save calls whose exchanges were handed to the background
         self._unsent: dict[int, tuple] = {}        # seq -> (step, why its copy was not handed over)
         self._bg_seq = 0                           # (background thread) the last save call it took part in
-        self._skips: list[concurrent.futures.Future] = []
+        self._skips: list[_Done] = []
         _LIVE.add(self)
 
     @property
@@ -295,9 +352,9 @@ class Checkpointer:
         if rec is not None and rec.phase == "copying":
             return SaveState.COPYING
         if rec is not None and rec.phase != "abandoned":
-            if not rec.future.done():
+            if not rec.over.flag:
                 return SaveState.PUBLISHING
-            if rec.future.exception() is not None:
+            if rec.error is not None:
                 return SaveState.FAILED
         return SaveState.FAILED if self._error is not None else SaveState.IDLE
 
@@ -380,7 +437,7 @@ class Checkpointer:
                         from ckpt_archive.training.snapshot import BuffersBusy
 
                         raise BuffersBusy(f"{rec!r} was abandoned while its copy was being written: not saved")
-                    self._pool.submit(self._run, rec)
+                    self._jobs.put((self._run, (rec,)))
                     _at("submitted")
                     rec.phase = "queued"
             except BaseException:
@@ -396,7 +453,7 @@ class Checkpointer:
             self._sent = max(self._sent, seq)
         _at("handed-over")
         t2 = time.perf_counter()
-        handle = SaveHandle(step, rec.future, t1 - t0, t2 - t1, self._snap.last.tensor_bytes)
+        handle = SaveHandle(step, rec, t1 - t0, t2 - t1, self._snap.last.tensor_bytes)
         if self._dist is not None:
             # the previous save's failure, raised once this save's copy is in flight: a rank whose previous
             # save failed must not sit this save out while the others make it (docs/checkpointer.md)
@@ -439,7 +496,7 @@ class Checkpointer:
                 self._current = None
 
     def _run(self, rec: _Save) -> None:
-        """The background thread: publish ``rec`` (unless its save abandoned it), then complete its future
+        """The background thread: publish ``rec`` (unless its save abandoned it), then record its outcome
         (after giving its buffers back: the write has read them for the last time)."""
         with rec.lock:
             abandoned = rec.phase != "queued"  # the caller was interrupted between submit and hand-over
@@ -451,7 +508,7 @@ class Checkpointer:
                 self._run_skip(rec.seq, rec.step, "it was interrupted as its copy was handed over")
             self._bg_seq = max(self._bg_seq, rec.seq)
         if abandoned:
-            rec.finished.set()
+            rec.over.set()
             return
         result, error = None, None
         try:
@@ -459,34 +516,37 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - every failure is the save's, raised by the next call
             error = exc
         finally:
-            self._snap.release(rec)  # before the future completes: whoever sees it done may reuse them
-            rec.phase = "done"
+            self._snap.release(rec)  # before it is done: whoever sees it done may reuse them
             if error is not None:
                 error.add_note(_failure_note(rec))
-                rec.future.set_exception(error)
-            else:
-                rec.future.set_result(result)
-            rec.finished.set()
+            rec.result, rec.error = result, error
+            rec.phase = "done"
+            rec.over.set()
 
-    def _run_skip(self, seq: int, step: Any, why: str) -> None:
+    def _run_skip(self, seq: int, step: Any, why: str, done: _Done | None = None) -> None:
         """The background thread, for a save call of this rank that handed no copy over: take part in that
         save's exchanges with the other ranks, saying so (they then publish nothing for it). Once per call."""
-        if seq <= self._bg_seq:  # its copy was handed over after all, or it was sent already
-            return
-        self._bg_seq = seq
         try:
+            if seq <= self._bg_seq:  # its copy was handed over after all, or it was sent already
+                return
+            self._bg_seq = seq
             self._dist.skip(seq, step, why)
         except Exception as exc:  # noqa: BLE001 - the group is broken: the next save raises that
             _LOG.debug("save call %s (step %r) could not tell the other ranks it has nothing: %s", seq, step, exc)
+        finally:
+            if done is not None:
+                done.set()
 
     def _send_skips(self) -> None:
         """Hand the background thread every earlier save call of this rank whose copy was never handed over
         (torch.distributed; in call order, before anything newer). Sending one twice is harmless."""
-        self._skips = [f for f in self._skips if not f.done()]
+        self._skips = [d for d in self._skips if not d.flag]
         while self._sent < self._seq:
             seq = self._sent + 1
             step, why = self._unsent.get(seq, (None, "it raised before its copy was handed over"))
-            self._skips.append(self._pool.submit(self._run_skip, seq, step, why))
+            done = _Done()
+            self._skips.append(done)
+            self._jobs.put((self._run_skip, (seq, step, why, done)))
             self._unsent.pop(seq, None)
             self._sent = seq
 
@@ -522,20 +582,21 @@ class Checkpointer:
         if rec.phase in ("copying", "abandoned"):  # a save interrupted before its copy was handed over
             self._abandon_copy(rec)
             return
-        while not rec.future.done():
+        while not rec.over.flag:
             if not wait:
                 return
             _at("waiting")
-            # an Event, not Future.exception(timeout=): its TimeoutError is the builtin one (3.11+), so a
-            # signal handler's own TimeoutError raised in the wait was caught as "not done yet" and lost
-            rec.finished.wait(_WAIT_SLICE)
+            # a _Done, not Future.exception(timeout=): that one's TimeoutError is the builtin one (3.11+), so
+            # a signal handler's own TimeoutError raised in the wait was caught as "not done yet" and lost;
+            # and Future/Event run Python code around their locks, which an interrupt can leave taken
+            rec.over.wait(_WAIT_SLICE)
         _at("settle")
-        exc = rec.future.exception()
+        exc = rec.error
         if exc is not None:
             self._error = exc      # -> failed (set before the save is let go: an interrupt in between
             self._current = None   #    leaves it both pending and in flight; settling again is the same)
         else:
-            self._last = rec.future.result()
+            self._last = rec.result
             self._current = None
 
     def _raise_pending(self) -> None:
@@ -580,10 +641,10 @@ class Checkpointer:
         """(torch.distributed) Wait until the background thread has sent every skip handed to it (so no
         exchange of the caller's thread, a restore's, runs beside one of the background's)."""
         while self._skips:
-            fut = self._skips[0]
-            while not fut.done():
+            done = self._skips[0]
+            while not done.flag:
                 _at("waiting")
-                concurrent.futures.wait([fut], timeout=_WAIT_SLICE)  # returns at the timeout: never raises it
+                done.wait(_WAIT_SLICE)
             self._skips.pop(0)
 
     # -- reading ---------------------------------------------------------------------------------------------
@@ -712,7 +773,8 @@ class Checkpointer:
             self._raise_pending()
         finally:
             self._closed = True
-            self._pool.shutdown(wait=True)
+            self._jobs.put(None)  # the background thread ends once the jobs before it are done
+            _wait_done(self._worker_done)
             if self._dist is not None:
                 self._dist.close()
         return self._last
@@ -743,7 +805,7 @@ class Checkpointer:
         if rec is not None and rec.phase in ("queued", "publishing"):
             _LOG.info("the interpreter is exiting: finishing the save of step %s in flight (close() was not called)",
                       rec.step)
-            rec.finished.wait()
+            _wait_done(rec.over)
         self._settle(wait=False)
         err = self._error
         if err is not None:
@@ -758,9 +820,13 @@ class Checkpointer:
     def __del__(self) -> None:
         # never closed: a failure nobody asked for would otherwise vanish with the object
         try:
+            self._jobs.put(None)  # (no job of this object is queued any more: each holds it) the thread ends
+        except Exception:  # noqa: BLE001 - half-built object
+            pass
+        try:
             if not self._closed and (self._error is not None or self.state is SaveState.FAILED):
                 _LOG.error("a Checkpointer was dropped without close() after its background save failed: %s",
-                           self._error or self._current.future.exception())
+                           self._error or self._current.error)
         except Exception:  # noqa: BLE001 - interpreter shutdown, half-built object
             pass
 
@@ -775,6 +841,24 @@ class Checkpointer:
                 raise  # interrupted while waiting (a second Ctrl-C): not the save's failure
             exc.add_note(f"also, the background save failed: {type(bg).__name__}: {bg}")
             _LOG.error("background save failed while the training loop was failing: %s", bg)
+
+
+def _work(jobs: "queue.SimpleQueue", done: _Done) -> None:
+    """The background thread: run ``(fn, args)`` jobs in order until ``None``. Holds no reference to the
+    Checkpointer between jobs (so an unreferenced one is collected, and its ``__del__`` ends this thread)."""
+    try:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - the jobs record their own failures; never kill the thread
+                _LOG.exception("Checkpointer background job failed")
+            del job, fn, args
+    finally:
+        done.set()
 
 
 #: Every Checkpointer of this process not yet garbage-collected (for :func:`_finish_all_at_exit`).
@@ -796,6 +880,7 @@ def _finish_all_at_exit() -> None:
                        "(never usable; `ckpt-archive gc` removes it)", type(exc).__name__, exc)
 
 
+_CF_THREAD = concurrent.futures.thread  # imported first, so its exit hook runs after ours (above)
 try:
     threading._register_atexit(_finish_all_at_exit)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):  # pragma: no cover - another Python, or imported during shutdown
