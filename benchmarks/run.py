@@ -592,6 +592,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<stamp>.json)")
     ap.add_argument("--baselines-only", action="store_true", help="skip ckpt-archive operations")
     ap.add_argument("--no-zipnn", action="store_true")
+    ap.add_argument("--vs-hand", action="store_true",
+                    help="issue 14's paired table against the hand pipeline (zstd + openssl) instead of the peers")
+    ap.add_argument("--rand-sizes", default="",
+                    help="peers: sizes (MiB) of the incompressible fp32 state (two random float32 tensors)")
+    ap.add_argument("--lora-base-mib", type=int, default=500,
+                    help="peers: frozen bf16 base of the LoRA-like incremental run (0: skip it)")
+    ap.add_argument("--lora-generations", type=int, default=10, help="peers: LoRA-like generations (2..N timed)")
+    ap.add_argument("--no-load", action="store_true", help="peers: skip load vs torch.load")
+    ap.add_argument("--no-cli-small", action="store_true", help="peers: skip the small repository's CLI timings")
     ap.add_argument("--unpaired", action="store_true",
                     help="the older report: every operation per repetition, medians per operation (not paired)")
     ap.add_argument("--ab", default=None, metavar="TREE",
@@ -619,6 +628,20 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_ab(size_mib, a, log))
         info["loadavg_end"] = os.getloadavg()
         return _finish("ab", "-ab", ab_table, results, info, stamp, a, log)
+    if not a.unpaired and not a.vs_hand:
+        from peers import main_peers, table as peers_table, versions  # restic / borg (issue 29)
+
+        doc = main_peers(a, log)
+        info["loadavg_end"] = os.getloadavg()
+        info["versions"].update(versions())
+        doc.update({"stamp": stamp, "machine": info, "jobs": a.jobs, "reps": a.reps})
+        out = Path(a.out) if a.out else HERE / "results" / f"{stamp}-peers.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1))
+        print(f"load average at start {info['loadavg_start']}, at end {info['loadavg_end']}; {info['cpus']} CPUs")
+        print(peers_table(doc))
+        log(f"\nwrote {out}")
+        return 0
     if not a.unpaired:
         for size_mib in [int(x) for x in a.sizes.split(",") if x]:
             results.append(run_paired(size_mib, a, log))
