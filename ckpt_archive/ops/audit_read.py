@@ -79,8 +79,7 @@ def state_for_audit(repo: Any, generation: str | int = "latest", *, budget: int 
             break
         spent += size
         chosen.extend(by_member[member])
-    loaded = dict(zip(chosen, reader.load_node([{"$t": "ndarray" if recs[k].get("kind") == "numpy" else "tensor", "key": k}
-                                                     for k in chosen]))) if chosen else {}
+    loaded = _decode_small(reader, tree, chosen, recs) if chosen else {}
     if info is not None:
         info.update(small_tensors=len(small), small_tensors_decoded=len(loaded), budget=budget)
 
@@ -88,3 +87,53 @@ def state_for_audit(repo: Any, generation: str | int = "latest", *, budget: int 
         return loaded[key] if key in loaded else TensorStub(recs.get(key, {}))
 
     return decode(tree, get, where=gen.manifest.get("tree_member")), gen.manifest, gen.number
+
+
+def _decode_small(reader: Any, tree: Any, keys: list[str], recs: dict) -> dict:
+    """[issue 29] The small tensors ``keys`` as :class:`~ckpt_archive.format.tensor_stub.SmallTensor` (values
+    in NumPy, no ``import torch``), with the checks ``load`` runs: every chunk's stored sha256 and every
+    entry's raw fingerprint (the member's raw check), each leaf against its entry (dtype, shape, a view's
+    bounds and own bytes). NumPy arrays, and the rare tensor NumPy cannot hold exactly (float8, conj/neg
+    bits), are read by ``load_node`` as before.
+
+    Raises:
+        IntegrityError: a chunk, entry or leaf fails its check (nothing is returned then).
+    """
+    import numpy as np
+
+    from ckpt_archive.errors import IntegrityError
+    from ckpt_archive.format import fingerprint
+    from ckpt_archive.format.tensor_stub import SmallTensor
+    from ckpt_archive.repo.trial_reload import check_leaf_bytes, check_tree_kinds
+
+    check_tree_kinds(tree, recs)
+    fast = [k for k in keys if recs[k].get("kind") == "torch" and SmallTensor.numpy_dtype(recs[k].get("dtype"))
+            and not recs[k].get("bits")]
+    slow = [k for k in keys if k not in set(fast)]
+    out = dict(zip(slow, reader.load_node([{"$t": "ndarray" if recs[k].get("kind") == "numpy" else "tensor",
+                                             "key": k} for k in slow]))) if slow else {}
+    by_member: dict[str, dict[str, list[str]]] = {}
+    for k in fast:
+        by_member.setdefault(recs[k]["member"], {}).setdefault(recs[k]["entry"], []).append(k)
+    for member, entries in by_member.items():
+        rec = reader.by_path.get(member)
+        if rec is None or rec.get("role") != "tensors":
+            raise IntegrityError(f"tensor {entries[next(iter(entries))][0]!r} names member {member!r}, which is not a "
+                                 f"tensors member of this generation", where="manifest.json")
+        for key, erec, buf in reader.iter_entries(rec, wanted=set(entries)):
+            for leaf in entries[key]:
+                lrec = recs[leaf]
+                check_leaf_bytes(buf, erec, lrec, leaf, fingerprint.raw_fp(erec))
+                raw = np.frombuffer(buf, dtype=np.uint8) if len(buf) else np.zeros(0, dtype=np.uint8)
+                view = lrec.get("view")
+                if view and math.prod(int(x) for x in lrec["shape"]):
+                    size = np.dtype(SmallTensor.numpy_dtype(lrec["dtype"])).itemsize
+                    size = 2 if lrec["dtype"] == "bfloat16" else size
+                    elems = raw[:(len(raw) // size) * size].view(f"V{size}")
+                    raw = np.ascontiguousarray(np.lib.stride_tricks.as_strided(
+                        elems[int(view["storage_offset"]):], shape=[int(x) for x in lrec["shape"]],
+                        strides=[int(st) * size for st in view["stride"]], writeable=False)).view(np.uint8)
+                elif view:
+                    raw = np.zeros(0, dtype=np.uint8)
+                out[leaf] = SmallTensor.from_bytes(lrec, raw)
+    return out
