@@ -269,8 +269,7 @@ class _Encoder:
                 stack.extend([v for v in obj if type(v) not in atoms])
 
     def _leaf_types(self) -> tuple:
-        """Types counted for sharing as leaves: torch's only once torch is imported (no torch object can
-        exist before it is: a state read without torch, format/pt_pickle.py, is encoded without importing it)."""
+        """Leaf types counted for sharing; torch's only once imported (none of its objects exist before)."""
         import numpy as np
 
         torch = sys.modules.get("torch")
@@ -344,8 +343,7 @@ class _Encoder:
             return {"$t": "layout", "v": str(obj).replace("torch.", "")}
         elif tp is torch.UntypedStorage or tp is torch.TypedStorage:
             return self._storage(obj, path)
-        # torch's allowlist is read from torch; what it names besides torch's own objects is a class or a
-        # function (OrderedDict, set, _codecs.encode), so only a callable needs it while torch is not imported
+        # the allowlist is read from torch; besides torch's own objects it names classes and functions only
         name = global_name(obj) if torch is not None or callable(obj) else None
         if name is not None:  # an object torch's allowlist itself names: qscheme, legacy tensor class, ...
             return {"$t": "global", "v": name}
