@@ -125,9 +125,9 @@ def test_a_rebuilt_file_whose_sha256_differs_is_removed_not_returned(tmp_path):
               "exact": {"member": "exact/a.pt", "segments": [[2, 3, "e"]]}}
     target = tmp_path / "a.pt"
     with pytest.raises(IntegrityError, match="sha256"):
-        exact_bytes.rebuild(target, record, iter([b"ab", b"fgh"]), lambda wanted: iter([("e", b"XXX")]))
+        exact_bytes.rebuild(target, record, iter([b"ab", b"fgh"]), lambda wanted: iter([("e", 0, b"XXX")]))
     assert not target.exists()
-    exact_bytes.rebuild(target, record, iter([b"ab", b"fgh"]), lambda wanted: iter([("e", b"cde")]))
+    exact_bytes.rebuild(target, record, iter([b"ab", b"fgh"]), lambda wanted: iter([("e", 0, b"c"), ("e", 1, b"de")]))
     assert target.read_bytes() == b"abcdefgh"
 
 

@@ -441,15 +441,15 @@ def _restore_exact(reader: ArchiveReader, f: dict, target: Path, on_bytes=None) 
     if skeleton is None:
         raise IntegrityError(f"manifest lists no member {f['exact']['member']!r}", where="manifest.json")
 
-    def entry_bytes(wanted: set):
+    def entry_pieces(wanted: set):  # [issue 29] chunk by chunk: memory does not grow with a tensor's size
         for m in reader.manifest["members"]:
             mine = wanted & set(m.get("entries") or ()) if m["role"] == "tensors" else set()
             if mine:
-                for key, _, buf in reader.iter_entries(m, wanted=mine, on_bytes=on_bytes):
-                    yield key, buf
+                for key, _, offset, piece in reader.iter_entry_pieces(m, wanted=mine, on_bytes=on_bytes):
+                    yield key, offset, piece
 
     return exact_bytes.rebuild(target, f, (chunk for _, chunk in reader.iter_member(skeleton, on_bytes=on_bytes)),
-                               entry_bytes)
+                               entry_pieces)
 
 
 class _Counted:
