@@ -210,7 +210,53 @@ class ScanJob:
         self.crc_checked = check_crc
         self.progress = [0]  # bytes read so far (the read updates it)
         self._stop = threading.Event()
-        self._read = pool.submit(_scan, self.path, kind, alg, check_crc, self._stop, self.progress)
+        self._lock = threading.Lock()
+        self._ranges: dict[tuple[int, int], Any] = {}  # (offset, length) -> fingerprint or a waiting Future
+        self._read = pool.submit(_scan, self.path, kind, alg, check_crc, self._stop, self.progress, self._found)
+        self._read.add_done_callback(self._ended)
+
+    def range_fp(self, offset: int, length: int):
+        """[issue 29] A Future of the fingerprint of the candidate range ``(offset, length)``, set the moment
+        the read has passed it (so a tensor entry equal to that range is not hashed a second time), or of
+        None when the read ends without such a range; it raises what the read raised."""
+        from concurrent.futures import Future
+
+        with self._lock:
+            got = self._ranges.get((offset, length), _MISSING)
+            if isinstance(got, Future):
+                return got
+            fut: Future = Future()
+            if got is not _MISSING:
+                fut.set_result(got)
+            elif self._read.done():  # the read ended: the range was not one of its candidates, or it failed
+                exc = ScanCancelled(str(self.path)) if self._read.cancelled() else self._read.exception()
+                fut.set_exception(exc) if exc is not None else fut.set_result(None)
+            else:
+                self._ranges[(offset, length)] = fut
+            return fut
+
+    def _found(self, offset: int, length: int, fp: str) -> None:
+        from concurrent.futures import Future
+
+        with self._lock:
+            waiting = self._ranges.get((offset, length))
+            self._ranges[(offset, length)] = fp
+        if isinstance(waiting, Future):
+            waiting.set_result(fp)
+
+    def _ended(self, read) -> None:
+        from concurrent.futures import Future
+
+        exc = None if read.cancelled() else read.exception()
+        with self._lock:
+            waiting = [(k, f) for k, f in self._ranges.items() if isinstance(f, Future)]
+            for k, _ in waiting:
+                self._ranges[k] = None
+        for _, f in waiting:
+            if exc is not None or read.cancelled():
+                f.set_exception(exc if exc is not None else ScanCancelled(str(self.path)))
+            else:
+                f.set_result(None)
 
     def checked(self) -> None:
         """Wait for the read: its CRC-32 verdict."""
@@ -236,6 +282,9 @@ class ScanJob:
                 pass
 
 
+_MISSING = object()
+
+
 class ScanCancelled(Exception):
     """A :class:`ScanJob` stopped by :meth:`ScanJob.cancel`."""
 
@@ -246,10 +295,11 @@ SCAN_PIECE_BYTES = 1 << 20
 
 
 def _scan(path: Path, kind: str, alg: str, check_crc: bool, stop: "threading.Event | None" = None,
-          progress: list | None = None) -> tuple[list[tuple[int, int, str]], str]:
+          progress: list | None = None, found: Callable | None = None) -> tuple[list[tuple[int, int, str]], str]:
     """One sequential read of ``path``: the sha256 of the whole file, the fingerprint of every candidate
     range and, with ``check_crc``, the CRC-32 of every zip record (see :class:`ScanJob`). ``stop`` set:
-    raise :class:`ScanCancelled` at the next piece; ``progress[0]``: bytes read so far."""
+    raise :class:`ScanCancelled` at the next piece; ``progress[0]``: bytes read so far; ``found(offset,
+    length, fp)`` is told each range's fingerprint as soon as it is taken."""
     from ckpt_archive.errors import SourceError
 
     crc_records: list[tuple[int, int, int, str]] = []
@@ -269,17 +319,18 @@ def _scan(path: Path, kind: str, alg: str, check_crc: bool, stop: "threading.Eve
     whole = hashlib.sha256()
     ri, cur, pos = 0, None, 0
     ci, crc = 0, 0
+    buf = bytearray(SCAN_PIECE_BYTES)  # one buffer, read into again and again (no fresh pages per piece)
     with open(path, "rb", buffering=0) as fh:
         while True:
             if stop is not None and stop.is_set():
                 raise ScanCancelled(str(path))
-            piece = fh.read(SCAN_PIECE_BYTES)
-            if not piece:
+            n = fh.readinto(buf)
+            if not n:
                 break
             if progress is not None:
-                progress[0] += len(piece)
-            whole.update(piece)
-            mv = memoryview(piece)
+                progress[0] += n
+            mv = memoryview(buf)[:n]
+            whole.update(mv)
             end = pos + len(mv)
             # feed every candidate range that overlaps this piece (ranges are sorted and disjoint)
             while ri < len(ranges) and ranges[ri][0] < end:
@@ -291,6 +342,8 @@ def _scan(path: Path, kind: str, alg: str, check_crc: bool, stop: "threading.Eve
                 if start + length > end:
                     break
                 out.append((start, length, f"{alg}:{cur.hexdigest()}"))
+                if found is not None:
+                    found(start, length, out[-1][2])
                 cur, ri = None, ri + 1
             # and every zip record (sorted; records of a well-formed zip do not overlap)
             while ci < len(crc_records) and crc_records[ci][0] < end:

@@ -19,10 +19,27 @@ both). ``tests/test_torch_free.py`` checks tree, tensor records and entries agai
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from ckpt_archive.format.pt_pickle import ITEMSIZE, PtTensor
+from ckpt_archive.format.pt_pickle import ITEMSIZE, PtStorage, PtTensor
 from ckpt_archive.format.state_tree import TORCH_TO_ST, Entry, TensorTable, _c_strides, _Encoder
+
+
+@dataclasses.dataclass
+class FileEntry(Entry):
+    """An entry whose bytes are one storage record of the source file, as they lie there: ``file_offset``
+    in the file of ``file_identity``. [issue 29] Its raw fingerprint is the one the file's scan takes of
+    that range (:meth:`ckpt_archive.format.exact_bytes.ScanJob.range_fp`): the bytes are hashed once, while
+    they are read, and a frozen tensor already stored is not read again at all."""
+
+    file_identity: Any = None
+    file_offset: int = 0
+
+
+def _file_entry(key: str, st_dtype: str, shape: list, storage: PtStorage) -> FileEntry:
+    return FileEntry(key, st_dtype, shape, lambda st=storage: st.file.view(st.offset, st.nbytes), storage.nbytes,
+                     file_identity=storage.file.identity, file_offset=storage.offset)
 
 
 class _TorchFreeEncoder(_Encoder):
@@ -70,8 +87,8 @@ def _group(leaves: list[tuple[str, PtTensor]], table: TensorTable) -> TensorTabl
         same_geometry = all(t.dtype == t0.dtype and t.shape == t0.shape and t.stride == t0.stride
                             and t.offset == t0.offset for _, t in views)
         if (len(views) == 1 or same_geometry) and _natural(t0) and dname in TORCH_TO_ST:
-            table.entries[key0] = Entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape],
-                                        t0.contiguous_bytes, t0.numel() * t0.element_size())
+            # natural: the tensor's bytes are its whole storage, i.e. its record of the file
+            table.entries[key0] = _file_entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape], t0.storage)
             for i, (key, t) in enumerate(views):
                 rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape]}
                 if i > 0:
@@ -83,10 +100,8 @@ def _group(leaves: list[tuple[str, PtTensor]], table: TensorTable) -> TensorTabl
         fname, itemsize = dname, ITEMSIZE[dname]  # one dtype per storage (pt_pickle refuses another)
         if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
             fname, itemsize = "uint8", 1
-        st = t0.storage
         entry_key = f"storage/{n_shared}:{key0}"
-        table.entries[entry_key] = Entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize],
-                                         lambda st=st: st.file.view(st.offset, st.nbytes), nbytes_storage)
+        table.entries[entry_key] = _file_entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize], t0.storage)
         for key, t in views:
             table.leaves[key] = {"entry": entry_key, "kind": "torch", "dtype": t.dtype,
                                  "shape": [int(x) for x in t.shape],

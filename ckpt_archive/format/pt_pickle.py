@@ -76,7 +76,12 @@ class PtFile:
     """The source file, mapped read-only once (tensor bytes are read from the map, never copied whole)."""
 
     def __init__(self, path: Path):
+        from ckpt_archive.format.exact_bytes import file_identity
+
         self.path = Path(path)
+        #: the file as it was when mapped (:func:`~ckpt_archive.format.exact_bytes.file_identity`): the one a
+        #: scan of the same identity read, whose range fingerprints are then the entries' (repo/writer.py)
+        self.identity = file_identity(self.path)
         with open(self.path, "rb") as fh:
             size = fh.seek(0, 2)
             self.map = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) if size else b""
