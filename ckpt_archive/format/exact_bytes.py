@@ -436,7 +436,8 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes],
         gaps.append((pos, start - pos))
         pos = start + length
     gaps.append((pos, size - pos))
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    sha = _InOrderSha256(fd, size)
     try:
         os.ftruncate(fd, size)
         gi, written_in_gap = 0, 0
@@ -449,6 +450,7 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes],
                     raise IntegrityError("skeleton is longer than the file it belongs to", where=record["relpath"])
                 take = min(len(mv), gaps[gi][1] - written_in_gap)
                 pwrite_all(fd, mv[:take], gaps[gi][0] + written_in_gap)
+                sha.wrote(gaps[gi][0] + written_in_gap, mv[:take])
                 written_in_gap += take
                 mv = mv[take:]
         while gi < len(gaps) and written_in_gap == gaps[gi][1]:
@@ -465,23 +467,83 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes],
                     raise IntegrityError(f"entry {key} has more than the segment's {length} bytes",
                                          where=record["relpath"])
                 pwrite_all(fd, mv, start + offset)
+                sha.wrote(start + offset, mv)
             filled[key] = offset + len(mv)
         short = [k for k, segs in by_key.items() if filled.get(k, 0) != segs[0][1]]
         if short:
             raise IntegrityError(f"entries missing or short for the exact bytes: {sorted(short)[:5]}",
                                  where=record["relpath"])
+        got = sha.hexdigest()
         os.fsync(fd)
     except BaseException:
+        sha.close()
         os.close(fd)
         os.unlink(target)
         raise
+    sha.close()
     os.close(fd)
-    got = fingerprint.file_sha256(target)
     if got != record.get("sha256"):
         os.unlink(target)
         raise IntegrityError(f"the rebuilt file's sha256 {got} differs from the source's {record.get('sha256')}",
                              where=record["relpath"] or "file")
     return size
+
+
+class _InOrderSha256:
+    """[issue 29] The sha256 of a file written in pieces at their offsets, taken in file order while it is
+    written: a piece written at the frontier is hashed from memory on a hash thread (what is written is
+    what is hashed); pieces written ahead of it are remembered and read back (``pread``, from the page
+    cache) when the frontier reaches them. Rebuilding a ``.pt`` writes its skeleton first and then every
+    tensor in file order, so nearly every byte is hashed from memory, beside the decoding, instead of in a
+    second read of the whole file once it is written (0.6-0.9 s per GiB, on one core, after the rest).
+
+    Args:
+        fd: the file, open for reading and writing. size: its size in bytes.
+    """
+
+    def __init__(self, fd: int, size: int):
+        import collections
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.fd, self.size = fd, size
+        self.sha = hashlib.sha256()
+        self.front = 0
+        self.ahead: dict[int, int] = {}  # start -> end of each piece written beyond the frontier
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-filehash")
+        self.pending: collections.deque = collections.deque()
+
+    def wrote(self, offset: int, piece) -> None:
+        """``piece`` (bytes-like, kept unchanged until hashed) was written at ``offset``."""
+        if offset == self.front:
+            self._hash(piece)
+            self.front += len(piece)
+            while self.front in self.ahead:
+                end = self.ahead.pop(self.front)
+                while self.front < end:
+                    n = min(READ_BYTES, end - self.front)
+                    data = os.pread(self.fd, n, self.front)
+                    if len(data) != n:
+                        raise OSError(f"{n} bytes at {self.front} could not be read back")
+                    self._hash(data)
+                    self.front += n
+        elif offset > self.front:
+            self.ahead[offset] = max(self.ahead.get(offset, offset), offset + len(piece))
+        elif len(piece):
+            raise IntegrityError(f"bytes at {offset} written twice")
+
+    def _hash(self, data) -> None:
+        self.pending.append(self.pool.submit(self.sha.update, data))
+        while len(self.pending) > 8:
+            self.pending.popleft().result()
+
+    def hexdigest(self) -> str | None:
+        """The file's sha256 once every byte was written (None when some never were)."""
+        while self.pending:
+            self.pending.popleft().result()
+        return self.sha.hexdigest() if self.front == self.size and not self.ahead else None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def exact_summary(manifest: dict) -> dict:
