@@ -337,8 +337,8 @@ def test_read_only_commands_do_not_import_torch(tmp_path, state):
     repo = tmp_path / "r"
     ckpt_archive.pack(src, repo)
     code = ("import sys\nsys.argv = ['ckpt-archive'] + sys.argv[1:]\ntry:\n    from ckpt_archive.cli.app import main\n"
-            "    main()\nexcept SystemExit as exc:\n    code = exc.code\nprint('TORCH', 'torch' in sys.modules, "
-            "'EXIT', code, file=sys.stderr)")
+            "    main()\nexcept SystemExit as exc:\n    code = exc.code\nprint('NUMPY', 'numpy' in sys.modules, 'TORCH', "
+            "'torch' in sys.modules, 'EXIT', code, file=sys.stderr)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     for cmd in (["verify", str(repo)], ["verify", "--deep", str(repo)], ["list", str(repo)],
                 ["status", str(repo)], ["inspect", str(repo)]):
@@ -346,3 +346,26 @@ def test_read_only_commands_do_not_import_torch(tmp_path, state):
         last = out.stderr.strip().splitlines()[-1]
         assert last.endswith("EXIT 0") or last.endswith("EXIT None"), (cmd, out.stderr[-2000:])
         assert "TORCH False" in last, (cmd, out.stderr[-2000:])
+        assert "NUMPY False" in last, (cmd, out.stderr[-2000:])  # ~0.1 s more: the small chunks need none
+
+
+def test_small_tensors_read_for_the_audit_have_torchs_values(tmp_path):
+    """Guards against the audit's torch-free small tensors (SmallTensor) reading other values than torch:
+    every dtype it reads, 0-d and shaped, item() and tolist() as torch gives them."""
+    from ckpt_archive.format.tensor_stub import SmallTensor
+
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(2, 3, generator=g).to(dt) for dt in (torch.float64, torch.float32, torch.float16,
+                                                              torch.bfloat16, torch.complex64, torch.complex128)]
+    cases += [torch.randint(-9, 9, (4,), generator=g, dtype=dt) for dt in (torch.int64, torch.int32, torch.int16,
+                                                                           torch.int8)]
+    cases += [torch.tensor([0, 200], dtype=torch.uint8), torch.tensor([True, False]), torch.tensor(2.5),
+              torch.tensor(float("nan"), dtype=torch.bfloat16), torch.tensor(7, dtype=torch.uint16)]
+    for t in cases:
+        rec = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "kind": "torch"}
+        raw = (torch.view_as_real(t) if t.is_complex() else t).contiguous().reshape(-1).view(torch.uint8).numpy()
+        st = SmallTensor.from_bytes(rec, raw.tobytes())
+        want = t.tolist()
+        assert json.dumps(st.tolist(), default=repr) == json.dumps(want, default=repr), t.dtype
+        if t.numel() == 1:
+            assert repr(st.item()) == repr(t.item()) and type(st.item()) is type(t.item()), t.dtype

@@ -33,51 +33,55 @@ class TensorStub:
         return f"TensorStub(shape={list(self.shape)}, dtype={self.dtype})"
 
 
-#: torch dtype name -> the NumPy dtype that holds its values exactly (bfloat16 widens to float32)
-_NUMPY_OF = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "bfloat16": "<f4", "int64": "<i8",
-             "int32": "<i4", "int16": "<i2", "int8": "i1", "uint8": "u1", "uint16": "<u2", "uint32": "<u4",
-             "uint64": "<u8", "bool": "?", "complex64": "<c8", "complex128": "<c16"}
-_STORED_AS = {"bfloat16": "<u2"}
+#: torch dtype name -> ``struct`` format of one element (little-endian), as its values read exactly
+_STRUCT_OF = {"float64": "d", "float32": "f", "float16": "e", "bfloat16": "H", "int64": "q", "int32": "i",
+              "int16": "h", "int8": "b", "uint8": "B", "uint16": "H", "uint32": "I", "uint64": "Q", "bool": "?",
+              "complex64": "ff", "complex128": "dd"}
 
 
 class SmallTensor(TensorStub):
-    """[issue 29] A small archived tensor decoded without torch: its shape, dtype name and values.
+    """[issue 29] A small archived tensor decoded without torch (and without NumPy): its shape, dtype name
+    and values as Python numbers.
 
     The policy audit reads step counters and tensor LRs (a few elements each); building them as torch
     tensors cost ``import torch`` (~1 s of CPU) for every ``verify`` and ``inspect``. Analyses use
-    ``numel()``, ``item()``, ``tolist()``, ``float()`` / ``int()`` as for a tensor; it stays a
+    ``numel()``, ``item()``, ``tolist()``, ``float()`` / ``int()`` as for a tensor, with the values
+    ``Tensor.item()`` gives (a bfloat16 or float16 value exactly, as a Python float); it stays a
     :class:`TensorStub` for code that tells tensors' structure apart from their values.
 
     Args:
         rec: the manifest's ``tensors[key]`` record.
-        values: a NumPy array of the leaf's shape holding its values exactly (bfloat16 as float32).
+        values: the elements in C order, as Python numbers.
     """
 
-    def __init__(self, rec: dict, values):
+    def __init__(self, rec: dict, values: list):
         super().__init__(rec)
         self.values = values
 
     @staticmethod
-    def numpy_dtype(dtype: str) -> str | None:
-        """The NumPy dtype that holds a torch dtype's values exactly, or None (float8 and the like)."""
-        return _NUMPY_OF.get(dtype)
+    def readable(dtype: str) -> bool:
+        """Whether :meth:`from_bytes` reads this torch dtype (not float8 and the like)."""
+        return dtype in _STRUCT_OF
 
     @classmethod
     def from_bytes(cls, rec: dict, raw) -> "SmallTensor":
         """From the leaf's contiguous raw bytes (C order, little-endian, as the archive stores them).
 
         Raises:
-            ValueError: a dtype :meth:`numpy_dtype` does not know, or bytes of another length.
+            ValueError: a dtype :meth:`readable` refuses, or bytes of another length than the shape's.
         """
-        import numpy as np
+        import struct
 
         dtype = rec.get("dtype")
-        if _NUMPY_OF.get(dtype) is None:
-            raise ValueError(f"no NumPy dtype holds {dtype}")
-        arr = np.frombuffer(bytes(raw), dtype=_STORED_AS.get(dtype, _NUMPY_OF[dtype]))
-        if dtype == "bfloat16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        return cls(rec, arr.reshape([int(x) for x in rec.get("shape", ())]).copy())
+        if dtype not in _STRUCT_OF:
+            raise ValueError(f"cannot read {dtype} values without torch")
+        n = math.prod(int(x) for x in rec.get("shape", ()))
+        flat = list(struct.unpack("<" + _STRUCT_OF[dtype] * n, bytes(raw)))
+        if dtype == "bfloat16":  # the upper half of a float32
+            flat = list(struct.unpack(f"<{n}f", struct.pack(f"<{n}I", *(v << 16 for v in flat))))
+        elif dtype.startswith("complex"):
+            flat = [complex(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+        return cls(rec, flat)
 
     def is_floating_point(self) -> bool:
         return str(self.dtype).startswith(("float", "bfloat"))
@@ -88,12 +92,18 @@ class SmallTensor(TensorStub):
         Raises:
             ValueError: more or fewer than one element.
         """
-        if self.values.size != 1:
+        if len(self.values) != 1:
             raise ValueError("only one element tensors can be converted to Python scalars")
-        return self.values.reshape(-1)[0].item()
+        return self.values[0]
 
     def tolist(self):
-        return self.values.tolist()
+        """The values nested by ``shape`` (``Tensor.tolist()``; a number for a 0-d tensor)."""
+        out = list(self.values)
+        if not self.shape:
+            return out[0]
+        for size in reversed(self.shape[1:]):
+            out = [out[i:i + size] for i in range(0, len(out), size)]
+        return out
 
     def __float__(self) -> float:
         return float(self.item())
@@ -102,4 +112,4 @@ class SmallTensor(TensorStub):
         return int(self.item())
 
     def __repr__(self) -> str:
-        return f"SmallTensor(shape={list(self.shape)}, dtype={self.dtype}, values={self.values.tolist()})"
+        return f"SmallTensor(shape={list(self.shape)}, dtype={self.dtype}, values={self.values})"
