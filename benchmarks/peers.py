@@ -381,17 +381,17 @@ def lora_rounds(files: list[Path], tools: list, work: Path, log) -> dict:
 
 
 def cli_small(work: Path, reps: int, log) -> dict:
-    """A tiny repository (a 16x16 model + Adam with its step tensors + a scheduler): our CLI ``verify``,
-    ``list``, ``status`` as whole processes -- wall, CPU, and whether torch was imported (a separate run
-    with a wrapper that reports ``sys.modules`` at exit)."""
-    src = work / "small.pt"
+    """A tiny repository (a 16x16 model + Adam with its step tensors + a step counter; no LR scheduler,
+    whose next LR the policy audit simulates with real torch): our CLI ``verify``, ``list``, ``status``
+    as whole processes -- wall, CPU, and whether torch was imported (a separate run with a wrapper that
+    reports ``sys.modules`` at exit)."""
+    src = work / "small-adam.pt"
     if not src.exists():
         quiet([sys.executable, "-c", (
             "import torch,sys; m=torch.nn.Linear(16,16); o=torch.optim.Adam(m.parameters()); "
             "m(torch.randn(2,16)).sum().backward(); o.step(); "
-            "s=torch.optim.lr_scheduler.StepLR(o,10); "
-            "torch.save({'model': m.state_dict(), 'optimizer': o.state_dict(), 'scheduler': s.state_dict(), "
-            "'step': 1}, sys.argv[1])"), str(src)])
+            "torch.save({'model': m.state_dict(), 'optimizer': o.state_dict(), 'step': 1}, sys.argv[1])"),
+            str(src)])
     repo = work / "small-repo"
     shutil.rmtree(repo, ignore_errors=True)
     run(_cli(["pack", str(src), "--repo", str(repo), "--json"]))
