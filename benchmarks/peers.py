@@ -272,9 +272,12 @@ def _summary(label: str, op: str, runs: dict[str, list[dict]], loads: list[float
            "cpu_s": {k: [r["cpu_s"] for r in v] for k, v in runs.items()},
            "peak_anon_mib": {k: max(r["peak_anon_mib"] for r in v) for k, v in runs.items()},
            "loadavg": [min(loads), statistics.median(loads), max(loads)], "ratio": {}}
+    row["ratio_cpu"] = {}
     for side, ws in wall.items():
         if side != "ours" and not side.startswith("ours"):
             row["ratio"][side] = statistics.median(b / o for o, b in zip(wall["ours"], ws))
+            cs = row["cpu_s"]
+            row["ratio_cpu"][side] = statistics.median(b / o for o, b in zip(cs["ours"], cs[side]) if o > 0)
     return row
 
 
@@ -447,8 +450,9 @@ def build_lora(folder: Path, base_mib: int, generations: int) -> list[Path]:
 
 def table(doc: dict) -> str:
     """The Markdown table of a peers run (benchmarks/README.md keeps the full one)."""
-    lines = ["| state / operation | ours min/med/max s | restic min/med/max s | borg min/med/max s | restic / ours "
-             "| borg / ours | target (restic, borg) | load avg |", "|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| state / operation | ours min/med/max s | restic min/med/max s | borg min/med/max s | restic / ours, "
+             "wall (CPU) | borg / ours, wall (CPU) | target (restic, borg) | load avg |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
     for row in doc["rows"]:
         w, r = row["wall_s"], row["ratio"]
         if row["op"] == "load":
@@ -463,7 +467,7 @@ def table(doc: dict) -> str:
             if side not in r:
                 return doc["missing"].get(side, "-")
             mark = "" if want is None else (" met" if r[side] >= want else " **missed**")
-            return f"{r[side]:.2f}x{mark}"
+            return f"{r[side]:.2f}x{mark} (CPU {row['ratio_cpu'][side]:.2f}x)"
 
         extra = ""
         if "restic (no fsync)" in r:
