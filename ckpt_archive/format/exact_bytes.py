@@ -518,8 +518,9 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes],
     os.close(fd)
     if got != record.get("sha256"):
         os.unlink(target)
-        raise IntegrityError(f"the rebuilt file's sha256 {got} differs from the source's {record.get('sha256')}",
-                             where=record["relpath"] or "file")
+        raise IntegrityError(f"the rebuilt file's sha256 {got} differs from the source's {record.get('sha256')}: "
+                             f"a stored chunk is damaged (`ckpt-archive verify --deep` names it); nothing was "
+                             f"written", where=record["relpath"] or "file")
     return size
 
 

@@ -379,7 +379,7 @@ class ArchiveReader:
         if idx != len(order):
             raise IntegrityError(f"shard ends before entry {order[idx][0]}", where=rec["path"])
 
-    def iter_entry_pieces(self, rec: dict, *, wanted: set[str], on_bytes=None
+    def iter_entry_pieces(self, rec: dict, *, wanted: set[str], on_bytes=None, checked_by_caller: bool = False
                           ) -> Iterator[tuple[str, dict, int, Any]]:
         """[issue 29] Yield ``(entry key, entry record, offset in the entry, piece)`` for the ``wanted``
         entries of a tensors shard, one decoded chunk's part at a time: nothing larger than a chunk is held,
@@ -389,7 +389,10 @@ class ArchiveReader:
         on the way, the header against the manifest first; the raw check's verdict comes when the member
         ends. So a caller that writes pieces as they come must not treat what it wrote as good before this
         iterator is exhausted (restore writes a temporary file, removed on any error). Pieces are read-only
-        bytes-like views of decoded chunks, valid until the next one is asked for.
+        bytes-like views of decoded chunks (each chunk its own buffer, never reused).
+        ``checked_by_caller``: neither the chunks' stored sha256 nor the entries' raw fingerprints are taken
+        here -- only for a caller that checks every byte it receives end to end itself (an exact-bytes
+        restore checks the whole rebuilt file's sha256 against the source's).
 
         Raises:
             IntegrityError: a chunk, the header or an entry fails its check; names the member.
@@ -399,7 +402,8 @@ class ArchiveReader:
         order = [(k, e) for k, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]) if k in wanted]
         header = bytearray()
         i = 0
-        for off, chunk in self.iter_member(rec, on_bytes=on_bytes):
+        for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
+                                           verify_chunks=not checked_by_caller):
             mv = memoryview(chunk).cast("B")
             end = off + len(mv)
             if len(header) < base:
