@@ -523,6 +523,22 @@ def main_peers(a: argparse.Namespace, log) -> dict:
         rows = compare(label, src, tools, a.reps, log)
         doc["rows"] += rows
         doc["memory"][label] = memory(label, rows, tools[0], work, log)
+    for size in [int(x) for x in (a.memory_sizes or "").split(",") if x]:
+        src = Path(a.workdir) / f"rand{size}mib.pt"
+        if not src.exists():
+            log(f"[fp32 random {size} MiB] building ...")
+            build_rand(src, size)
+        label = f"{size} MiB random fp32 (memory only)"
+        ours = Ours(work)
+        ours.fresh()
+        rows = []
+        for op, cmd in (("pack", lambda: ours.backup(src)), ("restore", lambda: ours.restore(src)),
+                        ("verify_deep", ours.check)):
+            r = run(cmd())
+            rows.append({"op": op, "peak_anon_mib": {"ours": r["peak_anon_mib"]}, "wall_s": {"ours": [r["wall_s"]]}})
+            ours.cleanup_restore()
+        doc["memory"][label] = memory(label, rows, ours, work, log)
+        ours.fresh()
     if a.lora_base_mib:
         files = build_lora(Path(a.workdir) / f"lora{a.lora_base_mib}", a.lora_base_mib, a.lora_generations)
         log(f"[LoRA-like, {a.lora_base_mib} MiB base, {len(files)} generations] load avg {os.getloadavg()[0]:.2f}")

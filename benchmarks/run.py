@@ -1,12 +1,21 @@
-"""Ratio benchmark: ckpt-archive against the hand pipeline and the usual loaders, same machine, same run.
+"""Ratio benchmark: ckpt-archive against its peers and the usual loaders, same machine, same run.
 
-Default (paired) mode, for issue 14's table: every comparison runs interleaved in this one driver
-process -- ours, baseline, then baseline, ours, ... ``--reps`` times -- so both sides see the same
-machine load; each run is a whole process (``ckpt-archive`` CLI processes for pack / verify /
-verify --deep / restore: start-up included, as a user pays it), and Python workers also report the
-in-process time of the call alone. It prints min / median / max per side, the median of per-pair
-ratios (whole process and in-process), the load average (``os.getloadavg``) around the runs, and the
-table "now vs target". ``--unpaired`` gives the older per-operation report described below.
+Default mode (issue 29, :mod:`peers`): ckpt-archive against **restic** (repository v2, ``--compression
+auto``) and **borg** (``--compression zstd,3``), the tools a user would run instead of us to keep a
+checkpoint safe, where they are installed (a missing one is named in the table): pack vs backup/create,
+restore vs restore/extract (+ fsync), ``verify --deep`` vs ``check --read-data`` / ``--verify-data``, stored
+bytes, the LoRA-like incremental run, an incompressible fp32 state, ``load`` vs ``torch.load``, our peak
+anonymous memory, a small repository's CLI start-up. Rounds of whole processes in a rotating order, ``sync``
+before each run; min / median / max per side and the median per-round ratio (wall and CPU). Quick run:
+``python benchmarks/run.py --sizes 64 --rand-sizes 64 --lora-base-mib 64 --lora-generations 3 --reps 2``.
+
+``--vs-hand``: issue 14's paired table -- every comparison interleaved in this one driver process (ours,
+baseline, then baseline, ours, ... ``--reps`` times) against the hand pipeline (``zstd && openssl``) --
+each run a whole process (``ckpt-archive`` CLI processes for pack / verify / verify --deep / restore:
+start-up included, as a user pays it), Python workers also reporting the in-process time of the call
+alone. It prints min / median / max per side, the median of per-pair ratios (whole process and
+in-process), the load average (``os.getloadavg``) around the runs, and the table "now vs target".
+``--unpaired`` gives the older per-operation report described below.
 
 For each state size it builds a realistic training state (``benchmarks/state.py``: trained-looking
 bf16 weights + fp32 Adam moments, 80 % of the bytes fp32) saved as ``ckpt.pt``, the same tensors as
@@ -599,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-base-mib", type=int, default=500,
                     help="peers: frozen bf16 base of the LoRA-like incremental run (0: skip it)")
     ap.add_argument("--lora-generations", type=int, default=10, help="peers: LoRA-like generations (2..N timed)")
+    ap.add_argument("--memory-sizes", default="",
+                    help="peers: sizes (MiB) of random fp32 states whose peak memory alone is measured (ours only)")
     ap.add_argument("--no-load", action="store_true", help="peers: skip load vs torch.load")
     ap.add_argument("--no-cli-small", action="store_true", help="peers: skip the small repository's CLI timings")
     ap.add_argument("--unpaired", action="store_true",
