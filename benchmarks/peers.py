@@ -396,15 +396,36 @@ def cli_small(work: Path, reps: int, log) -> dict:
             "torch.save({'model': m.state_dict(), 'optimizer': o.state_dict(), 'step': 1}, sys.argv[1])"),
             str(src)])
     repo = work / "small-repo"
-    shutil.rmtree(repo, ignore_errors=True)
-    run(_cli(["pack", str(src), "--repo", str(repo), "--json"]))
     out = {}
+    # pack's fixed cost: a whole CLI pack of the tiny file into a fresh repository, paired with the bare
+    # interpreter's start-up (``python -c pass``); the bound is 0.5 s above the interpreter
+    packs, bare = [], []
+    for rep in range(reps):
+        for side in (("pack", "bare") if rep % 2 == 0 else ("bare", "pack")):
+            if side == "pack":
+                shutil.rmtree(repo, ignore_errors=True)
+                packs.append(run(_cli(["pack", str(src), "--repo", str(repo), "--json"])))
+            else:
+                bare.append(run([sys.executable, "-c", "pass"]))
+    out["pack (fixed cost)"] = {"wall_s": [r["wall_s"] for r in packs], "cpu_s": [r["cpu_s"] for r in packs],
+                                "interpreter_wall_s": [r["wall_s"] for r in bare],
+                                "interpreter_cpu_s": [r["cpu_s"] for r in bare],
+                                "above_interpreter_s": statistics.median(p["wall_s"] - b["wall_s"]
+                                                                         for p, b in zip(packs, bare)),
+                                "above_interpreter_cpu_s": statistics.median(p["cpu_s"] - b["cpu_s"]
+                                                                             for p, b in zip(packs, bare))}
+    log(f"  small repository: pack wall {_stats(out['pack (fixed cost)']['wall_s'])} s, above the interpreter "
+        f"{out['pack (fixed cost)']['above_interpreter_s']:.2f} s wall / "
+        f"{out['pack (fixed cost)']['above_interpreter_cpu_s']:.2f} s CPU")
+    probe_code = ("import sys\nsys.argv=['ckpt-archive']+sys.argv[1:]\ntry:\n from ckpt_archive.cli.app import main; "
+                  "main()\nexcept SystemExit: pass\nfinally:\n print('TORCH', 'torch' in sys.modules, file=sys.stderr)")
+    shutil.rmtree(repo, ignore_errors=True)
+    probe = subprocess.run([sys.executable, "-c", probe_code, "pack", str(src), "--repo", str(repo), "--json"],
+                           capture_output=True, text=True)
+    out["pack (fixed cost)"]["imports_torch"] = "TORCH True" in probe.stderr
     for cmd in (["verify", str(repo), "--json"], ["list", str(repo), "--json"], ["status", str(repo), "--json"]):
         rs = [run(_cli(cmd)) for _ in range(reps)]
-        probe = subprocess.run([sys.executable, "-c", (
-            "import sys\nsys.argv=['ckpt-archive']+sys.argv[1:]\ntry:\n from ckpt_archive.cli.app import main; main()\n"
-            "except SystemExit: pass\nfinally:\n print('TORCH', 'torch' in sys.modules, file=sys.stderr)"), *cmd],
-            capture_output=True, text=True)
+        probe = subprocess.run([sys.executable, "-c", probe_code, *cmd], capture_output=True, text=True)
         out[cmd[0]] = {"wall_s": [r["wall_s"] for r in rs], "cpu_s": [r["cpu_s"] for r in rs],
                        "imports_torch": "TORCH True" in probe.stderr}
         log(f"  small repository: {cmd[0]} wall {_stats(out[cmd[0]]['wall_s'])} s, CPU "
@@ -491,6 +512,13 @@ def table(doc: dict) -> str:
                      + " / ".join(f"{mem[k]:.0f}" for k in ("pack", "restore", "verify_deep", "export"))
                      + f" | | | | | <= 512 {'met' if worst <= 512 else '**missed**'} | |")
     for cmd, v in (doc.get("cli_small") or {}).items():
+        if "above_interpreter_s" in v:
+            lines.append(f"| tiny state: CLI `pack` (wall; CPU) | {_stats(v['wall_s'])}; {_stats(v['cpu_s'])} | "
+                         f"interpreter {_stats(v['interpreter_wall_s'])} | | fixed cost above the interpreter "
+                         f"{v['above_interpreter_s']:.2f} s wall, {v['above_interpreter_cpu_s']:.2f} s CPU | | <= 0.5 s "
+                         f"({'met' if v['above_interpreter_s'] <= 0.5 else '**missed**'}); torch "
+                         f"{'imported' if v['imports_torch'] else 'not imported'} | |")
+            continue
         lines.append(f"| small repository: CLI `{cmd}` (wall; CPU) | {_stats(v['wall_s'])}; {_stats(v['cpu_s'])} | "
                      f"| | | | <= 0.3 s wall, no torch: torch {'imported' if v['imports_torch'] else 'not imported'} | |")
     return "\n".join(lines)
