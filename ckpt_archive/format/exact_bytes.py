@@ -472,6 +472,7 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes],
     gaps.append((pos, size - pos))
     fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     sha = _InOrderSha256(fd, size)
+    writes = ParallelWrites(fd, on_written=sha.wrote)
     try:
         os.ftruncate(fd, size)
         gi, written_in_gap = 0, 0
@@ -483,8 +484,7 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes],
                 if gi == len(gaps):
                     raise IntegrityError("skeleton is longer than the file it belongs to", where=record["relpath"])
                 take = min(len(mv), gaps[gi][1] - written_in_gap)
-                pwrite_all(fd, mv[:take], gaps[gi][0] + written_in_gap)
-                sha.wrote(gaps[gi][0] + written_in_gap, mv[:take])
+                writes.write(mv[:take], gaps[gi][0] + written_in_gap)
                 written_in_gap += take
                 mv = mv[take:]
         while gi < len(gaps) and written_in_gap == gaps[gi][1]:
@@ -500,20 +500,22 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes],
                 if offset + len(mv) > length:
                     raise IntegrityError(f"entry {key} has more than the segment's {length} bytes",
                                          where=record["relpath"])
-                pwrite_all(fd, mv, start + offset)
-                sha.wrote(start + offset, mv)
+                writes.write(mv, start + offset)
             filled[key] = offset + len(mv)
         short = [k for k, segs in by_key.items() if filled.get(k, 0) != segs[0][1]]
         if short:
             raise IntegrityError(f"entries missing or short for the exact bytes: {sorted(short)[:5]}",
                                  where=record["relpath"])
+        writes.drain()
         got = sha.hexdigest()
         os.fsync(fd)
     except BaseException:
+        writes.close()
         sha.close()
         os.close(fd)
         os.unlink(target)
         raise
+    writes.close()
     sha.close()
     os.close(fd)
     if got != record.get("sha256"):
@@ -526,15 +528,19 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes],
 
 class _InOrderSha256:
     """[issue 29] The sha256 of a file written in pieces at their offsets, taken in file order while it is
-    written: a piece written at the frontier is hashed from memory on a hash thread (what is written is
-    what is hashed); pieces written ahead of it are remembered and read back (``pread``, from the page
-    cache) when the frontier reaches them. Rebuilding a ``.pt`` writes its skeleton first and then every
-    tensor in file order, so nearly every byte is hashed from memory, beside the decoding, instead of in a
-    second read of the whole file once it is written (0.6-0.9 s per GiB, on one core, after the rest).
+    written: a piece that lands at the frontier is hashed from memory on a hash thread (what is written is
+    what is hashed); pieces that land ahead of it are kept (up to :data:`KEEP_AHEAD_BYTES`, else read
+    back with ``pread`` from the page cache) until the frontier reaches them. Rebuilding a ``.pt`` writes
+    its skeleton first and then every tensor in file order, so nearly every byte is hashed from memory,
+    beside the decoding, instead of in a second read of the whole file once it is written (0.6-0.9 s per
+    GiB, on one core, after the rest). Thread-safe: the writer threads report each piece once written.
 
     Args:
         fd: the file, open for reading and writing. size: its size in bytes.
     """
+
+    #: bytes of pieces written ahead of the frontier kept in memory (beyond: read back when reached)
+    KEEP_AHEAD_BYTES = 64 << 20
 
     def __init__(self, fd: int, size: int):
         import collections
@@ -543,28 +549,43 @@ class _InOrderSha256:
         self.fd, self.size = fd, size
         self.sha = hashlib.sha256()
         self.front = 0
-        self.ahead: dict[int, int] = {}  # start -> end of each piece written beyond the frontier
+        self.ahead: dict[int, tuple[int, Any]] = {}  # start -> (end, the piece, or None: read it back)
+        self.kept = 0
+        self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-filehash")
         self.pending: collections.deque = collections.deque()
 
     def wrote(self, offset: int, piece) -> None:
-        """``piece`` (bytes-like, kept unchanged until hashed) was written at ``offset``."""
-        if offset == self.front:
-            self._hash(piece)
-            self.front += len(piece)
-            while self.front in self.ahead:
-                end = self.ahead.pop(self.front)
-                while self.front < end:
-                    n = min(READ_BYTES, end - self.front)
-                    data = os.pread(self.fd, n, self.front)
-                    if len(data) != n:
-                        raise OSError(f"{n} bytes at {self.front} could not be read back")
-                    self._hash(data)
-                    self.front += n
-        elif offset > self.front:
-            self.ahead[offset] = max(self.ahead.get(offset, offset), offset + len(piece))
-        elif len(piece):
-            raise IntegrityError(f"bytes at {offset} written twice")
+        """``piece`` (bytes-like, kept unchanged until hashed) is written at ``offset``.
+
+        Raises:
+            IntegrityError: bytes at an offset already reported.
+        """
+        n = len(piece)
+        with self.lock:
+            if offset == self.front:
+                self._hash(piece)
+                self.front += n
+                while self.front in self.ahead:
+                    end, kept = self.ahead.pop(self.front)
+                    if kept is not None:
+                        self.kept -= len(kept)
+                        self._hash(kept)
+                        self.front = end
+                        continue
+                    while self.front < end:
+                        k = min(READ_BYTES, end - self.front)
+                        data = os.pread(self.fd, k, self.front)
+                        if len(data) != k:
+                            raise OSError(f"{k} bytes at {self.front} could not be read back")
+                        self._hash(data)
+                        self.front += k
+            elif offset > self.front and offset not in self.ahead:
+                keep = piece if self.kept + n <= self.KEEP_AHEAD_BYTES else None
+                self.kept += n if keep is not None else 0
+                self.ahead[offset] = (offset + n, keep)
+            elif n:
+                raise IntegrityError(f"bytes at {offset} written twice")
 
     def _hash(self, data) -> None:
         self.pending.append(self.pool.submit(self.sha.update, data))
@@ -573,12 +594,58 @@ class _InOrderSha256:
 
     def hexdigest(self) -> str | None:
         """The file's sha256 once every byte was written (None when some never were)."""
-        while self.pending:
-            self.pending.popleft().result()
-        return self.sha.hexdigest() if self.front == self.size and not self.ahead else None
+        with self.lock:
+            while self.pending:
+                self.pending.popleft().result()
+            return self.sha.hexdigest() if self.front == self.size and not self.ahead else None
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ParallelWrites:
+    """[issue 29] ``pwrite`` of pieces at their offsets on a few threads, within a bounded queue: copying
+    into the page cache is restore's largest cost (1-2 ns/B on the benchmark VM), and one thread doing
+    every write was its slowest stage. ``on_written(offset, piece)`` is called on the writer thread once a
+    piece is written (the in-order hash). Errors surface in :meth:`write` or :meth:`drain`.
+
+    Args:
+        fd: the file. threads: writer threads (default: the cores, at most 2). depth: writes in flight.
+        on_written: optional callback.
+    """
+
+    def __init__(self, fd: int, *, threads: int | None = None, depth: int = 8, on_written=None):
+        import collections
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ckpt_archive.format.codec import default_jobs
+
+        self.fd, self.depth, self.on_written = fd, depth, on_written
+        self.pool = ThreadPoolExecutor(threads or min(2, default_jobs()), thread_name_prefix="ckpt-pwrite")
+        self.pending: collections.deque = collections.deque()
+
+    def write(self, piece, offset: int) -> None:
+        """Queue ``piece`` (kept unchanged until written) for ``offset``; waits while ``depth`` are queued."""
+        self.pending.append(self.pool.submit(self._job, piece, offset))
+        while self.pending and (len(self.pending) > self.depth or self.pending[0].done()):
+            self.pending.popleft().result()
+
+    def _job(self, piece, offset: int) -> None:
+        pwrite_all(self.fd, piece, offset)
+        if self.on_written is not None:
+            self.on_written(offset, piece)
+
+    def drain(self) -> None:
+        """Wait for every queued write (raising the first error)."""
+        while self.pending:
+            self.pending.popleft().result()
+
+    def close(self) -> None:
+        """Stop: queued writes not yet started are dropped, running ones finish (errors ignored)."""
+        for fut in self.pending:
+            fut.cancel()
+        self.pending.clear()
+        self.pool.shutdown(wait=True)
 
 
 def exact_summary(manifest: dict) -> dict:

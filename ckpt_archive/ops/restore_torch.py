@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_archive.errors import IntegrityError
-from ckpt_archive.format.exact_bytes import crc32, pwrite_all, zip_records
+from ckpt_archive.format.exact_bytes import ParallelWrites, crc32, pwrite_all, zip_records
 from ckpt_archive.repo.reader import ArchiveReader, leaf_from_base, tensor_refs
 
 _CD_MAGIC = b"PK\x01\x02"
@@ -271,15 +271,20 @@ def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_b
             rec = reader.by_path[path]
             crcs: dict[str, int] = {}
             written: dict[str, int] = {}
-            for key, erec, offset, piece in reader.iter_entry_pieces(rec, wanted=wanted, on_bytes=on_bytes):
-                for name in by_entry[key]:
-                    start, length = records[name][:2]
-                    if offset != written.get(name, 0) or offset + len(piece) > length:
-                        raise IntegrityError(f"record {name} holds {length} bytes, its storage more",
-                                             where=str(target))
-                    pwrite_all(fd, piece, start + offset)
-                    crcs[name] = crc32(piece, crcs.get(name, 0))
-                    written[name] = offset + len(piece)
+            writes = ParallelWrites(fd)  # the page-cache copies on their own threads
+            try:
+                for key, erec, offset, piece in reader.iter_entry_pieces(rec, wanted=wanted, on_bytes=on_bytes):
+                    for name in by_entry[key]:
+                        start, length = records[name][:2]
+                        if offset != written.get(name, 0) or offset + len(piece) > length:
+                            raise IntegrityError(f"record {name} holds {length} bytes, its storage more",
+                                                 where=str(target))
+                        writes.write(piece, start + offset)
+                        crcs[name] = crc32(piece, crcs.get(name, 0))
+                        written[name] = offset + len(piece)
+                writes.drain()
+            finally:
+                writes.close()
             for key in wanted:
                 erec = rec["entries"][key]
                 for name in by_entry[key]:
