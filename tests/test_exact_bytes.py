@@ -185,7 +185,7 @@ def test_the_rebuilt_files_sha256_is_taken_in_file_order_whatever_order_pieces_a
     pieces = [(a, data[a:b]) for a, b in zip([0, *cuts], [*cuts, len(data)])]
     random.Random(1).shuffle(pieces)
     monkeypatch.setattr(exact_bytes._InOrderSha256, "KEEP_AHEAD_BYTES", keep)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)  # as the file layer creates a restore's target
     os.ftruncate(fd, len(data))
     sha = exact_bytes._InOrderSha256(fd, len(data))
     writes = exact_bytes.ParallelWrites(fd, threads=3, on_written=sha.wrote)

@@ -536,7 +536,7 @@ class _InOrderSha256:
     GiB, on one core, after the rest). Thread-safe: the writer threads report each piece once written.
 
     Args:
-        fd: the file, open for reading and writing. size: its size in bytes.
+        fd: the file (open for writing; for reading too, or read through ``/proc/self/fd``). size: its size.
     """
 
     #: bytes of pieces written ahead of the frontier kept in memory (beyond: read back when reached)
@@ -551,6 +551,7 @@ class _InOrderSha256:
         self.front = 0
         self.ahead: dict[int, tuple[int, Any]] = {}  # start -> (end, the piece, or None: read it back)
         self.kept = 0
+        self.reader: int | None = None  # a read-only descriptor, when fd was opened for writing only
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-filehash")
         self.pending: collections.deque = collections.deque()
@@ -575,7 +576,7 @@ class _InOrderSha256:
                         continue
                     while self.front < end:
                         k = min(READ_BYTES, end - self.front)
-                        data = os.pread(self.fd, k, self.front)
+                        data = self._pread(k, self.front)
                         if len(data) != k:
                             raise OSError(f"{k} bytes at {self.front} could not be read back")
                         self._hash(data)
@@ -586,6 +587,19 @@ class _InOrderSha256:
                 self.ahead[offset] = (offset + n, keep)
             elif n:
                 raise IntegrityError(f"bytes at {offset} written twice")
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        """Read back what was written; a descriptor opened for writing only is read through a read-only one
+        of the same open file (``/proc/self/fd``: the very inode, whatever its name now points to)."""
+        try:
+            return os.pread(self.reader if self.reader is not None else self.fd, n, offset)
+        except OSError as exc:
+            import errno
+
+            if exc.errno != errno.EBADF or self.reader is not None or not os.path.isdir("/proc/self/fd"):
+                raise
+            self.reader = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY)
+            return os.pread(self.reader, n, offset)
 
     def _hash(self, data) -> None:
         self.pending.append(self.pool.submit(self.sha.update, data))
@@ -601,6 +615,9 @@ class _InOrderSha256:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.reader is not None:
+            os.close(self.reader)
+            self.reader = None
 
 
 class ParallelWrites:
