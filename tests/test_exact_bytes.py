@@ -178,17 +178,17 @@ def test_the_rebuilt_files_sha256_is_taken_in_file_order_whatever_order_pieces_a
     import os
     import random
 
-    from ckpt_archive.format import exact_bytes
+    from ckpt_archive.format import ordered_writes
 
     data = os.urandom(300_000)
     cuts = sorted(random.Random(keep).sample(range(1, len(data)), 40))
     pieces = [(a, data[a:b]) for a, b in zip([0, *cuts], [*cuts, len(data)])]
     random.Random(1).shuffle(pieces)
-    monkeypatch.setattr(exact_bytes._InOrderSha256, "KEEP_AHEAD_BYTES", keep)
+    monkeypatch.setattr(ordered_writes.InOrderSha256, "KEEP_AHEAD_BYTES", keep)
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)  # as the file layer creates a restore's target
     os.ftruncate(fd, len(data))
-    sha = exact_bytes._InOrderSha256(fd, len(data))
-    writes = exact_bytes.ParallelWrites(fd, threads=3, on_written=sha.wrote)
+    sha = ordered_writes.InOrderSha256(fd, len(data))
+    writes = ordered_writes.ParallelWrites(fd, threads=3, on_written=sha.wrote)
     for offset, piece in pieces:
         writes.write(piece, offset)
     writes.drain()
