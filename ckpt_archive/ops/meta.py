@@ -60,10 +60,13 @@ def environment() -> dict:
     env = {"python": platform.python_version(), "platform": platform.platform(), "torch": None, "numpy": None,
            "devices": None, "executable": sys.executable}
     try:
-        import torch
+        if "torch" in sys.modules:
+            import torch
 
-        env["torch"] = torch.__version__
-        env["devices"] = {"cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+            env["torch"] = torch.__version__
+            env["devices"] = {"cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+        else:  # [issue 29] a pack that read its file without torch does not import it (~1 s) for these facts
+            env["torch"], env["devices"] = _torch_facts_unimported()
     except Exception:  # environment facts are best effort
         pass
     try:
@@ -281,6 +284,42 @@ def _kinds(allow: list[str]) -> str:
         words.append("NumPy values")
     words += [n.removeprefix("builtins.") for n in allow if not n.startswith("numpy.")]
     return ", ".join(words)
+
+
+def _torch_facts_unimported() -> tuple[str | None, dict | None]:
+    """torch's version and CUDA device count without importing torch: ``torch/version.py`` (the text
+    ``torch.__version__`` and ``torch.version.cuda`` come from), and for a CUDA build the GPUs the NVIDIA
+    driver lists (``/proc/driver/nvidia/gpus``), as many as ``CUDA_VISIBLE_DEVICES`` leaves visible when it
+    is a list of indices (None when it names devices otherwise: not told)."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None, None
+    text = open(os.path.join(list(spec.submodule_search_locations)[0], "version.py"), encoding="utf-8").read()
+    version = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+    cuda = re.search(r"^cuda\s*(?::[^=]*)?=\s*(None|['\"][^'\"]*['\"])", text, re.M)
+    if version is None or cuda is None:
+        return (version.group(1) if version else None), None
+    if cuda.group(1) == "None":
+        return version.group(1), {"cuda": 0}  # a CPU build: torch.cuda.is_available() is False
+    try:
+        n = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        n = 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [x.strip() for x in visible.split(",") if x.strip()]
+        if not all(x.isdigit() for x in ids):
+            return version.group(1), None
+        valid = 0
+        for x in ids:  # CUDA stops at the first index the driver does not have
+            if int(x) >= n:
+                break
+            valid += 1
+        n = valid
+    return version.group(1), {"cuda": n}
 
 
 def default_instructions(source_format: str, layout: str, top_keys: list[str], needs: dict | None = None,

@@ -173,13 +173,17 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
             raise UsageError(f"retention must be a RetentionPolicy or None, not {type(retention).__name__} "
                              f"(RetentionPolicy.from_dict({retention!r}) reads a dict)")
     from ckpt_archive.format.allowlist import allowing
-    from ckpt_archive.format.state_tree import encode, encode_value
+    from ckpt_archive.format.pt_encode import encode  # state_tree's, also for a file read without torch
+    from ckpt_archive.format.state_tree import encode_value
 
     allow = (options.allow,) if isinstance(options.allow, (str, type)) else tuple(options.allow or ())
     with allowing(allow) as allowed:  # [issue 11] plain-data classes admitted for reading and encoding
         if isinstance(source_or_path, (str, os.PathLike)):
             extra = {"zip_crc_checked": True} if zip_crc_checked else {}
-            source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy, **extra)
+            # [issue 29] a torch.save file whose pickle holds only plain containers and dense tensors is read
+            # without importing torch (format/pt_pickle.py); anything else through torch.load(weights_only=True)
+            source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy,
+                                 torch_free=encoder is None, **extra)
         else:
             source = from_object(source_or_path)
         encoded = (encoder or encode)(source.state)

@@ -546,6 +546,55 @@ class ArchiveReader:
             raise IntegrityError(f"tensor bytes fingerprint mismatch: expected {want}, got {alg}:{h.hexdigest()}",
                                  where=f"{rec['path']}:{key}")
 
+    def iter_entry_pieces(self, rec: dict, *, wanted: set[str], on_bytes=None, checked_by_caller: bool = False
+                          ) -> Iterator[tuple[str, dict, int, Any]]:
+        """[issue 29] Yield ``(entry key, entry record, offset in the entry, piece)`` for the ``wanted``
+        entries of a tensors shard, one decoded chunk's part at a time: nothing larger than a chunk is held,
+        whatever the entry's size (a 40 GiB optimizer moment restores in the chunk pipeline's memory).
+
+        Every chunk's stored sha256 and every entry's raw fingerprint (the member's raw check) are checked
+        on the way, the header against the manifest first; the raw check's verdict comes when the member
+        ends. So a caller that writes pieces as they come must not treat what it wrote as good before this
+        iterator is exhausted (restore writes a temporary file, removed on any error). Pieces are read-only
+        bytes-like views of decoded chunks (each chunk its own buffer, never reused).
+        ``checked_by_caller``: neither the chunks' stored sha256 nor the entries' raw fingerprints are taken
+        here -- only for a caller that checks every byte it receives end to end itself (an exact-bytes
+        restore checks the whole rebuilt file's sha256 against the source's).
+
+        Raises:
+            IntegrityError: a chunk, the header or an entry fails its check; names the member.
+        """
+        entries = rec["entries"]
+        base = rec["header_bytes"]
+        order = [(k, e) for k, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]) if k in wanted]
+        header = bytearray()
+        i = 0
+        for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
+                                           verify_chunks=not checked_by_caller):
+            mv = memoryview(chunk).cast("B")
+            end = off + len(mv)
+            if len(header) < base:
+                header += mv[:base - off] if off < base else b""
+                if len(header) >= base:
+                    _check_header(bytes(header[:base]), entries, rec["path"])
+            while i < len(order):
+                key, e = order[i]
+                start, stop = base + e["data_offsets"][0], base + e["data_offsets"][1]
+                if start >= end:
+                    break
+                lo, hi = max(start, off), min(stop, end)
+                if hi > lo:
+                    yield key, e, lo - start, mv[lo - off:hi - off]
+                if stop > end:
+                    break
+                i += 1
+        if len(header) < base:
+            raise IntegrityError("shard ends inside its safetensors header", where=rec["path"])
+        while i < len(order) and order[i][1]["data_offsets"][1] == order[i][1]["data_offsets"][0]:
+            i += 1  # empty entries at the very end: nothing to yield
+        if i != len(order):
+            raise IntegrityError(f"shard ends before entry {order[i][0]}", where=rec["path"])
+
     def _spilled_entries(self, rec: dict, wanted: set, spill_dir, on_bytes=None
                          ) -> Iterator[tuple[str, dict, memoryview]]:
         """Like :meth:`iter_entries` (``wanted`` only) but over a spilled, memory-mapped member."""

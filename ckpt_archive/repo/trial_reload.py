@@ -334,14 +334,14 @@ def check_leaf_bytes(buf, erec: dict, lrec: dict, leaf: str, entry_fp: str | Non
         leaf: the leaf's key (for messages). entry_fp: the entry's raw fingerprint, known to hold for
             ``buf`` or checked by the caller.
     """
-    import numpy as np
-
     nbytes = buf.nbytes if isinstance(buf, SizeOnly) else (len(memoryview(buf).cast("B")) if len(buf) else 0)
     whole = check_leaf_geometry(erec, lrec, leaf, nbytes)
     view = lrec.get("view")
     if whole:
         data = buf  # the leaf's bytes are the entry's: its fingerprint is the entry's
     else:
+        import numpy as np  # only views need it (the policy audit of small leaves does not import it)
+
         size = _itemsize(lrec["dtype"], lrec["kind"])
         shape = [int(x) for x in lrec["shape"]]
         offset, stride = int(view["storage_offset"]), [int(s) for s in view["stride"]]
@@ -376,8 +376,6 @@ def check_leaf_geometry(erec: dict, lrec: dict, leaf: str, nbytes: int) -> bool:
     Raises:
         IntegrityError: the leaf cannot be what the manifest says it is; names the leaf.
     """
-    import numpy as np
-
     kind, dtype, shape = lrec["kind"], lrec["dtype"], [int(x) for x in lrec["shape"]]
     view = lrec.get("view")
     if (lrec.get("bits") or {}).get("conj") and not dtype.startswith("complex"):
@@ -390,6 +388,9 @@ def check_leaf_geometry(erec: dict, lrec: dict, leaf: str, nbytes: int) -> bool:
     st_of = NUMPY_TO_ST if kind == "numpy" else TORCH_TO_ST
     if not view:
         try:
+            if kind == "numpy":
+                import numpy as np
+
             want_st = st_of.get(np.dtype(dtype).str if kind == "numpy" else dtype)
         except TypeError:
             raise IntegrityError(f"dtype {dtype!r} is not a NumPy dtype", where=leaf) from None
