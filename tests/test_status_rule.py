@@ -78,6 +78,25 @@ def test_a_flipped_byte_in_the_tree_fails_restore_of_exact_bytes_and_list_says_d
         (gen_dir(exact_repo) / "manifest.json").read_bytes()).hexdigest()
 
 
+@pytest.mark.parametrize("role", ["tensors", "skeleton"])
+def test_stored_bytes_that_decode_the_same_fail_restore_of_exact_bytes_as_they_fail_verify(exact_repo, tmp_path, role):
+    """Fault (issue 24 item 4, after issue 29): the exact-bytes restore relied on the rebuilt file's sha256
+    alone, so a same-size change of a member it reads that decoding reads past (a zstd frame header's
+    unused bit) restored the right bytes with exit 0 while verify exited 1 on the same generation. Restore
+    checks every stored chunk's sha256 of what it reads, as verify does: exit 1, nothing written."""
+    m = read_manifest(exact_repo)
+    stored = gen_dir(exact_repo) / member(m, m["source"]["files"][0]["exact"]["member"] if role == "skeleton"
+                                           else role)["stored_path"]
+    data = bytearray(stored.read_bytes())
+    data[4] ^= 0x10  # the first frame header's unused bit: the chunk still decodes to the same bytes
+    stored.write_bytes(bytes(data))
+    assert cli("verify", f"{exact_repo}@1").exit_code == 1
+    forget_notes(exact_repo)
+    res = cli("restore", f"{exact_repo}@1", "-o", tmp_path / "out.pt")
+    assert res.exit_code == 1 and not (tmp_path / "out.pt").exists(), res.stderr
+    assert _status(exact_repo) == "damaged"
+
+
 def test_a_resealed_dtype_fails_restore_of_exact_bytes_as_it_fails_verify_deep(exact_repo, tmp_path):
     """Fault (issue 24, item 4): a resealed manifest changing a tensor's dtype made verify --deep exit 1 and
     restore 0 (the exact bytes do not depend on the record). Restore now checks the tensor index as the trial
