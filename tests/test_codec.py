@@ -524,3 +524,27 @@ def test_small_planes_are_put_back_without_numpy_exactly_as_with_it(n, rotate, m
         planes.byte_ungroup(grouped, n, out=out, rotate=rotate)
         monkeypatch.setattr(planes, "SMALL_PLANES_BYTES", -1)
         assert small == bytes(out) == bytes(planes.byte_ungroup(grouped, n, rotate=rotate)) == raw
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_small_chunks_are_grouped_without_numpy_exactly_as_with_it(n, rotate, monkeypatch):
+    """Guards against the plain-Python grouping of small chunks (format/planes.py: it spares a pack of a
+    small state ``import numpy``) writing other planes than the NumPy path: random bytes of several sizes,
+    rotated or not, each compared bit for bit, and each chunk encoded by ``encode_chunk`` the same way."""
+    import os
+
+    from ckpt_archive.format import planes
+
+    for size in (0, n, 3 * n, 1000 * n, 8_000 * n):
+        raw = os.urandom(size)
+        monkeypatch.setattr(planes, "SMALL_PLANES_BYTES", 1 << 30)
+        small = bytes(planes.byte_group(raw, n, rotate=rotate))
+        small_chunk = codec.encode_chunk(raw, f"bg{n}", 3)
+        monkeypatch.setattr(planes, "SMALL_PLANES_BYTES", -1)
+        monkeypatch.setattr(codec, "SMALL_PLANES_BYTES", -1)
+        big = bytes(planes.byte_group(raw, n, rotate=rotate))
+        assert small == big, size
+        codec_name, stored, sha = codec.encode_chunk(raw, f"bg{n}", 3)
+        assert (small_chunk[0], bytes(small_chunk[1]), small_chunk[2]) == (codec_name, bytes(stored), sha), size
+        monkeypatch.undo()

@@ -296,14 +296,15 @@ def test_the_hand_made_tensor_pickle_is_read_like_torch_reads_it(tmp_path):
 
 def test_pack_of_a_plain_checkpoint_does_not_import_torch(tmp_path):
     """Guards against pack's fixed cost coming back: ``import torch`` (about a second of CPU) for a file whose
-    pickle needs none of it. Checked in a fresh interpreter through the library call."""
+    pickle needs none of it (issue 26's loading needs brought it back once), nor NumPy (~0.1 s) for a state
+    whose chunks are all small. Checked in a fresh interpreter through the library call."""
     src = _save(tmp_path, "ckpt", _adam_state())
     code = ("import sys, ckpt_archive; r = ckpt_archive.pack(sys.argv[1], sys.argv[2]); "
-            "assert r.status == 'usable'; print('torch' in sys.modules)")
+            "assert r.status == 'usable'; print('torch' in sys.modules, 'numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "r")], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
 
 
 def test_item_of_a_scalar_read_without_torch_is_torchs(tmp_path):
@@ -369,3 +370,32 @@ def test_small_tensors_read_for_the_audit_have_torchs_values(tmp_path):
         assert json.dumps(st.tolist(), default=repr) == json.dumps(want, default=repr), t.dtype
         if t.numel() == 1:
             assert repr(st.item()) == repr(t.item()) and type(st.item()) is type(t.item()), t.dtype
+
+
+def test_loading_needs_of_a_plain_state_are_told_without_torch_as_torch_tells_them(tmp_path, monkeypatch):
+    """Guards against pack importing torch (~1 s of CPU) to tell what a restored ``.pt`` needs allowed
+    (issue 26's ``needs_by_part``), and against the torch-free answer differing from torch's own scan: a
+    state read without torch is answered like the same state read by ``torch.load``; states with what
+    pickles as another global (NumPy, a set, bytes, an enum) are still left to torch's scan."""
+    import enum
+
+    import numpy as np
+
+    from ckpt_archive.ops import meta
+
+    src = _save(tmp_path, "ckpt", _model_and_adam())
+    torch_free, _ = pt_pickle.read(src)
+    loaded = torch.load(src, weights_only=True)
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    others = [{"a": np.arange(3)}, {"s": {1, 2}}, {"b": b"xy"}, {"e": Color.RED}, [collections.Counter()]]
+    fast = {"torch_free": meta.needs_by_part(torch_free), "loaded": meta.needs_by_part(loaded)}
+    fast_others = [meta.unsafe_globals_of_state(s) for s in others]
+    assert meta._pickles_plain(torch_free) and meta._pickles_plain(loaded)
+    assert not any(meta._pickles_plain(s) for s in others)
+    monkeypatch.setattr(meta, "_pickles_plain", lambda state: False)  # torch's scan alone
+    assert fast["torch_free"] == fast["loaded"] == meta.needs_by_part(loaded) == {"allow": [], "plain_parts": []}
+    assert fast_others == [meta.unsafe_globals_of_state(s) for s in others]
+    assert fast_others[0], "the NumPy state needs its globals allowed"

@@ -39,7 +39,7 @@ from typing import BinaryIO, Callable, Iterator
 
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format import fingerprint
-from ckpt_archive.format.planes import _scratch, anon_buffer, byte_group, byte_ungroup  # noqa: F401 (re-exported)
+from ckpt_archive.format.planes import SMALL_PLANES_BYTES, _scratch, anon_buffer, byte_group, byte_ungroup  # noqa: F401 (re-exported)
 
 #: Raw bytes per chunk. 4 MiB: ratio within 0.3 % of 16 MiB chunks (benchmarks/proto_codec.py), enough
 #: chunks to keep every core busy on a 1 GiB member, and 2 * jobs chunks in flight stay small.
@@ -127,7 +127,9 @@ def encode_chunk(raw, hint: str, level: int) -> tuple[str, bytes, str]:
         n = int(hint[2:]) if hint.startswith("bg") else 0
         if n > 1 and len(mv) % n == 0:
             rot = n in ROTATE_SIZES
-            planes = byte_group(mv, n, rotate=rot, out=_scratch("planes", len(mv)))
+            # a small chunk is grouped without NumPy (planes.SMALL_PLANES_BYTES), a large one into scratch
+            small = len(mv) <= SMALL_PLANES_BYTES
+            planes = byte_group(mv, n, rotate=rot, out=None if small else _scratch("planes", len(mv)))
             stored = _compressor(level, floats=True).compress(planes)
             codec = f"bg{n}r+zstd" if rot else f"bg{n}+zstd"
         else:

@@ -70,8 +70,11 @@ def byte_group(raw, n: int, rotate: bool = False, out=None):
 
     Returns:
         a contiguous ``numpy.uint8`` array of ``len(raw)`` bytes (planes back to back; over ``out`` if
-        given); bytes-like.
+        given); bytes-like. Up to :data:`SMALL_PLANES_BYTES` without ``out``: a 1-D ``memoryview`` of the
+        same bytes, made without NumPy (:func:`_group_small`).
     """
+    if out is None and len(memoryview(raw).cast("B")) <= SMALL_PLANES_BYTES:
+        return _group_small(raw, n, rotate)
     import numpy as np
 
     a = np.frombuffer(raw, dtype=np.uint8)
@@ -177,6 +180,22 @@ def byte_ungroup(planes, n: int, out=None, rotate: bool = False) -> memoryview:
 #: Planes up to this many bytes are put back without NumPy (:func:`_ungroup_small`): a command that reads
 #: only a few small tensors (the policy audit of ``verify`` and ``inspect``) then does not import it (~0.1 s).
 SMALL_PLANES_BYTES = 64 << 10
+
+
+def _group_small(raw, n: int, rotate: bool = False) -> memoryview:
+    """:func:`byte_group` in plain Python for small inputs (what :func:`_ungroup_small` undoes): the rotation
+    done on the whole chunk as one integer (each element's top bit moved to its bit 0, the rest shifted up
+    one bit, with masks repeated per element), then each plane taken with one extended slice."""
+    src = bytes(memoryview(raw).cast("B"))
+    if len(src) % n:
+        raise ValueError(f"{len(src)} bytes are not a multiple of {n}")
+    m = len(src) // n
+    if rotate and m:
+        x = int.from_bytes(src, "little")
+        top = int.from_bytes((b"\x00" * (n - 1) + b"\x80") * m, "little")
+        rest = int.from_bytes((b"\xff" * (n - 1) + b"\x7f") * m, "little")
+        src = (((x & rest) << 1) | ((x & top) >> (8 * n - 1))).to_bytes(len(src), "little")
+    return memoryview(b"".join(src[k::n] for k in range(n)))
 
 
 def _ungroup_small(planes, n: int, out=None, rotate: bool = False) -> memoryview:

@@ -284,11 +284,11 @@ class _Encoder:
                 stack.extend([v for v in obj if type(v) not in atoms])
 
     def _leaf_types(self) -> tuple:
-        """Leaf types counted for sharing; torch's only once imported (none of its objects exist before)."""
-        import numpy as np
-
-        torch = sys.modules.get("torch")
-        return (np.ndarray, bytearray) + ((torch.Tensor, torch.UntypedStorage, torch.TypedStorage) if torch else ())
+        """Leaf types counted for sharing; torch's and NumPy's only once imported (none of their objects
+        exists before: a state read without either, e.g. format/pt_pickle.py's, never imports them here)."""
+        torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+        return ((bytearray,) + ((np.ndarray,) if np else ())
+                + ((torch.Tensor, torch.UntypedStorage, torch.TypedStorage) if torch else ()))
 
     def _leaf_key(self, path: tuple) -> str:
         base = _path_name(path)
@@ -320,7 +320,7 @@ class _Encoder:
     def _enc(self, obj: Any, path: tuple) -> Any:
         """Encode one value; every type is matched exactly (a subclass is never stored as its base)."""
         torch = sys.modules.get("torch")  # None: no torch object can exist (see _leaf_types)
-        import numpy as np
+        np = sys.modules.get("numpy")  # likewise for NumPy
 
         tp = type(obj)
         if tp is str and not utf8_ok(obj):
@@ -328,7 +328,7 @@ class _Encoder:
             return str_node(obj)
         if obj is None or tp is str or tp is bool:
             return obj
-        if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
+        if np is not None and isinstance(obj, np.generic):  # before float: np.float64 subclasses float
             if obj.dtype.kind == "O":
                 raise SourceError("NumPy object scalar is not plain data", where=_path_name(path))
             self.table.numpy_values.append(_path_name(path))
@@ -343,9 +343,9 @@ class _Encoder:
             return {"$t": tp.__name__, "b64": base64.b64encode(bytes(obj)).decode("ascii")}
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._tensor(obj, path)
-        if tp is np.ndarray:
+        if np is not None and tp is np.ndarray:
             return self._ndarray(obj, path)
-        if isinstance(obj, np.dtype):
+        if np is not None and isinstance(obj, np.dtype):
             self.table.numpy_values.append(_path_name(path))
             return {"$t": "npdtype", "v": obj.str}
         if torch is None:

@@ -70,9 +70,12 @@ def environment() -> dict:
     except Exception:  # environment facts are best effort
         pass
     try:
-        import numpy
+        if "numpy" in sys.modules:
+            env["numpy"] = sys.modules["numpy"].__version__
+        else:  # [issue 29] nor NumPy (~0.1 s): its installed distribution's version
+            import importlib.metadata
 
-        env["numpy"] = numpy.__version__
+            env["numpy"] = importlib.metadata.version("numpy")
     except Exception:
         pass
     return env
@@ -163,9 +166,15 @@ def unsafe_globals_of_state(state: Any) -> list[str] | None:
     Tensors need nothing beyond weights_only's defaults (torch rebuilds them itself), so leaving them out
     changes no answer.
 
+    A state of plain containers and tensors only (:func:`_pickles_plain`) is answered ``[]`` without
+    pickling it, and without importing torch when none of its tensors is a torch tensor: a ``.pt`` read
+    without torch (format/pt_pickle.py) stays a pack without ``import torch`` (~1 s of CPU).
+
     Returns:
         sorted names, or None when this torch cannot tell (torch < 2.5) or ``torch.save`` refuses the state.
     """
+    if _pickles_plain(state):
+        return []
     import io
     import pickle
     import types
@@ -194,6 +203,43 @@ def unsafe_globals_of_state(state: Any) -> list[str] | None:
         return None
     buf.seek(0)
     return _unsafe_globals(buf)
+
+
+def _pickles_plain(state: Any) -> bool:
+    """Whether ``state`` holds only what pickles with no global beyond the two :func:`unsafe_globals_of_state`
+    always finds allowed: ``dict``, ``list``, ``tuple``, ``str``, ``int``, ``float``, ``bool``, ``None`` (exact
+    types: a subclass pickles its class), ``collections.OrderedDict`` (with its attributes, a state_dict's
+    ``_metadata``), and tensors (pickled as ``torch.device``): a torch-free :class:`PtTensor`, or a
+    ``torch.Tensor`` when torch is already imported (a state holding one came from torch). Anything else (a
+    NumPy array, a set, bytes, an enum, a class) is False: torch's own scan decides. Shared and cyclic
+    references are walked once; no recursion (any nesting)."""
+    from collections import OrderedDict
+
+    from ckpt_archive.format.pt_pickle import PtTensor
+
+    torch = sys.modules.get("torch")
+    tensors = (PtTensor,) if torch is None else (PtTensor, torch.Tensor)
+    atoms = (str, int, float, bool, type(None))
+    seen: set[int] = set()
+    stack = [state]
+    while stack:
+        x = stack.pop()
+        kind = type(x)
+        if kind in atoms or issubclass(kind, tensors):
+            continue
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if kind is dict or kind is OrderedDict:
+            stack.extend(x.keys())
+            stack.extend(x.values())
+            if kind is OrderedDict:
+                stack.extend(vars(x).values())
+        elif kind is list or kind is tuple:
+            stack.extend(x)
+        else:
+            return False
+    return True
 
 
 def unsafe_globals_of_file(path: str | os.PathLike) -> list[str] | None:
