@@ -102,6 +102,17 @@ class _Readable:
         return getattr(self._stream, "encoding", None) or "utf-8"
 
 
+def _console(stream: str):
+    import os
+
+    from rich.console import Console
+
+    console = Console(file=_Readable(stream), stderr=stream == "stderr", highlight=False, soft_wrap=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 200  # logs and pipes: do not cut paths and reasons at 80 columns
+    return console
+
+
 class Output:
     """The result on stdout, diagnostics on stderr (rich, no tracebacks); one JSON object on stdout in ``--json``
     mode.
@@ -118,22 +129,25 @@ class Output:
     """
 
     def __init__(self, json_mode: bool, quiet: bool | None = None):
-        from rich.console import Console
-
         self.json_mode = json_mode
         self.quiet = _QUIET.get() if quiet is None else quiet
-        self.out = Console(file=_Readable("stdout"), highlight=False, soft_wrap=True)
-        self.err = Console(file=_Readable("stderr"), stderr=True, highlight=False, soft_wrap=True)
-        import os
 
-        for console in (self.out, self.err):
-            if not console.is_terminal and "COLUMNS" not in os.environ:
-                console.width = 200  # logs and pipes: do not cut paths and reasons at 80 columns
+    # the consoles are made on first use: ``--json`` prints without rich (its import is ~0.03 s of start-up)
+    @functools.cached_property
+    def out(self):
+        """The rich console on stdout."""
+        return _console("stdout")
+
+    @functools.cached_property
+    def err(self):
+        """The rich console on stderr."""
+        return _console("stderr")
 
     @property
     def width(self) -> int:
-        """Columns available for a result (the stdout console's width)."""
-        return self.out.width
+        """Columns available for a result (the stdout console's width; 200 with ``--json``, which prints no
+        table, without making a console)."""
+        return 200 if self.json_mode else self.out.width
 
     def say(self, text: str = "", style: str | None = None, *, even_quiet: bool = False) -> None:
         """A line of the result, on stdout (not in ``--json`` mode; not with ``--quiet`` unless ``even_quiet``)."""

@@ -29,9 +29,10 @@ def register(app: typer.Typer) -> None:
 
         rows = [generation_row(g) for g in gens]
         if rows:
-            table = list_table(rows, repo, out.width)
-            out.table(table)
-            _say_reasons_left_out(rows, table, out)
+            if not out.json_mode:  # --json prints the rows: no table (nor rich) is built
+                table = list_table(rows, repo, out.width)
+                out.table(table)
+                _say_reasons_left_out(rows, table, out)
         else:
             out.note("no usable generation" + ("" if all_ else f" ({r.existing_summary(every)}; --all shows them)"))
         copied = [g.number for g in every if g.status == "copied"]

@@ -155,8 +155,8 @@ def cli_verify(report: Any, out: Any) -> None:
     """``verify``: print the audit table and counters of ``report.policy`` (the verdict itself, its problems and
     warnings, was computed by :func:`ckpt_archive.verify`; they are printed with the report's own)."""
     verdict = getattr(report, "policy", None)
-    if verdict is None or verdict.audit is None:
-        return
+    if verdict is None or verdict.audit is None or getattr(out, "json_mode", False):
+        return  # --json: the report carries the audit; nothing is printed, so no table (nor rich) is built
     out.table(audit_table(verdict.audit, _width(out)))
     _say_counters(verdict.audit, out)
 

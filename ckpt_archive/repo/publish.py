@@ -31,14 +31,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 from ckpt_archive.errors import CannotCheck, CkptArchiveError
 from ckpt_archive.format.manifest import sha256_hex
-from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.format import jsonio
 from ckpt_archive.repo.repository import (CHECK_FAILED, Generation, Repository, gen_key, host_record, iso,
                                           raise_if_problems, utcnow)
+
+if TYPE_CHECKING:  # imported where a generation is re-read: every CLI command enters record_publishes()
+    from ckpt_archive.repo.reader import ArchiveReader, Problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +291,8 @@ class Lifecycle:
             self._point(self.points.sealed)
             self.step = "verify"
             phase(self.progress, "verify")
+            from ckpt_archive.repo.reader import ArchiveReader
+
             reader = ArchiveReader(r.store, key, manifest, jobs=self.jobs)
             verified = steps.verify(r, number, reader)
             self._point(self.points.verified)
