@@ -191,6 +191,21 @@ class PtTensor:
                                                strides=[s * size for s in self.stride], writeable=False)
         return np.ascontiguousarray(view).reshape(-1).view(np.uint8)
 
+    def contiguous_pieces(self):
+        """:meth:`contiguous_bytes` as pieces of at most ``fingerprint.VIEW_PIECE_BYTES`` (a view of a stride of
+        0 is never gathered whole)."""
+        import numpy as np
+
+        from ckpt_archive.format.fingerprint import view_pieces
+
+        st, size = self.storage, ITEMSIZE[self.storage.dtype]
+        if self.numel() == 0 or self.is_contiguous():
+            return iter((self.contiguous_bytes(),))
+        elems = np.frombuffer(st.file.map, dtype=np.dtype((np.void, size)), count=st.numel, offset=st.offset)
+        view = np.lib.stride_tricks.as_strided(elems[self.offset:], shape=self.shape,
+                                               strides=[s * size for s in self.stride], writeable=False)
+        return view_pieces(view, size, lambda a: np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
     def __repr__(self) -> str:
         return f"PtTensor(dtype={self.dtype}, shape={list(self.shape)}, storage={self.storage.key})"
 
@@ -207,6 +222,7 @@ class _Global:
 _ODICT = "collections\nOrderedDict"
 _REBUILD = "torch._utils\n_rebuild_tensor_v2"
 _MAX_VERSION = 3
+_INT64 = 1 << 63  # torch keeps sizes, strides and offsets as int64 (and byte counts of them)
 
 
 def read(path: Path) -> tuple[Any, PtFile]:
@@ -435,6 +451,8 @@ class _Machine:
             raise NotSimple("backward hooks")
         if offset < 0 or any(x < 0 for x in size + stride):
             raise NotSimple("negative geometry")
+        if max((offset, *size, *stride)) >= _INT64 or math.prod(size) * ITEMSIZE[storage.dtype] >= _INT64:
+            raise NotSimple("geometry beyond int64")  # torch refuses it ("Overflow when unpacking long")
         if math.prod(size) > 0:
             last = offset + sum((n - 1) * s for n, s in zip(size, stride))
             if last >= storage.numel:

@@ -1,0 +1,108 @@
+"""Attacks on issue 24 (trust by construction) and issue 29 (speed) as merged: each test names the fault it
+found and fails when that fault comes back."""
+from __future__ import annotations
+
+import struct
+import zipfile
+
+import pytest
+
+import ckpt_archive
+from ckpt_archive.errors import CkptArchiveError
+from ckpt_archive.format import pt_pickle
+
+
+# -- hand-written torch.save files ----------------------------------------------------------------------
+def _uni(s: str) -> bytes:
+    b = s.encode()
+    return b"X" + struct.pack("<I", len(b)) + b
+
+
+def _int(n: int) -> bytes:
+    if -2**31 <= n < 2**31:
+        return b"J" + struct.pack("<i", n)
+    nb = (n.bit_length() + 8) // 8
+    return b"\x8a" + bytes([nb]) + n.to_bytes(nb, "little", signed=True)
+
+
+def _tuple(*items: bytes) -> bytes:
+    return b"(" + b"".join(items) + b"t"
+
+
+def _tensor(numel: int, offset: int, size: tuple, stride: tuple, storage: str = "FloatStorage") -> bytes:
+    pid = _tuple(_uni("storage"), b"ctorch\n" + storage.encode() + b"\n", _uni("0"), _uni("cpu"), _int(numel)) + b"Q"
+    return (b"ctorch._utils\n_rebuild_tensor_v2\n"
+            + _tuple(pid, _int(offset), _tuple(*map(_int, size)), _tuple(*map(_int, stride)), b"\x89",
+                     b"ccollections\nOrderedDict\n)R") + b"R")
+
+
+def _pt(path, body: bytes, data: bytes):
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", b"\x80\x02}" + _uni("w") + body + b"s.")
+        zf.writestr("archive/byteorder", b"little")
+        zf.writestr("archive/data/0", data)
+        zf.writestr("archive/version", b"3\n")
+    return path
+
+
+@pytest.mark.parametrize("size,stride", [((0, 1 << 64), (1, 1)), ((1, 1), (1 << 63, 1)), ((1 << 62,), (0,))],
+                         ids=["size past int64", "stride past int64", "bytes past int64"])
+def test_geometry_beyond_int64_is_not_read_without_torch(tmp_path, size, stride):
+    """Guards against the torch-free reader accepting a tensor torch.load refuses ("Overflow when unpacking
+    long"): a 600-byte file declaring a size of 2**64 was packed as a *usable* generation that neither
+    ``load`` nor torch could ever read back. The reader must say NotSimple, and pack then refuses through
+    torch.load (exit 2), never publishing."""
+    src = _pt(tmp_path / "x.pt", _tensor(1, 0, size, stride), struct.pack("<f", 1.0))
+    with pytest.raises(pt_pickle.NotSimple):
+        pt_pickle.read(src)
+    with pytest.raises(CkptArchiveError):
+        ckpt_archive.pack(src, tmp_path / "r")
+
+
+# -- a view's logical bytes (stride 0) -------------------------------------------------------------------
+def test_an_expanded_view_packs_and_verifies_in_pieces_with_the_fingerprint_of_its_whole_bytes(tmp_path):
+    """Guards against the piecewise hashing of a view changing what is fingerprinted: a stride-0 view of
+    12 MiB logical bytes (larger than one piece, rows of one element) over a 4-byte storage, read with and
+    without torch, packs, verifies deep and loads back equal."""
+    import torch
+
+    src = _pt(tmp_path / "e.pt", _tensor(1, 0, (3 << 20,), (0,)), struct.pack("<f", 2.5))
+    want = torch.load(src, weights_only=True)["w"]
+    assert want.stride() == (0,)
+    ckpt_archive.pack(src, tmp_path / "r")
+    assert ckpt_archive.verify(tmp_path / "r", deep=True).ok
+    assert torch.equal(ckpt_archive.load(tmp_path / "r")["w"], want)
+    torch.save({"w": torch.arange(6.0).reshape(2, 3).t().expand(2, 3, 2)}, tmp_path / "t.pt")  # torch path
+    ckpt_archive.pack(tmp_path / "t.pt", tmp_path / "r2")
+    assert ckpt_archive.verify(tmp_path / "r2", deep=True).ok
+
+
+def test_a_view_declaring_more_bytes_than_memory_is_refused_not_allocated(tmp_path):
+    """Guards against the memory bomb of a view: a resealed manifest declaring a stride-0 view of 2**40
+    float32 over a 4-byte entry made ``verify --deep`` gather all 4 TiB with ``np.ascontiguousarray``
+    (MemoryError, reported as "a bug", exit 2; without an address-space limit the OOM killer). It is refused
+    from the declared numbers, naming the leaf (exit 1), and a source declaring one is refused before any
+    write (exit 2)."""
+    import sys
+
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from hostile_archive import edit_manifest
+
+    src = _pt(tmp_path / "e.pt", _tensor(1, 0, (8,), (0,)), struct.pack("<f", 1.0))
+    repo = tmp_path / "r"
+    ckpt_archive.pack(src, repo)
+
+    def grow(m):
+        m["tensors"]["w"]["shape"] = [1 << 40]
+    edit_manifest(repo, grow)
+    res = CliRunner().invoke(app, ["verify", "--deep", str(repo)])
+    assert res.exit_code == 1, res.output
+    assert "view of" in res.output and "internal error" not in res.output
+    big = _pt(tmp_path / "b.pt", _tensor(1, 0, (1 << 40,), (0,)), struct.pack("<f", 1.0))
+    res = CliRunner().invoke(app, ["pack", str(big), "--repo", str(tmp_path / "r2")])
+    assert res.exit_code == 2 and "view of" in res.output, res.output
+    assert not (tmp_path / "r2" / "generations").exists() or not any((tmp_path / "r2" / "generations").iterdir())
