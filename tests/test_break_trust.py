@@ -106,3 +106,38 @@ def test_a_view_declaring_more_bytes_than_memory_is_refused_not_allocated(tmp_pa
     res = CliRunner().invoke(app, ["pack", str(big), "--repo", str(tmp_path / "r2")])
     assert res.exit_code == 2 and "view of" in res.output, res.output
     assert not (tmp_path / "r2" / "generations").exists() or not any((tmp_path / "r2" / "generations").iterdir())
+
+
+def test_a_deflated_pickle_bomb_is_refused_before_it_is_inflated(tmp_path, monkeypatch):
+    """Guards against a zip bomb in a source: a 1 MB torch.save-style file whose ``data.pkl`` is deflated
+    and declares 1 GiB (data after STOP, ignored by every unpickler) was inflated whole by the torch-free
+    reader (2.3 GB RSS) and packed as usable; torch.load holds it whole too. Refused from the declared size
+    before anything reads it (exit 2), on both read paths."""
+    from unittest import mock
+
+    from ckpt_archive.format import limits
+    from ckpt_archive.sources import torchfile
+
+    monkeypatch.setattr(limits, "MAX_SOURCE_PICKLE_BYTES", 1 << 20)  # the rule, at a test's size
+    pkl = b"\x80\x02}" + _uni("w") + _tensor(1, 0, (1,), (1,)) + b"s." + b"\0" * (2 << 20)
+    src = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(src, "w") as zf:
+        zf.writestr("archive/data.pkl", pkl, compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
+        zf.writestr("archive/byteorder", b"little")
+        zf.writestr("archive/data/0", struct.pack("<f", 1.0))
+        zf.writestr("archive/version", b"3\n")
+    del pkl
+    with mock.patch.object(zipfile.ZipFile, "read", side_effect=AssertionError("a record was inflated")):
+        with pytest.raises(CkptArchiveError, match="declares"):
+            ckpt_archive.pack(src, tmp_path / "r")
+        with pytest.raises(CkptArchiveError, match="declares"):
+            torchfile.load_torch_file(src)
+    with pytest.raises(pt_pickle.NotSimple):  # and the reader never takes a compressed pickle
+        small = tmp_path / "small.pt"
+        with zipfile.ZipFile(small, "w") as zf:
+            zf.writestr("archive/data.pkl", b"\x80\x02}" + _uni("w") + _tensor(1, 0, (1,), (1,)) + b"s.",
+                        compress_type=zipfile.ZIP_DEFLATED)
+            zf.writestr("archive/byteorder", b"little")
+            zf.writestr("archive/data/0", struct.pack("<f", 1.0))
+            zf.writestr("archive/version", b"3\n")
+        pt_pickle.read(small)

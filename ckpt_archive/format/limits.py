@@ -39,7 +39,7 @@ from ckpt_archive.errors import ImplausibleSize, IntegrityError, TooLargeHere
 
 __all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_CHUNK_STORED_BYTES", "MAX_ZSTD_RATIO", "MAX_ANNOTATION_BYTES",
            "MAX_DATA_IDS_BYTES", "MAX_DATA_IDS_COST", "MAX_TREE_BYTES", "MAX_TREE_COST", "MAX_HEADER_BYTES", "MAX_HEADER_COST", "MAX_MEMBER_HEADER_BYTES", "WHOLE_READ_LIMITS",
-           "MAX_MANIFEST_BYTES", "MAX_MANIFEST_COST", "MAX_SMALL_DOC_BYTES", "MAX_SMALL_DOC_COST", "IN_FLIGHT_RAW_BYTES",
+           "MAX_MANIFEST_BYTES", "MAX_SOURCE_PICKLE_BYTES", "MAX_MANIFEST_COST", "MAX_SMALL_DOC_BYTES", "MAX_SMALL_DOC_COST", "IN_FLIGHT_RAW_BYTES",
            "stored_bound", "check_member_sizes", "check_manifest_sizes", "check_whole_read", "read_bounded",
            "memory_available", "check_allocation", "view_size_problem", "lazy_buffer", "frame_size_problem"]
 
@@ -74,6 +74,9 @@ MAX_HEADER_COST = 256 << 20
 #: Largest safetensors header of an archive's tensors member (bytes, length prefix included). The writer
 #: makes ~100 bytes per entry: 32 MiB holds 300,000 entries, more than a manifest may list.
 MAX_MEMBER_HEADER_BYTES = 32 << 20
+#: [break] Largest ``data.pkl`` of a zip-format ``torch.save`` source (raw bytes, as its zip record declares it):
+#: every reader holds it whole. A pickle of 100,000 tensors is ~10 MB.
+MAX_SOURCE_PICKLE_BYTES = 256 << 20
 #: Largest ``manifest.json`` (bytes). Measured: 100,000 tensors (one shard, indent 1) make a 57 MB manifest.
 MAX_MANIFEST_BYTES = 128 << 20
 #: Largest estimated parse cost of a manifest (bytes of Python objects). The 57 MB manifest of 100,000

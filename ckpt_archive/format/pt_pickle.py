@@ -260,8 +260,8 @@ def _read(path: Path) -> tuple[Any, PtFile]:
             rec = by_name.get(f"{prefix}/{name}")
             if rec is None:
                 return None
-            if rec[1] > 1 << 16:
-                raise NotSimple(f"record {name} is unexpectedly large")
+            if rec[1] > 1 << 16 or not rec[4]:
+                raise NotSimple(f"record {name} is unexpectedly large or compressed")
             return zf.read(f"{prefix}/{name}")
 
         if f"{prefix}/constants.pkl" in by_name:
@@ -273,8 +273,8 @@ def _read(path: Path) -> tuple[Any, PtFile]:
         if order not in (None, b"little"):
             raise NotSimple(f"byte order {order!r}")
         pkl = by_name.get(f"{prefix}/data.pkl")
-        if pkl is None:
-            raise NotSimple("no data.pkl")
+        if pkl is None or not pkl[4]:
+            raise NotSimple("no data.pkl, or a compressed one (torch.save never compresses)")
         data = zf.read(pkl[3])
     storages = {name[len(prefix) + 6:]: (start, length) for start, length, _, name, stored in records
                 if stored and name.startswith(f"{prefix}/data/")}

@@ -123,6 +123,32 @@ def check_zip_records(path: Path) -> None:
                           where=str(path))
 
 
+def check_pickle_size(path: Path) -> None:
+    """[break] Refuse a zip-format ``torch.save`` file whose ``data.pkl`` declares more than
+    :data:`~ckpt_archive.format.limits.MAX_SOURCE_PICKLE_BYTES` raw bytes: both readers (the torch-free one and
+    ``torch.load``) hold the pickle whole, and a deflated record decodes to far more than it stores (a 1 MB
+    file whose pickle inflated to 1 GiB cost pack 2.3 GB of memory, and was packed). ``torch.save`` never
+    compresses a record; a pickle of 100,000 tensors is ~10 MB.
+
+    Raises:
+        SourceError: (exit 2) names the record and its declared size.
+    """
+    from ckpt_archive.format.limits import MAX_SOURCE_PICKLE_BYTES
+
+    try:
+        if not zipfile.is_zipfile(path):
+            return
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+    except (*ZIP_ERRORS, OSError):
+        return  # unreadable: the readers below say why
+    for info in infos:
+        if info.filename.rsplit("/", 1)[-1] == "data.pkl" and info.file_size > MAX_SOURCE_PICKLE_BYTES:
+            raise SourceError(f"record {info.filename} declares {info.file_size} bytes of pickle (stored in "
+                              f"{info.compress_size}), more than the {MAX_SOURCE_PICKLE_BYTES} a checkpoint's "
+                              f"pickle needs; refused before it is read", where=str(path))
+
+
 def _all_stored(path: Path) -> bool:
     """Whether every record of a zip is stored uncompressed (False when it cannot be read)."""
     try:
@@ -170,6 +196,7 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True,
         raise SourceError("no such file", where=str(path))
     if path.stat().st_size == 0:
         raise diagnose_unreadable(path)
+    check_pickle_size(path)
     from ckpt_archive.format.allowlist import current_allowed
 
     extra = (numpy_safe_globals() if allow_numpy else []) + list(current_allowed().values())
@@ -207,6 +234,7 @@ def _read_torch_free(path: Path, zip_crc_checked: bool):
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0 or not zipfile.is_zipfile(path):
         return None
+    check_pickle_size(path)
     if not zip_crc_checked:
         check_zip_records(path)  # as load_torch_file does: a flipped byte would read silently
     try:
