@@ -141,3 +141,28 @@ def test_a_deflated_pickle_bomb_is_refused_before_it_is_inflated(tmp_path, monke
             zf.writestr("archive/data/0", struct.pack("<f", 1.0))
             zf.writestr("archive/version", b"3\n")
         pt_pickle.read(small)
+
+
+def test_a_record_declared_past_the_end_of_the_file_is_refused_not_a_crash(tmp_path):
+    """Guards against a zip record whose central directory declares more bytes than the file holds (1 GiB
+    at offset 286 of a 617-byte file, matching the pickle's storage size): the torch-free reader mapped it
+    and pack died with "internal error (ValueError): buffer is smaller than requested size ... This is a
+    bug", leaving a partial generation. It is a damaged source: exit 2, nothing written."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    n = 1 << 28
+    src = _pt(tmp_path / "huge.pt", _tensor(n, 0, (n,), (1,)), struct.pack("<4f", 1, 2, 3, 4))
+    b = bytearray(src.read_bytes())
+    i = b.find(b"PK\x01\x02")
+    while i >= 0:
+        if bytes(b[i + 46:i + 46 + struct.unpack_from("<H", b, i + 28)[0]]) == b"archive/data/0":
+            struct.pack_into("<II", b, i + 20, n * 4, n * 4)
+        i = b.find(b"PK\x01\x02", i + 4)
+    src.write_bytes(bytes(b))
+    with pytest.raises(pt_pickle.NotSimple):
+        pt_pickle.read(src)
+    res = CliRunner().invoke(app, ["pack", str(src), "--repo", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "past the end" in res.output and "internal error" not in res.output, res.output
+    assert not (tmp_path / "r" / "generations").exists() or not any((tmp_path / "r" / "generations").iterdir())
