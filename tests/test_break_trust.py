@@ -166,3 +166,23 @@ def test_a_record_declared_past_the_end_of_the_file_is_refused_not_a_crash(tmp_p
     res = CliRunner().invoke(app, ["pack", str(src), "--repo", str(tmp_path / "r")])
     assert res.exit_code == 2 and "past the end" in res.output and "internal error" not in res.output, res.output
     assert not (tmp_path / "r" / "generations").exists() or not any((tmp_path / "r" / "generations").iterdir())
+
+
+@pytest.mark.parametrize("name,value", [("archive/.data/version", b"abc\n"), ("archive/.data/version", b"99\n"),
+                                        ("archive/.storage_alignment", b"abc"),
+                                        ("archive/.data/serialization_id", b"\xff" * 8)],
+                         ids=["data-version garbage", "data-version too new", "alignment", "serialization id"])
+def test_a_record_torch_load_refuses_is_not_read_without_torch(tmp_path, name, value):
+    """Guards against the torch-free reader reading a file torch.load refuses because of a record beside the
+    pickle: torch takes ``.data/version`` before ``version`` (the reader took ``version``: a ``.data/version``
+    of "abc" or "99" was packed as usable though torch refuses the file), parses ``.storage_alignment`` as an
+    int and decodes ``.data/serialization_id`` as UTF-8. Each one torch refuses must be NotSimple."""
+    import torch
+
+    src = _pt(tmp_path / "x.pt", _tensor(1, 0, (1,), (1,)), struct.pack("<f", 1.0))
+    with zipfile.ZipFile(src, "a") as zf:
+        zf.writestr(name, value)
+    with pytest.raises(Exception):
+        torch.load(src, weights_only=True)
+    with pytest.raises(pt_pickle.NotSimple):
+        pt_pickle.read(src)

@@ -266,12 +266,20 @@ def _read(path: Path) -> tuple[Any, PtFile]:
 
         if f"{prefix}/constants.pkl" in by_name:
             raise NotSimple("a TorchScript archive")
-        version = small("version") if f"{prefix}/version" in by_name else small(".data/version")
+        # the records torch.load reads besides the pickle, read as it reads them (torch/serialization.py _load,
+        # caffe2/serialize/inline_container.cc): one it would refuse makes the file NotSimple, so torch decides
+        version = small(".data/version") if f"{prefix}/.data/version" in by_name else small("version")
         if version is None or version.strip() not in {str(v).encode() for v in range(1, _MAX_VERSION + 1)}:
             raise NotSimple(f"file format version {version!r}")
         order = small("byteorder")
         if order not in (None, b"little"):
             raise NotSimple(f"byte order {order!r}")
+        alignment = small(".storage_alignment")
+        if alignment is not None:
+            int(alignment)  # torch: int(...) of it, a ValueError for anything else
+        serialization_id = small(".data/serialization_id")
+        if serialization_id is not None:
+            serialization_id.decode("utf-8")  # torch hands it to Python as str
         pkl = by_name.get(f"{prefix}/data.pkl")
         if pkl is None or not pkl[4]:
             raise NotSimple("no data.pkl, or a compressed one (torch.save never compresses)")
