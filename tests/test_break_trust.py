@@ -188,3 +188,19 @@ def test_a_record_torch_load_refuses_is_not_read_without_torch(tmp_path, name, v
         torch.load(src, weights_only=True)
     with pytest.raises(pt_pickle.NotSimple):
         pt_pickle.read(src)
+
+
+def test_a_single_element_slice_of_a_transposed_weight_packs(tmp_path):
+    """Guards against a crash on a plain tensor: ``torch.randn(5, 7).t()[2:3, 3:4]`` is contiguous by torch's
+    rule (every dim has size 1) but keeps strides (1, 7), and ``view(torch.uint8)`` of its flattened self
+    raised "self.stride(-1) must be 1" -- pack of an in-memory state (the Checkpointer's path) and of a file
+    read through torch.load died with a raw RuntimeError. Complex too (view_as_real needs the same)."""
+    import torch
+
+    w = torch.randn(5, 7).t()[2:3, 3:4]
+    c = torch.randn(5, 7, dtype=torch.complex64).t()[2:3, 3:4]
+    assert w.is_contiguous() and w.stride() == (1, 7)
+    r = ckpt_archive.pack({"w": w, "c": c}, tmp_path / "r")
+    assert r.status == "usable"
+    back = ckpt_archive.load(tmp_path / "r")
+    assert torch.equal(back["w"], w) and torch.equal(back["c"], c)

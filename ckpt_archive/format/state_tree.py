@@ -199,6 +199,10 @@ def _tensor_u8(t):
         import numpy as np
 
         return np.zeros(0, dtype=np.uint8)
+    # [break] contiguous by torch's rule, a dim of size 1 may keep any stride (a (1, 1) slice of a transposed
+    # weight has strides (1, 7)), and view(uint8) needs a last stride of 1: its elements lie in C order at
+    # unit stride, so flatten it as such
+    t = t.as_strided((t.numel(),), (1,))
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.reshape(-1).view(torch.uint8).numpy()
