@@ -204,3 +204,25 @@ def test_a_single_element_slice_of_a_transposed_weight_packs(tmp_path):
     assert r.status == "usable"
     back = ckpt_archive.load(tmp_path / "r")
     assert torch.equal(back["w"], w) and torch.equal(back["c"], c)
+
+
+def test_a_record_shorter_than_its_storage_is_refused_on_the_mmap_path(tmp_path):
+    """Guards against torch.load(mmap=True) over-reading a record: a ``data/0`` of 8 bytes under a pickle
+    declaring 4 float32 (the torch-free reader refuses it: record of another size) went to
+    ``torch.load(weights_only=True, mmap=True)``, which took 16 bytes from the record's start -- two real
+    values and 8 bytes of the next zip header -- and pack published that as a usable generation, though
+    ``torch.load(weights_only=True)`` refuses the file. Refused (exit 2), as torch without mmap refuses it;
+    a file whose records are right still loads mapped."""
+    import torch
+
+    from ckpt_archive.sources import torchfile
+
+    src = _pt(tmp_path / "short.pt", _tensor(4, 0, (4,), (1,)), struct.pack("<2f", 1, 2))
+    with pytest.raises(RuntimeError, match="record size"):
+        torch.load(src, weights_only=True)
+    with pytest.raises(CkptArchiveError, match="not a record of that size"):
+        ckpt_archive.pack(src, tmp_path / "r")
+    good = tmp_path / "good.pt"
+    torch.save({"p": torch.nn.Parameter(torch.arange(6.0)), "v": torch.arange(10)[2:5], "e": torch.empty(0)}, good)
+    state = torchfile.load_torch_file(good)  # Parameter: not read without torch; mapped and checked
+    assert torch.equal(state["v"], torch.arange(2, 5))
