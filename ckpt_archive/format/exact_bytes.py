@@ -101,6 +101,9 @@ def zip_records(path: Path) -> list[tuple[int, int, int, str, bool]]:
             if fields[0] != _LOCAL_MAGIC:
                 raise zipfile.BadZipFile(f"record {info.filename}: bad local header")
             start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+            if start + info.compress_size > size:  # [break] readers map [start, start + size) of the file
+                raise zipfile.BadZipFile(f"record {info.filename}: its {info.compress_size} bytes at {start} run "
+                                         f"past the end of the file ({size} bytes)")
             out.append((start, info.compress_size, info.CRC, info.filename,
                         info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1))
     return out

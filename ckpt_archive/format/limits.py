@@ -39,9 +39,9 @@ from ckpt_archive.errors import ImplausibleSize, IntegrityError, TooLargeHere
 
 __all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_CHUNK_STORED_BYTES", "MAX_ZSTD_RATIO", "MAX_ANNOTATION_BYTES",
            "MAX_DATA_IDS_BYTES", "MAX_DATA_IDS_COST", "MAX_TREE_BYTES", "MAX_TREE_COST", "MAX_HEADER_BYTES", "MAX_HEADER_COST", "MAX_MEMBER_HEADER_BYTES", "WHOLE_READ_LIMITS",
-           "MAX_MANIFEST_BYTES", "MAX_MANIFEST_COST", "MAX_SMALL_DOC_BYTES", "MAX_SMALL_DOC_COST", "IN_FLIGHT_RAW_BYTES",
+           "MAX_MANIFEST_BYTES", "MAX_SOURCE_PICKLE_BYTES", "MAX_MANIFEST_COST", "MAX_SMALL_DOC_BYTES", "MAX_SMALL_DOC_COST", "IN_FLIGHT_RAW_BYTES",
            "stored_bound", "check_member_sizes", "check_manifest_sizes", "check_whole_read", "read_bounded",
-           "memory_available", "check_allocation", "lazy_buffer", "frame_size_problem"]
+           "memory_available", "check_allocation", "view_size_problem", "lazy_buffer", "frame_size_problem"]
 
 #: The largest raw size of one chunk a reader accepts (bytes). ``pack --chunk-bytes`` is bounded by it.
 MAX_CHUNK_RAW_BYTES = 64 << 20
@@ -74,6 +74,9 @@ MAX_HEADER_COST = 256 << 20
 #: Largest safetensors header of an archive's tensors member (bytes, length prefix included). The writer
 #: makes ~100 bytes per entry: 32 MiB holds 300,000 entries, more than a manifest may list.
 MAX_MEMBER_HEADER_BYTES = 32 << 20
+#: [break] Largest ``data.pkl`` of a zip-format ``torch.save`` source (raw bytes, as its zip record declares it):
+#: every reader holds it whole. A pickle of 100,000 tensors is ~10 MB.
+MAX_SOURCE_PICKLE_BYTES = 256 << 20
 #: Largest ``manifest.json`` (bytes). Measured: 100,000 tensors (one shard, indent 1) make a 57 MB manifest.
 MAX_MANIFEST_BYTES = 128 << 20
 #: Largest estimated parse cost of a manifest (bytes of Python objects). The 57 MB manifest of 100,000
@@ -293,6 +296,21 @@ def check_allocation(nbytes: int, member: str) -> None:
     if avail is not None and nbytes > avail:
         raise TooLargeHere(f"declares a buffer of {nbytes} bytes, more than the {avail} bytes of memory "
                               f"available (restore spills large members to disk)", where=member)
+
+
+def view_size_problem(logical: int, stored: int) -> str | None:
+    """[break] Why a tensor view of ``logical`` bytes over a storage of ``stored`` bytes is refused, or None.
+
+    Only a stride of 0 makes a view's logical bytes exceed its storage's, by any factor: a 600-byte
+    ``torch.save`` file (or a resealed manifest) may declare a view of 2**62 elements. Its bytes are hashed
+    piece by piece (:func:`ckpt_archive.format.fingerprint.view_pieces`), so memory stays bounded; this
+    bounds the time: a view larger than its storage and than the memory this machine has is refused.
+    """
+    avail = memory_available()
+    if logical > stored and avail is not None and logical > avail:
+        return (f"a view of {logical} logical bytes over a storage of {stored} bytes, more than the {avail} "
+                f"bytes of memory available")
+    return None
 
 
 def lazy_buffer(nbytes: int, member: str) -> memoryview:

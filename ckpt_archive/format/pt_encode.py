@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any
 
 from ckpt_archive.format.pt_pickle import ITEMSIZE, PtStorage, PtTensor
-from ckpt_archive.format.state_tree import TORCH_TO_ST, Entry, TensorTable, _c_strides, _Encoder
+from ckpt_archive.format.state_tree import TORCH_TO_ST, Entry, TensorTable, _c_strides, _Encoder, check_view_size
 
 
 @dataclasses.dataclass
@@ -93,7 +93,7 @@ def _group(leaves: list[tuple[str, PtTensor]], table: TensorTable) -> TensorTabl
                 rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape]}
                 if i > 0:
                     rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride]}
-                    table.leaf_bytes[key] = t.contiguous_bytes
+                    table.leaf_bytes[key] = t.contiguous_pieces
                 table.leaves[key] = rec
             continue
         n_shared += 1
@@ -103,11 +103,12 @@ def _group(leaves: list[tuple[str, PtTensor]], table: TensorTable) -> TensorTabl
         entry_key = f"storage/{n_shared}:{key0}"
         table.entries[entry_key] = _file_entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize], t0.storage)
         for key, t in views:
+            check_view_size(key, t.numel() * t.element_size(), nbytes_storage)
             table.leaves[key] = {"entry": entry_key, "kind": "torch", "dtype": t.dtype,
                                  "shape": [int(x) for x in t.shape],
                                  "view": {"storage_offset": int(t.offset), "stride": [int(s) for s in t.stride],
                                           "entry_dtype": fname}}
-            table.leaf_bytes[key] = t.contiguous_bytes
+            table.leaf_bytes[key] = t.contiguous_pieces
     return table
 
 

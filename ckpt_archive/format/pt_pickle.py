@@ -199,6 +199,21 @@ class PtTensor:
                                                strides=[s * size for s in self.stride], writeable=False)
         return np.ascontiguousarray(view).reshape(-1).view(np.uint8)
 
+    def contiguous_pieces(self):
+        """:meth:`contiguous_bytes` as pieces of at most ``fingerprint.VIEW_PIECE_BYTES`` (a view of a stride of
+        0 is never gathered whole)."""
+        import numpy as np
+
+        from ckpt_archive.format.fingerprint import view_pieces
+
+        st, size = self.storage, ITEMSIZE[self.storage.dtype]
+        if self.numel() == 0 or self.is_contiguous():
+            return iter((self.contiguous_bytes(),))
+        elems = np.frombuffer(st.file.map, dtype=np.dtype((np.void, size)), count=st.numel, offset=st.offset)
+        view = np.lib.stride_tricks.as_strided(elems[self.offset:], shape=self.shape,
+                                               strides=[s * size for s in self.stride], writeable=False)
+        return view_pieces(view, size, lambda a: np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
     def __repr__(self) -> str:
         return f"PtTensor(dtype={self.dtype}, shape={list(self.shape)}, storage={self.storage.key})"
 
@@ -215,6 +230,7 @@ class _Global:
 _ODICT = "collections\nOrderedDict"
 _REBUILD = "torch._utils\n_rebuild_tensor_v2"
 _MAX_VERSION = 3
+_INT64 = 1 << 63  # torch keeps sizes, strides and offsets as int64 (and byte counts of them)
 
 
 def read(path: Path) -> tuple[Any, PtFile]:
@@ -252,21 +268,29 @@ def _read(path: Path) -> tuple[Any, PtFile]:
             rec = by_name.get(f"{prefix}/{name}")
             if rec is None:
                 return None
-            if rec[1] > 1 << 16:
-                raise NotSimple(f"record {name} is unexpectedly large")
+            if rec[1] > 1 << 16 or not rec[4]:
+                raise NotSimple(f"record {name} is unexpectedly large or compressed")
             return zf.read(f"{prefix}/{name}")
 
         if f"{prefix}/constants.pkl" in by_name:
             raise NotSimple("a TorchScript archive")
-        version = small("version") if f"{prefix}/version" in by_name else small(".data/version")
+        # the records torch.load reads besides the pickle, read as it reads them (torch/serialization.py _load,
+        # caffe2/serialize/inline_container.cc): one it would refuse makes the file NotSimple, so torch decides
+        version = small(".data/version") if f"{prefix}/.data/version" in by_name else small("version")
         if version is None or version.strip() not in {str(v).encode() for v in range(1, _MAX_VERSION + 1)}:
             raise NotSimple(f"file format version {version!r}")
         order = small("byteorder")
         if order not in (None, b"little"):
             raise NotSimple(f"byte order {order!r}")
+        alignment = small(".storage_alignment")
+        if alignment is not None:
+            int(alignment)  # torch: int(...) of it, a ValueError for anything else
+        serialization_id = small(".data/serialization_id")
+        if serialization_id is not None:
+            serialization_id.decode("utf-8")  # torch hands it to Python as str
         pkl = by_name.get(f"{prefix}/data.pkl")
-        if pkl is None:
-            raise NotSimple("no data.pkl")
+        if pkl is None or not pkl[4]:
+            raise NotSimple("no data.pkl, or a compressed one (torch.save never compresses)")
         data = zf.read(pkl[3])
     storages = {name[len(prefix) + 6:]: (start, length) for start, length, _, name, stored in records
                 if stored and name.startswith(f"{prefix}/data/")}
@@ -443,6 +467,8 @@ class _Machine:
             raise NotSimple("backward hooks")
         if offset < 0 or any(x < 0 for x in size + stride):
             raise NotSimple("negative geometry")
+        if max((offset, *size, *stride)) >= _INT64 or math.prod(size) * ITEMSIZE[storage.dtype] >= _INT64:
+            raise NotSimple("geometry beyond int64")  # torch refuses it ("Overflow when unpacking long")
         if math.prod(size) > 0:
             last = offset + sum((n - 1) * s for n, s in zip(size, stride))
             if last >= storage.numel:

@@ -79,7 +79,7 @@ class TensorTable:
     ``leaves`` maps a leaf key to its manifest record (without ``raw_sha256`` of natural entries, which
     the writer fills from the stored bytes): ``entry``, ``kind`` ("torch" | "numpy"), ``dtype`` (torch
     dtype name or NumPy ``dtype.str``), ``shape``, and for views ``view`` = {storage_offset, stride}
-    (in elements), for non-CPU tensors ``device``; ``leaf_bytes`` gives view leaves' contiguous bytes
+    (in elements), for non-CPU tensors ``device``; ``leaf_bytes`` gives view leaves' contiguous bytes, as an iterable of pieces (bounded memory whatever the view's size)
     for their own sha256.
     """
 
@@ -163,6 +163,29 @@ def apply_view_bits(t, bits: dict):
     return t
 
 
+def _tensor_u8_pieces(t):
+    """:func:`_tensor_u8`'s bytes as pieces of at most ``fingerprint.VIEW_PIECE_BYTES`` (a view never gathered
+    whole: a stride of 0 makes its logical bytes any multiple of its storage's)."""
+    from ckpt_archive.format.fingerprint import view_pieces
+
+    t = physical(t.detach())
+    return view_pieces(t, t.element_size(), _tensor_u8)
+
+
+def check_view_size(key: str, logical: int, stored: int) -> None:
+    """[break] Refuse a source's view larger than its storage and than this machine's memory
+    (:func:`ckpt_archive.format.limits.view_size_problem`).
+
+    Raises:
+        SourceError: names the leaf.
+    """
+    from ckpt_archive.format.limits import view_size_problem
+
+    problem = view_size_problem(logical, stored)
+    if problem:
+        raise SourceError(f"{problem}: nothing could use it here", where=key)
+
+
 def _tensor_u8(t):
     """Contiguous CPU bytes of a tensor as a 1-D uint8 NumPy array (no copy when already contiguous).
 
@@ -176,6 +199,10 @@ def _tensor_u8(t):
         import numpy as np
 
         return np.zeros(0, dtype=np.uint8)
+    # [break] contiguous by torch's rule, a dim of size 1 may keep any stride (a (1, 1) slice of a transposed
+    # weight has strides (1, 7)), and view(uint8) needs a last stride of 1: its elements lie in C order at
+    # unit stride, so flatten it as such
+    t = t.as_strided((t.numel(),), (1,))
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -500,7 +527,7 @@ class _Encoder:
                            **_leaf_flags(t)}
                     if i > 0:
                         rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride()]}
-                        self.table.leaf_bytes[key] = lambda t=t: _tensor_u8(t)
+                        self.table.leaf_bytes[key] = lambda t=t: _tensor_u8_pieces(t)
                     self.table.leaves[key] = rec
                 continue
             # A shared or non-contiguously viewed storage: store it once, flat.
@@ -515,12 +542,13 @@ class _Encoder:
             self.table.entries[entry_key] = Entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize],
                                                   lambda t=t0: _storage_u8(t), nbytes_storage)
             for key, t in views:
+                check_view_size(key, t.numel() * t.element_size(), nbytes_storage)
                 rec = {"entry": entry_key, "kind": "torch", "dtype": str(t.dtype).replace("torch.", ""),
                        "shape": [int(x) for x in t.shape],
                        "view": {"storage_offset": int(t.storage_offset()), "stride": [int(s) for s in t.stride()],
                                 "entry_dtype": fname}, **_leaf_flags(t)}
                 self.table.leaves[key] = rec
-                self.table.leaf_bytes[key] = lambda t=t: _tensor_u8(t)
+                self.table.leaf_bytes[key] = lambda t=t: _tensor_u8_pieces(t)
 
 
 def _c_strides(shape) -> list[int]:

@@ -3,6 +3,8 @@ code identity, environment, loading instructions.
 """
 from __future__ import annotations
 
+import collections
+
 import os
 import platform
 import subprocess
@@ -256,6 +258,35 @@ def unsafe_globals_of_file(path: str | os.PathLike) -> list[str] | None:
     return _unsafe_globals(os.fspath(path))
 
 
+def _read_without_torch(state: Any) -> bool:
+    """[break] True when ``state`` holds tensors read by :mod:`ckpt_archive.format.pt_pickle` and otherwise
+    only plain containers and scalars: exactly what that reader accepts, all of which plain
+    ``weights_only=True`` loads. Asking :func:`unsafe_globals_of_state` instead imported torch (the second
+    it saves) and, since it cannot save a PtTensor, answered "cannot tell": the torch-free pack wrote other
+    instructions than the torch.load path for the same file."""
+    from ckpt_archive.format.pt_pickle import PtTensor
+
+    plain = (str, int, float, bool, type(None))
+    stack, seen, found = [state], set(), False
+    while stack:
+        x = stack.pop()
+        if type(x) is PtTensor:
+            found = True
+        elif type(x) in (dict, collections.OrderedDict):
+            if id(x) not in seen:
+                seen.add(id(x))
+                stack.extend(x.keys())
+                stack.extend(x.values())
+                stack.extend(getattr(x, "__dict__", {}).items())  # an OrderedDict's _metadata (BUILD)
+        elif type(x) in (list, tuple):
+            if id(x) not in seen:
+                seen.add(id(x))
+                stack.extend(x)
+        elif type(x) not in plain:
+            return False
+    return found
+
+
 def needs_by_part(state: Any) -> dict | None:
     """What a restored ``.pt`` of ``state`` needs allowed (:func:`unsafe_globals_of_state`), as a whole and
     per top-level key (what ``restore --only KEY`` writes).
@@ -264,6 +295,8 @@ def needs_by_part(state: Any) -> dict | None:
         ``{"allow": [names], "plain_parts": [keys whose file loads with plain weights_only=True]}``, or None
         when it cannot be told.
     """
+    if _read_without_torch(state):
+        return {"allow": [], "plain_parts": []}  # what unsafe_globals_of_state says of it, without torch
     whole = unsafe_globals_of_state(state)
     if whole is None:
         return None

@@ -393,7 +393,7 @@ def _write_tensors(w: GenerationWriter, table: TensorTable, *, prefix: str = "",
         rec = dict(rec)
         rec["member"] = entry_member[rec["entry"]]
         if leaf in table.leaf_bytes:
-            rec["raw_fp"] = fingerprint.digest(table.leaf_bytes[leaf](), BLAKE3)
+            rec["raw_fp"] = fingerprint.digest_pieces(table.leaf_bytes[leaf](), BLAKE3)  # a view: pieces
         else:
             rec["raw_fp"] = entry_sha[rec["entry"]]
         tensors[leaf] = rec

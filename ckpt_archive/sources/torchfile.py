@@ -10,6 +10,7 @@ instances are a plain ``__dict__`` (see that module); nothing else is ever admit
 """
 from __future__ import annotations
 
+import os
 import re
 import zipfile
 from pathlib import Path
@@ -123,6 +124,32 @@ def check_zip_records(path: Path) -> None:
                           where=str(path))
 
 
+def check_pickle_size(path: Path) -> None:
+    """[break] Refuse a zip-format ``torch.save`` file whose ``data.pkl`` declares more than
+    :data:`~ckpt_archive.format.limits.MAX_SOURCE_PICKLE_BYTES` raw bytes: both readers (the torch-free one and
+    ``torch.load``) hold the pickle whole, and a deflated record decodes to far more than it stores (a 1 MB
+    file whose pickle inflated to 1 GiB cost pack 2.3 GB of memory, and was packed). ``torch.save`` never
+    compresses a record; a pickle of 100,000 tensors is ~10 MB.
+
+    Raises:
+        SourceError: (exit 2) names the record and its declared size.
+    """
+    from ckpt_archive.format.limits import MAX_SOURCE_PICKLE_BYTES
+
+    try:
+        if not zipfile.is_zipfile(path):
+            return
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+    except (*ZIP_ERRORS, OSError):
+        return  # unreadable: the readers below say why
+    for info in infos:
+        if info.filename.rsplit("/", 1)[-1] == "data.pkl" and info.file_size > MAX_SOURCE_PICKLE_BYTES:
+            raise SourceError(f"record {info.filename} declares {info.file_size} bytes of pickle (stored in "
+                              f"{info.compress_size}), more than the {MAX_SOURCE_PICKLE_BYTES} a checkpoint's "
+                              f"pickle needs; refused before it is read", where=str(path))
+
+
 def _all_stored(path: Path) -> bool:
     """Whether every record of a zip is stored uncompressed (False when it cannot be read)."""
     try:
@@ -170,20 +197,85 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True,
         raise SourceError("no such file", where=str(path))
     if path.stat().st_size == 0:
         raise diagnose_unreadable(path)
+    check_pickle_size(path)
     from ckpt_archive.format.allowlist import current_allowed
 
     extra = (numpy_safe_globals() if allow_numpy else []) + list(current_allowed().values())
     ctx = torch.serialization.safe_globals(extra) if extra else contextlib.nullcontext()
     # torch maps only records stored uncompressed (what torch.save writes); a re-zipped, deflated file is read
-    use_mmap = mmap and zipfile.is_zipfile(path) and _all_stored(path)
+    # ... and only where the storages it maps can be checked against their records (_check_mapped_storages)
+    use_mmap = mmap and zipfile.is_zipfile(path) and _all_stored(path) and os.path.exists(_MAPS)
     if check_crc and (use_mmap or zipfile.is_zipfile(path)):
         check_zip_records(path)  # torch.load does not check CRCs: a flipped byte would load silently
     try:
         with ctx:
             with library_path(path) as name:
-                return torch.load(name, map_location="cpu", weights_only=True, mmap=use_mmap)
+                state = torch.load(name, map_location="cpu", weights_only=True, mmap=use_mmap)
+                if use_mmap:
+                    _check_mapped_storages(state, name)
+                return state
+    except SourceError:
+        raise
     except Exception as exc:  # torch raises RuntimeError/UnpicklingError/EOFError/...: diagnose them all
         raise diagnose_unreadable(path, exc) from None
+
+
+_MAPS = "/proc/self/maps"
+
+
+def _check_mapped_storages(state, path) -> None:
+    """[break] Refuse a storage ``torch.load(mmap=True)`` mapped that is not exactly its zip record.
+
+    With ``mmap=True`` torch takes ``numel * itemsize`` bytes (the pickle's word) from the record's start,
+    whatever the record holds: a ``data/0`` record of 8 bytes under a pickle declaring 4 float32 gave a
+    tensor whose last two values were the next record's zip header, packed as usable -- where
+    ``torch.load(weights_only=True)`` without mmap refuses the file ("record size (8 bytes) does not match
+    expected size (16 bytes ...)"). Every tensor's storage that lies in this process's mapping of the file
+    (``/proc/self/maps``: the mapping's address and file offset give the storage's place in the file) must
+    start at a ``data/`` record's bytes and be exactly as long.
+
+    Raises:
+        SourceError: (exit 2) names the file offset and the sizes.
+    """
+    import torch
+
+    from ckpt_archive.format.exact_bytes import zip_records
+
+    st = os.stat(path)
+    maps = []  # (low address, high address, file offset) of this file's mappings
+    with open(_MAPS) as fh:
+        for line in fh:
+            parts = line.split()
+            if len(parts) >= 6 and parts[4] == str(st.st_ino) and \
+                    parts[3] == f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}":
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                maps.append((lo, hi, int(parts[2], 16)))
+    records = {start: length for start, length, _, name, stored in zip_records(Path(path))
+               if stored and "/data/" in name}
+    stack, seen = [state], set()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            try:
+                storage = x.untyped_storage()
+                ptr, n = storage.data_ptr(), storage.nbytes()
+            except Exception:  # noqa: BLE001 - sparse/quantized/nested: storages rebuilt, not the file's
+                continue
+            at = next((ptr - lo + off for lo, hi, off in maps if lo <= ptr < hi), None)
+            if n and at is not None and records.get(at) != n:
+                raise SourceError(f"a tensor's storage of {n} bytes at offset {at} of the file is not a record of "
+                                  f"that size (record: {records.get(at)} bytes): torch.load without mmap refuses "
+                                  f"this file", where=str(path))
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack.extend(x)
+        elif hasattr(x, "__dict__") and not isinstance(x, type):
+            stack.extend(vars(x).values())
 
 
 def _read(path: Path, *, allow_numpy: bool = False, zip_crc_checked: bool = False, torch_free: bool = False,
@@ -207,6 +299,7 @@ def _read_torch_free(path: Path, zip_crc_checked: bool):
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0 or not zipfile.is_zipfile(path):
         return None
+    check_pickle_size(path)
     if not zip_crc_checked:
         check_zip_records(path)  # as load_torch_file does: a flipped byte would read silently
     try:
