@@ -487,6 +487,15 @@ def test_help_shows_readable_metavars_and_a_plain_usage_line():
     assert re.search(r"--interrupt-at\s+N\[,N\.\.\.\]", check)
 
 
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_no_commands_help_cuts_a_word_with_an_ellipsis_at_80_to_120_columns(width):
+    """[issue 26] check-resume's `--script-control=--omit-rng…` example and its `--output` default
+    `./ckpt-archive-check-resume…` were cut at 80 columns: a help text token wider than its column."""
+    for name in [None] + [c.name for c in app.registered_commands]:
+        text = cli(*([name] if name else []), "--help", env={"COLUMNS": str(width)}).output
+        assert "…" not in text, (name, [line for line in text.splitlines() if "…" in line])
+
+
 @pytest.mark.parametrize("width", [80, 100])
 def test_restore_only_example_is_not_cut_at_80_to_100_columns(width):
     text = cli("restore", "--help", env={"COLUMNS": str(width)}).output

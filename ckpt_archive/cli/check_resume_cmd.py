@@ -14,6 +14,8 @@ HELP = (
     "'{resume:--resume-from {}}' (two arguments, --resume-from PATH, when the run resumes; gone when it "
     "does not; an argument holding {resume} is filled or dropped the same way), e.g. "
     "-- python train.py --steps {steps} --output {output} '{resume:--resume-from {}}'. "
+    "The proof goes to --output, by default a new ./ckpt-archive-check-resume-<UTC time>/ folder. A script-side "
+    "negative control adds its own arguments to a resumed run, e.g. --script-control=--omit-rng-restore. "
     "See docs/check-resume.md."
 )
 EXIT_CODES = exit_codes_help({0: "the resume is exact and every negative control diverged",
@@ -155,7 +157,7 @@ def register(app: typer.Typer) -> None:
         atol: float = typer.Option(1e-12, "--atol", help="absolute tolerance for floats"),
         rtol: float = typer.Option(0.0, "--rtol", help="relative tolerance for floats"),
         output: str = typer.Option(None, "--output", "-o",
-                                   help="new or empty folder (default ./ckpt-archive-check-resume-<UTC time>)"),
+                                   help="new or empty folder (default: a new one here, see above)"),
         control: list[str] = typer.Option(None, "--control", metavar="NAME[,NAME...]",
                                           help="run only these tool-made controls (python, numpy, torch, "
                                                "optimizer, scheduler, data); default all"),
@@ -164,8 +166,8 @@ def register(app: typer.Typer) -> None:
                                                    help="a control that may change nothing (an unused stream: "
                                                         "numpy, python, torch, ...); repeatable or comma-separated"),
         script_control: list[str] = typer.Option(None, "--script-control", metavar="ARGS",
-                                                 help="extra arguments for a script-side negative control, e.g. "
-                                                      "--script-control=--omit-rng-restore; repeatable"),
+                                                 help="extra arguments for a script-side negative control "
+                                                      "(see above); repeatable"),
         jobs: int = typer.Option(1, "--jobs", "-j", help="runs at once (each a separate process)"),
         timeout: float = typer.Option(None, "--timeout", help="seconds per run",
                                       callback=seconds_callback("--timeout", allow_zero=False)),
