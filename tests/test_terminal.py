@@ -521,3 +521,17 @@ def test_a_folder_named_like_a_selector_gets_told_how_to_name_it(tmp_path):
     res = cli("inspect", repo)
     assert res.exit_code == 2 and f"{repo}@latest" in res.stderr and "not a repository" not in res.stderr
     assert cli("inspect", f"{repo}@latest").exit_code == 0
+
+
+@pytest.mark.parametrize("command", [["list"], ["status"], ["gc"], ["prune", "--keep-last", "1"], ["adopt"]])
+def test_a_generation_given_where_a_repository_is_taken_names_the_repository(tmp_path, command):
+    """[issue 26, the run@2 kind] `ckpt-archive list r1@latest` said only "r1@latest: not a ckpt-archive repository"
+    (as `list run@2@latest` did, following inspect's advice for a folder named run@2): say which repository."""
+    for name in ("r1", "run@2"):
+        repo = tmp_path / name
+        ca.pack(_state(), repo)
+        res = cli(command[0], f"{repo}@latest", *command[1:])
+        assert res.exit_code == 2, res.output
+        assert f"give {repo}" in res.stderr and "not a ckpt-archive repository" not in res.stderr, res.stderr
+    res = cli(command[0], tmp_path / "nothere@latest", *command[1:])         # no repository under the head either
+    assert res.exit_code == 2 and "this command takes a repository" not in res.stderr, res.stderr
