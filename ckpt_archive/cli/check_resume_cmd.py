@@ -56,8 +56,13 @@ def proof_table(report: dict, title: str = "resume check", width: int = 200):
     pos = report["positive_comparison"]
     t = _Rows()
     a = report["archive"]
+    # [issue 26] the archive inside the proof's folder is named from it (the verdict line names the folder): a
+    # whole path wrapped mid-name at 80 columns, and a path cut in two does not copy
+    where, out_dir = str(a["repository"]), str(report.get("output") or "")
+    if out_dir and where.startswith(out_dir.rstrip("/") + "/"):
+        where = where[len(out_dir.rstrip("/")) + 1:] + "/ (in the proof's folder)"
     t.add_row("interruption checkpoint archived",
-              f"{a['repository']} generation {a['generation']}: packed, deep-verified, restored"
+              f"{where} generation {a['generation']}: packed, deep-verified, restored"
               + (", bit-exact" if a.get("round_trip_exact") else ""), ok if a.get("verified") else bad)
     det = report["determinism"]
     t.add_row(f"runs deterministic (updates 1..{report['interrupt_at']})",
