@@ -319,3 +319,31 @@ def test_following_expect_lrs_advice_gives_the_expected_next_step_lr_and_no_seco
         sched2 = L.StepLR(opt2, 3, 0.5)
         sched2.load_state_dict(restored["scheduler"])
     assert opt2.param_groups[0]["lr"] == pytest.approx(1e-4, rel=1e-6)  # the next step's LR, as expected
+
+
+def test_expect_lr_advice_under_policy_session_keeps_the_session_configs_scheduler_settings(tmp_path):
+    """[issue 26] The config lr named under --policy session must hold with the rest of that session config: a
+    session StepLR step_size of 5 (an archived 3) puts the base at a quarter after 10 updates, not an eighth."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    sched = L.StepLR(opt, 3, 0.5)
+    for _ in range(10):
+        m(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    repo = tmp_path / "repo"
+    ckpt_archive.pack({"model": m.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, repo)
+    run = CliRunner().invoke
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("lr: 0.0001\nscheduler:\n  step_size: 5\n")
+    args = ["--expect-lr", "1e-4", "--session-config", str(cfg), "--policy", "session"]
+    r = run(app, ["restore", str(repo), "-o", str(tmp_path / "a.pt"), *args])
+    advised = re.search(r"restore with --session-config \(lr: ([0-9.e+-]+)", r.stderr)
+    assert r.exit_code == 0 and advised and float(advised.group(1)) == pytest.approx(4e-4), r.output
+    cfg.write_text(f"lr: {advised.group(1)}\nscheduler:\n  step_size: 5\n")
+    r = run(app, ["restore", str(repo), "-o", str(tmp_path / "b.pt"), *args])
+    assert r.exit_code == 0 and "(--expect-lr)" not in r.stderr, r.output

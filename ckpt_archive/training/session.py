@@ -157,7 +157,7 @@ def differences(model: PolicyModel, *, expect_lr: float | Sequence[float] | None
             raw += list(_scheduler_only_diffs(p, sess))
     out = [_difference(d, model, policy) for d in raw]
     if expect_lr is not None:
-        out += _expect_diffs(model, expect_lr, policy, _SessionLrFinder(state, keys, archived_config))
+        out += _expect_diffs(model, expect_lr, policy, _SessionLrFinder(state, keys, archived_config, sess))
     return out
 
 
@@ -374,12 +374,14 @@ class _SessionLrFinder:
     scaled, then confirmed; a schedule for which no such value holds (not proportional to its base) gives None.
     """
 
-    def __init__(self, state: Any, keys: dict | None, archived_config: Any):
+    def __init__(self, state: Any, keys: dict | None, archived_config: Any, sess: dict | None = None):
         self.state, self.keys, self.archived_config = state, keys, archived_config
+        self.sess = dict(sess or {})  # the session's other values (scheduler settings among them) hold
 
     def _next(self, lr: float, flat_index: int) -> float | None:
-        model = build_model(self.state, session_config={"lr": lr}, keys=self.keys,
-                            archived_config=self.archived_config, drivers=False)
+        sess = {**self.sess, "lr": lr, "source": {**(self.sess.get("source") or {}), "lr": "lr"}}
+        model = build_model(self.state, sess=sess, keys=self.keys, archived_config=self.archived_config,
+                            drivers=False)
         flat = model.flat()
         if flat_index >= len(flat):
             return None
