@@ -124,6 +124,18 @@ def test_progress_bar_is_one_row_with_its_numbers_and_eta_at_any_width(width):
     assert not CUT_NUMBER.search(text), text
 
 
+def test_progress_bar_keeps_the_speed_at_80_columns_cutting_a_long_phase_name_instead():
+    """[issue 26] At 80 columns restore's row "restore: decode, check and write generation 1  ━━━  108.0/300.0 MiB
+    ETA 0:03" had dropped its MiB/s (the README promises totals, speed and ETA on one row)."""
+    from ckpt_archive.cli.common import bar_line
+
+    task = _task("restore: decode, check and write generation 1", 300 * 1024 ** 2,
+                 [(1.0, 0), (3.0, 108 * 1024 ** 2)], 3.0)
+    text = bar_line(task, 80).plain
+    assert len(text) <= 79 and "108.0/300.0 MiB" in text and "MiB/s" in text and "ETA" in text, text
+    assert text.startswith("restore: decode"), text
+
+
 def test_progress_shows_no_eta_until_a_rate_is_known():
     """[issue 26] Restore's first tick showed an ETA of 4 h: a rate from the first bytes of a phase."""
     from ckpt_archive.cli.common import bar_line, eta_seconds
