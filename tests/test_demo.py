@@ -115,6 +115,24 @@ def test_demo_prints_a_proof_table_on_stdout(demo, report, capsys):
     assert printed.err == ""
 
 
+def test_the_proof_table_at_80_columns_does_not_split_the_archive_path_across_lines(report):
+    """[issue 26] At 80 columns the row "interruption checkpoint archived" wrapped the archive's whole path mid-name
+    (".../ckpt-archive-demo-20261202T063" / "808Z/archive generation 1"), which a person cannot copy. The archive
+    lies in the proof's folder (named by the verdict line), so the row names it from there."""
+    import io
+
+    from rich.console import Console
+
+    from ckpt_archive.cli.check_resume_cmd import proof_table
+
+    buf = io.StringIO()
+    Console(file=buf, width=80, color_system=None).print(proof_table(report, "ckpt-archive demo", 80))
+    text = buf.getvalue()
+    row = text.split("interruption checkpoint", 1)[1].split("runs deterministic", 1)[0]
+    assert "archive/ (in the proof's folder)" in row and "generation" in row, row
+    assert report["output"] not in text and all(len(line) <= 80 for line in text.splitlines()), text
+
+
 def test_demo_draws_every_run_next_to_the_report_and_its_archive_remembers_it(demo, report):
     """[issue 26] A picture where people would rather look than read: written next to verification.json,
     naming the continuous, resumed and every control run with its first divergent update; the archive

@@ -165,3 +165,23 @@ def test_restore_cli_prints_the_snippet_the_file_needs_and_plain_load_for_a_part
     res = CliRunner().invoke(app, ["restore", str(repo), "-o", str(tmp_path / "m.pt"), "--only", "model"])
     assert res.exit_code == 0, res.output
     assert "loads with torch.load(path, weights_only=True)" in res.stdout and "safe_globals" not in res.stdout
+
+
+def test_inspect_prints_the_snippet_its_text_refers_to_and_it_runs_as_printed(tmp_path, monkeypatch):
+    """[issue 26] `inspect` said "(the snippet does it with torch.serialization.safe_globals)" but printed no
+    snippet; the one it prints names this repository and the generation inspected, and runs as printed."""
+    repo = tmp_path / "repo"
+    first = _checkpointer_doc_state()
+    ca.pack(first, repo)
+    ca.pack({**_checkpointer_doc_state(), "data": {"cursor": 99}}, repo)        # a newer generation 2
+    res = CliRunner().invoke(app, ["inspect", f"{repo}@1"])
+    assert res.exit_code == 0, res.output
+    printed = res.stdout.split("loading instructions:\n", 1)[1].split("LR policy", 1)[0]
+    code = "\n".join(line[2:] for line in printed.splitlines() if line.startswith("  "))
+    assert "safe_globals(allowed)" in code and repr(str(repo)) in code and "generation=1" in code, printed
+    monkeypatch.chdir(tmp_path)                  # `ckpt-archive restore REPO@1 --output ckpt.pt`, as it says
+    assert CliRunner().invoke(app, ["restore", f"{repo}@1", "--output", "ckpt.pt"]).exit_code == 0
+    namespace: dict = {}
+    exec(compile(code, "<inspect's snippet>", "exec"), namespace)  # noqa: S102 - the snippet under test
+    assert namespace["state"]["data"] == {"cursor": 7}              # generation 1's file, loaded
+    assert ca.load(repo, generation=1)["data"] == {"cursor": 7}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import random
+import re
 import warnings
 
 import numpy as np
@@ -272,3 +273,77 @@ def test_expect_lr_on_the_founding_case_names_only_the_optimizer_lr(tmp_path):
     assert r.exit_code == 2 and "needs --session-config" in r.output
     assert "value wins" not in r.output and "warning" not in r.output  # refused before any advice
     assert not (tmp_path / "b.pt").exists()
+
+
+@pytest.mark.parametrize("sched_kind", ["step", "constant"])
+def test_following_expect_lrs_advice_gives_the_expected_next_step_lr_and_no_second_warning(tmp_path, sched_kind):
+    """[issue 26] `restore --expect-lr 1e-4` on a StepLR state (base 0.01, an eighth of it after 10 updates) said
+    "restore with --session-config (lr: 0.0001) and --policy session"; doing so ran the next step at 1.25e-05 (the
+    config's lr is the schedule's base LR) and warned again. The advice now names the config lr that gives the
+    expected LR (0.0008 here, found with real torch); following it as printed gives it, with no --expect-lr
+    warning. Without a scheduler the config lr is the LR itself."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    sched = L.StepLR(opt, 3, 0.5) if sched_kind == "step" else None
+    for _ in range(10):
+        m(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    state = {"model": m.state_dict(), "optimizer": opt.state_dict()}
+    if sched is not None:
+        state["scheduler"] = sched.state_dict()
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(state, repo)
+    run = CliRunner().invoke
+    r = run(app, ["restore", str(repo), "-o", str(tmp_path / "a.pt"), "--expect-lr", "1e-4"])
+    assert r.exit_code == 0, r.output
+    advised = re.search(r"restore with --session-config \(lr: ([0-9.e+-]+)", r.stderr)
+    assert advised, r.stderr
+    assert float(advised.group(1)) == pytest.approx(8e-4 if sched_kind == "step" else 1e-4), r.stderr
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"lr: {advised.group(1)}\n")
+    r = run(app, ["restore", str(repo), "-o", str(tmp_path / "b.pt"), "--expect-lr", "1e-4",
+                  "--session-config", str(cfg), "--policy", "session"])
+    assert r.exit_code == 0, r.output
+    assert "(--expect-lr)" not in r.stderr, r.stderr                      # no second warning
+    restored = torch.load(tmp_path / "b.pt", weights_only=True)
+    opt2 = torch.optim.Adam(torch.nn.Linear(3, 2).parameters(), lr=1.0)
+    opt2.load_state_dict(restored["optimizer"])
+    if sched is not None:
+        sched2 = L.StepLR(opt2, 3, 0.5)
+        sched2.load_state_dict(restored["scheduler"])
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-4, rel=1e-6)  # the next step's LR, as expected
+
+
+def test_expect_lr_advice_under_policy_session_keeps_the_session_configs_scheduler_settings(tmp_path):
+    """[issue 26] The config lr named under --policy session must hold with the rest of that session config: a
+    session StepLR step_size of 5 (an archived 3) puts the base at a quarter after 10 updates, not an eighth."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    sched = L.StepLR(opt, 3, 0.5)
+    for _ in range(10):
+        m(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    repo = tmp_path / "repo"
+    ckpt_archive.pack({"model": m.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, repo)
+    run = CliRunner().invoke
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("lr: 0.0001\nscheduler:\n  step_size: 5\n")
+    args = ["--expect-lr", "1e-4", "--session-config", str(cfg), "--policy", "session"]
+    r = run(app, ["restore", str(repo), "-o", str(tmp_path / "a.pt"), *args])
+    advised = re.search(r"restore with --session-config \(lr: ([0-9.e+-]+)", r.stderr)
+    assert r.exit_code == 0 and advised and float(advised.group(1)) == pytest.approx(4e-4), r.output
+    cfg.write_text(f"lr: {advised.group(1)}\nscheduler:\n  step_size: 5\n")
+    r = run(app, ["restore", str(repo), "-o", str(tmp_path / "b.pt"), *args])
+    assert r.exit_code == 0 and "(--expect-lr)" not in r.stderr, r.output

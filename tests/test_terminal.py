@@ -124,6 +124,18 @@ def test_progress_bar_is_one_row_with_its_numbers_and_eta_at_any_width(width):
     assert not CUT_NUMBER.search(text), text
 
 
+def test_progress_bar_keeps_the_speed_at_80_columns_cutting_a_long_phase_name_instead():
+    """[issue 26] At 80 columns restore's row "restore: decode, check and write generation 1  ━━━  108.0/300.0 MiB
+    ETA 0:03" had dropped its MiB/s (the README promises totals, speed and ETA on one row)."""
+    from ckpt_archive.cli.common import bar_line
+
+    task = _task("restore: decode, check and write generation 1", 300 * 1024 ** 2,
+                 [(1.0, 0), (3.0, 108 * 1024 ** 2)], 3.0)
+    text = bar_line(task, 80).plain
+    assert len(text) <= 79 and "108.0/300.0 MiB" in text and "MiB/s" in text and "ETA" in text, text
+    assert text.startswith("restore: decode"), text
+
+
 def test_progress_shows_no_eta_until_a_rate_is_known():
     """[issue 26] Restore's first tick showed an ETA of 4 h: a rate from the first bytes of a phase."""
     from ckpt_archive.cli.common import bar_line, eta_seconds
@@ -487,6 +499,15 @@ def test_help_shows_readable_metavars_and_a_plain_usage_line():
     assert re.search(r"--interrupt-at\s+N\[,N\.\.\.\]", check)
 
 
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_no_commands_help_cuts_a_word_with_an_ellipsis_at_80_to_120_columns(width):
+    """[issue 26] check-resume's `--script-control=--omit-rng…` example and its `--output` default
+    `./ckpt-archive-check-resume…` were cut at 80 columns: a help text token wider than its column."""
+    for name in [None] + [c.name for c in app.registered_commands]:
+        text = cli(*([name] if name else []), "--help", env={"COLUMNS": str(width)}).output
+        assert "…" not in text, (name, [line for line in text.splitlines() if "…" in line])
+
+
 @pytest.mark.parametrize("width", [80, 100])
 def test_restore_only_example_is_not_cut_at_80_to_100_columns(width):
     text = cli("restore", "--help", env={"COLUMNS": str(width)}).output
@@ -512,3 +533,17 @@ def test_a_folder_named_like_a_selector_gets_told_how_to_name_it(tmp_path):
     res = cli("inspect", repo)
     assert res.exit_code == 2 and f"{repo}@latest" in res.stderr and "not a repository" not in res.stderr
     assert cli("inspect", f"{repo}@latest").exit_code == 0
+
+
+@pytest.mark.parametrize("command", [["list"], ["status"], ["gc"], ["prune", "--keep-last", "1"], ["adopt"]])
+def test_a_generation_given_where_a_repository_is_taken_names_the_repository(tmp_path, command):
+    """[issue 26, the run@2 kind] `ckpt-archive list r1@latest` said only "r1@latest: not a ckpt-archive repository"
+    (as `list run@2@latest` did, following inspect's advice for a folder named run@2): say which repository."""
+    for name in ("r1", "run@2"):
+        repo = tmp_path / name
+        ca.pack(_state(), repo)
+        res = cli(command[0], f"{repo}@latest", *command[1:])
+        assert res.exit_code == 2, res.output
+        assert f"give {repo}" in res.stderr and "not a ckpt-archive repository" not in res.stderr, res.stderr
+    res = cli(command[0], tmp_path / "nothere@latest", *command[1:])         # no repository under the head either
+    assert res.exit_code == 2 and "this command takes a repository" not in res.stderr, res.stderr

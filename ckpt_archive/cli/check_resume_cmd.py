@@ -14,6 +14,8 @@ HELP = (
     "'{resume:--resume-from {}}' (two arguments, --resume-from PATH, when the run resumes; gone when it "
     "does not; an argument holding {resume} is filled or dropped the same way), e.g. "
     "-- python train.py --steps {steps} --output {output} '{resume:--resume-from {}}'. "
+    "The proof goes to --output, by default a new ./ckpt-archive-check-resume-<UTC time>/ folder. A script-side "
+    "negative control adds its own arguments to a resumed run, e.g. --script-control=--omit-rng-restore. "
     "See docs/check-resume.md."
 )
 EXIT_CODES = exit_codes_help({0: "the resume is exact and every negative control diverged",
@@ -54,8 +56,13 @@ def proof_table(report: dict, title: str = "resume check", width: int = 200):
     pos = report["positive_comparison"]
     t = _Rows()
     a = report["archive"]
+    # [issue 26] the archive inside the proof's folder is named from it (the verdict line names the folder): a
+    # whole path wrapped mid-name at 80 columns, and a path cut in two does not copy
+    where, out_dir = str(a["repository"]), str(report.get("output") or "")
+    if out_dir and where.startswith(out_dir.rstrip("/") + "/"):
+        where = where[len(out_dir.rstrip("/")) + 1:] + "/ (in the proof's folder)"
     t.add_row("interruption checkpoint archived",
-              f"{a['repository']} generation {a['generation']}: packed, deep-verified, restored"
+              f"{where} generation {a['generation']}: packed, deep-verified, restored"
               + (", bit-exact" if a.get("round_trip_exact") else ""), ok if a.get("verified") else bad)
     det = report["determinism"]
     t.add_row(f"runs deterministic (updates 1..{report['interrupt_at']})",
@@ -155,7 +162,7 @@ def register(app: typer.Typer) -> None:
         atol: float = typer.Option(1e-12, "--atol", help="absolute tolerance for floats"),
         rtol: float = typer.Option(0.0, "--rtol", help="relative tolerance for floats"),
         output: str = typer.Option(None, "--output", "-o",
-                                   help="new or empty folder (default ./ckpt-archive-check-resume-<UTC time>)"),
+                                   help="new or empty folder (default: a new one here, see above)"),
         control: list[str] = typer.Option(None, "--control", metavar="NAME[,NAME...]",
                                           help="run only these tool-made controls (python, numpy, torch, "
                                                "optimizer, scheduler, data); default all"),
@@ -164,8 +171,8 @@ def register(app: typer.Typer) -> None:
                                                    help="a control that may change nothing (an unused stream: "
                                                         "numpy, python, torch, ...); repeatable or comma-separated"),
         script_control: list[str] = typer.Option(None, "--script-control", metavar="ARGS",
-                                                 help="extra arguments for a script-side negative control, e.g. "
-                                                      "--script-control=--omit-rng-restore; repeatable"),
+                                                 help="extra arguments for a script-side negative control "
+                                                      "(see above); repeatable"),
         jobs: int = typer.Option(1, "--jobs", "-j", help="runs at once (each a separate process)"),
         timeout: float = typer.Option(None, "--timeout", help="seconds per run",
                                       callback=seconds_callback("--timeout", allow_zero=False)),

@@ -269,11 +269,17 @@ def _cut(text: str, width: int) -> str:
     return head + "…"
 
 
+#: A progress row's description is cut to no fewer cells than this to keep the speed (the phase's first words
+#: stay: "restore: decode, check and…").
+DESC_KEEP = 24
+
+
 def bar_line(task, width: int):
     """One progress row for a rich ``Task``, at most ``width - 1`` cells (a full row wraps on some
     terminals): ``description  bar  done/total unit  speed  ETA m:ss``. The sizes and the ETA are never
-    cut: as the row narrows, the speed goes first, then the description is cut (to 12 cells), then the bar
-    goes."""
+    cut: as the row narrows, the description is cut (to :data:`DESC_KEEP` cells) before the speed goes (at 80
+    columns restore's "decode, check and write generation 1" dropped its MiB/s [issue 26]), then it is cut
+    further (to 12 cells), then the bar goes."""
     from rich.cells import cell_len
     from rich.text import Text
 
@@ -290,6 +296,9 @@ def bar_line(task, width: int):
     spd = gap + cell_len(speed_s) if speed_s else 0
     if d + gap + bar_min + gap + right + spd <= avail:            # everything
         bar_w = min(bar_max, avail - d - 2 * gap - right - spd)
+    elif spd and avail - (2 * gap + bar_min + right + spd) >= DESC_KEEP:  # the description cut, the speed kept
+        bar_w = bar_min
+        d = avail - (2 * gap + bar_min + right + spd)
     elif d + gap + bar_min + gap + right <= avail:               # without the speed
         spd, bar_w = 0, min(bar_max, avail - d - 2 * gap - right)
     elif avail - (gap + bar_min + gap + right) >= 12:            # the description cut

@@ -9,7 +9,8 @@ HELP = (
     "Prove a resume end to end on a tiny real training run (24 rows, MLP 2->8->1 with dropout, Adam + "
     "StepLR, Python/NumPy/torch RNG): 10 updates continuous; 5 updates, packed into an archive, verified, "
     "restored in a new process and resumed for 5 more; negative controls (RNG restore omitted, and each "
-    "part of the state perturbed) must diverge. Writes verification.json and prints a proof table."
+    "part of the state perturbed) must diverge. Writes verification.json, a picture of loss and LR "
+    "per update beside it (verification.svg, with the plot extra), and prints a proof table."
 )
 EXIT_CODES = exit_codes_help({0: "the resume matches exactly and every negative control diverged",
                               1: "a comparison failed: the resume diverged or a negative control changed nothing",

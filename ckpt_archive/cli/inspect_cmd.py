@@ -100,6 +100,13 @@ def register(app: typer.Typer) -> None:
                         out.say(f"  exact bytes NOT kept for {name}: {how}", style="yellow")
         out.say("loading instructions:", style="bold")
         out.say(m["instructions"]["text"])
+        snippet = m["instructions"].get("snippet")
+        if snippet:  # [issue 26] the text above refers to it: show it, runnable as printed for this generation
+            gen_no = info["generation"]
+            snippet = (snippet.replace("'REPO'", repr(str(info["location"])))
+                       .replace("generation='latest'", f"generation={gen_no}")
+                       .replace("REPO@latest", f"{info['location']}@{gen_no}"))
+            out.say("  " + snippet.rstrip("\n").replace("\n", "\n  "))
         extra = _extend_inspect(info, repo, out)
         for p in info["problems"]:  # [issue 24] what it reports could not be read: never exit 0
             out.error(f"{p.get('member') or p.get('field') or '-'}: {p['reason']}")

@@ -209,7 +209,7 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     state, manifest, _ = state_for_audit(repo, generation)
     packed_cfg = manifest.get("config") or None
     model = build_model(state, session_config=session_config, archived_config=packed_cfg)
-    diffs = differences(model, expect_lr=expect_lr, policy=policy)
+    diffs = differences(model, expect_lr=expect_lr, policy=policy, state=state, archived_config=packed_cfg)
     for d in diffs:
         out.warn(d.message)
     section: dict = {"mode": policy, "differences": [d.to_json() for d in diffs], "changes": []}

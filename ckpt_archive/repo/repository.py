@@ -327,6 +327,8 @@ class Repository:
 
         Raises:
             NotFound: no ``repository.json`` there and ``create`` is false.
+            UsageError: no repository there, ``url`` is a local ``PATH@GEN`` that does not exist, and ``PATH`` is a
+                repository (a generation given to a command that takes a repository: the message names it).
             NewerFormatError: the repository was written by a newer format.
             StoreError: the store refused access.
         """
@@ -338,6 +340,7 @@ class Repository:
         if not create:
             if store.exists(GEN_DIR):
                 raise NotFound("repository.json is missing (a damaged or foreign repository?)", where=store.location)
+            _refuse_a_generation_given_as_a_repository(url)
             raise NotFound("not a ckpt-archive repository (no repository.json)", where=store.location)
         config = {"format": "ckpt-archive-repository", "format_version": REPO_FORMAT_VERSION,
                   "id": uuid.uuid4().hex, "created": iso(utcnow()), "retention": None}
@@ -804,3 +807,24 @@ def raise_if_problems(step: str, problems: list, number: int) -> None:
 
 __all__ = ["Repository", "Generation", "Place", "canonical_url", "CheckFailed", "utcnow", "iso", "gen_key", "host_record",
            "read_small", "read_json"]
+
+
+_GEN_SELECTOR = re.compile(r"^([0-9]+|latest|tag:[^/@]+)$", re.ASCII)
+
+
+def _refuse_a_generation_given_as_a_repository(url: Any) -> None:
+    """``ckpt-archive list r1@latest`` (a command that takes a repository, given a generation of one) said only
+    "r1@latest: not a ckpt-archive repository" [issue 26]: name the repository it meant.
+
+    Raises:
+        UsageError: ``url`` is a local ``PATH@GEN`` that does not exist while ``PATH`` holds a repository.
+    """
+    from ckpt_archive.store.local import has_scheme
+
+    spec = os.fspath(url) if isinstance(url, (str, os.PathLike)) else None
+    if not spec or "@" not in spec or has_scheme(spec) or os.path.exists(spec):
+        return
+    head, _, tail = spec.rpartition("@")
+    if head and _GEN_SELECTOR.match(tail) and os.path.isfile(os.path.join(head, REPO_FILE)):
+        raise UsageError(f"a generation (@{tail}) of the repository {head}; this command takes a repository: give "
+                         f"{head}", where=spec)

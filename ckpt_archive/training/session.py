@@ -128,12 +128,19 @@ def compare_with_session(state: Any, *, session_config: dict | str | Path | None
         raise UsageError(f"policy must be 'checkpoint' or 'session', not {policy!r}")
     model = build_model(state, session_config=session_config, keys=keys, archived_config=archived_config,
                         drivers=expect_lr is not None)  # only --expect-lr's message names what drives the steps
-    return differences(model, expect_lr=expect_lr, policy=policy)
+    return differences(model, expect_lr=expect_lr, policy=policy, state=state, keys=keys,
+                       archived_config=archived_config)
 
 
 def differences(model: PolicyModel, *, expect_lr: float | Sequence[float] | None = None,
-                policy: str = "checkpoint") -> list[PolicyDifference]:
+                policy: str = "checkpoint", state: Any = None, keys: dict | None = None,
+                archived_config: Any = None) -> list[PolicyDifference]:
     """The differences of :func:`compare_with_session`, from a built :class:`PolicyModel`.
+
+    ``state`` (with the ``keys`` and ``archived_config`` the model was built with): the checkpoint, so that an
+    ``expect_lr`` difference names the session config ``lr`` that gives the expected next-step LR under
+    ``--policy session`` (found with real torch; the config's ``lr`` is the schedule's base LR, not the next
+    step's). Without it the advice names no value it has not checked.
 
     Raises:
         UsageError: ``expect_lr`` gives as many LRs as neither 1 nor the number of groups.
@@ -150,7 +157,7 @@ def differences(model: PolicyModel, *, expect_lr: float | Sequence[float] | None
             raw += list(_scheduler_only_diffs(p, sess))
     out = [_difference(d, model, policy) for d in raw]
     if expect_lr is not None:
-        out += _expect_diffs(model, expect_lr, policy)
+        out += _expect_diffs(model, expect_lr, policy, _SessionLrFinder(state, keys, archived_config, sess))
     return out
 
 
@@ -357,7 +364,46 @@ def _values(vals: list) -> str:
 
 # -- --expect-lr ---------------------------------------------------------------------------------------------
 
-def _expect_diffs(model: PolicyModel, expect_lr: Any, policy: str) -> list[PolicyDifference]:
+class _SessionLrFinder:
+    """The session config ``lr`` under which the next step of one param group runs at a wanted LR.
+
+    ``--policy session`` treats the config's ``lr`` as the schedule's base LR (``initial_lr``, ``base_lrs``), so the
+    next step runs at what the schedule makes of it (StepLR after 10 updates with gamma 0.5 every 3: an eighth).
+    Advice to restore with ``lr: <expected>`` then gave another LR and a second warning [issue 26]. The value is
+    found with real torch (the same model ``--policy session`` is checked with): the next-step LR for ``lr: 1``,
+    scaled, then confirmed; a schedule for which no such value holds (not proportional to its base) gives None.
+    """
+
+    def __init__(self, state: Any, keys: dict | None, archived_config: Any, sess: dict | None = None):
+        self.state, self.keys, self.archived_config = state, keys, archived_config
+        self.sess = dict(sess or {})  # the session's other values (scheduler settings among them) hold
+
+    def _next(self, lr: float, flat_index: int) -> float | None:
+        sess = {**self.sess, "lr": lr, "source": {**(self.sess.get("source") or {}), "lr": "lr"}}
+        model = build_model(self.state, sess=sess, keys=self.keys, archived_config=self.archived_config,
+                            drivers=False)
+        flat = model.flat()
+        if flat_index >= len(flat):
+            return None
+        vals = flat[flat_index][1].values("session")
+        return as_float(vals[0]) if vals else None
+
+    def __call__(self, want: float, flat_index: int) -> float | None:
+        if self.state is None or not want or want != want:
+            return None
+        try:
+            unit = self._next(1.0, flat_index)
+            if not unit:
+                return None
+            lr = float(f"{want / unit:.7g}")
+            got = self._next(lr, flat_index)
+        except Exception:  # noqa: BLE001 - advice only: a state this cannot rebuild gets no value
+            return None
+        return lr if got is not None and nearly_equal(got, want, EXPECT_RTOL) else None
+
+
+def _expect_diffs(model: PolicyModel, expect_lr: Any, policy: str,
+                  finder: "_SessionLrFinder | None" = None) -> list[PolicyDifference]:
     """``expect_lr`` against the LR the next step runs at under ``policy``: a float means group 0 of each optimizer
     (a head group at another LR is not what it means), a list one LR per param group in the audit's order. A
     difference names where the next step's LR comes from and what drives the steps after it.
@@ -373,7 +419,7 @@ def _expect_diffs(model: PolicyModel, expect_lr: Any, policy: str) -> list[Polic
     else:
         wants = [expect_lr if g.index == 0 else None for _, g in flat]
     out = []
-    for (p, g), want in zip(flat, wants):
+    for k, ((p, g), want) in enumerate(zip(flat, wants)):
         want = coerce_float(want)
         now = g.values(policy)[0] if g.values(policy) else None
         if want is None:
@@ -383,21 +429,36 @@ def _expect_diffs(model: PolicyModel, expect_lr: Any, policy: str) -> list[Polic
         elif now is None:
             out += _expect_without_optimizer(p, g, want, policy)
         elif not nearly_equal(now, want, EXPECT_RTOL):
-            out.append(_expect_difference(p, g, now, want, policy))
+            # only a lone expected LR (or one per group) has one config lr to name; a per-group list needs per-group
+            # config values, which the message leaves to the user
+            config_lr = finder(want, k) if finder is not None and not isinstance(expect_lr, (list, tuple)) else None
+            out.append(_expect_difference(p, g, now, want, policy, config_lr))
     return out
 
 
-def _expect_difference(p: PairPlan, g: GroupSteps, now: float, want: float, policy: str) -> PolicyDifference:
+def _expect_difference(p: PairPlan, g: GroupSteps, now: float, want: float, policy: str,
+                       config_lr: float | None = None) -> PolicyDifference:
     a, s = fmt_pair(now, want)
     field = f"{g.field}.lr"
     steps = g.describe(policy)
+    if config_lr is None:
+        how = ("the session config's lr is the schedule's base LR, not the next step's: set the one that gives "
+               f"{s} at the next step")
+    elif nearly_equal(config_lr, want, EXPECT_RTOL):
+        how = f"--session-config (lr: {fmt_value(config_lr)})"
+    else:
+        how = (f"--session-config (lr: {fmt_value(config_lr)}; the config's lr is the schedule's base LR, which "
+               f"the schedule makes {s} at the next step)")
     if policy == "checkpoint":
         where, switch = "archived", "--session-config with --policy session"
-        tail = (f"to train at {s}, restore with --session-config (lr: {s}) and --policy session, or set the LR in the "
-                f"script")
+        tail = (f"to train at {s}, restore with {how} and --policy session, or set the LR in the script"
+                if config_lr is not None else
+                f"to train at {s}, restore with --session-config and --policy session ({how}), or set the LR in "
+                f"the script")
     else:
         where, switch = "after --policy session", ""
-        tail = f"--policy session gives {a} from the session config: check its lr"
+        tail = (f"--policy session gives {a} from the session config's lr; to train at {s}, "
+                + (f"restore with {how}" if config_lr is not None else "set the LR in the script"))
     return PolicyDifference(field, now, want, policy, switch, (
         f"{field}: the next step runs at {a} ({where}), expected {s} (--expect-lr): the next optimizer steps run at "
         f"{steps}; {tail}"), "now", "--expect-lr", g.lr_set_by)
