@@ -52,9 +52,17 @@ def proof_table(report: dict, title: str = "resume check", width: int = 200):
 
     from ckpt_archive.cli.tables import Col, fit
 
-    ok, bad = Text("yes", style="green"), Text("NO", style="red")
-    pos = report["positive_comparison"]
+    marks = (Text("yes", style="green"), Text("NO", style="red"))
     t = _Rows()
+    for rows in (_archive_rows, _cursor_rows, _data_rows, _per_update_rows, _final_rows, _control_rows):
+        rows(t, report, *marks)
+    cols = (Col("check", "check", kind="prose", min_width=20), Col("result", "result", kind="prose", min_width=24),
+            Col("ok", "ok"))
+    return fit(cols, t.rows, width, title=title)
+
+
+def _archive_rows(t: _Rows, report: dict, ok, bad) -> None:
+    """The archive in the loop, and whether the two runs agree up to the interruption."""
     a = report["archive"]
     # [issue 26] the archive inside the proof's folder is named from it (the verdict line names the folder): a
     # whole path wrapped mid-name at 80 columns, and a path cut in two does not copy
@@ -69,6 +77,10 @@ def proof_table(report: dict, title: str = "resume check", width: int = 200):
               "continuous = interrupted" if det["matched"] else
               f"differ at update {det['first_divergence']['step']} ({det['first_divergence']['field']})",
               ok if det["matched"] else bad)
+
+
+def _cursor_rows(t: _Rows, report: dict, ok, bad) -> None:
+    """The data cursor at each interruption, against the continuous run's."""
     for it in report.get("interruptions") or [dict(report["interruption"], at=report["interrupt_at"])]:
         if it.get("cursor") is None:
             continue
@@ -80,6 +92,10 @@ def proof_table(report: dict, title: str = "resume check", width: int = 200):
         if exp is not None and exp != it["cursor"]:
             where += f"; the continuous run was {exp} samples into the epoch"
         t.add_row(f"data cursor at interruption (update {it['at']})", where, mark)
+
+
+def _data_rows(t: _Rows, report: dict, ok, bad) -> None:
+    """Samples consumed by the continuous and the interrupted+resumed runs."""
     data = report.get("data") or {}
     if data.get("continuous"):
         c, r = data["continuous"], data.get("resumed_line") or {}
@@ -87,10 +103,15 @@ def proof_table(report: dict, title: str = "resume check", width: int = 200):
         if c.get("new_epoch_at_step"):
             line += f"; new permutation at update {c['new_epoch_at_step']}"
         t.add_row(f"samples consumed in {report['steps']} updates", line, "")
+
+
+def _per_update_rows(t: _Rows, report: dict, ok, bad) -> None:
+    """Sample ids, LR and loss per update: identical, or the first divergence."""
+    pos = report["positive_comparison"]
     steps = pos["steps_compared"]
     span = f"{steps[0]}..{steps[-1]}" if steps else "none"
-    for label, key, field in (("sample ids per update", "data_order", None), ("LR per update", "lr_divergence", None),
-                              ("loss per update", "loss_divergence", None)):
+    for label, key in (("sample ids per update", "data_order"), ("LR per update", "lr_divergence"),
+                       ("loss per update", "loss_divergence")):
         d = pos.get(key)
         if d is None:
             t.add_row(f"{label} ({span})", "identical", ok)
@@ -101,6 +122,11 @@ def proof_table(report: dict, title: str = "resume check", width: int = 200):
                                            f"{d['duplicated']} duplicated, {d['never_seen']} never seen{ids}", bad)
         else:
             t.add_row(f"{label} ({span})", f"update {d['step']}: expected {_fmt(d['expected'])}, got {_fmt(d['got'])}", bad)
+
+
+def _final_rows(t: _Rows, report: dict, ok, bad) -> None:
+    """The final state, RNG streams' next draws, the LR after the last update and non-finite values."""
+    pos = report["positive_comparison"]
     fs = pos["final_state"]
     t.add_row("final state (" + ", ".join(fs["compared"]) + ")",
               "identical" if fs["matched"] else f"{fs['differences_total']} differences, first {fs['first_divergent_field']}",
@@ -117,6 +143,12 @@ def proof_table(report: dict, title: str = "resume check", width: int = 200):
                   ok if nl["continuous"] == nl["resumed"] else bad)
     if pos.get("non_finite"):
         t.add_row("non-finite values", ", ".join(pos["non_finite"][:4]), bad)
+
+
+def _control_rows(t: _Rows, report: dict, ok, bad) -> None:
+    """One row per negative control, marked by its status."""
+    from rich.text import Text
+
     for e in report["negative_controls"]:
         mark = {"diverged": ok, "no-effect-expected": Text("declared", style="yellow"),
                 "skipped": Text("n/a", style="yellow"), "no-effect": bad, "not-run": Text("-"),
@@ -125,9 +157,6 @@ def proof_table(report: dict, title: str = "resume check", width: int = 200):
         if e["status"] == "diverged" and e.get("first_divergent_step") is not None:
             text = f"diverged at update {e['first_divergent_step']} ({e['field']})"
         t.add_row(f"negative control: {e['name']}", text, mark)
-    cols = (Col("check", "check", kind="prose", min_width=20), Col("result", "result", kind="prose", min_width=24),
-            Col("ok", "ok"))
-    return fit(cols, t.rows, width, title=title)
 
 
 def report_human(out: Output, report: dict, title: str) -> None:

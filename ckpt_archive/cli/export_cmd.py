@@ -57,18 +57,7 @@ def register(app: typer.Typer) -> None:
         if sum([explicit, all_usable, latest is not None]) > 1:
             raise UsageError("give one of REPO@GEN, --all-usable, --latest N")
         selection = "all" if all_usable else f"latest:{latest}" if latest is not None else gen
-        storage_options = None
-        if sse_kms_key_id and not sse:
-            sse = "aws:kms"
-        if sse:
-            if sse not in ("AES256", "aws:kms", "aws:kms:dsse"):
-                raise UsageError(f"--sse {sse!r}: use AES256 or aws:kms")
-            if "://" not in to or not to.startswith(("s3://", "s3a://")):
-                raise UsageError("--sse applies to s3:// destinations only")
-            extra = {"ServerSideEncryption": sse}
-            if sse_kms_key_id:
-                extra["SSEKMSKeyId"] = sse_kms_key_id
-            storage_options = {"s3_additional_kwargs": extra}
+        storage_options = _sse_options(to, sse, sse_kms_key_id)
 
         source = Repository.open(repo)
         picked = select_generations(source, selection)
@@ -83,19 +72,48 @@ def register(app: typer.Typer) -> None:
                             storage_options=storage_options, report=report,
                             report_format="json" if json_output else "markdown", on_bytes=advance,
                             command=argv, lock_wait=wait)
-        for g in result.generations:
-            checks = sum(c.ok for c in g.checks)
-            skipped = f", {human_bytes(g.bytes_skipped)} already there" if g.bytes_skipped else ""
-            out.say(f"generation {g.generation} (step {g.step}): {g.status}, {human_bytes(g.bytes_copied)} copied"
-                    f"{skipped}, {checks}/{len(g.checks)} checks ok, usable at {result.destination}")
-            aborted, removed = g.cleaned.get("aborted_uploads") or [], g.cleaned.get("removed") or []
-            if aborted or removed:
-                out.say(f"  cleaned what an interrupted run left there: {len(aborted)} unfinished upload(s) "
-                        f"aborted, {len(removed)} stray object(s) removed")
-        out.say(f"moved {human_bytes(result.bytes_copied)}; skipped {human_bytes(result.bytes_skipped)} already at "
-                f"the destination (re-read there all the same)")
-        out.say(f"restore on a new machine: {result.restore_command}")
-        if report is not None:
-            out.say(f"recovery proof written to {report}")
+        _say_result(out, result, report)
         out.json(result.to_json())
         exit_with(result)
+
+
+def _sse_options(to: str, sse: Optional[str], sse_kms_key_id: Optional[str]) -> Optional[dict]:
+    """DEST's storage options for ``--sse`` / ``--sse-kms-key-id`` (a KMS key alone means ``aws:kms``), or
+    None without them.
+
+    Raises:
+        UsageError: an unknown algorithm, or a destination that is not s3://.
+    """
+    from ckpt_archive.errors import UsageError
+
+    if sse_kms_key_id and not sse:
+        sse = "aws:kms"
+    if not sse:
+        return None
+    if sse not in ("AES256", "aws:kms", "aws:kms:dsse"):
+        raise UsageError(f"--sse {sse!r}: use AES256 or aws:kms")
+    if "://" not in to or not to.startswith(("s3://", "s3a://")):
+        raise UsageError("--sse applies to s3:// destinations only")
+    extra = {"ServerSideEncryption": sse}
+    if sse_kms_key_id:
+        extra["SSEKMSKeyId"] = sse_kms_key_id
+    return {"s3_additional_kwargs": extra}
+
+
+def _say_result(out: Output, result, report: Optional[Path]) -> None:
+    """One line per generation exported (and what an interrupted run left that was cleaned), the bytes
+    moved and skipped, the restore command and where the proof is."""
+    for g in result.generations:
+        checks = sum(c.ok for c in g.checks)
+        skipped = f", {human_bytes(g.bytes_skipped)} already there" if g.bytes_skipped else ""
+        out.say(f"generation {g.generation} (step {g.step}): {g.status}, {human_bytes(g.bytes_copied)} copied"
+                f"{skipped}, {checks}/{len(g.checks)} checks ok, usable at {result.destination}")
+        aborted, removed = g.cleaned.get("aborted_uploads") or [], g.cleaned.get("removed") or []
+        if aborted or removed:
+            out.say(f"  cleaned what an interrupted run left there: {len(aborted)} unfinished upload(s) "
+                    f"aborted, {len(removed)} stray object(s) removed")
+    out.say(f"moved {human_bytes(result.bytes_copied)}; skipped {human_bytes(result.bytes_skipped)} already at "
+            f"the destination (re-read there all the same)")
+    out.say(f"restore on a new machine: {result.restore_command}")
+    if report is not None:
+        out.say(f"recovery proof written to {report}")

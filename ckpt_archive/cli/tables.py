@@ -72,90 +72,113 @@ def fit(cols: Sequence[Col], rows: Sequence[Sequence[str]], width: int, *, title
         the table, with ``needed_width`` set when even every step could not make it fit (the width its
         numbers need), else ``None``; and ``shown``: the names of the columns it kept.
     """
-    from rich import box
-    from rich.table import Table
+    layout = _Layout(cols, rows)
+    layout.degrade(degrade, width)
+    return layout.table(width, title, styles)
 
-    form = {c.name: 0 for c in cols}
-    dropped: set[str] = set()
-    by_name = {c.name: c for c in cols}
-    index = {c.name: i for i, c in enumerate(cols)}
 
-    def header(c: Col) -> str:
-        return c.forms[form[c.name] - 1][0] if form[c.name] else c.header
+class _Layout:
+    """The state of fitting one table: each column's form, the columns dropped and the text columns that
+    may be cut; the cells and widths follow from it."""
 
-    def cell(c: Col, row):
-        text = row[index[c.name]]
+    def __init__(self, cols: Sequence[Col], rows: Sequence[Sequence[str]]):
+        self.cols, self.rows = list(cols), rows
+        self.form = {c.name: 0 for c in cols}
+        self.dropped: set[str] = set()
+        self.cuttable: set[str] = set()  # text columns that may be cut now (a "cut" step ran, or every step did)
+        self.by_name = {c.name: c for c in cols}
+        self.index = {c.name: i for i, c in enumerate(cols)}
+
+    def header(self, c: Col) -> str:
+        return c.forms[self.form[c.name] - 1][0] if self.form[c.name] else c.header
+
+    def cell(self, c: Col, row):
+        text = row[self.index[c.name]]
         if hasattr(text, "cell_len"):  # a styled cell (rich Text) is shown as given
             return text
         text = str(text)
-        for _, shorter in list(c.forms)[:form[c.name]]:
+        for _, shorter in list(c.forms)[:self.form[c.name]]:
             text = shorter(text)
         return text
 
-    cuttable: set[str] = set()  # text columns that may be cut now (a "cut" step ran, or every step did)
+    def natural(self, c: Col) -> int:
+        return max([_len(self.header(c))] + [_len(self.cell(c, r)) for r in self.rows])
 
-    def natural(c: Col) -> int:
-        return max([_len(header(c))] + [_len(cell(c, r)) for r in rows])
-
-    def least(c: Col) -> int:
-        nat = natural(c)
-        if c.kind == "number" or (c.kind == "text" and c.name not in cuttable):
+    def least(self, c: Col) -> int:
+        nat = self.natural(c)
+        if c.kind == "number" or (c.kind == "text" and c.name not in self.cuttable):
             return nat
-        return min(nat, max(c.min_width, _len(header(c))))
+        return min(nat, max(c.min_width, _len(self.header(c))))
 
-    def active() -> list[Col]:
-        return [c for c in cols if c.name not in dropped]
+    def active(self) -> list[Col]:
+        return [c for c in self.cols if c.name not in self.dropped]
 
-    def needed() -> int:
-        shown = active()
-        return sum(least(c) for c in shown) + GAP * (len(shown) - 1)
+    def needed(self) -> int:
+        shown = self.active()
+        return sum(self.least(c) for c in shown) + GAP * (len(shown) - 1)
 
-    steps = list(degrade)
-    while needed() > width and steps:
-        what, name = steps.pop(0)
-        if what == "drop":
-            dropped.add(name)
-        elif what == "cut":
-            cuttable.add(name)
-        elif form[name] < len(by_name[name].forms):
-            form[name] += 1
-    if needed() > width:  # the last resort before printing wider: every text column may be cut
-        cuttable.update(c.name for c in cols if c.kind == "text")
-    shown = active()
-    widths = {c.name: least(c) for c in shown}
-    spare = width - needed()
-    for c in shown:  # what is left goes to cut text first (left to right)...
-        if c.kind == "text" and spare > 0:
-            more = min(spare, natural(c) - widths[c.name])
-            widths[c.name] += more
-            spare -= more
-    prose = [c for c in shown if c.kind == "prose"]
-    wants = {c.name: natural(c) - widths[c.name] for c in prose}
-    total_want = sum(wants.values())
-    if spare > 0 and total_want > 0:  # ...then to prose, in proportion to what each lacks
-        give = {n: min(w, spare * w // total_want) for n, w in wants.items()}
-        for c in prose:
-            widths[c.name] += give[c.name]
-        rest = spare - sum(give.values())
-        for c in reversed(prose):  # rounding: the last columns first
-            more = min(rest, wants[c.name] - give[c.name])
-            widths[c.name] += more
-            rest -= more
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                  padding=(0, 1, 0, 0))
-    for c in shown:
-        table.add_column(header(c), justify=c.justify, width=widths[c.name], no_wrap=c.kind != "prose",
-                         overflow="fold" if c.kind == "prose" else "ellipsis")
-    from ckpt_archive.cli.common import _cut
+    def degrade(self, degrade: Sequence[tuple[str, str]], width: int) -> None:
+        """Run the ``degrade`` steps in order while the table is wider than ``width``; then, if it still is,
+        let every text column be cut (the last resort before printing wider)."""
+        steps = list(degrade)
+        while self.needed() > width and steps:
+            what, name = steps.pop(0)
+            if what == "drop":
+                self.dropped.add(name)
+            elif what == "cut":
+                self.cuttable.add(name)
+            elif self.form[name] < len(self.by_name[name].forms):
+                self.form[name] += 1
+        if self.needed() > width:
+            self.cuttable.update(c.name for c in self.cols if c.kind == "text")
 
-    for i, row in enumerate(rows):
-        cells = [_cut(cell(c, row), widths[c.name]) if c.kind == "text" and isinstance(cell(c, row), str)
-                 else cell(c, row) for c in shown]
-        table.add_row(*cells, style=styles[i] if styles else None)
-    total = needed()
-    table.needed_width = total if total > width else None
-    table.shown = [c.name for c in shown]
-    return table
+    def widths(self, width: int) -> dict[str, int]:
+        """Each shown column's width: its least, then what is left of ``width`` goes to cut text first (left
+        to right), then to prose in proportion to what each lacks."""
+        shown = self.active()
+        widths = {c.name: self.least(c) for c in shown}
+        spare = width - self.needed()
+        for c in shown:
+            if c.kind == "text" and spare > 0:
+                more = min(spare, self.natural(c) - widths[c.name])
+                widths[c.name] += more
+                spare -= more
+        prose = [c for c in shown if c.kind == "prose"]
+        wants = {c.name: self.natural(c) - widths[c.name] for c in prose}
+        total_want = sum(wants.values())
+        if spare > 0 and total_want > 0:
+            give = {n: min(w, spare * w // total_want) for n, w in wants.items()}
+            for c in prose:
+                widths[c.name] += give[c.name]
+            rest = spare - sum(give.values())
+            for c in reversed(prose):  # rounding: the last columns first
+                more = min(rest, wants[c.name] - give[c.name])
+                widths[c.name] += more
+                rest -= more
+        return widths
+
+    def table(self, width: int, title: str | None, styles: Sequence[str | None] | None):
+        """The rich table of the shown columns at their widths (text cells cut with an ellipsis)."""
+        from rich import box
+        from rich.table import Table
+
+        from ckpt_archive.cli.common import _cut
+
+        shown = self.active()
+        widths = self.widths(width)
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                      padding=(0, 1, 0, 0))
+        for c in shown:
+            table.add_column(self.header(c), justify=c.justify, width=widths[c.name], no_wrap=c.kind != "prose",
+                             overflow="fold" if c.kind == "prose" else "ellipsis")
+        for i, row in enumerate(self.rows):
+            cells = [_cut(self.cell(c, row), widths[c.name]) if c.kind == "text" and isinstance(self.cell(c, row), str)
+                     else self.cell(c, row) for c in shown]
+            table.add_row(*cells, style=styles[i] if styles else None)
+        total = self.needed()
+        table.needed_width = total if total > width else None
+        table.shown = [c.name for c in shown]
+        return table
 
 
 def date_forms(header_short: str = "created") -> tuple:

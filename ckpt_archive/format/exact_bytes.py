@@ -445,57 +445,15 @@ def rebuild(target: Any, record: dict, skeleton: Iterator[bytes],
         IntegrityError: the segments do not tile the file, or the rebuilt file's sha256 differs from
             the source's (the target is removed).
     """
-    segments = record["exact"]["segments"]
     size = int(record["raw_bytes"])
-    by_key: dict[str, list[int]] = {}
-    pos = 0
-    for start, length, key in segments:
-        if start < pos or length <= 0 or start + length > size:
-            raise IntegrityError("exact-bytes segments overlap or leave the file", where=record["relpath"] or "file")
-        by_key.setdefault(key, []).append((start, length))
-        pos = start + length
-    gaps = []
-    pos = 0
-    for start, length, _ in segments:
-        gaps.append((pos, start - pos))
-        pos = start + length
-    gaps.append((pos, size - pos))
+    by_key, gaps = _layout(record, size)
     fd = target.create()
     sha = InOrderSha256(fd, size)
     writes = ParallelWrites(fd, on_written=sha.wrote)
     try:
         os.ftruncate(fd, size)
-        gi, written_in_gap = 0, 0
-        for piece in skeleton:
-            mv = memoryview(piece).cast("B")
-            while len(mv):
-                while gi < len(gaps) and written_in_gap == gaps[gi][1]:
-                    gi, written_in_gap = gi + 1, 0
-                if gi == len(gaps):
-                    raise IntegrityError("skeleton is longer than the file it belongs to", where=record["relpath"])
-                take = min(len(mv), gaps[gi][1] - written_in_gap)
-                writes.write(mv[:take], gaps[gi][0] + written_in_gap)
-                written_in_gap += take
-                mv = mv[take:]
-        while gi < len(gaps) and written_in_gap == gaps[gi][1]:
-            gi, written_in_gap = gi + 1, 0
-        if gi != len(gaps):
-            raise IntegrityError("skeleton is shorter than the file it belongs to", where=record["relpath"])
-        filled: dict[str, int] = {}  # entry key -> bytes written so far (pieces come in entry order)
-        for key, offset, piece in entry_pieces(set(by_key)):
-            mv = memoryview(piece).cast("B")
-            if key not in by_key or offset != filled.get(key, 0):
-                raise IntegrityError(f"entry {key}: a piece at offset {offset} out of order", where=record["relpath"])
-            for start, length in by_key[key]:
-                if offset + len(mv) > length:
-                    raise IntegrityError(f"entry {key} has more than the segment's {length} bytes",
-                                         where=record["relpath"])
-                writes.write(mv, start + offset)
-            filled[key] = offset + len(mv)
-        short = [k for k, segs in by_key.items() if filled.get(k, 0) != segs[0][1]]
-        if short:
-            raise IntegrityError(f"entries missing or short for the exact bytes: {sorted(short)[:5]}",
-                                 where=record["relpath"])
+        _write_skeleton(skeleton, gaps, writes, record["relpath"])
+        _write_entries(entry_pieces, by_key, writes, record["relpath"])
         writes.drain()
         got = sha.hexdigest()
         os.fsync(fd)
@@ -514,6 +472,80 @@ def rebuild(target: Any, record: dict, skeleton: Iterator[bytes],
                              f"a stored chunk is damaged (`ckpt-archive verify --deep` names it); nothing was "
                              f"written", where=record["relpath"] or "file")
     return size
+
+
+def _layout(record: dict, size: int) -> tuple[dict[str, list[tuple[int, int]]], list[tuple[int, int]]]:
+    """Where each entry's bytes and the skeleton's go in a file of ``size`` bytes.
+
+    Returns:
+        entry key -> its segments ``(start, length)`` (an entry may be cut at several places), and the gaps
+        between segments ``(start, length)`` that the skeleton fills, in order (empty ones included).
+
+    Raises:
+        IntegrityError: the segments overlap, are empty or leave the file.
+    """
+    segments = record["exact"]["segments"]
+    by_key: dict[str, list[tuple[int, int]]] = {}
+    pos = 0
+    for start, length, key in segments:
+        if start < pos or length <= 0 or start + length > size:
+            raise IntegrityError("exact-bytes segments overlap or leave the file", where=record["relpath"] or "file")
+        by_key.setdefault(key, []).append((start, length))
+        pos = start + length
+    gaps = []
+    pos = 0
+    for start, length, _ in segments:
+        gaps.append((pos, start - pos))
+        pos = start + length
+    gaps.append((pos, size - pos))
+    return by_key, gaps
+
+
+def _write_skeleton(skeleton: Iterator[bytes], gaps: list[tuple[int, int]], writes: ParallelWrites,
+                    where: str) -> None:
+    """Write the skeleton's bytes into the gaps, in order, piece by piece.
+
+    Raises:
+        IntegrityError: the skeleton is longer or shorter than the gaps.
+    """
+    gi, written_in_gap = 0, 0
+    for piece in skeleton:
+        mv = memoryview(piece).cast("B")
+        while len(mv):
+            while gi < len(gaps) and written_in_gap == gaps[gi][1]:
+                gi, written_in_gap = gi + 1, 0
+            if gi == len(gaps):
+                raise IntegrityError("skeleton is longer than the file it belongs to", where=where)
+            take = min(len(mv), gaps[gi][1] - written_in_gap)
+            writes.write(mv[:take], gaps[gi][0] + written_in_gap)
+            written_in_gap += take
+            mv = mv[take:]
+    while gi < len(gaps) and written_in_gap == gaps[gi][1]:
+        gi, written_in_gap = gi + 1, 0
+    if gi != len(gaps):
+        raise IntegrityError("skeleton is shorter than the file it belongs to", where=where)
+
+
+def _write_entries(entry_pieces: Callable[[set], Iterator[tuple[str, int, Any]]],
+                   by_key: dict[str, list[tuple[int, int]]], writes: ParallelWrites, where: str) -> None:
+    """Write each entry's pieces at every segment of it, checking they come in order and fill it exactly.
+
+    Raises:
+        IntegrityError: a piece out of order or past its segment, an entry missing or short.
+    """
+    filled: dict[str, int] = {}  # entry key -> bytes written so far (pieces come in entry order)
+    for key, offset, piece in entry_pieces(set(by_key)):
+        mv = memoryview(piece).cast("B")
+        if key not in by_key or offset != filled.get(key, 0):
+            raise IntegrityError(f"entry {key}: a piece at offset {offset} out of order", where=where)
+        for start, length in by_key[key]:
+            if offset + len(mv) > length:
+                raise IntegrityError(f"entry {key} has more than the segment's {length} bytes", where=where)
+            writes.write(mv, start + offset)
+        filled[key] = offset + len(mv)
+    short = [k for k, segs in by_key.items() if filled.get(k, 0) != segs[0][1]]
+    if short:
+        raise IntegrityError(f"entries missing or short for the exact bytes: {sorted(short)[:5]}", where=where)
 
 
 def exact_summary(manifest: dict) -> dict:

@@ -82,35 +82,54 @@ def metrics_to_json(metrics: Any) -> dict:
 
 
 def _read_tagged(node: Any) -> Any:
+    """``node`` with every tagged value this reader knows turned plain (recursively); others as stored."""
     if isinstance(node, list):
         return [_read_tagged(x) for x in node]
     if not isinstance(node, dict):
         return _float(node) if isinstance(node, float) else node
     t = node.get("$t")
-    try:
-        if t is None:
-            return {k: _read_tagged(x) for k, x in node.items()}
-        if t == "int":
-            return int(node["v"])
-        if t == "float":
-            v = str(node["v"])
-            return v if v in _NON_FINITE else _float(float(v))
-        if t == "tuple":
-            return [_read_tagged(x) for x in node["v"]]
-        if t in ("dict", "odict"):
-            items = [(k, _read_tagged(x)) for k, x in node["items"]]
-            if all(isinstance(k, str) for k, _ in items):
-                return dict(items)
-        if t == "npscalar":
-            import numpy as np
-
-            arr = np.frombuffer(bytes.fromhex(node["hex"]), dtype=np.dtype(node["dtype"]))
-            if arr.shape == (1,) and arr.dtype.kind in "biuf":
-                item = arr[0].item()
-                return _float(item) if isinstance(item, float) else item
-    except (KeyError, TypeError, ValueError):
-        pass
+    if t is None:
+        return {k: _read_tagged(x) for k, x in node.items()}
+    reader = _TAG_READERS.get(t) if isinstance(t, str) else None
+    if reader is not None:
+        try:
+            return reader(node)
+        except (KeyError, TypeError, ValueError):
+            pass
     return node  # a tag this reader does not turn into a plain value: shown as stored
+
+
+def _tagged_float(node: dict) -> Any:
+    v = str(node["v"])
+    return v if v in _NON_FINITE else _float(float(v))
+
+
+def _tagged_dict(node: dict) -> Any:
+    """A dict or odict whose keys are all strings (else the node as stored)."""
+    items = [(k, _read_tagged(x)) for k, x in node["items"]]
+    return dict(items) if all(isinstance(k, str) for k, _ in items) else node
+
+
+def _tagged_npscalar(node: dict) -> Any:
+    """A NumPy bool, int or float scalar as the Python number (else the node as stored)."""
+    import numpy as np
+
+    arr = np.frombuffer(bytes.fromhex(node["hex"]), dtype=np.dtype(node["dtype"]))
+    if arr.shape == (1,) and arr.dtype.kind in "biuf":
+        item = arr[0].item()
+        return _float(item) if isinstance(item, float) else item
+    return node
+
+
+#: ``$t`` tag -> its reader (a reader's KeyError, TypeError or ValueError: the node is shown as stored)
+_TAG_READERS = {
+    "int": lambda node: int(node["v"]),
+    "float": _tagged_float,
+    "tuple": lambda node: [_read_tagged(x) for x in node["v"]],
+    "dict": _tagged_dict,
+    "odict": _tagged_dict,
+    "npscalar": _tagged_npscalar,
+}
 
 
 def read_metrics(stored: Any) -> dict:

@@ -69,47 +69,61 @@ def _natural(t: PtTensor) -> bool:
 
 def _group(leaves: list[tuple[str, PtTensor]], table: TensorTable) -> TensorTable:
     """state_tree's ``finish_tensors`` for :class:`PtTensor` leaves (see the module docstring)."""
+    n_shared = 0
+    for views in _by_storage(leaves):
+        t0 = views[0][1]
+        same_geometry = all(t.dtype == t0.dtype and t.shape == t0.shape and t.stride == t0.stride
+                            and t.offset == t0.offset for _, t in views)
+        if (len(views) == 1 or same_geometry) and _natural(t0) and t0.dtype in TORCH_TO_ST:
+            _add_natural(table, views)
+        else:
+            n_shared += 1
+            _add_shared(table, views, n_shared)
+    return table
+
+
+def _by_storage(leaves: list[tuple[str, PtTensor]]) -> list[list[tuple[str, PtTensor]]]:
+    """The leaves grouped by the storage they view (each empty storage a group of its own), in first-seen
+    order."""
     groups: dict[tuple, list[tuple[str, PtTensor]]] = {}
-    order: list[tuple] = []
     for key, t in leaves:
         st = t.storage
         gid = ("cpu", st.key, st.nbytes) if st.nbytes > 0 else ("empty", key)
-        if gid not in groups:
-            groups[gid] = []
-            order.append(gid)
-        groups[gid].append((key, t))
-    n_shared = 0
-    for gid in order:
-        views = groups[gid]
-        key0, t0 = views[0]
-        nbytes_storage = t0.storage.nbytes
-        dname = t0.dtype
-        same_geometry = all(t.dtype == t0.dtype and t.shape == t0.shape and t.stride == t0.stride
-                            and t.offset == t0.offset for _, t in views)
-        if (len(views) == 1 or same_geometry) and _natural(t0) and dname in TORCH_TO_ST:
-            # natural: the tensor's bytes are its whole storage, i.e. its record of the file
-            table.entries[key0] = _file_entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape], t0.storage)
-            for i, (key, t) in enumerate(views):
-                rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape]}
-                if i > 0:
-                    rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride]}
-                    table.leaf_bytes[key] = t.contiguous_pieces
-                table.leaves[key] = rec
-            continue
-        n_shared += 1
-        fname, itemsize = dname, ITEMSIZE[dname]  # one dtype per storage (pt_pickle refuses another)
-        if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
-            fname, itemsize = "uint8", 1
-        entry_key = f"storage/{n_shared}:{key0}"
-        table.entries[entry_key] = _file_entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize], t0.storage)
-        for key, t in views:
-            check_view_size(key, t.numel() * t.element_size(), nbytes_storage)
-            table.leaves[key] = {"entry": entry_key, "kind": "torch", "dtype": t.dtype,
-                                 "shape": [int(x) for x in t.shape],
-                                 "view": {"storage_offset": int(t.offset), "stride": [int(s) for s in t.stride],
-                                          "entry_dtype": fname}}
+        groups.setdefault(gid, []).append((key, t))
+    return list(groups.values())
+
+
+def _add_natural(table: TensorTable, views: list[tuple[str, PtTensor]]) -> None:
+    """Natural: the first tensor's bytes are its whole storage, i.e. its record of the file; the other
+    views (same geometry) point at its entry."""
+    key0, t0 = views[0]
+    dname = t0.dtype
+    table.entries[key0] = _file_entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape], t0.storage)
+    for i, (key, t) in enumerate(views):
+        rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape]}
+        if i > 0:
+            rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride]}
             table.leaf_bytes[key] = t.contiguous_pieces
-    return table
+        table.leaves[key] = rec
+
+
+def _add_shared(table: TensorTable, views: list[tuple[str, PtTensor]], n_shared: int) -> None:
+    """A storage entry ``storage/<n>:<first key>`` of the whole storage (its dtype, or uint8 where that has
+    no safetensors dtype or does not divide the bytes), every tensor a view of it."""
+    key0, t0 = views[0]
+    nbytes_storage = t0.storage.nbytes
+    fname, itemsize = t0.dtype, ITEMSIZE[t0.dtype]  # one dtype per storage (pt_pickle refuses another)
+    if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
+        fname, itemsize = "uint8", 1
+    entry_key = f"storage/{n_shared}:{key0}"
+    table.entries[entry_key] = _file_entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize], t0.storage)
+    for key, t in views:
+        check_view_size(key, t.numel() * t.element_size(), nbytes_storage)
+        table.leaves[key] = {"entry": entry_key, "kind": "torch", "dtype": t.dtype,
+                             "shape": [int(x) for x in t.shape],
+                             "view": {"storage_offset": int(t.offset), "stride": [int(s) for s in t.stride],
+                                      "entry_dtype": fname}}
+        table.leaf_bytes[key] = t.contiguous_pieces
 
 
 def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:

@@ -227,6 +227,8 @@ class _Global:
         self.name = name
 
 
+#: the immutable constants' opcodes: EMPTY_TUPLE, NONE, NEWTRUE, NEWFALSE
+_CONSTANTS = {0x29: (), 0x4E: None, 0x88: True, 0x89: False}
 _ODICT = "collections\nOrderedDict"
 _REBUILD = "torch._utils\n_rebuild_tensor_v2"
 _MAX_VERSION = 3
@@ -332,98 +334,137 @@ class _Machine:
         return x
 
     def run(self) -> Any:
-        stack: list = []
-        meta: list = []
-        memo: dict[int, Any] = {}
-        unpack = struct.unpack
+        """Interpret the pickle to its ``STOP``: each opcode goes to its handler in :attr:`_HANDLERS` (one
+        per opcode admitted; any other opcode is refused)."""
+        self.stack: list = []
+        self.meta: list = []       # the stacks MARK set aside
+        self.memo: dict[int, Any] = {}
+        handlers = self._HANDLERS
         while True:
             op = self.take(1)[0]
-            if op == 0x80:  # PROTO
-                self.take(1)
-            elif op == 0x7D:  # EMPTY_DICT
-                stack.append({})
-            elif op == 0x5D:  # EMPTY_LIST
-                stack.append([])
-            elif op == 0x29:  # EMPTY_TUPLE
-                stack.append(())
-            elif op == 0x28:  # MARK
-                meta.append(stack)
-                stack = []
-            elif op == 0x74:  # TUPLE
-                items = stack
-                stack = meta.pop()
-                stack.append(self.tuple(items))
-            elif op in (0x85, 0x86, 0x87):  # TUPLE1..3
-                n = op - 0x84
-                if len(stack) < n:
-                    raise NotSimple("stack underflow")
-                items = stack[-n:]
-                del stack[-n:]
-                stack.append(self.tuple(items))
-            elif op == 0x4E:  # NONE
-                stack.append(None)
-            elif op == 0x88:  # NEWTRUE
-                stack.append(True)
-            elif op == 0x89:  # NEWFALSE
-                stack.append(False)
-            elif op == 0x4A:  # BININT
-                stack.append(unpack("<i", self.take(4))[0])
-            elif op == 0x4B:  # BININT1
-                stack.append(self.take(1)[0])
-            elif op == 0x4D:  # BININT2
-                stack.append(unpack("<H", self.take(2))[0])
-            elif op == 0x8A:  # LONG1
-                n = self.take(1)[0]
-                stack.append(int.from_bytes(self.take(n), "little", signed=True))
-            elif op == 0x47:  # BINFLOAT
-                stack.append(unpack(">d", self.take(8))[0])
-            elif op == 0x58:  # BINUNICODE (torch decodes with surrogatepass)
-                n = unpack("<I", self.take(4))[0]
-                stack.append(str(self.take(n), "utf-8", "surrogatepass"))
-            elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
-                i = self.take(1)[0] if op == 0x71 else unpack("<I", self.take(4))[0]
-                memo[i] = stack[-1]
-            elif op in (0x68, 0x6A):  # BINGET, LONG_BINGET
-                i = self.take(1)[0] if op == 0x68 else unpack("<I", self.take(4))[0]
-                if i not in memo:
-                    raise NotSimple("memo key missing")
-                stack.append(memo[i])
-            elif op == 0x61:  # APPEND
-                item = self.clean(stack.pop())
-                if type(stack[-1]) is not list:
-                    raise NotSimple("APPEND to a non-list")
-                stack[-1].append(item)
-            elif op == 0x65:  # APPENDS
-                items = [self.clean(x) for x in stack]
-                stack = meta.pop()
-                if type(stack[-1]) is not list:
-                    raise NotSimple("APPENDS to a non-list")
-                stack[-1].extend(items)
-            elif op == 0x73:  # SETITEM
-                v, k = self.clean(stack.pop()), self.clean(stack.pop())
-                self.setitems(stack[-1], [k, v])
-            elif op == 0x75:  # SETITEMS
-                items = [self.clean(x) for x in stack]
-                stack = meta.pop()
-                self.setitems(stack[-1], items)
-            elif op == 0x63:  # GLOBAL
-                module, name = self.line(), self.line()
-                stack.append(_Global(f"{module}\n{name}"))
-            elif op == 0x52:  # REDUCE
-                args = stack.pop()
-                stack[-1] = self.reduce(stack[-1], args)
-            elif op == 0x62:  # BUILD
-                state = self.clean(stack.pop())
-                inst = stack[-1]
-                if type(inst) is not _OrderedDict or type(state) is not dict:
-                    raise NotSimple("BUILD of something other than an OrderedDict's attributes")
-                inst.__dict__.update(state)
-            elif op == 0x51:  # BINPERSID
-                stack.append(self.storage(stack.pop()))
-            elif op == 0x2E:  # STOP
-                return self.clean(stack.pop())
-            else:
+            handler = handlers.get(op)
+            if handler is None:
                 raise NotSimple(f"opcode {op:#04x}")
+            if handler(self, op):
+                return self.clean(self.stack.pop())
+
+    # Opcode handlers: ``handler(self, op)``; only STOP returns True.
+
+    def _proto(self, op: int) -> None:  # PROTO
+        self.take(1)
+
+    def _constant(self, op: int) -> None:  # EMPTY_TUPLE, NONE, NEWTRUE, NEWFALSE
+        self.stack.append(_CONSTANTS[op])
+
+    def _empty_dict(self, op: int) -> None:  # EMPTY_DICT
+        self.stack.append({})
+
+    def _empty_list(self, op: int) -> None:  # EMPTY_LIST
+        self.stack.append([])
+
+    def _mark(self, op: int) -> None:  # MARK
+        self.meta.append(self.stack)
+        self.stack = []
+
+    def _pop_mark(self) -> list:
+        """The items pushed since the last MARK; the stack before it becomes the stack again."""
+        items = self.stack
+        self.stack = self.meta.pop()
+        return items
+
+    def _tuple_mark(self, op: int) -> None:  # TUPLE
+        items = self._pop_mark()
+        self.stack.append(self.tuple(items))
+
+    def _tuple_n(self, op: int) -> None:  # TUPLE1..3
+        n = op - 0x84
+        if len(self.stack) < n:
+            raise NotSimple("stack underflow")
+        items = self.stack[-n:]
+        del self.stack[-n:]
+        self.stack.append(self.tuple(items))
+
+    def _binint(self, op: int) -> None:  # BININT
+        self.stack.append(struct.unpack("<i", self.take(4))[0])
+
+    def _binint1(self, op: int) -> None:  # BININT1
+        self.stack.append(self.take(1)[0])
+
+    def _binint2(self, op: int) -> None:  # BININT2
+        self.stack.append(struct.unpack("<H", self.take(2))[0])
+
+    def _long1(self, op: int) -> None:  # LONG1
+        n = self.take(1)[0]
+        self.stack.append(int.from_bytes(self.take(n), "little", signed=True))
+
+    def _binfloat(self, op: int) -> None:  # BINFLOAT
+        self.stack.append(struct.unpack(">d", self.take(8))[0])
+
+    def _binunicode(self, op: int) -> None:  # BINUNICODE (torch decodes with surrogatepass)
+        n = struct.unpack("<I", self.take(4))[0]
+        self.stack.append(str(self.take(n), "utf-8", "surrogatepass"))
+
+    def _put(self, op: int) -> None:  # BINPUT, LONG_BINPUT
+        i = self.take(1)[0] if op == 0x71 else struct.unpack("<I", self.take(4))[0]
+        self.memo[i] = self.stack[-1]
+
+    def _get(self, op: int) -> None:  # BINGET, LONG_BINGET
+        i = self.take(1)[0] if op == 0x68 else struct.unpack("<I", self.take(4))[0]
+        if i not in self.memo:
+            raise NotSimple("memo key missing")
+        self.stack.append(self.memo[i])
+
+    def _append(self, op: int) -> None:  # APPEND
+        item = self.clean(self.stack.pop())
+        if type(self.stack[-1]) is not list:
+            raise NotSimple("APPEND to a non-list")
+        self.stack[-1].append(item)
+
+    def _appends(self, op: int) -> None:  # APPENDS
+        items = [self.clean(x) for x in self._pop_mark()]
+        if type(self.stack[-1]) is not list:
+            raise NotSimple("APPENDS to a non-list")
+        self.stack[-1].extend(items)
+
+    def _setitem(self, op: int) -> None:  # SETITEM
+        v, k = self.clean(self.stack.pop()), self.clean(self.stack.pop())
+        self.setitems(self.stack[-1], [k, v])
+
+    def _setitems_mark(self, op: int) -> None:  # SETITEMS
+        items = [self.clean(x) for x in self._pop_mark()]
+        self.setitems(self.stack[-1], items)
+
+    def _global(self, op: int) -> None:  # GLOBAL
+        module, name = self.line(), self.line()
+        self.stack.append(_Global(f"{module}\n{name}"))
+
+    def _reduce(self, op: int) -> None:  # REDUCE
+        args = self.stack.pop()
+        self.stack[-1] = self.reduce(self.stack[-1], args)
+
+    def _build(self, op: int) -> None:  # BUILD
+        state = self.clean(self.stack.pop())
+        inst = self.stack[-1]
+        if type(inst) is not _OrderedDict or type(state) is not dict:
+            raise NotSimple("BUILD of something other than an OrderedDict's attributes")
+        inst.__dict__.update(state)
+
+    def _binpersid(self, op: int) -> None:  # BINPERSID
+        self.stack.append(self.storage(self.stack.pop()))
+
+    def _stop(self, op: int) -> bool:  # STOP
+        return True
+
+    #: opcode -> handler: the protocol-2 subset admitted (see the module docstring)
+    _HANDLERS = {
+        0x80: _proto, 0x29: _constant, 0x4E: _constant, 0x88: _constant, 0x89: _constant,
+        0x7D: _empty_dict, 0x5D: _empty_list, 0x28: _mark, 0x74: _tuple_mark,
+        0x85: _tuple_n, 0x86: _tuple_n, 0x87: _tuple_n,
+        0x4A: _binint, 0x4B: _binint1, 0x4D: _binint2, 0x8A: _long1, 0x47: _binfloat, 0x58: _binunicode,
+        0x71: _put, 0x72: _put, 0x68: _get, 0x6A: _get,
+        0x61: _append, 0x65: _appends, 0x73: _setitem, 0x75: _setitems_mark,
+        0x63: _global, 0x52: _reduce, 0x62: _build, 0x51: _binpersid, 0x2E: _stop,
+    }
 
     def tuple(self, items: list) -> tuple:
         t = tuple(items)

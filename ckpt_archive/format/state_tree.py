@@ -345,9 +345,25 @@ class _Encoder:
         return {"$t": "shared", "id": n, "v": node}
 
     def _enc(self, obj: Any, path: tuple) -> Any:
-        """Encode one value; every type is matched exactly (a subclass is never stored as its base)."""
-        torch = sys.modules.get("torch")  # None: no torch object can exist (see _leaf_types)
-        np = sys.modules.get("numpy")  # likewise for NumPy
+        """Encode one value; every type is matched exactly (a subclass is never stored as its base). The kinds
+        are tried in this order: scalars, arrays and torch's objects (and what torch's allowlist names),
+        containers, then an admitted plain-data class; anything else is refused."""
+        node = self._enc_scalar(obj, path)
+        if node is _UNMATCHED:
+            node = self._enc_array_or_torch(obj, path)
+        if node is _UNMATCHED:
+            node = self._enc_container(obj, path)
+        if node is not _UNMATCHED:
+            return node
+        cname = class_name(type(obj))
+        if cname in self.allow:
+            return {"$t": "object", "class": cname,
+                    "state": {k: self.enc(v, path + (k,)) for k, v in _plain_state(obj, path).items()}}
+        raise refusal(_path_name(path), obj)
+
+    def _enc_scalar(self, obj: Any, path: tuple) -> Any:
+        """None, str, bool, NumPy scalars, int, float, complex, bytes and bytearray (else ``_UNMATCHED``)."""
+        np = sys.modules.get("numpy")  # None: no NumPy object can exist (see _leaf_types)
 
         tp = type(obj)
         if tp is str and not utf8_ok(obj):
@@ -368,6 +384,15 @@ class _Encoder:
             return {"$t": "complex", "re": _float(obj.real), "im": _float(obj.imag)}
         if tp is bytes or tp is bytearray:
             return {"$t": tp.__name__, "b64": base64.b64encode(bytes(obj)).decode("ascii")}
+        return _UNMATCHED
+
+    def _enc_array_or_torch(self, obj: Any, path: tuple) -> Any:
+        """Tensors, NumPy arrays and dtypes, torch's dtype/Size/device/layout/storages, and any other object
+        torch's weights-only allowlist names (else ``_UNMATCHED``)."""
+        torch = sys.modules.get("torch")  # None: no torch object can exist (see _leaf_types)
+        np = sys.modules.get("numpy")  # likewise for NumPy
+
+        tp = type(obj)
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._tensor(obj, path)
         if np is not None and tp is np.ndarray:
@@ -391,6 +416,11 @@ class _Encoder:
         name = global_name(obj) if torch is not None or callable(obj) else None
         if name is not None:  # an object torch's allowlist itself names: qscheme, legacy tensor class, ...
             return {"$t": "global", "v": name}
+        return _UNMATCHED
+
+    def _enc_container(self, obj: Any, path: tuple) -> Any:
+        """tuple, list, set, OrderedDict, Counter and dict, their items encoded (else ``_UNMATCHED``)."""
+        tp = type(obj)
         if tp is tuple:
             return {"$t": "tuple", "v": [self.enc(v, path + (i,)) for i, v in enumerate(obj)]}
         if tp is list:
@@ -410,11 +440,7 @@ class _Encoder:
             if all(type(k) is str and utf8_ok(k) for k in obj) and "$t" not in obj:
                 return {k: self.enc(v, path + (k,)) for k, v in obj.items()}
             return {"$t": "dict", "items": self._items(obj, path)}
-        cname = class_name(tp)
-        if cname in self.allow:
-            return {"$t": "object", "class": cname,
-                    "state": {k: self.enc(v, path + (k,)) for k, v in _plain_state(obj, path).items()}}
-        raise refusal(_path_name(path), obj)
+        return _UNMATCHED
 
     def _attrs(self, obj, attrs: dict, path) -> dict:
         """Encoded Python attributes of a tensor or OrderedDict (names must be UTF-8 text: JSON keys)."""
@@ -489,66 +515,87 @@ class _Encoder:
 
     def finish_tensors(self) -> None:
         """Group tensor leaves by storage and decide natural vs shared entries."""
+        n_shared = 0
+        for views in self._by_storage():
+            t0 = views[0][1]
+            same_geometry = all(t.dtype == t0.dtype and t.shape == t0.shape and t.stride() == t0.stride()
+                                and t.storage_offset() == t0.storage_offset() for _, t in views)
+            if (len(views) == 1 or same_geometry) and _natural(t0) \
+                    and str(t0.dtype).replace("torch.", "") in TORCH_TO_ST:
+                self._add_natural(views)
+            else:
+                n_shared += 1
+                self._add_shared(views, n_shared)
+
+    def _by_storage(self) -> list[list[tuple[str, Any]]]:
+        """The tensor leaves grouped by the storage they view (device, address, size; each empty storage a
+        group of its own), in first-seen order.
+
+        Raises:
+            SourceError: a sparse or quantized tensor among them (naming its key).
+        """
         torch = _torch()
         groups: dict[tuple, list[tuple[str, Any]]] = {}
-        order: list[tuple] = []
         for key, t in self._tensor_leaves:
             if t.layout != torch.strided or t.is_quantized:
                 raise SourceError(f"{t.layout} / quantized tensors are not supported yet; convert to dense",
                                   where=key)
             st = t.untyped_storage()
             gid = (str(t.device), st.data_ptr(), st.nbytes()) if st.nbytes() > 0 else ("empty", key)
-            if gid not in groups:
-                groups[gid] = []
-                order.append(gid)
-            groups[gid].append((key, t))
-        n_shared = 0
-        for gid in order:
-            views = groups[gid]
-            key0, t0 = views[0]
-            nbytes_storage = t0.untyped_storage().nbytes()
-            dname = str(t0.dtype).replace("torch.", "")
+            groups.setdefault(gid, []).append((key, t))
+        return list(groups.values())
 
-            def natural(t):
-                # an empty tensor counts as contiguous whatever its strides: those are kept (as a view)
-                # unless they are the C-order ones a plain entry comes back with
-                return (t.is_contiguous() and t.storage_offset() == 0
-                        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
-                        and (t.numel() > 0 or list(t.stride()) == _c_strides(t.shape)))
-
-            same_geometry = all(t.dtype == t0.dtype and t.shape == t0.shape and t.stride() == t0.stride()
-                                and t.storage_offset() == t0.storage_offset() for _, t in views)
-            if (len(views) == 1 or same_geometry) and natural(t0) \
-                    and dname in TORCH_TO_ST:
-                self.table.entries[key0] = Entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape],
-                                                 lambda t=t0: _tensor_u8(t), t0.numel() * t0.element_size())
-                for i, (key, t) in enumerate(views):
-                    rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape],
-                           **_leaf_flags(t)}
-                    if i > 0:
-                        rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride()]}
-                        self.table.leaf_bytes[key] = lambda t=t: _tensor_u8_pieces(t)
-                    self.table.leaves[key] = rec
-                continue
-            # A shared or non-contiguously viewed storage: store it once, flat.
-            n_shared += 1
-            dtypes = {t.dtype for _, t in views}
-            flat_dtype = t0.dtype if len(dtypes) == 1 else torch.uint8
-            fname = str(flat_dtype).replace("torch.", "")
-            itemsize = flat_dtype.itemsize
-            if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
-                fname, itemsize = "uint8", 1
-            entry_key = f"storage/{n_shared}:{key0}"
-            self.table.entries[entry_key] = Entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize],
-                                                  lambda t=t0: _storage_u8(t), nbytes_storage)
-            for key, t in views:
-                check_view_size(key, t.numel() * t.element_size(), nbytes_storage)
-                rec = {"entry": entry_key, "kind": "torch", "dtype": str(t.dtype).replace("torch.", ""),
-                       "shape": [int(x) for x in t.shape],
-                       "view": {"storage_offset": int(t.storage_offset()), "stride": [int(s) for s in t.stride()],
-                                "entry_dtype": fname}, **_leaf_flags(t)}
-                self.table.leaves[key] = rec
+    def _add_natural(self, views: list[tuple[str, Any]]) -> None:
+        """Natural: the first tensor's bytes are its whole storage, stored as an entry of its own; the other
+        views (same geometry) point at that entry."""
+        key0, t0 = views[0]
+        dname = str(t0.dtype).replace("torch.", "")
+        self.table.entries[key0] = Entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape],
+                                         lambda t=t0: _tensor_u8(t), t0.numel() * t0.element_size())
+        for i, (key, t) in enumerate(views):
+            rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape],
+                   **_leaf_flags(t)}
+            if i > 0:
+                rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride()]}
                 self.table.leaf_bytes[key] = lambda t=t: _tensor_u8_pieces(t)
+            self.table.leaves[key] = rec
+
+    def _add_shared(self, views: list[tuple[str, Any]], n_shared: int) -> None:
+        """A shared or non-contiguously viewed storage: stored once, flat (its views' one dtype, else uint8),
+        as entry ``storage/<n>:<first key>``; every tensor a view of it."""
+        torch = _torch()
+        key0, t0 = views[0]
+        nbytes_storage = t0.untyped_storage().nbytes()
+        dtypes = {t.dtype for _, t in views}
+        flat_dtype = t0.dtype if len(dtypes) == 1 else torch.uint8
+        fname = str(flat_dtype).replace("torch.", "")
+        itemsize = flat_dtype.itemsize
+        if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
+            fname, itemsize = "uint8", 1
+        entry_key = f"storage/{n_shared}:{key0}"
+        self.table.entries[entry_key] = Entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize],
+                                              lambda t=t0: _storage_u8(t), nbytes_storage)
+        for key, t in views:
+            check_view_size(key, t.numel() * t.element_size(), nbytes_storage)
+            rec = {"entry": entry_key, "kind": "torch", "dtype": str(t.dtype).replace("torch.", ""),
+                   "shape": [int(x) for x in t.shape],
+                   "view": {"storage_offset": int(t.storage_offset()), "stride": [int(s) for s in t.stride()],
+                            "entry_dtype": fname}, **_leaf_flags(t)}
+            self.table.leaves[key] = rec
+            self.table.leaf_bytes[key] = lambda t=t: _tensor_u8_pieces(t)
+
+
+#: what an encoder stage returns for a value not of its kinds (None is a value: JSON null)
+_UNMATCHED = object()
+
+
+def _natural(t) -> bool:
+    """Whether a tensor's bytes are its whole storage in C order (a natural entry). An empty tensor counts as
+    contiguous whatever its strides: those are kept (as a view) unless they are the C-order ones a plain
+    entry comes back with."""
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+            and (t.numel() > 0 or list(t.stride()) == _c_strides(t.shape)))
 
 
 def _c_strides(shape) -> list[int]:

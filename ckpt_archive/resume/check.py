@@ -115,8 +115,7 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int | Sequ
                                                    rtol=rtol, jobs=jobs, controls=controls,
                                                    expect_no_effect=expect_no_effect, script_controls=script_controls)
     out = prepare_output(output, default_prefix=f"ckpt-archive-{kind}")
-    run_env = dict(os.environ if env is None else env)
-    run_env.setdefault("PYTHONHASHSEED", "0")
+    run_env = _run_environment(env)
     resume_dir = out / "resume"
     resume_dir.mkdir()
     runs = _Runs(command, out / "runs", timeout, run_env, ThreadPoolExecutor(max_workers=jobs))
@@ -127,52 +126,25 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int | Sequ
         cont, intr, cont_traj, int_traj, determinism = _run_baselines(runs, steps, points[0], atol, rtol)
 
         loop = archive_loop or ArchiveLoop(out / "archive")
-        segments: list[dict] = []
-        trips: list[dict] = []
-        prev, line = intr, list(int_traj["updates"])
-        for k, point in enumerate(points):
-            last = k == len(points) - 1
-            end = steps if last else points[k + 1]
-            say(f"packing the interruption checkpoint (update {point}) into the archive, verifying, restoring")
-            trip = _archive_round_trip(loop, prev, point, resume_dir, ids,
-                                       name="restored.pt" if last else f"restored-at-{point}.pt")
-            trips.append(trip)
-            name = "resumed" if last else f"resumed-{k + 1}"
-            say(f"resuming from the restored checkpoint for {end - point} more updates (to update {end})")
-            prev = runs.launch(name, end - point, trip["restored"], total=end)
-            require_ok(prev)
-            seg = load_trajectory(prev.output)
-            _require_update_count(prev, seg, end - point, point)
-            segments.append(seg)
-            line += seg["updates"]
-        res, res_traj = prev, segments[-1]
-        resumed_line = {"updates": [u for seg in segments for u in seg["updates"]], "final": res_traj.get("final")}
+        trips, segments, res = _resume_segments(runs, loop, intr, points, steps, resume_dir, ids, say)
+        resumed_line = {"updates": [u for seg in segments for u in seg["updates"]], "final": segments[-1].get("final")}
+        line = list(int_traj["updates"]) + resumed_line["updates"]  # the interrupted+resumed run, update by update
         cont_state = load_checkpoint(cont.output / CHECKPOINT_FILE)
         res_state = load_checkpoint(res.output / CHECKPOINT_FILE)
         positive = compare_runs(cont_traj, resumed_line, cont_state, res_state, interrupt_at=points[0],
                                 atol=atol, rtol=rtol, prefix=int_traj["updates"], name="resumed",
                                 ignore_streams={STREAMS[c] for c in no_effect if c in STREAMS})
         positive_ok = positive["matched"] and determinism["matched"]
-
-        prefix = line[:points[-1]]
-        baseline = _Baseline(cont_traj, cont_state, prefix, trips[-1]["restored"], steps - points[-1],
+        # the controls resume from the last interruption, and run only when the resume itself is exact
+        baseline = _Baseline(cont_traj, cont_state, line[:points[-1]], trips[-1]["restored"], steps - points[-1],
                              points[-1], atol, rtol)
-        if positive_ok:
-            entries = _run_controls(runs, baseline, trips[-1]["archived_state"], chosen, scripted, no_effect,
-                                    resume_dir, say)
-        else:
-            entries = _not_run(chosen, scripted)
+        entries = (_run_controls(runs, baseline, trips[-1]["archived_state"], chosen, scripted, no_effect,
+                                 resume_dir, say) if positive_ok else _not_run(chosen, scripted))
     finally:
         runs.pool.shutdown(wait=True)
 
-    interruptions = [dict(t["facts"], at=p, expected_cursor=_expected_cursor(cont_traj, p, t["facts"].get("epoch")))
-                     for t, p in zip(trips, points)]
-    verdict = _verdict(determinism, positive, positive_ok, entries, trips[0]["facts"], points[0], interruptions,
-                       resumed_ids=[(seg_name, data_ids_differences(cont_traj.get("data_ids"), seg.get("data_ids"),
-                                                                    "continuous", seg_name))
-                                    for seg_name, seg in zip(_segment_names(points), segments)],
-                       hash_seed=run_env.get("PYTHONHASHSEED"))
-    verdict["warnings"] += ids.warnings
+    interruptions, verdict = _verdict_of_runs(determinism, positive, positive_ok, entries, trips, points, cont_traj,
+                                              segments, run_env, ids)
     report = build_report(kind=kind, command=command, steps=steps, interrupt_at=points[0], atol=atol, rtol=rtol,
                           verdict=verdict, positive=positive, determinism=determinism, entries=entries,
                           facts=trips[0]["facts"],
@@ -183,16 +155,81 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int | Sequ
     report["interruptions"] = interruptions
     if ids.checks:
         report["data_ids"] = ids.checks
+    _publish(report, runs, entries, loop, out, {"continuous": cont_traj, "resumed": {"updates": line}})
+    return report
+
+
+def _run_environment(env: dict | None) -> dict:
+    """The runs' environment: ``env`` (default this process's), with ``PYTHONHASHSEED=0`` unless set."""
+    run_env = dict(os.environ if env is None else env)
+    run_env.setdefault("PYTHONHASHSEED", "0")
+    return run_env
+
+
+def _resume_segments(runs: _Runs, loop: ArchiveLoop, interrupted, points: list[int], steps: int, resume_dir: Path,
+                     ids: _DataIds, say: Event) -> tuple[list[dict], list[dict], Any]:
+    """At each interruption point in turn: pack the previous run's checkpoint into the archive, verify and
+    restore it, and resume from the restored file up to the next point (the last one up to ``steps``).
+
+    Returns:
+        the round trips (one per point), the resumed segments' trajectories, and the last resumed run.
+
+    Raises:
+        SourceError: a resumed run failed or ran another number of updates than asked.
+        IntegrityError / DataIdentityMismatch: from the archive round trip.
+    """
+    segments: list[dict] = []
+    trips: list[dict] = []
+    prev = interrupted
+    for k, point in enumerate(points):
+        last = k == len(points) - 1
+        end = steps if last else points[k + 1]
+        say(f"packing the interruption checkpoint (update {point}) into the archive, verifying, restoring")
+        trip = _archive_round_trip(loop, prev, point, resume_dir, ids,
+                                   name="restored.pt" if last else f"restored-at-{point}.pt")
+        trips.append(trip)
+        name = "resumed" if last else f"resumed-{k + 1}"
+        say(f"resuming from the restored checkpoint for {end - point} more updates (to update {end})")
+        prev = runs.launch(name, end - point, trip["restored"], total=end)
+        require_ok(prev)
+        seg = load_trajectory(prev.output)
+        _require_update_count(prev, seg, end - point, point)
+        segments.append(seg)
+    return trips, segments, prev
+
+
+def _verdict_of_runs(determinism: dict, positive: dict, positive_ok: bool, entries: list[dict], trips: list[dict],
+                     points: list[int], cont_traj: dict, segments: list[dict], run_env: dict,
+                     ids: _DataIds) -> tuple[list[dict], dict]:
+    """The facts at each interruption (with the continuous run's cursor there) and the verdict over every
+    comparison, control and data-id check."""
+    interruptions = [dict(t["facts"], at=p, expected_cursor=_expected_cursor(cont_traj, p, t["facts"].get("epoch")))
+                     for t, p in zip(trips, points)]
+    verdict = _verdict(determinism, positive, positive_ok, entries, trips[0]["facts"], points[0], interruptions,
+                       resumed_ids=[(seg_name, data_ids_differences(cont_traj.get("data_ids"), seg.get("data_ids"),
+                                                                    "continuous", seg_name))
+                                    for seg_name, seg in zip(_segment_names(points), segments)],
+                       hash_seed=run_env.get("PYTHONHASHSEED"))
+    verdict["warnings"] += ids.warnings
+    return interruptions, verdict
+
+
+def _publish(report: dict, runs: _Runs, entries: list[dict], loop: ArchiveLoop, out: Path,
+             trajectories: dict[str, dict]) -> None:
+    """Draw the picture, write ``verification.json``, record the check on the repository; then refuse if a
+    control could not be checked.
+
+    Raises:
+        SourceError: a control run failed (the report names it and is written first).
+    """
     # [issue 26] a picture next to the report: loss and LR per update of every run, divergences marked
-    report["picture"] = draw_picture(report, {"continuous": cont_traj, "resumed": {"updates": line}},
-                                     _control_trajectories(runs, entries), out)
+    report["picture"] = draw_picture(report, trajectories, _control_trajectories(runs, entries), out)
     write_report(report, out / REPORT_FILE)
     record_last_check(loop.repo, report)
     failed = [e for e in entries if e["status"] == "could-not-check"]
     if failed:
         raise SourceError("; ".join(e["message"] for e in failed)
                           + f" (report: {out / REPORT_FILE})")
-    return report
 
 
 def _control_trajectories(runs: _Runs, entries: list[dict]) -> dict[str, dict]:

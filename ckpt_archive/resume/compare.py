@@ -191,49 +191,81 @@ def compare_trajectories(expected: list[dict], got: list[dict], *, atol: float, 
     first: dict | None = None
     data_first: dict | None = None
     for i, (e, g) in enumerate(zip(expected, got)):
-        step = e["step"]
-        fields: list[dict] = []
-        if e["sample_ids"] != g["sample_ids"]:
-            d = {"step": step, "field": "sample_ids", "expected": e["sample_ids"], "got": g["sample_ids"]}
-            fields.append(d)
-            if data_first is None:
-                data_first = {"first_divergent_step": step, "batch": i + 1, "expected_ids": e["sample_ids"],
-                              "got_ids": g["sample_ids"]}
-        if len(e["lr"]) != len(g["lr"]):
-            res["structure"].append(f"step {step}: {len(e['lr'])} param groups expected, {len(g['lr'])} got")
-            fields.append({"step": step, "field": "lr", "expected": e["lr"], "got": g["lr"]})
-        else:
-            for gi, (le, lg) in enumerate(zip(e["lr"], g["lr"])):
-                if not (math.isfinite(le) and math.isfinite(lg)):
-                    res["non_finite"].append(f"lr[{gi}] at step {step}")
-                if not within_tolerance(le, lg, atol, rtol):
-                    d = {"step": step, "field": f"lr[{gi}]", "expected": le, "got": lg}
-                    fields.append(d)
-                    if res["lr_divergence"] is None:
-                        res["lr_divergence"] = dict(d, group=gi)
-        le, lg = e["loss"], g["loss"]
-        if not (math.isfinite(le) and math.isfinite(lg)):
-            res["non_finite"].append(f"loss at step {step}")
-        if not within_tolerance(le, lg, atol, rtol):
-            d = {"step": step, "field": "loss", "expected": le, "got": lg}
-            fields.append(d)
-            if res["loss_divergence"] is None:
-                res["loss_divergence"] = dict(d, abs_diff=abs(le - lg) if math.isfinite(le - lg) else None)
+        ids = _compare_ids(e, g)
+        if ids and data_first is None:
+            data_first = {"first_divergent_step": e["step"], "batch": i + 1, "expected_ids": e["sample_ids"],
+                          "got_ids": g["sample_ids"]}
+        fields = ids + _compare_lrs(e, g, res, atol, rtol) + _compare_loss(e, g, res, atol, rtol)
         if fields and first is None:
             first = fields[0]
     if first is None and len(got) != len(expected):
-        n = min(len(got), len(expected))
-        step = expected[n]["step"] if n < len(expected) else got_steps[n]
-        first = {"step": step, "field": "updates", "expected": len(expected), "got": len(got)}
+        first = _count_divergence(expected, got)
     res["first_divergence"] = first
     if data_first is not None or len(got) != len(expected):
-        counts = _data_counts(expected, got, prefix or [])
-        res["data_order"] = dict(data_first or {"first_divergent_step": first["step"] if first else None,
-                                                "batch": None, "expected_ids": None, "got_ids": None}, **counts)
+        res["data_order"] = _data_order(expected, got, prefix or [], data_first, first)
     for key in ("first_divergence", "lr_divergence", "loss_divergence"):
         if res[key] is not None:
             res[key] = {k: _jsonable(v) for k, v in res[key].items()}
     return res
+
+
+def _data_order(expected: list[dict], got: list[dict], prefix: list[dict], data_first: dict | None,
+                first: dict | None) -> dict:
+    """The data-order divergence: the first divergent batch (or, when every batch matched but the runs
+    recorded different numbers of updates, the first divergent step) with the duplicated and never-seen
+    counts of :func:`_data_counts`."""
+    where = data_first or {"first_divergent_step": first["step"] if first else None,
+                           "batch": None, "expected_ids": None, "got_ids": None}
+    return dict(where, **_data_counts(expected, got, prefix))
+
+
+def _count_divergence(expected: list[dict], got: list[dict]) -> dict:
+    """The divergence of runs that match where both recorded an update but recorded different numbers of
+    updates: at the first update only one of them has."""
+    n = min(len(got), len(expected))
+    step = expected[n]["step"] if n < len(expected) else got[n]["step"]
+    return {"step": step, "field": "updates", "expected": len(expected), "got": len(got)}
+
+
+def _compare_ids(e: dict, g: dict) -> list[dict]:
+    """The sample-ids field of one update, as a divergence when the batches differ (else none)."""
+    if e["sample_ids"] == g["sample_ids"]:
+        return []
+    return [{"step": e["step"], "field": "sample_ids", "expected": e["sample_ids"], "got": g["sample_ids"]}]
+
+
+def _compare_lrs(e: dict, g: dict, res: dict, atol: float, rtol: float) -> list[dict]:
+    """The LR of each param group at one update: the divergent groups; records a group-count mismatch in
+    ``res["structure"]``, non-finite LRs in ``res["non_finite"]`` and the first divergent LR in
+    ``res["lr_divergence"]``."""
+    step = e["step"]
+    if len(e["lr"]) != len(g["lr"]):
+        res["structure"].append(f"step {step}: {len(e['lr'])} param groups expected, {len(g['lr'])} got")
+        return [{"step": step, "field": "lr", "expected": e["lr"], "got": g["lr"]}]
+    fields = []
+    for gi, (le, lg) in enumerate(zip(e["lr"], g["lr"])):
+        if not (math.isfinite(le) and math.isfinite(lg)):
+            res["non_finite"].append(f"lr[{gi}] at step {step}")
+        if not within_tolerance(le, lg, atol, rtol):
+            d = {"step": step, "field": f"lr[{gi}]", "expected": le, "got": lg}
+            fields.append(d)
+            if res["lr_divergence"] is None:
+                res["lr_divergence"] = dict(d, group=gi)
+    return fields
+
+
+def _compare_loss(e: dict, g: dict, res: dict, atol: float, rtol: float) -> list[dict]:
+    """The loss at one update, as a divergence when out of tolerance; records a non-finite loss in
+    ``res["non_finite"]`` and the first divergent loss in ``res["loss_divergence"]``."""
+    step, le, lg = e["step"], e["loss"], g["loss"]
+    if not (math.isfinite(le) and math.isfinite(lg)):
+        res["non_finite"].append(f"loss at step {step}")
+    if within_tolerance(le, lg, atol, rtol):
+        return []
+    d = {"step": step, "field": "loss", "expected": le, "got": lg}
+    if res["loss_divergence"] is None:
+        res["loss_divergence"] = dict(d, abs_diff=abs(le - lg) if math.isfinite(le - lg) else None)
+    return [d]
 
 
 def span(steps: list[int]) -> str:

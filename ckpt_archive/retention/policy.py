@@ -46,11 +46,12 @@ does; docs/retention.md).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ckpt_archive.errors import UsageError
 
@@ -458,18 +459,8 @@ def apply_policy(generations: Sequence[GenerationFacts], policy: RetentionPolicy
         >>> d.keep_numbers, d.remove_numbers
         ([5, 2], [4, 3, 1])
     """
-    if not isinstance(policy, RetentionPolicy):
-        raise UsageError(f"a retention policy must be a RetentionPolicy, got {type(policy).__name__} (build one with "
-                         "RetentionPolicy.from_dict or RetentionPolicy.from_flags)", where="retention")
-    if policy.is_empty():
-        raise UsageError("empty retention policy: give at least one of --keep-last, --keep-hourly, --keep-daily, "
-                         "--keep-weekly, --keep-monthly, --keep-within, --keep-tag, --keep-best")
+    _check_arguments(generations, policy)
     now = _utc(now) or datetime.now(timezone.utc)
-    numbers = [g.number for g in generations]
-    if len(set(numbers)) != len(numbers):
-        dup = sorted({n for n in numbers if numbers.count(n) > 1})
-        raise UsageError(f"generation number(s) {dup} appear more than once")
-
     ordered = sorted(generations, key=lambda g: -g.number)
     usable = [g for g in ordered if g.usable]
     not_usable = [(g.number, [NOT_USABLE_REASON.format(status=g.status or "not usable")])
@@ -478,57 +469,11 @@ def apply_policy(generations: Sequence[GenerationFacts], policy: RetentionPolicy
         return Decision(keep=[], remove=[], not_usable=not_usable, policy=policy)
 
     reasons: dict[int, list[str]] = {g.number: [] for g in usable}
-
-    # keep_last
-    for rank, g in enumerate(usable[:policy.keep_last], start=1):
-        reasons[g.number].append(f"last {rank} of {policy.keep_last}")
-
-    # calendar buckets (UTC), restic's walk: newest first, a new bucket value takes one count
     timed = [(g, _utc(g.created)) for g in usable if g.created is not None]
-    for fname, word, bucket_of in _BUCKET_RULES:
-        count = getattr(policy, fname)
-        if not count:
-            continue
-        last_value = None
-        for idx, (g, t) in enumerate(timed):
-            if count <= 0:
-                break
-            value = bucket_of(t)
-            is_oldest = idx == len(timed) - 1
-            if value != last_value:
-                reasons[g.number].append(f"{word} {value}")
-                last_value = value
-                count -= 1
-            elif is_oldest:
-                # counts left at the oldest usable generation: keep it too (longest history, restic)
-                reasons[g.number].append(f"oldest {word} {value}")
-
-    # keep_within, counted back from the newest usable creation time that is not in the future
-    if policy.keep_within:
-        dur = parse_within(policy.keep_within)
-        past = [t for _, t in timed if t <= now]
-        if past:
-            reference = max(past)
-            cutoff = dur.before(reference)
-            for g, t in timed:
-                if cutoff < t:
-                    reasons[g.number].append(f"within {policy.keep_within} of newest ({reference:%Y-%m-%d %H:%M}Z)")
-
-    # keep_tag
-    for spec in policy.keep_tag:
-        for g in usable:
-            if _has_tags(g.tags, spec):
-                reasons[g.number].append(f"tag {spec}")
-
-    # keep_best
-    if policy.keep_best:
-        metric, direction = parse_best_by(policy.best_by or "")
-        scored = [(metric_value(g.metrics, metric), g) for g in usable]
-        scored = [(v, g) for v, g in scored if v is not None]
-        sign = 1.0 if direction == "min" else -1.0
-        scored.sort(key=lambda vg: (sign * vg[0], -vg[1].number))
-        for rank, (v, g) in enumerate(scored[:policy.keep_best], start=1):
-            reasons[g.number].append(f"best {rank} of {policy.keep_best} by {metric}:{direction} ({v:.6g})")
+    for number, reason in itertools.chain(_keep_last(usable, policy), _keep_buckets(timed, policy),
+                                          _keep_within(timed, policy, now), _keep_tags(usable, policy),
+                                          _keep_best(usable, policy)):
+        reasons[number].append(reason)
 
     if not any(reasons[g.number] for g in usable):
         raise UsageError(f"policy '{policy.describe()}' keeps none of the {len(usable)} usable generation(s); "
@@ -541,3 +486,89 @@ def apply_policy(generations: Sequence[GenerationFacts], policy: RetentionPolicy
     keep = [(g.number, reasons[g.number]) for g in usable if reasons[g.number]]
     remove = [(g.number, [NO_RULE]) for g in usable if not reasons[g.number]]
     return Decision(keep=keep, remove=remove, not_usable=not_usable, policy=policy)
+
+
+def _check_arguments(generations: Sequence[GenerationFacts], policy: RetentionPolicy) -> None:
+    """Refuse what no decision can be made on: not a policy, an empty one, a generation number twice.
+
+    Raises:
+        UsageError: naming the fault.
+    """
+    if not isinstance(policy, RetentionPolicy):
+        raise UsageError(f"a retention policy must be a RetentionPolicy, got {type(policy).__name__} (build one with "
+                         "RetentionPolicy.from_dict or RetentionPolicy.from_flags)", where="retention")
+    if policy.is_empty():
+        raise UsageError("empty retention policy: give at least one of --keep-last, --keep-hourly, --keep-daily, "
+                         "--keep-weekly, --keep-monthly, --keep-within, --keep-tag, --keep-best")
+    numbers = [g.number for g in generations]
+    if len(set(numbers)) != len(numbers):
+        dup = sorted({n for n in numbers if numbers.count(n) > 1})
+        raise UsageError(f"generation number(s) {dup} appear more than once")
+
+
+# Each rule below yields ``(generation number, reason)`` for what it keeps, over the usable generations
+# newest first (``timed``: those with a creation time, with it in UTC).
+
+def _keep_last(usable: list[GenerationFacts], policy: RetentionPolicy) -> Iterator[tuple[int, str]]:
+    """``keep_last``: the newest N."""
+    for rank, g in enumerate(usable[:policy.keep_last], start=1):
+        yield g.number, f"last {rank} of {policy.keep_last}"
+
+
+def _keep_buckets(timed: list[tuple[GenerationFacts, datetime]],
+                  policy: RetentionPolicy) -> Iterator[tuple[int, str]]:
+    """``keep_hourly/daily/weekly/monthly``: calendar buckets (UTC), restic's walk: newest first, a new
+    bucket value takes one count; counts left at the oldest generation keep it too (longest history)."""
+    for fname, word, bucket_of in _BUCKET_RULES:
+        count = getattr(policy, fname)
+        if not count:
+            continue
+        last_value = None
+        for idx, (g, t) in enumerate(timed):
+            if count <= 0:
+                break
+            value = bucket_of(t)
+            if value != last_value:
+                yield g.number, f"{word} {value}"
+                last_value = value
+                count -= 1
+            elif idx == len(timed) - 1:
+                yield g.number, f"oldest {word} {value}"
+
+
+def _keep_within(timed: list[tuple[GenerationFacts, datetime]], policy: RetentionPolicy,
+                 now: datetime) -> Iterator[tuple[int, str]]:
+    """``keep_within``: counted back from the newest creation time that is not in the future (``now``)."""
+    if not policy.keep_within:
+        return
+    dur = parse_within(policy.keep_within)
+    past = [t for _, t in timed if t <= now]
+    if not past:
+        return
+    reference = max(past)
+    cutoff = dur.before(reference)
+    for g, t in timed:
+        if cutoff < t:
+            yield g.number, f"within {policy.keep_within} of newest ({reference:%Y-%m-%d %H:%M}Z)"
+
+
+def _keep_tags(usable: list[GenerationFacts], policy: RetentionPolicy) -> Iterator[tuple[int, str]]:
+    """``keep_tag``: each spec (comma-separated tags, all required) keeps every generation carrying it."""
+    for spec in policy.keep_tag:
+        for g in usable:
+            if _has_tags(g.tags, spec):
+                yield g.number, f"tag {spec}"
+
+
+def _keep_best(usable: list[GenerationFacts], policy: RetentionPolicy) -> Iterator[tuple[int, str]]:
+    """``keep_best``: the N best by ``best_by`` (generations without the metric never count; ties go to the
+    newer)."""
+    if not policy.keep_best:
+        return
+    metric, direction = parse_best_by(policy.best_by or "")
+    scored = [(metric_value(g.metrics, metric), g) for g in usable]
+    scored = [(v, g) for v, g in scored if v is not None]
+    sign = 1.0 if direction == "min" else -1.0
+    scored.sort(key=lambda vg: (sign * vg[0], -vg[1].number))
+    for rank, (v, g) in enumerate(scored[:policy.keep_best], start=1):
+        yield g.number, f"best {rank} of {policy.keep_best} by {metric}:{direction} ({v:.6g})"

@@ -160,34 +160,75 @@ def describe_dcp(folder: Path, *, sizes_prefix: str = "", sizes: dict[str, int] 
 
 
 def _describe(md, folder: Path, sizes_prefix: str, sizes, BytesStorageMetadata, TensorStorageMetadata) -> dict:
-    from ckpt_archive.errors import UnsafePath
-    from ckpt_archive.format.paths import check_relpath
-
     prefix = f"{sizes_prefix}/" if sizes_prefix else ""
     if sizes is None:
         sizes = {f"{prefix}{p.name}": p.stat().st_size for p in folder.iterdir() if p.is_file()}
+    entries, files, stored = _storage_table(md, folder, sizes, prefix)
+    counts, problems = _unstored_items(md, stored, BytesStorageMetadata, TensorStorageMetadata)
+    return {
+        "version": str(getattr(md, "version", "") or ""),
+        "metadata_size": sizes.get(prefix + METADATA_NAME),
+        "keys": len(md.state_dict_metadata or {}),
+        **counts,
+        "files": dict(sorted(files.items())),
+        "entries": entries,
+        "problems": problems,
+    }
+
+
+def _storage_table(md, folder: Path, sizes: dict, prefix: str) -> tuple[list[list], dict[str, dict], set]:
+    """The metadata's storage table, checked entry by entry (a plain relative shard path, a non-negative int
+    offset and length, a str key).
+
+    Returns:
+        the entries ``[fqn, offsets, shard, offset, length]`` sorted by place in the shards; per shard its
+        recorded size, entry count and the byte it is read up to (``needed``); the stored ``(fqn, offsets)``.
+
+    Raises:
+        SourceError: a shard path that is not a plain relative name.
+        ValueError: a bad offset, length or key (the caller refuses the metadata, naming it).
+    """
     entries = []
     files: dict[str, dict] = {}
     stored = set()
     for idx, sinfo in (md.storage_data or {}).items():
-        rel = sinfo.relative_path
-        try:  # the shard table names files beside .metadata: plain relative names only
-            check_relpath(rel if isinstance(rel, str) else str(rel), where=str(folder / METADATA_NAME),
-                          what="DCP shard path")
-        except UnsafePath as exc:
-            raise SourceError(exc.message, where=exc.where) from None
-        rel = str(rel)
-        off, length = sinfo.offset, sinfo.length
-        if not (isinstance(off, int) and isinstance(length, int) and off >= 0 and length >= 0):
-            raise ValueError(f"shard {rel!r} has offset {off!r} and length {length!r}")
-        if not isinstance(idx.fqn, str):
-            raise ValueError(f"an entry's key is a {type(idx.fqn).__name__}, not a string")
+        rel, off, length = _checked_storage(idx, sinfo, folder)
         entries.append([idx.fqn, _jsonable_offsets(idx.offset), rel, off, length])
         rec = files.setdefault(rel, {"size": sizes.get(prefix + rel), "entries": 0, "needed": 0})
         rec["entries"] += 1
         rec["needed"] = max(rec["needed"], off + length)
         stored.add((idx.fqn, tuple(idx.offset) if idx.offset is not None else None))
     entries.sort(key=lambda e: (e[2], e[3], e[0]))
+    return entries, files, stored
+
+
+def _checked_storage(idx, sinfo, folder: Path) -> tuple[str, int, int]:
+    """One storage entry's shard path, offset and length, refused unless safe (see :func:`_storage_table`)."""
+    from ckpt_archive.errors import UnsafePath
+    from ckpt_archive.format.paths import check_relpath
+
+    rel = sinfo.relative_path
+    try:  # the shard table names files beside .metadata: plain relative names only
+        check_relpath(rel if isinstance(rel, str) else str(rel), where=str(folder / METADATA_NAME),
+                      what="DCP shard path")
+    except UnsafePath as exc:
+        raise SourceError(exc.message, where=exc.where) from None
+    rel = str(rel)
+    off, length = sinfo.offset, sinfo.length
+    if not (isinstance(off, int) and isinstance(length, int) and off >= 0 and length >= 0):
+        raise ValueError(f"shard {rel!r} has offset {off!r} and length {length!r}")
+    if not isinstance(idx.fqn, str):
+        raise ValueError(f"an entry's key is a {type(idx.fqn).__name__}, not a string")
+    return rel, off, length
+
+
+def _unstored_items(md, stored: set, BytesStorageMetadata, TensorStorageMetadata) -> tuple[dict, list[str]]:
+    """Count the state_dict's tensors (and their bytes) and byte values, and name each tensor chunk or value
+    the storage table has no entry for.
+
+    Returns:
+        ``{"tensors", "tensor_bytes", "bytes_items"}`` and the problems, one line each.
+    """
     problems = []
     tensors = tensor_bytes = bytes_items = 0
     for fqn, meta in (md.state_dict_metadata or {}).items():
@@ -201,17 +242,7 @@ def _describe(md, folder: Path, sizes_prefix: str, sizes, BytesStorageMetadata, 
             bytes_items += 1
             if (fqn, None) not in stored and not any(s[0] == fqn for s in stored):
                 problems.append(f"value {fqn} has no storage entry")
-    return {
-        "version": str(getattr(md, "version", "") or ""),
-        "metadata_size": sizes.get(prefix + METADATA_NAME),
-        "keys": len(md.state_dict_metadata or {}),
-        "tensors": tensors,
-        "tensor_bytes": int(tensor_bytes),
-        "bytes_items": bytes_items,
-        "files": dict(sorted(files.items())),
-        "entries": entries,
-        "problems": problems,
-    }
+    return {"tensors": tensors, "tensor_bytes": int(tensor_bytes), "bytes_items": bytes_items}, problems
 
 
 def _dtype_size(dtype) -> int:

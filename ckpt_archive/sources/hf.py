@@ -198,31 +198,8 @@ def _read_hf(path: Path, *, allow_numpy: bool = False, **_options) -> SourceChec
     progress: dict = {}
     m = _HF_DIR_RE.match(path.name)
     if (path / TRAINER_STATE).is_file():
-        ts = _read_json(path / TRAINER_STATE)
-        gs = ts.get("global_step")
-        if not isinstance(gs, int) or isinstance(gs, bool):
-            raise SourceError(f"field global_step is {gs!r}, expected an integer", where=str(path / TRAINER_STATE))
-        progress["step"] = gs
-        ep = _num(ts.get("epoch"))
-        if ep is not None:
-            progress["epoch"] = int(math.floor(ep))
-        trainer = {"global_step": gs, "epoch": ep}
-        for k in ("max_steps", "num_train_epochs", "train_batch_size", "save_steps", "logging_steps",
-                  "eval_steps", "num_input_tokens_seen", "total_flos", "best_metric", "best_global_step",
-                  "best_model_checkpoint"):
-            v = ts.get(k)
-            if v is None or isinstance(v, (str, bool)) or _num(v) is not None:
-                trainer[k] = v if not isinstance(v, float) or math.isfinite(v) else None
-        logs = ts.get("log_history")
-        if isinstance(logs, list):
-            last_lr = next((e for e in reversed(logs) if isinstance(e, dict) and "learning_rate" in e), None)
-            if last_lr is not None:
-                trainer["last_logged"] = {k: _num(last_lr.get(k)) for k in ("step", "learning_rate", "loss")
-                                          if _num(last_lr.get(k)) is not None}
-        cbs = ts.get("stateful_callbacks")
-        if isinstance(cbs, dict):
-            trainer["stateful_callbacks"] = sorted(cbs)
-        info["trainer"] = trainer
+        info["trainer"] = _trainer_state(path, progress)
+        gs = info["trainer"]["global_step"]
         if m and int(m.group(1)) != gs:
             warnings.append(f"folder is named {path.name} but {TRAINER_STATE} says global_step {gs}")
     else:
@@ -242,6 +219,48 @@ def _read_hf(path: Path, *, allow_numpy: bool = False, **_options) -> SourceChec
     attach_dcp_info(info, path, files, warnings)
     return SourceCheckpoint(format="hf-trainer", layout="folder", state=state, files=files, root=path,
                             progress=progress, info=info, warnings=warnings)
+
+
+#: trainer_state.json fields shown as they are (numbers, strings, booleans or null; non-finite numbers as null).
+_TRAINER_FIELDS = ("max_steps", "num_train_epochs", "train_batch_size", "save_steps", "logging_steps",
+                   "eval_steps", "num_input_tokens_seen", "total_flos", "best_metric", "best_global_step",
+                   "best_model_checkpoint")
+
+
+def _trainer_state(path: Path, progress: dict) -> dict:
+    """The facts of the folder's ``trainer_state.json``; sets ``progress`` step (``global_step``) and epoch
+    (the whole epochs of its fractional ``epoch``).
+
+    Returns:
+        ``{"global_step", "epoch", <_TRAINER_FIELDS>, "last_logged" (the last log entry with a learning rate:
+        its step, learning_rate and loss), "stateful_callbacks" (their names)}``, each where present.
+
+    Raises:
+        SourceError: ``global_step`` is not an integer (or the file is not JSON).
+    """
+    ts = _read_json(path / TRAINER_STATE)
+    gs = ts.get("global_step")
+    if not isinstance(gs, int) or isinstance(gs, bool):
+        raise SourceError(f"field global_step is {gs!r}, expected an integer", where=str(path / TRAINER_STATE))
+    progress["step"] = gs
+    ep = _num(ts.get("epoch"))
+    if ep is not None:
+        progress["epoch"] = int(math.floor(ep))
+    trainer = {"global_step": gs, "epoch": ep}
+    for k in _TRAINER_FIELDS:
+        v = ts.get(k)
+        if v is None or isinstance(v, (str, bool)) or _num(v) is not None:
+            trainer[k] = v if not isinstance(v, float) or math.isfinite(v) else None
+    logs = ts.get("log_history")
+    if isinstance(logs, list):
+        last_lr = next((e for e in reversed(logs) if isinstance(e, dict) and "learning_rate" in e), None)
+        if last_lr is not None:
+            trainer["last_logged"] = {k: _num(last_lr.get(k)) for k in ("step", "learning_rate", "loss")
+                                      if _num(last_lr.get(k)) is not None}
+    cbs = ts.get("stateful_callbacks")
+    if isinstance(cbs, dict):
+        trainer["stateful_callbacks"] = sorted(cbs)
+    return trainer
 
 
 def _collect_training_facts(state: dict, info: dict, warnings: list[str]) -> None:

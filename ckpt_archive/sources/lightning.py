@@ -55,6 +55,20 @@ def _read(path: Path, *, allow_numpy: bool = False, zip_crc_checked: bool = Fals
     if not isinstance(obj, dict) or "state_dict" not in obj:
         raise SourceError("not a Lightning checkpoint: no top-level state_dict", where=str(path))
     warnings: list[str] = []
+    progress = _progress(obj, warnings)
+    info: dict = {"filename": path.name, "lightning_version": obj.get("pytorch-lightning_version")}
+    done = _batches_completed_in_epoch(obj)
+    if done is not None:
+        info["batches_completed_in_epoch"] = done
+    _optimization_facts(obj, info)
+    _run_facts(obj, info)
+    return SourceCheckpoint(format="lightning", layout="file", state=obj, root=path.parent,
+                            files=[SourceFile("", "torch", path)], progress=progress, info=info,
+                            warnings=warnings)
+
+
+def _progress(obj: dict, warnings: list[str]) -> dict:
+    """``{"step": global_step, "epoch": epoch}`` where each is an int; a warning for one that is not."""
     progress: dict = {}
     for key, field in (("step", "global_step"), ("epoch", "epoch")):
         v = obj.get(field)
@@ -62,15 +76,26 @@ def _read(path: Path, *, allow_numpy: bool = False, zip_crc_checked: bool = Fals
             progress[key] = v
         elif v is not None:
             warnings.append(f"{field} is {type(v).__name__}, not an integer")
-    info: dict = {"filename": path.name, "lightning_version": obj.get("pytorch-lightning_version")}
+    return progress
+
+
+def _batches_completed_in_epoch(obj: dict) -> int | None:
+    """The fit loop's completed batches in the current epoch (``loops.fit_loop["epoch_loop.batch_progress"]
+    .current.completed``), or None where the checkpoint does not hold it as an int."""
     loops = obj.get("loops")
     fit = loops.get("fit_loop") if isinstance(loops, dict) else None
-    if isinstance(fit, dict):
-        bp = fit.get("epoch_loop.batch_progress")
-        if isinstance(bp, dict) and isinstance(bp.get("current"), dict):
-            done = bp["current"].get("completed")
-            if isinstance(done, int):
-                info["batches_completed_in_epoch"] = done
+    if not isinstance(fit, dict):
+        return None
+    bp = fit.get("epoch_loop.batch_progress")
+    if isinstance(bp, dict) and isinstance(bp.get("current"), dict):
+        done = bp["current"].get("completed")
+        if isinstance(done, int):
+            return done
+    return None
+
+
+def _optimization_facts(obj: dict, info: dict) -> None:
+    """Facts of the optimizers, LR schedulers and grad scaler into ``info``."""
     opts = obj.get("optimizer_states")
     if isinstance(opts, list):
         info["optimizers"] = [optimizer_facts(o) for o in opts if isinstance(o, dict)]
@@ -81,6 +106,11 @@ def _read(path: Path, *, allow_numpy: bool = False, zip_crc_checked: bool = Fals
         if isinstance(obj.get(key), dict) and "scale" in obj[key]:
             info["grad_scaler"] = scaler_facts(obj[key])
             break
+
+
+def _run_facts(obj: dict, info: dict) -> None:
+    """The plain hyper-parameters, the callbacks' names, the state_dict's key count and ``lr`` (the first LR
+    scheduler's first ``last_lr``, after :func:`_optimization_facts`) into ``info``."""
     hp = obj.get("hyper_parameters")
     if isinstance(hp, dict):
         info["hyper_parameters"] = {str(k): v for k, v in hp.items() if _plain(v)}
@@ -93,9 +123,6 @@ def _read(path: Path, *, allow_numpy: bool = False, zip_crc_checked: bool = Fals
     lr = _num(info.get("lr_schedulers", [{}])[0].get("last_lr", [None])[0]) if info.get("lr_schedulers") else None
     if lr is not None:
         info["lr"] = lr
-    return SourceCheckpoint(format="lightning", layout="file", state=obj, root=path.parent,
-                            files=[SourceFile("", "torch", path)], progress=progress, info=info,
-                            warnings=warnings)
 
 
 def _plain(v) -> bool:
