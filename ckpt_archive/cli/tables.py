@@ -146,10 +146,10 @@ def fit(cols: Sequence[Col], rows: Sequence[Sequence[str]], width: int, *, title
     for c in shown:
         table.add_column(header(c), justify=c.justify, width=widths[c.name], no_wrap=c.kind != "prose",
                          overflow="fold" if c.kind == "prose" else "ellipsis")
-    from ckpt_archive.cli.common import _cut
+    from ckpt_archive.cli.common import cut_text
 
     for i, row in enumerate(rows):
-        cells = [_cut(cell(c, row), widths[c.name]) if c.kind == "text" and isinstance(cell(c, row), str)
+        cells = [cut_text(cell(c, row), widths[c.name]) if c.kind == "text" and isinstance(cell(c, row), str)
                  else cell(c, row) for c in shown]
         table.add_row(*cells, style=styles[i] if styles else None)
     total = needed()
