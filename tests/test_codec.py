@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_archive.format import codec as codec
-from ckpt_archive.format import member_writer
+from ckpt_archive.format.member_writer import MemberWriter
+from ckpt_archive.format import member_writer, planes
 from ckpt_archive.errors import IntegrityError
 
 CHUNK = 64 << 10  # small chunks so that a few hundred KiB cross many boundaries
@@ -36,7 +37,7 @@ def _trained_like(n: int, dtype, seed: int = 0) -> bytes:
 
 def _write(pieces, *, chunk_bytes=CHUNK, jobs=2, level=codec.DEFAULT_LEVEL):
     buf = io.BytesIO()
-    w = codec.MemberWriter(buf, chunk_bytes=chunk_bytes, jobs=jobs, level=level)
+    w = MemberWriter(buf, chunk_bytes=chunk_bytes, jobs=jobs, level=level)
     for data, hint in pieces:
         w.add(data, hint)
     rec = w.finish()
@@ -260,7 +261,7 @@ def test_a_writer_abort_leaves_no_thread_running():
     import threading
 
     before = threading.active_count()
-    w = codec.MemberWriter(io.BytesIO(), chunk_bytes=CHUNK, jobs=2)
+    w = MemberWriter(io.BytesIO(), chunk_bytes=CHUNK, jobs=2)
     w.add(_trained_like(50_000, "float32"), "bg4")
     w.abort()
     assert threading.active_count() <= before
@@ -338,7 +339,7 @@ def test_writing_a_local_file_starts_writeback_and_round_trips(tmp_path, monkeyp
     raw = np.random.default_rng(3).integers(0, 256, size=1_000_000, dtype=np.uint8).tobytes()
     path = tmp_path / "m.ckz"
     with open(path, "xb") as fh:
-        w = codec.MemberWriter(fh, chunk_bytes=CHUNK, jobs=2)
+        w = MemberWriter(fh, chunk_bytes=CHUNK, jobs=2)
         w.add(raw, "zstd")
         rec = w.finish()
     assert synced, "no writeback was started while writing a 1 MB member"
@@ -473,7 +474,7 @@ def test_load_buffers_are_not_advised_huge_pages():
     """numpy advises huge pages for arrays >= 4 MiB; on a fragmented machine the first touch of such a
     buffer compacts and zeroes 2 MiB at a time (a fresh 256 MiB buffer: 4-5 s instead of 0.3 s), which
     made load slower than torch.load several times over. Load's member buffer must not carry the advice."""
-    buf = codec.anon_buffer(8 << 20)
+    buf = planes.anon_buffer(8 << 20)
     assert buf.dtype == np.uint8 and len(buf) == 8 << 20 and not buf[:: 1 << 16].any()
     buf[:] = 7  # writable
     middle = 4 << 20  # numpy advises the 2 MiB-aligned interior of an array: probe there
@@ -482,7 +483,7 @@ def test_load_buffers_are_not_advised_huge_pages():
     core = getattr(np, "_core", None) or np.core
     if getattr(core.multiarray, "_get_madvise_hugepage", lambda: False)():  # numpy advises here: the probe sees it
         assert "hg" in _vm_flags(probe.ctypes.data + middle)
-    assert len(codec.anon_buffer(0)) == 0
+    assert len(planes.anon_buffer(0)) == 0
 
 
 @pytest.mark.parametrize("rotate", [False, True])

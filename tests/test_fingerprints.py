@@ -88,7 +88,7 @@ def test_a_tampered_chunk_is_caught_once_and_named(tmp_path):
 
 def test_a_changed_entry_fingerprint_names_the_tensor(tmp_path):
     """A raw fingerprint that differs (manifest edited and re-sealed elsewhere) names the entry."""
-    from ckpt_archive.format.codec import MemberWriter  # noqa: F401  (module under test is the reader)
+    from ckpt_archive.format.member_writer import MemberWriter  # noqa: F401  (module under test is the reader)
 
     _, m, gen = _pack(tmp_path)
     shard = next(r for r in m["members"] if r["role"] == "tensors")

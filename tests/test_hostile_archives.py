@@ -377,13 +377,13 @@ def test_the_trial_reload_names_a_manifest_it_cannot_index_as_a_problem(view_rep
 
     def lacks(*a, **k):
         raise KeyError("storage_offset")
-    monkeypatch.setattr(tr, "trial_reload", lacks)
+    monkeypatch.setattr(tr, "_reload", lacks)
     from ckpt_archive.repo.reader import ArchiveReader
 
     r = Repository.open(view_repo)
     gen = r.generation(1)
     problems = []
-    ArchiveReader(r.store, gen.key, gen.manifest).trial_reload(problems)
+    tr.trial_reload(ArchiveReader(r.store, gen.key, gen.manifest), problems)
     assert len(problems) == 1 and "malformed where it is read (KeyError" in problems[0].reason
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import ckpt_archive
-from ckpt_archive.format.codec import MemberWriter, iter_decoded
+from ckpt_archive.format.codec import iter_decoded
+from ckpt_archive.format.member_writer import MemberWriter
 
 
 class _Recorder(io.BytesIO):

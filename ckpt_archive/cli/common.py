@@ -253,9 +253,9 @@ def size_text(done: int, total: int | None) -> str:
     return f"{dv}/{tv} {tu}" if du == tu else f"{d}/{t}"
 
 
-def _cut(text: str, width: int) -> str:
+def cut_text(text: str, width: int) -> str:
     """``text`` in at most ``width`` cells, cut with an ellipsis at a word boundary (never inside a word or
-    a number: ``generation 12`` never becomes ``generation 1…``)."""
+    a number: ``generation 12`` never becomes ``generation 1…``). Never raises; ``width`` in terminal cells."""
     from rich.cells import cell_len, set_cell_size
 
     if cell_len(text) <= width:
@@ -307,7 +307,7 @@ def bar_line(task, width: int):
     else:                                                        # no bar
         spd, bar_w = 0, 0
         d = max(8, avail - gap - right)
-    line = Text(_cut(desc, d).ljust(d))
+    line = Text(cut_text(desc, d).ljust(d))
     if bar_w:
         line.append(" " * gap)
         filled = int(bar_w * min(1.0, task.completed / task.total)) if task.total else 0

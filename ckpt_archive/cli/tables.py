@@ -162,7 +162,7 @@ class _Layout:
         from rich import box
         from rich.table import Table
 
-        from ckpt_archive.cli.common import _cut
+        from ckpt_archive.cli.common import cut_text
 
         shown = self.active()
         widths = self.widths(width)
@@ -172,7 +172,7 @@ class _Layout:
             table.add_column(self.header(c), justify=c.justify, width=widths[c.name], no_wrap=c.kind != "prose",
                              overflow="fold" if c.kind == "prose" else "ellipsis")
         for i, row in enumerate(self.rows):
-            cells = [_cut(self.cell(c, row), widths[c.name]) if c.kind == "text" and isinstance(self.cell(c, row), str)
+            cells = [cut_text(self.cell(c, row), widths[c.name]) if c.kind == "text" and isinstance(self.cell(c, row), str)
                      else self.cell(c, row) for c in shown]
             table.add_row(*cells, style=styles[i] if styles else None)
         total = self.needed()

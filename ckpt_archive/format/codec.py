@@ -38,8 +38,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Callable, Iterator
 
 from ckpt_archive.errors import IntegrityError
-from ckpt_archive.format import fingerprint
-from ckpt_archive.format.planes import SMALL_PLANES_BYTES, _scratch, anon_buffer, byte_group, byte_ungroup  # noqa: F401 (re-exported)
+from ckpt_archive.format.crc import crc32
+from ckpt_archive.format.limits import IN_FLIGHT_RAW_BYTES, check_chunk_table
+from ckpt_archive.format.planes import SMALL_PLANES_BYTES, byte_group, byte_ungroup, scratch
 
 #: Raw bytes per chunk. 4 MiB: ratio within 0.3 % of 16 MiB chunks (benchmarks/proto_codec.py), enough
 #: chunks to keep every core busy on a 1 GiB member, and 2 * jobs chunks in flight stay small.
@@ -54,7 +55,8 @@ CODEC_NAME = "chunked-v1"
 #: unchanged (its 5-bit exponent straddles bytes either way; it shares the hint ``bg2`` with bf16), fp64
 #: +1-2 % (so not rotated).
 ROTATE_SIZES = frozenset({2, 4})
-_HINTS = ("store", "zstd", "bg2", "bg4", "bg8")
+#: The codec hints a writer accepts with each piece (:class:`~ckpt_archive.format.member_writer.MemberWriter`).
+HINTS = ("store", "zstd", "bg2", "bg4", "bg8")
 #: byte-grouped chunk codecs: name -> (element size, sign-rotated)
 _GROUPED = {f"bg{n}{r}+zstd": (n, r == "r") for n in (2, 4, 8) for r in ("", "r")}
 
@@ -129,7 +131,7 @@ def encode_chunk(raw, hint: str, level: int) -> tuple[str, bytes, str]:
             rot = n in ROTATE_SIZES
             # a small chunk is grouped without NumPy (planes.SMALL_PLANES_BYTES), a large one into scratch
             small = len(mv) <= SMALL_PLANES_BYTES
-            planes = byte_group(mv, n, rotate=rot, out=None if small else _scratch("planes", len(mv)))
+            planes = byte_group(mv, n, rotate=rot, out=None if small else scratch("planes", len(mv)))
             stored = _compressor(level, floats=True).compress(planes)
             codec = f"bg{n}r+zstd" if rot else f"bg{n}+zstd"
         else:
@@ -192,33 +194,6 @@ def _unframe(stored, raw_bytes: int):
     if not raw_bytes:
         return b""
     return _decompressor().decompress(stored, max_output_size=raw_bytes, allow_extra_data=False)
-
-
-def check_chunk_table(record: dict, member: str) -> None:
-    """Check that a member's chunks tile its raw and stored bytes exactly (no gap, no overlap).
-
-    This is the one place where a chunk table's sizes are checked. With it, every chunk passing its
-    stored sha256 implies the member's stored fingerprint: format 2 derives it from the chunks'
-    digests (checked here), format 1's whole-file sha256 covers the same bytes in the same order.
-
-    Raises:
-        IntegrityError: the chunk table is inconsistent (names the member and the chunk).
-    """
-    raw = stored = 0
-    for i, c in enumerate(record.get("chunks") or []):
-        if c["raw_offset"] != raw or c["stored_offset"] != stored or c["raw_bytes"] < 0 or c["stored_bytes"] < 0:
-            raise IntegrityError(f"chunk table inconsistent at chunk {i}: offsets raw {c['raw_offset']} / stored "
-                                 f"{c['stored_offset']}, expected {raw} / {stored}", where=member)
-        raw += c["raw_bytes"]
-        stored += c["stored_bytes"]
-    if raw != record["raw_bytes"] or stored != record["stored_bytes"]:
-        raise IntegrityError(f"chunk table covers {raw} raw / {stored} stored bytes, member records "
-                             f"{record['raw_bytes']} / {record['stored_bytes']}", where=member)
-    if "stored_fp" in record:  # format 2: the member's stored fingerprint is derived from the chunks'
-        got = fingerprint.sha256_chunks(c["stored_sha256"] for c in record.get("chunks") or [])
-        if got != record["stored_fp"]:
-            raise IntegrityError(f"stored fingerprint {record['stored_fp']} is not the one its chunk table "
-                                 f"derives ({got})", where=member)
 
 
 class StoredStream:
@@ -310,7 +285,7 @@ def chunks_match(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
         True (all match), False (something differs: the caller's slow path names it), or None when
         ``fh`` is not a local file (no parallel positional reads; use a sequential hash).
     """
-    fd = _fileno(fh)
+    fd = fileno_of(fh)
     if fd is None:
         return None
     own = pool is None
@@ -398,14 +373,21 @@ def _positional(fh) -> Callable[[int, int], bytes] | None:
     :class:`ckpt_archive.repo.objects.MemberStream`); None otherwise (read sequentially)."""
     if hasattr(fh, "pread"):
         return fh.pread if fh.positional else None
-    fd = _fileno(fh)
+    fd = fileno_of(fh)
     if fd is None:
         return None
     return lambda n, off: os.pread(fd, n, off)
 
 
-def _fileno(fh) -> int | None:
-    """The OS file descriptor behind ``fh`` when it is a plain local file, else None."""
+def fileno_of(fh) -> int | None:
+    """The OS file descriptor behind ``fh`` when it is a plain local (regular) file, else None.
+
+    Args:
+        fh: any file-like object (a pipe, a socket, an fsspec file or ``io.BytesIO`` give None).
+
+    Returns:
+        the descriptor (not duplicated: ``fh`` still owns it), or None; never raises.
+    """
     import io
     import stat
 
@@ -463,7 +445,7 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
     if pread is not None:
         # Local file(s): workers read their own chunk with pread (parallel, main thread free); sizes are
         # checked up front.
-        size = fh.size() if hasattr(fh, "pread") else os.fstat(_fileno(fh)).st_size
+        size = fh.size() if hasattr(fh, "pread") else os.fstat(fileno_of(fh)).st_size
         if size > record["stored_bytes"]:
             raise IntegrityError("stored file is longer than its chunks", where=member)
         for i, c in enumerate(chunks):
@@ -482,8 +464,6 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
             dest = memoryview(into).cast("B")[chunk["raw_offset"]:chunk["raw_offset"] + chunk["raw_bytes"]]
         want_crc = written_crc[i] if written_crc is not None and verify_chunks and i not in skip_sha else None
         if want_crc is not None:
-            from ckpt_archive.format.exact_bytes import crc32
-
             if crc32(stored) != want_crc:
                 raise IntegrityError(f"chunk {i} (stored bytes {chunk['stored_offset']}..."
                                      f"{chunk['stored_offset'] + chunk['stored_bytes']}) is not the bytes written "
@@ -503,8 +483,6 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
             return decode_chunk(stored, chunk["codec"], chunk["raw_bytes"], dest)
         except IntegrityError as exc:
             raise IntegrityError(f"chunk {i}: {exc.message}", where=member) from None
-
-    from ckpt_archive.format.limits import IN_FLIGHT_RAW_BYTES
 
     with ThreadPoolExecutor(jobs, thread_name_prefix="ckpt-dec") as pool:
         pending: collections.deque = collections.deque()  # (raw offset, declared raw bytes, future)
@@ -530,6 +508,3 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
         if fd is None and fh.read(1):
             raise IntegrityError("stored file is longer than its chunks", where=member)
 
-
-# the writer lives in member_writer.py (its own module: codec.py stays the encoding and the readers)
-from ckpt_archive.format.member_writer import SYNC_EVERY_BYTES, ChunkSink, MemberWriter  # noqa: E402,F401

@@ -13,12 +13,13 @@ import json
 from typing import Any
 
 
-def _plain(value: Any) -> Any:
-    """``value`` with every dict key a string (as JSON writes it), so keys of mixed types sort."""
+def plain_keys(value: Any) -> Any:
+    """``value`` with every dict key a string (as JSON writes it), so keys of mixed types sort; lists and
+    tuples become lists, everything else is returned as is. Never raises (recursion on a cycle aside)."""
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_keys(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_keys(v) for v in value]
     return value
 
 
@@ -33,7 +34,7 @@ def canonical_bytes(data_ids: Any) -> bytes:
         >>> canonical_bytes({"b": 1, "a": [2, {"d": 0, "c": 1}]})
         b'{"a":[2,{"c":1,"d":0}],"b":1}'
     """
-    return json.dumps(_plain(data_ids), allow_nan=False, ensure_ascii=False, sort_keys=True,
+    return json.dumps(plain_keys(data_ids), allow_nan=False, ensure_ascii=False, sort_keys=True,
                       separators=(",", ":")).encode("utf-8")
 
 

@@ -33,13 +33,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ckpt_archive.format import fingerprint, jsonio
+from ckpt_archive.format.crc import crc32
 from ckpt_archive.format.ordered_writes import InOrderSha256, ParallelWrites, pwrite_all  # noqa: F401 (re-exported)
-from ckpt_archive.errors import IntegrityError
+from ckpt_archive.errors import IntegrityError, SourceError
 
-try:  # ISA-L's CRC-32 (python-isal): ~5x zlib's here; the same checksum (zlib.crc32's signature)
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover - a platform without an isal wheel
-    from zlib import crc32
 
 #: What reading a damaged or unsupported zip raises: bad structure, I/O, a short read, a bad header field
 #: (struct.error), an encrypted record (RuntimeError), an unknown compression method (NotImplementedError),
@@ -107,6 +104,25 @@ def zip_records(path: Path) -> list[tuple[int, int, int, str, bool]]:
             out.append((start, info.compress_size, info.CRC, info.filename,
                         info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1))
     return out
+
+
+def check_zip_records(path: Path) -> None:
+    """Check the CRC-32 of every record of a zip-format ``torch.save`` file (read once, 1 MiB at a time).
+
+    ``torch.load`` reads tensor records without checking their CRC, so one flipped byte inside a tensor
+    record loads silently as a changed value; this check refuses such a file before anything trusts it.
+
+    Raises:
+        SourceError: (exit 2) a record fails its CRC, or the zip structure is damaged; names the record.
+    """
+    try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+    except ZIP_ERRORS as zexc:
+        raise SourceError(f"damaged torch.save file: {zexc}", where=str(path)) from None
+    if bad is not None:
+        raise SourceError(f"damaged torch.save file: record {bad} fails its CRC (a changed byte); refused",
+                          where=str(path))
 
 
 def _safetensors_ranges(path: Path) -> list[tuple[int, int]]:
@@ -298,8 +314,6 @@ def _scan(path: Path, kind: str, alg: str, check_crc: bool, stop: "threading.Eve
             raise SourceError(f"damaged torch.save file: {exc}", where=str(path)) from None
         if not all(stored for *_, stored in records):
             # not what torch.save writes (it stores records uncompressed): zipfile checks those
-            from ckpt_archive.sources.torchfile import check_zip_records
-
             check_zip_records(path)
         crc_records = sorted((start, length, crc, name) for start, length, crc, name, stored in records if stored)
     ranges = candidate_ranges(path, kind)

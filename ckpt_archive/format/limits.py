@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 
 from ckpt_archive.errors import ImplausibleSize, IntegrityError, TooLargeHere
+from ckpt_archive.format import fingerprint
 
 __all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_CHUNK_STORED_BYTES", "MAX_ZSTD_RATIO", "MAX_ANNOTATION_BYTES",
            "MAX_DATA_IDS_BYTES", "MAX_DATA_IDS_COST", "MAX_TREE_BYTES", "MAX_TREE_COST", "MAX_HEADER_BYTES", "MAX_HEADER_COST", "MAX_MEMBER_HEADER_BYTES", "WHOLE_READ_LIMITS",
@@ -114,6 +115,33 @@ def stored_bound(raw_bytes: int) -> int:
     return raw_bytes + (raw_bytes >> 7) + 1024
 
 
+def check_chunk_table(record: dict, member: str) -> None:
+    """Check that a member's chunks tile its raw and stored bytes exactly (no gap, no overlap).
+
+    This is the one place where a chunk table's sizes are checked. With it, every chunk passing its
+    stored sha256 implies the member's stored fingerprint: format 2 derives it from the chunks'
+    digests (checked here), format 1's whole-file sha256 covers the same bytes in the same order.
+
+    Raises:
+        IntegrityError: the chunk table is inconsistent (names the member and the chunk).
+    """
+    raw = stored = 0
+    for i, c in enumerate(record.get("chunks") or []):
+        if c["raw_offset"] != raw or c["stored_offset"] != stored or c["raw_bytes"] < 0 or c["stored_bytes"] < 0:
+            raise IntegrityError(f"chunk table inconsistent at chunk {i}: offsets raw {c['raw_offset']} / stored "
+                                 f"{c['stored_offset']}, expected {raw} / {stored}", where=member)
+        raw += c["raw_bytes"]
+        stored += c["stored_bytes"]
+    if raw != record["raw_bytes"] or stored != record["stored_bytes"]:
+        raise IntegrityError(f"chunk table covers {raw} raw / {stored} stored bytes, member records "
+                             f"{record['raw_bytes']} / {record['stored_bytes']}", where=member)
+    if "stored_fp" in record:  # format 2: the member's stored fingerprint is derived from the chunks'
+        got = fingerprint.sha256_chunks(c["stored_sha256"] for c in record.get("chunks") or [])
+        if got != record["stored_fp"]:
+            raise IntegrityError(f"stored fingerprint {record['stored_fp']} is not the one its chunk table "
+                                 f"derives ({got})", where=member)
+
+
 def check_member_sizes(rec: dict, member: str) -> None:
     """Refuse a member record whose sizes cannot be true (see the module docstring).
 
@@ -124,8 +152,6 @@ def check_member_sizes(rec: dict, member: str) -> None:
     Raises:
         ImplausibleSize: (exit 1) naming the member and the chunk.
     """
-    from ckpt_archive.format.codec import check_chunk_table
-
     chunks = rec.get("chunks") or []
     for i, c in enumerate(chunks):
         _check_chunk(i, c, member)

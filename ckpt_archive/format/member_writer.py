@@ -3,8 +3,8 @@ bytes into chunks, encodes them on a thread pool (:func:`ckpt_archive.format.cod
 them in order and fingerprints on the way; :class:`ChunkSink` routes one entry's chunks to a shared
 object instead of the member's file (format 3, docs/FORMAT.md "Shared objects").
 
-Split from :mod:`ckpt_archive.format.codec` (which keeps the chunk encoding itself and the readers) so that
-both stay under the project's ~600-line guide; ``codec`` re-exports these names.
+By concern: :mod:`ckpt_archive.format.codec` is a chunk's encoding and the readers of stored members; this
+module is the writer, built on :func:`~ckpt_archive.format.codec.encode_chunk` (codec never imports it).
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Callable
 
 from ckpt_archive.format import fingerprint
-from ckpt_archive.format.codec import (CODEC_NAME, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, _HINTS, _fileno,
+from ckpt_archive.format.crc import crc32
+from ckpt_archive.format.codec import (CODEC_NAME, DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, HINTS, fileno_of,
                                        default_jobs, encode_chunk)
 
 #: While writing a local file, start writeback (fdatasync on a helper thread) every this many stored
@@ -28,8 +29,6 @@ WRITE_AHEAD_BYTES = 32 << 20
 def _encode_and_crc(raw, hint: str, level: int) -> tuple[str, bytes, str, int]:
     """:func:`~ckpt_archive.format.codec.encode_chunk` plus the CRC-32 of the stored bytes (ISA-L,
     ~0.09 ns per byte, on the encoder's thread while the bytes are in its cache)."""
-    from ckpt_archive.format.exact_bytes import crc32
-
     codec, stored, sha = encode_chunk(raw, hint, level)
     return codec, stored, sha, crc32(stored)
 
@@ -119,7 +118,7 @@ class MemberWriter:
         #: for a chunk it did not write (a reference to an existing shared object). Never in the manifest:
         #: pack's trial reload compares the bytes it reads back with these (ArchiveReader.written_crc).
         self.written_crc: list[int | None] = []
-        self._fd = _fileno(fh)
+        self._fd = fileno_of(fh)
         self._unsynced = 0
         self._sync_pool: ThreadPoolExecutor | None = None
         self._sync_fut: Future | None = None
@@ -142,7 +141,7 @@ class MemberWriter:
         its first and last byte and their stored bytes go to ``sink.fh`` instead of this member's file;
         the sink is committed once its last chunk is written (see :class:`ChunkSink`).
         """
-        if hint not in _HINTS:
+        if hint not in HINTS:
             raise ValueError(f"unknown hint {hint}")
         mv = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
         n = len(mv)

@@ -1,7 +1,7 @@
 """Byte planes of float chunks: byte grouping, the sign rotation of format 3, and the buffers they use.
 
-Split out of :mod:`ckpt_archive.format.codec` (which re-exports these names) to keep that module near
-600 lines. The encodings are defined in docs/FORMAT.md, "Member encoding"; measurements in
+By concern: the array work on a chunk's bytes, used by :mod:`ckpt_archive.format.codec` (which encodes
+and decodes chunks with it) and by readers that need an anonymous buffer. The encodings are defined in docs/FORMAT.md, "Member encoding"; measurements in
 benchmarks/README.md ("Sign rotation"). Everything here is vectorised NumPy on whole chunks.
 """
 from __future__ import annotations
@@ -35,10 +35,18 @@ def anon_buffer(nbytes: int):
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
 
 
-def _scratch(slot: str, nbytes: int):
+def scratch(slot: str, nbytes: int):
     """A thread-local ``numpy.uint8`` work array of ``nbytes``, reused across chunks (never returned to a
     caller who keeps it). A fresh 4 MiB array costs a page fault per 4 KiB on first touch, ~0.2 ns per
-    byte: as much as the rotation itself. Sizes above 16 MiB (unusual ``chunk_bytes``) are not kept."""
+    byte: as much as the rotation itself. Sizes above 16 MiB (unusual ``chunk_bytes``) are not kept.
+
+    Args:
+        slot: the name of the reuse slot (one array per slot and thread). nbytes: bytes needed.
+
+    Returns:
+        a ``numpy.uint8`` array of at least ``nbytes`` (its first ``nbytes`` are the caller's until the
+        next call for the same slot on this thread); allocating may raise MemoryError.
+    """
     if nbytes > (16 << 20):
         return anon_buffer(nbytes)
     bufs = getattr(_tls, "scratch", None)
@@ -89,7 +97,7 @@ def byte_group(raw, n: int, rotate: bool = False, out=None):
         # cache-sized block at a time; rotated: byte k of (u <<< 1) is bits 8k-1 .. 8k+6 of u for k >= 1,
         # byte 0 is bits 0..6 of u moved up one, with the sign bit below them
         u = a.view(_UINT[n])
-        tmp = _scratch("tmp", min(len(u), BLOCK_ELEMS) * n).view(_UINT[n])
+        tmp = scratch("tmp", min(len(u), BLOCK_ELEMS) * n).view(_UINT[n])
         for s in range(0, len(u), BLOCK_ELEMS):
             e = min(len(u), s + BLOCK_ELEMS)
             ub, tb = u[s:e], tmp[:e - s]
@@ -106,8 +114,8 @@ def byte_group(raw, n: int, rotate: bool = False, out=None):
         return planes
     if rotate:
         u = a.view(_UINT[n])
-        r = _scratch("rot", len(a)).view(_UINT[n])
-        tmp = _scratch("tmp", len(a)).view(_UINT[n])
+        r = scratch("rot", len(a)).view(_UINT[n])
+        tmp = scratch("tmp", len(a)).view(_UINT[n])
         np.left_shift(u, 1, out=r)
         np.right_shift(u, 8 * n - 1, out=tmp)
         np.bitwise_or(r, tmp, out=r)
@@ -122,7 +130,7 @@ def _rotr1_inplace(u, n: int, low=None) -> None:
     import numpy as np
 
     if low is None:
-        low = _scratch("tmp", u.nbytes).view(u.dtype)
+        low = scratch("tmp", u.nbytes).view(u.dtype)
     np.left_shift(u, 8 * n - 1, out=low)
     u >>= 1
     u |= low
@@ -158,7 +166,7 @@ def byte_ungroup(planes, n: int, out=None, rotate: bool = False) -> memoryview:
         # back, one cache-sized block at a time: the destination is written by one pass per block while
         # its lines are in the cache (a strided per-plane copy is ~4x slower)
         u = dest.view(_UINT[n])
-        tmp = _scratch("tmp", min(len(u), BLOCK_ELEMS) * n).view(_UINT[n]) if rotate else None
+        tmp = scratch("tmp", min(len(u), BLOCK_ELEMS) * n).view(_UINT[n]) if rotate else None
         for s in range(0, len(u), BLOCK_ELEMS):
             e = min(len(u), s + BLOCK_ELEMS)
             ob = u[s:e]

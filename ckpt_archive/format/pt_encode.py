@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any
 
 from ckpt_archive.format.pt_pickle import ITEMSIZE, PtStorage, PtTensor
-from ckpt_archive.format.state_tree import TORCH_TO_ST, Entry, TensorTable, _c_strides, _Encoder, check_view_size
+from ckpt_archive.format.state_tree import TORCH_TO_ST, Encoder, Entry, TensorTable, c_strides, check_view_size
 
 
 @dataclasses.dataclass
@@ -42,7 +42,7 @@ def _file_entry(key: str, st_dtype: str, shape: list, storage: PtStorage) -> Fil
                      file_identity=storage.file.identity, file_offset=storage.offset)
 
 
-class _TorchFreeEncoder(_Encoder):
+class _TorchFreeEncoder(Encoder):
     def _leaf_types(self) -> tuple:
         return super()._leaf_types() + (PtTensor,)
 
@@ -64,7 +64,7 @@ class _TorchFreeEncoder(_Encoder):
 def _natural(t: PtTensor) -> bool:
     n = t.numel()
     return (t.is_contiguous() and t.offset == 0 and n * t.element_size() == t.storage.nbytes
-            and (n > 0 or list(t.stride) == _c_strides(t.shape)))
+            and (n > 0 or list(t.stride) == c_strides(t.shape)))
 
 
 def _group(leaves: list[tuple[str, PtTensor]], table: TensorTable) -> TensorTable:

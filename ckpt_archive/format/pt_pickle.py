@@ -40,6 +40,7 @@ import mmap
 import struct
 import sys
 import zipfile
+from collections import OrderedDict as _OrderedDict  # its own name: the checks read as type tests
 from pathlib import Path
 from typing import Any
 
@@ -539,6 +540,3 @@ class _Machine:
         st = self.loaded[key] = PtStorage(key, dtype, numel, rec[0], self.file)
         return st
 
-
-#: the OrderedDict class (imported here under its own name so the checks above read as type tests)
-from collections import OrderedDict as _OrderedDict  # noqa: E402

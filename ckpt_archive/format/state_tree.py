@@ -164,12 +164,12 @@ def apply_view_bits(t, bits: dict):
 
 
 def _tensor_u8_pieces(t):
-    """:func:`_tensor_u8`'s bytes as pieces of at most ``fingerprint.VIEW_PIECE_BYTES`` (a view never gathered
+    """:func:`tensor_u8`'s bytes as pieces of at most ``fingerprint.VIEW_PIECE_BYTES`` (a view never gathered
     whole: a stride of 0 makes its logical bytes any multiple of its storage's)."""
     from ckpt_archive.format.fingerprint import view_pieces
 
     t = physical(t.detach())
-    return view_pieces(t, t.element_size(), _tensor_u8)
+    return view_pieces(t, t.element_size(), tensor_u8)
 
 
 def check_view_size(key: str, logical: int, stored: int) -> None:
@@ -186,10 +186,14 @@ def check_view_size(key: str, logical: int, stored: int) -> None:
         raise SourceError(f"{problem}: nothing could use it here", where=key)
 
 
-def _tensor_u8(t):
+def tensor_u8(t):
     """Contiguous CPU bytes of a tensor as a 1-D uint8 NumPy array (no copy when already contiguous).
 
-    A conj/neg view gives its physical bytes (:func:`physical`), as ``torch.save`` stores them."""
+    A conj/neg view gives its physical bytes (:func:`physical`), as ``torch.save`` stores them.
+
+    Raises:
+        what torch raises copying a tensor off its device (a meta tensor has no bytes).
+    """
     torch = _torch()
     t = physical(t.detach())
     if t.device.type != "cpu":
@@ -225,7 +229,7 @@ def _float(v: float):
 
 def _plain_json_list(obj: list) -> bool:
     """Whether every element of a list is its own JSON encoding: all safe-range ints, all finite floats or
-    all UTF-8 str (what :meth:`_Encoder._enc` would return unchanged, one element at a time)."""
+    all UTF-8 str (what :meth:`Encoder._enc` would return unchanged, one element at a time)."""
     kinds = set(map(type, obj))
     if kinds == {int}:
         return -MAX_SAFE_INT <= min(obj) and max(obj) <= MAX_SAFE_INT
@@ -258,7 +262,19 @@ _JSON_ATOMS = frozenset({int, float, str, bool, type(None)})
 _ATOM_TYPES = frozenset({int, float, str, bool, type(None), bytes, complex})
 
 
-class _Encoder:
+class Encoder:
+    """The encoder behind :func:`encode`: ``enc(state, ())`` gives the tree, then ``finish_tensors()`` fills
+    ``table`` (a :class:`TensorTable`). Subclassed where a caller notes more per tensor
+    (:mod:`ckpt_archive.format.pt_encode`, the distributed Checkpointer's shard-aware encoder).
+
+    Args:
+        allow: plain-data classes admitted besides torch's allowlist (default: the current
+            :func:`~ckpt_archive.format.allowlist.allowing` context).
+
+    Raises:
+        SourceError: (from ``enc``) a value that cannot round-trip exactly, as :func:`encode` says.
+    """
+
     def __init__(self, allow=None):
         allow = current_allowed() if allow is None else allow
         self.allow = {class_name(c) if isinstance(c, type) else str(c) for c in allow}
@@ -551,7 +567,7 @@ class _Encoder:
         key0, t0 = views[0]
         dname = str(t0.dtype).replace("torch.", "")
         self.table.entries[key0] = Entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape],
-                                         lambda t=t0: _tensor_u8(t), t0.numel() * t0.element_size())
+                                         lambda t=t0: tensor_u8(t), t0.numel() * t0.element_size())
         for i, (key, t) in enumerate(views):
             rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape],
                    **_leaf_flags(t)}
@@ -595,11 +611,12 @@ def _natural(t) -> bool:
     entry comes back with."""
     return (t.is_contiguous() and t.storage_offset() == 0
             and t.numel() * t.element_size() == t.untyped_storage().nbytes()
-            and (t.numel() > 0 or list(t.stride()) == _c_strides(t.shape)))
+            and (t.numel() > 0 or list(t.stride()) == c_strides(t.shape)))
 
 
-def _c_strides(shape) -> list[int]:
-    """The strides, in elements, of a C-contiguous tensor of ``shape``."""
+def c_strides(shape) -> list[int]:
+    """The strides, in elements, of a C-contiguous tensor of ``shape`` (a sequence of ints; 0-sized
+    dimensions count as 1, as torch strides them). Never raises for a sequence of integers."""
     out, acc = [], 1
     for n in reversed([int(x) for x in shape]):
         out.append(acc)
@@ -627,7 +644,7 @@ def _leaf_flags(t) -> dict:
 
 def _probe_bytes(t, where: str) -> None:
     """Fail now, before anything is written, if a dense tensor's bytes cannot be taken the way the writer
-    will take them: one element of it goes through the same path (:func:`_tensor_u8`, :func:`_storage_u8`,
+    will take them: one element of it goes through the same path (:func:`tensor_u8`, :func:`_storage_u8`,
     :func:`view_bits`). A tensor kind the writer cannot read is refused at encode time, naming its path,
     instead of failing half-way through a generation."""
     torch = _torch()
@@ -635,7 +652,7 @@ def _probe_bytes(t, where: str) -> None:
         view_bits(t)
         if t.numel() > 0:
             one = torch.as_strided(t.detach(), (1,), (1,), t.storage_offset())
-            _tensor_u8(one)
+            tensor_u8(one)
         if t.untyped_storage().nbytes() > 0 and t.device.type == "cpu":
             _storage_u8(t)
     except SourceError as exc:
@@ -660,7 +677,7 @@ def encode(state: Any, *, allow=None, encoder: type | None = None) -> tuple[Any,
             scalars and dtypes.
         allow: names (``"argparse.Namespace"``) or classes of admitted plain-data classes; default: those
             admitted by :func:`ckpt_archive.format.allowlist.allowing` in this context.
-        encoder: an ``_Encoder`` subclass (:mod:`ckpt_archive.format.pt_encode`: tensors read without torch).
+        encoder: an ``Encoder`` subclass (:mod:`ckpt_archive.format.pt_encode`: tensors read without torch).
 
     Returns:
         (tree, table): ``tree`` is strict-JSON-able (``json.dumps(tree, allow_nan=False)`` works);
@@ -671,7 +688,7 @@ def encode(state: Any, *, allow=None, encoder: type | None = None) -> tuple[Any,
             custom class not admitted, a tensor subclass, an object array), naming its path, its type
             and what to do. Nothing is ever stored as a lookalike of another type.
     """
-    enc = (encoder or _Encoder)(allow)
+    enc = (encoder or Encoder)(allow)
     enc.count_shared(state)
     from ckpt_archive.format.jsonio import MAX_DEPTH, depth_exceeds
 
@@ -690,7 +707,7 @@ def encode(state: Any, *, allow=None, encoder: type | None = None) -> tuple[Any,
 
 def encode_value(value: Any) -> Any:
     """Encode a tensor-free value (config, metrics) to strict JSON with the same tags."""
-    enc = _Encoder(())
+    enc = Encoder(())
     tree = enc.enc(value, ())
     if enc._tensor_leaves or enc.table.entries:
         names = ", ".join(key for key, _ in enc._tensor_leaves[:5])
@@ -820,7 +837,7 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
                 return torch.TypedStorage(wrap_storage=storage, dtype=_torch_attr(node["dtype"], "dtype"),
                                           _internal=True)
             return storage
-        if t == "str":  # a str with lone surrogates (see _Encoder._enc)
+        if t == "str":  # a str with lone surrogates (see Encoder._enc)
             return str_from_node(node)
         if t == "bytes":
             return base64.b64decode(node["b64"])

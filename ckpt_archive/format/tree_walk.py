@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt_archive.errors import FormatError
+from ckpt_archive.errors import FormatError, IntegrityError
 
 
 def iter_nodes(tree: Any):
@@ -62,3 +62,26 @@ def inline_refs(node: Any, origins: dict[int, dict]) -> Any:
         return {k: walk(v) for k, v in n.items()}
 
     return walk(node) if any(n.get("$t") == "ref" for n in iter_nodes(node)) else node
+
+
+def folder_file_node(tree: Any, relpath: str) -> Any:
+    """The encoded node of one source file in the state tree of a folder generation (the tree's top level
+    is ``{relpath: node}``, a plain dict or a ``{"$t": "dict"/"odict", "items": [[key, node], ...]}`` one).
+
+    Args:
+        tree: the generation's encoded state tree. relpath: a ``source.files[].relpath`` of the manifest.
+
+    Returns:
+        the node (a sub-tree for :meth:`~ckpt_archive.repo.reader.ArchiveReader.load_node`).
+
+    Raises:
+        IntegrityError: (exit 1) the tree has no entry for ``relpath``.
+    """
+    if isinstance(tree, dict) and "$t" not in tree:
+        if relpath in tree:
+            return tree[relpath]
+    elif isinstance(tree, dict) and tree.get("$t") in ("dict", "odict"):
+        for k, v in tree["items"]:
+            if k == relpath:
+                return v
+    raise IntegrityError(f"state tree has no entry for source file {relpath!r}", where="tree.json")

@@ -52,6 +52,24 @@ def pick(r: Repository, generation: str | int, fallback: bool = False) -> Genera
     return require_readable(r, r.resolve(generation, copied=True))
 
 
+def open_reader(r: Repository, gen: Generation, *, jobs: int | None = None):
+    """The :class:`~ckpt_archive.repo.reader.ArchiveReader` of a picked generation (for callers above ops,
+    which import no repo: the Checkpointer's restore). Every read through it is checked as ``load``'s.
+
+    Args:
+        r: the repository. gen: a generation from :func:`pick` (or ``r.generation(n)``). jobs: decoder threads.
+
+    Returns:
+        the reader (``tree()``, ``load_node(tree)``, ``load()``).
+
+    Raises:
+        nothing itself; its reads raise IntegrityError (exit 1) on a failed check.
+    """
+    from ckpt_archive.repo.reader import ArchiveReader
+
+    return ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
+
+
 def require_readable(r: Repository, gen: Generation, *, allow_noted: bool = False) -> Generation:
     """:func:`pick`'s checks on a generation already resolved (its manifest is parsed and validated once,
     not once per check: ~30 ms for a 1000-tensor manifest). ``allow_noted``: a generation with a recorded
@@ -307,7 +325,7 @@ def split_repo_spec(spec: str) -> tuple[str, str]:
         ('s3://u@bucket/p', 'latest')
     """
     if "@" in spec:
-        from ckpt_archive.store.local import has_scheme
+        from ckpt_archive.store.base import has_scheme
 
         head, _, tail = spec.rpartition("@")
         if head and _GEN_SUFFIX.match(tail):

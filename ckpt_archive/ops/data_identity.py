@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from ckpt_archive.errors import CheckFailed, IntegrityError
-from ckpt_archive.format.data_ids import _plain, canonical_bytes, fingerprint
+from ckpt_archive.format.data_ids import plain_keys, canonical_bytes, fingerprint
 
 #: At most this many changed/added/removed entries are listed in a message (all are counted).
 MAX_LISTED = 10
@@ -101,7 +101,7 @@ def compare_data_ids(archived: Any, session: Any) -> DataIdsDiff:
     Returns:
         :class:`DataIdsDiff` (``same`` when equal).
     """
-    a, s = _plain(archived), _plain(session)
+    a, s = plain_keys(archived), plain_keys(session)
     diff = DataIdsDiff()
     if isinstance(a, dict) and isinstance(s, dict):
         for k in sorted(set(a) | set(s)):

@@ -57,7 +57,7 @@ def rewrite_folder_files(reader: Any, manifest: dict, dest: Any, rewrite: Folder
 
     from ckpt_archive.format.state_tree import decode
     from ckpt_archive.format.tensor_stub import TensorStub
-    from ckpt_archive.ops.restore import _folder_node
+    from ckpt_archive.format.tree_walk import folder_file_node
 
     files = {f["relpath"]: f for f in manifest["source"]["files"]}
     tree = reader.tree()
@@ -73,7 +73,7 @@ def rewrite_folder_files(reader: Any, manifest: dict, dest: Any, rewrite: Folder
 
     def load(relpath: str) -> Any:
         torch_file(relpath)
-        return reader.load_node(_folder_node(tree, relpath), map_location=map_location)
+        return reader.load_node(folder_file_node(tree, relpath), map_location=map_location)
 
     rewrites, report = rewrite(stub_state if isinstance(stub_state, dict) else {}, load)
     delta = 0

@@ -27,6 +27,8 @@ from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.ops.meta import (code_identity, default_instructions, environment, find_metrics, find_progress,
                                    needs_by_part, value_or_file)
 from ckpt_archive.repo.publish import PACK_POINTS, BeforePublish, Lifecycle, Withdrawn
+# re-exported: the Checkpointer (training/, which uses ops) records what it publishes as the CLI does
+from ckpt_archive.repo.publish import record_publishes  # noqa: F401
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import MANIFEST, Repository, gen_key, host_record, iso, raise_if_problems, utcnow
 from ckpt_archive.repo.writer import write_members
@@ -160,10 +162,23 @@ class _Prepared:
     allowed: list[str] = dataclasses.field(default_factory=list)
 
 
-def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, retention: Any,
-             encoder: Callable[[Any], tuple] | None = None, *, zip_crc_checked: bool = False) -> _Prepared:
-    """``encoder``: replaces ``state_tree.encode`` (the distributed checkpointer's shard-aware encoder).
-    ``zip_crc_checked``: the caller checks a ``torch.save`` file's zip records itself (pack's early scan)."""
+def prepare(source_or_path: Any, options: PackOptions, notes: Annotations, retention: Any,
+            encoder: Callable[[Any], tuple] | None = None, *, zip_crc_checked: bool = False) -> _Prepared:
+    """Everything pack decides before it claims a generation: the source read, the state encoded (tree +
+    tensor table), the annotations read and bounded, progress and metrics found.
+
+    Args:
+        source_or_path: a checkpoint path or an in-memory state. options, notes, retention: as :func:`pack`.
+        encoder: replaces ``state_tree.encode`` (the distributed checkpointer's shard-aware encoder).
+        zip_crc_checked: the caller checks a ``torch.save`` file's zip records itself (pack's early scan).
+
+    Returns:
+        the prepared state (``source``, ``encoded``, ``data_ids``, ...), for ``build_manifest`` and the writers.
+
+    Raises:
+        UsageError: a bad option (``retention`` not a RetentionPolicy, ``chunk_bytes`` out of range).
+        SourceError / RefusedPickle: the source cannot be read or encoded exactly.
+    """
     from ckpt_archive.sources import from_object, read_source
 
     if retention is not None:
@@ -436,7 +451,7 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
         # Either way a refusal leaves nothing behind in the repository.
         try:
             try:
-                prep = _prepare(source, options, annotations, retention,
+                prep = prepare(source, options, annotations, retention,
                                 zip_crc_checked=scan is not None and scan.crc_checked)
             except SourceError:
                 _raise_if_changed([scan] if scan is not None else [])

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from ckpt_archive.errors import (CannotCheck, InsufficientSpace, IntegrityError, OutputExists, UsageError,
                                  first_line)
 from ckpt_archive.format.paths import check_relpath
+from ckpt_archive.format.tree_walk import folder_file_node
 from ckpt_archive.ops.common import (RepoLike, copied_note, open_repo, refuse_special_output, refuse_unusable,
                                      require_readable)
 from ckpt_archive.ops.load import with_fallback
@@ -369,7 +370,7 @@ def _restore_folder_file(reader: ArchiveReader, tree: Any, f: dict, dest: Dir, f
     else:
         fd = folder.create(name)  # the name is ours from here
         try:
-            node = _folder_node(tree, f["relpath"])
+            node = folder_file_node(tree, f["relpath"])
             obj = reader.load_node(node, map_location=map_location, on_bytes=on_bytes)
         except BaseException:
             os.close(fd)
@@ -445,17 +446,6 @@ class _Counted:
 
     def flush(self) -> None:
         self._fh.flush()
-
-
-def _folder_node(tree: Any, relpath: str) -> Any:
-    if isinstance(tree, dict) and "$t" not in tree:
-        if relpath in tree:
-            return tree[relpath]
-    elif isinstance(tree, dict) and tree.get("$t") in ("dict", "odict"):
-        for k, v in tree["items"]:
-            if k == relpath:
-                return v
-    raise IntegrityError(f"state tree has no entry for source file {relpath!r}", where="tree.json")
 
 
 __all__ = ["restore", "RestoreResult"]

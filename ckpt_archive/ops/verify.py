@@ -13,6 +13,7 @@ from ckpt_archive.errors import CannotCheck, CkptArchiveError, IntegrityError, R
 from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import CHECK_FAILED, MANIFEST, Generation, Repository
+from ckpt_archive.repo.trial_reload import trial_reload
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | Non
     summary = gen.manifest.get("summary") or {}
     if deep:
         phase(on_bytes, f"trial reload of generation {gen.number}", summary.get("raw_bytes"))
-        stats = reader.trial_reload(problems, on_bytes=on_bytes)
+        stats = trial_reload(reader, problems, on_bytes=on_bytes)
     else:
         phase(on_bytes, f"re-read of generation {gen.number}", summary.get("stored_bytes"))
         reader.check_stored(problems, on_bytes=on_bytes)

@@ -500,7 +500,8 @@ def decode_around(fh, rec: dict, proven: frozenset, *, jobs: int, verify_chunks:
         IntegrityError: the chunk table does not tile the member, its stream has another size, or a chunk
             fails its check or decode (named as ``iter_decoded`` names it, within its run).
     """
-    from ckpt_archive.format.codec import check_chunk_table, iter_decoded
+    from ckpt_archive.format.codec import iter_decoded
+    from ckpt_archive.format.limits import check_chunk_table
 
     member = rec["path"]
     check_chunk_table(rec, member)

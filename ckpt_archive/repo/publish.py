@@ -181,7 +181,7 @@ class Steps(Protocol):
     def reloaded(self, problems: list[Problem], counts: dict) -> None:
         """Observe the trial reload's result (before a failure is raised)."""
 
-    # Optional: ``trial_reload(reader, problems) -> counts`` replaces ``reader.trial_reload(problems)``
+    # Optional: ``trial_reload(reader, problems) -> counts`` replaces :func:`~ckpt_archive.repo.trial_reload.trial_reload`
     # (the distributed checkpointer: each rank reloads what it wrote, rank 0 gathers the results).
 
     def record(self, repo: Repository, counts: dict) -> dict:
@@ -292,6 +292,7 @@ class Lifecycle:
             self.step = "verify"
             phase(self.progress, "verify")
             from ckpt_archive.repo.reader import ArchiveReader
+            from ckpt_archive.repo.trial_reload import trial_reload
 
             reader = ArchiveReader(r.store, key, manifest, jobs=self.jobs)
             verified = steps.verify(r, number, reader)
@@ -301,7 +302,7 @@ class Lifecycle:
             problems: list[Problem] = []
             own_reload = getattr(steps, "trial_reload", None)  # optional Steps method (distributed saves)
             counts = (own_reload(reader, problems) if own_reload is not None
-                      else reader.trial_reload(problems, on_bytes=self.progress))
+                      else trial_reload(reader, problems, on_bytes=self.progress))
             steps.reloaded(problems, counts)
             raise_if_problems(self.reload_where, problems, number)
             self._point(self.points.reloaded)

@@ -18,9 +18,10 @@ from typing import Any, Iterator
 from ckpt_archive.errors import (CkptArchiveError, FormatError, IntegrityError, NotFound, UnsafePath, UsageError,
                                  first_line)
 from ckpt_archive.format import fingerprint, jsonio
-from ckpt_archive.format.codec import StoredStream, _fileno, default_jobs, iter_decoded, submit_chunk_checks
+from ckpt_archive.format.codec import StoredStream, fileno_of, default_jobs, iter_decoded, submit_chunk_checks
 from ckpt_archive.format.objects import parts, stored_files
 from ckpt_archive.repo.objects import ProvenRange, decode_around, object_entries, open_member
+from ckpt_archive.format.leaf_checks import SizeOnly, check_leaf_bytes, check_tree_kinds
 from ckpt_archive.format.limits import (IN_FLIGHT_RAW_BYTES, MAX_TREE_BYTES, MAX_TREE_COST, check_allocation,
                                        check_whole_read, frame_size_problem, lazy_buffer)
 from ckpt_archive.format.shard import check_header as _check_header
@@ -183,7 +184,7 @@ class ArchiveReader:
             return item
         item["sized"] = True
         item["fh_cm"], item["fh"] = cm, fh
-        fd = _fileno(fh)
+        fd = fileno_of(fh)
         if fd is not None:
             item["futs"] = submit_chunk_checks(fd, rec, member=rec["path"], pool=pool) or False
         return item
@@ -627,23 +628,6 @@ class ArchiveReader:
                                  where=self.manifest["tree_member"]) from None
         return self._tree
 
-    # -- trial reload --------------------------------------------------------------------------------
-    def trial_reload(self, problems: list[Problem], on_bytes=None) -> dict:
-        """The full check of this generation: see :func:`ckpt_archive.repo.trial_reload.trial_reload`.
-
-        A manifest that passed its schema and reference checks but still lacks what a reader indexes
-        (``KeyError``/``TypeError``/``IndexError`` on its content) is a problem of the generation, named
-        as such, as ``load`` names it -- never an "internal error" (the hostile-archive suite's rule).
-        """
-        from ckpt_archive.repo.trial_reload import trial_reload
-
-        try:
-            return trial_reload(self, problems, on_bytes=on_bytes)
-        except (KeyError, TypeError, IndexError) as exc:
-            problems.append(Problem(f"the manifest is malformed where it is read ({type(exc).__name__}: {exc})",
-                                    member="manifest.json"))
-            return {"tensors": 0, "bytes": 0, "members": len(self.manifest.get("members") or ())}
-
     # -- load ------------------------------------------------------------------------------------------
     def load(self, only: str | None = None, *, map_location=None, on_bytes=None, spill_dir=None) -> Any:
         """Rebuild the nested state (or the sub-tree at ``only``, a ``/``-separated path).
@@ -666,8 +650,6 @@ class ArchiveReader:
         larger than RAM stays within the chunk pipeline's memory. Needs free space for the raw bytes.
         [codec/benchmarks helper]
         """
-        from ckpt_archive.repo.trial_reload import check_tree_kinds
-
         wanted_leaves = set(tensor_refs(tree))
         tensors = self.manifest["tensors"]
         check_tree_kinds(tree, tensors)
@@ -700,8 +682,6 @@ class ArchiveReader:
 
     def _build(self, wanted_entries, by_entry, tensors, built, bases, checks, hash_pool, map_location,
                on_bytes, spill_dir) -> dict:
-        from ckpt_archive.repo.trial_reload import check_leaf_bytes
-
         for path, entries in wanted_entries.items():
             rec = self.by_path[path]
             # [codec/benchmarks helper] In memory, every returned tensor's bytes are hashed against
@@ -752,7 +732,7 @@ class _Window:
 
     def __init__(self, fh, base: int, length: int):
         self.fh, self.base, self.length, self._pos = fh, base, length, 0
-        self._fd = _fileno(fh)
+        self._fd = fileno_of(fh)
         self.positional = self._fd is not None
 
     def size(self) -> int:
@@ -773,19 +753,6 @@ class _Window:
         data = self.fh.read(n) or b""
         self._pos += len(data)
         return data
-
-
-class SizeOnly:
-    """Stands for an entry's bytes when only their number matters (:meth:`ArchiveReader.iter_entries`
-    with ``sizes_only``): ``len()`` and ``nbytes`` give the length; there is no buffer."""
-
-    __slots__ = ("nbytes",)
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-
-    def __len__(self) -> int:
-        return self.nbytes
 
 
 class ProvenSize(SizeOnly):
@@ -888,7 +855,7 @@ def leaf_from_base(base, lrec: dict):
 
 
 def check_leaf(t, lrec: dict, leaf: str, known_sha: str | None = None) -> None:
-    from ckpt_archive.format.state_tree import _tensor_u8
+    from ckpt_archive.format.state_tree import tensor_u8
 
     shape = list(t.shape)
     if shape != list(lrec["shape"]):
@@ -896,7 +863,7 @@ def check_leaf(t, lrec: dict, leaf: str, known_sha: str | None = None) -> None:
     if lrec["kind"] == "numpy":
         got_dtype, data = t.dtype.str, memoryview(t.tobytes())
     else:
-        got_dtype, data = str(t.dtype).replace("torch.", ""), _tensor_u8(t)
+        got_dtype, data = str(t.dtype).replace("torch.", ""), tensor_u8(t)
     if got_dtype != lrec["dtype"]:
         raise IntegrityError(f"dtype {got_dtype} != manifest {lrec['dtype']}", where=leaf)
     want = fingerprint.raw_fp(lrec)

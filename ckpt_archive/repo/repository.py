@@ -819,7 +819,7 @@ def _refuse_a_generation_given_as_a_repository(url: Any) -> None:
     Raises:
         UsageError: ``url`` is a local ``PATH@GEN`` that does not exist while ``PATH`` holds a repository.
     """
-    from ckpt_archive.store.local import has_scheme
+    from ckpt_archive.store.base import has_scheme
 
     spec = os.fspath(url) if isinstance(url, (str, os.PathLike)) else None
     if not spec or "@" not in spec or has_scheme(spec) or os.path.exists(spec):

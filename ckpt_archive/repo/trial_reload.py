@@ -16,23 +16,14 @@ not decoded again (``ArchiveReader.proven_objects``; the rule and why it is soun
 """
 from __future__ import annotations
 
-import math
-
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, StoreError, TooLargeHere
 from ckpt_archive.format import fingerprint
-from ckpt_archive.format.limits import MAX_DATA_IDS_BYTES, check_whole_read, view_size_problem
-from ckpt_archive.format.state_tree import NUMPY_TO_ST, TORCH_TO_ST, decode
-from ckpt_archive.repo.reader import ArchiveReader, Problem, ProvenSize, SizeOnly, tensor_refs
-
-#: Element size of every torch dtype by name, so tensors are checked without importing torch.
-TORCH_ITEMSIZE = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex32": 4, "complex64": 8, "complex128": 16,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-    "float4_e2m1fn_x2": 1, "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
-    "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
-}
-
+# the leaf checks are format's (every reader runs them); they are named here too, where the trial reload uses them
+from ckpt_archive.format.leaf_checks import (TORCH_ITEMSIZE, check_leaf_bytes, check_leaf_fp,  # noqa: F401
+                                             check_leaf_geometry, check_tree_kinds)
+from ckpt_archive.format.limits import MAX_DATA_IDS_BYTES, check_whole_read
+from ckpt_archive.format.state_tree import decode
+from ckpt_archive.repo.reader import ArchiveReader, Problem, ProvenSize, tensor_refs
 
 def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) -> dict:
     """Decode every member of the generation ``reader`` reads; check every tensor's raw fingerprint,
@@ -48,7 +39,21 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
         counts: ``tensors`` checked, ``bytes`` decoded, ``members``; ``proven_bytes``: raw bytes of shared
         objects in ``reader.proven_objects`` that were not decoded again (pack hashed their stored bytes;
         present when not 0).
+    
+    A manifest that passed its schema and reference checks but still lacks what a reader indexes
+    (``KeyError``/``TypeError``/``IndexError`` on its content) is a problem of the generation, named as
+    such, as ``load`` names it -- never an "internal error" (the hostile-archive suite's rule).
     """
+    try:
+        return _reload(reader, problems, on_bytes)
+    except (KeyError, TypeError, IndexError) as exc:
+        problems.append(Problem(f"the manifest is malformed where it is read ({type(exc).__name__}: {exc})",
+                                member="manifest.json"))
+        return {"tensors": 0, "bytes": 0, "members": len(reader.manifest.get("members") or ())}
+
+
+def _reload(reader: ArchiveReader, problems: list[Problem], on_bytes) -> dict:
+    """:func:`trial_reload`'s work, on a manifest that may still lack what it indexes."""
     tensors = reader.manifest["tensors"]
     by_entry: dict[str, list[str]] = {}
     for leaf, rec in tensors.items():
@@ -308,150 +313,3 @@ def check_entry_leaves(tensors: dict, rec: dict, erec: dict, buf, leaves: list[s
     return passed
 
 
-def _itemsize(dtype: str, kind: str) -> int:
-    if kind == "numpy":
-        import numpy as np
-
-        return np.dtype(dtype).itemsize
-    size = TORCH_ITEMSIZE.get(dtype)
-    if size is None:  # a dtype newer than this table: ask torch (the only path that imports it)
-        from ckpt_archive.format.state_tree import torch_dtype
-
-        size = torch_dtype(dtype).itemsize
-    return size
-
-
-def check_leaf_bytes(buf, erec: dict, lrec: dict, leaf: str, entry_fp: str | None) -> None:
-    """Raise IntegrityError when the leaf cannot be rebuilt from the entry's bytes as the manifest says.
-
-    What is checked (the trial reload, ``load`` and ``restore`` run the same checks, so a generation
-    they read is the one the trial reload proved): dtype and shape against the entry (or, for a view,
-    its offset and strides inside the entry's bytes, and the view's own bytes against its raw
-    fingerprint); a plain leaf's raw fingerprint is the entry's (``entry_fp``); a conjugate view is of a
-    complex dtype.
-
-    Args:
-        buf: the entry's raw bytes (bytes-like, or :class:`~ckpt_archive.repo.reader.SizeOnly`).
-        erec: the entry's record (member ``entries``); lrec: the leaf's record (manifest ``tensors``).
-        leaf: the leaf's key (for messages). entry_fp: the entry's raw fingerprint, known to hold for
-            ``buf`` or checked by the caller.
-    """
-    nbytes = buf.nbytes if isinstance(buf, SizeOnly) else (len(memoryview(buf).cast("B")) if len(buf) else 0)
-    whole = check_leaf_geometry(erec, lrec, leaf, nbytes)
-    view = lrec.get("view")
-    if whole:  # the leaf's bytes are the entry's: its fingerprint is the entry's
-        check_leaf_fp(lrec, leaf, entry_fp or fingerprint.digest_like(buf, fingerprint.raw_fp(lrec)))
-    else:
-        import numpy as np  # only views need it (the policy audit of small leaves does not import it)
-
-        size = _itemsize(lrec["dtype"], lrec["kind"])
-        shape = [int(x) for x in lrec["shape"]]
-        offset, stride = int(view["storage_offset"]), [int(s) for s in view["stride"]]
-        want = fingerprint.raw_fp(lrec)
-        if math.prod(shape):
-            too_large = view_size_problem(math.prod(shape) * size, nbytes)
-            if too_large:
-                raise TooLargeHere(too_large, where=leaf)
-            elems = np.frombuffer(buf, dtype=np.uint8)[:(nbytes // size) * size].view(f"V{size}")
-            view_ = np.lib.stride_tricks.as_strided(elems[offset:], shape=shape, strides=[s * size for s in stride],
-                                                    writeable=False)
-            # [break] hashed piece by piece: a view's logical bytes may be any multiple of its entry's (stride 0)
-            got = fingerprint.digest_pieces(fingerprint.view_pieces(
-                view_, size, lambda a: np.ascontiguousarray(a).reshape(-1).view(np.uint8)), fingerprint.split(want)[0])
-        else:
-            got = fingerprint.digest_like(b"", want)
-        check_leaf_fp(lrec, leaf, got)
-
-
-def check_leaf_fp(lrec: dict, leaf: str, got: str) -> None:
-    """Raise IntegrityError when ``got`` (the fingerprint of the leaf's bytes: for a leaf that is its whole
-    entry, the entry's) is not the leaf's raw fingerprint in the manifest."""
-    want = fingerprint.raw_fp(lrec)
-    if got != want:
-        if want.startswith("sha256:"):  # format 1's wording
-            raise IntegrityError(f"raw sha256 mismatch: expected {want[7:]}, got {got.partition(':')[2]}", where=leaf)
-        raise IntegrityError(f"raw fingerprint mismatch: expected {want}, got {got}", where=leaf)
-
-
-def check_leaf_geometry(erec: dict, lrec: dict, leaf: str, nbytes: int) -> bool:
-    """The checks of :func:`check_leaf_bytes` that need no bytes: dtype and shape against the entry of
-    ``nbytes`` raw bytes, a view's offset and strides inside them, a conjugate view only of a complex dtype.
-
-    Returns:
-        True when the leaf's bytes are exactly the entry's (no view, or a view at offset 0 with the
-        entry's dtype, C-contiguous strides and all its bytes): its raw fingerprint is then the entry's.
-
-    Raises:
-        IntegrityError: the leaf cannot be what the manifest says it is; names the leaf.
-    """
-    kind, dtype, shape = lrec["kind"], lrec["dtype"], [int(x) for x in lrec["shape"]]
-    view = lrec.get("view")
-    if (lrec.get("bits") or {}).get("conj") and not dtype.startswith("complex"):
-        raise IntegrityError(f"a conjugate view of {dtype}: only complex tensors have one", where=leaf)
-    if lrec.get("requires_grad") and not (dtype.startswith(("float", "bfloat", "complex"))):
-        raise IntegrityError(f"requires_grad on a {dtype} tensor: only floating point and complex tensors "
-                             f"can require gradients", where=leaf)
-    size = _itemsize(dtype, kind)
-    numel = math.prod(shape)
-    st_of = NUMPY_TO_ST if kind == "numpy" else TORCH_TO_ST
-    if not view:
-        try:
-            if kind == "numpy":
-                import numpy as np
-
-            want_st = st_of.get(np.dtype(dtype).str if kind == "numpy" else dtype)
-        except TypeError:
-            raise IntegrityError(f"dtype {dtype!r} is not a NumPy dtype", where=leaf) from None
-        want_shape = shape
-        if want_st is None and kind == "numpy":  # the writer keeps such an array as raw bytes (U8)
-            want_st, want_shape = "U8", [numel * size]
-        if want_st is None:  # the writer keeps such a tensor as a view of raw bytes, never plain
-            raise IntegrityError(f"dtype {dtype} has no safetensors code: it cannot be a plain entry",
-                                 where=leaf)
-        if want_st != erec.get("dtype"):
-            raise IntegrityError(f"dtype {dtype} != entry dtype {erec.get('dtype')}", where=leaf)
-        if want_shape != list(erec.get("shape", want_shape)):
-            raise IntegrityError(f"shape {shape} != entry shape {erec.get('shape')}", where=leaf)
-        if numel * size != nbytes:
-            raise IntegrityError(f"shape {shape} of {dtype} needs {numel * size} bytes, the entry has {nbytes}",
-                                 where=leaf)
-        return True
-    entry_dtype = view.get("entry_dtype")
-    if entry_dtype is not None and TORCH_TO_ST.get(entry_dtype, erec.get("dtype")) != erec.get("dtype"):
-        raise IntegrityError(f"view's entry dtype {entry_dtype} != entry dtype {erec.get('dtype')}", where=leaf)
-    # the writer keeps views of one dtype over an entry of that dtype, and views of several dtypes (or of
-    # one with no safetensors code) over raw bytes (uint8): any other pairing is a reinterpretation
-    typed = entry_dtype if entry_dtype is not None else next(
-        (k for k, v in TORCH_TO_ST.items() if v == erec.get("dtype")), None)
-    if typed not in (None, "uint8") and dtype != typed:
-        raise IntegrityError(f"a {dtype} view of a {typed} entry", where=leaf)
-    offset, stride = int(view["storage_offset"]), [int(s) for s in view["stride"]]
-    if len(stride) != len(shape) or offset < 0 or any(s < 0 for s in stride):
-        raise IntegrityError(f"view of shape {shape} has stride {stride}, offset {offset}", where=leaf)
-    if numel:
-        last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
-        if (last + 1) * size > nbytes:
-            raise IntegrityError(f"view (offset {offset}, shape {shape}, stride {stride}) reaches past its "
-                                 f"storage of {nbytes} bytes", where=leaf)
-    contiguous = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-    return (offset == 0 and numel * size == nbytes and stride == contiguous and kind == "torch"
-            and (entry_dtype is None or entry_dtype == dtype) and TORCH_TO_ST.get(dtype) == erec.get("dtype"))
-
-
-def check_tree_kinds(tree, tensors: dict) -> None:
-    """Every tensor node of the state tree names a ``torch`` record, every ndarray node a ``numpy`` one.
-
-    Raises:
-        IntegrityError: a node and its record disagree (a hand-edited ``kind`` would otherwise restore a
-            tensor as an ndarray, which ``torch.load(weights_only=True)`` then refuses).
-    """
-    from ckpt_archive.format.tree_walk import iter_nodes
-
-    for node in iter_nodes(tree):
-        tag = node.get("$t")
-        if tag in ("tensor", "ndarray"):
-            rec = tensors.get(node.get("key"))
-            want = "torch" if tag == "tensor" else "numpy"
-            if rec is not None and rec.get("kind") != want:
-                raise IntegrityError(f"the state tree holds a {tag} here, the manifest's record says kind "
-                                     f"{rec.get('kind')!r}", where=str(node.get("key")))

@@ -41,8 +41,9 @@ _HF_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
 _ACC_DIR_RE = re.compile(r"^checkpoint_(\d+)$")
 
 
-def _num(x):
-    """A strict-JSON number from a tensor/number, or ``None``."""
+def json_number(x):
+    """A strict-JSON number from a tensor/number, or ``None``: an int or a finite float (a one-element tensor
+    gives its item; bools, non-finite floats and anything else give None). Never raises."""
     try:
         import torch
 
@@ -70,7 +71,7 @@ def optimizer_facts(opt: dict) -> dict:
     groups = opt.get("param_groups")
     if isinstance(groups, list):
         out["param_groups"] = len(groups)
-        lrs = [_num(g.get("lr")) for g in groups if isinstance(g, dict)]
+        lrs = [json_number(g.get("lr")) for g in groups if isinstance(g, dict)]
         if any(v is not None for v in lrs):
             out["lr"] = lrs
     st = opt.get("state")
@@ -78,7 +79,7 @@ def optimizer_facts(opt: dict) -> dict:
         steps = set()
         for v in st.values():
             if isinstance(v, dict) and "step" in v:
-                s = _num(v["step"])
+                s = json_number(v["step"])
                 if s is not None:
                     steps.add(int(s))
         if steps:
@@ -89,12 +90,12 @@ def optimizer_facts(opt: dict) -> dict:
 def scheduler_facts(sch: dict) -> dict:
     """``last_epoch`` and the last LR(s) of an LR scheduler ``state_dict()``."""
     out: dict = {}
-    le = _num(sch.get("last_epoch"))
+    le = json_number(sch.get("last_epoch"))
     if le is not None:
         out["last_epoch"] = int(le)
     last = sch.get("_last_lr")
     if isinstance(last, (list, tuple)):
-        vals = [_num(v) for v in last]
+        vals = [json_number(v) for v in last]
         out["last_lr"] = vals
     return out
 
@@ -105,7 +106,7 @@ def scaler_facts(sc: dict) -> dict:
     out = {}
     for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
         if k in sc:
-            v = _num(sc[k])
+            v = json_number(sc[k])
             if v is not None:
                 out[k.lstrip("_")] = v
     return out
@@ -243,20 +244,20 @@ def _trainer_state(path: Path, progress: dict) -> dict:
     if not isinstance(gs, int) or isinstance(gs, bool):
         raise SourceError(f"field global_step is {gs!r}, expected an integer", where=str(path / TRAINER_STATE))
     progress["step"] = gs
-    ep = _num(ts.get("epoch"))
+    ep = json_number(ts.get("epoch"))
     if ep is not None:
         progress["epoch"] = int(math.floor(ep))
     trainer = {"global_step": gs, "epoch": ep}
     for k in _TRAINER_FIELDS:
         v = ts.get(k)
-        if v is None or isinstance(v, (str, bool)) or _num(v) is not None:
+        if v is None or isinstance(v, (str, bool)) or json_number(v) is not None:
             trainer[k] = v if not isinstance(v, float) or math.isfinite(v) else None
     logs = ts.get("log_history")
     if isinstance(logs, list):
         last_lr = next((e for e in reversed(logs) if isinstance(e, dict) and "learning_rate" in e), None)
         if last_lr is not None:
-            trainer["last_logged"] = {k: _num(last_lr.get(k)) for k in ("step", "learning_rate", "loss")
-                                      if _num(last_lr.get(k)) is not None}
+            trainer["last_logged"] = {k: json_number(last_lr.get(k)) for k in ("step", "learning_rate", "loss")
+                                      if json_number(last_lr.get(k)) is not None}
     cbs = ts.get("stateful_callbacks")
     if isinstance(cbs, dict):
         trainer["stateful_callbacks"] = sorted(cbs)
@@ -312,8 +313,8 @@ def _read_accelerate(path: Path, *, allow_numpy: bool = False, **_options) -> So
             raise SourceError(f"random_states for process(es) {', '.join(map(str, missing))} missing",
                               where=str(path))
         rs = state.get("random_states_0.pkl")
-        if isinstance(rs, dict) and _num(rs.get("step")) is not None:
-            info["accumulation_step"] = int(_num(rs["step"]))  # Accelerator.step: micro-step counter
+        if isinstance(rs, dict) and json_number(rs.get("step")) is not None:
+            info["accumulation_step"] = int(json_number(rs["step"]))  # Accelerator.step: micro-step counter
     m = _ACC_DIR_RE.match(path.name)
     if m:
         info["save_iteration"] = int(m.group(1))

@@ -23,7 +23,7 @@ from pathlib import Path
 from ckpt_archive.errors import SourceError
 from ckpt_archive.format.exact_bytes import ZIP_ERRORS
 from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, register
-from ckpt_archive.sources.hf import _num, optimizer_facts, scaler_facts, scheduler_facts
+from ckpt_archive.sources.hf import json_number, optimizer_facts, scaler_facts, scheduler_facts
 from ckpt_archive.sources.torchfile import load_torch_file
 
 _MARKER = b"pytorch-lightning_version"
@@ -120,7 +120,7 @@ def _run_facts(obj: dict, info: dict) -> None:
     sd = obj["state_dict"]
     if isinstance(sd, dict):
         info["state_dict_keys"] = len(sd)
-    lr = _num(info.get("lr_schedulers", [{}])[0].get("last_lr", [None])[0]) if info.get("lr_schedulers") else None
+    lr = json_number(info.get("lr_schedulers", [{}])[0].get("last_lr", [None])[0]) if info.get("lr_schedulers") else None
     if lr is not None:
         info["lr"] = lr
 
@@ -130,9 +130,9 @@ def _plain(v) -> bool:
     if v is None or isinstance(v, (bool, str)):
         return True
     if isinstance(v, (int, float)):
-        return _num(v) is not None
+        return json_number(v) is not None
     if isinstance(v, (list, tuple)) and len(v) <= 64:
-        return all(x is None or isinstance(x, (bool, str)) or _num(x) is not None for x in v)
+        return all(x is None or isinstance(x, (bool, str)) or json_number(x) is not None for x in v)
     return False
 
 

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from ckpt_archive.errors import RefusedPickle, SourceError
-from ckpt_archive.format.exact_bytes import ZIP_ERRORS
+from ckpt_archive.format.exact_bytes import ZIP_ERRORS, check_zip_records
 from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, library_path, register
 
 _PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"}
@@ -103,25 +103,6 @@ def diagnose_unreadable(path: Path, exc: BaseException | None = None) -> SourceE
             return SourceError("truncated legacy torch.save file: it looks like an interrupted write", where=where)
         return SourceError(f"torch.load(weights_only=True) failed: {_first_line(msg)}", where=where)
     return SourceError("not a torch.save checkpoint (neither a zip nor a pickle stream)", where=where)
-
-
-def check_zip_records(path: Path) -> None:
-    """Check the CRC-32 of every record of a zip-format ``torch.save`` file (read once, 1 MiB at a time).
-
-    ``torch.load`` reads tensor records without checking their CRC, so one flipped byte inside a tensor
-    record loads silently as a changed value; this check refuses such a file before anything trusts it.
-
-    Raises:
-        SourceError: (exit 2) a record fails its CRC, or the zip structure is damaged; names the record.
-    """
-    try:
-        with zipfile.ZipFile(path) as zf:
-            bad = zf.testzip()
-    except ZIP_ERRORS as zexc:
-        raise SourceError(f"damaged torch.save file: {zexc}", where=str(path)) from None
-    if bad is not None:
-        raise SourceError(f"damaged torch.save file: record {bad} fails its CRC (a changed byte); refused",
-                          where=str(path))
 
 
 def check_pickle_size(path: Path) -> None:

@@ -9,7 +9,8 @@ skeleton (``repository.json``, ``generations``, ``objects``, ``.lock``) is
 object) is :class:`~ckpt_archive.errors.UnsafePath` (exit 1). Temporary files are created ``O_EXCL`` under
 unpredictable names. :class:`LocalStore` fsyncs every file it writes and the folders it changes; its
 writer lock is ``REPO/.lock``. The protocol, :func:`~ckpt_archive.store.base.open_store` and
-:func:`~ckpt_archive.store.base.has_scheme` live in :mod:`ckpt_archive.store.base` (re-exported here).
+:func:`~ckpt_archive.store.base.has_scheme` live in :mod:`ckpt_archive.store.base`, which imports this
+module (never the reverse).
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from typing import BinaryIO, Iterator
 from ckpt_archive.errors import InsufficientSpace, LinkInRepository, NotFound, StoreError, UnsafePath
 from ckpt_archive.format.paths import check_relpath
 from ckpt_archive.store import fs
-from ckpt_archive.store.base import Store, has_scheme, open_store  # noqa: F401  (re-exported)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
@@ -368,4 +368,4 @@ class _LocalPending:
         self.folder.close()
 
 
-__all__ = ["LocalStore", "write_atomic", "Store", "has_scheme", "open_store"]
+__all__ = ["LocalStore", "write_atomic"]

@@ -92,10 +92,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ckpt_archive.errors import UsageError
 from ckpt_archive.ops.common import RepoLike
+from ckpt_archive.training.restore import Restored
 
 if TYPE_CHECKING:
     from ckpt_archive.ops.pack import PackOptions, PackResult
-    from ckpt_archive.repo.repository import Generation
+    from ckpt_archive import Generation
     from ckpt_archive.retention.policy import RetentionPolicy
     from ckpt_archive.training.restore import RestoreReport
 
@@ -234,24 +235,6 @@ class SaveHandle:
         if rec.error is not None:
             raise rec.error
         return rec.result
-
-
-@dataclasses.dataclass
-class Restored:
-    """What :meth:`Checkpointer.restore` restored.
-
-    Attributes:
-        generation: the generation restored. step: its progress step (None when it has none): for a
-            generation a Checkpointer saved, the optimizer updates completed, i.e. the 0-based index of
-            the next update, where the loop resumes.
-        state: the state as loaded (this rank's view under torch.distributed).
-        report: the :class:`~ckpt_archive.training.restore.RestoreReport`.
-    """
-
-    generation: int
-    step: int | None
-    state: Any
-    report: "RestoreReport"
 
 
 class Checkpointer:
@@ -552,7 +535,7 @@ class Checkpointer:
 
     def _write(self, rec: _Save) -> "PackResult":
         from ckpt_archive.ops.pack import Annotations, pack
-        from ckpt_archive.repo.publish import record_publishes
+        from ckpt_archive.ops.pack import record_publishes
 
         notes = Annotations(config=self.config, metrics=rec.metrics, data_ids=self.data_ids, tags=rec.tags,
                             code_version=self.code_version, progress={"step": rec.step})
@@ -709,8 +692,7 @@ class Checkpointer:
         if self._dist is not None:
             return self._dist.restore(generation, model=model, optimizer=optimizer, scheduler=scheduler,
                                       scaler=scaler, policy=policy, rng=rng, session_lr=session_lr)
-        from ckpt_archive.ops.common import pick
-        from ckpt_archive.repo.reader import ArchiveReader
+        from ckpt_archive.ops.common import open_reader, pick
 
         try:
             gen = pick(self.repo, generation)
@@ -718,9 +700,9 @@ class Checkpointer:
             if str(generation) == "latest" and not self.repo.usable():
                 return None
             raise
-        reader = ArchiveReader(self.repo.store, gen.key, gen.manifest, jobs=self.options.jobs)
+        reader = open_reader(self.repo, gen, jobs=self.options.jobs)
         tree = reader.tree()
-        from ckpt_archive.training.distributed import is_distributed_tree
+        from ckpt_archive.ops.dist_pack import is_distributed_tree
 
         if is_distributed_tree(tree):  # written by several ranks: consolidated here (saved rank 0's RNG)
             from ckpt_archive.training.dist_restore import apply_state, load_view
@@ -905,7 +887,7 @@ def _import_publish_path(distributed: bool, retention: bool) -> None:
              "ckpt_archive.repo.writer", "ckpt_archive.repo.trial_reload", "ckpt_archive.repo.objects",
              "ckpt_archive.format.codec", "safetensors", "safetensors.torch", "zstandard"]
     if distributed:
-        names += ["ckpt_archive.training.distributed", "ckpt_archive.training.dist_publish"]
+        names += ["ckpt_archive.training.distributed", "ckpt_archive.ops.dist_pack"]
     if retention:
         names += ["ckpt_archive.ops.prune"]
     for name in names:

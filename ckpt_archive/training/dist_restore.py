@@ -18,7 +18,7 @@ import math
 from typing import Any
 
 from ckpt_archive.errors import IntegrityError, NoUsableGeneration
-from ckpt_archive.training.distributed import is_distributed_tree
+from ckpt_archive.ops.dist_pack import is_distributed_tree
 
 
 def _leaf_of(key: str) -> str:
@@ -167,12 +167,11 @@ def load_consolidated(repo, generation: str | int = "latest", *, rank: int = 0, 
         IntegrityError: a check failed (nothing wrong is returned). NotFound / NoUsableGeneration.
         ValueError: no such saved rank.
     """
-    from ckpt_archive.ops.common import open_repo, pick
-    from ckpt_archive.repo.reader import ArchiveReader
+    from ckpt_archive.ops.common import open_reader, open_repo, pick
 
     r = open_repo(repo)
     gen = pick(r, generation)
-    reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
+    reader = open_reader(r, gen, jobs=jobs)
     tree = reader.tree()
     if not is_distributed_tree(tree):
         return reader.load_node(tree)
@@ -191,15 +190,15 @@ def apply_state(view: Any, *, model=None, optimizer=None, scheduler=None, scaler
         the :class:`~ckpt_archive.training.restore.RestoreReport` (``restored`` lists every part).
     """
     from ckpt_archive.training.parts import find_parts
-    from ckpt_archive.training.restore import _session_bases, _session_policy_kw, restore_training_state
+    from ckpt_archive.training.restore import restore_training_state, session_base_lrs, session_policy_kw
     from ckpt_archive.training.session import impose_lrs
 
     found = find_parts(view)
     msd = found["model"][0][1] if found.get("model") else None
     osd = found["optimizer"][0][1] if found.get("optimizer") else None
-    bases = _session_bases(optimizer, session_lr, view, osd) if (policy == "session" and optimizer is not None) else None
+    bases = session_base_lrs(optimizer, session_lr, view, osd) if (policy == "session" and optimizer is not None) else None
     ssd = found["scheduler"][0][1] if found.get("scheduler") else None
-    policy_kw = (_session_policy_kw(view, {"optimizer": ("optimizer", osd), "scheduler": ("scheduler", ssd)},
+    policy_kw = (session_policy_kw(view, {"optimizer": ("optimizer", osd), "scheduler": ("scheduler", ssd)},
                                     scheduler, bases, session_lr) if bases is not None else {})
     done = []
     if model is not None and msd is not None:
@@ -241,8 +240,8 @@ def restore_distributed(w, generation, *, model=None, optimizer=None, scheduler=
         IntegrityError when this rank's read fails a check.
     """
     from ckpt_archive.errors import CannotCheck
-    from ckpt_archive.repo.reader import ArchiveReader
-    from ckpt_archive.training.checkpointer import Restored
+    from ckpt_archive.ops.common import open_reader
+    from ckpt_archive.training.restore import Restored
 
     choice = None
     if w.rank == 0:
@@ -259,7 +258,7 @@ def restore_distributed(w, generation, *, model=None, optimizer=None, scheduler=
     if "error" in choice:
         raise CannotCheck(f"restore: rank 0 could not pick generation {generation!r}: {choice['error']}")
     gen = w.repo.generation(choice["number"])
-    reader = ArchiveReader(w.repo.store, gen.key, gen.manifest)
+    reader = open_reader(w.repo, gen)
     tree = reader.tree()
     notes: list[str] = []
     live: dict = {}

@@ -31,22 +31,13 @@ import hashlib
 import json
 from typing import Any, Callable
 
-from ckpt_archive.errors import CannotCheck, CkptArchiveError, IntegrityError
-from ckpt_archive.format.state_tree import _Encoder
+from ckpt_archive.errors import CannotCheck, CkptArchiveError
+from ckpt_archive.format.state_tree import Encoder
+# the repository side of a distributed save is ops' (the layering: training uses ops)
+from ckpt_archive.ops.dist_pack import (DIST_KEY, combined_tree, follow_rank0, is_distributed_tree,  # noqa: F401
+                                        publish_rank0, rank_prefix, reload_rank, write_rank_members)
 
-DIST_KEY = "ckpt_archive_distributed"
-
-
-def is_distributed_tree(tree: Any) -> bool:
-    """True for the tree of a generation written by several ranks (see the module docstring)."""
-    return isinstance(tree, dict) and tree.get(DIST_KEY) == 1 and isinstance(tree.get("ranks"), list)
-
-
-def rank_prefix(rank: int) -> str:
-    return f"rank{rank:05d}/"
-
-
-class _ShardAwareEncoder(_Encoder):
+class _ShardAwareEncoder(Encoder):
     """state_tree's encoder, noting which leaf key each DTensor's local-shard copy got."""
 
     def __init__(self, notes: dict):
@@ -228,7 +219,7 @@ class DistributedWriter:
             its message), had nothing to save for this call (:meth:`skip`), saved another step, or stopped
             answering. The errors of pack (SourceError, StoreError, LockError).
         """
-        from ckpt_archive.ops.pack import _prepare
+        from ckpt_archive.ops.pack import prepare
 
         self.comm.begin(f"save #{seq}")
 
@@ -245,7 +236,7 @@ class DistributedWriter:
 
         plan = None
         try:
-            prep = _prepare(snap, options, notes, retention, encoder=encoder)
+            prep = prepare(snap, options, notes, retention, encoder=encoder)
             fps = _fingerprints(prep.encoded[1], enc_holder["enc"].shard_of)
             mine = {"ok": True, "fingerprints": fps, "step": step}
         except Exception as exc:  # noqa: BLE001 - sent, so that every rank stops here, not at a timeout
@@ -264,8 +255,8 @@ class DistributedWriter:
         plan = _Plan(self.rank, self.world, prep, enc_holder["enc"].shard_of,
                      assign_writers([x["fingerprints"] for x in everyone]))
         if self.rank == 0:
-            return _publish_rank0(self, plan, options, retention, intact)
-        return _follow(self, plan, options, intact)
+            return publish_rank0(self, plan, options, retention, intact)
+        return follow_rank0(self, plan, options, intact)
 
     def skip(self, seq: int, step: Any, why: str) -> None:
         """Take part in save call ``seq``'s exchanges with nothing to save (this rank's ``save`` raised before
@@ -369,98 +360,19 @@ class _Plan:
         self.written: dict = {}
 
     def write(self, repo, number: int, options) -> dict:
-        from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
-        from ckpt_archive.repo.repository import gen_key
-        from ckpt_archive.repo.writer import write_tensor_members
+        """Write this rank's entries into generation ``number`` (:func:`~ckpt_archive.ops.dist_pack.write_rank_members`).
 
-        members, tensors = write_tensor_members(
-            repo.store, gen_key(number), self.table, prefix=rank_prefix(self.rank),
-            level=options.level or DEFAULT_LEVEL, jobs=options.jobs,
-            chunk_bytes=options.chunk_bytes or DEFAULT_CHUNK_BYTES, faults=repo.faults)
+        Returns:
+            this rank's result for exchange (3): ``ok``, ``members``, ``tensors``, ``tree``, ``shards``, ``warnings``.
+
+        Raises:
+            what writing members raises (StoreError, OSError, CkptArchiveError).
+        """
+        members, tensors = write_rank_members(repo, number, self.table, self.rank, options)
         self.written = {"members": members, "tensors": tensors}
         return {"ok": True, "members": members, "tensors": tensors, "tree": self.tree, "shards": self.shards,
                 "warnings": list(self.table.warnings)}
 
 
-def combined_tree(results: list[dict]) -> dict:
-    """The generation's tree from every rank's result (see the module docstring)."""
-    sharded: dict[str, dict] = {}
-    for res in results:
-        for leaf, piece in res["shards"].items():
-            s = sharded.setdefault(leaf, {"shape": piece["shape"], "dtype": piece["dtype"], "pieces": []})
-            p = {"key": piece["key"], "offsets": piece["offsets"], "sizes": piece["sizes"]}
-            if p not in s["pieces"]:
-                s["pieces"].append(p)
-    return {DIST_KEY: 1, "world_size": len(results), "ranks": [r["tree"] for r in results], "sharded": sharded}
-
-
-def reload_own(repo, number: int, manifest: dict, rank: int, jobs) -> tuple[list, dict]:
-    """Trial-reload the members rank ``rank`` wrote (and the tree, every reference resolved).
-
-    Returns:
-        ``(problems as JSON, counts)``.
-    """
-    from ckpt_archive.repo.reader import ArchiveReader
-    from ckpt_archive.repo.repository import gen_key
-    from ckpt_archive.repo.trial_reload import trial_reload
-
-    pre = rank_prefix(rank)
-    mine = [m for m in manifest["members"] if m["path"].startswith(pre) or m["path"] == manifest["tree_member"]]
-    sub = {**manifest, "members": mine}
-    reader = ArchiveReader(repo.store, gen_key(number), sub, jobs=jobs)
-    problems: list = []
-    reader.check_stored(problems, hash_files=False)
-    counts = trial_reload(reader, problems) if not problems else {"tensors": 0, "bytes": 0, "members": len(mine)}
-    counts["members"] = len([m for m in mine if m["path"].startswith(pre)])
-    return [p.to_json() for p in problems], counts
-
-
-def _follow(w: DistributedWriter, plan: _Plan, options, intact=None):
-    """A rank other than 0: the same exchanges, in the same order, as :func:`_publish_rank0`."""
-    from ckpt_archive.ops.pack import PackResult
-    from ckpt_archive.repo.repository import gen_key
-
-    comm = w.comm
-    claim = comm.from_rank0()  # (2)
-    if not claim or claim.get("number") is None:
-        raise CannotCheck(f"distributed save: rank 0 could not start the generation: {(claim or {}).get('error')}")
-    number = claim["number"]
-    try:
-        mine = plan.write(w.repo, number, options)
-    except Exception as exc:  # noqa: BLE001 - sent, so that every rank stops here, not at a timeout
-        mine = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    comm.all_gather(mine)  # (3)
-    if not mine["ok"]:
-        comm_failed = mine["error"]
-        sealed = comm.from_rank0()  # (4): rank 0 stops too
-        raise CannotCheck(f"rank {w.rank} could not write its part of generation {number}: {comm_failed}")
-    sealed = comm.from_rank0()  # (4)
-    if not sealed or not sealed.get("ok"):
-        raise CannotCheck(f"distributed save: rank 0 stopped generation {number}: {(sealed or {}).get('error')}")
-    manifest = w.repo.generation(number).manifest
-    problems: list = []
-    counts: dict = {}
-    try:
-        if manifest is None:
-            raise IntegrityError("manifest.json unreadable after rank 0 sealed it", where=gen_key(number))
-        problems, counts = reload_own(w.repo, number, manifest, w.rank, options.jobs)
-    except Exception as exc:  # noqa: BLE001 - a failed reload, sent (else rank 0 waits for it until the timeout)
-        problems = [{"message": f"{type(exc).__name__}: {exc}", "member": getattr(exc, "where", None)}]
-    reason = intact() if intact is not None else None  # the snapshot is no longer read after (3)
-    if reason:
-        problems = [*problems, {"message": f"the snapshot is not what was copied: {reason}", "member": None}]
-    comm.all_gather({"problems": problems, "counts": counts})  # (5)
-    outcome = comm.from_rank0()  # (6)
-    if problems:
-        raise IntegrityError(f"rank {w.rank}: trial reload of its part of generation {number} failed: "
-                             f"{problems[0].get('message')}")
-    if not outcome or not outcome.get("ok"):
-        raise CannotCheck(f"distributed save: generation {number} was not published: {(outcome or {}).get('error')}")
-    return PackResult(number, "usable", f"{w.repo.location}/{gen_key(number)}", manifest, [], [], None,
-                      {"result": "ok", "rank": w.rank, **counts})
-
-
-from ckpt_archive.training.dist_publish import _publish_rank0  # noqa: E402  (rank 0's half, split for length)
-
-__all__ = ["DistributedWriter", "ShardNotes", "assign_writers", "combined_tree", "is_distributed_tree", "reload_own",
+__all__ = ["DistributedWriter", "ShardNotes", "assign_writers", "combined_tree", "is_distributed_tree", "reload_rank",
            "rank_prefix", "DIST_KEY"]

@@ -351,9 +351,9 @@ def _sched_lists(sd: Any, path: tuple = ()):
 
 
 def _plain(sd: Any) -> Any:
-    from ckpt_archive.training.simulate import _plain_state
+    from ckpt_archive.training.simulate import plain_state
 
-    return _plain_state(sd)
+    return plain_state(sd)
 
 
 __all__ = ["STEPS", "GroupSteps", "PolicyModel", "build_model", "pair_steps"]

@@ -69,6 +69,24 @@ class RestoreReport:
         })
 
 
+@dataclasses.dataclass
+class Restored:
+    """What :meth:`~ckpt_archive.training.checkpointer.Checkpointer.restore` restored.
+
+    Attributes:
+        generation: the generation restored. step: its progress step (None when it has none): for a
+            generation a Checkpointer saved, the optimizer updates completed, i.e. the 0-based index of
+            the next update, where the loop resumes.
+        state: the state as loaded (this rank's view under torch.distributed).
+        report: the :class:`~ckpt_archive.training.restore.RestoreReport`.
+    """
+
+    generation: int
+    step: int | None
+    state: Any
+    report: RestoreReport
+
+
 def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = None, scheduler: Any = None,
                            scaler: Any = None, rng: bool | dict = True, policy: str = "checkpoint",
                            session_lr: float | Sequence[float] | None = None, keys: dict | None = None,
@@ -128,8 +146,8 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
     parts = {name: ((str(e[0][0]) or name, e[0][1]) if (e := found.get(name)) else (None, None))
              for name in ("model", "optimizer", "scheduler", "scaler")}
     check_structure(parts, model=model, optimizer=optimizer, scheduler=scheduler)
-    session_bases = _session_bases(optimizer, session_lr, state, parts["optimizer"][1]) if policy == "session" else None
-    policy_kw = _session_policy_kw(state, parts, scheduler, session_bases, session_lr) if policy == "session" else {}
+    session_bases = session_base_lrs(optimizer, session_lr, state, parts["optimizer"][1]) if policy == "session" else None
+    policy_kw = session_policy_kw(state, parts, scheduler, session_bases, session_lr) if policy == "session" else {}
 
     stale = _stale_scheduler_bases(state, parts, optimizer, keys) if policy == "checkpoint" else []
     live = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
@@ -190,11 +208,23 @@ def _stale_scheduler_bases(state: Any, parts: dict, optimizer: Any, keys: dict |
             for d in diffs if ".base_lrs[" in d.field]
 
 
-def _session_bases(optimizer: Any, session_lr: float | Sequence[float] | None, state: Any = None,
-                   saved_optimizer: Any = None) -> list:
+def session_base_lrs(optimizer: Any, session_lr: float | Sequence[float] | None, state: Any = None,
+                     saved_optimizer: Any = None) -> list:
     """The session's base LR per group: ``session_lr``, else what the live optimizer was built with. A single
     ``session_lr`` for archived groups with different base LRs keeps each group's ratio
-    (:func:`~ckpt_archive.training.session.spread_scalar_lr`, as ``apply_session_policy`` and the CLI do)."""
+    (:func:`~ckpt_archive.training.session.spread_scalar_lr`, as ``apply_session_policy`` and the CLI do).
+
+    Args:
+        optimizer: the live optimizer. session_lr: one LR or one per group (None: the optimizer's own
+            ``max_lr``/``initial_lr``/``lr``). state, saved_optimizer: the archived state and its optimizer
+            state_dict (for the ratio between groups).
+
+    Returns:
+        one float per param group of ``optimizer``.
+
+    Raises:
+        UsageError: ``session_lr`` has another number of values than the optimizer has groups.
+    """
     if session_lr is not None:
         saved = [g for g in ((saved_optimizer or {}).get("param_groups") or []) if isinstance(g, dict)] \
             if isinstance(saved_optimizer, dict) else []
@@ -205,7 +235,7 @@ def _session_bases(optimizer: Any, session_lr: float | Sequence[float] | None, s
     return [as_float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in optimizer.param_groups]
 
 
-def _session_policy_kw(state: Any, parts: dict, scheduler: Any, session_bases: list,
+def session_policy_kw(state: Any, parts: dict, scheduler: Any, session_bases: list,
                        session_lr: Any) -> dict:
     """What :func:`impose_lrs` needs besides the session bases, read before anything is loaded: a CyclicLR
     session's ``max_lrs`` (from the live scheduler as the session built it); a ReduceLROnPlateau's archived

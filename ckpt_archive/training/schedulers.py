@@ -46,12 +46,16 @@ def scheduler_kind(sd: dict) -> str:
     """
     k = set(sd)
     if "_schedulers" in k:
-        return "SequentialLR" if "_milestones" in k else "ChainedScheduler"
+        return "SequentialLR" if "milestones" in k else "ChainedScheduler"
     return next((name for name, keys in _KINDS if keys <= k), "unknown")
 
 
-def _milestones(m: Any) -> list[int]:
-    """MultiStepLR milestones: a Counter/dict {epoch: count} or a list; returned sorted with multiplicity."""
+def milestones(m: Any) -> list[int]:
+    """MultiStepLR milestones: a Counter/dict {epoch: count} or a list; returned sorted with multiplicity.
+
+    Raises:
+        ValueError / TypeError: an epoch or count that is not a number (the caller's audit names the field).
+    """
     out: list[int] = []
     if isinstance(m, dict):
         for e, c in m.items():
@@ -117,7 +121,7 @@ def _cosine(mn: float, b: float, pos: float) -> float:
 #: kind -> the LR after ``e`` steps from base ``b`` (torch/optim/lr_scheduler.py ``_get_closed_form_lr``).
 _CLOSED_FORMS = {
     "StepLR": lambda sd, e, b: b * _g(sd, "gamma") ** (e // _n(sd, "step_size")),
-    "MultiStepLR": lambda sd, e, b: b * _g(sd, "gamma") ** bisect.bisect_right(_milestones(sd["milestones"]), e),
+    "MultiStepLR": lambda sd, e, b: b * _g(sd, "gamma") ** bisect.bisect_right(milestones(sd["milestones"]), e),
     "ExponentialLR": lambda sd, e, b: b * _g(sd, "gamma") ** e,
     "CosineAnnealingLR": lambda sd, e, b: _cosine(_g(sd, "eta_min"), b, e / _g(sd, "T_max")),
     "CosineAnnealingWarmRestarts": lambda sd, e, b: _cosine(_g(sd, "eta_min"), b, _g(sd, "T_cur") / _g(sd, "T_i")),
@@ -135,7 +139,7 @@ _NOT_DERIVABLE = {
 
 def _sequential(sd: dict, e: Any, groups: list[dict] | None) -> tuple[str, list[float] | None, str]:
     """SequentialLR: the sub-scheduler ``bisect_right(milestones, e)`` at its own ``last_epoch``."""
-    ms = [int(as_number(m)) for m in sd.get("_milestones") or []]
+    ms = [int(as_number(m)) for m in sd.get("milestones") or []]
     subs = sd.get("_schedulers") or []
     idx = bisect.bisect_right(ms, int(e))
     if idx >= len(subs):
@@ -195,7 +199,7 @@ def primary_base_lrs(sd: dict) -> list:
     if not subs:
         return []
     idx = 0
-    ms, le = sd.get("_milestones"), as_number(sd.get("last_epoch"))
+    ms, le = sd.get("milestones"), as_number(sd.get("last_epoch"))
     if isinstance(ms, (list, tuple)) and le is not None:
         import bisect
 

@@ -23,7 +23,7 @@ import math
 import warnings
 from typing import Any, Callable
 
-from ckpt_archive.training.schedulers import scheduler_kind, _milestones
+from ckpt_archive.training.schedulers import scheduler_kind, milestones
 from ckpt_archive.training.values import as_float, as_number
 
 #: Group fields a restore copies into the live groups (``Optimizer.load_state_dict`` restores them all).
@@ -105,7 +105,7 @@ def _f(sd: dict, key: str) -> float:
 #: the constant LambdaLR factors (``c.factors``).
 _CONSTRUCTORS: dict[str, Callable] = {
     "StepLR": lambda c, sd, o: c.L.StepLR(o, step_size=_i(sd, "step_size"), gamma=_f(sd, "gamma")),
-    "MultiStepLR": lambda c, sd, o: c.L.MultiStepLR(o, milestones=_milestones(sd["milestones"]), gamma=_f(sd, "gamma")),
+    "MultiStepLR": lambda c, sd, o: c.L.MultiStepLR(o, milestones=milestones(sd["milestones"]), gamma=_f(sd, "gamma")),
     "ExponentialLR": lambda c, sd, o: c.L.ExponentialLR(o, gamma=_f(sd, "gamma")),
     "CosineAnnealingLR": lambda c, sd, o: c.L.CosineAnnealingLR(o, T_max=_i(sd, "T_max"), eta_min=_f(sd, "eta_min")),
     "CosineAnnealingWarmRestarts": lambda c, sd, o: c.L.CosineAnnealingWarmRestarts(
@@ -121,7 +121,7 @@ _CONSTRUCTORS: dict[str, Callable] = {
                                               max_lr=[float(as_float(m)) for m in sd["max_lrs"]], cycle_momentum=False),
     "ReduceLROnPlateau": lambda c, sd, o: c.L.ReduceLROnPlateau(o),
     "SequentialLR": lambda c, sd, o: c.L.SequentialLR(o, schedulers=_subs(c, sd, o),
-                                                      milestones=[int(as_number(m)) for m in sd["_milestones"]]),
+                                                      milestones=[int(as_number(m)) for m in sd["milestones"]]),
     "ChainedScheduler": lambda c, sd, o: c.L.ChainedScheduler(_subs(c, sd, o), optimizer=o),
 }
 
@@ -248,7 +248,7 @@ def simulate(sch_sd: dict, *, archived_groups: list[dict] | None, session_lrs: l
             sched = _construct(_Ctx(L, factors), sch_sd, opt)
             for live, saved in zip(opt.param_groups, archived_groups or []):  # optimizer.load_state_dict
                 live.update(_plain_group(saved))
-            sched.load_state_dict(_plain_state(sch_sd))
+            sched.load_state_dict(plain_state(sch_sd))
             return _run(opt, sched, kind, steps, note)
     except Exception as exc:  # noqa: BLE001 - an odd state is reported, never a crash
         return Simulation([[as_float(g.get("lr")) for g in (archived_groups or groups)]], None,
@@ -279,12 +279,13 @@ def _run(opt: Any, sched: Any, kind: str, steps: int, note: str) -> Simulation:
     return Simulation(lrs, None, note)
 
 
-def _plain_state(sd: Any) -> Any:
-    """A scheduler state with tensors as Python numbers (fused optimizers keep LRs as 0-d tensors)."""
+def plain_state(sd: Any) -> Any:
+    """A scheduler state with tensors as Python numbers (fused optimizers keep LRs as 0-d tensors); dicts and
+    lists are copied, anything that is not a number is kept as is. Never raises."""
     if isinstance(sd, dict):
-        return {k: _plain_state(v) for k, v in sd.items()}
+        return {k: plain_state(v) for k, v in sd.items()}
     if isinstance(sd, list):
-        return [_plain_state(v) for v in sd]
+        return [plain_state(v) for v in sd]
     n = as_number(sd)
     if n is not None and not isinstance(sd, (int, float)):
         return n
