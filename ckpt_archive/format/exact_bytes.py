@@ -431,6 +431,75 @@ def skeleton_pieces(path: Path, segments: list[list]) -> Iterator[tuple[bytes, s
             pos = start + length
 
 
+def _segments_and_gaps(record: dict, size: int) -> tuple[dict[str, list], list[tuple[int, int]]]:
+    """An exact record's segments by entry key (``[(start, length)]``) and the gaps between them (the
+    skeleton's bytes), checked to tile a file of ``size`` bytes in order.
+
+    Raises:
+        IntegrityError: segments overlap, are empty, or leave the file.
+    """
+    segments = record["exact"]["segments"]
+    by_key: dict[str, list] = {}
+    pos = 0
+    for start, length, key in segments:
+        if start < pos or length <= 0 or start + length > size:
+            raise IntegrityError("exact-bytes segments overlap or leave the file", where=record["relpath"] or "file")
+        by_key.setdefault(key, []).append((start, length))
+        pos = start + length
+    gaps = []
+    pos = 0
+    for start, length, _ in segments:
+        gaps.append((pos, start - pos))
+        pos = start + length
+    gaps.append((pos, size - pos))
+    return by_key, gaps
+
+
+def _write_skeleton(writes: "ParallelWrites", skeleton: Iterator[bytes], gaps: list, relpath: str) -> None:
+    """The skeleton's bytes into the gaps between segments, in order.
+
+    Raises:
+        IntegrityError: the skeleton is longer or shorter than the gaps.
+    """
+    gi, written_in_gap = 0, 0
+    for piece in skeleton:
+        mv = memoryview(piece).cast("B")
+        while len(mv):
+            while gi < len(gaps) and written_in_gap == gaps[gi][1]:
+                gi, written_in_gap = gi + 1, 0
+            if gi == len(gaps):
+                raise IntegrityError("skeleton is longer than the file it belongs to", where=relpath)
+            take = min(len(mv), gaps[gi][1] - written_in_gap)
+            writes.write(mv[:take], gaps[gi][0] + written_in_gap)
+            written_in_gap += take
+            mv = mv[take:]
+    while gi < len(gaps) and written_in_gap == gaps[gi][1]:
+        gi, written_in_gap = gi + 1, 0
+    if gi != len(gaps):
+        raise IntegrityError("skeleton is shorter than the file it belongs to", where=relpath)
+
+
+def _write_entries(writes: "ParallelWrites", pieces, by_key: dict, relpath: str) -> None:
+    """Each entry's pieces (in entry order) at every segment that holds the entry.
+
+    Raises:
+        IntegrityError: a piece out of order, an entry longer than its segment, or missing or short.
+    """
+    filled: dict[str, int] = {}  # entry key -> bytes written so far (pieces come in entry order)
+    for key, offset, piece in pieces:
+        mv = memoryview(piece).cast("B")
+        if key not in by_key or offset != filled.get(key, 0):
+            raise IntegrityError(f"entry {key}: a piece at offset {offset} out of order", where=relpath)
+        for start, length in by_key[key]:
+            if offset + len(mv) > length:
+                raise IntegrityError(f"entry {key} has more than the segment's {length} bytes", where=relpath)
+            writes.write(mv, start + offset)
+        filled[key] = offset + len(mv)
+    short = [k for k, segs in by_key.items() if filled.get(k, 0) != segs[0][1]]
+    if short:
+        raise IntegrityError(f"entries missing or short for the exact bytes: {sorted(short)[:5]}", where=relpath)
+
+
 def rebuild(target: Any, record: dict, skeleton: Iterator[bytes],
             entry_pieces: Callable[[set], Iterator[tuple[str, int, Any]]]) -> int:
     """Write the exact original file at ``target`` and check its sha256.
@@ -456,57 +525,15 @@ def rebuild(target: Any, record: dict, skeleton: Iterator[bytes],
         IntegrityError: the segments do not tile the file, or the rebuilt file's sha256 differs from
             the source's (the target is removed).
     """
-    segments = record["exact"]["segments"]
     size = int(record["raw_bytes"])
-    by_key: dict[str, list[int]] = {}
-    pos = 0
-    for start, length, key in segments:
-        if start < pos or length <= 0 or start + length > size:
-            raise IntegrityError("exact-bytes segments overlap or leave the file", where=record["relpath"] or "file")
-        by_key.setdefault(key, []).append((start, length))
-        pos = start + length
-    gaps = []
-    pos = 0
-    for start, length, _ in segments:
-        gaps.append((pos, start - pos))
-        pos = start + length
-    gaps.append((pos, size - pos))
+    by_key, gaps = _segments_and_gaps(record, size)
     fd = target.create()
     sha = InOrderSha256(fd, size)
     writes = ParallelWrites(fd, on_written=sha.wrote)
     try:
         os.ftruncate(fd, size)
-        gi, written_in_gap = 0, 0
-        for piece in skeleton:
-            mv = memoryview(piece).cast("B")
-            while len(mv):
-                while gi < len(gaps) and written_in_gap == gaps[gi][1]:
-                    gi, written_in_gap = gi + 1, 0
-                if gi == len(gaps):
-                    raise IntegrityError("skeleton is longer than the file it belongs to", where=record["relpath"])
-                take = min(len(mv), gaps[gi][1] - written_in_gap)
-                writes.write(mv[:take], gaps[gi][0] + written_in_gap)
-                written_in_gap += take
-                mv = mv[take:]
-        while gi < len(gaps) and written_in_gap == gaps[gi][1]:
-            gi, written_in_gap = gi + 1, 0
-        if gi != len(gaps):
-            raise IntegrityError("skeleton is shorter than the file it belongs to", where=record["relpath"])
-        filled: dict[str, int] = {}  # entry key -> bytes written so far (pieces come in entry order)
-        for key, offset, piece in entry_pieces(set(by_key)):
-            mv = memoryview(piece).cast("B")
-            if key not in by_key or offset != filled.get(key, 0):
-                raise IntegrityError(f"entry {key}: a piece at offset {offset} out of order", where=record["relpath"])
-            for start, length in by_key[key]:
-                if offset + len(mv) > length:
-                    raise IntegrityError(f"entry {key} has more than the segment's {length} bytes",
-                                         where=record["relpath"])
-                writes.write(mv, start + offset)
-            filled[key] = offset + len(mv)
-        short = [k for k, segs in by_key.items() if filled.get(k, 0) != segs[0][1]]
-        if short:
-            raise IntegrityError(f"entries missing or short for the exact bytes: {sorted(short)[:5]}",
-                                 where=record["relpath"])
+        _write_skeleton(writes, skeleton, gaps, record["relpath"])
+        _write_entries(writes, entry_pieces(set(by_key)), by_key, record["relpath"])
         writes.drain()
         got = sha.hexdigest()
         os.fsync(fd)

@@ -34,6 +34,7 @@ chunks at once, whatever their chunk size and the number of cores.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ckpt_archive.errors import ImplausibleSize, IntegrityError, TooLargeHere
 from ckpt_archive.format import fingerprint
@@ -151,45 +152,64 @@ def check_member_sizes(rec: dict, member: str) -> None:
     """
     chunks = rec.get("chunks") or []
     for i, c in enumerate(chunks):
-        raw, stored, codec = c.get("raw_bytes"), c.get("stored_bytes"), c.get("codec")
-        if not (_int(raw) and _int(stored) and _int(c.get("raw_offset")) and _int(c.get("stored_offset"))):
-            raise ImplausibleSize(f"chunk {i} has a size or offset that is not a non-negative integer", where=member)
-        if raw > MAX_CHUNK_RAW_BYTES:
-            raise ImplausibleSize(f"chunk {i} declares {raw} raw bytes; no chunk is larger than "
-                                  f"{MAX_CHUNK_RAW_BYTES} (refused before decoding)", where=member)
-        if codec == "store" and raw != stored:
-            raise ImplausibleSize(f"chunk {i} is stored raw but declares {raw} raw bytes for {stored} stored",
-                                  where=member)
-        if codec != "store" and raw > max(stored, 1) * MAX_ZSTD_RATIO:
-            raise ImplausibleSize(f"chunk {i} declares {raw} raw bytes from {stored} stored bytes, more than any "
-                                  f"zstandard frame decodes to", where=member)
-        if stored > stored_bound(raw):
-            raise ImplausibleSize(f"chunk {i} declares {stored} stored bytes for {raw} raw bytes; no chunk is "
-                                  f"stored in more than {stored_bound(raw)} (refused before reading it)",
-                                  where=member)
+        _check_chunk_sizes(i, c, member)
     if chunks or rec.get("raw_bytes") or rec.get("stored_bytes"):
         try:
             check_chunk_table(rec, member)
         except IntegrityError as exc:
             raise ImplausibleSize(exc.message, where=member) from None
     if rec.get("role") == "tensors":
-        total = rec.get("raw_bytes", 0)
-        base = rec.get("header_bytes", 0)
-        if not _int(base) or base > total:
-            raise ImplausibleSize(f"safetensors header of {base} bytes in a member of {total} raw bytes", where=member)
-        if base > MAX_MEMBER_HEADER_BYTES:  # the header is held whole to be parsed
-            raise ImplausibleSize(f"declares a safetensors header of {base} bytes; the limit is "
-                                  f"{MAX_MEMBER_HEADER_BYTES} (refused before reading it)", where=member)
-        for key, e in (rec.get("entries") or {}).items():
-            off = e.get("data_offsets") if isinstance(e, dict) else None
-            if not (isinstance(off, list) and len(off) == 2 and all(_int(x) for x in off)
-                    and off[0] <= off[1] and base + off[1] <= total):
-                raise ImplausibleSize(f"entry {key!r} has data_offsets {off!r} outside the member's {total} raw "
-                                      f"bytes", where=member)
+        _check_tensors_layout(rec, member)
     whole = WHOLE_READ_LIMITS.get(rec.get("role"))
     if whole is not None:  # held whole by every reader: a larger one is damaged for all of them, here already
         check_whole_read(rec, member, whole)
     _check_objects(rec, member)
+
+
+def _check_chunk_sizes(i: int, c: dict, member: str) -> None:
+    """Chunk ``i``'s declared sizes: integers, at most the chunk limit, a ``store`` chunk's raw size its stored
+    size, a zstd chunk no larger than any frame decodes to, stored no larger than :func:`stored_bound`.
+
+    Raises:
+        ImplausibleSize: (exit 1) naming the member and the chunk.
+    """
+    raw, stored, codec = c.get("raw_bytes"), c.get("stored_bytes"), c.get("codec")
+    if not (_int(raw) and _int(stored) and _int(c.get("raw_offset")) and _int(c.get("stored_offset"))):
+        raise ImplausibleSize(f"chunk {i} has a size or offset that is not a non-negative integer", where=member)
+    if raw > MAX_CHUNK_RAW_BYTES:
+        raise ImplausibleSize(f"chunk {i} declares {raw} raw bytes; no chunk is larger than "
+                              f"{MAX_CHUNK_RAW_BYTES} (refused before decoding)", where=member)
+    if codec == "store" and raw != stored:
+        raise ImplausibleSize(f"chunk {i} is stored raw but declares {raw} raw bytes for {stored} stored",
+                              where=member)
+    if codec != "store" and raw > max(stored, 1) * MAX_ZSTD_RATIO:
+        raise ImplausibleSize(f"chunk {i} declares {raw} raw bytes from {stored} stored bytes, more than any "
+                              f"zstandard frame decodes to", where=member)
+    if stored > stored_bound(raw):
+        raise ImplausibleSize(f"chunk {i} declares {stored} stored bytes for {raw} raw bytes; no chunk is "
+                              f"stored in more than {stored_bound(raw)} (refused before reading it)",
+                              where=member)
+
+
+def _check_tensors_layout(rec: dict, member: str) -> None:
+    """A tensors member's safetensors header and entries inside its raw bytes, the header within its limit.
+
+    Raises:
+        ImplausibleSize: (exit 1) naming the member (and the entry).
+    """
+    total = rec.get("raw_bytes", 0)
+    base = rec.get("header_bytes", 0)
+    if not _int(base) or base > total:
+        raise ImplausibleSize(f"safetensors header of {base} bytes in a member of {total} raw bytes", where=member)
+    if base > MAX_MEMBER_HEADER_BYTES:  # the header is held whole to be parsed
+        raise ImplausibleSize(f"declares a safetensors header of {base} bytes; the limit is "
+                              f"{MAX_MEMBER_HEADER_BYTES} (refused before reading it)", where=member)
+    for key, e in (rec.get("entries") or {}).items():
+        off = e.get("data_offsets") if isinstance(e, dict) else None
+        if not (isinstance(off, list) and len(off) == 2 and all(_int(x) for x in off)
+                and off[0] <= off[1] and base + off[1] <= total):
+            raise ImplausibleSize(f"entry {key!r} has data_offsets {off!r} outside the member's {total} raw "
+                                  f"bytes", where=member)
 
 
 def _check_objects(rec: dict, member: str) -> None:
@@ -221,14 +241,19 @@ def check_manifest_sizes(doc: dict, *, where: str = "manifest.json") -> None:
         exact = f.get("exact") if isinstance(f, dict) else None
         if exact is None:
             continue
-        segs = exact.get("segments") if isinstance(exact, dict) else None
-        ok = isinstance(segs, list) and all(
-            isinstance(sg, list) and len(sg) == 3 and _int(sg[0]) and _int(sg[1]) and isinstance(sg[2], str)
-            for sg in segs) and _int(exact.get("cut_bytes", 0)) and _int(f.get("raw_bytes")) \
-            and isinstance(f.get("sha256"), str) and isinstance(exact.get("member"), str)
-        if not ok:
+        if not _exact_ok(f, exact):
             raise ImplausibleSize("exact.segments must be [offset, length, entry key] with non-negative sizes",
                                   where=f"{where}: source.files {f.get('relpath')!r}")
+
+
+def _exact_ok(f: dict, exact: Any) -> bool:
+    """Whether a source file's ``exact`` record is well formed: ``segments`` of ``[offset, length, entry key]``
+    with non-negative sizes, ``cut_bytes``, the file's ``raw_bytes`` and ``sha256``, the skeleton ``member``."""
+    segs = exact.get("segments") if isinstance(exact, dict) else None
+    return bool(isinstance(segs, list) and all(
+        isinstance(sg, list) and len(sg) == 3 and _int(sg[0]) and _int(sg[1]) and isinstance(sg[2], str)
+        for sg in segs) and _int(exact.get("cut_bytes", 0)) and _int(f.get("raw_bytes"))
+        and isinstance(f.get("sha256"), str) and isinstance(exact.get("member"), str))
 
 
 def check_whole_read(rec: dict, member: str, limit: int) -> None:

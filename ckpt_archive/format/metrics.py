@@ -102,15 +102,25 @@ def _read_tagged(node: Any) -> Any:
             if all(isinstance(k, str) for k, _ in items):
                 return dict(items)
         if t == "npscalar":
-            import numpy as np
-
-            arr = np.frombuffer(bytes.fromhex(node["hex"]), dtype=np.dtype(node["dtype"]))
-            if arr.shape == (1,) and arr.dtype.kind in "biuf":
-                item = arr[0].item()
-                return _float(item) if isinstance(item, float) else item
+            return _read_npscalar(node)
     except (KeyError, TypeError, ValueError):
         pass
     return node  # a tag this reader does not turn into a plain value: shown as stored
+
+
+def _read_npscalar(node: dict) -> Any:
+    """An old tagged NumPy scalar as a plain number; ``node`` itself (shown as stored) when it is not one.
+
+    Raises:
+        KeyError / TypeError / ValueError: a malformed node (the caller shows it as stored).
+    """
+    import numpy as np
+
+    arr = np.frombuffer(bytes.fromhex(node["hex"]), dtype=np.dtype(node["dtype"]))
+    if arr.shape == (1,) and arr.dtype.kind in "biuf":
+        item = arr[0].item()
+        return _float(item) if isinstance(item, float) else item
+    return node
 
 
 def read_metrics(stored: Any) -> dict:

@@ -81,34 +81,47 @@ def _group(leaves: list[tuple[str, PtTensor]], table: TensorTable) -> TensorTabl
     n_shared = 0
     for gid in order:
         views = groups[gid]
-        key0, t0 = views[0]
-        nbytes_storage = t0.storage.nbytes
-        dname = t0.dtype
+        _, t0 = views[0]
         same_geometry = all(t.dtype == t0.dtype and t.shape == t0.shape and t.stride == t0.stride
                             and t.offset == t0.offset for _, t in views)
-        if (len(views) == 1 or same_geometry) and _natural(t0) and dname in TORCH_TO_ST:
-            # natural: the tensor's bytes are its whole storage, i.e. its record of the file
-            table.entries[key0] = _file_entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape], t0.storage)
-            for i, (key, t) in enumerate(views):
-                rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape]}
-                if i > 0:
-                    rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride]}
-                    table.leaf_bytes[key] = t.contiguous_bytes
-                table.leaves[key] = rec
+        if (len(views) == 1 or same_geometry) and _natural(t0) and t0.dtype in TORCH_TO_ST:
+            _add_natural(table, views)
             continue
         n_shared += 1
-        fname, itemsize = dname, ITEMSIZE[dname]  # one dtype per storage (pt_pickle refuses another)
-        if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
-            fname, itemsize = "uint8", 1
-        entry_key = f"storage/{n_shared}:{key0}"
-        table.entries[entry_key] = _file_entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize], t0.storage)
-        for key, t in views:
-            table.leaves[key] = {"entry": entry_key, "kind": "torch", "dtype": t.dtype,
-                                 "shape": [int(x) for x in t.shape],
-                                 "view": {"storage_offset": int(t.offset), "stride": [int(s) for s in t.stride],
-                                          "entry_dtype": fname}}
-            table.leaf_bytes[key] = t.contiguous_bytes
+        _add_storage(table, views, n_shared)
     return table
+
+
+def _add_natural(table: TensorTable, views: list[tuple[str, PtTensor]]) -> None:
+    """Tensors whose bytes are their whole storage, i.e. its record of the file: one entry; the other
+    tensors (same geometry) are views of it."""
+    key0, t0 = views[0]
+    dname = t0.dtype
+    table.entries[key0] = _file_entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape], t0.storage)
+    for i, (key, t) in enumerate(views):
+        rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape]}
+        if i > 0:
+            rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride]}
+            table.leaf_bytes[key] = t.contiguous_bytes
+        table.leaves[key] = rec
+
+
+def _add_storage(table: TensorTable, views: list[tuple[str, PtTensor]], n_shared: int) -> None:
+    """Tensors over a storage that none of them is whole: the storage is the entry (of its dtype, else of
+    bytes), every tensor a view of it."""
+    key0, t0 = views[0]
+    nbytes_storage = t0.storage.nbytes
+    fname, itemsize = t0.dtype, ITEMSIZE[t0.dtype]  # one dtype per storage (pt_pickle refuses another)
+    if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
+        fname, itemsize = "uint8", 1
+    entry_key = f"storage/{n_shared}:{key0}"
+    table.entries[entry_key] = _file_entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize], t0.storage)
+    for key, t in views:
+        table.leaves[key] = {"entry": entry_key, "kind": "torch", "dtype": t.dtype,
+                             "shape": [int(x) for x in t.shape],
+                             "view": {"storage_offset": int(t.offset), "stride": [int(s) for s in t.stride],
+                                      "entry_dtype": fname}}
+        table.leaf_bytes[key] = t.contiguous_bytes
 
 
 def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:

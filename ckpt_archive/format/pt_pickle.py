@@ -304,18 +304,9 @@ class _Machine:
         stack: list = []
         meta: list = []
         memo: dict[int, Any] = {}
-        unpack = struct.unpack
         while True:
             op = self.take(1)[0]
-            if op == 0x80:  # PROTO
-                self.take(1)
-            elif op == 0x7D:  # EMPTY_DICT
-                stack.append({})
-            elif op == 0x5D:  # EMPTY_LIST
-                stack.append([])
-            elif op == 0x29:  # EMPTY_TUPLE
-                stack.append(())
-            elif op == 0x28:  # MARK
+            if op == 0x28:  # MARK
                 meta.append(stack)
                 stack = []
             elif op == 0x74:  # TUPLE
@@ -323,40 +314,9 @@ class _Machine:
                 stack = meta.pop()
                 stack.append(self.tuple(items))
             elif op in (0x85, 0x86, 0x87):  # TUPLE1..3
-                n = op - 0x84
-                if len(stack) < n:
-                    raise NotSimple("stack underflow")
-                items = stack[-n:]
-                del stack[-n:]
-                stack.append(self.tuple(items))
-            elif op == 0x4E:  # NONE
-                stack.append(None)
-            elif op == 0x88:  # NEWTRUE
-                stack.append(True)
-            elif op == 0x89:  # NEWFALSE
-                stack.append(False)
-            elif op == 0x4A:  # BININT
-                stack.append(unpack("<i", self.take(4))[0])
-            elif op == 0x4B:  # BININT1
-                stack.append(self.take(1)[0])
-            elif op == 0x4D:  # BININT2
-                stack.append(unpack("<H", self.take(2))[0])
-            elif op == 0x8A:  # LONG1
-                n = self.take(1)[0]
-                stack.append(int.from_bytes(self.take(n), "little", signed=True))
-            elif op == 0x47:  # BINFLOAT
-                stack.append(unpack(">d", self.take(8))[0])
-            elif op == 0x58:  # BINUNICODE (torch decodes with surrogatepass)
-                n = unpack("<I", self.take(4))[0]
-                stack.append(str(self.take(n), "utf-8", "surrogatepass"))
-            elif op in (0x71, 0x72):  # BINPUT, LONG_BINPUT
-                i = self.take(1)[0] if op == 0x71 else unpack("<I", self.take(4))[0]
-                memo[i] = stack[-1]
-            elif op in (0x68, 0x6A):  # BINGET, LONG_BINGET
-                i = self.take(1)[0] if op == 0x68 else unpack("<I", self.take(4))[0]
-                if i not in memo:
-                    raise NotSimple("memo key missing")
-                stack.append(memo[i])
+                self.tuple_n(op - 0x84, stack)
+            elif op in (0x71, 0x72, 0x68, 0x6A):  # BINPUT, LONG_BINPUT, BINGET, LONG_BINGET
+                self.memo_op(op, stack, memo)
             elif op == 0x61:  # APPEND
                 item = self.clean(stack.pop())
                 if type(stack[-1]) is not list:
@@ -375,9 +335,6 @@ class _Machine:
                 items = [self.clean(x) for x in stack]
                 stack = meta.pop()
                 self.setitems(stack[-1], items)
-            elif op == 0x63:  # GLOBAL
-                module, name = self.line(), self.line()
-                stack.append(_Global(f"{module}\n{name}"))
             elif op == 0x52:  # REDUCE
                 args = stack.pop()
                 stack[-1] = self.reduce(stack[-1], args)
@@ -392,7 +349,75 @@ class _Machine:
             elif op == 0x2E:  # STOP
                 return self.clean(stack.pop())
             else:
-                raise NotSimple(f"opcode {op:#04x}")
+                self.push_value(op, stack)
+
+    def tuple_n(self, n: int, stack: list) -> None:
+        """TUPLE1..3: the top ``n`` items of the stack become one tuple.
+
+        Raises:
+            NotSimple: fewer than ``n`` items.
+        """
+        if len(stack) < n:
+            raise NotSimple("stack underflow")
+        items = stack[-n:]
+        del stack[-n:]
+        stack.append(self.tuple(items))
+
+    def memo_op(self, op: int, stack: list, memo: dict) -> None:
+        """BINPUT / LONG_BINPUT (the top of the stack into the memo), BINGET / LONG_BINGET (back onto it).
+
+        Raises:
+            NotSimple: a memo key that was never put.
+        """
+        i = self.take(1)[0] if op in (0x71, 0x68) else struct.unpack("<I", self.take(4))[0]
+        if op in (0x71, 0x72):
+            memo[i] = stack[-1]
+            return
+        if i not in memo:
+            raise NotSimple("memo key missing")
+        stack.append(memo[i])
+
+    def push_value(self, op: int, stack: list) -> None:
+        """The opcodes that push one value read from the stream (PROTO pushes nothing): empty containers,
+        None/True/False, ints, floats, str, a GLOBAL's name (a token that may only be called).
+
+        Raises:
+            NotSimple: any other opcode (torch.load decides).
+        """
+        unpack = struct.unpack
+        if op == 0x80:  # PROTO
+            self.take(1)
+        elif op == 0x7D:  # EMPTY_DICT
+            stack.append({})
+        elif op == 0x5D:  # EMPTY_LIST
+            stack.append([])
+        elif op == 0x29:  # EMPTY_TUPLE
+            stack.append(())
+        elif op == 0x4E:  # NONE
+            stack.append(None)
+        elif op == 0x88:  # NEWTRUE
+            stack.append(True)
+        elif op == 0x89:  # NEWFALSE
+            stack.append(False)
+        elif op == 0x4A:  # BININT
+            stack.append(unpack("<i", self.take(4))[0])
+        elif op == 0x4B:  # BININT1
+            stack.append(self.take(1)[0])
+        elif op == 0x4D:  # BININT2
+            stack.append(unpack("<H", self.take(2))[0])
+        elif op == 0x8A:  # LONG1
+            n = self.take(1)[0]
+            stack.append(int.from_bytes(self.take(n), "little", signed=True))
+        elif op == 0x47:  # BINFLOAT
+            stack.append(unpack(">d", self.take(8))[0])
+        elif op == 0x58:  # BINUNICODE (torch decodes with surrogatepass)
+            n = unpack("<I", self.take(4))[0]
+            stack.append(str(self.take(n), "utf-8", "surrogatepass"))
+        elif op == 0x63:  # GLOBAL
+            module, name = self.line(), self.line()
+            stack.append(_Global(f"{module}\n{name}"))
+        else:
+            raise NotSimple(f"opcode {op:#04x}")
 
     def tuple(self, items: list) -> tuple:
         t = tuple(items)

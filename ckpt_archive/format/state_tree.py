@@ -200,6 +200,19 @@ def _float(v: float):
     return {"$t": "float", "v": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
 
 
+def _natural(t) -> bool:
+    """Whether a tensor's bytes are its whole storage in C order. An empty tensor counts as contiguous whatever
+    its strides: those are kept (as a view) unless they are the C-order ones a plain entry comes back with."""
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+            and (t.numel() > 0 or list(t.stride()) == c_strides(t.shape)))
+
+
+def _long_plain_list(obj: list) -> bool:
+    """More than 16 elements, all plain JSON atoms: stored as is (see :func:`_plain_json_list`)."""
+    return len(obj) > 16 and _plain_json_list(obj)
+
+
 def _plain_json_list(obj: list) -> bool:
     """Whether every element of a list is its own JSON encoding: all safe-range ints, all finite floats or
     all UTF-8 str (what :meth:`Encoder._enc` would return unchanged, one element at a time)."""
@@ -233,6 +246,10 @@ def _path_name(path: tuple) -> str:
 _JSON_ATOMS = frozenset({int, float, str, bool, type(None)})
 #: types whose values are immutable: never counted for sharing
 _ATOM_TYPES = frozenset({int, float, str, bool, type(None), bytes, complex})
+
+
+#: What :meth:`Encoder._scalar` / :meth:`Encoder._torch_object` return for a value that is not theirs.
+_NOT_HERE = object()
 
 
 class Encoder:
@@ -339,6 +356,42 @@ class Encoder:
         import numpy as np
 
         tp = type(obj)
+        node = self._scalar(obj, tp, path, np)
+        if node is not _NOT_HERE:
+            return node
+        node = self._array(obj, tp, path, torch, np)
+        if node is not _NOT_HERE:
+            return node
+        node = self._torch_object(obj, tp, path, torch)
+        if node is not _NOT_HERE:
+            return node
+        if tp is tuple:
+            return {"$t": "tuple", "v": [self.enc(v, path + (i,)) for i, v in enumerate(obj)]}
+        if tp is list:
+            if _long_plain_list(obj):  # a sampler's permutation, a loss history: as is
+                return list(obj)
+            return [self.enc(v, path + (i,)) for i, v in enumerate(obj)]
+        if tp is set:
+            return self._set(obj, path)
+        if tp is collections.OrderedDict or tp is collections.Counter:
+            return self._odict(obj, tp, path)
+        if tp is dict:
+            if all(type(k) is str and utf8_ok(k) for k in obj) and "$t" not in obj:
+                return {k: self.enc(v, path + (k,)) for k, v in obj.items()}
+            return {"$t": "dict", "items": self._items(obj, path)}
+        cname = class_name(tp)
+        if cname in self.allow:
+            return {"$t": "object", "class": cname,
+                    "state": {k: self.enc(v, path + (k,)) for k, v in _plain_state(obj, path).items()}}
+        raise refusal(_path_name(path), obj)
+
+    def _scalar(self, obj: Any, tp: type, path: tuple, np) -> Any:
+        """``obj`` encoded when it is a plain scalar (None, str, bool, int, float, complex, bytes, a NumPy
+        scalar), else :data:`_NOT_HERE`.
+
+        Raises:
+            SourceError: a NumPy object scalar (not plain data).
+        """
         if tp is str and not utf8_ok(obj):
             # lone surrogates (a non-UTF-8 file name through os.fsdecode): JSON text cannot carry them
             return str_node(obj)
@@ -357,6 +410,15 @@ class Encoder:
             return {"$t": "complex", "re": _float(obj.real), "im": _float(obj.imag)}
         if tp is bytes or tp is bytearray:
             return {"$t": tp.__name__, "b64": base64.b64encode(bytes(obj)).decode("ascii")}
+        return _NOT_HERE
+
+    def _array(self, obj: Any, tp: type, path: tuple, torch, np) -> Any:
+        """``obj`` encoded when it is a tensor (the tensor table), a NumPy array or a NumPy dtype, else
+        :data:`_NOT_HERE`.
+
+        Raises:
+            SourceError: a tensor or array that cannot round-trip (see :meth:`_tensor`, :meth:`_ndarray`).
+        """
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._tensor(obj, path)
         if tp is np.ndarray:
@@ -364,6 +426,14 @@ class Encoder:
         if isinstance(obj, np.dtype):
             self.table.numpy_values.append(_path_name(path))
             return {"$t": "npdtype", "v": obj.str}
+        return _NOT_HERE
+
+    def _set(self, obj: set, path: tuple) -> dict:
+        return {"$t": "set", "v": [self.enc(v, path + (i,)) for i, v in enumerate(obj)]}
+
+    def _torch_object(self, obj: Any, tp: type, path: tuple, torch) -> Any:
+        """``obj`` encoded when it is one of torch's value types (dtype, Size, device, layout, a storage) or an
+        object torch's allowlist names (qscheme, a legacy tensor class, ...), else :data:`_NOT_HERE`."""
         if torch is None:
             pass
         elif tp is torch.dtype:
@@ -378,32 +448,17 @@ class Encoder:
             return self._storage(obj, path)
         # the allowlist is read from torch; besides torch's own objects it names classes and functions only
         name = global_name(obj) if torch is not None or callable(obj) else None
-        if name is not None:  # an object torch's allowlist itself names: qscheme, legacy tensor class, ...
+        if name is not None:
             return {"$t": "global", "v": name}
-        if tp is tuple:
-            return {"$t": "tuple", "v": [self.enc(v, path + (i,)) for i, v in enumerate(obj)]}
-        if tp is list:
-            if len(obj) > 16 and _plain_json_list(obj):  # a sampler's permutation, a loss history: as is
-                return list(obj)
-            return [self.enc(v, path + (i,)) for i, v in enumerate(obj)]
-        if tp is set:
-            return {"$t": "set", "v": [self.enc(v, path + (i,)) for i, v in enumerate(obj)]}
-        if tp is collections.OrderedDict or tp is collections.Counter:
-            node = {"$t": "odict" if tp is collections.OrderedDict else "counter",
-                    "items": self._items(obj, path)}
-            attrs = dict(vars(obj))
-            if attrs:
-                node["attrs"] = self._attrs(obj, attrs, path)
-            return node
-        if tp is dict:
-            if all(type(k) is str and utf8_ok(k) for k in obj) and "$t" not in obj:
-                return {k: self.enc(v, path + (k,)) for k, v in obj.items()}
-            return {"$t": "dict", "items": self._items(obj, path)}
-        cname = class_name(tp)
-        if cname in self.allow:
-            return {"$t": "object", "class": cname,
-                    "state": {k: self.enc(v, path + (k,)) for k, v in _plain_state(obj, path).items()}}
-        raise refusal(_path_name(path), obj)
+        return _NOT_HERE
+
+    def _odict(self, obj: Any, tp: type, path: tuple) -> dict:
+        """An OrderedDict or Counter: its items in order, and its Python attributes."""
+        node = {"$t": "odict" if tp is collections.OrderedDict else "counter", "items": self._items(obj, path)}
+        attrs = dict(vars(obj))
+        if attrs:
+            node["attrs"] = self._attrs(obj, attrs, path)
+        return node
 
     def _attrs(self, obj, attrs: dict, path) -> dict:
         """Encoded Python attributes of a tensor or OrderedDict (names must be UTF-8 text: JSON keys)."""
@@ -494,49 +549,52 @@ class Encoder:
         n_shared = 0
         for gid in order:
             views = groups[gid]
-            key0, t0 = views[0]
-            nbytes_storage = t0.untyped_storage().nbytes()
-            dname = str(t0.dtype).replace("torch.", "")
-
-            def natural(t):
-                # an empty tensor counts as contiguous whatever its strides: those are kept (as a view)
-                # unless they are the C-order ones a plain entry comes back with
-                return (t.is_contiguous() and t.storage_offset() == 0
-                        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
-                        and (t.numel() > 0 or list(t.stride()) == c_strides(t.shape)))
-
+            _, t0 = views[0]
             same_geometry = all(t.dtype == t0.dtype and t.shape == t0.shape and t.stride() == t0.stride()
                                 and t.storage_offset() == t0.storage_offset() for _, t in views)
-            if (len(views) == 1 or same_geometry) and natural(t0) \
-                    and dname in TORCH_TO_ST:
-                self.table.entries[key0] = Entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape],
-                                                 lambda t=t0: tensor_u8(t), t0.numel() * t0.element_size())
-                for i, (key, t) in enumerate(views):
-                    rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape],
-                           **_leaf_flags(t)}
-                    if i > 0:
-                        rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride()]}
-                        self.table.leaf_bytes[key] = lambda t=t: tensor_u8(t)
-                    self.table.leaves[key] = rec
+            if (len(views) == 1 or same_geometry) and _natural(t0) \
+                    and str(t0.dtype).replace("torch.", "") in TORCH_TO_ST:
+                self._add_natural(views)
                 continue
             # A shared or non-contiguously viewed storage: store it once, flat.
             n_shared += 1
-            dtypes = {t.dtype for _, t in views}
-            flat_dtype = t0.dtype if len(dtypes) == 1 else torch.uint8
-            fname = str(flat_dtype).replace("torch.", "")
-            itemsize = flat_dtype.itemsize
-            if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
-                fname, itemsize = "uint8", 1
-            entry_key = f"storage/{n_shared}:{key0}"
-            self.table.entries[entry_key] = Entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize],
-                                                  lambda t=t0: _storage_u8(t), nbytes_storage)
-            for key, t in views:
-                rec = {"entry": entry_key, "kind": "torch", "dtype": str(t.dtype).replace("torch.", ""),
-                       "shape": [int(x) for x in t.shape],
-                       "view": {"storage_offset": int(t.storage_offset()), "stride": [int(s) for s in t.stride()],
-                                "entry_dtype": fname}, **_leaf_flags(t)}
-                self.table.leaves[key] = rec
+            self._add_storage(views, n_shared, torch)
+
+    def _add_natural(self, views: list) -> None:
+        """Tensors whose bytes are their whole storage: one entry; the others (same geometry) views of it."""
+        key0, t0 = views[0]
+        dname = str(t0.dtype).replace("torch.", "")
+        self.table.entries[key0] = Entry(key0, TORCH_TO_ST[dname], [int(x) for x in t0.shape],
+                                         lambda t=t0: tensor_u8(t), t0.numel() * t0.element_size())
+        for i, (key, t) in enumerate(views):
+            rec = {"entry": key0, "kind": "torch", "dtype": dname, "shape": [int(x) for x in t.shape],
+                   **_leaf_flags(t)}
+            if i > 0:
+                rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride()]}
                 self.table.leaf_bytes[key] = lambda t=t: tensor_u8(t)
+            self.table.leaves[key] = rec
+
+    def _add_storage(self, views: list, n_shared: int, torch) -> None:
+        """A shared or non-contiguously viewed storage, stored once, flat (of its one dtype, else of bytes);
+        every tensor a view of it."""
+        key0, t0 = views[0]
+        nbytes_storage = t0.untyped_storage().nbytes()
+        dtypes = {t.dtype for _, t in views}
+        flat_dtype = t0.dtype if len(dtypes) == 1 else torch.uint8
+        fname = str(flat_dtype).replace("torch.", "")
+        itemsize = flat_dtype.itemsize
+        if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
+            fname, itemsize = "uint8", 1
+        entry_key = f"storage/{n_shared}:{key0}"
+        self.table.entries[entry_key] = Entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize],
+                                              lambda t=t0: _storage_u8(t), nbytes_storage)
+        for key, t in views:
+            rec = {"entry": entry_key, "kind": "torch", "dtype": str(t.dtype).replace("torch.", ""),
+                   "shape": [int(x) for x in t.shape],
+                   "view": {"storage_offset": int(t.storage_offset()), "stride": [int(s) for s in t.stride()],
+                            "entry_dtype": fname}, **_leaf_flags(t)}
+            self.table.leaves[key] = rec
+            self.table.leaf_bytes[key] = lambda t=t: tensor_u8(t)
 
 
 def c_strides(shape) -> list[int]:
@@ -661,6 +719,77 @@ class _ReaderError(Exception):
         self.exc = exc
 
 
+def _np_dtype(node: dict) -> Any:
+    import numpy as np
+
+    return np.dtype(node["v"])
+
+
+#: Tags whose node decodes without decoding anything inside it: tag -> ``f(node)``.
+_SIMPLE_TAGS: dict[str, Callable[[dict], Any]] = {
+    "str": str_from_node,  # a str with lone surrogates (see Encoder._enc)
+    "bytes": lambda node: base64.b64decode(node["b64"]),
+    "bytearray": lambda node: bytearray(base64.b64decode(node["b64"])),
+    "npdtype": _np_dtype,
+    "dtype": lambda node: _torch_attr(node["v"], "dtype"),
+    "layout": lambda node: _torch_attr(node["v"], "layout"),
+    "size": lambda node: _torch().Size(node["v"]),
+    "device": lambda node: _torch().device(node["v"]),
+    "global": lambda node: resolve_global(node["v"]),
+}
+
+
+def _leaf_node(node: dict, t: str, dec: Callable[[Any], Any], tensor: Callable[[str], Any], build: bool) -> Any:
+    """:func:`decode` of a tagged node that is not a container (a tensor, storage, scalar, torch or NumPy
+    type, global or object); ``dec`` decodes its parts, ``tensor`` gives a leaf's tensor.
+
+    Raises:
+        MalformedTree: an unknown tag or a malformed node. FormatError: a global or class not admitted.
+    """
+    if t in ("tensor", "ndarray"):
+        obj = tensor(node["key"])
+        if node.get("attrs") and obj is not None:
+            obj.__dict__.update({k: dec(v) for k, v in node["attrs"].items()})
+        return obj
+    if t == "rebuild":
+        return rebuild(node, dec, build)
+    if t == "storage":
+        data = dec(node["data"])
+        if data is None:
+            return None
+        if holds_stub(data):  # left undecoded by its reader (the policy audit): so is its storage
+            return data
+        storage = data.untyped_storage()
+        if "dtype" in node:
+            import torch
+
+            return torch.TypedStorage(wrap_storage=storage, dtype=_torch_attr(node["dtype"], "dtype"),
+                                      _internal=True)
+        return storage
+    simple = _SIMPLE_TAGS.get(t)
+    if simple is not None:
+        return simple(node)
+    if t == "npscalar":
+        import numpy as np
+
+        raw, dtype = bytes.fromhex(node["hex"]), np.dtype(node["dtype"])
+        if dtype.hasobject or len(raw) != dtype.itemsize:
+            raise MalformedTree(f"malformed npscalar node: {len(raw)} bytes for dtype {dtype.str!r}")
+        return np.frombuffer(raw, dtype=dtype)[0]
+    if t == "object":
+        state = node.get("state")
+        if not isinstance(state, dict) or "$t" in state:
+            raise MalformedTree(f"malformed object node for {node.get('class')!r}")
+        values = {k: dec(v) for k, v in state.items()}
+        if not build:
+            return None
+        cls = decode_class(str(node.get("class")))
+        obj = object.__new__(cls)
+        obj.__dict__.update(values)
+        return obj
+    raise MalformedTree(f"unknown tree tag {t!r}")
+
+
 def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build",
            where: str | None = None) -> Any:
     """Rebuild the nested state from an encoded tree.
@@ -742,65 +871,7 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
             for name, val in (node.get("attrs") or {}).items():
                 setattr(obj, name, dec(val))
             return obj
-        if t in ("tensor", "ndarray"):
-            obj = tensor(node["key"])
-            if node.get("attrs") and obj is not None:
-                obj.__dict__.update({k: dec(v) for k, v in node["attrs"].items()})
-            return obj
-        if t == "rebuild":
-            return rebuild(node, dec, build)
-        if t == "storage":
-            data = dec(node["data"])
-            if data is None:
-                return None
-            if holds_stub(data):  # left undecoded by its reader (the policy audit): so is its storage
-                return data
-            storage = data.untyped_storage()
-            if "dtype" in node:
-                import torch
-
-                return torch.TypedStorage(wrap_storage=storage, dtype=_torch_attr(node["dtype"], "dtype"),
-                                          _internal=True)
-            return storage
-        if t == "str":  # a str with lone surrogates (see Encoder._enc)
-            return str_from_node(node)
-        if t == "bytes":
-            return base64.b64decode(node["b64"])
-        if t == "bytearray":
-            return bytearray(base64.b64decode(node["b64"]))
-        if t == "npscalar":
-            import numpy as np
-
-            raw, dtype = bytes.fromhex(node["hex"]), np.dtype(node["dtype"])
-            if dtype.hasobject or len(raw) != dtype.itemsize:
-                raise MalformedTree(f"malformed npscalar node: {len(raw)} bytes for dtype {dtype.str!r}")
-            return np.frombuffer(raw, dtype=dtype)[0]
-        if t == "npdtype":
-            import numpy as np
-
-            return np.dtype(node["v"])
-        if t == "dtype":
-            return _torch_attr(node["v"], "dtype")
-        if t == "layout":
-            return _torch_attr(node["v"], "layout")
-        if t == "size":
-            return _torch().Size(node["v"])
-        if t == "device":
-            return _torch().device(node["v"])
-        if t == "global":
-            return resolve_global(node["v"])
-        if t == "object":
-            state = node.get("state")
-            if not isinstance(state, dict) or "$t" in state:
-                raise MalformedTree(f"malformed object node for {node.get('class')!r}")
-            values = {k: dec(v) for k, v in state.items()}
-            if not build:
-                return None
-            cls = decode_class(str(node.get("class")))
-            obj = object.__new__(cls)
-            obj.__dict__.update(values)
-            return obj
-        raise MalformedTree(f"unknown tree tag {t!r}")
+        return _leaf_node(node, t, dec, tensor, build)
 
     try:
         return dec(tree)
