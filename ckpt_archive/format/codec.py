@@ -403,6 +403,22 @@ def _read_exact(fh: BinaryIO, n: int) -> bytes:
     return data if data is not None else b""
 
 
+def _check_stored_size(fh, record: dict, member: str) -> None:
+    """A positionally read stored file (``pread`` or a local descriptor) against its chunk table, before any
+    chunk is read: no longer than its chunks, and every chunk inside it.
+
+    Raises:
+        IntegrityError: the file is longer than its chunks, or a chunk is truncated (names it).
+    """
+    size = fh.size() if hasattr(fh, "pread") else os.fstat(fileno_of(fh)).st_size
+    if size > record["stored_bytes"]:
+        raise IntegrityError("stored file is longer than its chunks", where=member)
+    for i, c in enumerate(record["chunks"]):
+        if c["stored_offset"] + c["stored_bytes"] > size:
+            raise IntegrityError(f"truncated: chunk {i} has {max(0, size - c['stored_offset'])} of "
+                                 f"{c['stored_bytes']} stored bytes", where=member)
+
+
 def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = None,
                  stored_hasher=None, verify_chunks: bool = True, into=None,
                  skip_sha: frozenset = frozenset(), written_crc=None) -> Iterator[tuple[int, bytes]]:
@@ -443,15 +459,8 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
     pread = None if stored_hasher is not None else _positional(fh)
     fd = pread  # (truthy when chunks are read positionally by the workers)
     if pread is not None:
-        # Local file(s): workers read their own chunk with pread (parallel, main thread free); sizes are
-        # checked up front.
-        size = fh.size() if hasattr(fh, "pread") else os.fstat(fileno_of(fh)).st_size
-        if size > record["stored_bytes"]:
-            raise IntegrityError("stored file is longer than its chunks", where=member)
-        for i, c in enumerate(chunks):
-            if c["stored_offset"] + c["stored_bytes"] > size:
-                raise IntegrityError(f"truncated: chunk {i} has {max(0, size - c['stored_offset'])} of "
-                                     f"{c['stored_bytes']} stored bytes", where=member)
+        # Local file(s): workers read their own chunk with pread (parallel, main thread free)
+        _check_stored_size(fh, record, member)
 
     def work(i, stored, chunk):
         if stored is None:

@@ -123,40 +123,78 @@ def check_leaf_geometry(erec: dict, lrec: dict, leaf: str, nbytes: int) -> bool:
     if lrec.get("requires_grad") and not (dtype.startswith(("float", "bfloat", "complex"))):
         raise IntegrityError(f"requires_grad on a {dtype} tensor: only floating point and complex tensors "
                              f"can require gradients", where=leaf)
+    if not view:
+        _check_plain_leaf(erec, kind, dtype, shape, leaf, nbytes)
+        return True
+    return _check_view_leaf(erec, lrec, leaf, nbytes)
+
+
+def _check_plain_leaf(erec: dict, kind: str, dtype: str, shape: list[int], leaf: str, nbytes: int) -> None:
+    """A leaf that is its whole entry: dtype, shape and byte count as the entry's.
+
+    Raises:
+        IntegrityError: they differ, or the dtype has no safetensors code (names the leaf).
+    """
     size = _itemsize(dtype, kind)
     numel = math.prod(shape)
     st_of = NUMPY_TO_ST if kind == "numpy" else TORCH_TO_ST
-    if not view:
-        try:
-            if kind == "numpy":
-                import numpy as np
+    try:
+        if kind == "numpy":
+            import numpy as np
 
-            want_st = st_of.get(np.dtype(dtype).str if kind == "numpy" else dtype)
-        except TypeError:
-            raise IntegrityError(f"dtype {dtype!r} is not a NumPy dtype", where=leaf) from None
-        want_shape = shape
-        if want_st is None and kind == "numpy":  # the writer keeps such an array as raw bytes (U8)
-            want_st, want_shape = "U8", [numel * size]
-        if want_st is None:  # the writer keeps such a tensor as a view of raw bytes, never plain
-            raise IntegrityError(f"dtype {dtype} has no safetensors code: it cannot be a plain entry",
-                                 where=leaf)
-        if want_st != erec.get("dtype"):
-            raise IntegrityError(f"dtype {dtype} != entry dtype {erec.get('dtype')}", where=leaf)
-        if want_shape != list(erec.get("shape", want_shape)):
-            raise IntegrityError(f"shape {shape} != entry shape {erec.get('shape')}", where=leaf)
-        if numel * size != nbytes:
-            raise IntegrityError(f"shape {shape} of {dtype} needs {numel * size} bytes, the entry has {nbytes}",
-                                 where=leaf)
-        return True
+        want_st = st_of.get(np.dtype(dtype).str if kind == "numpy" else dtype)
+    except TypeError:
+        raise IntegrityError(f"dtype {dtype!r} is not a NumPy dtype", where=leaf) from None
+    want_shape = shape
+    if want_st is None and kind == "numpy":  # the writer keeps such an array as raw bytes (U8)
+        want_st, want_shape = "U8", [numel * size]
+    if want_st is None:  # the writer keeps such a tensor as a view of raw bytes, never plain
+        raise IntegrityError(f"dtype {dtype} has no safetensors code: it cannot be a plain entry", where=leaf)
+    if want_st != erec.get("dtype"):
+        raise IntegrityError(f"dtype {dtype} != entry dtype {erec.get('dtype')}", where=leaf)
+    if want_shape != list(erec.get("shape", want_shape)):
+        raise IntegrityError(f"shape {shape} != entry shape {erec.get('shape')}", where=leaf)
+    if numel * size != nbytes:
+        raise IntegrityError(f"shape {shape} of {dtype} needs {numel * size} bytes, the entry has {nbytes}",
+                             where=leaf)
+
+
+def _check_view_dtype(erec: dict, view: dict, dtype: str, leaf: str) -> str | None:
+    """A view's dtype against its entry's: the writer keeps views of one dtype over an entry of that dtype,
+    and views of several dtypes (or of one with no safetensors code) over raw bytes (uint8); any other
+    pairing is a reinterpretation.
+
+    Returns:
+        the view's recorded ``entry_dtype`` (None when not recorded).
+
+    Raises:
+        IntegrityError: a reinterpretation, or an ``entry_dtype`` that is not the entry's (names the leaf).
+    """
     entry_dtype = view.get("entry_dtype")
     if entry_dtype is not None and TORCH_TO_ST.get(entry_dtype, erec.get("dtype")) != erec.get("dtype"):
         raise IntegrityError(f"view's entry dtype {entry_dtype} != entry dtype {erec.get('dtype')}", where=leaf)
-    # the writer keeps views of one dtype over an entry of that dtype, and views of several dtypes (or of
-    # one with no safetensors code) over raw bytes (uint8): any other pairing is a reinterpretation
     typed = entry_dtype if entry_dtype is not None else next(
         (k for k, v in TORCH_TO_ST.items() if v == erec.get("dtype")), None)
     if typed not in (None, "uint8") and dtype != typed:
         raise IntegrityError(f"a {dtype} view of a {typed} entry", where=leaf)
+    return entry_dtype
+
+
+def _check_view_leaf(erec: dict, lrec: dict, leaf: str, nbytes: int) -> bool:
+    """A leaf that is a view of its entry: the view's dtype against the entry's, its offset and strides inside
+    the entry's ``nbytes``.
+
+    Returns:
+        True when the view is the whole entry (see :func:`check_leaf_geometry`).
+
+    Raises:
+        IntegrityError: a reinterpretation, or a view reaching outside its storage (names the leaf).
+    """
+    kind, dtype, shape = lrec["kind"], lrec["dtype"], [int(x) for x in lrec["shape"]]
+    view = lrec["view"]
+    size = _itemsize(dtype, kind)
+    numel = math.prod(shape)
+    entry_dtype = _check_view_dtype(erec, view, dtype, leaf)
     offset, stride = int(view["storage_offset"]), [int(s) for s in view["stride"]]
     if len(stride) != len(shape) or offset < 0 or any(s < 0 for s in stride):
         raise IntegrityError(f"view of shape {shape} has stride {stride}, offset {offset}", where=leaf)

@@ -736,6 +736,77 @@ class _ReaderError(Exception):
         self.exc = exc
 
 
+def _np_dtype(node: dict) -> Any:
+    import numpy as np
+
+    return np.dtype(node["v"])
+
+
+#: Tags whose node decodes without decoding anything inside it: tag -> ``f(node)``.
+_SIMPLE_TAGS: dict[str, Callable[[dict], Any]] = {
+    "str": str_from_node,  # a str with lone surrogates (see Encoder._enc)
+    "bytes": lambda node: base64.b64decode(node["b64"]),
+    "bytearray": lambda node: bytearray(base64.b64decode(node["b64"])),
+    "npdtype": _np_dtype,
+    "dtype": lambda node: _torch_attr(node["v"], "dtype"),
+    "layout": lambda node: _torch_attr(node["v"], "layout"),
+    "size": lambda node: _torch().Size(node["v"]),
+    "device": lambda node: _torch().device(node["v"]),
+    "global": lambda node: resolve_global(node["v"]),
+}
+
+
+def _leaf_node(node: dict, t: str, dec: Callable[[Any], Any], tensor: Callable[[str], Any], build: bool) -> Any:
+    """:func:`decode` of a tagged node that is not a container (a tensor, storage, scalar, torch or NumPy
+    type, global or object); ``dec`` decodes its parts, ``tensor`` gives a leaf's tensor.
+
+    Raises:
+        MalformedTree: an unknown tag or a malformed node. FormatError: a global or class not admitted.
+    """
+    if t in ("tensor", "ndarray"):
+        obj = tensor(node["key"])
+        if node.get("attrs") and obj is not None:
+            obj.__dict__.update({k: dec(v) for k, v in node["attrs"].items()})
+        return obj
+    if t == "rebuild":
+        return rebuild(node, dec, build)
+    if t == "storage":
+        data = dec(node["data"])
+        if data is None:
+            return None
+        if holds_stub(data):  # left undecoded by its reader (the policy audit): so is its storage
+            return data
+        storage = data.untyped_storage()
+        if "dtype" in node:
+            import torch
+
+            return torch.TypedStorage(wrap_storage=storage, dtype=_torch_attr(node["dtype"], "dtype"),
+                                      _internal=True)
+        return storage
+    simple = _SIMPLE_TAGS.get(t)
+    if simple is not None:
+        return simple(node)
+    if t == "npscalar":
+        import numpy as np
+
+        raw, dtype = bytes.fromhex(node["hex"]), np.dtype(node["dtype"])
+        if dtype.hasobject or len(raw) != dtype.itemsize:
+            raise MalformedTree(f"malformed npscalar node: {len(raw)} bytes for dtype {dtype.str!r}")
+        return np.frombuffer(raw, dtype=dtype)[0]
+    if t == "object":
+        state = node.get("state")
+        if not isinstance(state, dict) or "$t" in state:
+            raise MalformedTree(f"malformed object node for {node.get('class')!r}")
+        values = {k: dec(v) for k, v in state.items()}
+        if not build:
+            return None
+        cls = decode_class(str(node.get("class")))
+        obj = object.__new__(cls)
+        obj.__dict__.update(values)
+        return obj
+    raise MalformedTree(f"unknown tree tag {t!r}")
+
+
 def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build",
            where: str | None = None) -> Any:
     """Rebuild the nested state from an encoded tree.
@@ -817,65 +888,7 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
             for name, val in (node.get("attrs") or {}).items():
                 setattr(obj, name, dec(val))
             return obj
-        if t in ("tensor", "ndarray"):
-            obj = tensor(node["key"])
-            if node.get("attrs") and obj is not None:
-                obj.__dict__.update({k: dec(v) for k, v in node["attrs"].items()})
-            return obj
-        if t == "rebuild":
-            return rebuild(node, dec, build)
-        if t == "storage":
-            data = dec(node["data"])
-            if data is None:
-                return None
-            if holds_stub(data):  # left undecoded by its reader (the policy audit): so is its storage
-                return data
-            storage = data.untyped_storage()
-            if "dtype" in node:
-                import torch
-
-                return torch.TypedStorage(wrap_storage=storage, dtype=_torch_attr(node["dtype"], "dtype"),
-                                          _internal=True)
-            return storage
-        if t == "str":  # a str with lone surrogates (see Encoder._enc)
-            return str_from_node(node)
-        if t == "bytes":
-            return base64.b64decode(node["b64"])
-        if t == "bytearray":
-            return bytearray(base64.b64decode(node["b64"]))
-        if t == "npscalar":
-            import numpy as np
-
-            raw, dtype = bytes.fromhex(node["hex"]), np.dtype(node["dtype"])
-            if dtype.hasobject or len(raw) != dtype.itemsize:
-                raise MalformedTree(f"malformed npscalar node: {len(raw)} bytes for dtype {dtype.str!r}")
-            return np.frombuffer(raw, dtype=dtype)[0]
-        if t == "npdtype":
-            import numpy as np
-
-            return np.dtype(node["v"])
-        if t == "dtype":
-            return _torch_attr(node["v"], "dtype")
-        if t == "layout":
-            return _torch_attr(node["v"], "layout")
-        if t == "size":
-            return _torch().Size(node["v"])
-        if t == "device":
-            return _torch().device(node["v"])
-        if t == "global":
-            return resolve_global(node["v"])
-        if t == "object":
-            state = node.get("state")
-            if not isinstance(state, dict) or "$t" in state:
-                raise MalformedTree(f"malformed object node for {node.get('class')!r}")
-            values = {k: dec(v) for k, v in state.items()}
-            if not build:
-                return None
-            cls = decode_class(str(node.get("class")))
-            obj = object.__new__(cls)
-            obj.__dict__.update(values)
-            return obj
-        raise MalformedTree(f"unknown tree tag {t!r}")
+        return _leaf_node(node, t, dec, tensor, build)
 
     try:
         return dec(tree)

@@ -277,22 +277,7 @@ class ArchiveReader:
         pending: collections.deque = collections.deque()
         try:
             with fh:
-                skip = frozenset()  # chunks decoded and raw-checked here, whose stored sha256 is not taken
-                crcs = None         # chunks compared with the CRC-32 of the bytes pack wrote instead
-                if raw_check is not None:
-                    written = self.written_crc.get(rec["path"])
-                    if written is not None and len(written) == len(rec["chunks"]):
-                        crcs = written
-                    if self.proven_objects and rec.get("objects"):
-                        skip = frozenset(i for p in parts(rec) if p.oid in self.proven_objects for i in p.index)
-                proven = (frozenset(skip_objects) & self.proven_objects if raw_check is not None and into is None
-                          and raw_check.alg == fingerprint.BLAKE3_ENTRIES and rec.get("objects") else frozenset())
-                if proven:
-                    chunks = decode_around(fh, rec, proven, jobs=self.jobs, verify_chunks=verify_chunks,
-                                           skip_sha=skip, written_crc=crcs)
-                else:
-                    chunks = iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs, verify_chunks=verify_chunks,
-                                          into=into, skip_sha=skip, written_crc=crcs)
+                chunks, skip, crcs = self._decoded_chunks(fh, rec, raw_check, verify_chunks, into, skip_objects)
                 hashing = 0  # raw bytes queued for the raw fingerprint (bounded: IN_FLIGHT_RAW_BYTES)
                 for off, chunk in chunks:
                     if isinstance(chunk, ProvenRange):
@@ -322,6 +307,33 @@ class ArchiveReader:
                 raise IntegrityError(bad, where=rec["path"])
         if verify_chunks and not skip and crcs is None:  # every chunk's stored sha256 was checked here
             self.verified_keys.update(key for key, _, _ in stored_files(rec, self.gen_key))
+
+    def _decoded_chunks(self, fh, rec: dict, raw_check, verify_chunks: bool, into, skip_objects):
+        """:meth:`iter_member`'s decoder over ``fh``: around the proven shared objects it may skip, else every
+        chunk (:func:`~ckpt_archive.format.codec.iter_decoded`).
+
+        Returns:
+            ``(chunks, skip, crcs)``: the iterator of ``(raw offset, chunk or ProvenRange)``; the chunks whose
+            stored sha256 is not taken (proven objects, raw-checked here); the CRC-32s of the bytes this
+            process wrote, compared instead of the sha256 (None when not known).
+        """
+        skip = frozenset()  # chunks decoded and raw-checked here, whose stored sha256 is not taken
+        crcs = None         # chunks compared with the CRC-32 of the bytes pack wrote instead
+        if raw_check is not None:
+            written = self.written_crc.get(rec["path"])
+            if written is not None and len(written) == len(rec["chunks"]):
+                crcs = written
+            if self.proven_objects and rec.get("objects"):
+                skip = frozenset(i for p in parts(rec) if p.oid in self.proven_objects for i in p.index)
+        proven = (frozenset(skip_objects) & self.proven_objects if raw_check is not None and into is None
+                  and raw_check.alg == fingerprint.BLAKE3_ENTRIES and rec.get("objects") else frozenset())
+        if proven:
+            chunks = decode_around(fh, rec, proven, jobs=self.jobs, verify_chunks=verify_chunks,
+                                   skip_sha=skip, written_crc=crcs)
+        else:
+            chunks = iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs, verify_chunks=verify_chunks,
+                                  into=into, skip_sha=skip, written_crc=crcs)
+        return chunks, skip, crcs
 
     def read_member_bytes(self, path: str, *, limit: int) -> bytearray:
         """The whole raw bytes of a member a reader holds in memory (the state tree, the data ids), every
@@ -381,118 +393,46 @@ class ArchiveReader:
         are not read or decoded at all (:meth:`iter_member`); their entry comes as a :class:`ProvenSize`.
         [codec/benchmarks helper: rewritten for zero copies; same checks and order]
         """
-        entries = rec["entries"]
-        base = rec["header_bytes"]
         verify = not checked_by_caller if verify_stored is None else verify_stored
-        order = sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
-        idx = 0
+        order = sorted(rec["entries"].items(), key=lambda kv: kv[1]["data_offsets"][0])
         if into is not None:
-            whole = memoryview(into).cast("B")
-            header_checked = base == 0
-            for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
-                                               verify_chunks=verify, into=into):
-                frontier = off + len(chunk)
-                if not header_checked:
-                    if frontier < base:
-                        continue
-                    _check_header(bytes(whole[:base]), entries, rec["path"])
-                    header_checked = True
-                while idx < len(order) and base + order[idx][1]["data_offsets"][1] <= frontier:
-                    k, e = order[idx]
-                    idx += 1
-                    if wanted is None or k in wanted:
-                        start, end = e["data_offsets"]
-                        yield k, e, (whole[base + start:base + end] if end > start else bytearray())
-            if not header_checked:
-                raise IntegrityError("shard ends inside its safetensors header", where=rec["path"])
-            if idx != len(order):
-                raise IntegrityError(f"shard ends before entry {order[idx][0]}", where=rec["path"])
+            yield from self._entries_into(rec, order, wanted, on_bytes, checked_by_caller, verify, into)
             return
-        cur = None       # bytearray being filled for an entry spanning chunks (None when skipped)
-        filled = 0
-        scratch = bytearray()
-        header_buf = bytearray()
-        header_checked = False
         skip = frozenset()
         if skip_objects and not checked_by_caller and rec.get("objects"):
             skip = frozenset(oid for oid, key in object_entries(rec).items()
                              if oid in skip_objects and key in sizes_only)
+        cutter = _EntryCutter(rec, order, wanted, sizes_only, transient)
         for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
                                            verify_chunks=verify, skip_objects=skip):
             if isinstance(chunk, ProvenRange):
-                # an entry held whole by a proven shared object (never decoded here): it starts where the
-                # stream stands, at an entry boundary, and is exactly that entry
-                while idx < len(order) and order[idx][1]["data_offsets"][0] == order[idx][1]["data_offsets"][1] \
-                        and base + order[idx][1]["data_offsets"][0] <= off:
-                    k, e = order[idx]
-                    idx += 1
-                    if wanted is None or k in wanted:
-                        yield k, e, bytearray()
-                k, e = order[idx] if idx < len(order) else (None, None)
-                if (not header_checked or filled or e is None or base + e["data_offsets"][0] != off
-                        or e["data_offsets"][1] - e["data_offsets"][0] != chunk.nbytes):
-                    raise IntegrityError(f"shared object {chunk.oid} is not one entry of its member at raw byte {off}",
-                                         where=rec["path"])
+                yield from cutter.proven(off, chunk)
+            else:
+                yield from cutter.feed(chunk)
+        yield from cutter.finish()
+
+    def _entries_into(self, rec: dict, order: list, wanted, on_bytes, checked_by_caller: bool, verify: bool,
+                      into) -> Iterator[tuple[str, dict, Any]]:
+        """:meth:`iter_entries` with ``into``: chunks decoded straight into it, every entry a view of it."""
+        entries, base = rec["entries"], rec["header_bytes"]
+        idx = 0
+        whole = memoryview(into).cast("B")
+        header_checked = base == 0
+        for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
+                                           verify_chunks=verify, into=into):
+            frontier = off + len(chunk)
+            if not header_checked:
+                if frontier < base:
+                    continue
+                _check_header(bytes(whole[:base]), entries, rec["path"])
+                header_checked = True
+            while idx < len(order) and base + order[idx][1]["data_offsets"][1] <= frontier:
+                k, e = order[idx]
                 idx += 1
                 if wanted is None or k in wanted:
-                    yield k, e, ProvenSize(chunk.nbytes)
-                continue
-            mv = memoryview(chunk).cast("B") if memoryview(chunk).format != "B" else memoryview(chunk)
-            pos = 0
-            if not header_checked:
-                need = base - len(header_buf)
-                header_buf += mv[:need]
-                pos = min(len(mv), need)
-                if len(header_buf) < base:
-                    continue
-                _check_header(bytes(header_buf), entries, rec["path"])
-                header_checked = True
-            while idx < len(order):
-                k, e = order[idx]
-                start, end = e["data_offsets"]
-                size = end - start
-                want = wanted is None or k in wanted
-                if size == 0:
-                    idx += 1
-                    if want:
-                        yield k, e, bytearray()
-                    continue
-                if pos >= len(mv):
-                    break
-                # the whole entry is in this chunk and fills most of it: a view (a small entry would
-                # keep its whole chunk alive, so it is copied)
-                if filled == 0 and pos + size <= len(mv) and 2 * size >= len(mv):
-                    piece = mv[pos:pos + size]
-                    pos += size
-                    idx += 1
-                    if want:
-                        yield k, e, (bytearray(piece) if piece.readonly else piece)
-                    continue
-                if filled == 0:
-                    if not want or k in sizes_only:
-                        cur = None
-                    elif transient:
-                        if len(scratch) < size:
-                            scratch = lazy_buffer(size, rec["path"])  # pages taken as bytes arrive
-                        cur = memoryview(scratch)[:size]
-                    else:
-                        cur = lazy_buffer(size, rec["path"])
-                take = min(size - filled, len(mv) - pos)
-                if cur is not None:
-                    cur[filled:filled + take] = mv[pos:pos + take]
-                filled += take
-                pos += take
-                if filled == size:
-                    idx += 1
-                    done, cur, filled = cur, None, 0
-                    if want:
-                        yield k, e, (SizeOnly(size) if done is None else done)
-        while idx < len(order) and order[idx][1]["data_offsets"][0] == order[idx][1]["data_offsets"][1]:
-            k, e = order[idx]  # empty entries at the very end, after a proven object
-            idx += 1
-            if wanted is None or k in wanted:
-                yield k, e, bytearray()
-        if not header_checked and base:
+                    start, end = e["data_offsets"]
+                    yield k, e, (whole[base + start:base + end] if end > start else bytearray())
+        if not header_checked:
             raise IntegrityError("shard ends inside its safetensors header", where=rec["path"])
         if idx != len(order):
             raise IntegrityError(f"shard ends before entry {order[idx][0]}", where=rec["path"])
@@ -723,6 +663,130 @@ class ArchiveReader:
                     built[leaf] = t
         return built
 
+
+
+class _EntryCutter:
+    """Cuts a tensors member's decoded stream into its entries, in data order (:meth:`ArchiveReader.iter_entries`
+    without ``into``): the safetensors header checked first; an entry inside one chunk that fills most of it
+    is a view, else it is assembled in a buffer taken lazily (one reused buffer when ``transient``; none for an
+    entry not wanted or in ``sizes_only``, which comes as a :class:`SizeOnly`); a proven shared object
+    (:class:`~ckpt_archive.repo.objects.ProvenRange`) must be exactly the next entry."""
+
+    def __init__(self, rec: dict, order: list, wanted, sizes_only, transient: bool):
+        self.rec, self.order, self.wanted, self.sizes_only, self.transient = rec, order, wanted, sizes_only, transient
+        self.base = rec["header_bytes"]
+        self.idx = 0
+        self.cur = None       # bytearray being filled for an entry spanning chunks (None when skipped)
+        self.filled = 0
+        self.scratch = bytearray()
+        self.header_buf = bytearray()
+        self.header_checked = False
+
+    def _empty_entries(self, upto: int | None = None) -> Iterator[tuple[str, dict, Any]]:
+        """The empty entries next in order (those starting at or before raw byte ``upto``, when given)."""
+        order = self.order
+        while self.idx < len(order) and order[self.idx][1]["data_offsets"][0] == order[self.idx][1]["data_offsets"][1] \
+                and (upto is None or self.base + order[self.idx][1]["data_offsets"][0] <= upto):
+            k, e = order[self.idx]
+            self.idx += 1
+            if self.wanted is None or k in self.wanted:
+                yield k, e, bytearray()
+
+    def proven(self, off: int, chunk) -> Iterator[tuple[str, dict, Any]]:
+        """An entry held whole by a proven shared object (never decoded here): it starts where the stream
+        stands, at an entry boundary, and is exactly that entry.
+
+        Raises:
+            IntegrityError: it is not.
+        """
+        yield from self._empty_entries(off)
+        k, e = self.order[self.idx] if self.idx < len(self.order) else (None, None)
+        if (not self.header_checked or self.filled or e is None or self.base + e["data_offsets"][0] != off
+                or e["data_offsets"][1] - e["data_offsets"][0] != chunk.nbytes):
+            raise IntegrityError(f"shared object {chunk.oid} is not one entry of its member at raw byte {off}",
+                                 where=self.rec["path"])
+        self.idx += 1
+        if self.wanted is None or k in self.wanted:
+            yield k, e, ProvenSize(chunk.nbytes)
+
+    def _header(self, mv) -> int | None:
+        """Take the header's bytes from ``mv``; the position after them, or None while the header is incomplete.
+
+        Raises:
+            IntegrityError: the header does not match the manifest's entries.
+        """
+        need = self.base - len(self.header_buf)
+        self.header_buf += mv[:need]
+        if len(self.header_buf) < self.base:
+            return None
+        _check_header(bytes(self.header_buf), self.rec["entries"], self.rec["path"])
+        self.header_checked = True
+        return min(len(mv), need)
+
+    def _buffer_for(self, k: str, size: int, want: bool):
+        """Where an entry spanning chunks is assembled (None: not kept)."""
+        if not want or k in self.sizes_only:
+            return None
+        if self.transient:
+            if len(self.scratch) < size:
+                self.scratch = lazy_buffer(size, self.rec["path"])  # pages taken as bytes arrive
+            return memoryview(self.scratch)[:size]
+        return lazy_buffer(size, self.rec["path"])
+
+    def feed(self, chunk) -> Iterator[tuple[str, dict, Any]]:
+        """The entries that end in this decoded chunk (and the empty ones before the next)."""
+        mv = memoryview(chunk).cast("B") if memoryview(chunk).format != "B" else memoryview(chunk)
+        pos = 0
+        if not self.header_checked:
+            pos = self._header(mv)
+            if pos is None:
+                return
+        order = self.order
+        while self.idx < len(order):
+            k, e = order[self.idx]
+            start, end = e["data_offsets"]
+            size = end - start
+            want = self.wanted is None or k in self.wanted
+            if size == 0:
+                self.idx += 1
+                if want:
+                    yield k, e, bytearray()
+                continue
+            if pos >= len(mv):
+                break
+            # the whole entry is in this chunk and fills most of it: a view (a small entry would
+            # keep its whole chunk alive, so it is copied)
+            if self.filled == 0 and pos + size <= len(mv) and 2 * size >= len(mv):
+                piece = mv[pos:pos + size]
+                pos += size
+                self.idx += 1
+                if want:
+                    yield k, e, (bytearray(piece) if piece.readonly else piece)
+                continue
+            if self.filled == 0:
+                self.cur = self._buffer_for(k, size, want)
+            take = min(size - self.filled, len(mv) - pos)
+            if self.cur is not None:
+                self.cur[self.filled:self.filled + take] = mv[pos:pos + take]
+            self.filled += take
+            pos += take
+            if self.filled == size:
+                self.idx += 1
+                done, self.cur, self.filled = self.cur, None, 0
+                if want:
+                    yield k, e, (SizeOnly(size) if done is None else done)
+
+    def finish(self) -> Iterator[tuple[str, dict, Any]]:
+        """Empty entries at the very end (after a proven object); then every entry must have come.
+
+        Raises:
+            IntegrityError: the member ends inside its header or before an entry.
+        """
+        yield from self._empty_entries()
+        if not self.header_checked and self.base:
+            raise IntegrityError("shard ends inside its safetensors header", where=self.rec["path"])
+        if self.idx != len(self.order):
+            raise IntegrityError(f"shard ends before entry {self.order[self.idx][0]}", where=self.rec["path"])
 
 
 class _Window:
@@ -982,17 +1046,8 @@ def _child(node, part: str, where: str):
     surrogates). Two keys with the same text (``1`` and ``"1"``, ``True`` and ``"True"``) are refused as
     ambiguous, never one picked silently."""
     if isinstance(node, list) or (isinstance(node, dict) and node.get("$t") == "tuple"):
-        items = node if isinstance(node, list) else node["v"]
-        if part.isascii() and part.isdigit() and (part == "0" or not part.startswith("0")) \
-                and int(part) < len(items):
-            return items[int(part)]
-        raise NotFound(f"no element {part!r} in the state (positions are 0..{len(items) - 1})", where=where)
-    pairs: list = []
-    if isinstance(node, dict) and "$t" not in node:
-        pairs = list(node.items())
-    elif isinstance(node, dict) and node.get("$t") in ("dict", "odict", "counter"):
-        pairs = [kv for kv in node.get("items") or [] if isinstance(kv, list) and len(kv) == 2]
-    texts = [(_key_text(k), k, v) for k, v in pairs]
+        return _element(node if isinstance(node, list) else node["v"], part, where)
+    texts = [(_key_text(k), k, v) for k, v in _pairs(node)]
     found = [(k, v) for text, k, v in texts if text == part]
     if len(found) > 1:
         kinds = ", ".join(_key_kind(k) for k, _ in found)
@@ -1003,6 +1058,26 @@ def _child(node, part: str, where: str):
     keys = [t for t, _, _ in texts if t is not None]
     shown = ", ".join(keys[:12]) + (", ..." if len(keys) > 12 else "")
     raise NotFound(f"no key {part!r} in the state" + (f"; keys there: {shown}" if keys else ""), where=where)
+
+
+def _element(items: list, part: str, where: str):
+    """The element of a list/tuple that ``part`` (plain decimal digits) names.
+
+    Raises:
+        NotFound: no such position (names the positions there).
+    """
+    if part.isascii() and part.isdigit() and (part == "0" or not part.startswith("0")) and int(part) < len(items):
+        return items[int(part)]
+    raise NotFound(f"no element {part!r} in the state (positions are 0..{len(items) - 1})", where=where)
+
+
+def _pairs(node) -> list:
+    """The ``(encoded key, encoded value)`` pairs of a dict node (plain or tagged); [] for anything else."""
+    if isinstance(node, dict) and "$t" not in node:
+        return list(node.items())
+    if isinstance(node, dict) and node.get("$t") in ("dict", "odict", "counter"):
+        return [kv for kv in node.get("items") or [] if isinstance(kv, list) and len(kv) == 2]
+    return []
 
 
 def _key_text(k) -> str | None:

@@ -415,6 +415,11 @@ class Repository:
             err = ManifestInvalid(f"the folder is generation {number} but its manifest says generation "
                                   f"{manifest.get('generation')!r}: a number always names one archive", where=key)
             return Generation(number, "damaged", str(err), manifest_sha256=sha, error=err)
+        return self._published(number, key, names, manifest, sha)
+
+    def _published(self, number: int, key: str, names: set, manifest: dict, sha: str) -> Generation:
+        """:meth:`generation`'s second half: a sealed manifest (sha256 ``sha``), judged by its marker and any
+        failed-check note (no member is read)."""
         if MARKER not in names:
             return Generation(number, "partial", "sealed but never published (no USABLE marker)", manifest, None, sha)
         try:

@@ -63,53 +63,16 @@ def _reload(reader: ArchiveReader, problems: list[Problem], on_bytes) -> dict:
     proven = 0  # raw bytes of proven shared objects, checked by their stored bytes' hash, not decoded again
     for rec in reader.manifest["members"]:
         if rec["role"] == "tensors":
-            # One read: chunks checked and decoded in parallel, the member's raw fingerprint (format 2:
-            # every entry's) taken on the way by iter_member. Leaves are checked against their entry's
-            # bytes; only views (their own bytes) are hashed again. A format-1 member whose whole sha256
-            # fails is re-read entry by entry (below) to name the tensor(s) at fault.
-            fast: list[Problem] | None = []
-            fast_checked = fast_decoded = fast_proven = 0
-            try:
-                # entries whose every leaf is the entry itself (no view) need only their length here:
-                # their bytes are hashed chunk by chunk on the way, not assembled
-                plain = frozenset(k for k in rec["entries"]
-                                  if all(not tensors[leaf].get("view") for leaf in by_entry.get(k, [])))
-                # shared objects whose stored bytes pack hashed now, under a chunk table a trial reload
-                # proved (reader.proven_objects): an entry no view reads needs only its fingerprint, which is
-                # the object's -- not decoded again (docs/FORMAT.md, "Write order", step 5)
-                for key, erec, buf in reader.iter_entries(rec, on_bytes=on_bytes, transient=True,
-                                                          sizes_only=plain, skip_objects=reader.proven_objects):
-                    if isinstance(buf, ProvenSize):
-                        fast_proven += len(buf)
-                    else:
-                        fast_decoded += len(buf)
-                    fast_checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []),
-                                                       fingerprint.raw_fp(erec), fast)
-            except StoreError:
-                raise  # the store failed (unreachable, refusing): could not check (exit 2), not a finding
-            except CkptArchiveError as exc:
-                if exc.message.startswith("raw sha256 mismatch"):
-                    fast = None  # format 1: fall through to the entry-by-entry pass
-                else:
-                    fast.append(Problem.of(exc, member=rec["path"]))
+            fast, fast_counts = _tensors_member(reader, rec, by_entry, on_bytes)
             if fast is not None:
                 problems.extend(fast)
-                checked += fast_checked
-                decoded += fast_decoded
-                proven += fast_proven
+                checked, decoded, proven = (x + y for x, y in zip((checked, decoded, proven), fast_counts))
                 continue
         try:
             if rec["role"] == "tensors":
-                for key, erec, buf in reader.iter_entries(rec, on_bytes=on_bytes):
-                    decoded += len(buf)
-                    want = fingerprint.raw_fp(erec)
-                    got = fingerprint.digest_like(buf, want)
-                    if got != want:
-                        problems.append(Problem(f"tensor bytes sha256 mismatch: expected {want.partition(':')[2]}, "
-                                                f"got {got.partition(':')[2]}", member=rec["path"],
-                                                field=f"tensors/{key}"))
-                        continue
-                    checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []), got, problems)
+                more_checked, more_decoded = _tensors_member_by_entry(reader, rec, by_entry, on_bytes, problems)
+                checked += more_checked
+                decoded += more_decoded
             elif rec["path"] == reader.manifest["tree_member"]:
                 continue  # read whole below (reader.tree(): its declared size checked before any byte is read)
             elif rec["role"] == "data-ids":  # read whole and parsed as `restore --data-ids` reads them
@@ -140,6 +103,71 @@ def _reload(reader: ArchiveReader, problems: list[Problem], on_bytes) -> dict:
     if proven:
         counts["proven_bytes"] = proven
     return counts
+
+
+def _tensors_member(reader: ArchiveReader, rec: dict, by_entry: dict, on_bytes) -> tuple[list | None, tuple]:
+    """One tensors member in one read: chunks checked and decoded in parallel, the member's raw fingerprint
+    (format 2: every entry's) taken on the way by ``iter_member``. Leaves are checked against their entry's
+    bytes; only views (their own bytes) are hashed again.
+
+    Returns:
+        ``(problems, (tensors checked, bytes decoded, proven bytes))``; problems None when a format-1 member's
+        whole sha256 fails: :func:`_tensors_member_by_entry` then re-reads it to name the tensor(s) at fault.
+
+    Raises:
+        StoreError: the store failed (unreachable, refusing): could not check (exit 2), not a finding.
+    """
+    tensors = reader.manifest["tensors"]
+    fast: list[Problem] = []
+    checked = decoded = proven = 0
+    try:
+        # entries whose every leaf is the entry itself (no view) need only their length here:
+        # their bytes are hashed chunk by chunk on the way, not assembled
+        plain = frozenset(k for k in rec["entries"]
+                          if all(not tensors[leaf].get("view") for leaf in by_entry.get(k, [])))
+        # shared objects whose stored bytes pack hashed now, under a chunk table a trial reload
+        # proved (reader.proven_objects): an entry no view reads needs only its fingerprint, which is
+        # the object's -- not decoded again (docs/FORMAT.md, "Write order", step 5)
+        for key, erec, buf in reader.iter_entries(rec, on_bytes=on_bytes, transient=True,
+                                                  sizes_only=plain, skip_objects=reader.proven_objects):
+            if isinstance(buf, ProvenSize):
+                proven += len(buf)
+            else:
+                decoded += len(buf)
+            checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []),
+                                          fingerprint.raw_fp(erec), fast)
+    except StoreError:
+        raise
+    except CkptArchiveError as exc:
+        if exc.message.startswith("raw sha256 mismatch"):
+            return None, (0, 0, 0)  # format 1: the entry-by-entry pass
+        fast.append(Problem.of(exc, member=rec["path"]))
+    return fast, (checked, decoded, proven)
+
+
+def _tensors_member_by_entry(reader: ArchiveReader, rec: dict, by_entry: dict, on_bytes,
+                             problems: list[Problem]) -> tuple[int, int]:
+    """A format-1 tensors member whose whole sha256 failed, read again entry by entry, each entry's bytes
+    hashed: names the tensor(s) at fault (appended to ``problems``).
+
+    Returns:
+        ``(tensors checked, bytes decoded)``.
+
+    Raises:
+        CkptArchiveError: the member cannot be read (the caller records it).
+    """
+    tensors = reader.manifest["tensors"]
+    checked = decoded = 0
+    for key, erec, buf in reader.iter_entries(rec, on_bytes=on_bytes):
+        decoded += len(buf)
+        want = fingerprint.raw_fp(erec)
+        got = fingerprint.digest_like(buf, want)
+        if got != want:
+            problems.append(Problem(f"tensor bytes sha256 mismatch: expected {want.partition(':')[2]}, "
+                                    f"got {got.partition(':')[2]}", member=rec["path"], field=f"tensors/{key}"))
+            continue
+        checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []), got, problems)
+    return checked, decoded
 
 
 def data_ids(reader: ArchiveReader, rec: dict, on_bytes=None) -> bytearray:

@@ -140,23 +140,9 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
     jobs = jobs or default_jobs()
     tree, table = encoded if encoded is not None else encode(source.state)
     w = GenerationWriter(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes, faults=faults)
-    scan_pool = None
+    scan_pools: list[ThreadPoolExecutor] = []
     try:
-        # decomposed source files: their reads (tensor-range fingerprints + the file's sha256) run on their
-        # own threads while the tensors are encoded (or started before the source was parsed: ``scans``)
-        from ckpt_archive.format import exact_bytes
-
-        jobs_by_file: dict[int, Any] = {}
-        for sf in source.files:
-            if sf.kind in ("raw", "opaque") or sf.path is None or getattr(sf, "link_of", None):
-                continue
-            job = (scans or {}).get(exact_bytes.file_identity(sf.path))
-            if job is None or job.kind != sf.kind:
-                if scan_pool is None:
-                    scan_pool = ThreadPoolExecutor(2, thread_name_prefix="ckpt-scan")
-                job = exact_bytes.ScanJob(sf.path, sf.kind, BLAKE3, pool=scan_pool,  # a torch zip's CRCs too
-                                          check_crc=sf.kind == "torch")
-            jobs_by_file[id(sf)] = job
+        jobs_by_file = _start_scans(source, scans, scan_pools)
         w.scans = {job.identity: job for job in jobs_by_file.values() if job.identity is not None}
         tensors = _write_tensors(w, table, shared=shared)
         if shared is not None:
@@ -164,34 +150,15 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         files_meta = []
         stored_entries = _entries_by_sha(w.members)
         for sf in source.files:
-            entry = {"relpath": sf.relpath, "kind": sf.kind, "member": None, "raw_bytes": None, "sha256": None}
-            if sf.path is not None:  # its permission bits: a 0600 file (tokens, HF's weights) stays 0600
-                entry["mode"] = stat.S_IMODE(sf.path.stat().st_mode) & 0o777
-            if sf.metadata is not None:
-                entry["metadata"] = dict(sf.metadata)
-            if getattr(sf, "link_of", None):  # [issue 11] a hardlink of an earlier file: restored as a link
-                entry["hardlink_of"] = sf.link_of
-                entry["raw_bytes"] = sf.path.stat().st_size
-                earlier = next((f for f in files_meta if f["relpath"] == sf.link_of), None)
-                # the same inode as an earlier file: its fingerprint is that file's (read once)
-                entry["sha256"] = (earlier["sha256"] if earlier is not None and earlier.get("sha256")
-                                   else w.hash_pool.submit(fingerprint.file_sha256, sf.path))
-            elif sf.kind in ("raw", "opaque"):
-                rec = w.member(f"files/{sf.relpath}", "file", _file_pieces(sf.path), raw_alg=SHA256,
-                               opaque=(sf.kind == "opaque"))
-                entry.update(member=rec["path"], raw_bytes=rec["raw_bytes"], sha256=fingerprint.split(rec["raw_fp"])[1])
-            elif sf.path is not None:
-                entry["raw_bytes"] = sf.path.stat().st_size
-                entry["exact"], entry["sha256"] = _write_skeleton(w, sf, stored_entries, jobs_by_file[id(sf)].result())
-            files_meta.append(entry)
+            files_meta.append(_file_entry(w, sf, files_meta, stored_entries, jobs_by_file))
         data = write_tree_and_data_ids(w, tree, data_ids)
         for entry in files_meta:
             if hasattr(entry["sha256"], "result"):
                 entry["sha256"] = entry["sha256"].result()
     finally:
         w.close()
-        if scan_pool is not None:
-            scan_pool.shutdown(wait=True, cancel_futures=True)
+        for pool in scan_pools:
+            pool.shutdown(wait=True, cancel_futures=True)
     faults.point("after-members")
     members = w.members
     return {
@@ -211,6 +178,58 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
         "warnings": list(table.warnings) + list(getattr(source, "warnings", []) or []),
         "written_crc": w.written_crc,
     }
+
+
+def _start_scans(source, scans: "Mapping[tuple, Any] | None", pools: list) -> dict[int, Any]:
+    """The reads of decomposed source files (tensor-range fingerprints + the file's sha256, a torch zip's CRCs),
+    on their own threads while the tensors are encoded, or started before the source was parsed (``scans``).
+
+    Returns:
+        ``{id(source file): ScanJob}``; a pool started here is appended to ``pools`` (the caller shuts it down).
+    """
+    from ckpt_archive.format import exact_bytes
+
+    jobs_by_file: dict[int, Any] = {}
+    for sf in source.files:
+        if sf.kind in ("raw", "opaque") or sf.path is None or getattr(sf, "link_of", None):
+            continue
+        job = (scans or {}).get(exact_bytes.file_identity(sf.path))
+        if job is None or job.kind != sf.kind:
+            if not pools:
+                pools.append(ThreadPoolExecutor(2, thread_name_prefix="ckpt-scan"))
+            job = exact_bytes.ScanJob(sf.path, sf.kind, BLAKE3, pool=pools[0],  # a torch zip's CRCs too
+                                      check_crc=sf.kind == "torch")
+        jobs_by_file[id(sf)] = job
+    return jobs_by_file
+
+
+def _file_entry(w: GenerationWriter, sf, files_meta: list[dict], stored_entries, jobs_by_file: dict) -> dict:
+    """The manifest's ``source.files[]`` entry of one source file, its member or skeleton written (its
+    ``sha256`` may still be a future, resolved by the caller).
+
+    Raises:
+        SourceError / OSError: the file cannot be read, or changed while read. OSError from the store.
+    """
+    entry = {"relpath": sf.relpath, "kind": sf.kind, "member": None, "raw_bytes": None, "sha256": None}
+    if sf.path is not None:  # its permission bits: a 0600 file (tokens, HF's weights) stays 0600
+        entry["mode"] = stat.S_IMODE(sf.path.stat().st_mode) & 0o777
+    if sf.metadata is not None:
+        entry["metadata"] = dict(sf.metadata)
+    if getattr(sf, "link_of", None):  # [issue 11] a hardlink of an earlier file: restored as a link
+        entry["hardlink_of"] = sf.link_of
+        entry["raw_bytes"] = sf.path.stat().st_size
+        earlier = next((f for f in files_meta if f["relpath"] == sf.link_of), None)
+        # the same inode as an earlier file: its fingerprint is that file's (read once)
+        entry["sha256"] = (earlier["sha256"] if earlier is not None and earlier.get("sha256")
+                           else w.hash_pool.submit(fingerprint.file_sha256, sf.path))
+    elif sf.kind in ("raw", "opaque"):
+        rec = w.member(f"files/{sf.relpath}", "file", _file_pieces(sf.path), raw_alg=SHA256,
+                       opaque=(sf.kind == "opaque"))
+        entry.update(member=rec["path"], raw_bytes=rec["raw_bytes"], sha256=fingerprint.split(rec["raw_fp"])[1])
+    elif sf.path is not None:
+        entry["raw_bytes"] = sf.path.stat().st_size
+        entry["exact"], entry["sha256"] = _write_skeleton(w, sf, stored_entries, jobs_by_file[id(sf)].result())
+    return entry
 
 
 def write_tree_and_data_ids(w: GenerationWriter, tree: Any, data_ids: Any) -> dict:
