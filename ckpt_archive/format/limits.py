@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 
 from ckpt_archive.errors import ImplausibleSize, IntegrityError, TooLargeHere
-from ckpt_archive.format import fingerprint
 
 __all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_CHUNK_STORED_BYTES", "MAX_ZSTD_RATIO", "MAX_ANNOTATION_BYTES",
            "MAX_DATA_IDS_BYTES", "MAX_DATA_IDS_COST", "MAX_TREE_BYTES", "MAX_TREE_COST", "MAX_HEADER_BYTES", "MAX_HEADER_COST", "MAX_MEMBER_HEADER_BYTES", "WHOLE_READ_LIMITS",
@@ -136,6 +135,8 @@ def check_chunk_table(record: dict, member: str) -> None:
         raise IntegrityError(f"chunk table covers {raw} raw / {stored} stored bytes, member records "
                              f"{record['raw_bytes']} / {record['stored_bytes']}", where=member)
     if "stored_fp" in record:  # format 2: the member's stored fingerprint is derived from the chunks'
+        from ckpt_archive.format import fingerprint  # here: the CLI's start-up imports limits, not hashing
+
         got = fingerprint.sha256_chunks(c["stored_sha256"] for c in record.get("chunks") or [])
         if got != record["stored_fp"]:
             raise IntegrityError(f"stored fingerprint {record['stored_fp']} is not the one its chunk table "

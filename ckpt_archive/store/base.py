@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from ckpt_archive.errors import StoreError
-from ckpt_archive.store.local import LocalStore
 
 
 class Store(Protocol):
@@ -95,6 +94,8 @@ def open_store(url: str | os.PathLike, **options) -> Store:
     Raises:
         StoreError: a URL scheme without an fsspec implementation installed (e.g. s3 without s3fs).
     """
+    from ckpt_archive.store.local import LocalStore  # here, not above: the CLI's start-up imports no store
+
     text = os.fspath(url)
     if text.startswith("file://"):
         return LocalStore(text[len("file://"):])

@@ -200,16 +200,7 @@ def apply_state(view: Any, *, model=None, optimizer=None, scheduler=None, scaler
     ssd = found["scheduler"][0][1] if found.get("scheduler") else None
     policy_kw = (session_policy_kw(view, {"optimizer": ("optimizer", osd), "scheduler": ("scheduler", ssd)},
                                     scheduler, bases, session_lr) if bases is not None else {})
-    done = []
-    if model is not None and msd is not None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if optimizer is not None and osd is not None:
-            set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
-            done += ["model", "optimizer"]
-        else:
-            set_model_state_dict(model, msd)
-            done.append("model")
+    done = _set_model_and_optimizer(model, optimizer, msd, osd)
     skip = {id(x) for x in (msd, osd) if x is not None}
     rest = {k: v for k, v in view.items() if id(v) not in skip} if isinstance(view, dict) else view
     report = restore_training_state(rest, scheduler=scheduler, scaler=scaler, rng=rng, policy="checkpoint")
@@ -225,6 +216,58 @@ def apply_state(view: Any, *, model=None, optimizer=None, scheduler=None, scaler
         report.warnings.append(line)
         report.bitwise_resumable = False
     return report
+
+
+def _set_model_and_optimizer(model, optimizer, msd, osd) -> list[str]:
+    """Model (and optimizer) state through ``set_state_dict`` (FQN-keyed, DDP/FSDP/plain modules).
+
+    Returns:
+        the parts restored (``["model", "optimizer"]``, ``["model"]`` or ``[]``).
+
+    Raises:
+        what ``torch.distributed.checkpoint`` raises for a state that does not fit the live objects.
+    """
+    if model is None or msd is None:
+        return []
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if optimizer is not None and osd is not None:
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+        return ["model", "optimizer"]
+    set_model_state_dict(model, msd)
+    return ["model"]
+
+
+def _pick_on_rank0(w, generation) -> dict:
+    """Rank 0 picks the generation and tells every rank: ``{"number"}``, ``{"none": True}`` (nothing usable
+    yet, ``latest``) or ``{"error"}``. Raises CannotCheck when the group is broken."""
+    choice = None
+    if w.rank == 0:
+        try:
+            gen = w.repo.resolve(generation)
+            choice = {"number": gen.number} if gen.usable else {"error": f"generation {gen.number} is {gen.status}"}
+        except NoUsableGeneration as exc:
+            choice = {"none": True} if str(generation) == "latest" and not w.repo.usable() else {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised everywhere
+            choice = {"error": f"{type(exc).__name__}: {exc}"}
+    return w.comm.from_rank0(choice)
+
+
+def _live_dtensors(tree: Any, model, optimizer) -> dict:
+    """The live DTensors of ``model`` / ``optimizer`` under the names the saved state uses for its model and
+    optimizer parts (``{}`` without a model)."""
+    if model is None:
+        return {}
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckpt_archive.training.parts import find_parts
+
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    saved_parts = find_parts(tree["ranks"][0]) if is_distributed_tree(tree) else {}
+    mname = "/".join(str(s) for s in saved_parts["model"][0][0]) if saved_parts.get("model") else "model"
+    oname = "/".join(str(s) for s in saved_parts["optimizer"][0][0]) if saved_parts.get("optimizer") else "optimizer"
+    return {**{f"{mname}/{k}": v for k, v in template_dtensors(msd).items()},
+            **{f"{oname}/{k}": v for k, v in template_dtensors(osd).items()}}
 
 
 def restore_distributed(w, generation, *, model=None, optimizer=None, scheduler=None, scaler=None,
@@ -243,16 +286,7 @@ def restore_distributed(w, generation, *, model=None, optimizer=None, scheduler=
     from ckpt_archive.ops.common import open_reader
     from ckpt_archive.training.restore import Restored
 
-    choice = None
-    if w.rank == 0:
-        try:
-            gen = w.repo.resolve(generation)
-            choice = {"number": gen.number} if gen.usable else {"error": f"generation {gen.number} is {gen.status}"}
-        except NoUsableGeneration as exc:
-            choice = {"none": True} if str(generation) == "latest" and not w.repo.usable() else {"error": str(exc)}
-        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised everywhere
-            choice = {"error": f"{type(exc).__name__}: {exc}"}
-    choice = w.comm.from_rank0(choice)
+    choice = _pick_on_rank0(w, generation)
     if choice.get("none"):
         return None
     if "error" in choice:
@@ -261,19 +295,7 @@ def restore_distributed(w, generation, *, model=None, optimizer=None, scheduler=
     reader = open_reader(w.repo, gen)
     tree = reader.tree()
     notes: list[str] = []
-    live: dict = {}
-    if model is not None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
-        from ckpt_archive.training.parts import find_parts
-
-        # live DTensors under the names the saved state uses for its model / optimizer parts
-        saved_parts = find_parts(tree["ranks"][0]) if is_distributed_tree(tree) else {}
-        mname = "/".join(str(s) for s in saved_parts["model"][0][0]) if saved_parts.get("model") else "model"
-        oname = "/".join(str(s) for s in saved_parts["optimizer"][0][0]) if saved_parts.get("optimizer") else "optimizer"
-        live = {**{f"{mname}/{k}": v for k, v in template_dtensors(msd).items()},
-                **{f"{oname}/{k}": v for k, v in template_dtensors(osd).items()}}
+    live = _live_dtensors(tree, model, optimizer)
     if is_distributed_tree(tree):
         saved_world = len(tree["ranks"])
         src = w.rank if w.rank < saved_world else 0

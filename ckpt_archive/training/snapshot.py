@@ -184,31 +184,18 @@ class Snapshotter:
         import numpy as np
         import torch
 
-        from ckpt_archive.format.state_tree import empty_tensor
-
         if self._holder is not owner:
             raise BuffersBusy(f"the snapshot buffers are held by {self._holder!r}, not by {owner!r}: its snapshot "
                               f"may still be read, so they are not overwritten")
         on_dtensor = on_dtensor or self.on_dtensor
-        stats = SnapshotStats()
         found: list = []
         _walk_tensors(state, found, set())
         memo: dict[int, Any] = {}
-        storages: dict[tuple, Any] = {}   # storage id -> (uint8 buffer tensor)
-        devices: set = set()
-        slot = 0
+        run = _Take()
+        stats = run.stats
         for obj in found:
             if isinstance(obj, np.ndarray):
-                if obj.dtype.hasobject:
-                    memo[id(obj)] = copy.deepcopy(obj)  # refused later by the encoder, with its path
-                    continue
-                buf = self._buffer(slot, "numpy", obj.nbytes, stats)
-                slot += 1
-                view = buf.view(obj.dtype).reshape(obj.shape) if obj.nbytes else np.empty(obj.shape, obj.dtype)
-                self.writes += 1
-                np.copyto(view, obj)
-                memo[id(obj)] = view
-                stats.tensor_bytes += obj.nbytes
+                memo[id(obj)] = self._copy_ndarray(obj, run)
                 continue
             stats.tensors += 1
             t = obj
@@ -223,45 +210,11 @@ class Snapshotter:
                 # sparse, quantized, meta, nested: a plain copy (pack encodes them through torch's rebuild)
                 memo[id(t)] = _with_attrs(_copy_whole(src, torch), t, memo)
                 continue
-            st = src.untyped_storage()
-            nbytes = st.nbytes()
-            sid = (str(src.device), st.data_ptr(), nbytes)
-            if nbytes == 0:
-                copy_t = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype)
-            else:
-                base = storages.get(sid)
-                if base is None:
-                    on_gpu = src.device.type != "cpu"
-                    kind = "pinned" if (on_gpu and self.pin_memory and torch.cuda.is_available()) else "host"
-                    base = self._buffer(slot, kind, nbytes, stats)
-                    slot += 1
-                    whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(st)
-                    self.writes += 1
-                    base.copy_(whole, non_blocking=on_gpu and kind == "pinned")
-                    storages[sid] = base
-                    stats.storages += 1
-                    stats.tensor_bytes += nbytes
-                    if on_gpu:
-                        stats.device_bytes += nbytes
-                        devices.add(src.device)
-                copy_t = empty_tensor(src.dtype).set_(base.untyped_storage(), src.storage_offset(), src.shape,
-                                                      src.stride())
-            # the lazy conjugate / negative bits are not in the storage's bytes: set them on the copy again
-            # (a conj view over the same bytes reads as the source reads)
-            if src.is_neg():
-                copy_t = torch._neg_view(copy_t)
-            if src.is_conj():
-                copy_t = copy_t.conj()
-            if isinstance(src, torch.nn.Parameter) or isinstance(t, torch.nn.Parameter):
-                copy_t = torch.nn.Parameter(copy_t, requires_grad=src.requires_grad)
-            elif src.requires_grad:
-                copy_t.requires_grad_(True)
-            if src.device.type != "cpu":
-                setattr(copy_t, DEVICE_ATTR, str(src.device))
+            copy_t = _like_source(self._copy_storage(src, run), src, t, torch)
             if is_dtensor:
                 on_dtensor(copy_t, t)
             memo[id(t)] = _with_attrs(copy_t, t, memo)
-        for dev in devices:  # the copies were queued on each device's current stream: wait for them
+        for dev in run.devices:  # the copies were queued on each device's current stream: wait for them
             torch.cuda.current_stream(dev).synchronize()
         out = copy.deepcopy(state, memo)
         if self._holder is not owner:  # another copy took the buffers while this one wrote them
@@ -269,6 +222,79 @@ class Snapshotter:
                               f"this copy is not used")
         self.last = stats
         return out
+
+    def _copy_ndarray(self, obj, run: "_Take"):
+        """A NumPy array's copy into the next buffer (an object array: a deep copy, refused later by the
+        encoder with its path)."""
+        import numpy as np
+
+        if obj.dtype.hasobject:
+            return copy.deepcopy(obj)
+        buf = self._buffer(run.next_slot(), "numpy", obj.nbytes, run.stats)
+        view = buf.view(obj.dtype).reshape(obj.shape) if obj.nbytes else np.empty(obj.shape, obj.dtype)
+        self.writes += 1
+        np.copyto(view, obj)
+        run.stats.tensor_bytes += obj.nbytes
+        return view
+
+    def _copy_storage(self, src, run: "_Take"):
+        """A CPU tensor over the copy of ``src``'s storage (copied once per storage: views keep sharing it),
+        with ``src``'s dtype, shape, strides and offset; a device's copy is queued on its current stream."""
+        import torch
+
+        from ckpt_archive.format.state_tree import empty_tensor
+
+        st = src.untyped_storage()
+        nbytes = st.nbytes()
+        if nbytes == 0:
+            return torch.empty_strided(src.shape, src.stride(), dtype=src.dtype)
+        sid = (str(src.device), st.data_ptr(), nbytes)
+        base = run.storages.get(sid)
+        if base is None:
+            on_gpu = src.device.type != "cpu"
+            kind = "pinned" if (on_gpu and self.pin_memory and torch.cuda.is_available()) else "host"
+            base = self._buffer(run.next_slot(), kind, nbytes, run.stats)
+            whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(st)
+            self.writes += 1
+            base.copy_(whole, non_blocking=on_gpu and kind == "pinned")
+            run.storages[sid] = base
+            run.stats.storages += 1
+            run.stats.tensor_bytes += nbytes
+            if on_gpu:
+                run.stats.device_bytes += nbytes
+                run.devices.add(src.device)
+        return empty_tensor(src.dtype).set_(base.untyped_storage(), src.storage_offset(), src.shape, src.stride())
+
+
+class _Take:
+    """One :meth:`Snapshotter.take`: its stats, the next buffer slot, storages copied, devices to wait for."""
+
+    def __init__(self):
+        self.stats = SnapshotStats()
+        self.slot = 0
+        self.storages: dict[tuple, Any] = {}   # storage id -> (uint8 buffer tensor)
+        self.devices: set = set()
+
+    def next_slot(self) -> int:
+        self.slot += 1
+        return self.slot - 1
+
+
+def _like_source(copy_t, src, t, torch):
+    """The copy with what is not in the storage's bytes set as on the source: the lazy conjugate / negative
+    bits (a conj view over the same bytes reads as the source reads), Parameter-ness, ``requires_grad``,
+    the source's device (as an attribute)."""
+    if src.is_neg():
+        copy_t = torch._neg_view(copy_t)
+    if src.is_conj():
+        copy_t = copy_t.conj()
+    if isinstance(src, torch.nn.Parameter) or isinstance(t, torch.nn.Parameter):
+        copy_t = torch.nn.Parameter(copy_t, requires_grad=src.requires_grad)
+    elif src.requires_grad:
+        copy_t.requires_grad_(True)
+    if src.device.type != "cpu":
+        setattr(copy_t, DEVICE_ATTR, str(src.device))
+    return copy_t
 
 
 def _copy_whole(src: Any, torch: Any) -> Any:
