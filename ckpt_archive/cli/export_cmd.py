@@ -79,10 +79,11 @@ def register(app: typer.Typer) -> None:
                 f"{human_bytes(total)} stored) from {source.location} to {to}")
         argv = "ckpt-archive " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         with out.progress(total, "export") as advance:  # phases: copy, re-read, trial reload (per generation)
-            result = export(source, to, generations=[g.number for g in picked], endpoint_url=endpoint_url,
-                            storage_options=storage_options, report=report,
+            dest_options = {k: v for k, v in (("endpoint_url", endpoint_url), ("storage_options", storage_options))
+                            if v}
+            result = export(source, to, generations=[g.number for g in picked], report=report,
                             report_format="json" if json_output else "markdown", on_bytes=advance,
-                            command=argv, lock_wait=wait)
+                            command=argv, wait=wait, dest_store_options=dest_options)
         for g in result.generations:
             checks = sum(c.ok for c in g.checks)
             skipped = f", {human_bytes(g.bytes_skipped)} already there" if g.bytes_skipped else ""
@@ -99,3 +100,6 @@ def register(app: typer.Typer) -> None:
             out.say(f"recovery proof written to {report}")
         out.json(result.to_json())
         exit_with(result)
+
+
+__all__ = ["register"]

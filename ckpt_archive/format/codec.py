@@ -531,3 +531,8 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
 
 # the writer lives in member_writer.py (its own module: codec.py stays the encoding and the readers)
 from ckpt_archive.format.member_writer import SYNC_EVERY_BYTES, ChunkSink, MemberWriter  # noqa: E402,F401
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_LEVEL", "STORE_BELOW_SAVING", "CODEC_NAME", "ROTATE_SIZES", "default_jobs",
+           "float_params", "encode_chunk", "decode_chunk", "check_chunk_table", "StoredStream", "chunks_match",
+           "submit_chunk_checks", "iter_decoded"]

@@ -467,3 +467,6 @@ class _Machine:
 
 #: the OrderedDict class (imported here under its own name so the checks above read as type tests)
 from collections import OrderedDict as _OrderedDict  # noqa: E402
+
+
+__all__ = ["STORAGE_DTYPES", "ITEMSIZE", "NotSimple", "PtFile", "PtStorage", "PtTensor", "read"]

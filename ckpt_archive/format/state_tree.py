@@ -813,3 +813,7 @@ def torch_dtype(name: str):
     if not isinstance(dt, torch.dtype):
         raise FormatError(f"unknown torch dtype {name!r}")
     return dt
+
+
+__all__ = ["MAX_SAFE_INT", "TORCH_TO_ST", "NUMPY_TO_ST", "FLOAT_ST", "Entry", "TensorTable", "VIEW_BITS", "view_bits",
+           "empty_tensor", "physical", "apply_view_bits", "encode", "encode_value", "decode", "torch_dtype"]

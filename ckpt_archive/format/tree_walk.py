@@ -62,3 +62,6 @@ def inline_refs(node: Any, origins: dict[int, dict]) -> Any:
         return {k: walk(v) for k, v in n.items()}
 
     return walk(node) if any(n.get("$t") == "ref" for n in iter_nodes(node)) else node
+
+
+__all__ = ["iter_nodes", "walk_refs", "shared_nodes", "inline_refs"]

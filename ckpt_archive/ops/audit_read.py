@@ -129,3 +129,6 @@ def _decode_small(reader: Any, tree: Any, keys: list[str], recs: dict) -> dict:
                 check_leaf_bytes(buf, erec, recs[leaf], leaf, fingerprint.raw_fp(erec))  # a plain leaf: its entry
                 out[leaf] = SmallTensor.from_bytes(recs[leaf], buf)
     return out
+
+
+__all__ = ["SMALL_TENSOR_ELEMENTS", "AUDIT_DECODE_BUDGET", "state_for_audit"]

@@ -720,3 +720,9 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
     warnings += _lower_step_note(candidates, steps, before, checkpoint, rep.generation(gen), packed=True)
     return BackupResult("packed", key, str(checkpoint), gen, f"packed as generation {gen}", read_bytes=read_bytes,
                         retention=ret, warnings=warnings, skipped=skipped, **busy_fields)
+
+
+__all__ = ["STALE_AFTER_MIN", "STALE_AFTER_SETTLES", "STATE_KEY", "STATE_VERSION", "checkpoint_candidates",
+           "file_steps", "find_checkpoint", "stat_snapshot", "completeness_problem", "resume_part_files",
+           "sibling_problem", "hash_files", "manifest_source_hashes", "read_state", "write_state", "BackupResult",
+           "default_stale_after", "unchanged_for", "backup"]

@@ -275,3 +275,8 @@ def _bytes(n) -> str:
             break
         value /= 1024
     return f"{n} B" if unit == "B" else f"{n} B ({value:.1f} {unit})"
+
+
+__all__ = ["endpoint_for", "region_for", "env_prefix", "restore_command", "verify_command", "install_commands",
+           "fingerprints", "LAST_CHECK_KEY", "LAST_CHECK_MAX_BYTES", "write_last_check", "read_last_check",
+           "write_report", "render_markdown"]

@@ -318,3 +318,6 @@ def _check_part_views(fd: int, start: int, erec: dict, views: list, check_leaf_b
     for leaf, lrec in views:
         check_leaf_bytes(buf, erec, lrec, leaf, entry_fp)
     del buf  # the map is closed when the last view of it goes
+
+
+__all__ = ["write_torch_file"]

@@ -29,6 +29,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
+from typing import Any, Mapping
 
 from ckpt_archive.errors import UsageError
 from ckpt_archive.format import jsonio
@@ -113,7 +114,8 @@ class StatusReport:
 
 
 def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | os.PathLike | None = None,
-           record: bool = True, now: dt.datetime | None = None, **store_options) -> StatusReport:
+           record: bool = True, now: dt.datetime | None = None,
+           store_options: Mapping[str, Any] | None = None) -> StatusReport:
     """Check that a repository's newest usable generation is fresh and advancing (the watchdog).
 
     Args:
@@ -123,13 +125,16 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
         state: the file remembering the last check (default :func:`default_state_file`).
         record: remember this check for the next one (the step check compares with it).
         now: the time to judge by (default now, UTC).
+        store_options: for URL repositories, one mapping (``{"endpoint_url": ..., "storage_options": {...}}``;
+            :func:`~ckpt_archive.ops.common.open_repo`).
 
     Returns:
         :class:`StatusReport` (``ok`` False: exit 1).
 
     Raises:
         NotFound / StoreError: the repository cannot be read (exit 2). UsageError: a bad ``max_age``, or a
-            ``state`` path that is a FIFO, device or socket.
+            ``state`` path that is a FIFO, device or socket. TypeError: an unknown keyword argument or store
+            option.
 
     Example:
         >>> import torch, ckpt_archive, tempfile, os
@@ -140,7 +145,7 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
         (True, 1, 5)
     """
     limit = parse_age(max_age) if max_age is not None else None
-    r = open_repo(repo, **store_options)
+    r = open_repo(repo, store_options)
     now = now or utcnow()
     gens = r.generations()
     counts: dict[str, int] = {}

@@ -216,3 +216,6 @@ def _read_torch_free(path: Path, zip_crc_checked: bool):
 
 
 register("torch-file", _looks_like_torch_file, _read, priority=90)
+
+
+__all__ = ["numpy_safe_globals", "diagnose_unreadable", "check_zip_records", "load_torch_file"]

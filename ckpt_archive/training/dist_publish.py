@@ -183,3 +183,6 @@ def _publish_rank0(w, plan, options, retention, intact=None):
         raise
     return PackResult(published.number, "usable", f"{r.location}/{gen_key(published.number)}", published.manifest,
                       warnings, leftovers, retention_result, published.trial_reload)
+
+
+__all__ = []
