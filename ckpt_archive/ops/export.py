@@ -286,8 +286,6 @@ def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | N
         >>> proof.ok, [(g.generation, g.status) for g in proof.generations]
         (True, [(1, 'exported')])
     """
-    from ckpt_archive.repo.repository import Repository
-
     started = _now()
     if report is not None:  # before any copy, not after it: a FIFO or device there is not ours to replace
         from ckpt_archive.ops.common import refuse_special_output
