@@ -158,34 +158,9 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
 
     refuse_special_output(state_path, option="--state")  # a FIFO would block the read, then be replaced
     previous = _read_previous(state_path, r.location)
-    problems: list[str] = []
     created = newest.created if newest else None
     age = (now - created).total_seconds() if created else None
-    if newest is None:
-        text = "no usable generation"
-        if counts.get("copied"):
-            text += f" ({counts['copied']} copied: `ckpt-archive adopt {r.location}` makes them usable here)"
-        problems.append(text)
-    elif age is not None and age < -CLOCK_SKEW_TOLERANCE_S:
-        # A future date (a fast clock on the trainer's host, a hand-edit) would stay "fresh" forever and
-        # says nothing about progress either: unhealthy, and not compared with the last check's step.
-        problems.append(f"the newest usable generation ({newest.number}, step {newest.step}) is dated "
-                        f"{iso(created)}, {_human_age(-age)} in the future (clock skew of more than "
-                        f"{_human_age(CLOCK_SKEW_TOLERANCE_S)} between the host that wrote it and this one, or an "
-                        f"edited manifest): its age cannot be judged")
-    else:
-        if limit is not None and (age is None or age > limit):
-            problems.append(f"the newest usable generation ({newest.number}, step {newest.step}) is "
-                            f"{_human_age(age)} old, more than --max-age {_human_age(limit)}")
-        if previous and isinstance(previous.get("generation"), int) and newest.number > previous["generation"]:
-            before, after = previous.get("step"), newest.step
-            if isinstance(before, int) and isinstance(after, int) and after <= before:
-                problems.append(f"the step did not advance: generation {newest.number} holds step {after}, the "
-                                f"last check ({previous.get('checked')}) saw generation {previous['generation']} "
-                                f"at step {before}")
-        if previous and isinstance(previous.get("generation"), int) and newest.number < previous["generation"]:
-            problems.append(f"the newest usable generation went back from {previous['generation']} to "
-                            f"{newest.number} since the last check ({previous.get('checked')})")
+    problems = _problems(r.location, newest, counts, age, limit, previous)
     report = StatusReport(r.location, not problems, problems, newest.number if newest else None,
                           newest.step if newest else None, iso(created) if created else None,
                           round(age, 3) if age is not None else None, limit, previous,
@@ -195,6 +170,46 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
         _remember(state_path, r.location, {"generation": newest.number, "step": newest.step,
                                            "checked": iso(now)})
     return report
+
+
+def _problems(location: str, newest: Any, counts: dict, age: float | None, limit: float | None,
+              previous: dict | None) -> list[str]:
+    """Why the repository is not healthy, one line each: no usable generation; the newest dated in the future
+    (beyond :data:`CLOCK_SKEW_TOLERANCE_S`); older than ``limit`` seconds; its step not advancing, or it going
+    back, since the ``previous`` check."""
+    if newest is None:
+        text = "no usable generation"
+        if counts.get("copied"):
+            text += f" ({counts['copied']} copied: `ckpt-archive adopt {location}` makes them usable here)"
+        return [text]
+    if age is not None and age < -CLOCK_SKEW_TOLERANCE_S:
+        # A future date (a fast clock on the trainer's host, a hand-edit) would stay "fresh" forever and
+        # says nothing about progress either: unhealthy, and not compared with the last check's step.
+        return [f"the newest usable generation ({newest.number}, step {newest.step}) is dated "
+                f"{iso(newest.created)}, {_human_age(-age)} in the future (clock skew of more than "
+                f"{_human_age(CLOCK_SKEW_TOLERANCE_S)} between the host that wrote it and this one, or an "
+                f"edited manifest): its age cannot be judged"]
+    problems: list[str] = []
+    if limit is not None and (age is None or age > limit):
+        problems.append(f"the newest usable generation ({newest.number}, step {newest.step}) is "
+                        f"{_human_age(age)} old, more than --max-age {_human_age(limit)}")
+    return problems + _progress_problems(newest, previous)
+
+
+def _progress_problems(newest: Any, previous: dict | None) -> list[str]:
+    """The step did not advance with a newer generation, or the newest went back, since the last check."""
+    if not previous or not isinstance(previous.get("generation"), int):
+        return []
+    if newest.number > previous["generation"]:
+        before, after = previous.get("step"), newest.step
+        if isinstance(before, int) and isinstance(after, int) and after <= before:
+            return [f"the step did not advance: generation {newest.number} holds step {after}, the "
+                    f"last check ({previous.get('checked')}) saw generation {previous['generation']} "
+                    f"at step {before}"]
+    if newest.number < previous["generation"]:
+        return [f"the newest usable generation went back from {previous['generation']} to "
+                f"{newest.number} since the last check ({previous.get('checked')})"]
+    return []
 
 
 def _read_previous(path: Path, location: str) -> dict | None:
