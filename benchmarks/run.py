@@ -194,7 +194,7 @@ def worker(op: str, a: argparse.Namespace) -> dict:
         import ckpt_archive
         out = wd / "restored.pt"
         t0 = time.perf_counter()
-        ckpt_archive.restore(str(a.repo), output=str(out), force=True)
+        ckpt_archive.restore(str(a.repo), output=str(out), options=ckpt_archive.RestoreOptions(force=True))
         dt = time.perf_counter() - t0
         out.unlink()
     elif op == "load":

@@ -6,7 +6,8 @@ Public API (plain functions; the CLI is a thin shell over them)::
                                             -> PackResult   (generation, status "usable", ...)
     load(repo, generation="latest")         -> the nested state (dict/list/tuple/tensors/values)
     verify(repo, generation="latest", deep) -> VerifyReport (ok, problems)
-    restore(repo, generation, output, ...)  -> RestoreResult
+    restore(repo, generation, output, RestoreOptions(...)) -> RestoreResult
+    inspect(repo, generation="latest")      -> InspectResult (manifest, marker, summary, policy audit)
     list_generations(repo, all=False)       -> list[Generation]
     adopt(repo)                             -> AdoptReport  (every copied generation proven and marked usable here)
     status(repo, max_age=...)               -> StatusReport (watchdog: newest usable generation fresh and advancing?)
@@ -24,6 +25,9 @@ Trainer integrations (optional extras, imported only when their module is): ``ck
 (``ArchiveCallback``, ``restore_checkpoint``), ``ckpt_archive.integrations.lightning`` (``ArchiveCheckpointIO``),
 ``ckpt_archive.integrations.folder`` (``FolderPublisher``, the Accelerate recipe); docs/integrations-*.md.
 
+Every operation takes the same names (``store_options``, ``wait``, ``on_bytes``, ``jobs``), refuses keyword
+arguments it does not know, and returns a typed result with ``to_json()``: docs/api.md.
+
 Heavy imports (torch, safetensors) happen inside the functions, so ``import ckpt_archive`` is cheap.
 """
 from __future__ import annotations
@@ -31,17 +35,24 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _API = {
-    "pack": "ops.pack", "PackOptions": "ops.pack", "Annotations": "ops.pack", "PackResult": "ops.pack",
-    "load": "ops.load", "verify": "ops.verify", "VerifyReport": "ops.verify", "restore": "ops.restore",
-    "RestoreResult": "ops.restore", "inspect": "ops.inspect", "list_generations": "ops.list",
-    "Problem": "repo.reader", "Repository": "repo.repository", "Generation": "repo.repository",
-    "RetentionPolicy": "retention.policy",
-    "restore_training_state": "training.restore", "Checkpointer": "training.checkpointer", "export": "ops.export", "check_resume": "resume.check",
-    "Trajectory": "resume.trajectory",
-    "adopt": "ops.verify", "AdoptReport": "ops.verify", "status": "ops.status", "StatusReport": "ops.status",
-    "prune": "ops.prune", "PruneResult": "ops.prune", "forget": "ops.forget", "ForgetResult": "ops.forget",
-    "gc": "ops.gc", "GcResult": "ops.gc", "backup": "ops.backup", "BackupResult": "ops.backup",
+    # operations (plain functions) and the options objects they take
+    "pack": "ops.pack", "PackOptions": "ops.pack", "Annotations": "ops.pack",
+    "load": "ops.load", "verify": "ops.verify", "restore": "ops.restore", "RestoreOptions": "ops.restore",
+    "inspect": "ops.inspect", "list_generations": "ops.list", "adopt": "ops.verify", "status": "ops.status",
+    "export": "ops.export", "prune": "ops.prune", "forget": "ops.forget", "gc": "ops.gc", "backup": "ops.backup",
+    "restore_training_state": "training.restore", "check_resume": "resume.check",
+    # their typed results (each with to_json())
+    "PackResult": "ops.pack", "VerifyReport": "ops.verify", "RestoreResult": "ops.restore",
+    "InspectResult": "ops.inspect", "AdoptReport": "ops.verify", "StatusReport": "ops.status",
+    "ExportResult": "ops.export", "ExportedGeneration": "ops.export", "PruneResult": "ops.prune",
+    "ForgetResult": "ops.forget", "GcResult": "ops.gc", "BackupResult": "ops.backup",
+    "RestoreReport": "training.restore", "PolicyVerdict": "ops.policy_check", "Problem": "repo.reader",
+    # the objects they work on
+    "Repository": "repo.repository", "Generation": "repo.repository", "RetentionPolicy": "retention.policy",
+    "Checkpointer": "training.checkpointer", "Trajectory": "resume.trajectory",
 }
+
+__all__ = ["__version__", *_API]
 
 
 def __getattr__(name: str):

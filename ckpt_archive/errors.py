@@ -245,3 +245,11 @@ def exit_code_for(result: Any) -> int:
     if ok is None:
         raise TypeError(f"{type(result).__name__} says neither ok nor exit_code: cannot map it to an exit code")
     return EXIT_OK if ok else EXIT_CHECK_FAILED
+
+
+__all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_CANNOT_CHECK", "EX_TEMPFAIL", "EXIT_INTERRUPTED", "EXIT_MEANINGS",
+           "CkptArchiveError", "CheckFailed", "IntegrityError", "ManifestInvalid", "InvalidJSON", "UnsafePath",
+           "LinkInRepository", "ImplausibleSize", "TooLargeHere", "IncoherentState", "ResumeDivergence", "CannotCheck",
+           "SourceError", "SourceChanged", "RefusedPickle", "FormatError", "MalformedTree", "NewerFormatError",
+           "NotFound", "NotUsable", "NoUsableGeneration", "LockError", "ReadOnlyRepository", "OutputExists",
+           "InsufficientSpace", "UsageError", "Unreadable", "StoreError", "first_line", "exit_code_for"]

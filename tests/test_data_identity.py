@@ -30,8 +30,8 @@ LABELS = {"cat": 0, "dog": 1, "person": 3, "car": 2}
 def test_label_map_fingerprint_changes_when_only_the_key_order_changes(tmp_path):
     reordered = dict(reversed(list(LABELS.items())))
     assert fingerprint(LABELS) == fingerprint(reordered)
-    a = ckpt_archive.inspect(str(_packed(tmp_path / "a", LABELS)))["manifest"]["data"]["fingerprint"]
-    b = ckpt_archive.inspect(str(_packed(tmp_path / "b", reordered)))["manifest"]["data"]["fingerprint"]
+    a = ckpt_archive.inspect(str(_packed(tmp_path / "a", LABELS))).manifest["data"]["fingerprint"]
+    b = ckpt_archive.inspect(str(_packed(tmp_path / "b", reordered))).manifest["data"]["fingerprint"]
     assert a == b == fingerprint(LABELS)
 
 
@@ -40,7 +40,8 @@ def test_rebuilt_label_map_with_changed_entry_is_restored_silently(tmp_path):
     now = {"car": 2, "cat": 0, "person": 1, "dog": 1, "bird": 4}
     del now["dog"]
     with pytest.raises(DataIdentityMismatch) as exc:
-        ckpt_archive.restore(str(repo), output=str(tmp_path / "out.pt"), data_ids=now)
+        ckpt_archive.restore(str(repo), output=str(tmp_path / "out.pt"),
+                             options=ckpt_archive.RestoreOptions(data_ids=now))
     text = str(exc.value)
     assert "person: archived 3, now 1" in text
     assert "bird: added" in text and "dog: removed" in text
@@ -50,7 +51,8 @@ def test_rebuilt_label_map_with_changed_entry_is_restored_silently(tmp_path):
 def test_identical_label_map_in_another_key_order_is_refused_or_warned(tmp_path):
     repo = _packed(tmp_path, LABELS)
     res = ckpt_archive.restore(str(repo), output=str(tmp_path / "out.pt"),
-                               data_ids=dict(sorted(LABELS.items(), key=lambda kv: -kv[1])))
+                               options=ckpt_archive.RestoreOptions(
+                                   data_ids=dict(sorted(LABELS.items(), key=lambda kv: -kv[1]))))
     assert res.warnings == []
     assert res.extra["data_ids"]["checked"] and res.extra["data_ids"]["same"]
 
@@ -75,13 +77,15 @@ def test_tokenizer_fingerprint_change_is_not_noticed(tmp_path):
     repo = _packed(tmp_path, {"tokenizer": "sha256:aaa", "dataset": "sha256:bbb"})
     with pytest.raises(DataIdentityMismatch, match="tokenizer: archived sha256:aaa, now sha256:ccc"):
         ckpt_archive.restore(str(repo), output=str(tmp_path / "o.pt"),
-                             data_ids={"dataset": "sha256:bbb", "tokenizer": "sha256:ccc"})
+                             options=ckpt_archive.RestoreOptions(
+                                 data_ids={"dataset": "sha256:bbb", "tokenizer": "sha256:ccc"}))
 
 
 def test_archive_without_data_ids_claims_they_matched(tmp_path):
     repo = tmp_path / "repo"
     ckpt_archive.pack({"w": torch.ones(1)}, str(repo))
-    res = ckpt_archive.restore(str(repo), output=str(tmp_path / "o.pt"), data_ids={"a": 1})
+    res = ckpt_archive.restore(str(repo), output=str(tmp_path / "o.pt"),
+                               options=ckpt_archive.RestoreOptions(data_ids={"a": 1}))
     assert res.extra["data_ids"]["checked"] is False
     assert any("holds no data ids" in w for w in res.warnings)
 
@@ -102,5 +106,6 @@ def test_old_archive_with_unsorted_data_ids_member_still_verifies_and_compares(t
                            lambda v: json.dumps(v, allow_nan=False, ensure_ascii=False).encode("utf-8")):
         repo = _packed(tmp_path, unsorted)
     assert ckpt_archive.verify(str(repo), deep=True).ok
-    res = ckpt_archive.restore(str(repo), output=str(tmp_path / "o.pt"), data_ids={"a": 2, "z": 1})
+    res = ckpt_archive.restore(str(repo), output=str(tmp_path / "o.pt"),
+                               options=ckpt_archive.RestoreOptions(data_ids={"a": 2, "z": 1}))
     assert res.extra["data_ids"]["same"]

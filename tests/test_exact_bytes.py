@@ -61,12 +61,12 @@ def test_a_restored_hf_checkpoint_folder_is_byte_identical_file_by_file(tmp_path
     assert res.exit_code == 0, res.stderr
     assert _sha_tree(tmp_path / "out") == _sha_tree(src)  # rng_state.pth and scheduler.pt included
     info = ckpt_archive.inspect(tmp_path / "r")
-    assert info["exact_bytes"]["all_exact"]
+    assert info.exact_bytes["all_exact"]
     # tensors are still stored once, by the codec: the skeletons hold only the non-tensor bytes
-    files = {f["relpath"]: f for f in info["manifest"]["source"]["files"]}
+    files = {f["relpath"]: f for f in info.manifest["source"]["files"]}
     rng = files["rng_state.pth"]
     assert rng["exact"]["cut_bytes"] >= torch.random.get_rng_state().numel()
-    skeleton = next(m for m in info["manifest"]["members"] if m["path"] == rng["exact"]["member"])
+    skeleton = next(m for m in info.manifest["members"] if m["path"] == rng["exact"]["member"])
     assert skeleton["raw_bytes"] + rng["exact"]["cut_bytes"] == rng["raw_bytes"]
 
 
@@ -95,7 +95,7 @@ def test_a_single_file_restores_byte_identical_in_both_torch_save_formats(tmp_pa
     ckpt_archive.pack(src, tmp_path / "r")
     ckpt_archive.restore(tmp_path / "r", output=tmp_path / "out.pt")
     assert _sha(tmp_path / "out.pt") == _sha(src)
-    f = ckpt_archive.inspect(tmp_path / "r")["manifest"]["source"]["files"][0]
+    f = ckpt_archive.inspect(tmp_path / "r").manifest["source"]["files"][0]
     # zip: the 16 KiB of weights come from the tensors shard, not from a second copy in the skeleton
     assert (f["exact"]["cut_bytes"] >= 64 * 64 * 4) is zip_format
 
@@ -113,7 +113,7 @@ def test_hardlinked_files_in_a_folder_come_back_as_hardlinks_and_are_stored_once
     assert _sha_tree(out) == _sha_tree(src)
     assert os.stat(out / "model.pt").st_ino == os.stat(out / "model_best.pt").st_ino
     assert os.stat(out / "log.txt").st_ino == os.stat(out / "log_copy.txt").st_ino
-    m = ckpt_archive.inspect(tmp_path / "r")["manifest"]
+    m = ckpt_archive.inspect(tmp_path / "r").manifest
     assert m["summary"]["tensor_count"] == 1 and not any("model_best" in x["path"] for x in m["members"])
     assert ckpt_archive.verify(tmp_path / "r", deep=True).ok
 
@@ -152,7 +152,7 @@ def test_nanogpt_iter_num_and_best_val_loss_are_progress_and_metrics(tmp_path):
                 "iter_num": 2000, "best_val_loss": torch.tensor(1.25), "config": {"lr": 6e-4}}, src)
     res = runner.invoke(app, ["pack", str(src), "--repo", str(tmp_path / "r"), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["step"] == 2000, res.stderr
-    assert ckpt_archive.inspect(tmp_path / "r")["manifest"]["metrics"] == {"best_val_loss": 1.25}
+    assert ckpt_archive.inspect(tmp_path / "r").manifest["metrics"] == {"best_val_loss": 1.25}
 
 
 def test_timm_and_torchvision_epoch_and_metric_are_recognised(tmp_path):
@@ -162,7 +162,7 @@ def test_timm_and_torchvision_epoch_and_metric_are_recognised(tmp_path):
     torch.save({"epoch": 12, "arch": "resnet18", "state_dict": {"w": torch.ones(1)}, "metric": 71.5,
                 "args": argparse.Namespace(lr=0.1)}, src)
     ckpt_archive.pack(src, tmp_path / "r", PackOptions(allow=["argparse.Namespace"]))
-    m = ckpt_archive.inspect(tmp_path / "r")["manifest"]
+    m = ckpt_archive.inspect(tmp_path / "r").manifest
     assert m["progress"]["epoch"] == 12 and m["metrics"] == {"metric": 71.5}
 
 

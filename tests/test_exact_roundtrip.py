@@ -560,8 +560,8 @@ def test_a_folder_with_a_file_that_cannot_round_trip_still_packs_with_it_opaque(
     warnings_ = json.loads(res.stdout)["warnings"]
     assert any(w.startswith("random_states_0.pkl: kept opaque") and "object" in w for w in warnings_), warnings_
     info = ckpt_archive.inspect(tmp_path / "r")
-    assert "random_states_0.pkl" in info["opaque_members"]
-    kinds = {f["relpath"]: f["kind"] for f in info["manifest"]["source"]["files"]}
+    assert "random_states_0.pkl" in info.opaque_members
+    kinds = {f["relpath"]: f["kind"] for f in info.manifest["source"]["files"]}
     assert kinds["model.pt"] == "torch" and kinds["random_states_0.pkl"] == "opaque"
     ckpt_archive.restore(tmp_path / "r", output=tmp_path / "out")
     assert (tmp_path / "out" / "random_states_0.pkl").read_bytes() == (folder / "random_states_0.pkl").read_bytes()

@@ -24,8 +24,8 @@ def test_inspect_names_the_numpy_scalars_and_arrays_of_an_allow_numpy_file(tmp_p
                 "dtype": np.dtype("float16")}, f)
     assert runner.invoke(app, ["pack", str(f), "--repo", str(tmp_path / "repo"), "--allow-numpy"]).exit_code == 0
     info = ckpt_archive.inspect(tmp_path / "repo")
-    assert info["numpy"]["scalars"] == {"count": 4, "paths": ["best_loss", "epoch", "sched/gamma", "dtype"]}
-    assert info["numpy"]["arrays"] == ["rng/numpy/1"]
+    assert info.numpy["scalars"] == {"count": 4, "paths": ["best_loss", "epoch", "sched/gamma", "dtype"]}
+    assert info.numpy["arrays"] == ["rng/numpy/1"]
     res = runner.invoke(app, ["inspect", str(tmp_path / "repo")])
     assert res.exit_code == 0, res.output
     assert "NumPy scalars/dtypes (4;" in res.output and "best_loss, epoch, sched/gamma, dtype" in res.output
@@ -37,8 +37,8 @@ def test_inspect_names_the_numpy_scalars_and_arrays_of_an_allow_numpy_file(tmp_p
 def test_a_state_without_numpy_values_records_none_and_inspect_says_nothing(tmp_path):
     ckpt_archive.pack({"w": torch.ones(2), "step": 1}, tmp_path / "repo")
     info = ckpt_archive.inspect(tmp_path / "repo")
-    assert info["numpy"] == {"arrays": [], "scalars": None}
-    assert "numpy_values" not in info["manifest"]["source"]["info"]
+    assert info.numpy == {"arrays": [], "scalars": None}
+    assert "numpy_values" not in info.manifest["source"]["info"]
     out = runner.invoke(app, ["inspect", str(tmp_path / "repo")]).output
     assert "NumPy scalars" not in out and "NumPy arrays" not in out
 
@@ -46,7 +46,7 @@ def test_a_state_without_numpy_values_records_none_and_inspect_says_nothing(tmp_
 def test_many_numpy_scalars_are_counted_and_the_first_paths_listed(tmp_path):
     n = MAX_NUMPY_PATHS + 30
     ckpt_archive.pack({"losses": [np.float32(i) for i in range(n)]}, tmp_path / "repo")
-    sc = ckpt_archive.inspect(tmp_path / "repo")["numpy"]["scalars"]
+    sc = ckpt_archive.inspect(tmp_path / "repo").numpy["scalars"]
     assert sc["count"] == n and sc["paths"][:2] == ["losses/0", "losses/1"] and len(sc["paths"]) == MAX_NUMPY_PATHS
     assert "(+30 more)" in runner.invoke(app, ["inspect", str(tmp_path / "repo")]).output
 

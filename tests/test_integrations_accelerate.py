@@ -118,7 +118,7 @@ def test_restored_generation_loads_with_load_state_and_continues_bitwise(acc_run
     # --- resuming, as docs/integrations-accelerate.md shows ------------------------------------------------------
     res = ckpt_archive.restore(root / "repo", 2, output=tmp_path / "restored")
     accelerator.load_state(res.output)
-    start = ckpt_archive.inspect(root / "repo", res.generation)["manifest"]["progress"]["step"]
+    start = ckpt_archive.inspect(root / "repo", res.generation).manifest["progress"]["step"]
     # -------------------------------------------------------------------------------------------------------------
     assert start == 4
     _run(tmp_path / "proj", tmp_path / "repo", start, 6, 2, accelerator, model, optimizer, scheduler)

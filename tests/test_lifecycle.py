@@ -109,7 +109,7 @@ def test_restore_never_overwrites_without_force_and_leaves_no_temporary(tmp_path
     with pytest.raises(OutputExists):
         ckpt_archive.restore(r, "latest", out)
     assert out.read_text() == "precious"
-    ckpt_archive.restore(r, "latest", out, force=True)
+    ckpt_archive.restore(r, "latest", out, options=ckpt_archive.RestoreOptions(force=True))
     assert torch.load(out, weights_only=True)["step"] == 1
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
@@ -180,7 +180,7 @@ def test_restore_force_never_destroys_the_repository_a_folder_or_the_current_fol
     out = {"repo_parent": box, "repo_itself": r, "inside_repo": r / "repository.json",
            "a_folder": other, "cwd": Path(".")}[target]
     with pytest.raises(UsageError):
-        ckpt_archive.restore(r, "latest", out, force=True)
+        ckpt_archive.restore(r, "latest", out, options=ckpt_archive.RestoreOptions(force=True))
     assert ckpt_archive.verify(r).ok
     assert (other / "keep.txt").read_text() == "keep"
 

@@ -90,7 +90,7 @@ def test_the_manifests_snippet_and_restores_snippet_load_the_restored_file(tmp_p
             torch.load(out, weights_only=True)                # the allowlist in the snippet is needed...
         for part in instr.get("plain_parts") or []:           # ...and the parts it offers need none
             one = tmp_path / f"{part}.pt"
-            ca.restore(repo, output=one, only=part)
+            ca.restore(repo, output=one, options=ca.RestoreOptions(only=part))
             assert_same(state[part], torch.load(one, weights_only=True))
     else:
         assert loading["allow"] == [] and plain in instr["text"]

@@ -222,5 +222,6 @@ def test_python_restore_refuses_folder_rewrite_on_a_file_source(tmp_path):
     repo = tmp_path / "repo"
     ckpt_archive.pack({"w": torch.ones(2), "step": 1}, repo)
     with pytest.raises(UsageError, match="folder source"):
-        ckpt_archive.restore(repo, output=tmp_path / "o.pt", folder_rewrite=session_folder_rewrite({"lr": 1e-3}))
+        ckpt_archive.restore(repo, output=tmp_path / "o.pt",
+                             options=ckpt_archive.RestoreOptions(folder_rewrite=session_folder_rewrite({"lr": 1e-3})))
     assert not (tmp_path / "o.pt").exists()

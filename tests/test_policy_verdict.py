@@ -60,9 +60,9 @@ def test_library_inspect_carries_the_audit_the_cli_prints(no_optimizer_repo):
     info = ckpt_archive.inspect(no_optimizer_repo)
     cli = _cli("inspect", no_optimizer_repo, "--json")
     assert cli.exit_code == 0, cli.output
-    assert info["policy"].to_json() == json.loads(cli.stdout)["policy"]
-    assert any(f.field == "optimizer" for f in info["policy"].completeness)
-    assert ckpt_archive.inspect(no_optimizer_repo, policy=False)["policy"] is None
+    assert info.policy.to_json() == json.loads(cli.stdout)["policy"]
+    assert any(f.field == "optimizer" for f in info.policy.completeness)
+    assert ckpt_archive.inspect(no_optimizer_repo, policy=False).policy is None
 
 
 def test_verify_without_policy_checks_bytes_only(no_optimizer_repo):

@@ -83,6 +83,6 @@ def test_a_damaged_chunk_late_in_an_entry_fails_restore_and_leaves_no_output(tmp
     member.write_bytes(bytes(data))
     out = tmp_path / "out.pt"
     with pytest.raises(IntegrityError):
-        ckpt_archive.restore(tmp_path / "r", output=out, force=True)
+        ckpt_archive.restore(tmp_path / "r", output=out, options=ckpt_archive.RestoreOptions(force=True))
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.pt")]

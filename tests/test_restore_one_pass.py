@@ -18,7 +18,7 @@ import torch
 
 import ckpt_archive
 from ckpt_archive.errors import IntegrityError
-from ckpt_archive.ops.restore import restore
+from ckpt_archive.ops.restore import RestoreOptions, restore
 from ckpt_archive.repo import reader as reader_mod
 from ckpt_archive.sources.torchfile import check_zip_records
 
@@ -110,7 +110,7 @@ def test_only_a_subtree_restores_in_one_pass(tmp_path, monkeypatch):
     state = _state()
     ckpt_archive.pack(state, tmp_path / "r")
     _no_spill(monkeypatch)
-    restore(tmp_path / "r", output=tmp_path / "model.pt", only="model")
+    restore(tmp_path / "r", output=tmp_path / "model.pt", options=RestoreOptions(only="model"))
     _equal(state["model"], torch.load(tmp_path / "model.pt", weights_only=True))
 
 
@@ -150,7 +150,7 @@ def test_a_damaged_entry_leaves_no_output_and_no_temporary(tmp_path):
     data[len(data) // 2] ^= 0x40
     member.write_bytes(bytes(data))
     with pytest.raises(IntegrityError):
-        restore(tmp_path / "r", output=tmp_path / "out.pt", unverified=True)
+        restore(tmp_path / "r", output=tmp_path / "out.pt", options=RestoreOptions(unverified=True))
     assert not (tmp_path / "out.pt").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.pt")]
 

@@ -119,7 +119,7 @@ def test_only_restores_part_of_the_state(tmp_path):
     state = full_state()
     ckpt_archive.pack(state, tmp_path / "repo")
     out = tmp_path / "model.pt"
-    ckpt_archive.restore(tmp_path / "repo", "latest", out, only="model")
+    ckpt_archive.restore(tmp_path / "repo", "latest", out, options=ckpt_archive.RestoreOptions(only="model"))
     assert_same(state["model"], torch.load(out, weights_only=True))
 
 

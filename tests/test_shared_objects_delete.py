@@ -331,6 +331,6 @@ def test_a_symlinked_or_unreadable_object_lets_fallback_use_the_older_sound_gene
     assert not report.ok and any("2, 3" in p.reason for p in report.problems), report.problems
     with pytest.raises(CkptArchiveError):
         ckpt_archive.restore(repo, "latest", tmp_path / "x.pt")
-    res = ckpt_archive.restore(repo, "latest", tmp_path / "x.pt", fallback=True)
+    res = ckpt_archive.restore(repo, "latest", tmp_path / "x.pt", options=ckpt_archive.RestoreOptions(fallback=True))
     assert res.generation == 1
     assert_bit_exact(torch.load(tmp_path / "x.pt", weights_only=True), big_state(0, 1))

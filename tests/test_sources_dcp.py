@@ -142,7 +142,7 @@ def test_dcp_packs_restores_byte_identical_and_dcp_load_reads_it(dcp_dir, tmp_pa
     assert res.manifest["source"]["format"] == "dcp" and res.manifest["progress"]["step"] == 7
     report = ckpt_archive.verify(repo, deep=True)
     assert report.ok, report.problems
-    assert sorted(ckpt_archive.inspect(repo)["opaque_members"]) == [".metadata", "__0_0.distcp"]
+    assert sorted(ckpt_archive.inspect(repo).opaque_members) == [".metadata", "__0_0.distcp"]
     out = tmp_path / "restored"
     ckpt_archive.restore(repo, output=out)
     for name in (".metadata", "__0_0.distcp"):
@@ -160,7 +160,7 @@ def test_restore_consolidate_writes_one_torch_file_with_the_whole_state(dcp_dir,
     repo = tmp_path / "repo"
     ckpt_archive.pack(dcp_dir, repo)
     out, pt = tmp_path / "restored", tmp_path / "whole.pt"
-    res = ckpt_archive.restore(repo, output=out, consolidate=pt)
+    res = ckpt_archive.restore(repo, output=out, options=ckpt_archive.RestoreOptions(consolidate=pt))
     assert res.extra["consolidated"] == str(pt)
     whole = torch.load(pt, weights_only=True)
     want = _state()
@@ -169,7 +169,7 @@ def test_restore_consolidate_writes_one_torch_file_with_the_whole_state(dcp_dir,
     # DCP flattens keys to strings: optimizer state 0 comes back under "0".
     assert torch.equal(whole["optim"]["state"]["0"]["exp_avg"], want["optim"]["state"][0]["exp_avg"])
     with pytest.raises(ckpt_archive.errors.OutputExists):
-        ckpt_archive.restore(repo, output=tmp_path / "again", consolidate=pt)
+        ckpt_archive.restore(repo, output=tmp_path / "again", options=ckpt_archive.RestoreOptions(consolidate=pt))
     assert not (tmp_path / "again").exists()
 
 
@@ -179,7 +179,8 @@ def test_consolidate_is_refused_for_a_source_that_is_not_dcp(tmp_path):
     repo = tmp_path / "repo"
     ckpt_archive.pack({"w": torch.ones(2)}, repo)
     with pytest.raises(UsageError, match="DCP"):
-        ckpt_archive.restore(repo, output=tmp_path / "o.pt", consolidate=tmp_path / "c.pt")
+        ckpt_archive.restore(repo, output=tmp_path / "o.pt",
+                             options=ckpt_archive.RestoreOptions(consolidate=tmp_path / "c.pt"))
     assert not (tmp_path / "o.pt").exists()
 
 

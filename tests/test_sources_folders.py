@@ -299,7 +299,8 @@ def test_restored_files_keep_their_permission_bits_never_wider_than_the_umask(tm
     edit_manifest(tmp_path / "r", widen)
     old = os.umask(0o027)
     try:
-        ckpt_archive.restore(tmp_path / "r", "latest", tmp_path / "out2", unverified=True)
+        ckpt_archive.restore(tmp_path / "r", "latest", tmp_path / "out2",
+                             options=ckpt_archive.RestoreOptions(unverified=True))
     finally:
         os.umask(old)
     assert {stat.S_IMODE((tmp_path / "out2" / n).stat().st_mode) for n in modes} == {0o750}

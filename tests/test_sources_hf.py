@@ -120,7 +120,7 @@ def test_trainer_folder_packs_restores_byte_identical_and_resumes_bitwise(hf_run
     assert res.manifest["source"]["format"] == "hf-trainer"
     report = ckpt_archive.verify(repo, deep=True)
     assert report.ok, report.problems
-    assert ckpt_archive.inspect(repo)["opaque_members"] == ["training_args.bin"]
+    assert ckpt_archive.inspect(repo).opaque_members == ["training_args.bin"]
 
     resumed_root = tmp_path / "resumed"
     restored = resumed_root / "checkpoint-2"

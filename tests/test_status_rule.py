@@ -185,7 +185,7 @@ def test_a_recorded_failure_of_latest_is_refused_naming_the_newest_that_verifies
     with pytest.raises(IntegrityError, match="newest generation that verifies is 1: use --fallback"):
         ckpt_archive.restore(repo, "latest", tmp_path / "o.pt")
     assert not (tmp_path / "o.pt").exists()
-    res = ckpt_archive.restore(repo, "latest", tmp_path / "o.pt", fallback=True)
+    res = ckpt_archive.restore(repo, "latest", tmp_path / "o.pt", options=ckpt_archive.RestoreOptions(fallback=True))
     assert res.generation == 1 and any("generation 2 (latest) does not verify" in w for w in res.warnings)
     with pytest.raises(IntegrityError, match="use --fallback"):
         ckpt_archive.load(repo)
@@ -231,7 +231,7 @@ def test_fallback_passes_over_an_object_that_is_a_folder_or_a_fifo_to_the_older_
         ckpt_archive.restore(repo, "latest", tmp_path / "x.pt")
     assert err.value.exit_code == 1 and key in str(err.value) + str(err.value.where), err.value
     forget_notes(repo)
-    res = ckpt_archive.restore(repo, "latest", tmp_path / "y.pt", fallback=True)
+    res = ckpt_archive.restore(repo, "latest", tmp_path / "y.pt", options=ckpt_archive.RestoreOptions(fallback=True))
     assert res.generation == 1 and torch.load(tmp_path / "y.pt", weights_only=True)["step"] == 1
     forget_notes(repo)
     with pytest.warns(UserWarning, match="generation 1, the newest that verifies"):

@@ -7,9 +7,7 @@ span, from its ``def`` line to its last line (docstring and nested functions inc
 the issue counts it. A function over either limit is split into named steps by concern, not raised past
 the limit.
 
-While other helpers of issue 25 still shrink the packages named in :data:`SHRINKING`, an offender there
-makes the check xfail (naming every one); an offender anywhere else fails it. Remove a package from
-:data:`SHRINKING` once its split is merged; the check is strict over the whole package when it is empty.
+The check is strict over the whole package; every offender is named.
 """
 from __future__ import annotations
 
@@ -21,9 +19,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "ckpt_archive"
 MAX_COMPLEXITY = 20
 MAX_LINES = 100
-#: subpackages still being split by other helpers of issue 25 (ops/: api; repo/, training/, format/'s
-#: state-tree decode and codec's iter_decoded: structure): their offenders xfail, they do not fail.
-SHRINKING = ("ops", "repo", "training", "format")
+#: subpackages allowed to hold offenders for a while (they xfail, named); none today: the gate is strict
+SHRINKING: tuple[str, ...] = ()
 
 
 def _modules() -> list[Path]:

@@ -43,3 +43,6 @@ def register(app: typer.Typer) -> None:
             out.say(f"nothing to adopt: no copied generation at {report.location}")
         out.json(report.to_json())
         exit_with(report)
+
+
+__all__ = ["register"]

@@ -198,5 +198,8 @@ def main() -> None:
     sys.exit(code)
 
 
+__all__ = ["app", "SHORT_HELP", "keep_freed_buffers", "main"]
+
+
 if __name__ == "__main__":
     main()

@@ -82,3 +82,6 @@ def register(app: typer.Typer) -> None:
                 out.say(f"retention removed generation(s) {', '.join(map(str, ret['removed']))}")
         out.json(result.to_json())
         exit_with(result)
+
+
+__all__ = ["BACKUP_EXIT_CODES", "register"]

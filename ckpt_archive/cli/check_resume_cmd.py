@@ -240,3 +240,6 @@ def _points(values) -> list[int]:
 
 def _split(values) -> list[str]:
     return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]
+
+
+__all__ = ["HELP", "EXIT_CODES", "proof_table", "report_human", "register"]

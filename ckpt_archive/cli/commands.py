@@ -9,3 +9,6 @@ COMMAND_MODULES = (
     "forget", "gc", "prune", "backup", "export",
     "adopt", "status",
 )
+
+
+__all__ = ["COMMAND_MODULES"]

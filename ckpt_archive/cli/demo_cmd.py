@@ -47,3 +47,6 @@ def render_demo(out: Output, report: dict) -> None:
     for f in report["demo_facts"]:
         out.say(("  ok   " if f["ok"] else "  FAIL ") + f"{f['fact']}: {f['observed']}",
                 style=None if f["ok"] else "red", even_quiet=not f["ok"])
+
+
+__all__ = ["HELP", "EXIT_CODES", "register", "render_demo"]

@@ -68,10 +68,11 @@ def register(app: typer.Typer) -> None:
                 f"{human_bytes(total)} stored) from {source.location} to {to}")
         argv = "ckpt-archive " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         with out.progress(total, "export") as advance:  # phases: copy, re-read, trial reload (per generation)
-            result = export(source, to, generations=[g.number for g in picked], endpoint_url=endpoint_url,
-                            storage_options=storage_options, report=report,
+            dest_options = {k: v for k, v in (("endpoint_url", endpoint_url), ("storage_options", storage_options))
+                            if v}
+            result = export(source, to, generations=[g.number for g in picked], report=report,
                             report_format="json" if json_output else "markdown", on_bytes=advance,
-                            command=argv, lock_wait=wait)
+                            command=argv, wait=wait, dest_store_options=dest_options)
         _say_result(out, result, report)
         out.json(result.to_json())
         exit_with(result)
@@ -117,3 +118,6 @@ def _say_result(out: Output, result, report: Optional[Path]) -> None:
     out.say(f"restore on a new machine: {result.restore_command}")
     if report is not None:
         out.say(f"recovery proof written to {report}")
+
+
+__all__ = ["register"]

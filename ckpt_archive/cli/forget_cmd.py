@@ -43,3 +43,6 @@ def register(app: typer.Typer) -> None:
         if line:
             out.say(f"shared objects: {line}")
         out.json({"ok": True, **result.to_json()})
+
+
+__all__ = ["register"]

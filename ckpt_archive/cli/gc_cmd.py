@@ -48,3 +48,6 @@ def register(app: typer.Typer) -> None:
         if not result.removed and not result.removed_files and not result.removed_objects:
             out.say("nothing to remove: no leftovers of interrupted writes")
         out.json({"ok": True, **result.to_json()})
+
+
+__all__ = ["register"]

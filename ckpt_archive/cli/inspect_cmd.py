@@ -3,12 +3,16 @@ state tree and the small scalar tensors such as step counters, never the weights
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import typer
 
 from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes,
                                      split_repo_spec)
 from ckpt_archive.cli.tables import Col, fit
+
+if TYPE_CHECKING:
+    from ckpt_archive.ops.inspect import InspectResult
 
 
 def _readable(tree):
@@ -60,8 +64,8 @@ def register(app: typer.Typer) -> None:
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
         info = ckpt_archive.inspect(repo, gen)
-        m = info["manifest"]
-        out.say(f"generation {info['generation']} ({info['status']}) of {info['location']}", style="bold")
+        m = info.manifest
+        out.say(f"generation {info.generation} ({info.status}) of {info.location}", style="bold")
         out.say(f"  created {m['created']}  source {m['source']['format']} ({m['source']['layout']})  "
                 f"archive id {m['archive_id']}")
         p = m["progress"]
@@ -86,11 +90,11 @@ def register(app: typer.Typer) -> None:
                 f"{human_bytes(s['stored_bytes'])} stored")
         out.table(members_table(m["members"], out.width))
         _say_shared(info, out)
-        if info["opaque_members"]:
+        if info.opaque_members:
             out.say(f"  opaque files (fingerprinted, restored byte for byte, never unpickled): "
-                    f"{', '.join(info['opaque_members'])}")
+                    f"{', '.join(info.opaque_members)}")
         _say_numpy(info, out)
-        exact = info.get("exact_bytes") or {}
+        exact = info.exact_bytes or {}
         if exact.get("files"):
             if exact.get("all_exact"):
                 out.say("  exact bytes: restore gives back every source file byte for byte (sha256 checked)")
@@ -102,22 +106,22 @@ def register(app: typer.Typer) -> None:
         out.say(m["instructions"]["text"])
         snippet = m["instructions"].get("snippet")
         if snippet:  # [issue 26] the text above refers to it: show it, runnable as printed for this generation
-            gen_no = info["generation"]
-            snippet = (snippet.replace("'REPO'", repr(str(info["location"])))
+            gen_no = info.generation
+            snippet = (snippet.replace("'REPO'", repr(str(info.location)))
                        .replace("generation='latest'", f"generation={gen_no}")
-                       .replace("REPO@latest", f"{info['location']}@{gen_no}"))
+                       .replace("REPO@latest", f"{info.location}@{gen_no}"))
             out.say("  " + snippet.rstrip("\n").replace("\n", "\n  "))
-        extra = _extend_inspect(info, repo, out)
-        for p in info["problems"]:  # [issue 24] what it reports could not be read: never exit 0
-            out.error(f"{p.get('member') or p.get('field') or '-'}: {p['reason']}")
-        out.json({**info, **extra})
+        _extend_inspect(info, out)
+        for p in info.problems:  # [issue 24] what it reports could not be read: never exit 0
+            out.error(f"{p.member or p.field or '-'}: {p.reason}")
+        out.json(info.to_json())
         exit_with(info)
 
 
-def _say_numpy(info: dict, out: Output) -> None:
+def _say_numpy(info: InspectResult, out: Output) -> None:
     """[issue 27] Which values of the state are NumPy scalars/dtypes and arrays (the restored file needs NumPy's
     allowlist to load with weights_only=True)."""
-    np_ = info.get("numpy") or {}
+    np_ = info.numpy or {}
     sc = np_.get("scalars") or {}
     if sc.get("count"):
         more = f" (+{sc['count'] - len(sc['paths'])} more)" if sc["count"] > len(sc["paths"]) else ""
@@ -128,10 +132,10 @@ def _say_numpy(info: dict, out: Output) -> None:
                 + (f" (+{len(np_['arrays']) - 20} more)" if len(np_["arrays"]) > 20 else ""))
 
 
-def _say_shared(info: dict, out: Output) -> None:
+def _say_shared(info: InspectResult, out: Output) -> None:
     """What the generation stored itself, what it keeps in shared objects, and with which generations (a table
     fitted to the terminal: an object by the first 12 hex digits of its fingerprint, as git shortens commits)."""
-    sh = info.get("shared") or {}
+    sh = info.shared or {}
     if not sh.get("objects"):
         return
     with_ = ", ".join(f"{n} ({human_bytes(b)})" for n, b in sh["shared_with"].items()) or "no other generation"
@@ -142,7 +146,7 @@ def _say_shared(info: dict, out: Output) -> None:
     shown = 10
     rows = []
     for o in sh["objects"][:shown]:
-        others = [n for n in o["generations"] if n != info["generation"]]
+        others = [n for n in o["generations"] if n != info.generation]
         short = o["key"].rsplit("/", 1)[-1][:12]
         rows.append([short, human_bytes(o["stored_bytes"]), ", ".join(o["entries"]), ", ".join(map(str, others)) or "-"])
     cols = (Col("object", "object"), Col("stored", "stored", justify="right"),
@@ -152,11 +156,12 @@ def _say_shared(info: dict, out: Output) -> None:
         out.say(f"    ... {len(sh['objects']) - shown} more (--json lists every one)")
 
 
-def _extend_inspect(info: dict, repo: str, out: Output) -> dict:
-    """The policy audit (LR the next step will use, counters, findings): a table, and ``"policy"`` in --json."""
+def _extend_inspect(info: InspectResult, out: Output) -> None:
+    """The policy audit (LR the next step will use, counters, findings) as a table; ``--json`` prints it with
+    the rest of :meth:`InspectResult.to_json`."""
     from ckpt_archive.cli.policy_views import cli_inspect
 
-    return cli_inspect(info, repo, out)
+    cli_inspect(info, out)
 
 
 #: inspect's members table; on a narrow terminal the fingerprint goes first, then the codecs, and the member's
@@ -181,3 +186,6 @@ def _short_fp(mem: dict) -> str:
 
     alg, _, hexd = (raw_fp(mem) or "").partition(":")
     return f"{alg}:{hexd[:12]}"
+
+
+__all__ = ["register", "MEMBER_COLUMNS", "MEMBER_DEGRADE", "members_table"]

@@ -73,3 +73,6 @@ def _say_reasons_left_out(rows: list[dict], table, out: Output) -> None:
     for r in rows:
         if r["reason"]:
             out.say(f"  {r['generation']}: {r['reason']}")
+
+
+__all__ = ["register", "LIST_COLUMNS", "LIST_DEGRADE", "list_table"]

@@ -112,3 +112,6 @@ def _source_bytes(p: Path) -> int | None:
     except OSError:
         return None
     return None
+
+
+__all__ = ["register"]

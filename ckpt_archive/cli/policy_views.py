@@ -126,17 +126,17 @@ def _say_counters(a: PolicyAudit, out: Any) -> None:
             out.say(f"    {o}")
 
 
-def cli_inspect(info: dict, repo: Any, out: Any) -> dict:
-    """``inspect``: print the audit table, counters and findings of ``info["policy"]`` (the
-    :class:`~ckpt_archive.ops.policy_check.PolicyVerdict` that :func:`ckpt_archive.inspect` computed); return
-    ``{"policy": ...}`` for ``--json``. An archive whose state cannot be read for the audit still inspects (the
-    reason is printed)."""
-    verdict = info.get("policy")
+def cli_inspect(info: Any, out: Any) -> None:
+    """``inspect``: print the audit table, counters and findings of ``info.policy`` (the
+    :class:`~ckpt_archive.ops.policy_check.PolicyVerdict` that :func:`ckpt_archive.inspect` computed; ``--json``
+    prints it with the rest of the result). An archive whose state cannot be read for the audit still inspects
+    (the reason is printed)."""
+    verdict = info.policy
     if verdict is None:
-        return {}
+        return
     if verdict.skipped is not None:
         out.warn(f"policy audit skipped: {verdict.skipped}")
-        return {"policy": verdict.to_json()}
+        return
     a = verdict.audit
     if a.groups:
         out.table(audit_table(a, _width(out)))
@@ -148,7 +148,6 @@ def cli_inspect(info: dict, repo: Any, out: Any) -> dict:
             out.say(f"  info: {f.field}: {f.message}")
         else:
             out.warn(f"{f.field}: {f.message}")
-    return {"policy": verdict.to_json()}
 
 
 def cli_verify(report: Any, out: Any) -> None:
@@ -270,3 +269,6 @@ def cli_restore_finish(section: dict, out: Any, folder_report: dict | None = Non
         else:
             out.say("--policy session: the archived values already equal the session's; nothing rewritten")
     return {"policy": section} if section else {}
+
+
+__all__ = ["audit_table", "audit_renderable", "cli_inspect", "cli_verify", "cli_restore_prepare", "cli_restore_finish"]

@@ -157,3 +157,7 @@ def register(app: typer.Typer) -> None:
             if result.saved_default:
                 out.say(f"saved as the repository's default policy: {decision.policy.describe()}")
         out.json({"ok": True, **result.to_json()})
+
+
+__all__ = ["KEEP_LAST", "KEEP_HOURLY", "KEEP_DAILY", "KEEP_WEEKLY", "KEEP_MONTHLY", "KEEP_WITHIN", "KEEP_TAG",
+           "KEEP_BEST", "BEST_BY", "WAIT", "POLICY_HELP", "policy_from_flags", "decision_table", "register"]

@@ -80,11 +80,11 @@ def register(app: typer.Typer) -> None:
         transform, policy_json = cli_restore_prepare(repo, gen, session_config=session_config,
                                                      expect_lr=expect_lr, policy=policy, out=out)
         with out.progress(None, "restore") as bar:  # the restore tells the bar each phase and its total
-            res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
-                                       map_location=map_location, jobs=jobs, transform=transform,
-                                       consolidate=consolidate, allow=allow, data_ids=data_ids,
-                                       allow_data_change=allow_data_change, unverified=restore_unverified,
-                                       folder_rewrite=policy_json.pop("_folder_rewrite", None), on_bytes=bar)
+            options = ckpt_archive.RestoreOptions(
+                force=force, only=only, fallback=fallback, unverified=restore_unverified, map_location=map_location,
+                jobs=jobs, allow=allow, transform=transform, folder_rewrite=policy_json.pop("_folder_rewrite", None),
+                consolidate=consolidate, data_ids=data_ids, allow_data_change=allow_data_change)
+            res = ckpt_archive.restore(repo, gen, output, options, on_bytes=bar)
         res.extra.update(cli_restore_finish(policy_json, out, res.extra.pop("folder_rewrite", None)))
         for w in res.warnings:
             out.warn(w)
@@ -101,3 +101,6 @@ def register(app: typer.Typer) -> None:
         if res.extra.get("consolidated"):
             out.say(f"consolidated the DCP state into {res.extra['consolidated']}", style="green")
         out.json(res.to_json())
+
+
+__all__ = ["register"]

@@ -46,3 +46,6 @@ def register(app: typer.Typer) -> None:
                 out.say(f"unhealthy: {report.location}: {line}", style="red", even_quiet=True)
         out.json(report.to_json())
         exit_with(report)
+
+
+__all__ = ["register"]

@@ -70,3 +70,6 @@ def is_info(warning: str) -> bool:
 def _without_info_tag(warning: str) -> str:
     head, _, rest = warning.partition(":")
     return f"{head.replace(' (info)', '')}:{rest}"
+
+
+__all__ = ["register", "is_info"]

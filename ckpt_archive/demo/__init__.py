@@ -13,3 +13,6 @@ STEPS = 10
 INTERRUPT_AT = 5
 ROWS = 24
 BATCH = 4
+
+
+__all__ = ["STEPS", "INTERRUPT_AT", "ROWS", "BATCH"]

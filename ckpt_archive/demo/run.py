@@ -83,3 +83,6 @@ def run_demo(output: str | os.PathLike | None = None, *, jobs: int | None = None
     write_report(report, __import__("pathlib").Path(report["output"]) / REPORT_FILE)
     record_last_check(report["archive"]["repository"], report)  # the verdict with the demo facts
     return report
+
+
+__all__ = ["COMMAND", "SCRIPT_CONTROL", "NEXT_LR", "demo_facts", "run_demo"]

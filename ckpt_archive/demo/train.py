@@ -148,5 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+__all__ = ["CONFIG", "build", "main"]
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -269,3 +269,8 @@ def refusal(path: str, obj: Any, why: str = "") -> SourceError:
                 "torch.load(weights_only=True) refuses it too")
     return SourceError(f"a value of type {tname} cannot be archived exactly" + (f" ({why})" if why else ""),
                        where=path, hint=hint)
+
+
+__all__ = ["BUILTIN_PLAIN_CLASSES", "torch_allowed_globals", "global_name", "resolve_global", "class_name",
+           "plain_class_problem", "resolve_allow", "allowing", "current_allowed", "decode_class", "refused_global_hint",
+           "refusal"]

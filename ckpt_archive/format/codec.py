@@ -517,3 +517,7 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
         if fd is None and fh.read(1):
             raise IntegrityError("stored file is longer than its chunks", where=member)
 
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_LEVEL", "STORE_BELOW_SAVING", "CODEC_NAME", "ROTATE_SIZES", "default_jobs",
+           "float_params", "encode_chunk", "decode_chunk", "check_chunk_table", "StoredStream", "chunks_match",
+           "submit_chunk_checks", "iter_decoded"]

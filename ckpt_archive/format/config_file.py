@@ -103,3 +103,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, bool) or value is None or isinstance(value, (int, float, str)):
         return value
     return str(value)
+
+
+__all__ = ["load_value_file", "load_config"]

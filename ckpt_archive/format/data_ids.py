@@ -41,3 +41,6 @@ def canonical_bytes(data_ids: Any) -> bytes:
 def fingerprint(data_ids: Any) -> str:
     """sha256 (hex) of :func:`canonical_bytes`: the canonical data-ids fingerprint."""
     return hashlib.sha256(canonical_bytes(data_ids)).hexdigest()
+
+
+__all__ = ["canonical_bytes", "fingerprint"]

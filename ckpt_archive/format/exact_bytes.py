@@ -633,3 +633,8 @@ def exact_problems(manifest: dict) -> list[str]:
             problems.append(f"{name}: skeleton ({skel['raw_bytes']} bytes) plus segments ({cut}) is not the "
                             f"file's {f['raw_bytes']} bytes")
     return problems
+
+
+__all__ = ["ZIP_ERRORS", "READ_BYTES", "candidate_ranges", "zip_records", "file_identity", "early_scan", "ScanJob",
+           "ScanCancelled", "SCAN_PIECE_BYTES", "SCAN_BUFFERS", "plan", "skeleton_pieces", "rebuild", "exact_summary",
+           "exact_note", "exact_problems", "crc32", "pwrite_all"]

@@ -310,3 +310,8 @@ class MemberRawCheck:
                 return f"raw sha256 mismatch: expected {split(self.expected)[1]}, got {split(got)[1]}"
             return f"raw fingerprint mismatch: expected {self.expected}, got {got}"
         return None
+
+
+__all__ = ["SHA256", "BLAKE3", "SHA256_CHUNKS", "BLAKE3_ENTRIES", "new", "digest", "file_sha256", "split",
+           "digest_like", "raw_fp", "stored_fp", "sha256_chunks", "blake3_entries", "entries_in_order",
+           "derived_member_raw_fp", "MemberRawCheck"]

@@ -225,3 +225,6 @@ def check_tree_kinds(tree, tensors: dict) -> None:
             if rec is not None and rec.get("kind") != want:
                 raise IntegrityError(f"the state tree holds a {tag} here, the manifest's record says kind "
                                      f"{rec.get('kind')!r}", where=str(node.get("key")))
+
+
+__all__ = ["TORCH_ITEMSIZE", "SizeOnly", "check_leaf_bytes", "check_leaf_fp", "check_leaf_geometry", "check_tree_kinds"]

@@ -295,3 +295,8 @@ def check_source_relpaths(doc: dict, *, where: str = "manifest.json") -> None:
             if folder in seen:
                 raise ManifestInvalid(f"source.files: relpath {rel!r} lies inside {folder!r}, which is listed "
                                       f"as a file", where=where)
+
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "FORMAT_VERSION_SHARED", "FORMAT3_CODECS", "SCHEMAS", "KNOWN_VERSIONS", "schema",
+           "version_for", "validate", "dumps", "sha256_hex", "seal_bytes", "parse", "check_manifest_refs",
+           "check_source_relpaths"]

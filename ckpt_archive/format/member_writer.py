@@ -359,3 +359,6 @@ class MemberWriter:
             self._sync_pool.shutdown(wait=True)
         if self._own_pool:
             self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["SYNC_EVERY_BYTES", "WRITE_AHEAD_BYTES", "ChunkSink", "MemberWriter"]

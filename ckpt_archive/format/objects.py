@@ -216,3 +216,7 @@ def refs(manifest: dict) -> dict[str, int]:
                 if p.oid is not None:
                     out[p.oid] = p.stored_bytes
     return out
+
+
+__all__ = ["OBJECT_DIR", "DEFAULT_SHARE_MIN_BYTES", "check_fp", "object_id", "object_key", "raw_fp_of", "oid_of_name",
+           "Part", "own_stored_bytes", "check_objects", "rebase", "parts", "stored_files", "refs"]

@@ -168,3 +168,6 @@ class ParallelWrites:
             fut.cancel()
         self.pending.clear()
         self.pool.shutdown(wait=True)
+
+
+__all__ = ["READ_BYTES", "pwrite_all", "InOrderSha256", "ParallelWrites"]

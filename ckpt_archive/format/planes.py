@@ -229,3 +229,6 @@ def _ungroup_small(planes, n: int, out=None, rotate: bool = False) -> memoryview
         raise ValueError(f"out has {len(view)} bytes, planes {len(dest)}")
     view[:] = dest
     return view
+
+
+__all__ = ["SCRATCH_BYTES", "anon_buffer", "BLOCK_ELEMS", "byte_group", "byte_ungroup", "SMALL_PLANES_BYTES"]

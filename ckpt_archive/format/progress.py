@@ -110,3 +110,6 @@ def find_progress(state: Any) -> dict:
                     found[field] = int(v.item())
                     break
     return found
+
+
+__all__ = ["STEP_KEYS", "EPOCH_KEYS", "CURSOR_KEYS", "PROGRESS_PLACES", "METRIC_KEYS", "find_metrics", "find_progress"]

@@ -132,3 +132,6 @@ def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
     from ckpt_archive.format import state_tree
 
     return state_tree.encode(state, allow=allow, encoder=_TorchFreeEncoder)
+
+
+__all__ = ["FileEntry", "encode"]

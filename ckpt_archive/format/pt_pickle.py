@@ -301,6 +301,25 @@ def _read(path: Path) -> tuple[Any, PtFile]:
     return _Machine(data, storages, file).run(), file
 
 
+def _check_geometry(storage: "PtStorage", offset: int, size: tuple, stride: tuple) -> None:
+    """A dense tensor's geometry (elements) lies in its storage and within int64, as torch requires.
+
+    Raises:
+        NotSimple: negative, beyond int64 (torch refuses it: "Overflow when unpacking long"), or outside the
+            storage.
+    """
+    if offset < 0 or any(x < 0 for x in size + stride):
+        raise NotSimple("negative geometry")
+    if max((offset, *size, *stride)) >= _INT64 or math.prod(size) * ITEMSIZE[storage.dtype] >= _INT64:
+        raise NotSimple("geometry beyond int64")
+    if math.prod(size) > 0:
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+        if last >= storage.numel:
+            raise NotSimple("a view outside its storage")
+    elif offset > storage.numel:
+        raise NotSimple("an offset outside its storage")
+
+
 class _Machine:
     """The stack machine (``pickle.Unpickler.load``'s loop, restricted; see the module docstring)."""
 
@@ -507,16 +526,7 @@ class _Machine:
             raise NotSimple("rebuild arguments of another kind")
         if type(hooks) is not _OrderedDict or hooks or hooks.__dict__:
             raise NotSimple("backward hooks")
-        if offset < 0 or any(x < 0 for x in size + stride):
-            raise NotSimple("negative geometry")
-        if max((offset, *size, *stride)) >= _INT64 or math.prod(size) * ITEMSIZE[storage.dtype] >= _INT64:
-            raise NotSimple("geometry beyond int64")  # torch refuses it ("Overflow when unpacking long")
-        if math.prod(size) > 0:
-            last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-            if last >= storage.numel:
-                raise NotSimple("a view outside its storage")
-        elif offset > storage.numel:
-            raise NotSimple("an offset outside its storage")
+        _check_geometry(storage, offset, size, stride)
         return PtTensor(storage, offset, size, stride)
 
     def storage(self, pid: Any) -> PtStorage:
@@ -540,3 +550,6 @@ class _Machine:
         st = self.loaded[key] = PtStorage(key, dtype, numel, rec[0], self.file)
         return st
 
+
+
+__all__ = ["STORAGE_DTYPES", "ITEMSIZE", "NotSimple", "PtFile", "PtStorage", "PtTensor", "read"]

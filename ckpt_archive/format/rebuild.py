@@ -92,3 +92,6 @@ def holds_stub(value) -> bool:
     if isinstance(value, dict):
         return any(holds_stub(v) for v in value.values())
     return False
+
+
+__all__ = ["rebuild", "holds_stub"]

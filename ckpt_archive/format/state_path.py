@@ -199,3 +199,6 @@ def walk(node: Any, path: StatePath = StatePath(), skip_top: Iterable[Any] = ())
         if not path and not isinstance(step, Index) and step in skip:
             continue
         yield from walk(child, path.child(step) if not isinstance(step, Index) else path.at(step), skip)
+
+
+__all__ = ["Index", "StatePath", "children", "walk"]

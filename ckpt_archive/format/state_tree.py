@@ -844,6 +844,37 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
             raise MalformedTree(f"malformed {node.get('$t')} node")
         return [(_hashable(dec(k)), dec(v)) for k, v in its]
 
+    def shared_node(node):  # a container reached more than once: decoded once, the same object after
+        n = node.get("id")
+        if type(n) is not int or n in shared:
+            raise MalformedTree(f"malformed shared node (id {n!r})")
+        shared[n] = value = dec(node.get("v"))
+        return value
+
+    def ref_node(node):
+        n = node.get("id")
+        if type(n) is not int or n not in shared:
+            raise FormatError(f"the state tree refers to shared value {n!r} before (or outside) it; read the "
+                              f"whole state, or the part that holds its first occurrence")
+        return shared[n]
+
+    def ordered(node):  # an OrderedDict or a Counter, with the attributes set on it
+        obj = collections.OrderedDict() if node["$t"] == "odict" else collections.Counter()
+        for k, v in items(node):
+            obj[k] = v
+        for name, val in (node.get("attrs") or {}).items():
+            setattr(obj, name, dec(val))
+        return obj
+
+    containers = {
+        "shared": shared_node, "ref": ref_node, "odict": ordered, "counter": ordered,
+        "int": lambda node: int(node["v"]), "float": lambda node: float(node["v"]),
+        "complex": lambda node: complex(float(dec(node["re"])), float(dec(node["im"]))),
+        "tuple": lambda node: tuple(dec(v) for v in node["v"]),
+        "set": lambda node: {_hashable(dec(v)) for v in node["v"]},
+        "dict": lambda node: dict(items(node)),
+    }
+
     def dec(node):
         if node is None or isinstance(node, (str, bool, int, float)):
             return node
@@ -856,38 +887,9 @@ def decode(tree: Any, get_tensor: Callable[[str], Any], *, objects: str = "build
         t = node.get("$t")
         if t is None:
             return {k: dec(v) for k, v in node.items()}
-        if t == "shared":  # a container reached more than once: decoded once, the same object after
-            n = node.get("id")
-            if type(n) is not int or n in shared:
-                raise MalformedTree(f"malformed shared node (id {n!r})")
-            shared[n] = value = dec(node.get("v"))
-            return value
-        if t == "ref":
-            n = node.get("id")
-            if type(n) is not int or n not in shared:
-                raise FormatError(f"the state tree refers to shared value {n!r} before (or outside) it; read the "
-                                  f"whole state, or the part that holds its first occurrence")
-            return shared[n]
-        if t == "int":
-            return int(node["v"])
-        if t == "float":
-            return float(node["v"])
-        if t == "complex":
-            return complex(float(dec(node["re"])), float(dec(node["im"])))
-        if t == "tuple":
-            return tuple(dec(v) for v in node["v"])
-        if t == "set":
-            return {_hashable(dec(v)) for v in node["v"]}
-        if t == "dict":
-            return dict(items(node))
-        if t in ("odict", "counter"):
-            cls = collections.OrderedDict if t == "odict" else collections.Counter
-            obj = cls()
-            for k, v in items(node):
-                obj[k] = v
-            for name, val in (node.get("attrs") or {}).items():
-                setattr(obj, name, dec(val))
-            return obj
+        handler = containers.get(t) if isinstance(t, str) else None
+        if handler is not None:
+            return handler(node)
         return _leaf_node(node, t, dec, tensor, build)
 
     try:
@@ -918,3 +920,7 @@ def torch_dtype(name: str):
     if not isinstance(dt, torch.dtype):
         raise FormatError(f"unknown torch dtype {name!r}")
     return dt
+
+
+__all__ = ["MAX_SAFE_INT", "TORCH_TO_ST", "NUMPY_TO_ST", "FLOAT_ST", "Entry", "TensorTable", "VIEW_BITS", "view_bits",
+           "empty_tensor", "physical", "apply_view_bits", "encode", "encode_value", "decode", "torch_dtype"]

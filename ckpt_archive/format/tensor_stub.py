@@ -113,3 +113,6 @@ class SmallTensor(TensorStub):
 
     def __repr__(self) -> str:
         return f"SmallTensor(shape={list(self.shape)}, dtype={self.dtype}, values={self.values})"
+
+
+__all__ = ["TensorStub", "SmallTensor"]

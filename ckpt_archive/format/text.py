@@ -70,3 +70,6 @@ def str_from_node(node: dict) -> str:
         return base64.b64decode(node.get("b64") or "", validate=True).decode("utf-8", "surrogatepass")
     except (ValueError, TypeError) as exc:  # binascii.Error and UnicodeDecodeError are ValueErrors
         raise FormatError(f"malformed str node: {exc}") from None
+
+
+__all__ = ["utf8_ok", "shown", "first_not_utf8", "str_node", "str_from_node"]

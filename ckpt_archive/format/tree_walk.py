@@ -85,3 +85,6 @@ def folder_file_node(tree: Any, relpath: str) -> Any:
             if k == relpath:
                 return v
     raise IntegrityError(f"state tree has no entry for source file {relpath!r}", where="tree.json")
+
+
+__all__ = ["iter_nodes", "walk_refs", "shared_nodes", "inline_refs", "folder_file_node"]

@@ -35,3 +35,6 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(list(globals()) + list(_API))
+
+
+__all__ = []

@@ -60,8 +60,8 @@ class ArchiveCallback(TrainerCallback):
         export_generations: which usable generations to export (``"all"``, ``"latest"``, ``"latest:N"``, ...;
             :func:`ckpt_archive.ops.export.select_generations`). Default ``"all"``.
         report: where the recovery proof goes (Markdown); default ``<output_dir>/recovery-proof-<UTC time>.md``.
-        export_options: keyword arguments for :func:`ckpt_archive.export` (``endpoint_url``,
-            ``storage_options``, ``lock_wait``).
+        export_options: keyword arguments for :func:`ckpt_archive.export` (``dest_store_options``,
+            ``wait``).
         config: the experiment's parameters to record (dict or path); default the ``TrainingArguments`` as
             ``TrainingArguments.to_json_string`` writes them (tokens masked by transformers).
         data_ids: data identity (list/dict or path), stored with every generation.
@@ -202,7 +202,7 @@ def restore_checkpoint(repo: Any, output_dir: str | os.PathLike, generation: str
     from ckpt_archive.errors import ReadOnlyRepository
     from ckpt_archive.ops.backup import stat_snapshot
     from ckpt_archive.ops.common import open_repo, pick
-    from ckpt_archive.ops.restore import restore
+    from ckpt_archive.ops.restore import RestoreOptions, restore
     from ckpt_archive.store import fs
 
     r = open_repo(repo)
@@ -232,7 +232,8 @@ def restore_checkpoint(repo: Any, output_dir: str | os.PathLike, generation: str
             if _restored_before(d, record, out, identity):
                 return out  # another process of this run (or an earlier call) restored exactly this; untouched since
             d.unlink(record, missing_ok=True)  # the folder is about to change: an old record must not vouch for it
-            restore(r, gen.number, out, force=force)  # the generation picked, even if a newer one is published since
+            # the generation picked, even if a newer one is published since
+            restore(r, gen.number, out, RestoreOptions(force=force))
             d.write_atomic(record, json.dumps(dict(identity, files=stat_snapshot(out))).encode())
         finally:
             lock.release()

@@ -93,12 +93,9 @@ def _decode_small(reader: Any, tree: Any, keys: list[str], recs: dict) -> dict:
     Raises:
         IntegrityError: a chunk, entry or leaf fails its check (nothing is returned then).
     """
-    from ckpt_archive.errors import IntegrityError
-    from ckpt_archive.format import fingerprint
     from ckpt_archive.format.tensor_stub import SmallTensor
-    from ckpt_archive.repo.trial_reload import check_leaf_bytes, check_tree_kinds
-
     from ckpt_archive.format.tree_walk import iter_nodes, walk_refs
+    from ckpt_archive.repo.trial_reload import check_tree_kinds
 
     check_tree_kinds(tree, recs)
     # the parts of a sparse/quantized tensor or of a storage value: rebuilt for real, as before (torch's
@@ -113,19 +110,41 @@ def _decode_small(reader: Any, tree: Any, keys: list[str], recs: dict) -> dict:
     for k in fast:
         by_member.setdefault(recs[k]["member"], {}).setdefault(recs[k]["entry"], []).append(k)
     for member, entries in by_member.items():
-        rec = reader.by_path.get(member)
-        if rec is None or rec.get("role") != "tensors":
-            raise IntegrityError(f"tensor {entries[next(iter(entries))][0]!r} names member {member!r}, which is not a "
-                                 f"tensors member of this generation", where="manifest.json")
-        got: dict[str, bytearray] = {key: bytearray() for key in entries}  # plain small leaves: small entries
-        for key, _, _, piece in reader.iter_entry_pieces(rec, wanted=set(entries)):
-            got[key] += piece
-        for key, buf in got.items():  # the member's raw check (every entry's fingerprint) has passed
-            erec = rec["entries"].get(key)
-            if erec is None:
-                raise IntegrityError(f"tensor {entries[key][0]!r} names entry {key!r}, which its member does not hold",
-                                     where=member)
-            for leaf in entries[key]:
-                check_leaf_bytes(buf, erec, recs[leaf], leaf, fingerprint.raw_fp(erec))  # a plain leaf: its entry
-                out[leaf] = SmallTensor.from_bytes(recs[leaf], buf)
+        out.update(_small_of_member(reader, member, entries, recs))
     return out
+
+
+def _small_of_member(reader: Any, member: str, entries: dict[str, list[str]], recs: dict) -> dict:
+    """The plain small leaves of one tensors member (``entries``: ``{entry key: [leaves]}``) as
+    :class:`~ckpt_archive.format.tensor_stub.SmallTensor`, each entry's bytes read once (the member's raw
+    check passed: every entry's fingerprint) and every leaf checked against its entry.
+
+    Raises:
+        IntegrityError: the member is not a tensors member of the generation, it lacks an entry, or a leaf
+            fails its check.
+    """
+    from ckpt_archive.errors import IntegrityError
+    from ckpt_archive.format import fingerprint
+    from ckpt_archive.format.tensor_stub import SmallTensor
+    from ckpt_archive.repo.trial_reload import check_leaf_bytes
+
+    rec = reader.by_path.get(member)
+    if rec is None or rec.get("role") != "tensors":
+        raise IntegrityError(f"tensor {entries[next(iter(entries))][0]!r} names member {member!r}, which is not a "
+                             f"tensors member of this generation", where="manifest.json")
+    got: dict[str, bytearray] = {key: bytearray() for key in entries}  # plain small leaves: small entries
+    for key, _, _, piece in reader.iter_entry_pieces(rec, wanted=set(entries)):
+        got[key] += piece
+    out = {}
+    for key, buf in got.items():  # the member's raw check (every entry's fingerprint) has passed
+        erec = rec["entries"].get(key)
+        if erec is None:
+            raise IntegrityError(f"tensor {entries[key][0]!r} names entry {key!r}, which its member does not hold",
+                                 where=member)
+        for leaf in entries[key]:
+            check_leaf_bytes(buf, erec, recs[leaf], leaf, fingerprint.raw_fp(erec))  # a plain leaf: its entry
+            out[leaf] = SmallTensor.from_bytes(recs[leaf], buf)
+    return out
+
+
+__all__ = ["SMALL_TENSOR_ELEMENTS", "AUDIT_DECODE_BUDGET", "state_for_audit"]

@@ -94,15 +94,24 @@ def checkpoint_candidates(source: str | os.PathLike, steps: dict | None = None) 
         return [src]
     if not src.is_dir():
         raise SourceError("not a regular file or folder", where=str(src))
-    numbered = []
-    for p in src.iterdir():
-        m = _CKPT_DIR.match(p.name)
-        if m and p.is_dir():
-            numbered.append((int(m.group(1)), p))
+    numbered = [(int(m.group(1)), p) for p in src.iterdir() for m in [_CKPT_DIR.match(p.name)] if m and p.is_dir()]
     if numbered:
         return [p for _, p in sorted(numbered, reverse=True)]
     if _looks_like_checkpoint_folder(src):
         return [src]
+    by_mtime = _checkpoint_files(src)
+    if len(by_mtime) == 1:
+        return by_mtime
+    return _by_step(by_mtime, steps if steps is not None else {})
+
+
+def _checkpoint_files(src: Path) -> list[Path]:
+    """The ``*.pt``/``*.pth``/``*.ckpt`` files at the top of ``src`` or in its ``checkpoints/``, newest mtime
+    first (temporary names left out).
+
+    Raises:
+        SourceError: there is none.
+    """
     files = []
     for folder in (src, src / "checkpoints"):
         if folder.is_dir():
@@ -113,11 +122,13 @@ def checkpoint_candidates(source: str | os.PathLike, steps: dict | None = None) 
     if not files:
         raise SourceError("no checkpoint found: looked for checkpoint-N/ folders and *.pt, *.pth, *.ckpt files "
                           "(top level and checkpoints/)", where=str(src))
-    by_mtime = [p for _, _, p in sorted(files, reverse=True)]
-    if len(by_mtime) == 1:
-        return by_mtime
-    # [issue 26] by step, not mtime: a stray older-step file written later must not become @latest
-    step_of = file_steps(by_mtime, steps if steps is not None else {})
+    return [p for _, _, p in sorted(files, reverse=True)]
+
+
+def _by_step(by_mtime: list[Path], steps: dict) -> list[Path]:
+    """[issue 26] Checkpoint files by the step each holds, not by mtime (a stray older-step file written later
+    must not become @latest): see :func:`checkpoint_candidates`. ``steps``: the cache of :func:`file_steps`."""
+    step_of = file_steps(by_mtime, steps)
     known = [p for p in by_mtime if step_of[p] is not None]
     if not known:
         return by_mtime
@@ -260,36 +271,46 @@ def completeness_problem(checkpoint: Path) -> str | None:
         return "folder holds no files yet"
     rels = {rel for rel, _ in files}
     for rel, p in files:
-        name = p.name
-        where = rel or p.name
-        if _TEMP_NAME.search(name):
-            return f"{where}: temporary file name: a write is in progress"
-        size = p.stat().st_size
-        if size == 0:
-            return f"{where}: empty file: still being written?"
-        with open(p, "rb") as fh:
-            head = fh.read(4)
-        if head[:4] == b"PK\x03\x04":
-            problem = _zip_problem(p)
-            if problem:
-                return f"{where}: {problem}"
-        elif name.endswith(".safetensors"):
-            problem = file_problem(p)
-            if problem:
-                return f"{where}: {problem}"
-        elif name.endswith(".json") and size <= (16 << 20):
-            try:
-                data = jsonio.loads(p.read_bytes(), where=where, allow_nonfinite=True)
-            except ValueError:
-                return f"{where}: JSON does not parse: still being written?"
-            if name.endswith(".index.json") and isinstance(data, dict) and isinstance(data.get("weight_map"), dict):
-                base = Path(rel).parent
-                for shard in sorted(set(map(str, data["weight_map"].values()))):
-                    shard_rel = (base / shard).as_posix() if str(base) != "." else shard
-                    if shard_rel not in rels:
-                        return f"{where}: names shard {shard} which is not there yet"
+        problem = _one_file_problem(rel, p, rels)
+        if problem:
+            return f"{rel or p.name}: {problem}"
     if any(rel.endswith(".distcp") for rel in rels) and not any(rel.endswith(".metadata") for rel in rels):
         return "DCP folder without its .metadata (written last): still being written?"
+    return None
+
+
+def _one_file_problem(rel: str, p: Path, rels: set[str]) -> str | None:
+    """Why one file of a checkpoint is not complete yet (:func:`completeness_problem`), or None. ``rel``: its
+    path in the checkpoint ("" for a file checkpoint); ``rels``: every file's."""
+    name = p.name
+    if _TEMP_NAME.search(name):
+        return "temporary file name: a write is in progress"
+    size = p.stat().st_size
+    if size == 0:
+        return "empty file: still being written?"
+    with open(p, "rb") as fh:
+        head = fh.read(4)
+    if head[:4] == b"PK\x03\x04":
+        return _zip_problem(p)
+    if name.endswith(".safetensors"):
+        return file_problem(p)
+    if name.endswith(".json") and size <= (16 << 20):
+        try:
+            data = jsonio.loads(p.read_bytes(), where=rel or name, allow_nonfinite=True)
+        except ValueError:
+            return "JSON does not parse: still being written?"
+        if name.endswith(".index.json") and isinstance(data, dict) and isinstance(data.get("weight_map"), dict):
+            return _missing_shard(rel, data["weight_map"], rels)
+    return None
+
+
+def _missing_shard(rel: str, weight_map: dict, rels: set[str]) -> str | None:
+    """The first shard an ``*.index.json`` at ``rel`` names that is not among ``rels`` (not written yet)."""
+    base = Path(rel).parent
+    for shard in sorted(set(map(str, weight_map.values()))):
+        shard_rel = (base / shard).as_posix() if str(base) != "." else shard
+        if shard_rel not in rels:
+            return f"names shard {shard} which is not there yet"
     return None
 
 
@@ -573,35 +594,61 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         UsageError: a malformed retention policy, a negative ``settle`` or a non-positive ``stale_after``.
         CheckFailed: the new generation failed verification or trial reload (nothing published).
     """
-    from ckpt_archive.ops import pack as pack_op
-    from ckpt_archive.ops.pack import Annotations, PackOptions
-    from ckpt_archive.repo.publish import Withdrawn
-    from ckpt_archive.repo.repository import Repository
-    from ckpt_archive.ops.prune import apply_after_pack
-    from ckpt_archive.retention.policy import RetentionPolicy
-
     from ckpt_archive.format.durations import check_seconds
+    from ckpt_archive.retention.policy import RetentionPolicy
 
     settle = check_seconds(settle, "--settle")
     if stale_after is None:
         stale_after = default_stale_after(settle)
     stale_after = check_seconds(stale_after, "--stale-after", allow_zero=False)
     policy = None if retention is None else RetentionPolicy.from_dict(retention)
-    src = Path(source).absolute()
-    key = str(src)
-    if not src.exists():  # before the repository is created for nothing
-        raise NotFound("no such file or folder", where=key)
-    rep = Repository.open(repo, create=True)
-    state = read_state(rep.store)
-    entry = state["sources"].get(key) or {}
-    steps = dict(entry["steps"]) if isinstance(entry.get("steps"), dict) else {}
-    candidates = [c.absolute() for c in checkpoint_candidates(src, steps)]
-    steps = {k: v for k, v in steps.items() if Path(k) in candidates}  # the files still there
-    before = rep.usable()[-1] if rep.usable() else None  # the newest usable generation before this run
+    run = _BackupRun(Path(source).absolute(), repo, wait)
+    done = run.pick(settle=settle, stale_after=stale_after, sleep=sleep, on_bytes=on_bytes)
+    if done is None:
+        done = run.unchanged()
+    if done is None:
+        done = run.pack(policy, tags=tags, allow=allow, now=now)
+    return done
 
-    def reference_for(i: int) -> Path | None:
+
+class _BackupRun:
+    """One :func:`backup` run, in its steps: open the repository and list the candidates (constructor), pick
+    the checkpoint to back up (:meth:`pick`), stop when a usable generation holds it (:meth:`unchanged`), else
+    pack it, withdrawn if the source moved meanwhile, and apply retention (:meth:`pack`).
+
+    Raises:
+        NotFound: SOURCE missing (before the repository is created for nothing).
+    """
+
+    def __init__(self, src: Path, repo: str, wait: float):
+        from ckpt_archive.repo.repository import Repository
+
+        self.key, self.wait = str(src), wait
+        if not src.exists():  # before the repository is created for nothing
+            raise NotFound("no such file or folder", where=self.key)
+        self.rep = Repository.open(repo, create=True)
+        self.state = read_state(self.rep.store)
+        self.entry = self.state["sources"].get(self.key) or {}
+        steps = dict(self.entry["steps"]) if isinstance(self.entry.get("steps"), dict) else {}
+        self.candidates = [c.absolute() for c in checkpoint_candidates(src, steps)]
+        self.steps = {k: v for k, v in steps.items() if Path(k) in self.candidates}  # the files still there
+        self.before = self.newest_usable()  # the newest usable generation before this run
+        self.skipped: list[dict] = []
+        self.warnings: list[str] = []
+        self.busy: _Examined | None = None
+        self.busy_at: Path | None = None
+        self.seen: _Examined | None = None
+        self.checkpoint: Path | None = None
+        self.read_bytes = 0
+
+    def newest_usable(self):
+        gens = self.rep.usable()
+        return gens[-1] if gens else None
+
+    def reference_for(self, i: int) -> Path | None:
         """The newest older sibling of a ``checkpoint-N/`` candidate whose files are whole (what a complete
         checkpoint of this run holds), or None."""
+        candidates = self.candidates
         if not candidates[i].is_dir() or not _CKPT_DIR.match(candidates[i].name):
             return None
         for older in candidates[i + 1:]:
@@ -612,74 +659,88 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
                 continue
         return None
 
-    skipped: list[dict] = []
-    warnings: list[str] = []
-    busy: _Examined | None = None
-    busy_at: Path | None = None
-    read_before = 0
-    for i, checkpoint in enumerate(candidates):
-        seen = _examine(checkpoint, entry, settle=settle, stale_after=stale_after, sleep=sleep, on_bytes=on_bytes,
-                        reference=reference_for(i))
-        if seen.kind == "broken":
-            skipped.append({"checkpoint": str(checkpoint), "reason": seen.reason, "unchanged_s": seen.unchanged_s})
-            warnings.append(f"skipped {checkpoint}: {seen.reason}")
-            continue
-        if seen.kind == "busy":
-            if busy is None:  # the newest being written: exit 75 whatever else happens; look for an older one
-                busy, busy_at = seen, checkpoint
-            read_before += seen.read_bytes
-            continue
-        break
-    else:
-        if busy is not None:
-            return BackupResult("busy", key, str(busy_at), None, busy.reason, read_bytes=read_before,
-                                warnings=warnings, skipped=skipped)
-        names = "; ".join(f"{x['checkpoint']}: {x['reason']}" for x in skipped)
-        raise SourceError(f"no complete checkpoint to back up: {names}", where=key,
+    def result(self, action: str, checkpoint: Any, generation: int | None, reason: str, *, newer_busy: bool = True,
+               **extra) -> BackupResult:
+        """The run's :class:`BackupResult`, with its warnings, skipped checkpoints and (``newer_busy``) the newer
+        checkpoint being written."""
+        busy = {} if self.busy is None or not newer_busy else {
+            "busy": {"checkpoint": str(self.busy_at), "reason": self.busy.reason}}
+        return BackupResult(action, self.key, str(checkpoint), generation, reason, read_bytes=self.read_bytes,
+                            warnings=self.warnings, skipped=self.skipped, **busy, **extra)
+
+    def pick(self, *, settle: float, stale_after: float, sleep, on_bytes) -> BackupResult | None:
+        """Examine the candidates newest first (:func:`_examine`) and keep the first complete one; a broken one
+        is skipped with a warning, the newest busy one remembered (exit 75 whatever else happens). Returns the
+        ``busy`` result when there is nothing to back up now.
+
+        Raises:
+            SourceError: every checkpoint is broken.
+        """
+        for i, checkpoint in enumerate(self.candidates):
+            seen = _examine(checkpoint, self.entry, settle=settle, stale_after=stale_after, sleep=sleep,
+                            on_bytes=on_bytes, reference=self.reference_for(i))
+            if seen.kind == "ready":
+                self.seen, self.checkpoint = seen, checkpoint
+                self.read_bytes += seen.read_bytes
+                return self._prefer_newest_complete()
+            if seen.kind == "broken":
+                self.skipped.append({"checkpoint": str(checkpoint), "reason": seen.reason,
+                                     "unchanged_s": seen.unchanged_s})
+                self.warnings.append(f"skipped {checkpoint}: {seen.reason}")
+                continue
+            if self.busy is None:  # the newest being written: exit 75 whatever else happens; look for an older one
+                self.busy, self.busy_at = seen, checkpoint
+            self.read_bytes += seen.read_bytes
+        if self.busy is not None:
+            return self.result("busy", self.busy_at, None, self.busy.reason, newer_busy=False)
+        names = "; ".join(f"{x['checkpoint']}: {x['reason']}" for x in self.skipped)
+        raise SourceError(f"no complete checkpoint to back up: {names}", where=self.key,
                           hint="remove or repair the broken checkpoint(s); exit 75 is only for one still being written")
-    snap, hashes, recorded, read_bytes = seen.snap, seen.hashes, seen.recorded, seen.read_bytes + read_before
 
-    def newest_usable():
-        gens = rep.usable()
-        return gens[-1] if gens else None
+    def _prefer_newest_complete(self) -> BackupResult | None:
+        """With a newer checkpoint being written (exit 75: the next tick takes it), the newest complete one is
+        backed up unless a usable generation already holds it: never nothing while a newer one is half written
+        (a trainer that dies now would leave no backup of it), never an incomplete one."""
+        if self.busy is not None:
+            hashes = self.seen.hashes
+            done = next((g for g in reversed(self.rep.usable()) if manifest_source_hashes(g.manifest) == hashes),
+                        None)
+            if done is not None:
+                return self.result("busy", self.busy_at, None, self.busy.reason, newer_busy=False)
+            self.warnings.append(f"{self.busy_at} is still being written ({self.busy.reason}); backing up the "
+                                 f"newest complete checkpoint instead: {self.checkpoint} (exit 75: retry for the "
+                                 f"newer one)")
+        elif self.skipped:
+            self.warnings.append(f"backing up the newest complete checkpoint instead: {self.checkpoint}")
+        return None
 
-    if busy is not None:
-        # The newest checkpoint is being written (exit 75: the next tick takes it). Meanwhile the newest complete
-        # one is backed up unless a usable generation already holds it: never nothing while a newer one is
-        # half written (a trainer that dies now would leave no backup of it), never an incomplete one.
-        done = next((g for g in reversed(rep.usable()) if manifest_source_hashes(g.manifest) == hashes), None)
-        if done is not None:
-            return BackupResult("busy", key, str(busy_at), None, busy.reason, read_bytes=read_bytes,
-                                warnings=warnings, skipped=skipped)
-        warnings.append(f"{busy_at} is still being written ({busy.reason}); backing up the newest complete "
-                        f"checkpoint instead: {checkpoint} (exit 75: retry for the newer one)")
-    elif skipped:
-        warnings.append(f"backing up the newest complete checkpoint instead: {checkpoint}")
-    busy_fields = {} if busy is None else {"busy": {"checkpoint": str(busy_at), "reason": busy.reason}}
+    def remember(self, generation: int | None) -> None:
+        """Record the checkpoint backed up, its stat and hashes (the next run decides from stat alone)."""
+        self.state["sources"][self.key] = {"checkpoint": str(self.checkpoint), "stat": self.seen.snap,
+                                           "files": self.seen.hashes, "generation": generation,
+                                           "at": datetime.now(timezone.utc).isoformat(), "steps": self.steps}
+        write_state(self.rep.store, self.state)
 
-    def remember(generation: int | None) -> None:
-        state["sources"][key] = {"checkpoint": str(checkpoint), "stat": snap, "files": hashes,
-                                 "generation": generation, "at": datetime.now(timezone.utc).isoformat(),
-                                 "steps": steps}
-        write_state(rep.store, state)
+    def unchanged(self) -> BackupResult | None:
+        """The ``unchanged`` result when the newest usable generation holds exactly the checkpoint picked."""
+        newest = self.newest_usable()
+        if newest is None or manifest_source_hashes(newest.manifest) != self.seen.hashes:
+            return None
+        recorded = self.seen.recorded
+        if recorded is None or recorded.get("generation") != newest.number or self.entry.get("steps", {}) != self.steps:
+            with self.rep.lock(wait=self.wait):
+                self.remember(newest.number)
+        self.warnings += _lower_step_note(self.candidates, self.steps, self.before, self.checkpoint, newest)
+        return self.result("unchanged", self.checkpoint, newest.number,
+                           f"source equals generation {newest.number}; nothing to do")
 
-    newest = newest_usable()
-    if newest is not None and manifest_source_hashes(newest.manifest) == hashes:
-        if recorded is None or recorded.get("generation") != newest.number or entry.get("steps", {}) != steps:
-            with rep.lock(wait=wait):
-                remember(newest.number)
-        warnings += _lower_step_note(candidates, steps, before, checkpoint, newest)
-        return BackupResult("unchanged", key, str(checkpoint), newest.number,
-                            f"source equals generation {newest.number}; nothing to do", read_bytes=read_bytes,
-                            warnings=warnings, skipped=skipped, **busy_fields)
-
-    # The source must not have moved while it was packed: decided through pack's before-publish hook,
-    # under the lock, so a generation of a moving source is withdrawn before it is ever usable.
-    withdrawn_as: dict[str, int] = {}
-
-    def before_publish(candidate) -> str | None:
+    def before_publish(self, candidate, withdrawn_as: dict[str, int]) -> str | None:
+        """Pack's before-publish hook, under the lock: the source must not have moved while it was packed, so
+        a generation of a moving source is withdrawn before it is ever usable; nor may a concurrent backup have
+        published the same content just before."""
+        hashes = self.seen.hashes
         packed = manifest_source_hashes(candidate.manifest)
-        if _snapshot_or_none(checkpoint) != snap or (packed is not None and packed != hashes):
+        if _snapshot_or_none(self.checkpoint) != self.seen.snap or (packed is not None and packed != hashes):
             return "changed while being packed"
         earlier = [g for g in candidate.repo.usable() if g.number < candidate.number]
         if earlier and manifest_source_hashes(earlier[-1].manifest) == hashes:
@@ -688,35 +749,53 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
             return f"a concurrent backup packed the same content as generation {earlier[-1].number}"
         return None
 
-    # an empty policy: no retention inside pack; it runs below, after the backup state is remembered
-    try:
-        result = pack_op.pack(str(checkpoint), rep, PackOptions(wait=wait, allow=tuple(allow)),
-                              Annotations(tags=tuple(tags)),
-                              retention=RetentionPolicy(), before_publish=before_publish)
-    except SourceChanged as exc:  # pack's own check of the file it read (withdrawn, nothing kept)
-        return BackupResult("busy", key, str(checkpoint), None, f"changed while being packed: {exc.message}",
-                            read_bytes=read_bytes, warnings=warnings, skipped=skipped, **busy_fields)
-    except Withdrawn as exc:
+    def pack(self, policy: Any, *, tags, allow, now: datetime | None) -> BackupResult:
+        """Pack the checkpoint picked (an empty retention policy inside pack), remember it, then apply
+        ``policy`` (the repository's default when None)."""
+        from ckpt_archive.ops import pack as pack_op
+        from ckpt_archive.ops.pack import Annotations, PackOptions
+        from ckpt_archive.ops.prune import apply_after_pack
+        from ckpt_archive.repo.publish import Withdrawn
+        from ckpt_archive.retention.policy import RetentionPolicy
+
+        withdrawn_as: dict[str, int] = {}
+        try:
+            result = pack_op.pack(str(self.checkpoint), self.rep, PackOptions(wait=self.wait, allow=tuple(allow)),
+                                  Annotations(tags=tuple(tags)), retention=RetentionPolicy(),
+                                  before_publish=lambda candidate: self.before_publish(candidate, withdrawn_as))
+        except SourceChanged as exc:  # pack's own check of the file it read (withdrawn, nothing kept)
+            return self.result("busy", self.checkpoint, None, f"changed while being packed: {exc.message}")
+        except Withdrawn as exc:
+            return self._withdrawn(exc, withdrawn_as)
+        gen = result.generation
+        self.warnings += list(result.warnings) + [leftover_note(x) for x in result.leftovers]
+        with self.rep.lock(wait=max(self.wait, 60.0)):
+            self.remember(gen)
+            # pack verified and trial-reloaded `gen` moments ago: it counts as the kept verified copy unread
+            ret = apply_after_pack(self.rep, policy.to_dict() if policy is not None else None, now=now,
+                                   verified=(gen,))
+        self.warnings += ret.get("warnings", [])
+        self.warnings += _lower_step_note(self.candidates, self.steps, self.before, self.checkpoint,
+                                          self.rep.generation(gen), packed=True)
+        return self.result("packed", self.checkpoint, gen, f"packed as generation {gen}", retention=ret)
+
+    def _withdrawn(self, exc: Any, withdrawn_as: dict[str, int]) -> BackupResult:
+        """The generation was withdrawn before publishing: the source moved (``busy``), or a concurrent backup
+        published the same content first (``unchanged``, theirs remembered)."""
         gen = exc.number
-        warnings += list(exc.warnings) + [leftover_note(x) for x in exc.leftovers]
+        self.warnings += list(exc.warnings) + [leftover_note(x) for x in exc.leftovers]
         if "duplicate_of" not in withdrawn_as:
-            return BackupResult("busy", key, str(checkpoint), None,
-                                f"changed while being packed: generation {gen} forgotten again",
-                                read_bytes=read_bytes, warnings=warnings, skipped=skipped, **busy_fields)
+            return self.result("busy", self.checkpoint, None,
+                               f"changed while being packed: generation {gen} forgotten again")
         theirs = withdrawn_as["duplicate_of"]
-        with rep.lock(wait=max(wait, 60.0)):
-            remember(theirs)
-        return BackupResult("unchanged", key, str(checkpoint), theirs,
-                            f"a concurrent backup packed the same content as generation {theirs}; "
-                            f"duplicate generation {gen} removed", read_bytes=read_bytes, warnings=warnings,
-                            skipped=skipped, **busy_fields)
-    gen = result.generation
-    warnings += list(result.warnings) + [leftover_note(x) for x in result.leftovers]
-    with rep.lock(wait=max(wait, 60.0)):
-        remember(gen)
-        # pack verified and trial-reloaded `gen` moments ago: it counts as the kept verified copy unread
-        ret = apply_after_pack(rep, policy.to_dict() if policy is not None else None, now=now, verified=(gen,))
-    warnings += ret.get("warnings", [])
-    warnings += _lower_step_note(candidates, steps, before, checkpoint, rep.generation(gen), packed=True)
-    return BackupResult("packed", key, str(checkpoint), gen, f"packed as generation {gen}", read_bytes=read_bytes,
-                        retention=ret, warnings=warnings, skipped=skipped, **busy_fields)
+        with self.rep.lock(wait=max(self.wait, 60.0)):
+            self.remember(theirs)
+        return self.result("unchanged", self.checkpoint, theirs,
+                           f"a concurrent backup packed the same content as generation {theirs}; "
+                           f"duplicate generation {gen} removed")
+
+
+__all__ = ["STALE_AFTER_MIN", "STALE_AFTER_SETTLES", "STATE_KEY", "STATE_VERSION", "checkpoint_candidates",
+           "file_steps", "find_checkpoint", "stat_snapshot", "completeness_problem", "resume_part_files",
+           "sibling_problem", "hash_files", "manifest_source_hashes", "read_state", "write_state", "BackupResult",
+           "default_stale_after", "unchanged_for", "backup"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Union
+from typing import Any, Mapping, Union
 
 from ckpt_archive.errors import CheckFailed, IntegrityError, NotUsable, NoUsableGeneration, UsageError
 from ckpt_archive.repo.repository import Generation, Repository
@@ -17,20 +17,37 @@ from ckpt_archive.repo.repository import Generation, Repository
 RepoLike = Union[str, os.PathLike, Repository]
 
 
-def open_repo(repo: RepoLike, *, create: bool = False, **store_options) -> Repository:
+#: The keys a ``store_options`` mapping may hold (:class:`~ckpt_archive.store.fsspec_store.FsspecStore`).
+STORE_OPTION_KEYS = ("endpoint_url", "storage_options")
+
+
+def open_repo(repo: RepoLike, store_options: Mapping[str, Any] | None = None, *, create: bool = False) -> Repository:
     """The open repository for a path, URL or Repository (returned as is).
 
     Args:
         repo: a path, URL or open Repository.
+        store_options: for URL stores, one mapping with the keys of :data:`STORE_OPTION_KEYS`
+            (``{"endpoint_url": "http://minio:9000", "storage_options": {...fsspec options}}``); the same
+            ``store_options=`` every public operation takes.
         create: create ``repository.json`` when absent.
-        **store_options: for URL stores (``endpoint_url=``, ``storage_options=``).
 
     Raises:
+        TypeError: ``store_options`` holds a key that is not a store option (a misspelt one would otherwise
+            be dropped, and the store reached without it).
+        UsageError: ``store_options`` given with an open Repository (its store is open already).
         NotFound: not a repository (and ``create`` is false). StoreError: the store refused access.
     """
+    options = dict(store_options or {})
+    unknown = sorted(set(options) - set(STORE_OPTION_KEYS))
+    if unknown:
+        raise TypeError(f"unknown store option(s) {', '.join(map(repr, unknown))}; store_options takes "
+                        f"{' and '.join(STORE_OPTION_KEYS)}")
     if isinstance(repo, Repository):
+        if options:
+            raise UsageError("store_options apply to a repository path or URL; this Repository is open already "
+                             "(pass them to Repository.open instead)")
         return repo
-    return Repository.open(repo, create=create, **store_options)
+    return Repository.open(repo, create=create, **options)
 
 
 def pick(r: Repository, generation: str | int, fallback: bool = False) -> Generation:
@@ -265,8 +282,8 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-__all__ = ["RepoLike", "open_repo", "pick", "check_present", "copied_note", "refuse_unusable", "human_seconds",
-           "is_damage", "fails_generation", "note_damage", "vouch"]
+__all__ = ["RepoLike", "STORE_OPTION_KEYS", "open_repo", "pick", "check_present", "copied_note", "refuse_unusable",
+           "human_seconds", "is_damage", "fails_generation", "note_damage", "vouch"]
 
 
 def leftover_note(line: str) -> str:

@@ -32,7 +32,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ckpt_archive.errors import (CheckFailed, CkptArchiveError, ImplausibleSize, IntegrityError, NoUsableGeneration, NotFound,
                                  NotUsable, OutputExists, UsageError)
@@ -241,11 +241,11 @@ def _check_destination(src, dest) -> None:
         raise UsageError(f"the destination must lie outside the source repository ({root})", where=text)
 
 
-def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = None,
-           storage_options: dict | None = None, report: str | os.PathLike | None = None,
+def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | None = None,
            report_format: str = "markdown", on_bytes: Callable[[int], None] | None = None,
            on_generation: Callable[[int, int, int], None] | None = None, command: str | None = None,
-           lock_wait: float = 0) -> ExportResult:
+           wait: float = 0, store_options: Mapping[str, Any] | None = None,
+           dest_store_options: Mapping[str, Any] | None = None) -> ExportResult:
     """Copy usable generations to ``dest``, verify the copy there, trial-reload it there, mark it usable.
 
     Args:
@@ -253,15 +253,17 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
         dest: the destination: a local path or an fsspec URL (``s3://bucket/prefix``). Its
             ``repository.json`` is created if absent.
         generations: which usable generations (see :func:`select_generations`); default the newest.
-        endpoint_url: S3-compatible endpoint for DEST (overrides ``AWS_ENDPOINT_URL``).
-        storage_options: extra fsspec options for DEST (e.g. ``{"s3_additional_kwargs":
-            {"ServerSideEncryption": "aws:kms"}}``).
         report: write the recovery proof to this file (Markdown, or JSON with ``report_format="json"``).
         on_bytes: progress callback, called with stored bytes copied to DEST, then re-read, then raw bytes
             decoded by the trial reload; one with ``phase(name, total)`` is told each phase.
         on_generation: called ``(generation, index, count)`` when a generation starts.
         command: the command line to record in the proof.
-        lock_wait: seconds to wait for DEST's writer lock.
+        wait: seconds to wait for DEST's writer lock (as ``wait=`` of every operation that writes).
+        store_options: for a URL source repository, as in every operation
+            (``{"endpoint_url": ..., "storage_options": {...}}``; :func:`~ckpt_archive.ops.common.open_repo`).
+        dest_store_options: the same mapping for DEST: ``endpoint_url`` (an S3-compatible endpoint, overrides
+            ``AWS_ENDPOINT_URL``; recorded in the proof) and ``storage_options`` (extra fsspec options, e.g.
+            ``{"s3_additional_kwargs": {"ServerSideEncryption": "aws:kms"}}``).
 
     Returns:
         :class:`ExportResult`, the recovery proof.
@@ -273,6 +275,8 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
             reload at DEST failed (names the member); DEST's marker is then not written.
         StoreError: DEST refused access (credentials, permissions, network).
         LockError: another writer holds DEST.
+        TypeError: an unknown keyword argument or store option (``lock_wait`` is ``wait``; ``endpoint_url`` and
+            ``storage_options`` go in ``dest_store_options``).
 
     Example:
         >>> import os, torch, ckpt_archive, tempfile
@@ -282,22 +286,18 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
         >>> proof.ok, [(g.generation, g.status) for g in proof.generations]
         (True, [(1, 'exported')])
     """
-    from ckpt_archive.repo.repository import Repository
-
     started = _now()
     if report is not None:  # before any copy, not after it: a FIFO or device there is not ours to replace
         from ckpt_archive.ops.common import refuse_special_output
 
         refuse_special_output(report, option="--report")
-    src = repo if isinstance(repo, Repository) else Repository.open(repo)
+    from ckpt_archive.ops.common import open_repo
+
+    src = open_repo(repo, store_options)
     picked = select_generations(src, generations)
     _check_destination(src, dest)
-    options: dict = {}
-    if endpoint_url:
-        options["endpoint_url"] = endpoint_url
-    if storage_options:
-        options["storage_options"] = storage_options
-    dst = Repository.open(dest, create=True, **options)
+    dst = open_repo(dest, dest_store_options, create=True)
+    endpoint_url = (dest_store_options or {}).get("endpoint_url")
     if dst.location == src.location:
         raise UsageError(f"source and destination are the same repository ({src.location})")
     done: list[ExportedGeneration] = []
@@ -305,7 +305,7 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
 
     again = f"run the same export again to resume (it cleans what it left), or `ckpt-archive gc {dst.location}`"
     shared = SharedCopies()
-    with dst.lock(wait=lock_wait):
+    with dst.lock(wait=wait):
         for i, g in enumerate(picked):
             if on_generation:
                 on_generation(g.number, i, len(picked))

@@ -200,6 +200,20 @@ def _cell(value) -> str:
 
 def render_markdown(r) -> str:
     """The recovery proof a person keeps, as Markdown (``r``: an :class:`~ckpt_archive.ops.export.ExportResult`)."""
+    lines = _md_head(r)
+    for g in r.generations:
+        lines += _md_generation(g)
+    lines += _md_resume_check(r)
+    lines += ["", "## Restore on a new machine", "", "```sh", *r.install_commands, r.verify_command,
+              r.restore_command, "```"]
+    if "://" in r.destination:
+        lines += ["", "Credentials come from the standard AWS environment (`AWS_ACCESS_KEY_ID`, "
+                      "`AWS_SECRET_ACCESS_KEY`, or `AWS_PROFILE`)."]
+    return "\n".join(lines) + "\n"
+
+
+def _md_head(r) -> list[str]:
+    """The proof's title, result, where from and to, when, bytes moved, and the table of generations."""
     lines = [f"# Recovery proof: {r.destination}", ""]
     lines.append(f"Result: **{'OK, recoverable from the destination' if r.ok else 'FAILED'}**")
     lines += ["", f"- command: `{r.command or 'ckpt_archive.export(...)'}`",
@@ -217,52 +231,65 @@ def render_markdown(r) -> str:
         lines.append(f"| {g.generation} | {_cell(g.step)} | {_cell(g.epoch)} | `{g.archive_id}` | "
                      f"`{(g.fingerprints or {}).get('manifest_sha256') or ''}` | {g.status} | {g.bytes_copied} | "
                      f"{getattr(g, 'bytes_skipped', 0)} |")
-    for g in r.generations:
-        files = (g.fingerprints or {}).get("source_files") or []
-        if files:
-            lines += ["", f"## Generation {g.generation}: source fingerprints "
-                          f"({(g.fingerprints or {}).get('source_format')})", "",
-                      "| source file | bytes | sha256 |", "| --- | --- | --- |"]
-            for f in files:
-                lines.append(f"| `{f['path'] or '(the file itself)'}` | {_cell(f['bytes'])} | `{f['sha256'] or ''}` |")
-        lines += ["", f"## Generation {g.generation}: destination listing", "",
-                  "| object | bytes | sha256 | action |", "| --- | --- | --- | --- |"]
-        for m in g.members:
-            lines.append(f"| `{m['key']}` | {m['bytes'] if m['bytes'] is not None else ''} | "
-                         f"`{m['sha256'] or ''}` | {m['action']} |")
-        cleaned = g.cleaned or {}
-        if cleaned.get("aborted_uploads") or cleaned.get("removed"):
-            lines += ["", f"Left at the destination by an interrupted run and cleaned now: "
-                          f"{len(cleaned.get('aborted_uploads') or [])} unfinished multipart upload(s) aborted "
-                          f"({', '.join('`' + k + '`' for k in cleaned.get('aborted_uploads') or []) or 'none'}), "
-                          f"{len(cleaned.get('removed') or [])} stray object(s) removed "
-                          f"({', '.join('`' + k + '`' for k in cleaned.get('removed') or []) or 'none'})."]
-        lines += ["", f"### Generation {g.generation}: checks", "", "| check | member | result | detail |",
-                  "| --- | --- | --- | --- |"]
-        for c in g.checks:
-            lines.append(f"| {c.name} | {('`' + c.member + '`') if c.member else ''} | "
-                         f"{'ok' if c.ok else '**FAILED**'} | {c.detail} |")
-        if g.marker:
-            tr = g.marker.get("trial_reload") or {}
-            lines += ["", f"Trial-reload record (marker `USABLE.json`): at `{tr.get('where')}` on {tr.get('when')} "
-                          f"(host {tr.get('host')}, ckpt-archive {tr.get('tool_version')}): {tr.get('result')}, "
-                          f"{_cell(tr.get('tensors'))} tensor(s), {_bytes(tr.get('bytes'))} decoded; manifest "
-                          f"sha256 `{g.marker.get('manifest_sha256')}`."]
+    return lines
+
+
+def _md_generation(g) -> list[str]:
+    """One exported generation: its source fingerprints, the destination listing, what was cleaned, every check,
+    and the trial-reload record of its marker."""
+    lines: list[str] = []
+    files = (g.fingerprints or {}).get("source_files") or []
+    if files:
+        lines += ["", f"## Generation {g.generation}: source fingerprints "
+                      f"({(g.fingerprints or {}).get('source_format')})", "",
+                  "| source file | bytes | sha256 |", "| --- | --- | --- |"]
+        for f in files:
+            lines.append(f"| `{f['path'] or '(the file itself)'}` | {_cell(f['bytes'])} | `{f['sha256'] or ''}` |")
+    lines += ["", f"## Generation {g.generation}: destination listing", "",
+              "| object | bytes | sha256 | action |", "| --- | --- | --- | --- |"]
+    for m in g.members:
+        lines.append(f"| `{m['key']}` | {m['bytes'] if m['bytes'] is not None else ''} | "
+                     f"`{m['sha256'] or ''}` | {m['action']} |")
+    lines += _md_cleaned(g.cleaned or {})
+    lines += ["", f"### Generation {g.generation}: checks", "", "| check | member | result | detail |",
+              "| --- | --- | --- | --- |"]
+    for c in g.checks:
+        lines.append(f"| {c.name} | {('`' + c.member + '`') if c.member else ''} | "
+                     f"{'ok' if c.ok else '**FAILED**'} | {c.detail} |")
+    if g.marker:
+        tr = g.marker.get("trial_reload") or {}
+        lines += ["", f"Trial-reload record (marker `USABLE.json`): at `{tr.get('where')}` on {tr.get('when')} "
+                      f"(host {tr.get('host')}, ckpt-archive {tr.get('tool_version')}): {tr.get('result')}, "
+                      f"{_cell(tr.get('tensors'))} tensor(s), {_bytes(tr.get('bytes'))} decoded; manifest "
+                      f"sha256 `{g.marker.get('manifest_sha256')}`."]
+    return lines
+
+
+def _md_cleaned(cleaned: dict) -> list[str]:
+    """What an interrupted run had left at the destination and this run cleaned (nothing when none)."""
+    aborted, removed = cleaned.get("aborted_uploads") or [], cleaned.get("removed") or []
+    if not (aborted or removed):
+        return []
+    return ["", f"Left at the destination by an interrupted run and cleaned now: "
+                f"{len(aborted)} unfinished multipart upload(s) aborted "
+                f"({', '.join('`' + k + '`' for k in aborted) or 'none'}), "
+                f"{len(removed)} stray object(s) removed "
+                f"({', '.join('`' + k + '`' for k in removed) or 'none'})."]
+
+
+def _md_resume_check(r) -> list[str]:
+    """The last resume check archived to the source repository, with its picture (nothing when none)."""
     check = getattr(r, "resume_check", None)
-    if check:
-        verdict = "PASSED" if check["passed"] else "FAILED"
-        lines += ["", "## Last resume check of the source repository", "",
-                  f"`ckpt-archive {check['kind']}` of {check['created']}: **{verdict}** (its interruption "
-                  f"checkpoint is generation {_cell(check['generation'])} of `{r.source}`); report "
-                  f"`{check['report']}`."]
-        if check.get("picture"):
-            lines += ["", f"![loss and LR per update of every run of that check]({check['picture']})"]
-    lines += ["", "## Restore on a new machine", "", "```sh", *r.install_commands, r.verify_command,
-              r.restore_command, "```"]
-    if "://" in r.destination:
-        lines += ["", "Credentials come from the standard AWS environment (`AWS_ACCESS_KEY_ID`, "
-                      "`AWS_SECRET_ACCESS_KEY`, or `AWS_PROFILE`)."]
-    return "\n".join(lines) + "\n"
+    if not check:
+        return []
+    verdict = "PASSED" if check["passed"] else "FAILED"
+    lines = ["", "## Last resume check of the source repository", "",
+             f"`ckpt-archive {check['kind']}` of {check['created']}: **{verdict}** (its interruption "
+             f"checkpoint is generation {_cell(check['generation'])} of `{r.source}`); report "
+             f"`{check['report']}`."]
+    if check.get("picture"):
+        lines += ["", f"![loss and LR per update of every run of that check]({check['picture']})"]
+    return lines
 
 
 def _bytes(n) -> str:
@@ -275,3 +302,8 @@ def _bytes(n) -> str:
             break
         value /= 1024
     return f"{n} B" if unit == "B" else f"{n} B ({value:.1f} {unit})"
+
+
+__all__ = ["endpoint_for", "region_for", "env_prefix", "restore_command", "verify_command", "install_commands",
+           "fingerprints", "LAST_CHECK_KEY", "LAST_CHECK_MAX_BYTES", "write_last_check", "read_last_check",
+           "write_report", "render_markdown"]

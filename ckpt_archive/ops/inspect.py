@@ -1,15 +1,18 @@
 """``inspect``: what a generation holds, from its manifest and marker (reads no member)."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, TypedDict
+import dataclasses
+from typing import Any, Mapping
 
 from ckpt_archive.ops.common import RepoLike, open_repo, pick
 
 
-class InspectInfo(TypedDict):
-    """What :func:`inspect` returns (a plain dict, so it serialises as is).
+@dataclasses.dataclass
+class InspectResult:
+    """What :func:`inspect` returns: a generation's manifest and marker, a summary read from them, its policy
+    audit, and whether the state it reports on could be read.
 
-    Keys:
+    Attributes:
         generation, status, reason: the generation and its status (``reason`` None when usable).
         location: the repository. manifest: the parsed manifest. marker: the parsed marker or None.
         opaque_members: relpaths of source files archived as opaque bytes (e.g. a pickle never loaded).
@@ -20,27 +23,39 @@ class InspectInfo(TypedDict):
         numpy: where the state holds NumPy values (:func:`numpy_summary`): what a reader of the restored file
             needs NumPy's allowlist for.
         policy: the LR audit and completeness lint of the generation
-            (:class:`~ckpt_archive.ops.policy_check.PolicyVerdict`, ``.to_json()`` for JSON), or None when not
-            asked for (``policy=False``).
-        ok, exit_code, problems: whether the state tree it reports on (for the policy audit) could be read
-            and matches the tensor index (:func:`state_problems`): ``exit_code`` 1 when something there is
-            damaged, 2 when it could not be read here, 0 otherwise; ``problems`` say what.
+            (:class:`~ckpt_archive.ops.policy_check.PolicyVerdict`), or None when not asked for (``policy=False``).
+        exit_code, problems: whether the state tree it reports on (for the policy audit) could be read and
+            matches the tensor index (:func:`state_problems`): ``exit_code`` 1 when something there is damaged,
+            2 when it could not be read here, 0 otherwise; ``problems``
+            (:class:`~ckpt_archive.repo.reader.Problem`) say what.
+        ok: ``exit_code == 0``.
     """
 
     generation: int
     status: str
-    reason: Optional[str]
+    reason: str | None
     location: str
     manifest: dict
-    marker: Optional[dict]
-    opaque_members: list
-    exact_bytes: Any
+    marker: dict | None
+    opaque_members: list[str]
+    exact_bytes: dict
     shared: dict
     numpy: dict
-    policy: Any
-    ok: bool
-    exit_code: int
-    problems: list
+    policy: Any = None
+    exit_code: int = 0
+    problems: list = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def to_json(self) -> dict:
+        """The result as plain JSON values (``ckpt-archive inspect --json`` prints it)."""
+        return {"ok": self.ok, "exit_code": self.exit_code, "generation": self.generation, "status": self.status,
+                "reason": self.reason, "location": self.location, "manifest": self.manifest, "marker": self.marker,
+                "opaque_members": self.opaque_members, "exact_bytes": self.exact_bytes, "shared": self.shared,
+                "numpy": self.numpy, "policy": None if self.policy is None else self.policy.to_json(),
+                "problems": [p.to_json() for p in self.problems]}
 
 
 def shared_summary(manifest: dict, number: int, users: dict[str, list[int]]) -> dict:
@@ -119,7 +134,7 @@ def numpy_summary(manifest: dict) -> dict:
 
 
 def inspect(repo: RepoLike, generation: str | int = "latest", *, policy: bool = True,
-            store_options: Mapping[str, Any] | None = None) -> InspectInfo:
+            store_options: Mapping[str, Any] | None = None) -> InspectResult:
     """The manifest and marker of a generation plus a summary, and its LR policy audit.
 
     The summary reads no member. The audit (``policy=True``, as ``ckpt-archive inspect`` shows it) reads the
@@ -139,7 +154,7 @@ def inspect(repo: RepoLike, generation: str | int = "latest", *, policy: bool = 
     then says damaged), one that cannot be read here 2 -- never 0 with a warning.
 
     Returns:
-        :class:`InspectInfo`.
+        :class:`InspectResult`.
 
     Raises:
         NotFound / NoUsableGeneration / ManifestInvalid / NewerFormatError: nothing to show.
@@ -150,10 +165,10 @@ def inspect(repo: RepoLike, generation: str | int = "latest", *, policy: bool = 
         >>> repo = tempfile.mkdtemp()
         >>> _ = ckpt_archive.pack({"w": torch.ones(2), "step": 5}, repo)
         >>> info = ckpt_archive.inspect(repo)
-        >>> info["generation"], info["status"], info["manifest"]["progress"]["step"]
+        >>> info.generation, info.status, info.manifest["progress"]["step"]
         (1, 'usable', 5)
     """
-    r = open_repo(repo, **dict(store_options or {}))
+    r = open_repo(repo, store_options)
     gen = pick(r, generation, False)
     m = gen.manifest
     opaque = [f["relpath"] for f in m["source"]["files"] if f["kind"] == "opaque"]
@@ -166,11 +181,9 @@ def inspect(repo: RepoLike, generation: str | int = "latest", *, policy: bool = 
 
         users = users_of(r)
     problems, code = state_problems(r, gen)
-    return {"generation": gen.number, "status": gen.status, "reason": gen.reason, "location": r.location,
-            "manifest": m, "marker": gen.marker, "opaque_members": opaque, "exact_bytes": exact_summary(m),
-            "shared": shared_summary(m, gen.number, users), "numpy": numpy_summary(m),
-            "policy": _policy(r, gen.number) if policy else None, "ok": code == 0, "exit_code": code,
-            "problems": [p.to_json() for p in problems]}
+    return InspectResult(gen.number, gen.status, gen.reason, r.location, m, gen.marker, opaque, exact_summary(m),
+                         shared_summary(m, gen.number, users), numpy_summary(m),
+                         policy=_policy(r, gen.number) if policy else None, exit_code=code, problems=problems)
 
 
 def _policy(r: Any, number: int) -> Any:
@@ -214,4 +227,4 @@ def state_problems(r, gen) -> tuple[list, int]:
     return problems, 1 if problems else 0
 
 
-__all__ = ["inspect", "InspectInfo", "shared_summary", "numpy_summary", "state_problems"]
+__all__ = ["inspect", "InspectResult", "shared_summary", "numpy_summary", "state_problems"]

@@ -1,26 +1,29 @@
 """``list_generations``: the generations of a repository, oldest first, with their status."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.repo.repository import Generation
 
 
-def list_generations(repo: RepoLike, all: bool = False, **store_options: Any) -> list[Generation]:
+def list_generations(repo: RepoLike, all: bool = False, *,
+                     store_options: Mapping[str, Any] | None = None) -> list[Generation]:
     """Generations oldest first: usable ones, or with ``all=True`` every one with its status and why.
 
     Args:
         repo: repository path/URL or Repository.
         all: include generations that are not usable (``partial``, ``copied``, ``damaged``).
-        **store_options: for URL repositories.
+        store_options: for URL repositories, one mapping (``{"endpoint_url": ..., "storage_options": {...}}``;
+            :func:`~ckpt_archive.ops.common.open_repo`).
 
     Returns:
         :class:`~ckpt_archive.repo.repository.Generation` objects (``number``, ``status``, ``reason``,
         ``manifest``, ``metrics`` as plain JSON values, ...).
 
     Raises:
-        NotFound: not a repository. StoreError: the store refused access.
+        NotFound: not a repository. StoreError: the store refused access. TypeError: an unknown keyword
+            argument or store option.
 
     Example:
         >>> import torch, ckpt_archive, tempfile
@@ -29,7 +32,7 @@ def list_generations(repo: RepoLike, all: bool = False, **store_options: Any) ->
         >>> [(g.number, g.status) for g in ckpt_archive.list_generations(repo)]
         [(1, 'usable')]
     """
-    r = open_repo(repo, **store_options)
+    r = open_repo(repo, store_options)
     gens = r.generations()
     return gens if all else [g for g in gens if g.usable]
 

@@ -2,7 +2,7 @@
 ``latest``-falls-back rule that ``load`` and ``restore`` share."""
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, Unreadable, first_line
 from ckpt_archive.ops.common import (RepoLike, check_present, fails_generation, is_damage, note_damage, open_repo,
@@ -126,7 +126,8 @@ def _add_hint(exc: BaseException, line: str | None) -> None:
 
 
 def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None = None, fallback: bool = False,
-         map_location=None, jobs: int | None = None, allow=(), unverified: bool = False, **store_options) -> Any:
+         map_location=None, jobs: int | None = None, allow=(), unverified: bool = False,
+         store_options: Mapping[str, Any] | None = None) -> Any:
     """Rebuild the archived state in memory, checking every chunk and tensor on the way.
 
     Args:
@@ -140,7 +141,8 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
             needs none (see :mod:`ckpt_archive.format.allowlist`).
         unverified: load a ``partial`` or ``damaged`` generation anyway (refused otherwise, exit 2);
             every byte is still checked against its manifest, and a ``UserWarning`` says so loudly.
-        **store_options: for URL repositories (``endpoint_url=``, ``storage_options=``).
+        store_options: for URL repositories, one mapping (``{"endpoint_url": ..., "storage_options": {...}}``;
+            :func:`~ckpt_archive.ops.common.open_repo`).
 
     Returns:
         the nested state, equal to what was packed in structure, types, dtypes, shapes and bits.
@@ -153,7 +155,7 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
         IntegrityError (exit 1) -- never returns wrong data; also for a generation whose failed check a
             reader recorded. ImplausibleSize (exit 1): a size no reader accepts. NotFound /
             NoUsableGeneration (exit 2); NotUsable (exit 2): a partial or damaged generation without
-            ``unverified``.
+            ``unverified``. TypeError: an unknown keyword argument or store option.
 
     Example:
         >>> import torch, ckpt_archive, tempfile
@@ -169,7 +171,7 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
         from ckpt_archive.repo.reader import check_only
 
         check_only(only)  # "" or "model//w" would select the whole state, or another place than written
-    r = open_repo(repo, **store_options)
+    r = open_repo(repo, store_options)
     notes: list[str] = []
     lines: list[str] = []
     with allowing(allow):

@@ -187,77 +187,21 @@ def prepare(source_or_path: Any, options: PackOptions, notes: Annotations, reten
         if not isinstance(retention, RetentionPolicy):
             raise UsageError(f"retention must be a RetentionPolicy or None, not {type(retention).__name__} "
                              f"(RetentionPolicy.from_dict({retention!r}) reads a dict)")
-    from ckpt_archive.format.allowlist import allowing
-    from ckpt_archive.format.pt_encode import encode  # state_tree's, also for a file read without torch
-    from ckpt_archive.format.state_tree import encode_value
-
-    allow = (options.allow,) if isinstance(options.allow, (str, type)) else tuple(options.allow or ())
-    with allowing(allow) as allowed:  # [issue 11] plain-data classes admitted for reading and encoding
-        if isinstance(source_or_path, (str, os.PathLike)):
-            extra = {"zip_crc_checked": True} if zip_crc_checked else {}
-            # [issue 29] a torch.save file whose pickle holds only plain containers and dense tensors is read
-            # without importing torch (format/pt_pickle.py); anything else through torch.load(weights_only=True)
-            source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy,
-                                 torch_free=encoder is None, **extra)
-        else:
-            source = from_object(source_or_path)
-        encoded = (encoder or encode)(source.state)
+    source, encoded, allowed = _read_and_encode(source_or_path, options, encoder, zip_crc_checked)
     _note_numpy_values(source, encoded)
-    from ckpt_archive.format.limits import MAX_ANNOTATION_BYTES, MAX_CHUNK_RAW_BYTES, MAX_DATA_IDS_BYTES
+    from ckpt_archive.format.limits import MAX_ANNOTATION_BYTES, MAX_DATA_IDS_BYTES
 
     config_v = value_or_file(notes.config, what="config file", max_bytes=MAX_ANNOTATION_BYTES)
     metrics_v = value_or_file(notes.metrics, what="metrics file", max_bytes=MAX_ANNOTATION_BYTES)
     ids_v = value_or_file(notes.data_ids, what="data-ids file", max_bytes=MAX_DATA_IDS_BYTES)
-    if options.chunk_bytes is not None and not 1 <= int(options.chunk_bytes) <= MAX_CHUNK_RAW_BYTES:
-        raise UsageError(f"chunk_bytes must be between 1 and {MAX_CHUNK_RAW_BYTES} (readers refuse larger chunks), "
-                         f"not {options.chunk_bytes}")
-    found = find_progress(source.state) if source.layout == "file" else {}
+    _check_numbers(options)
     if metrics_v is None and source.layout == "file":  # [issue 11] nanoGPT best_val_loss, timm metric
         metrics_v = find_metrics(source.state) or None
-    given = {k: v for k, v in (notes.progress or {}).items() if v is not None}
-    prog = {**found, **(source.progress or {}), **given}
-    prog = {k: prog.get(k) for k in ("step", "epoch", "cursor")}
-    # a NaN or infinite counter (a float epoch taken from a checkpoint) says nothing, and strict JSON can
-    # only write it as a tagged object, which the manifest schema refuses: it is left out
-    prog = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in prog.items()}
-    if options.level is not None and not -7 <= int(options.level) <= 22:
-        raise UsageError(f"zstd level must be between -7 and 22, not {options.level}")
-    if options.jobs is not None and int(options.jobs) < 1:
-        raise UsageError(f"--jobs must be at least 1, not {options.jobs}")
+    prog = _progress_of(source, notes)
     tags = notes.tags
     if isinstance(tags, (str, bytes)):
         tags = (tags,)  # tags="nightly" is one tag, not seven one-letter tags
-    for name in ("step", "epoch", "cursor"):
-        value = prog.get(name)
-        if value is not None and value < 0:
-            raise UsageError(f"progress {name} must not be negative ({value})")
-    import json
-
-    config_enc = encode_value(config_v) if config_v is not None else {}
-    metrics_plain = metrics_to_json(metrics_v)
-    try:
-        ids_text = json.dumps(ids_v, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"data ids must be plain JSON values: {exc}") from None
-    ids_size = len(ids_text)
-    from ckpt_archive.format.jsonio import parse_cost
-    from ckpt_archive.format.limits import MAX_DATA_IDS_COST
-
-    if ids_size <= MAX_DATA_IDS_BYTES and parse_cost(ids_text) > MAX_DATA_IDS_COST:  # no reader would read them
-        raise UsageError(f"data ids of {ids_size} bytes are refused: reading them back would take about "
-                         f"{parse_cost(ids_text)} bytes of memory, more than the {MAX_DATA_IDS_COST} a reader "
-                         f"allows (docs/FORMAT.md, 'Reading hostile archives'); a larger dataset identity "
-                         f"belongs in a file of the checkpoint folder")
-    # every `list` reads every manifest: config and metrics stay small (data ids live in a member)
-    for name, value, limit in (("config", config_enc, MAX_ANNOTATION_BYTES), ("metrics", metrics_plain,
-                               MAX_ANNOTATION_BYTES), ("data ids", None, MAX_DATA_IDS_BYTES)):
-        size = ids_size if value is None else len(json.dumps(value, default=str))
-        if size > limit:
-            raise UsageError(f"{name} of {size} bytes (as JSON) is refused: the limit is {limit} bytes"
-                             + (" (data ids are stored as a member; a larger dataset identity belongs in a "
-                                "file of the checkpoint folder)" if value is None else
-                                " (it is stored in the manifest, which every `list` reads; put large records "
-                                "in a file of the checkpoint folder)"))
+    config_enc, metrics_plain = _sized_annotations(config_v, metrics_v, ids_v)
     prepared = _Prepared(source, encoded, prog, config_enc, metrics_plain, ids_v, [str(t) for t in tags],
                          _instructions(notes.instructions, source, sorted(allowed or ())),
                          None if notes.code_version is None else str(notes.code_version),  # the schema's string
@@ -273,6 +217,100 @@ def prepare(source_or_path: Any, options: PackOptions, notes: Annotations, reten
         if bad is not None:
             raise UsageError(f"{what} holds text that is not UTF-8: {shown(bad)!r}; give it as UTF-8 text")
     return prepared
+
+
+def _read_and_encode(source_or_path: Any, options: PackOptions, encoder: Callable[[Any], tuple] | None,
+                     zip_crc_checked: bool) -> tuple[Any, tuple, Any]:
+    """The source read (a path) or taken (an object) and its state encoded, with the plain-data classes
+    ``options.allow`` admits: ``(source, encoded, the classes admitted)``."""
+    from ckpt_archive.format.allowlist import allowing
+    from ckpt_archive.format.pt_encode import encode  # state_tree's, also for a file read without torch
+    from ckpt_archive.sources import from_object, read_source
+
+    allow = (options.allow,) if isinstance(options.allow, (str, type)) else tuple(options.allow or ())
+    with allowing(allow) as allowed:  # [issue 11] plain-data classes admitted for reading and encoding
+        if isinstance(source_or_path, (str, os.PathLike)):
+            extra = {"zip_crc_checked": True} if zip_crc_checked else {}
+            # [issue 29] a torch.save file whose pickle holds only plain containers and dense tensors is read
+            # without importing torch (format/pt_pickle.py); anything else through torch.load(weights_only=True)
+            source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy,
+                                 torch_free=encoder is None, **extra)
+        else:
+            source = from_object(source_or_path)
+        encoded = (encoder or encode)(source.state)
+    return source, encoded, allowed
+
+
+def _check_numbers(options: PackOptions) -> None:
+    """Refuse a chunk size readers refuse, a zstd level out of range, fewer than one job (UsageError)."""
+    from ckpt_archive.format.limits import MAX_CHUNK_RAW_BYTES
+
+    if options.chunk_bytes is not None and not 1 <= int(options.chunk_bytes) <= MAX_CHUNK_RAW_BYTES:
+        raise UsageError(f"chunk_bytes must be between 1 and {MAX_CHUNK_RAW_BYTES} (readers refuse larger chunks), "
+                         f"not {options.chunk_bytes}")
+    if options.level is not None and not -7 <= int(options.level) <= 22:
+        raise UsageError(f"zstd level must be between -7 and 22, not {options.level}")
+    if options.jobs is not None and int(options.jobs) < 1:
+        raise UsageError(f"--jobs must be at least 1, not {options.jobs}")
+
+
+def _progress_of(source: Any, notes: Annotations) -> dict:
+    """``{"step", "epoch", "cursor"}``: found in a file source's state, then the source's own, then given in
+    ``notes.progress`` (each later one wins); a NaN or infinite counter is left out (None).
+
+    Raises:
+        UsageError: a negative counter.
+    """
+    found = find_progress(source.state) if source.layout == "file" else {}
+    given = {k: v for k, v in (notes.progress or {}).items() if v is not None}
+    prog = {**found, **(source.progress or {}), **given}
+    prog = {k: prog.get(k) for k in ("step", "epoch", "cursor")}
+    # a NaN or infinite counter (a float epoch taken from a checkpoint) says nothing, and strict JSON can
+    # only write it as a tagged object, which the manifest schema refuses: it is left out
+    prog = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in prog.items()}
+    for name in ("step", "epoch", "cursor"):
+        value = prog.get(name)
+        if value is not None and value < 0:
+            raise UsageError(f"progress {name} must not be negative ({value})")
+    return prog
+
+
+def _sized_annotations(config_v: Any, metrics_v: Any, ids_v: Any) -> tuple[Any, dict]:
+    """The config encoded and the metrics as plain JSON, after refusing annotations a reader would not read:
+    data ids that are not plain JSON or cost too much to parse, and any of the three over its size limit.
+
+    Raises:
+        UsageError: naming which and the limit.
+    """
+    import json
+
+    from ckpt_archive.format.jsonio import parse_cost
+    from ckpt_archive.format.limits import MAX_ANNOTATION_BYTES, MAX_DATA_IDS_BYTES, MAX_DATA_IDS_COST
+    from ckpt_archive.format.state_tree import encode_value
+
+    config_enc = encode_value(config_v) if config_v is not None else {}
+    metrics_plain = metrics_to_json(metrics_v)
+    try:
+        ids_text = json.dumps(ids_v, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"data ids must be plain JSON values: {exc}") from None
+    ids_size = len(ids_text)
+    if ids_size <= MAX_DATA_IDS_BYTES and parse_cost(ids_text) > MAX_DATA_IDS_COST:  # no reader would read them
+        raise UsageError(f"data ids of {ids_size} bytes are refused: reading them back would take about "
+                         f"{parse_cost(ids_text)} bytes of memory, more than the {MAX_DATA_IDS_COST} a reader "
+                         f"allows (docs/FORMAT.md, 'Reading hostile archives'); a larger dataset identity "
+                         f"belongs in a file of the checkpoint folder")
+    # every `list` reads every manifest: config and metrics stay small (data ids live in a member)
+    for name, value, limit in (("config", config_enc, MAX_ANNOTATION_BYTES), ("metrics", metrics_plain,
+                               MAX_ANNOTATION_BYTES), ("data ids", None, MAX_DATA_IDS_BYTES)):
+        size = ids_size if value is None else len(json.dumps(value, default=str))
+        if size > limit:
+            raise UsageError(f"{name} of {size} bytes (as JSON) is refused: the limit is {limit} bytes"
+                             + (" (data ids are stored as a member; a larger dataset identity belongs in a "
+                                "file of the checkpoint folder)" if value is None else
+                                " (it is stored in the manifest, which every `list` reads; put large records "
+                                "in a file of the checkpoint folder)"))
+    return config_enc, metrics_plain
 
 
 #: At most this many paths of NumPy scalars/dtypes are recorded in a manifest (all are counted).
@@ -561,82 +599,114 @@ def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_byt
         steps.generations = gens
         leftovers = [f"generation {g.number} is {g.status}: {g.reason}" for g in gens
                      if g.status in ("partial", "damaged")]
-        life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait, jobs=options.jobs,
-                         progress=on_bytes)
-        try:
-            try:
-                published = life.run()
-            except CkptArchiveError:
-                # a shared object this pack referenced on trust (a usable generation vouched for it) may
-                # have rotted since: if the trial reload failed and one is damaged, this generation is
-                # removed (never usable) and written once more without trusting it -- the object is
-                # written again from the state, which repairs it for every generation that references it
-                damaged = _damaged_reused(r, life, steps)
-                if not damaged:
-                    raise
-                r.remove_generation(life.number)
-                steps.retried = True
-                steps.distrust |= set(damaged)
-                steps.repaired.update(damaged)
-                life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait,
-                                 jobs=options.jobs, progress=on_bytes)
-                published = life.run()
-        except Withdrawn as exc:
-            exc.warnings = steps.warnings
-            exc.leftovers = leftovers
-            raise
-        except SourceError as exc:
-            # the source itself is refused (the early scan found a record that fails its CRC): the input is
-            # what is wrong, not the repository -- the claimed generation is withdrawn, nothing is left behind
-            if life.number is not None:
-                note = life.left_note()
-                r.remove_generation(life.number)
-                if exc.hint == note:
-                    exc.hint = None
-                elif exc.hint and exc.hint.endswith(f"; {note}"):
-                    exc.hint = exc.hint[:-len(note) - 2]
-            raise
-        except CkptArchiveError as exc:
-            if life.step == "claim":
-                raise
-            if not exc.message.startswith("pack failed"):
-                exc.message = (f"pack failed at step '{life.step}' (generation {life.number} left partial): "
-                               f"{exc.message}")
-            raise
-        except OSError as exc:
-            if life.step == "claim":
-                raise
-            why = {errno.ENOSPC: "disk full", errno.EROFS: "read-only destination",
-                   errno.EACCES: "permission denied", errno.EDQUOT: "quota exceeded"}.get(exc.errno, "I/O error")
-            raise StoreError(f"pack failed at step '{life.step}' ({why}: {exc.strerror or exc}); generation "
-                             f"{life.number} left partial, earlier generations untouched; `ckpt-archive gc` "
-                             f"removes it", where=getattr(exc, "filename", None) or r.location) from None
+        published = _run_lifecycle(r, steps, options, on_bytes, before_publish, leftovers)
         number = published.number
-        warnings = steps.warnings
-        if steps.repaired:
-            warnings.extend(_repair_notes(steps.repaired, steps.shared.index.users, published.manifest, number))
-        if steps.shared is not None:
-            from ckpt_archive.format.objects import object_key
-
-            warnings.extend(f"{object_key(oid)} was not a regular file ({what}): removed, and the shared object "
-                            f"written in its place" for oid, what in steps.shared.replaced.items()
-                            if oid not in steps.repaired)
+        warnings = steps.warnings + _object_notes(steps, published.manifest, number)
         # Published: from here on the new generation is usable whatever happens, so later failures are
         # warnings, never "left partial".
-        retention_result = None
-        try:
-            r.faults.point("after-publish")
-            policy = retention if retention is not None else r.config.get("retention")
-            if policy and not (hasattr(policy, "is_empty") and policy.is_empty()):
-                r.faults.point("retention")
-                from ckpt_archive.ops.prune import apply_after_pack
-
-                retention_result = apply_after_pack(r, policy, verified=(number,))
-                warnings += list(retention_result.get("warnings", []) if isinstance(retention_result, dict) else [])
-        except (CkptArchiveError, OSError) as exc:
-            warnings.append(f"generation {number} is usable, but retention did not run to completion: {exc}")
+        retention_result = _retention_after(r, retention, number, warnings)
     return PackResult(number, "usable", f"{r.location}/{gen_key(number)}", published.manifest, warnings, leftovers,
                       retention_result, published.trial_reload)
+
+
+def _run_lifecycle(r: Any, steps: "_PackSteps", options: PackOptions, on_bytes, before_publish,
+                   leftovers: list[str]) -> Any:
+    """Claim, write, verify, trial-reload and publish the generation (:class:`Lifecycle`), under the caller's
+    lock; a failure says at which step and what it left.
+
+    Raises:
+        Withdrawn: ``before_publish`` withdrew it (its ``warnings`` and ``leftovers`` attached).
+        SourceError: the source is refused (the claimed generation removed: nothing left behind).
+        CkptArchiveError: ``pack failed at step '...' (generation N left partial)``.
+        StoreError: an OSError after the claim (disk full, read-only, permission, quota), naming the step.
+    """
+    life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait, jobs=options.jobs,
+                     progress=on_bytes)
+    try:
+        try:
+            return life.run()
+        except CkptArchiveError:
+            # a shared object this pack referenced on trust (a usable generation vouched for it) may
+            # have rotted since: if the trial reload failed and one is damaged, this generation is
+            # removed (never usable) and written once more without trusting it -- the object is
+            # written again from the state, which repairs it for every generation that references it
+            damaged = _damaged_reused(r, life, steps)
+            if not damaged:
+                raise
+            r.remove_generation(life.number)
+            steps.retried = True
+            steps.distrust |= set(damaged)
+            steps.repaired.update(damaged)
+            life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait,
+                             jobs=options.jobs, progress=on_bytes)
+            return life.run()
+    except Withdrawn as exc:
+        exc.warnings = steps.warnings
+        exc.leftovers = leftovers
+        raise
+    except SourceError as exc:
+        _withdraw_refused_source(r, life, exc)
+        raise
+    except CkptArchiveError as exc:
+        if life.step != "claim" and not exc.message.startswith("pack failed"):
+            exc.message = (f"pack failed at step '{life.step}' (generation {life.number} left partial): "
+                           f"{exc.message}")
+        raise
+    except OSError as exc:
+        if life.step == "claim":
+            raise
+        why = {errno.ENOSPC: "disk full", errno.EROFS: "read-only destination",
+               errno.EACCES: "permission denied", errno.EDQUOT: "quota exceeded"}.get(exc.errno, "I/O error")
+        raise StoreError(f"pack failed at step '{life.step}' ({why}: {exc.strerror or exc}); generation "
+                         f"{life.number} left partial, earlier generations untouched; `ckpt-archive gc` "
+                         f"removes it", where=getattr(exc, "filename", None) or r.location) from None
+
+
+def _withdraw_refused_source(r: Any, life: Any, exc: SourceError) -> None:
+    """The source itself is refused (the early scan found a record that fails its CRC): the input is what is
+    wrong, not the repository -- the claimed generation is withdrawn, nothing is left behind, and the error's
+    hint no longer names a partial generation."""
+    if life.number is None:
+        return
+    note = life.left_note()
+    r.remove_generation(life.number)
+    if exc.hint == note:
+        exc.hint = None
+    elif exc.hint and exc.hint.endswith(f"; {note}"):
+        exc.hint = exc.hint[:-len(note) - 2]
+
+
+def _object_notes(steps: "_PackSteps", manifest: dict, number: int) -> list[str]:
+    """What pack did about shared objects: damaged ones repaired or stored anew, ones that were not regular
+    files replaced."""
+    notes: list[str] = []
+    if steps.repaired:
+        notes.extend(_repair_notes(steps.repaired, steps.shared.index.users, manifest, number))
+    if steps.shared is not None:
+        from ckpt_archive.format.objects import object_key
+
+        notes.extend(f"{object_key(oid)} was not a regular file ({what}): removed, and the shared object "
+                     f"written in its place" for oid, what in steps.shared.replaced.items()
+                     if oid not in steps.repaired)
+    return notes
+
+
+def _retention_after(r: Any, retention: Any, number: int, warnings: list[str]) -> dict | None:
+    """Apply ``retention`` (the repository's default when None) after generation ``number`` is published;
+    a failure is a warning appended to ``warnings``, never an error (the generation is usable)."""
+    retention_result = None
+    try:
+        r.faults.point("after-publish")
+        policy = retention if retention is not None else r.config.get("retention")
+        if policy and not (hasattr(policy, "is_empty") and policy.is_empty()):
+            r.faults.point("retention")
+            from ckpt_archive.ops.prune import apply_after_pack
+
+            retention_result = apply_after_pack(r, policy, verified=(number,))
+            warnings += list(retention_result.get("warnings", []) if isinstance(retention_result, dict) else [])
+    except (CkptArchiveError, OSError) as exc:
+        warnings.append(f"generation {number} is usable, but retention did not run to completion: {exc}")
+    return retention_result
 
 
 def _repair_notes(damaged: Mapping[str, str | None], users: dict, manifest: dict, number: int) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from ckpt_archive.errors import (CannotCheck, InsufficientSpace, IntegrityError, OutputExists, UsageError,
                                  first_line)
@@ -14,6 +14,7 @@ from ckpt_archive.format.tree_walk import folder_file_node
 from ckpt_archive.ops.common import (RepoLike, copied_note, open_repo, refuse_special_output, refuse_unusable,
                                      require_readable)
 from ckpt_archive.ops.load import with_fallback
+from ckpt_archive.repo.publish import phase
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
 from ckpt_archive.store.fs import Dir, Entry
@@ -53,12 +54,54 @@ def _check_space(path: Path, need: int) -> None:
         raise InsufficientSpace(f"needs about {need} bytes, {free} free", where=str(p))
 
 
-def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.PathLike | None = None, *,
-            force: bool = False, only: str | None = None, fallback: bool = False, map_location=None,
-            jobs: int | None = None, transform: Callable[[Any], Any] | None = None,
-            consolidate: str | os.PathLike | None = None, allow=(), data_ids: Any = None,
-            allow_data_change: bool = False, unverified: bool = False, folder_rewrite: Callable | None = None,
-            on_bytes=None, **store_options) -> RestoreResult:
+@dataclasses.dataclass(frozen=True)
+class RestoreOptions:
+    """How :func:`restore` writes a generation back (``ckpt-archive restore``'s options, one name each).
+
+    Attributes:
+        force: replace an existing output (only after the new one is complete).
+        only: restore part of the state (``"model"``: the weights alone, for inference) as a ``.pt``.
+        fallback: when ``latest`` fails its checks, restore the newest older generation that verifies.
+        unverified: restore a ``partial`` or ``damaged`` generation anyway (``--restore-unverified``;
+            refused otherwise, exit 2). Every byte is still checked against its manifest, and the result's
+            first warning says loudly what was restored.
+        map_location: move torch tensors there (default: CPU).
+        jobs: decoder threads (default: cores).
+        allow: plain-data classes to rebuild where a file must be re-serialised (``"module.Class"``).
+        transform: applied to a file source's state before it is saved (used by ``--policy session``).
+        folder_rewrite: for a folder source, re-serialise the files it changes (``--policy session``:
+            ``training.folder_session.session_folder_rewrite(cfg)``; see
+            :func:`ckpt_archive.ops.folder_policy.rewrite_folder_files`). Its report goes to
+            ``extra["folder_rewrite"]``; each rewritten file, no longer byte-identical, is a warning.
+        consolidate: for a torch.distributed.checkpoint (DCP) folder source, also write its whole state
+            as one ``torch.save`` file at this path (``sources/dcp.py: consolidate_dcp``).
+        data_ids: the resuming session's data ids (a value, or a JSON/YAML/TOML/.txt path): compared, key
+            order aside, with the ids packed with the generation (:mod:`ckpt_archive.ops.data_identity`)
+            before anything is written. The result's ``extra["data_ids"]`` holds the comparison.
+        allow_data_change: restore even when the data ids differ (the differences become a warning).
+
+    Example:
+        >>> RestoreOptions(only="model", force=True).only
+        'model'
+    """
+
+    force: bool = False
+    only: str | None = None
+    fallback: bool = False
+    unverified: bool = False
+    map_location: Any = None
+    jobs: int | None = None
+    allow: Sequence[Any] = ()
+    transform: Callable[[Any], Any] | None = None
+    folder_rewrite: Callable | None = None
+    consolidate: str | os.PathLike | None = None
+    data_ids: Any = None
+    allow_data_change: bool = False
+
+
+def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.PathLike | None = None,
+            options: RestoreOptions | None = None, *, on_bytes=None,
+            store_options: Mapping[str, Any] | None = None) -> RestoreResult:
     """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
     sources), atomically: written in a private staging folder beside it (``.NAME.tmp-PID-<hex>``, created
     through the file layer :mod:`ckpt_archive.store.fs`: relative to the output folder's descriptor, never
@@ -73,30 +116,13 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         repo: repository path/URL or Repository.
         generation: ``"latest"``, a number, or ``"tag:NAME"``.
         output: the ``.pt`` file or folder to create.
-        force: replace an existing output (only after the new one is complete).
-        only: restore part of the state (``"model"``: the weights alone, for inference) as a ``.pt``.
-        fallback: when ``latest`` fails its checks, restore the newest older generation that verifies.
-        map_location: move torch tensors there (default: CPU). jobs: decoder threads.
-        transform: applied to a file source's state before it is saved (used by ``--policy session``).
-        consolidate: for a torch.distributed.checkpoint (DCP) folder source, also write its whole state
-            as one ``torch.save`` file at this path (``sources/dcp.py: consolidate_dcp``).
-        allow: plain-data classes to rebuild where a file must be re-serialised (``"module.Class"``).
-        data_ids: the resuming session's data ids (a value, or a JSON/YAML/TOML/.txt path): compared, key
-            order aside, with the ids packed with the generation (:mod:`ckpt_archive.ops.data_identity`)
-            before anything is written. The result's ``extra["data_ids"]`` holds the comparison.
-        allow_data_change: restore even when the data ids differ (the differences become a warning).
-        unverified: restore a ``partial`` or ``damaged`` generation anyway (``--restore-unverified``;
-            refused otherwise, exit 2). Every byte is still checked against its manifest, and the result's
-            first warning says loudly what was restored.
-        folder_rewrite: for a folder source, re-serialise the files it changes (``--policy session``:
-            ``training.folder_session.session_folder_rewrite(cfg)``; see
-            :func:`ckpt_archive.ops.folder_policy.rewrite_folder_files`). Its report goes to
-            ``extra["folder_rewrite"]``; each rewritten file, no longer byte-identical, is a warning.
+        options: :class:`RestoreOptions` (default: all off: no replacing, the whole state, no fallback).
         on_bytes: progress callback, called with raw bytes decoded and checked, then with bytes written; one
             with ``phase(name, total)`` is told each phase (``decode and check``, then ``write``; a folder
             or byte-exact file source decodes and writes in one ``decode, check and write`` phase), with
             the generation's raw size (manifest summary) as total (none for ``only``).
-        **store_options: for URL repositories.
+        store_options: for URL repositories, one mapping (``{"endpoint_url": ..., "storage_options": {...}}``;
+            :func:`~ckpt_archive.ops.common.open_repo`).
 
     Returns:
         :class:`RestoreResult`.
@@ -115,6 +141,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             entries listed) and ``allow_data_change`` is False; nothing is written.
         NotUsable (exit 2): a partial or damaged generation without ``unverified``.
         UnsafePath (exit 1): a path of the manifest resolves outside the output folder.
+        TypeError: an unknown keyword argument or store option (every option of the restore itself is a field
+            of :class:`RestoreOptions`).
 
     Example:
         >>> import os, torch, ckpt_archive, tempfile
@@ -124,146 +152,253 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         >>> r.generation, torch.load(out, weights_only=True)["step"]
         (1, 1)
     """
+    opts = options if options is not None else RestoreOptions()
+    if not isinstance(opts, RestoreOptions):
+        raise TypeError(f"restore's options must be a RestoreOptions, not {type(opts).__name__}")
+    out = _check_output(output, opts)
+    r = open_repo(repo, store_options)
+    plan = _plan(r, generation, out, opts)
+    from ckpt_archive.store.fs import Staging
+
+    job = _Job(r, out, opts, plan.layout, Staging(out), on_bytes)  # the output's folder (created if absent),
+    notes: list[str] = []  # leftovers of killed restores removed
+    passed: list[str] = []  # latest passing over newer damaged generations, a fallback taken
+    from ckpt_archive.format.allowlist import allowing
+
+    with job.stage:  # on any exception the staging folder is removed; the output is untouched
+        with allowing(opts.allow):
+            gen, nbytes = with_fallback(r, generation, opts.fallback, job.write, unverified=opts.unverified,
+                                        action="restore", override="--restore-unverified", notes=notes,
+                                        warnings=passed, jobs=opts.jobs)
+        job.commit(gen)
+    return _result(job, gen, nbytes, plan, notes, passed)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What :func:`restore` learnt before writing: the layout of the source, the data-ids comparison, and
+    where the consolidated DCP file goes."""
+
+    layout: str
+    ids_check: dict | None
+    consolidate: Path | None
+
+
+def _check_output(output: str | os.PathLike | None, opts: RestoreOptions) -> Path:
+    """The absolute output path, after the checks that need no repository.
+
+    Raises:
+        UsageError: no output; an ``only`` that selects no single place; a FIFO, device or socket there.
+        OutputExists: the output exists and ``opts.force`` is off.
+    """
     if output is None:
         raise UsageError("restore needs an output path (--output)")
-    if only is not None:
+    if opts.only is not None:
         from ckpt_archive.repo.reader import check_only
 
-        check_only(only)  # "" or "model//w" would select the whole state, or another place than written
+        check_only(opts.only)  # "" or "model//w" would select the whole state, or another place than written
     out = Path(output).expanduser().absolute()
     refuse_special_output(out)
-    if (out.exists() or out.is_symlink()) and not force:
+    if (out.exists() or out.is_symlink()) and not opts.force:
         raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
-    r = open_repo(repo, **store_options)
-    notes: list[str] = []
+    return out
+
+
+def _plan(r: Repository, generation: str | int, out: Path, opts: RestoreOptions) -> _Plan:
+    """Resolve and check the generation before anything is written: usable (or ``unverified``), readable, its
+    data ids as the session's, room for the output, an output that destroys nothing, options that apply.
+
+    Raises:
+        what :func:`restore` raises before writing.
+    """
     gen0 = r.resolve(generation, copied=True)
     latest_recorded = gen0.found_damaged_here and str(generation) == "latest"  # refused by with_fallback's rule
     if not latest_recorded:
-        refuse_unusable(r, gen0, unverified=unverified, action="restore", override="--restore-unverified")
-    gen0 = require_readable(r, gen0, allow_noted=unverified or latest_recorded)
+        refuse_unusable(r, gen0, unverified=opts.unverified, action="restore", override="--restore-unverified")
+    gen0 = require_readable(r, gen0, allow_noted=opts.unverified or latest_recorded)
     ids_check = None
-    if data_ids is not None:
+    if opts.data_ids is not None:
         from ckpt_archive.ops.data_identity import check_data_ids
 
-        ids_check = check_data_ids(r, gen0.number, data_ids, allow_change=allow_data_change)
+        ids_check = check_data_ids(r, gen0.number, opts.data_ids, allow_change=opts.allow_data_change)
     layout = gen0.manifest["source"]["layout"]
-    first0 = (gen0.manifest["source"].get("files") or [{}])[0]
-    one_pass = transform is None and map_location is None and (
-        (layout == "file" and not only and bool(first0.get("exact"))) or _torch_output(layout, only, first0))
+    first0 = _first_file(gen0)
+    one_pass = opts.transform is None and opts.map_location is None and (
+        (layout == "file" and not opts.only and bool(first0.get("exact"))) or _torch_output(layout, opts.only, first0))
     # exact bytes, or a torch.save file written in one pass (ops/restore_torch.py): once, in place, from the
     # decoded chunks (the output's size); otherwise the output plus the spill files tensors are mapped from
     # while torch.save writes it (checked again if the one-pass writer declines the state)
     _check_space(out, int(gen0.manifest["summary"]["raw_bytes"] * (1.05 if one_pass else 2.05)) + (1 << 20))
-    _check_output_target(out, r, writes_folder=(layout == "folder" and not only))
-    if consolidate is not None:
-        if layout != "folder" or only or "" not in (gen0.manifest["source"].get("info") or {}).get("dcp", {}):
-            raise UsageError("--consolidate applies to a torch.distributed.checkpoint (DCP) folder source only "
-                             f"(this generation's source is {gen0.manifest['source']['format']})")
-        consolidate = Path(consolidate).expanduser().absolute()
-        refuse_special_output(consolidate)
-        if consolidate.exists() and not force:
-            raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(consolidate))
-    if folder_rewrite is not None and (layout != "folder" or only):
+    _check_output_target(out, r, writes_folder=(layout == "folder" and not opts.only))
+    consolidate = _consolidate_target(gen0, layout, opts)
+    if opts.folder_rewrite is not None and (layout != "folder" or opts.only):
         raise UsageError("folder_rewrite applies to a folder source restored whole (this generation restores "
                          "to a file; pass transform= instead)")
-    from ckpt_archive.store.fs import Staging
+    return _Plan(layout, ids_check, consolidate)
 
-    stage = Staging(out)  # the output's folder (created if absent), leftovers of killed restores removed
-    staged = stage.entry  # the output being written, in the private staging folder
-    rewritten: dict = {}
-    passed: list[str] = []  # latest passing over newer damaged generations, a fallback taken
 
-    def write(gen: Generation, reader: ArchiveReader) -> int:
-        stage.reset()  # a --fallback retry starts from nothing
-        raw = None if only else gen.manifest["summary"].get("raw_bytes")
-        if layout == "folder" and not only:
-            phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
-            stage.dir.mkdir(stage.name)
-            with stage.dir.sub(stage.name) as dest:
-                nbytes = _restore_folder(reader, gen.manifest, dest, map_location, on_bytes)
-                if folder_rewrite is not None:
-                    from ckpt_archive.ops.folder_policy import rewrite_folder_files
+def _first_file(gen: Generation) -> dict:
+    """The first source file of a generation's manifest (a file source's only one), ``{}`` when none."""
+    return (gen.manifest["source"].get("files") or [{}])[0]
 
-                    delta, rewritten["report"] = rewrite_folder_files(reader, gen.manifest, dest, folder_rewrite,
-                                                                      map_location=map_location)
-                    nbytes += delta
-            return nbytes
-        first = (gen.manifest["source"].get("files") or [{}])[0]
-        if layout == "file" and not only and transform is None and map_location is None and first.get("exact"):
-            phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
-            return _restore_exact(reader, first, staged, on_bytes)  # [issue 11] the source file byte for byte
-        src_files = gen.manifest["source"].get("files") or [{}]
-        if _torch_output(layout, only, src_files[0]) and transform is None and map_location is None:
-            from ckpt_archive.ops.restore_torch import write_torch_file
-            from ckpt_archive.repo.reader import subtree
 
-            tree = reader.tree()
-            nbytes = write_torch_file(reader, subtree(tree, only) if only is not None else tree, staged, on_bytes,
-                                      on_start=lambda: phase(on_bytes, f"decode, check and write generation "
-                                                                       f"{gen.number}", raw))
+def _consolidate_target(gen0: Generation, layout: str, opts: RestoreOptions) -> Path | None:
+    """Where ``opts.consolidate`` writes the consolidated DCP state, checked; None when not asked.
+
+    Raises:
+        UsageError: the generation is not a DCP folder restored whole; a FIFO, device or socket there.
+        OutputExists: the file exists and ``opts.force`` is off.
+    """
+    if opts.consolidate is None:
+        return None
+    if layout != "folder" or opts.only or "" not in (gen0.manifest["source"].get("info") or {}).get("dcp", {}):
+        raise UsageError("--consolidate applies to a torch.distributed.checkpoint (DCP) folder source only "
+                         f"(this generation's source is {gen0.manifest['source']['format']})")
+    target = Path(opts.consolidate).expanduser().absolute()
+    refuse_special_output(target)
+    if target.exists() and not opts.force:
+        raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(target))
+    return target
+
+
+class _Job:
+    """One restore being written: the staging folder and the writers for each kind of output.
+
+    :meth:`write` is what :func:`~ckpt_archive.ops.load.with_fallback` runs on the picked generation (again on
+    an older one with ``fallback``); :meth:`commit` puts the staged output in place.
+    """
+
+    def __init__(self, r: Repository, out: Path, opts: RestoreOptions, layout: str, stage: Any, on_bytes):
+        self.r, self.out, self.opts, self.layout, self.on_bytes = r, out, opts, layout, on_bytes
+        self.stage = stage
+        self.staged = stage.entry  # the output being written, in the private staging folder
+        self.rewritten: dict = {}
+
+    @property
+    def writes_folder(self) -> bool:
+        return self.layout == "folder" and not self.opts.only
+
+    def _as_is(self) -> bool:
+        """Nothing asks for a different file than the one packed (no transform, no map_location)."""
+        return self.opts.transform is None and self.opts.map_location is None
+
+    def write(self, gen: Generation, reader: ArchiveReader) -> int:
+        """Write ``gen`` into the staging folder; returns bytes written."""
+        self.stage.reset()  # a --fallback retry starts from nothing
+        raw = None if self.opts.only else gen.manifest["summary"].get("raw_bytes")
+        first = _first_file(gen)
+        if self.writes_folder:
+            phase(self.on_bytes, f"decode, check and write generation {gen.number}", raw)
+            return self._write_folder(gen, reader)
+        if self.layout == "file" and not self.opts.only and self._as_is() and first.get("exact"):
+            phase(self.on_bytes, f"decode, check and write generation {gen.number}", raw)
+            return _restore_exact(reader, first, self.staged, self.on_bytes)  # [issue 11] the file byte for byte
+        if _torch_output(self.layout, self.opts.only, first) and self._as_is():
+            nbytes = self._write_torch_one_pass(gen, reader, raw)
             if nbytes is not None:
                 return nbytes
-            _check_space(out, int(gen.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))
-        # tensors over memory-mapped spill files next to the output: anonymous memory stays bounded
+            _check_space(self.out, int(gen.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))
+        return self._write_decoded(gen, reader, raw, first)
+
+    def _write_folder(self, gen: Generation, reader: ArchiveReader) -> int:
+        """A folder source, whole, then the files ``folder_rewrite`` changes."""
+        stage, opts = self.stage, self.opts
+        stage.dir.mkdir(stage.name)
+        with stage.dir.sub(stage.name) as dest:
+            nbytes = _restore_folder(reader, gen.manifest, dest, opts.map_location, self.on_bytes)
+            if opts.folder_rewrite is not None:
+                from ckpt_archive.ops.folder_policy import rewrite_folder_files
+
+                delta, self.rewritten["report"] = rewrite_folder_files(reader, gen.manifest, dest, opts.folder_rewrite,
+                                                                       map_location=opts.map_location)
+                nbytes += delta
+        return nbytes
+
+    def _write_torch_one_pass(self, gen: Generation, reader: ArchiveReader, raw: int | None) -> int | None:
+        """A ``torch.save`` file written in one pass from the decoded chunks (:mod:`ops.restore_torch`); None
+        when that writer declines the state."""
+        from ckpt_archive.ops.restore_torch import write_torch_file
+        from ckpt_archive.repo.reader import subtree
+
+        tree = reader.tree()
+        only = self.opts.only
+        return write_torch_file(reader, subtree(tree, only) if only is not None else tree, self.staged,
+                                self.on_bytes, on_start=lambda: phase(
+                                    self.on_bytes, f"decode, check and write generation {gen.number}", raw))
+
+    def _write_decoded(self, gen: Generation, reader: ArchiveReader, raw: int | None, first: dict) -> int:
+        """The state decoded (tensors over memory-mapped spill files next to the output: anonymous memory stays
+        bounded), transformed if asked, then saved as a ``.safetensors`` or ``torch.save`` file."""
+        stage, opts, on_bytes = self.stage, self.opts, self.on_bytes
         phase(on_bytes, f"decode and check generation {gen.number}", raw)
-        state = reader.load(only, map_location=map_location, spill_dir=stage.dir, on_bytes=on_bytes)
-        phase(on_bytes, f"write {out.name}", raw)  # the tensors' raw bytes: nearly all of the file
-        if transform is not None:
-            state = transform(state)
-        if layout == "file" and not only and src_files[0].get("kind") == "safetensors":
+        state = reader.load(opts.only, map_location=opts.map_location, spill_dir=stage.dir, on_bytes=on_bytes)
+        phase(on_bytes, f"write {self.out.name}", raw)  # the tensors' raw bytes: nearly all of the file
+        if opts.transform is not None:
+            state = opts.transform(state)
+        if self.layout == "file" and not opts.only and first.get("kind") == "safetensors":
             from safetensors.torch import save_file
 
-            os.close(staged.create())  # the name is ours (O_EXCL) before the library writes it by path
-            save_file(state, staged.path, metadata=src_files[0].get("metadata") or None)
+            os.close(self.staged.create())  # the name is ours (O_EXCL) before the library writes it by path
+            save_file(state, self.staged.path, metadata=first.get("metadata") or None)
             size = stage.dir.finish_file(stage.name)
             if on_bytes:
                 on_bytes(size)  # safetensors writes in one call: reported when done
             return size
-        with os.fdopen(staged.create(), "wb") as fh:
-            _torch_save(state, _Counted(fh, on_bytes) if on_bytes else fh, out, part=bool(only))
+        with os.fdopen(self.staged.create(), "wb") as fh:
+            _torch_save(state, _Counted(fh, on_bytes) if on_bytes else fh, self.out, part=bool(opts.only))
         return stage.dir.finish_file(stage.name)
 
-    from ckpt_archive.format.allowlist import allowing
-    from ckpt_archive.repo.publish import phase
+    def commit(self, gen: Generation) -> None:
+        """Put the staged output in place: its permission bits (a file source written as packed), then one
+        rename through the output folder's descriptor (a folder, or a file replacing a folder, through
+        ``.NAME.old-PID-<hex>``); the folder fsynced.
 
-    with stage:  # on any exception the staging folder is removed; the output is untouched
-        with allowing(allow):
-            gen, nbytes = with_fallback(r, generation, fallback, write, unverified=unverified, action="restore",
-                                        override="--restore-unverified", notes=notes, warnings=passed, jobs=jobs)
-        if layout == "file" and not only and transform is None:  # the source file itself: its permission bits
-            apply_mode(stage.dir, stage.name, (gen.manifest["source"].get("files") or [{}])[0])
-        refuse_special_output(out)  # again: one may have been put there while we wrote
-        # one rename through the output folder's descriptor (a folder, or a file replacing a folder,
-        # through .NAME.old-PID-<hex>); the folder fsynced
+        Raises:
+            OutputExists: an output appeared while restoring and ``force`` is off.
+            UsageError: a FIFO, device or socket was put at the output meanwhile.
+        """
+        stage = self.stage
+        if self.layout == "file" and not self.opts.only and self.opts.transform is None:
+            apply_mode(stage.dir, stage.name, _first_file(gen))  # the source file itself: its permission bits
+        refuse_special_output(self.out)  # again: one may have been put there while we wrote
         try:
-            stage.commit(replace=force)
+            stage.commit(replace=self.opts.force)
         except FileExistsError:  # put there while we wrote: never replaced without --force
             raise OutputExists("appeared while restoring; pass --force to replace it (nothing was written)",
-                               where=str(out)) from None
-    result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only,
+                               where=str(self.out)) from None
+
+
+def _result(job: _Job, gen: Generation, nbytes: int, plan: _Plan, notes: list[str],
+            passed: list[str]) -> RestoreResult:
+    """The :class:`RestoreResult` of a restore put in place, with what the caller must know: the loud note of
+    an unverified generation (``notes``) and the generations passed over first, the data-ids comparison, the
+    folder rewrite's report, how the file loads, a copied generation's note, the consolidated DCP file
+    (written now)."""
+    opts, out = job.opts, job.out
+    result = RestoreResult(gen.number, str(out), nbytes, "folder" if job.writes_folder else "file", opts.only,
                            warnings=list(notes) + passed)
     if notes:
         result.extra["unverified"] = True
+    ids_check = plan.ids_check
     if ids_check is not None:
         result.extra["data_ids"] = ids_check
         if ids_check.get("warning"):
             result.warnings.append(ids_check["warning"])
-    if "report" in rewritten:
-        result.extra["folder_rewrite"] = rewritten["report"]
-        result.warnings.extend(rewritten["report"]["warnings"])
+    if "report" in job.rewritten:
+        result.extra["folder_rewrite"] = job.rewritten["report"]
+        result.warnings.extend(job.rewritten["report"]["warnings"])
     if result.layout == "file":  # [issue 26] how the file just written loads, read from the file itself
         from ckpt_archive.ops.meta import restored_file_loading
 
-        plain = None if only else (gen.manifest.get("instructions") or {}).get("plain_parts")
+        plain = None if opts.only else (gen.manifest.get("instructions") or {}).get("plain_parts")
         result.extra["loading"] = restored_file_loading(out, plain_parts=plain)
-    note = copied_note(r, gen)
+    note = copied_note(job.r, gen)
     if note:
         result.warnings.append(note)
-    if consolidate is not None:
+    if plan.consolidate is not None:
         from ckpt_archive.sources.dcp import consolidate_dcp
 
-        target = consolidate_dcp(out, consolidate)
-        result.extra["consolidated"] = str(target)
+        result.extra["consolidated"] = str(consolidate_dcp(out, plan.consolidate))
     return result
 
 
@@ -448,4 +583,4 @@ class _Counted:
         self._fh.flush()
 
 
-__all__ = ["restore", "RestoreResult"]
+__all__ = ["restore", "RestoreOptions", "RestoreResult", "apply_mode"]

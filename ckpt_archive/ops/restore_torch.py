@@ -63,13 +63,52 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Entry, on_bytes=N
             record this module does not recognise.
         OSError: the file cannot be written (``target`` is removed).
     """
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ckpt_archive.format import fingerprint
-    from ckpt_archive.format.state_tree import decode, torch_dtype
+    from ckpt_archive.format.state_tree import decode
     from ckpt_archive.format.tree_walk import iter_nodes
-    from ckpt_archive.repo.trial_reload import check_leaf_fp, check_leaf_geometry, check_tree_kinds
+
+    torch_leaves = _torch_leaves(reader, tree)
+    if torch_leaves is None:
+        return None
+    # NumPy arrays are pickled inline by torch.save: they are decoded (and checked) for real
+    numpy_nodes = [node for node in iter_nodes(tree) if node.get("$t") == "ndarray"]
+    numpy_values = dict(zip((n["key"] for n in numpy_nodes), reader.load_node(numpy_nodes))) if numpy_nodes else {}
+    member_of, entry_rec = _tensor_entries(reader)
+    fake = _fake_leaves(reader.manifest["tensors"], torch_leaves, entry_rec)
+    if fake is None:
+        return None
+    bases, built, part_views = fake
+    built.update(numpy_values)
+    try:
+        state = decode(tree, built.__getitem__)
+    except Exception:  # noqa: BLE001 - an object that does not take a fake tensor: the general path decodes
+        return None  # it for real (and raises the same error there if the tree itself is at fault)
+    named = _write_skeleton(state, target)
+    if named is None:
+        return None
+    storage_entry = {b.untyped_storage()._cdata: key for key, b in bases.items()}
+    try:
+        plan = _fill_plan(named, storage_entry)
+        if on_start is not None:
+            on_start()
+        size = _fill(reader, target, plan, member_of, on_bytes, part_views)
+    except _Fallback:
+        target.remove()
+        return None
+    except BaseException:
+        target.remove()
+        raise
+    return size
+
+
+def _torch_leaves(reader: ArchiveReader, tree: Any) -> list[str] | None:
+    """The torch tensor leaves ``tree`` references (its NumPy ones aside), or None when the state needs the
+    general path (a declined node, a parameter or a tensor with bits, views of one storage as two dtypes).
+
+    Raises:
+        IntegrityError: the tree references a tensor the manifest does not hold, or kinds that disagree.
+    """
+    from ckpt_archive.format.tree_walk import iter_nodes
+    from ckpt_archive.repo.trial_reload import check_tree_kinds
 
     tensors = reader.manifest["tensors"]
     refs = set(tensor_refs(tree))
@@ -77,7 +116,6 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Entry, on_bytes=N
     if any(_declined(node) for node in iter_nodes(tree)):
         return None
     torch_leaves = []
-    numpy_nodes = [node for node in iter_nodes(tree) if node.get("$t") == "ndarray"]
     for leaf in refs:
         lrec = tensors.get(leaf)
         if lrec is None:
@@ -93,19 +131,42 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Entry, on_bytes=N
         dtypes.setdefault(tensors[leaf]["entry"], set()).add(tensors[leaf]["dtype"])
     if any(len(d) > 1 for d in dtypes.values()):
         return None  # views of one storage as different dtypes: torch.save refuses such a state itself
-    # NumPy arrays are pickled inline by torch.save: they are decoded (and checked) for real
-    numpy_values = dict(zip((n["key"] for n in numpy_nodes), reader.load_node(numpy_nodes))) if numpy_nodes else {}
-    member_of = {}
-    entry_rec = {}
+    return torch_leaves
+
+
+def _tensor_entries(reader: ArchiveReader) -> tuple[dict, dict]:
+    """``({entry key: its tensors member}, {entry key: its entry record})`` of the generation."""
+    member_of, entry_rec = {}, {}
     for m in reader.manifest["members"]:
         if m["role"] == "tensors":
             for key, erec in m["entries"].items():
                 member_of[key], entry_rec[key] = m, erec
-    mode = FakeTensorMode()
-    part_views: dict[str, list] = {}  # entry key -> [(leaf, record)] of views of part of it
+    return member_of, entry_rec
+
+
+def _fake_leaves(tensors: dict, torch_leaves: list[str], entry_rec: dict) -> tuple[dict, dict, dict] | None:
+    """Every torch leaf as a view of one fake storage per entry (``FakeTensorMode``), after the trial
+    reload's checks of the leaf against its entry (dtype, shape, a view's bounds).
+
+    Returns:
+        ``(bases: {entry key: fake base tensor}, built: {leaf: fake tensor}, part_views: {entry key: [(leaf,
+        record)] of views of part of it}, checked by ``_fill`` when the entry is decoded)``, or None when the
+        state needs the general path.
+
+    Raises:
+        IntegrityError: a leaf names an entry no tensors member holds, or disagrees with it.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ckpt_archive.format import fingerprint
+    from ckpt_archive.format.state_tree import torch_dtype
+    from ckpt_archive.repo.trial_reload import check_leaf_fp, check_leaf_geometry
+
+    part_views: dict[str, list] = {}
     bases: dict[str, Any] = {}
-    built: dict[str, Any] = dict(numpy_values)
-    with mode:
+    built: dict[str, Any] = {}
+    with FakeTensorMode():
         for leaf in sorted(torch_leaves):
             lrec = tensors[leaf]
             key = lrec["entry"]
@@ -113,8 +174,6 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Entry, on_bytes=N
             if erec is None:
                 raise IntegrityError(f"tensor {leaf!r} names entry {key!r}, which no tensors member holds",
                                      where="manifest.json")
-            # the trial reload's checks of the leaf against its entry (dtype, shape, a view's bounds);
-            # a view of part of its entry has its own bytes, checked by _fill when the entry is decoded
             start, end = erec["data_offsets"]
             if check_leaf_geometry(erec, lrec, leaf, end - start):
                 check_leaf_fp(lrec, leaf, fingerprint.raw_fp(erec))  # its bytes are the entry's
@@ -124,7 +183,6 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Entry, on_bytes=N
                 view = lrec.get("view")
                 dname = view["entry_dtype"] if view and "entry_dtype" in view else lrec["dtype"]
                 base = torch.empty(erec["shape"], dtype=torch_dtype(dname))
-                start, end = erec["data_offsets"]
                 if base.untyped_storage().nbytes() != end - start:
                     return None  # an entry whose bytes are not one whole storage of its dtype
                 bases[key] = base
@@ -132,37 +190,40 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Entry, on_bytes=N
                 built[leaf] = leaf_from_base(bases[key], lrec)
             except (RuntimeError, ValueError, TypeError):
                 return None  # torch refuses what the record says: the general path names it (IntegrityError)
-    storage_entry = {b.untyped_storage()._cdata: key for key, b in bases.items()}
-    try:
-        state = decode(tree, built.__getitem__)
-    except Exception:  # noqa: BLE001 - an object that does not take a fake tensor: the general path decodes
-        return None  # it for real (and raises the same error there if the tree itself is at fault)
+    return bases, built, part_views
+
+
+def _write_skeleton(state: Any, target: Entry) -> dict | None:
+    """Create ``target`` and let ``torch.save`` write the state's skeleton into it (:func:`_save_skeleton`);
+    returns the storages torch named, or None (``target`` removed) when torch's fake-tensor save does not
+    take the state.
+
+    Raises:
+        OSError: the file cannot be written (``target`` removed; the general path would meet the same).
+    """
     try:
         os.close(target.create())  # the name is ours (O_EXCL | O_NOFOLLOW) before torch writes it by path
-        named = _save_skeleton(state, target.path)
+        return _save_skeleton(state, target.path)
     except OSError:
         target.remove()
         raise  # disk full, permissions: the general path would meet the same
     except Exception:  # noqa: BLE001 - a torch without skip_data(materialize_fake_tensors) (< 2.5), or a
         target.remove()  # value its fake-tensor save does not take: the general path writes it
         return None
-    try:
-        plan = []  # (record name, entry key or real storage)
-        for key, storage in named.items():
-            entry = storage_entry.get(storage._cdata)
-            if entry is None and (storage.device.type != "cpu" or type(storage) is not torch.UntypedStorage):
-                raise _Fallback()
-            plan.append((f"data/{key}", entry if entry is not None else storage))
-        if on_start is not None:
-            on_start()
-        size = _fill(reader, target, plan, member_of, on_bytes, part_views)
-    except _Fallback:
-        target.remove()
-        return None
-    except BaseException:
-        target.remove()
-        raise
-    return size
+
+
+def _fill_plan(named: dict, storage_entry: dict) -> list[tuple[str, Any]]:
+    """``[(record name, entry key or real storage)]`` for each storage torch named; a storage that is neither
+    one of ours nor a small real CPU one raises :class:`_Fallback`."""
+    import torch
+
+    plan = []
+    for key, storage in named.items():
+        entry = storage_entry.get(storage._cdata)
+        if entry is None and (storage.device.type != "cpu" or type(storage) is not torch.UntypedStorage):
+            raise _Fallback()
+        plan.append((f"data/{key}", entry if entry is not None else storage))
+    return plan
 
 
 class _Fallback(Exception):
@@ -318,3 +379,6 @@ def _check_part_views(fd: int, start: int, erec: dict, views: list, check_leaf_b
     for leaf, lrec in views:
         check_leaf_bytes(buf, erec, lrec, leaf, entry_fp)
     del buf  # the map is closed when the last view of it goes
+
+
+__all__ = ["write_torch_file"]

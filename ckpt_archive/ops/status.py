@@ -29,6 +29,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
+from typing import Any, Mapping
 
 from ckpt_archive.errors import UsageError
 from ckpt_archive.format import jsonio
@@ -113,7 +114,8 @@ class StatusReport:
 
 
 def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | os.PathLike | None = None,
-           record: bool = True, now: dt.datetime | None = None, **store_options) -> StatusReport:
+           record: bool = True, now: dt.datetime | None = None,
+           store_options: Mapping[str, Any] | None = None) -> StatusReport:
     """Check that a repository's newest usable generation is fresh and advancing (the watchdog).
 
     Args:
@@ -123,13 +125,16 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
         state: the file remembering the last check (default :func:`default_state_file`).
         record: remember this check for the next one (the step check compares with it).
         now: the time to judge by (default now, UTC).
+        store_options: for URL repositories, one mapping (``{"endpoint_url": ..., "storage_options": {...}}``;
+            :func:`~ckpt_archive.ops.common.open_repo`).
 
     Returns:
         :class:`StatusReport` (``ok`` False: exit 1).
 
     Raises:
         NotFound / StoreError: the repository cannot be read (exit 2). UsageError: a bad ``max_age``, or a
-            ``state`` path that is a FIFO, device or socket.
+            ``state`` path that is a FIFO, device or socket. TypeError: an unknown keyword argument or store
+            option.
 
     Example:
         >>> import torch, ckpt_archive, tempfile, os
@@ -140,7 +145,7 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
         (True, 1, 5)
     """
     limit = parse_age(max_age) if max_age is not None else None
-    r = open_repo(repo, **store_options)
+    r = open_repo(repo, store_options)
     now = now or utcnow()
     gens = r.generations()
     counts: dict[str, int] = {}
@@ -153,34 +158,9 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
 
     refuse_special_output(state_path, option="--state")  # a FIFO would block the read, then be replaced
     previous = _read_previous(state_path, r.location)
-    problems: list[str] = []
     created = newest.created if newest else None
     age = (now - created).total_seconds() if created else None
-    if newest is None:
-        text = "no usable generation"
-        if counts.get("copied"):
-            text += f" ({counts['copied']} copied: `ckpt-archive adopt {r.location}` makes them usable here)"
-        problems.append(text)
-    elif age is not None and age < -CLOCK_SKEW_TOLERANCE_S:
-        # A future date (a fast clock on the trainer's host, a hand-edit) would stay "fresh" forever and
-        # says nothing about progress either: unhealthy, and not compared with the last check's step.
-        problems.append(f"the newest usable generation ({newest.number}, step {newest.step}) is dated "
-                        f"{iso(created)}, {_human_age(-age)} in the future (clock skew of more than "
-                        f"{_human_age(CLOCK_SKEW_TOLERANCE_S)} between the host that wrote it and this one, or an "
-                        f"edited manifest): its age cannot be judged")
-    else:
-        if limit is not None and (age is None or age > limit):
-            problems.append(f"the newest usable generation ({newest.number}, step {newest.step}) is "
-                            f"{_human_age(age)} old, more than --max-age {_human_age(limit)}")
-        if previous and isinstance(previous.get("generation"), int) and newest.number > previous["generation"]:
-            before, after = previous.get("step"), newest.step
-            if isinstance(before, int) and isinstance(after, int) and after <= before:
-                problems.append(f"the step did not advance: generation {newest.number} holds step {after}, the "
-                                f"last check ({previous.get('checked')}) saw generation {previous['generation']} "
-                                f"at step {before}")
-        if previous and isinstance(previous.get("generation"), int) and newest.number < previous["generation"]:
-            problems.append(f"the newest usable generation went back from {previous['generation']} to "
-                            f"{newest.number} since the last check ({previous.get('checked')})")
+    problems = _problems(r.location, newest, counts, age, limit, previous)
     report = StatusReport(r.location, not problems, problems, newest.number if newest else None,
                           newest.step if newest else None, iso(created) if created else None,
                           round(age, 3) if age is not None else None, limit, previous,
@@ -190,6 +170,46 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
         _remember(state_path, r.location, {"generation": newest.number, "step": newest.step,
                                            "checked": iso(now)})
     return report
+
+
+def _problems(location: str, newest: Any, counts: dict, age: float | None, limit: float | None,
+              previous: dict | None) -> list[str]:
+    """Why the repository is not healthy, one line each: no usable generation; the newest dated in the future
+    (beyond :data:`CLOCK_SKEW_TOLERANCE_S`); older than ``limit`` seconds; its step not advancing, or it going
+    back, since the ``previous`` check."""
+    if newest is None:
+        text = "no usable generation"
+        if counts.get("copied"):
+            text += f" ({counts['copied']} copied: `ckpt-archive adopt {location}` makes them usable here)"
+        return [text]
+    if age is not None and age < -CLOCK_SKEW_TOLERANCE_S:
+        # A future date (a fast clock on the trainer's host, a hand-edit) would stay "fresh" forever and
+        # says nothing about progress either: unhealthy, and not compared with the last check's step.
+        return [f"the newest usable generation ({newest.number}, step {newest.step}) is dated "
+                f"{iso(newest.created)}, {_human_age(-age)} in the future (clock skew of more than "
+                f"{_human_age(CLOCK_SKEW_TOLERANCE_S)} between the host that wrote it and this one, or an "
+                f"edited manifest): its age cannot be judged"]
+    problems: list[str] = []
+    if limit is not None and (age is None or age > limit):
+        problems.append(f"the newest usable generation ({newest.number}, step {newest.step}) is "
+                        f"{_human_age(age)} old, more than --max-age {_human_age(limit)}")
+    return problems + _progress_problems(newest, previous)
+
+
+def _progress_problems(newest: Any, previous: dict | None) -> list[str]:
+    """The step did not advance with a newer generation, or the newest went back, since the last check."""
+    if not previous or not isinstance(previous.get("generation"), int):
+        return []
+    if newest.number > previous["generation"]:
+        before, after = previous.get("step"), newest.step
+        if isinstance(before, int) and isinstance(after, int) and after <= before:
+            return [f"the step did not advance: generation {newest.number} holds step {after}, the "
+                    f"last check ({previous.get('checked')}) saw generation {previous['generation']} "
+                    f"at step {before}"]
+    if newest.number < previous["generation"]:
+        return [f"the newest usable generation went back from {previous['generation']} to "
+                f"{newest.number} since the last check ({previous.get('checked')})"]
+    return []
 
 
 def _read_previous(path: Path, location: str) -> dict | None:

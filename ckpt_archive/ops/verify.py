@@ -279,7 +279,7 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
         >>> report.ok, report.generation, report.problems
         (True, 1, [])
     """
-    r = open_repo(repo, **dict(store_options or {}))
+    r = open_repo(repo, store_options)
     gen = r.resolve(generation)
     marked = False
     not_marked = None
@@ -368,7 +368,7 @@ class AdoptReport:
 
 
 def adopt(repo: RepoLike, *, jobs: int | None = None, wait: float = 0.0, on_bytes=None,
-          on_generation=None, **store_options) -> AdoptReport:
+          on_generation=None, store_options: Mapping[str, Any] | None = None) -> AdoptReport:
     """Make every ``copied`` generation of a repository usable at its new place, in one run.
 
     A repository moved or copied by another tool (``cp -a``, ``rsync``, ``aws s3 sync``) holds
@@ -382,12 +382,15 @@ def adopt(repo: RepoLike, *, jobs: int | None = None, wait: float = 0.0, on_byte
         jobs: decoder threads. wait: seconds to wait for the writer lock.
         on_bytes: progress callback (raw bytes decoded).
         on_generation: called ``(generation, index, count)`` as each copied generation starts.
+        store_options: for URL repositories, one mapping (``{"endpoint_url": ..., "storage_options": {...}}``;
+            :func:`~ckpt_archive.ops.common.open_repo`).
 
     Returns:
         :class:`AdoptReport` (``ok`` False when a copied generation failed its check: exit 1).
 
     Raises:
-        NotFound: not a repository. LockError: another writer holds the lock (exit 2).
+        NotFound: not a repository. LockError: another writer holds the lock (exit 2). TypeError: an unknown
+            keyword argument or store option.
 
     Example:
         >>> import shutil, torch, ckpt_archive, tempfile, os
@@ -399,7 +402,7 @@ def adopt(repo: RepoLike, *, jobs: int | None = None, wait: float = 0.0, on_byte
     """
     from ckpt_archive.repo.publish import adopt as publish_adopt
 
-    r = open_repo(repo, **store_options)
+    r = open_repo(repo, store_options)
     report = AdoptReport(r.location)
     with r.lock(wait):
         gens = r.generations()

@@ -1104,3 +1104,7 @@ def _key_kind(k) -> str:
     if isinstance(k, dict):
         return str(k.get("$t"))
     return type(k).__name__ if k is not None else "None"
+
+
+__all__ = ["FILES_IN_FLIGHT", "Problem", "ArchiveReader", "SizeOnly", "ProvenSize", "tensor_refs", "entry_tensor",
+           "leaf_from_base", "check_leaf", "subtree", "check_only"]

@@ -341,3 +341,5 @@ def check_entry_leaves(tensors: dict, rec: dict, erec: dict, buf, leaves: list[s
     return passed
 
 
+__all__ = ["TORCH_ITEMSIZE", "trial_reload", "data_ids", "index_problems", "exact_sha256_problems", "rebuilt_sha256",
+           "check_entry_leaves", "check_leaf_bytes", "check_leaf_fp", "check_leaf_geometry", "check_tree_kinds"]

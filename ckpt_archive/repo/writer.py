@@ -418,3 +418,6 @@ def _write_tensors(w: GenerationWriter, table: TensorTable, *, prefix: str = "",
         tensors[leaf] = rec
     return tensors
 
+
+__all__ = ["SHARD_BYTES", "FILE_READ_BYTES", "TREE_MEMBER", "stored_name", "GenerationWriter", "write_members",
+           "write_tree_and_data_ids", "write_tensor_members", "LOOKAHEAD_BYTES"]

@@ -616,3 +616,6 @@ def _verdict(determinism: dict, positive: dict, positive_ok: bool, entries: list
     return {"all_ok": positive_ok and controls_ok and not problems,
             "negative_detected": bool(relevant) and all(e["diverged"] for e in relevant),
             "problems": problems, "warnings": warnings}
+
+
+__all__ = ["Event", "check_resume", "REPORT_FILE", "write_report"]

@@ -572,3 +572,8 @@ def compact(cmp: dict) -> dict:
     out = {k: cmp.get(k) for k in keep}
     out["final_state_first_divergent_field"] = cmp["final_state"]["first_divergent_field"]
     return out
+
+
+__all__ = ["TRAINING_KEYS", "MAX_LISTED", "within_tolerance", "TreeDiff", "compare_trajectories", "span",
+           "compare_runs", "describe", "MAX_DATA_IDS_LISTED", "data_ids_differences", "ids_named", "short_value",
+           "compact"]

@@ -388,3 +388,7 @@ def control_verdict(cmp: dict | None, *, name: str, kind: str, label: str, expec
 def script_control_name(args: Sequence[str]) -> str:
     """``["--omit-rng-restore"]`` -> ``"omit-rng-restore"`` (the name in ``negative_controls``)."""
     return " ".join(args).lstrip("-") or "script"
+
+
+__all__ = ["TOOL_CONTROLS", "CONTROL_ALIASES", "CONTROL_LABELS", "STREAMS", "canonical_control", "Perturbation",
+           "perturb", "control_verdict", "script_control_name"]

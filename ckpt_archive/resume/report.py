@@ -198,3 +198,7 @@ def build_report(*, kind: str, command: list[str], steps: int, interrupt_at: int
         "seconds": round(seconds, 3),
         "output": str(output),
     }
+
+
+__all__ = ["REPORT_FORMAT", "REPORT_VERSION", "REPORT_FILE", "SCHEMA_FILE", "utc_now", "tool_version", "schema_path",
+           "validate_report", "write_report", "draw_picture", "record_last_check", "interruption_facts", "build_report"]

@@ -210,3 +210,6 @@ def prepare_output(output: str | os.PathLike | None, *, default_prefix: str) -> 
 def run_name(control: str) -> str:
     """The run (and folder) name of a control: ``control-<name>`` with unsafe characters replaced."""
     return "control-" + (re.sub(r"[^A-Za-z0-9_.-]+", "_", control).strip("_") or "script")
+
+
+__all__ = ["RunRecord", "run_command", "require_ok", "load_checkpoint", "ArchiveLoop", "prepare_output", "run_name"]

@@ -72,3 +72,6 @@ def expand_command(template: Sequence[str], *, steps: int, output: str | os.Path
             arg = arg.replace("{resume}", str(resume))
         argv.append(fill(arg))
     return argv
+
+
+__all__ = ["check_template", "expand_command"]

@@ -292,3 +292,7 @@ def load_trajectory(path: str | os.PathLike) -> dict:
         final["next_lr"] = [decode_float(x) for x in final["next_lr"]]
     data["final"] = final
     return data
+
+
+__all__ = ["TRAJECTORY_FILE", "CHECKPOINT_FILE", "FORMAT", "VERSION", "NEXT_DRAWS", "encode_float", "decode_float",
+           "tensor_digest", "Trajectory", "load_trajectory"]

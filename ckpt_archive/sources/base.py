@@ -155,3 +155,7 @@ def from_object(state: Any, *, progress: dict | None = None) -> SourceCheckpoint
     """Wrap a nested state handed to the Python API."""
     return SourceCheckpoint(format="python-object", layout="file", state=state,
                             files=[SourceFile("", "torch", None)], progress=dict(progress or {}))
+
+
+__all__ = ["FILE_KINDS", "SourceFile", "SourceCheckpoint", "READERS", "library_path", "register", "read_source",
+           "from_object"]

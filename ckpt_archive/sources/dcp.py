@@ -438,3 +438,7 @@ def _read(path: Path, *, allow_numpy: bool = False, **_options) -> SourceCheckpo
 
 
 register("dcp", _detect, _read, priority=10)
+
+
+__all__ = ["METADATA_NAME", "SHARD_SUFFIX", "MetadataUnpickler", "read_dcp_metadata", "describe_dcp",
+           "check_dcp_record", "check_dcp_folder", "attach_dcp_info", "consolidate_dcp"]

@@ -318,3 +318,7 @@ def cannot_round_trip(obj) -> str | None:
 def file_sizes(files: Iterable[SourceFile]) -> dict[str, int]:
     """relpath -> size in bytes for files on disk."""
     return {f.relpath: f.path.stat().st_size for f in files if f.path is not None}
+
+
+__all__ = ["TORCH_SUFFIXES", "torch_magic", "is_dcp_file", "load_safetensors", "classify_file", "read_folder",
+           "cannot_round_trip", "file_sizes"]

@@ -114,3 +114,6 @@ def _read_folder(path: Path, *, allow_numpy: bool = False, **_options) -> Source
 register("safetensors-file", _detect_safetensors, _read_safetensors, priority=40)
 register("rank-files", _detect_rank_files, _read_rank_files, priority=60)
 register("folder", _detect_folder, _read_folder, priority=95)
+
+
+__all__ = []

@@ -336,3 +336,6 @@ def _read_accelerate(path: Path, *, allow_numpy: bool = False, **_options) -> So
 
 register("hf-trainer", _detect_hf, _read_hf, priority=20)
 register("accelerate", _detect_accelerate, _read_accelerate, priority=25)
+
+
+__all__ = ["TRAINER_STATE", "TRAINING_ARGS", "optimizer_facts", "scheduler_facts", "scaler_facts", "rng_facts"]

@@ -137,3 +137,6 @@ def _plain(v) -> bool:
 
 
 register("lightning", _detect, _read, priority=30)
+
+
+__all__ = []

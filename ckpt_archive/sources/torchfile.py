@@ -222,17 +222,39 @@ def _check_mapped_storages(state, path) -> None:
 
     from ckpt_archive.format.exact_bytes import zip_records
 
+    maps = _file_mappings(path)
+    records = {start: length for start, length, _, name, stored in zip_records(Path(path))
+               if stored and "/data/" in name}
+    for x in _tensors_in(state, torch):
+        try:
+            storage = x.untyped_storage()
+            ptr, n = storage.data_ptr(), storage.nbytes()
+        except Exception:  # noqa: BLE001 - sparse/quantized/nested: storages rebuilt, not the file's
+            continue
+        at = next((ptr - lo + off for lo, hi, off in maps if lo <= ptr < hi), None)
+        if n and at is not None and records.get(at) != n:
+            raise SourceError(f"a tensor's storage of {n} bytes at offset {at} of the file is not a record of "
+                              f"that size (record: {records.get(at)} bytes): torch.load without mmap refuses "
+                              f"this file", where=str(path))
+
+
+def _file_mappings(path) -> list[tuple[int, int, int]]:
+    """This process's mappings of ``path`` (``/proc/self/maps``): (low address, high address, file offset)."""
     st = os.stat(path)
-    maps = []  # (low address, high address, file offset) of this file's mappings
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    maps = []
     with open(_MAPS) as fh:
         for line in fh:
             parts = line.split()
-            if len(parts) >= 6 and parts[4] == str(st.st_ino) and \
-                    parts[3] == f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}":
+            if len(parts) >= 6 and parts[4] == str(st.st_ino) and parts[3] == dev:
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 maps.append((lo, hi, int(parts[2], 16)))
-    records = {start: length for start, length, _, name, stored in zip_records(Path(path))
-               if stored and "/data/" in name}
+    return maps
+
+
+def _tensors_in(state, torch):
+    """Every tensor reachable from ``state`` (dict keys and values, sequences, sets, objects' ``__dict__``),
+    each once."""
     stack, seen = [state], set()
     while stack:
         x = stack.pop()
@@ -240,16 +262,7 @@ def _check_mapped_storages(state, path) -> None:
             continue
         seen.add(id(x))
         if isinstance(x, torch.Tensor):
-            try:
-                storage = x.untyped_storage()
-                ptr, n = storage.data_ptr(), storage.nbytes()
-            except Exception:  # noqa: BLE001 - sparse/quantized/nested: storages rebuilt, not the file's
-                continue
-            at = next((ptr - lo + off for lo, hi, off in maps if lo <= ptr < hi), None)
-            if n and at is not None and records.get(at) != n:
-                raise SourceError(f"a tensor's storage of {n} bytes at offset {at} of the file is not a record of "
-                                  f"that size (record: {records.get(at)} bytes): torch.load without mmap refuses "
-                                  f"this file", where=str(path))
+            yield x
         elif isinstance(x, dict):
             stack.extend(x.keys())
             stack.extend(x.values())
@@ -290,3 +303,6 @@ def _read_torch_free(path: Path, zip_crc_checked: bool):
 
 
 register("torch-file", _looks_like_torch_file, _read, priority=90)
+
+
+__all__ = ["numpy_safe_globals", "diagnose_unreadable", "check_zip_records", "load_torch_file"]

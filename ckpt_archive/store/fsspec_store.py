@@ -419,3 +419,6 @@ class _FsspecPending:
             self.cm.__exit__(RuntimeError, RuntimeError("aborted"), None)
         with _cl.suppress(Exception):
             self.store.remove(self.tmp)
+
+
+__all__ = ["FsspecStore"]

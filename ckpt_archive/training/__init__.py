@@ -27,3 +27,6 @@ Everything here works on the plain nested state (as returned by ``torch.load(wei
 state on a dummy optimizer), and nothing reads an archive (:mod:`ckpt_archive.ops.audit_read` does), judges a
 generation (:mod:`ckpt_archive.ops.policy_check` does) or prints (:mod:`ckpt_archive.cli.policy_views` does).
 """
+
+
+__all__ = []

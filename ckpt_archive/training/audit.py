@@ -567,3 +567,6 @@ def _notes(state: Any, parts: dict, keys: dict | None) -> list[str]:
                                  f"{str(sch_entries[i][0]) if i < len(sch_entries) else '-'}"
                                  for i in range(max(len(opt_entries), len(sch_entries)))))
     return notes
+
+
+__all__ = ["Finding", "GroupPolicy", "Override", "PolicyAudit", "counters_finding", "missing_scheduler_message", "audit"]

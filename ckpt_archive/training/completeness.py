@@ -260,3 +260,6 @@ def _stateless(opt_sd: dict) -> bool:
     groups = opt_sd.get("param_groups") if isinstance(opt_sd, dict) else None
     return bool(groups) and all(isinstance(g, dict) and g.get("momentum", None) == 0 and "betas" not in g
                                 for g in groups)
+
+
+__all__ = ["lint_completeness", "config_disagreements", "policy_section"]

@@ -169,3 +169,7 @@ def impose_plateau(groups: list, sd: dict | None, wants: list, olds: list, ofiel
         last = sd.get("_last_lr")
         if isinstance(last, list) and i < len(last):
             put(last, i, new, f"{sfield}._last_lr[{i}]", changes, note)
+
+
+__all__ = ["base_kind", "plateau_reductions", "plateau_bases", "cyclic_slots", "cyclic_wants", "impose_cyclic",
+           "impose_plateau"]

@@ -336,3 +336,8 @@ def rng_streams(state: Any) -> dict[str, list[StatePath]]:
         elif is_torch_rng_state(path, node):
             found.setdefault("torch", []).append(path)
     return found
+
+
+__all__ = ["PARTS", "CONVENTIONAL_KEYS", "RNG_STREAMS", "ALIASES", "is_tensor", "norm_key", "looks_like", "find_parts",
+           "newest_container", "sub_checkpoints", "rng_streams_by_key", "is_python_rng_state", "is_numpy_rng_state",
+           "is_numpy_legacy_rng_state", "is_torch_rng_state", "rng_streams"]

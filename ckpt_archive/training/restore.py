@@ -300,3 +300,6 @@ def _log_summary(log: logging.Logger, warnings: list[str], restored: list[str], 
     where = f" at step {pos}" if pos is not None else ""
     log.info("restored %s%s (policy %s): next step LR %s", ", ".join(restored) or "nothing", where, policy,
              ", ".join(f"group {i}={fmt_value(v)}" for i, v in enumerate(next_lrs)) or "unknown")
+
+
+__all__ = ["LOGGER_NAME", "RestoreReport", "restore_training_state"]

@@ -165,3 +165,6 @@ def restore_rng(raw: Any, rng: bool | dict = True) -> RngRestore:
         out.warnings.append(f"RNG streams not in the checkpoint: {', '.join(absent)}: they continue from this "
                             f"process's seeds: not bitwise-resumable")
     return out
+
+
+__all__ = ["RngRestore", "restore_rng"]

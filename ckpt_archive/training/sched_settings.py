@@ -148,3 +148,6 @@ def _move_phases(phases: list, old_total: float | None, new_total: float) -> str
     for p, e in zip(phases, new_ends):
         p["end_step"] = type(p["end_step"])(e) if isinstance(p["end_step"], (int, float)) else e
     return f"phase end steps moved to {', '.join(f'{e:g}' for e in new_ends)} (pct_start {pct:g} kept)"
+
+
+__all__ = ["SECTIONS", "PROGRESS", "config_settings", "differences", "impose"]

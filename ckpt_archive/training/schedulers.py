@@ -205,3 +205,6 @@ def primary_base_lrs(sd: dict) -> list:
 
         idx = min(bisect.bisect_right(list(ms), le), len(subs) - 1)
     return primary_base_lrs(subs[idx]) or next((b for s in subs if (b := primary_base_lrs(s))), [])
+
+
+__all__ = ["scheduler_kind", "derive_lrs", "nested_base_lrs", "primary_base_lrs"]

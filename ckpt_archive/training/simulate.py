@@ -308,3 +308,6 @@ def depends_on_session(sch_sd: dict, n_groups: int, steps: int = 2
     same = all(x == y or math.isclose(x, y, rel_tol=1e-12)
                for sa, sb in zip(a.lrs[1:], b.lrs[1:]) for x, y in zip(sa, sb))
     return a.lrs[1:], not same, None
+
+
+__all__ = ["LR_FIELDS", "Simulation", "guessed_factors", "simulate", "depends_on_session"]

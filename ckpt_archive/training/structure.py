@@ -143,3 +143,6 @@ def check_structure(parts: dict[str, tuple[str | None, Any]], *, model: Any, opt
         if n and n != len(optimizer.param_groups):
             raise IncoherentState(f"scheduler state has {n} param group(s), the optimizer {len(optimizer.param_groups)} "
                                   "(nothing was restored)", where=sfield)
+
+
+__all__ = ["check_structure"]

@@ -123,3 +123,7 @@ def flatten(d: Any, prefix: tuple = ()) -> Iterable[tuple[tuple, Any]]:
             yield from flatten(v, prefix + (str(k),))
     else:
         yield prefix, d
+
+
+__all__ = ["LR_RTOL", "DERIVED_RTOL", "fmt_value", "fmt_pair", "jsonable", "as_number", "as_float", "nearly_equal",
+           "coerce_float", "flatten"]

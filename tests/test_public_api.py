@@ -1,0 +1,178 @@
+"""The library's public surface keeps one shape (docs/api.md, issue 25 "The library gives the CLI's verdict").
+
+Faults guarded against: ``verify(repo, strict=True)`` returned ``ok=True`` where ``verify --strict`` exits 1,
+because ``strict`` was swallowed by ``**store_options``; ``export`` said ``lock_wait`` / ``storage_options``
+where every other operation says ``wait`` / ``store_options``; ``inspect`` returned a dict; ``ExportResult``
+was not importable from ``ckpt_archive``; modules without ``__all__``.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import pathlib
+
+import pytest
+import torch
+
+import ckpt_archive
+from ckpt_archive.errors import UsageError
+
+PACKAGE = pathlib.Path(ckpt_archive.__file__).parent
+PUBLIC = sorted(ckpt_archive.__all__)
+
+
+def _public_callables():
+    for name in PUBLIC:
+        obj = getattr(ckpt_archive, name)
+        if callable(obj):
+            yield name, obj
+
+
+def _positional_dummies(fn) -> list:
+    """``None`` for every required positional parameter: the call fails at argument binding, before any of
+    the function's body runs, when a keyword is unknown."""
+    sig = inspect.signature(fn)
+    return [None for p in sig.parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _public_callables()])
+def test_no_public_operation_swallows_unknown_keyword_arguments(name):
+    """A ``**kwargs`` in a public signature drops a misspelt option silently (``strcit=True``), and the caller
+    gets a result that is not what they asked for."""
+    fn = getattr(ckpt_archive, name)
+    sig = inspect.signature(fn)
+    assert not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()), f"{name}{sig} takes **kwargs"
+    with pytest.raises(TypeError, match="definitely_not_an_option"):
+        fn(*_positional_dummies(fn), definitely_not_an_option=1)
+
+
+def test_every_public_result_and_options_type_is_exported():
+    """``ExportResult`` (and ``InspectResult``, ``RestoreOptions``) had to be imported from ``ckpt_archive.ops.*``."""
+    for name in ("PackOptions", "Annotations", "RestoreOptions", "PackResult", "VerifyReport", "RestoreResult",
+                 "InspectResult", "AdoptReport", "StatusReport", "ExportResult", "PruneResult", "ForgetResult",
+                 "GcResult", "BackupResult", "RestoreReport", "PolicyVerdict"):
+        assert name in ckpt_archive.__all__ and inspect.isclass(getattr(ckpt_archive, name)), name
+    for name in ("PackOptions", "Annotations", "RestoreOptions"):
+        assert getattr(ckpt_archive, name).__dataclass_params__.frozen, name
+
+
+def test_store_options_and_wait_have_one_name_in_every_operation():
+    """``export`` said ``lock_wait`` and ``storage_options``; ``restore`` and ``load`` took store options as
+    loose keywords. Every operation that opens a repository by path takes ``store_options``, every one that
+    takes a writer lock ``wait``."""
+    for name in ("load", "verify", "restore", "inspect", "list_generations", "adopt", "status", "export"):
+        assert "store_options" in inspect.signature(getattr(ckpt_archive, name)).parameters, name
+    for name in ("verify", "adopt", "prune", "forget", "gc", "backup", "export"):
+        assert "wait" in inspect.signature(getattr(ckpt_archive, name)).parameters, name
+    for old in ("lock_wait", "storage_options", "endpoint_url"):
+        assert old not in inspect.signature(ckpt_archive.export).parameters
+
+
+def test_restore_takes_one_options_object_naming_the_cli_options(tmp_path):
+    """``restore`` took 16 keyword arguments; its options are now fields of a frozen ``RestoreOptions``."""
+    fields = {f.name for f in dataclasses.fields(ckpt_archive.RestoreOptions)}
+    assert {"force", "only", "fallback", "unverified", "map_location", "jobs", "allow", "transform",
+            "folder_rewrite", "consolidate", "data_ids", "allow_data_change"} == fields
+    params = inspect.signature(ckpt_archive.restore).parameters
+    assert not fields & set(params), "an option of RestoreOptions is also a keyword of restore"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ckpt_archive.RestoreOptions().force = True
+    repo, out = tmp_path / "r", tmp_path / "o.pt"
+    ckpt_archive.pack({"model": {"w": torch.ones(2)}, "step": 3}, repo)
+    with pytest.raises(TypeError):  # the old keyword form is refused, not ignored
+        ckpt_archive.restore(repo, "latest", out, force=True)
+    with pytest.raises(TypeError, match="RestoreOptions"):
+        ckpt_archive.restore(repo, "latest", out, {"force": True})
+    res = ckpt_archive.restore(repo, "latest", out, ckpt_archive.RestoreOptions(only="model"))
+    assert res.only == "model" and set(torch.load(out, weights_only=True)) == {"w"}
+    res = ckpt_archive.restore(repo, "latest", out, ckpt_archive.RestoreOptions(force=True))
+    assert torch.load(out, weights_only=True)["step"] == 3
+
+
+def test_a_misspelt_store_option_is_refused_not_dropped(tmp_path):
+    """A key of ``store_options`` other than ``endpoint_url`` / ``storage_options`` (``endpoint=``) was passed
+    on, or for a local path dropped: the store was reached without the option the caller meant."""
+    repo = tmp_path / "r"
+    ckpt_archive.pack({"w": torch.ones(2)}, repo)
+    for op in (ckpt_archive.load, ckpt_archive.verify, ckpt_archive.inspect, ckpt_archive.list_generations,
+               ckpt_archive.status):
+        with pytest.raises(TypeError, match="endpoint"):
+            op(repo, store_options={"endpoint": "http://minio:9000"})
+    with pytest.raises(TypeError, match="endpoint"):
+        ckpt_archive.export(repo, tmp_path / "dest", dest_store_options={"endpoint": "http://minio:9000"})
+    assert not (tmp_path / "dest").exists()
+    opened = ckpt_archive.Repository.open(repo)
+    with pytest.raises(UsageError, match="open already"):
+        ckpt_archive.list_generations(opened, store_options={"endpoint_url": "http://minio:9000"})
+    assert [g.number for g in ckpt_archive.list_generations(repo, store_options={})] == [1]
+
+
+def test_inspect_returns_a_typed_result_the_cli_prints(tmp_path):
+    """``inspect`` returned a dict where every other operation returns a typed result with ``to_json()``."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    repo = tmp_path / "r"
+    ckpt_archive.pack({"w": torch.ones(2), "step": 5}, repo)
+    info = ckpt_archive.inspect(repo)
+    assert isinstance(info, ckpt_archive.InspectResult)
+    assert (info.generation, info.status, info.ok, info.manifest["progress"]["step"]) == (1, "usable", True, 5)
+    cli = CliRunner().invoke(app, ["inspect", str(repo), "--json"])
+    assert cli.exit_code == 0, cli.output
+    printed = json.loads(cli.stdout)
+    assert printed == json.loads(json.dumps(info.to_json()))
+    assert printed["ok"] is True and printed["generation"] == 1 and printed["policy"] == info.policy.to_json()
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _top_level_names(body: list) -> set[str]:
+    """Names a module binds at top level (definitions, assignments, imports), including inside ``if``/``try``."""
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.If, ast.Try)):
+            inner = node.body + node.orelse + getattr(node, "finalbody", [])
+            inner += [n for h in getattr(node, "handlers", []) for n in h.body]
+            names |= _top_level_names(inner)
+    return names
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[_module_name(p) for p in MODULES])
+def test_every_module_declares_all_with_names_it_binds(path):
+    """Without ``__all__`` a module's public surface is whatever it happens to import; a name listed there that
+    the module does not bind breaks ``from module import *``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    decl = [n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+            and any(isinstance(t, ast.Name) and t.id == "__all__"
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+    assert decl, f"{_module_name(path)} declares no __all__"
+    try:
+        listed = ast.literal_eval(decl[-1].value)
+    except ValueError:  # computed (ckpt_archive/__init__.py: lazily resolved names): every one must resolve
+        import importlib
+
+        module = importlib.import_module(_module_name(path))
+        missing = [n for n in module.__all__ if not hasattr(module, n)]
+    else:
+        assert len(listed) == len(set(listed)), f"{_module_name(path)}: __all__ lists a name twice"
+        missing = sorted(set(listed) - _top_level_names(tree.body))
+    assert not missing, f"{_module_name(path)}: __all__ lists names it does not bind: {missing}"
