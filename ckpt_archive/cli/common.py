@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import typer
 
+from ckpt_archive.ops.common import split_repo_spec  # noqa: F401 - REPO@GEN parsing lives in ops (integrations parse it too)
 from ckpt_archive.errors import EXIT_MEANINGS, CkptArchiveError, UsageError, exit_code_for
 
 
@@ -47,10 +48,6 @@ def exit_codes_help(meanings: dict[int, str] | None = None, codes: tuple[int, ..
     wanted = sorted(set(codes) | set(meanings) | {130})
     parts = [f"{c} {meanings.get(c, EXIT_MEANINGS[c])}" for c in wanted]
     return "\n\nExit codes: " + "; ".join(parts) + "."
-
-
-# REPO@GEN parsing lives in ops (the integrations parse it too; nothing imports cli): the name stays here
-from ckpt_archive.ops.common import split_repo_spec  # noqa: E402,F401
 
 
 #: ``--quiet`` of the command now running (set by :func:`command`; read by :class:`Output`).
