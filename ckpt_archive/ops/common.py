@@ -65,7 +65,33 @@ def require_readable(r: Repository, gen: Generation) -> Generation:
         if gen.error is not None:
             raise gen.error
         raise NoUsableGeneration(f"generation {gen.number} is {gen.status}: {gen.reason}", where=r.location)
+    check_trust(r, gen)
     return gen
+
+
+def check_trust(r: Repository, gen: Generation) -> None:
+    """A bad signature always refuses the generation; with trusted keys (``--trust``), so does a missing
+    signature or one by another key (docs/FORMAT.md, "Signatures").
+
+    Raises:
+        SignatureProblem: (exit 1) naming the generation and, where there is one, the signer's fingerprint.
+    """
+    from ckpt_archive.format.signature import SignatureProblem
+
+    if isinstance(gen.error, SignatureProblem):
+        raise SignatureProblem(f"generation {gen.number}: {gen.error.message}", where=gen.error.where)
+    if r.trust is None:
+        return
+    if gen.signer is None:
+        raise SignatureProblem(f"generation {gen.number} is not signed, and --trust requires a signature by "
+                               f"{_names(r.trust)}", where=r.location)
+    if gen.signer not in r.trust:
+        raise SignatureProblem(f"generation {gen.number} is signed by {gen.signer}, not by a trusted key "
+                               f"({_names(r.trust)})", where=r.location)
+
+
+def _names(trust: dict) -> str:
+    return ", ".join(sorted(trust)) if len(trust) <= 3 else f"one of {len(trust)} trusted keys"
 
 
 def copied_note(r: Repository, gen: Generation) -> str | None:

@@ -194,6 +194,8 @@ class Generation:
     manifest_sha256: str | None = None
     error: CkptArchiveError | None = None
     check_failed: dict | None = None  # the CHECK-FAILED.json note that made it ``damaged``, if one did
+    #: fingerprint (``SHA256:...``) of the key whose valid signature the marker carries, or None (unsigned)
+    signer: str | None = None
 
     def __repr__(self) -> str:
         return (f"Generation({self.number}, {self.status!r}, step={self.step!r}, "
@@ -247,7 +249,7 @@ class Generation:
                 "created": iso(created) if created else None, "raw_bytes": self.raw_bytes,
                 "stored_bytes": self.stored_bytes, "tags": self.tags, "metrics": self.metrics,
                 "archive_id": (self.manifest or {}).get("archive_id"),
-                "source_format": (self.manifest or {}).get("source", {}).get("format")}
+                "source_format": (self.manifest or {}).get("source", {}).get("format"), "signed_by": self.signer}
 
 
 class Repository:
@@ -259,10 +261,15 @@ class Repository:
         faults: the fault-injection hook the lifecycle calls at each step (:data:`NO_FAULTS`: none).
     """
 
-    def __init__(self, store: Store, config: dict, faults: Faults = NO_FAULTS):
+    def __init__(self, store: Store, config: dict, faults: Faults = NO_FAULTS, *, trust: dict | None = None,
+                 sign_key=None):
         self.store = store
         self.config = config
         self.faults = faults
+        #: ``{fingerprint: public key}`` a generation must be signed by to be read (None: no requirement)
+        self.trust = trust
+        self._sign_key = sign_key  # a path, a loaded key, or None (then $CKPT_ARCHIVE_SIGN_KEY, read when signing)
+        self._signer = None
         #: store keys met while listing for a cleanup (gc, prune, forget) whose path breaks the path rule
         #: (``generations/00000002/../x`` on an object store), each with why: skipped, never read or deleted
         self.unsafe_keys: list[str] = []
@@ -272,6 +279,7 @@ class Repository:
     # -- opening -------------------------------------------------------------------------------------
     @classmethod
     def open(cls, url: str | os.PathLike, *, create: bool = False, faults: Faults | None = None,
+             key_file: str | os.PathLike | None = None, trust=None, sign_key=None,
              **store_options) -> "Repository":
         """Open (or with ``create=True``, create) a repository.
 
@@ -280,6 +288,12 @@ class Repository:
             create: create ``repository.json`` when absent.
             faults: the fault-injection hook; ``None`` reads the plan from ``CKPT_ARCHIVE_INJECT`` (once,
                 here: this is the entry point every operation opens a repository through).
+            key_file: the key file of an encrypted repository (None: ``$CKPT_ARCHIVE_KEY_FILE``); with
+                ``create`` and no repository there yet, the new repository is encrypted with it.
+            trust: public key files (or keys) a generation must be signed by to be read (None:
+                ``$CKPT_ARCHIVE_TRUST``; neither: no signature required, a present one is still checked).
+            sign_key: the Ed25519 private key file every generation published through this object is
+                signed with (None: ``$CKPT_ARCHIVE_SIGN_KEY``).
             **store_options: for URL stores (``endpoint_url=``, ``storage_options=``).
 
         Returns:
@@ -289,25 +303,37 @@ class Repository:
             NotFound: no ``repository.json`` there and ``create`` is false.
             NewerFormatError: the repository was written by a newer format.
             StoreError: the store refused access.
+            KeyRefused: (exit 2) encrypted and no key given, or the key does not open it.
+            UsageError: a key or trust file is missing or malformed; ``key_file`` for a plain repository.
         """
+        from ckpt_archive.repo import keys
+
         store = open_store(url, **store_options)
         if faults is None:
             faults = Faults.from_env()
+        material, explicit = keys.key_material(key_file)
+        trusted = keys.load_trust(trust)
         if store.exists(REPO_FILE):
-            return cls(store, cls._read_config(store), faults)
+            config = cls._read_config(store)
+            return cls(keys.open_encrypted(store, config, material, explicit), config, faults, trust=trusted,
+                       sign_key=sign_key)
         if not create:
             if store.exists(GEN_DIR):
                 raise NotFound("repository.json is missing (a damaged or foreign repository?)", where=store.location)
             raise NotFound("not a ckpt-archive repository (no repository.json)", where=store.location)
         config = {"format": "ckpt-archive-repository", "format_version": REPO_FORMAT_VERSION,
                   "id": uuid.uuid4().hex, "created": iso(utcnow()), "retention": None}
+        if material is not None:
+            config["encryption"] = keys.new_encryption(material, config["id"])
         try:
             store.write_bytes_once(REPO_FILE, jsonio.dumps(config, indent=1, ensure_ascii=True))
         except StoreError:
             if not store.exists(REPO_FILE):
                 raise  # not a concurrent creator: the store refused (no such bucket, access denied)
             # created concurrently by another writer: read theirs
-        return cls(store, cls._read_config(store), faults)
+        config = cls._read_config(store)
+        return cls(keys.open_encrypted(store, config, material, explicit), config, faults, trust=trusted,
+                   sign_key=sign_key)
 
     @staticmethod
     def _read_config(store: Store) -> dict:
@@ -376,6 +402,17 @@ class Repository:
         if not isinstance(marker, dict) or marker.get("manifest_sha256") != sha:
             return Generation(number, "damaged", "manifest.json changed after it was published (sha256 differs "
                               "from the marker's)", manifest, marker if isinstance(marker, dict) else None, sha)
+        signer = None
+        if "signature" in marker:  # a present signature is always checked, trusted keys or not
+            from ckpt_archive.format import signature
+
+            try:
+                signer = signature.check(marker["signature"], manifest_sha256=sha,
+                                         archive_id=manifest.get("archive_id"), generation=number)
+            except signature.SignatureProblem as exc:
+                exc.where = f"{key}/{MARKER}"
+                return Generation(number, "damaged", f"its signature is bad: {exc.message}", manifest, marker, sha,
+                                  error=exc)
         if CHECK_FAILED in names:
             note = self._check_failed(key, sha)
             if note is not None:
@@ -387,8 +424,8 @@ class Repository:
         if not self.place.holds(marker):
             return Generation(number, "copied", f"trial-reloaded at {marker.get('location')}, not here (restore "
                               f"reads it, checking every byte; ckpt-archive adopt makes it usable here)",
-                              manifest, marker, sha)
-        return Generation(number, "usable", None, manifest, marker, sha)
+                              manifest, marker, sha, signer=signer)
+        return Generation(number, "usable", None, manifest, marker, sha, signer=signer)
 
     def _check_failed(self, key: str, sha: str) -> dict | None:
         """The failed-check note of this manifest (an unreadable note counts: the check did fail), or None."""
@@ -565,6 +602,20 @@ class Repository:
             n += 1
         raise StoreError("could not claim a generation number", where=self.location)
 
+    def signer(self):
+        """The Ed25519 private key generations published here are signed with, or None (loaded once, when
+        first needed: readers never read a signing key).
+
+        Raises:
+            UsageError: the key file is missing or not an Ed25519 private key.
+        """
+        if self._signer is None and (self._sign_key is not None or os.environ.get("CKPT_ARCHIVE_SIGN_KEY")):
+            from ckpt_archive.repo import keys
+
+            self._signer = (keys.load_signer(self._sign_key) if isinstance(self._sign_key, (str, os.PathLike))
+                            or self._sign_key is None else self._sign_key)
+        return self._signer
+
     @property
     def locked(self) -> bool:
         """True while this object holds the writer lock."""
@@ -581,6 +632,13 @@ class Repository:
             raise RuntimeError("write_marker needs the repository lock (use ckpt_archive.repo.publish)")
         marker = {"manifest_sha256": manifest_sha256, "archive_id": archive_id, "generation": number,
                   "location": self.location, **record}
+        if "signature" not in marker:  # a carried signature (export, adopt) covers content, not place: kept
+            signer = self.signer()
+            if signer is not None:
+                from ckpt_archive.format import signature
+
+                marker["signature"] = signature.sign(signer, signature.statement(
+                    manifest_sha256, archive_id, number, marker.get("trial_reload") or {}))
         identity = self.place.identity()
         if identity:
             marker["identity"] = identity
