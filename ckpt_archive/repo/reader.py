@@ -147,6 +147,9 @@ class ArchiveReader:
         except PermissionError as exc:  # there, but this process may not read it: reported, never skipped
             item["problems"].append(Problem(f"cannot be read here: {exc.strerror}", member=rec["path"]))
             return item
+        except IntegrityError as exc:  # an encrypted file whose header or size fails its check
+            item["problems"].append(Problem(exc.message, member=rec["path"]))
+            return item
         item["sized"] = True
         item["fh_cm"], item["fh"] = cm, fh
         fd = _fileno(fh)
@@ -186,6 +189,12 @@ class ArchiveReader:
             return
         if fast:
             return
+        try:
+            self._rehash_file(rec, key, problems, on_bytes, fast)
+        except IntegrityError as exc:  # a store that authenticates (encrypted) names the damage itself
+            problems.append(Problem(exc.message, member=rec["path"]))
+
+    def _rehash_file(self, rec: dict, key: str, problems: list[Problem], on_bytes, fast) -> None:
         if "stored_fp" in rec:  # format 2: the chunks are the fingerprint; name the first bad one
             check = StoredStream(rec, rec["path"])
             with self.store.open_read(key) as fh:

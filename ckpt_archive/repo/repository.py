@@ -382,6 +382,8 @@ class Repository:
             raw = self.store.read_bytes(f"{key}/{MANIFEST}")
         except NotFound:
             return Generation(number, "partial", "manifest vanished (being deleted?)")
+        except IntegrityError as exc:  # an encrypted manifest that fails its authentication
+            return Generation(number, "damaged", f"manifest.json: {exc.message}", error=exc)
         sha = hashlib.sha256(raw).hexdigest()
         try:
             manifest = parse_manifest(raw, where=f"{key}/{MANIFEST}")
@@ -397,6 +399,8 @@ class Repository:
             marker = jsonio.loads(self.store.read_bytes(f"{key}/{MARKER}"), where=f"{key}/{MARKER}")
         except NotFound:
             return Generation(number, "partial", "marker removed (being deleted?)", manifest, None, sha)
+        except IntegrityError as exc:  # an encrypted marker that fails its authentication
+            return Generation(number, "damaged", f"USABLE marker: {exc.message}", manifest, None, sha, error=exc)
         except (UnicodeDecodeError, ValueError):
             return Generation(number, "damaged", "USABLE marker is not valid JSON", manifest, None, sha)
         if not isinstance(marker, dict) or marker.get("manifest_sha256") != sha:

@@ -1,0 +1,146 @@
+"""Encrypted repositories end to end (issue 28): nothing from the source lies in the clear, every reader needs
+the key, tampering is damage naming the member, and dedup / verify --deep / retention / export keep working.
+
+The format pieces on their own are in tests/test_crypto_format.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_archive
+from ckpt_archive.errors import EXIT_CANNOT_CHECK, EXIT_CHECK_FAILED
+from ckpt_archive.format import crypto
+from ckpt_archive.repo.repository import Repository
+from tests.helpers import assert_same
+
+SECRET_CONFIG = "lr-schedule-SECRETCONFIG-7f3a"
+SECRET_ID = "sample-SECRETDATAID-99"
+
+
+@pytest.fixture()
+def keyfile(tmp_path) -> Path:
+    p = tmp_path / "repo.key"
+    p.write_bytes(crypto.new_key_file_text())
+    return p
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(512, 512, generator=g), "frozen": torch.ones(700, 700),
+                      "b": torch.arange(5, dtype=torch.bfloat16)},
+            "progress": {"step": 10 + seed}, "note": "SECRETSTRING-in-state"}
+
+
+def _pack(repo, keyfile, state, **kw):
+    r = repo if isinstance(repo, Repository) else Repository.open(repo, create=True, key_file=keyfile)
+    return ckpt_archive.pack(state, r, annotations=ckpt_archive.Annotations(
+        config={"schedule": SECRET_CONFIG}, data_ids=[SECRET_ID, "x"]),
+        options=ckpt_archive.PackOptions(share_min_bytes=64 << 10), **kw)
+
+
+def _every_stored_byte(root: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())
+
+
+def test_no_config_value_tensor_byte_or_data_id_lies_in_any_stored_file(tmp_path, keyfile):
+    """The founding promise of encryption: the bucket holds nothing of the source in the clear."""
+    state = _state()
+    _pack(tmp_path / "r", keyfile, state)
+    blob = _every_stored_byte(tmp_path / "r")
+    w = state["model"]["w"].numpy().tobytes()
+    for needle in (SECRET_CONFIG.encode(), SECRET_ID.encode(), b"SECRETSTRING-in-state", w[:32], w[-32:],
+                   b"archive_id", b"\"step\""):
+        assert needle not in blob, needle
+    # object names are keyed: the raw fingerprint of a tensor does not name its file
+    from ckpt_archive.format.fingerprint import digest
+    raw_hex = digest(torch.ones(700, 700).numpy().tobytes()).partition(":")[2]
+    names = " ".join(str(p) for p in (tmp_path / "r").rglob("*"))
+    assert raw_hex not in names and raw_hex[:16] not in names
+
+
+def test_restore_with_the_key_is_byte_identical_and_without_it_exits_2(tmp_path, keyfile):
+    src = tmp_path / "ckpt.pt"
+    torch.save(_state(), src)
+    r = Repository.open(tmp_path / "r", create=True, key_file=keyfile)
+    ckpt_archive.pack(src, r)
+    out = tmp_path / "back.pt"
+    ckpt_archive.restore(Repository.open(tmp_path / "r", key_file=keyfile), "latest", out)
+    assert hashlib.sha256(out.read_bytes()).digest() == hashlib.sha256(src.read_bytes()).digest()
+    with pytest.raises(crypto.KeyRefused, match="encrypted; give --key-file") as ei:
+        Repository.open(tmp_path / "r")
+    assert ei.value.exit_code == EXIT_CANNOT_CHECK
+    other = tmp_path / "other.key"
+    other.write_bytes(crypto.new_key_file_text())
+    with pytest.raises(crypto.KeyRefused, match="does not open"):
+        Repository.open(tmp_path / "r", key_file=other)
+
+
+def test_the_key_comes_from_the_environment_too(tmp_path, keyfile, monkeypatch):
+    monkeypatch.setenv("CKPT_ARCHIVE_KEY_FILE", str(keyfile))
+    _pack(tmp_path / "r", None, _state())
+    assert ckpt_archive.verify(tmp_path / "r", deep=True).ok
+    assert "encryption" in (tmp_path / "r" / "repository.json").read_text()
+
+
+@pytest.mark.parametrize("victim", ["manifest.json", "USABLE.json", "tree.json.ckz", "tensors-00000.safetensors.ckz",
+                                    "object"])
+def test_a_tampered_ciphertext_is_damage_naming_the_member(tmp_path, keyfile, victim):
+    _pack(tmp_path / "r", keyfile, _state())
+    gen = tmp_path / "r" / "generations" / "00000001"
+    path = next((tmp_path / "r" / "objects").rglob("*.ckz")) if victim == "object" else gen / victim
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+    r = Repository.open(tmp_path / "r", key_file=keyfile)
+    if victim in ("manifest.json", "USABLE.json"):
+        g = r.generation(1)
+        assert g.status == "damaged" and "authentication tag" in g.reason
+        return
+    rep = ckpt_archive.verify(r, "1", deep=True)
+    assert not rep.ok
+    text = " ".join(f"{p.member or p.field}: {p.reason}" for p in rep.problems)
+    assert "authentication tag" in text or "sha256" in text, text
+    with pytest.raises(ckpt_archive.errors.CheckFailed) as ei:
+        ckpt_archive.load(r, "1")
+    assert ei.value.exit_code == EXIT_CHECK_FAILED
+
+
+def test_dedup_verify_deep_and_retention_keep_working_with_the_key(tmp_path, keyfile):
+    r = Repository.open(tmp_path / "r", create=True, key_file=keyfile)
+    for seed in range(3):
+        st = _state(seed)
+        _pack(r, keyfile, st, retention=ckpt_archive.RetentionPolicy(keep_last=2))
+    gens = ckpt_archive.list_generations(r)
+    assert [g.number for g in gens] == [2, 3]
+    objects = list((tmp_path / "r" / "objects").rglob("*.ckz"))
+    # "frozen" is the same in every generation: one object for it, plus one "w" per kept generation
+    assert len(objects) == 3, objects
+    for g in (2, 3):
+        assert ckpt_archive.verify(r, str(g), deep=True).ok
+        assert_same(_state(g - 1), ckpt_archive.load(r, str(g)))
+
+
+def test_changing_the_key_rewraps_the_data_key_and_re_encrypts_nothing(tmp_path, keyfile):
+    from ckpt_archive.ops.keys import change_repository_key
+
+    _pack(tmp_path / "r", keyfile, _state())
+    before = {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file() and p.name != "repository.json"}
+    new = tmp_path / "new.key"
+    new.write_bytes(crypto.new_key_file_text())
+    change_repository_key(tmp_path / "r", keyfile, new)
+    assert {p: p.read_bytes() for p in before} == before
+    assert ckpt_archive.verify(Repository.open(tmp_path / "r", key_file=new), deep=True).ok
+    with pytest.raises(crypto.KeyRefused):
+        Repository.open(tmp_path / "r", key_file=keyfile)
+
+
+def test_a_key_file_for_a_plain_repository_is_refused_not_ignored(tmp_path, keyfile):
+    """pack --key-file into an existing plain repository must not write plaintext the user believes encrypted."""
+    ckpt_archive.pack(_state(), tmp_path / "r")
+    with pytest.raises(ckpt_archive.errors.UsageError, match="not encrypted"):
+        Repository.open(tmp_path / "r", key_file=keyfile)
