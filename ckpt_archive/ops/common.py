@@ -159,7 +159,10 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
 
     Raises:
         NotUsable: (exit 2) partial or damaged and no override: says why and what to run.
+        SignatureProblem: (exit 1) a bad signature, or (with trusted keys) none or a foreign one: even
+            with ``unverified``.
     """
+    check_trust(r, gen)  # a bad or untrusted signature is never overridden (exit 1, nothing read)
     if gen.status not in ("partial", "damaged"):
         return None
     spec = f"{r.location}@{gen.number}"

@@ -556,9 +556,12 @@ class _ExportSteps:
     def record(self, dst, counts: dict) -> dict:
         from ckpt_archive.repo.repository import host_record
 
-        return {"trial_reload": {**host_record(dst.location), "result": "ok", "tensors": counts["tensors"],
-                                 "bytes": counts["bytes"]},
-                "exported_from": {"location": self.src.location, "generation": self.g.number, "when": _now()}}
+        rec = {"trial_reload": {**host_record(dst.location), "result": "ok", "tensors": counts["tensors"],
+                                "bytes": counts["bytes"]},
+               "exported_from": {"location": self.src.location, "generation": self.g.number, "when": _now()}}
+        if (self.g.marker or {}).get("signature") is not None:  # it covers content, not place: it travels
+            rec["signature"] = self.g.marker["signature"]
+        return rec
 
 
 def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> ExportedGeneration:
