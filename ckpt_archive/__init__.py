@@ -20,6 +20,10 @@ Public API (plain functions; the CLI is a thin shell over them)::
     Checkpointer(repo, retention=, config=, data_ids=)  -> save(step, state) from the training loop, in the
                                             background; one process or torch.distributed (docs/checkpointer.md)
 
+Trainer integrations (optional extras, imported only when their module is): ``ckpt_archive.integrations.transformers``
+(``ArchiveCallback``, ``restore_checkpoint``), ``ckpt_archive.integrations.lightning`` (``ArchiveCheckpointIO``),
+``ckpt_archive.integrations.folder`` (``FolderPublisher``, the Accelerate recipe); docs/integrations-*.md.
+
 Heavy imports (torch, safetensors) happen inside the functions, so ``import ckpt_archive`` is cheap.
 """
 from __future__ import annotations

@@ -154,6 +154,12 @@ class LockError(CannotCheck):
     """The repository's writer lock could not be obtained (another writer, or a stale lock)."""
 
 
+class ReadOnlyRepository(LockError):
+    """The writer lock cannot be taken because the repository is read-only here (a read-only mount, no
+    write permission): a writer stops (exit 2); a reader that only wanted to record a result goes on
+    without it and says what it could not record."""
+
+
 class OutputExists(CannotCheck):
     """The output path exists and ``--force`` was not given; nothing was overwritten."""
 

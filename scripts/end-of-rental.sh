@@ -5,6 +5,14 @@
 # Usage:
 #   scripts/end-of-rental.sh SOURCE REPO DEST [EXPORT OPTIONS...]
 #   scripts/end-of-rental.sh --newest-in DIR REPO DEST [EXPORT OPTIONS...]
+#   scripts/end-of-rental.sh --export-only REPO DEST [EXPORT OPTIONS...]
+#
+# A Hugging Face Trainer run with ckpt_archive.integrations.transformers.ArchiveCallback(REPO, export_to=DEST)
+# does all of this itself when train() ends: every save is already a generation of REPO, and on_train_end
+# exports the usable generations to DEST and writes the proof into the output folder
+# (docs/integrations-transformers.md). Run this script when the run did NOT end that way (killed, out of
+# time): `--newest-in OUTPUT_DIR REPO DEST` with the callback's REPO packs nothing twice (the callback's
+# generation of the newest checkpoint-N/ is recognised) and exports it.
 #
 #   SOURCE       a torch.save file, a checkpoint folder, or a training output folder
 #   --newest-in  DIR is a training output folder (the same as giving it as SOURCE)
@@ -12,6 +20,9 @@
 #                with the highest N, else the newest *.pt/*.pth/*.ckpt (top level or checkpoints/); never a
 #                log file or other entry that happens to be newer.
 #   REPO         the local repository to pack into (created if absent)
+#   --export-only  REPO already holds the run's generations (written by ArchiveCallback, the Lightning
+#                ArchiveCheckpointIO, which writes no checkpoint files, or a Checkpointer): nothing is
+#                packed; its newest usable generation is exported
 #   DEST         s3://bucket/prefix (the bucket must exist) or a path on storage that survives the machine
 #   EXPORT OPTIONS are passed to `ckpt-archive export`, e.g. --endpoint-url URL, --sse aws:kms.
 #
@@ -36,7 +47,11 @@ die() { echo "end-of-rental: $1" >&2; echo "end-of-rental: NOT SAFE to return th
 
 read -r -a CA <<< "${CKPT_ARCHIVE:-ckpt-archive}"
 
-if [[ "${1:-}" == "--newest-in" ]]; then
+if [[ "${1:-}" == "--export-only" ]]; then
+    [[ $# -ge 3 ]] || die "usage: $0 --export-only REPO DEST [export options]"
+    shift
+    src=""
+elif [[ "${1:-}" == "--newest-in" ]]; then
     [[ $# -ge 4 ]] || die "usage: $0 --newest-in DIR REPO DEST [export options]"
     src=$2; shift 2
     [[ -d "$src" ]] || die "no such folder: $src"
@@ -45,19 +60,23 @@ else
     src=$1; shift
 fi
 repo=$1; dest=$2; shift 2
-[[ -e "$src" ]] || die "no such checkpoint: $src"
 report=${REPORT:-recovery-proof-$(date -u +%Y%m%dT%H%M%SZ).md}
 
-echo "end-of-rental: backing up the newest checkpoint of $src into $repo (packed only if it changed)" >&2
-set +e
-"${CA[@]}" backup "$src" --repo "$repo" --settle "${SETTLE:-2}" --wait "${WAIT:-60}"
-rc=$?
-set -e
-case $rc in
-    0) ;;
-    75) die "the checkpoint is still being written; run this again once the save has finished" 75 ;;
-    *) die "backup failed (exit $rc)" "$rc" ;;
-esac
+if [[ -n "$src" ]]; then
+    [[ -e "$src" ]] || die "no such checkpoint: $src"
+    echo "end-of-rental: backing up the newest checkpoint of $src into $repo (packed only if it changed)" >&2
+    set +e
+    "${CA[@]}" backup "$src" --repo "$repo" --settle "${SETTLE:-2}" --wait "${WAIT:-60}"
+    rc=$?
+    set -e
+    case $rc in
+        0) ;;
+        75) die "the checkpoint is still being written; run this again once the save has finished" 75 ;;
+        *) die "backup failed (exit $rc)" "$rc" ;;
+    esac
+else
+    echo "end-of-rental: $repo already holds the run's generations; nothing to pack" >&2
+fi
 
 echo "end-of-rental: exporting the newest usable generation to $dest (resumes an interrupted export)" >&2
 set +e

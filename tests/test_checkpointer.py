@@ -285,3 +285,83 @@ def test_session_restore_of_a_scheduler_without_its_optimizer_silently_took_the_
         with pytest.raises(UsageError, match="needs its optimizer"):
             ckpt.restore(model=model, scheduler=live_sch)
         assert live_sch.base_lrs == [1e-4]  # nothing was restored
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _readme_loop(repo, total_steps, *, zero_based=False, every=3):
+    """The README's Checkpointer loop (``step``: updates completed, as save() documents it), or, with
+    ``zero_based``, the loop as the README had it (the 0-based index of the update just made)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+    def train_one_step():
+        opt.zero_grad()
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss
+
+    with Checkpointer(repo) as ckpt:
+        restored = ckpt.restore(model=model, optimizer=opt, scheduler=sched)
+        start = restored.step if restored else 0
+        for step in range(start, total_steps):
+            loss = train_one_step()
+            saved = step if zero_based else step + 1
+            if (step + 1) % every == 0:
+                ckpt.save(saved, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                  "scheduler": sched.state_dict(), "rng": {"torch": torch.get_rng_state()}},
+                          metrics={"loss": loss.item()})
+    return restored, opt
+
+
+def test_the_readme_loop_gets_no_counter_warning_and_resumes_at_the_next_update(tmp_path):
+    """Issue 26: the README's loop passed a 0-based step, and verify/inspect then warned "optimizer step 100 vs
+    progress step 99 ... the parts were saved at different instants", with an explanation (AMP-skipped steps
+    explain optimizer < progress) that did not fit the numbers. With save()'s documented convention (updates
+    completed) the counters agree: no finding; restore().step is where the loop resumes. The completeness
+    lint also said "no ... step counter saved" although the manifest records it."""
+    repo = tmp_path / "repo"
+    _readme_loop(repo, 6)
+    gen = ckpt_archive.list_generations(repo)[-1]
+    assert gen.manifest["progress"]["step"] == 6
+    for cmd in ("verify", "inspect"):
+        res = _cli(cmd, repo)
+        assert res.exit_code == 0, res.output
+        assert "counters disagree" not in res.output and "different instants" not in res.output, res.output
+        assert "optimizer step 6 " not in res.output
+        # the progress step is in the manifest: the completeness lint no longer says none was saved
+        assert "step counter saved" not in " ".join(res.output.split()), res.output
+    restored, opt = _readme_loop(repo, 8)  # resumes after update 6: runs updates 7 and 8 only
+    assert restored.step == 6
+    assert max(int(s["step"]) for s in opt.state.values()) == 8
+
+
+def test_a_zero_based_step_is_explained_as_such_not_called_a_different_instant(tmp_path):
+    """A loop that passes the 0-based index of the last update (the README's old loop) gets one info
+    finding that names what it compares and the convention, and no warning."""
+    from ckpt_archive.training.audit import counters_finding
+
+    repo = tmp_path / "repo"
+    _readme_loop(repo, 6, zero_based=True)
+    res = _cli("inspect", repo)
+    assert res.exit_code == 0, res.output
+    assert "counters disagree" not in res.output and "different instants" not in res.output, res.output
+    text = " ".join(res.output.split())
+    assert "optimizer step 6" in text and "progress step 5" in text and "0-based" in text, res.output
+    f = counters_finding("optimizer.state", 6, 5)
+    assert f.severity == "info"
+    # the other directions stay warnings, each with the explanation that fits its sign
+    ahead, behind = counters_finding("o", 110, 99), counters_finding("o", 90, 99)
+    assert ahead.severity == behind.severity == "warning"
+    assert "11 more updates" in ahead.message and "AMP" not in ahead.message
+    assert "9 fewer updates" in behind.message and "AMP" in behind.message

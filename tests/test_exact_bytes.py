@@ -123,11 +123,15 @@ def test_a_rebuilt_file_whose_sha256_differs_is_removed_not_returned(tmp_path):
 
     record = {"relpath": "a.pt", "raw_bytes": 8, "sha256": hashlib.sha256(b"abcdefgh").hexdigest(),
               "exact": {"member": "exact/a.pt", "segments": [[2, 3, "e"]]}}
+    from ckpt_archive.store.fs import Dir
+
     target = tmp_path / "a.pt"
-    with pytest.raises(IntegrityError, match="sha256"):
-        exact_bytes.rebuild(target, record, iter([b"ab", b"fgh"]), lambda wanted: iter([("e", b"XXX")]))
-    assert not target.exists()
-    exact_bytes.rebuild(target, record, iter([b"ab", b"fgh"]), lambda wanted: iter([("e", b"cde")]))
+    with Dir.open(tmp_path) as folder:
+        with pytest.raises(IntegrityError, match="sha256"):
+            exact_bytes.rebuild(folder.entry("a.pt"), record, iter([b"ab", b"fgh"]),
+                                lambda wanted: iter([("e", b"XXX")]))
+        assert not target.exists()
+        exact_bytes.rebuild(folder.entry("a.pt"), record, iter([b"ab", b"fgh"]), lambda wanted: iter([("e", b"cde")]))
     assert target.read_bytes() == b"abcdefgh"
 
 

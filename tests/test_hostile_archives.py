@@ -155,10 +155,11 @@ def test_case_only_relpaths_restore_and_a_folding_file_system_refuses_instead_of
     assert cli("pack", src, "--repo", repo).exit_code == 0
     assert cli("restore", f"{repo}@1", "-o", tmp_path / "out").exit_code == 0
     assert {p.name: p.read_text() for p in (tmp_path / "out").iterdir()} == {"A.txt": "upper", "a.txt": "lower"}
-    import ckpt_archive.ops.restore as restore_mod
+    from ckpt_archive.store.fs import Dir
 
-    real_inside = restore_mod.inside
-    monkeypatch.setattr(restore_mod, "inside", lambda base, rel, **kw: real_inside(base, rel.lower(), **kw))
+    real_open = Dir.open_file  # every file restore creates goes through the file layer: fold the names there
+    monkeypatch.setattr(Dir, "open_file", lambda self, name, *a, **kw: real_open(
+        self, name.lower() if self.root == str(tmp_path) else name, *a, **kw))  # the output's folder, not the repo
     (tmp_path / "out").rename(tmp_path / "out2")
     res = cli("restore", f"{repo}@1", "-o", tmp_path / "out2", "--force")
     assert res.exit_code == 2 and "collides" in res.stderr, res.stderr

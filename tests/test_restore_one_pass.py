@@ -128,7 +128,10 @@ def test_a_state_the_one_pass_writer_cannot_reproduce_goes_the_general_way(tmp_p
     r = open_repo(str(tmp_path / "r"))
     g = r.generation(1)
     reader = ArchiveReader(r.store, g.key, g.manifest)
-    assert write_torch_file(reader, reader.tree(), tmp_path / "x.pt") is None
+    from ckpt_archive.store.fs import Dir
+
+    with Dir.open(tmp_path) as folder:
+        assert write_torch_file(reader, reader.tree(), folder.entry("x.pt")) is None
     assert not (tmp_path / "x.pt").exists()
     restore(tmp_path / "r", output=tmp_path / "out.pt")
     got = torch.load(tmp_path / "out.pt", weights_only=False)

@@ -293,3 +293,20 @@ def test_s3_missing_credentials_is_a_store_error_not_anonymous_access(s3_server,
         with pytest.raises(StoreError) as info:
             store.write_bytes_once("x", b"1")
     assert "no usable credentials" in str(info.value) and "AWS_ACCESS_KEY_ID" in str(info.value)
+
+
+def test_writer_lock_excludes_a_second_holder_and_says_who_holds_it(store, tmp_path, monkeypatch):
+    """Every store's writer lock (through the file layer, on the repository or in the user's cache): a
+    second holder is refused while the first holds it, the owner file says who, and a release frees it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first, second = store.writer_lock(), _twin(store).writer_lock()
+    assert first.acquire(timeout=0)
+    try:
+        first.write_owner(b'{"pid": 1}')
+        assert not second.acquire(timeout=0.1)  # another open of the same lock file: refused, even in-process
+        assert second.read_owner() == b'{"pid": 1}'
+    finally:
+        first.release()
+    assert second.read_owner() is None  # removed on release
+    assert second.acquire(timeout=0)
+    second.release()

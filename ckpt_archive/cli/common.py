@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import re
 import sys
 from typing import Any, Callable
 
@@ -46,36 +45,8 @@ def exit_codes_help(meanings: dict[int, str] | None = None, codes: tuple[int, ..
     return "\n\nExit codes: " + "; ".join(parts) + "."
 
 
-_GEN_SUFFIX = re.compile(r"^([0-9]+|latest|tag:[^/@]+)$", re.ASCII)
-
-
-def split_repo_spec(spec: str) -> tuple[str, str]:
-    """Split ``REPO[@GEN]`` at the last ``@`` only when what follows is digits, ``latest`` or ``tag:NAME``.
-
-    Paths and URLs may contain ``@`` (``s3://user@host/...``, ``runs/exp@2``): those stay whole.
-
-    Returns:
-        (repo, gen) where gen is ``"latest"`` when none was given.
-
-    Example:
-        >>> split_repo_spec("runs/a@b/repo@12")
-        ('runs/a@b/repo', '12')
-        >>> split_repo_spec("s3://u@bucket/p")
-        ('s3://u@bucket/p', 'latest')
-    """
-    if "@" in spec:
-        head, _, tail = spec.rpartition("@")
-        if head and _GEN_SUFFIX.match(tail):
-            return head, tail
-        import os
-
-        from ckpt_archive.store.local import has_scheme
-
-        if head and not has_scheme(spec) and not os.path.exists(spec) and os.path.exists(head):
-            raise UsageError(f"bad generation {tail!r} in {spec!r}: use REPO@N, REPO@latest or REPO@tag:NAME")
-    if not spec:
-        raise UsageError("empty repository argument")
-    return spec, "latest"
+# REPO@GEN parsing lives in ops (the integrations parse it too; nothing imports cli): the name stays here
+from ckpt_archive.ops.common import split_repo_spec  # noqa: E402,F401
 
 
 #: ``--quiet`` of the command now running (set by :func:`command`; read by :class:`Output`).

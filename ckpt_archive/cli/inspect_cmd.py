@@ -93,6 +93,7 @@ def register(app: typer.Typer) -> None:
         if info["opaque_members"]:
             out.say(f"  opaque files (fingerprinted, restored byte for byte, never unpickled): "
                     f"{', '.join(info['opaque_members'])}")
+        _say_numpy(info, out)
         exact = info.get("exact_bytes") or {}
         if exact.get("files"):
             if exact.get("all_exact"):
@@ -105,6 +106,20 @@ def register(app: typer.Typer) -> None:
         out.say(m["instructions"]["text"])
         extra = _extend_inspect(info, repo, out)
         out.json({**info, **extra})
+
+
+def _say_numpy(info: dict, out: Output) -> None:
+    """[issue 27] Which values of the state are NumPy scalars/dtypes and arrays (the restored file needs NumPy's
+    allowlist to load with weights_only=True)."""
+    np_ = info.get("numpy") or {}
+    sc = np_.get("scalars") or {}
+    if sc.get("count"):
+        more = f" (+{sc['count'] - len(sc['paths'])} more)" if sc["count"] > len(sc["paths"]) else ""
+        out.say(f"  NumPy scalars/dtypes ({sc['count']}; restored as NumPy types, loading the file needs NumPy's "
+                f"allowlist): {', '.join(sc['paths'])}{more}")
+    if np_.get("arrays"):
+        out.say(f"  NumPy arrays ({len(np_['arrays'])}): {', '.join(np_['arrays'][:20])}"
+                + (f" (+{len(np_['arrays']) - 20} more)" if len(np_["arrays"]) > 20 else ""))
 
 
 def _say_shared(info: dict, out: Output) -> None:

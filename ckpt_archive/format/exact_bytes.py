@@ -345,12 +345,14 @@ def skeleton_pieces(path: Path, segments: list[list]) -> Iterator[tuple[bytes, s
             pos = start + length
 
 
-def rebuild(target: Path, record: dict, skeleton: Iterator[bytes], entry_bytes: Callable[[set], Iterator[tuple[str, Any]]]
+def rebuild(target: Any, record: dict, skeleton: Iterator[bytes], entry_bytes: Callable[[set], Iterator[tuple[str, Any]]]
             ) -> int:
     """Write the exact original file at ``target`` and check its sha256.
 
     Args:
-        target: the file to create (must not exist).
+        target: the file to create, a name in a folder the file layer opened
+            (:class:`ckpt_archive.store.fs.Entry`: ``create()`` makes it exclusively, ``O_NOFOLLOW``, and
+            returns its descriptor; ``remove()``; ``path`` for reading it back). It must not exist.
         record: the ``source.files[]`` entry (``raw_bytes``, ``sha256``, ``exact`` {member, segments}).
         skeleton: the skeleton member's decoded bytes, in order (checked by the caller's reader).
         entry_bytes: given the wanted entry keys, yields ``(key, raw bytes)`` (checked by the reader).
@@ -377,7 +379,7 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes], entry_bytes: 
         gaps.append((pos, start - pos))
         pos = start + length
     gaps.append((pos, size - pos))
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = target.create()
     try:
         os.ftruncate(fd, size)
         gi, written_in_gap = 0, 0
@@ -411,12 +413,12 @@ def rebuild(target: Path, record: dict, skeleton: Iterator[bytes], entry_bytes: 
         os.fsync(fd)
     except BaseException:
         os.close(fd)
-        os.unlink(target)
+        target.remove()
         raise
     os.close(fd)
-    got = fingerprint.file_sha256(target)
+    got = fingerprint.file_sha256(target.path)
     if got != record.get("sha256"):
-        os.unlink(target)
+        target.remove()
         raise IntegrityError(f"the rebuilt file's sha256 {got} differs from the source's {record.get('sha256')}",
                              where=record["relpath"] or "file")
     return size

@@ -86,6 +86,9 @@ class TensorTable:
     leaves: dict[str, dict] = dataclasses.field(default_factory=dict)
     leaf_bytes: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    #: paths (``rng/np/2``) of NumPy scalars and dtypes in the state, in encoding order: values a reader of the
+    #: restored file needs NumPy's allowlist for (``--allow-numpy``); NumPy arrays are tensor leaves (``kind``)
+    numpy_values: list[str] = dataclasses.field(default_factory=list)
 
 
 def _torch():
@@ -311,6 +314,7 @@ class _Encoder:
         if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
             if obj.dtype.kind == "O":
                 raise SourceError("NumPy object scalar is not plain data", where=_path_name(path))
+            self.table.numpy_values.append(_path_name(path))
             return {"$t": "npscalar", "dtype": obj.dtype.str, "hex": obj.tobytes().hex()}
         if tp is int:
             return obj if -MAX_SAFE_INT <= obj <= MAX_SAFE_INT else {"$t": "int", "v": str(obj)}
@@ -325,6 +329,7 @@ class _Encoder:
         if tp is np.ndarray:
             return self._ndarray(obj, path)
         if isinstance(obj, np.dtype):
+            self.table.numpy_values.append(_path_name(path))
             return {"$t": "npdtype", "v": obj.str}
         if tp is torch.dtype:
             return {"$t": "dtype", "v": str(obj).replace("torch.", "")}

@@ -7,6 +7,7 @@ carrying its CLI exit code.
 from __future__ import annotations
 
 import os
+import re
 from typing import Union
 
 from ckpt_archive.errors import IntegrityError, NotUsable, NoUsableGeneration, UsageError
@@ -222,3 +223,32 @@ def refuse_special_output(path: str | os.PathLike, *, option: str = "--force") -
     raise UsageError(f"is {kind}, not a regular file or folder; refusing to replace it (even with {option}); "
                      f"nothing was written", where=str(path))
 
+
+_GEN_SUFFIX = re.compile(r"^([0-9]+|latest|tag:[^/@]+)$", re.ASCII)
+
+
+def split_repo_spec(spec: str) -> tuple[str, str]:
+    """Split ``REPO[@GEN]`` at the last ``@`` only when what follows is digits, ``latest`` or ``tag:NAME``.
+
+    Paths and URLs may contain ``@`` (``s3://user@host/...``, ``runs/exp@2``): those stay whole.
+
+    Returns:
+        (repo, gen) where gen is ``"latest"`` when none was given.
+
+    Example:
+        >>> split_repo_spec("runs/a@b/repo@12")
+        ('runs/a@b/repo', '12')
+        >>> split_repo_spec("s3://u@bucket/p")
+        ('s3://u@bucket/p', 'latest')
+    """
+    if "@" in spec:
+        head, _, tail = spec.rpartition("@")
+        if head and _GEN_SUFFIX.match(tail):
+            return head, tail
+        from ckpt_archive.store.local import has_scheme
+
+        if head and not has_scheme(spec) and not os.path.exists(spec) and os.path.exists(head):
+            raise UsageError(f"bad generation {tail!r} in {spec!r}: use REPO@N, REPO@latest or REPO@tag:NAME")
+    if not spec:
+        raise UsageError("empty repository argument")
+    return spec, "latest"

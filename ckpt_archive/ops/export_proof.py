@@ -130,13 +130,13 @@ def write_report(result, path, fmt: str = "markdown") -> None:
     refused, UsageError exit 2: it is not ours to replace)."""
     from ckpt_archive.format.jsonio import dumps
     from ckpt_archive.ops.common import refuse_special_output
-    from ckpt_archive.store.local import write_atomic
+    from ckpt_archive.store.fs import write_file_atomic
 
     refuse_special_output(path, option="--report")
 
     data = (dumps(result.to_json(), indent=2, ensure_ascii=True, default=str) if fmt == "json"
             else render_markdown(result).encode("utf-8"))
-    write_atomic(Path(path), data)
+    write_file_atomic(path, data)  # a fresh O_EXCL temporary beside it, renamed over it (the file layer)
 
 
 def _cell(value) -> str:

@@ -12,8 +12,6 @@ rewrite (``training/folder_session.py``) lives in training, which uses ops, neve
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_archive.errors import UsageError
@@ -33,14 +31,15 @@ class FileRewrite:
 FolderRewrite = Callable[[dict, Callable[[str], Any]], "tuple[list[FileRewrite], dict]"]
 
 
-def rewrite_folder_files(reader: Any, manifest: dict, dest: Path, rewrite: FolderRewrite, *,
+def rewrite_folder_files(reader: Any, manifest: dict, dest: Any, rewrite: FolderRewrite, *,
                          map_location: Any = None) -> tuple[int, dict]:
     """Let ``rewrite`` choose and change files of a restored folder source, and write them with ``torch.save``.
 
     Args:
         reader: the :class:`~ckpt_archive.repo.reader.ArchiveReader` of the generation being restored.
         manifest: its manifest (``source.layout == "folder"``).
-        dest: the restored folder (still under its temporary name).
+        dest: the restored folder (still in restore's staging folder), a
+            :class:`~ckpt_archive.store.fs.Dir` of the file layer: every file is reached through it.
         rewrite: see :data:`FolderRewrite`.
         map_location: as given to ``restore`` (where decoded tensors go).
 
@@ -82,14 +81,14 @@ def rewrite_folder_files(reader: Any, manifest: dict, dest: Path, rewrite: Folde
     warnings: list[str] = []
     for rw in rewrites:
         torch_file(rw.relpath)
-        target = dest / rw.relpath
-        before = target.stat().st_size
-        # in place: other names hardlinked to this file get the same bytes; the folder is renamed into
-        # place only once complete, so no reader ever sees a half-written file
-        torch.save(rw.obj, target)
-        with open(target, "rb") as fh:
-            os.fsync(fh.fileno())
-        delta += target.stat().st_size - before
+        parts = rw.relpath.split("/")
+        with dest.walk(parts[:-1]) as folder:  # O_NOFOLLOW each step (the manifest's relpath, checked)
+            before = folder.lstat(parts[-1]).st_size
+            # in place: other names hardlinked to this file get the same bytes; the folder is renamed into
+            # place only once complete, so no reader ever sees a half-written file
+            with folder.rewrite(parts[-1]) as fh:
+                torch.save(rw.obj, fh)
+            delta += folder.lstat(parts[-1]).st_size - before
         done.append({"file": rw.relpath, "fields": list(rw.fields)})
         warnings.append(f"{rw.relpath}: rewritten with torch.save ({', '.join(rw.fields)}); it is no longer "
                         f"byte-identical to the packed file")

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GcResult", "gc", "TMP_NAME"]
+#: A temporary file left by an interrupted atomic write (the file layer's ``.NAME.tmp-PID-<hex>``, and
+#: ``.NAME.tmp-PID`` of earlier versions): :data:`ckpt_archive.store.fs.TEMP_FILE`, the one definition.
+from ckpt_archive.store.fs import TEMP_FILE as TMP_NAME
 
-#: A temporary sibling left by an interrupted atomic replace (``write_atomic``/``LocalStore.replace_bytes``:
-#: ``.NAME.tmp-PID``).
-TMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
+__all__ = ["GcResult", "gc", "TMP_NAME"]
 
 
 @dataclass
@@ -67,7 +66,7 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
 
     Leftovers are ``partial`` generations (claimed but never published, or half-removed by an
     interrupted forget/prune: no ``USABLE.json``) and temporary files of an interrupted atomic replace
-    (``.NAME.tmp-PID``) at the repository root, in generation folders and under ``objects/``; then (last,
+    (``.NAME.tmp-PID-<hex>``, or ``.NAME.tmp-PID`` of earlier versions) at the repository root, in generation folders and under ``objects/``; then (last,
     the reverse of the write order) shared objects that no generation's manifest references, unless
     some manifest cannot be read (``objects_kept`` says so). Holding the writer lock
     guarantees no write is in progress on this machine. ``damaged`` generations (a marker that no longer

@@ -17,6 +17,8 @@ class InspectInfo(TypedDict):
             (:func:`ckpt_archive.format.exact_bytes.exact_summary`).
         shared: what the generation keeps in shared objects and with which generations it shares them
             (:func:`shared_summary`).
+        numpy: where the state holds NumPy values (:func:`numpy_summary`): what a reader of the restored file
+            needs NumPy's allowlist for.
     """
 
     generation: int
@@ -28,6 +30,7 @@ class InspectInfo(TypedDict):
     opaque_members: list
     exact_bytes: Any
     shared: dict
+    numpy: dict
 
 
 def shared_summary(manifest: dict, number: int, users: dict[str, list[int]]) -> dict:
@@ -84,6 +87,27 @@ def shared_summary(manifest: dict, number: int, users: dict[str, list[int]]) -> 
             "stored_bytes": summary.get("stored_bytes")}
 
 
+def numpy_summary(manifest: dict) -> dict:
+    """Where a generation's state holds NumPy values, from its manifest (reads no member).
+
+    Returns:
+        ``{"arrays": [tensor-index keys of NumPy arrays], "scalars": {"count", "paths"} | None}``: ``scalars`` are
+        the NumPy scalars and dtypes pack found (``np.float64(0.5)``, the ``np.int64`` of a legacy RNG tuple),
+        the first 100 paths recorded; None for a generation packed before they were recorded (issue 27).
+        Restored, these come back as the same NumPy types, so ``torch.load(weights_only=True)`` of the file needs
+        NumPy's allowlist (``ckpt-archive pack --allow-numpy`` admitted them on the way in).
+    """
+    arrays = sorted(k for k, t in (manifest.get("tensors") or {}).items()
+                    if isinstance(t, dict) and t.get("kind") == "numpy")
+    info = ((manifest.get("source") or {}).get("info") or {})
+    found = info.get("numpy_values")
+    if isinstance(found, dict) and isinstance(found.get("count"), int) and isinstance(found.get("paths"), list):
+        scalars = {"count": found["count"], "paths": [str(p) for p in found["paths"]]}
+    else:
+        scalars = None
+    return {"arrays": arrays, "scalars": scalars}
+
+
 def inspect(repo: RepoLike, generation: str | int = "latest", **store_options: Any) -> InspectInfo:
     """The manifest and marker of a generation plus a summary (reads no member).
 
@@ -120,7 +144,7 @@ def inspect(repo: RepoLike, generation: str | int = "latest", **store_options: A
         users = users_of(r)
     return {"generation": gen.number, "status": gen.status, "reason": gen.reason, "location": r.location,
             "manifest": m, "marker": gen.marker, "opaque_members": opaque, "exact_bytes": exact_summary(m),
-            "shared": shared_summary(m, gen.number, users)}
+            "shared": shared_summary(m, gen.number, users), "numpy": numpy_summary(m)}
 
 
-__all__ = ["inspect", "InspectInfo", "shared_summary"]
+__all__ = ["inspect", "InspectInfo", "shared_summary", "numpy_summary"]

@@ -179,6 +179,7 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
         else:
             source = from_object(source_or_path)
         encoded = (encoder or encode)(source.state)
+    _note_numpy_values(source, encoded)
     from ckpt_archive.format.limits import MAX_ANNOTATION_BYTES, MAX_CHUNK_RAW_BYTES, MAX_DATA_IDS_BYTES
 
     config_v = value_or_file(notes.config, what="config file", max_bytes=MAX_ANNOTATION_BYTES)
@@ -240,6 +241,20 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
         if bad is not None:
             raise UsageError(f"{what} holds text that is not UTF-8: {shown(bad)!r}; give it as UTF-8 text")
     return prepared
+
+
+#: At most this many paths of NumPy scalars/dtypes are recorded in a manifest (all are counted).
+MAX_NUMPY_PATHS = 100
+
+
+def _note_numpy_values(source, encoded) -> None:
+    """[issue 27] Record where the state holds NumPy scalars and dtypes (``source.info["numpy_values"]``: count and
+    the first :data:`MAX_NUMPY_PATHS` paths), so ``inspect`` can say which values came in as NumPy types (admitted
+    with ``--allow-numpy`` or by a trainer's RNG-file allowlist) without reading the tree."""
+    found = getattr(encoded[1], "numpy_values", None) if isinstance(encoded, tuple) and len(encoded) > 1 else None
+    if found:
+        source.info = dict(source.info or {})
+        source.info["numpy_values"] = {"count": len(found), "paths": [p[:512] for p in found[:MAX_NUMPY_PATHS]]}
 
 
 def build_manifest(p: _Prepared, number: int, body: dict) -> dict:

@@ -9,11 +9,12 @@ from typing import Any, Callable
 
 from ckpt_archive.errors import (CannotCheck, InsufficientSpace, IntegrityError, OutputExists, UsageError,
                                  first_line)
-from ckpt_archive.format.paths import inside
+from ckpt_archive.format.paths import check_relpath
 from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick, refuse_special_output, refuse_unusable
 from ckpt_archive.ops.load import with_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
+from ckpt_archive.store.fs import Dir, Entry
 
 
 @dataclasses.dataclass
@@ -34,11 +35,6 @@ class RestoreResult:
                 "warnings": self.warnings, **self.extra}
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
 def _check_space(path: Path, need: int) -> None:
     import shutil
 
@@ -57,7 +53,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             allow_data_change: bool = False, unverified: bool = False, folder_rewrite: Callable | None = None,
             on_bytes=None, **store_options) -> RestoreResult:
     """Write an archived generation back as a ``torch.save`` file (file sources) or a folder (folder
-    sources), atomically: temporary name in the same folder, fsync, rename.
+    sources), atomically: written in a private staging folder beside it (``.NAME.tmp-PID-<hex>``, created
+    through the file layer :mod:`ckpt_archive.store.fs`: relative to the output folder's descriptor, never
+    through a symbolic link), fsynced, then renamed into place.
 
     A ``.safetensors`` file source is restored as a ``.safetensors`` file with its header metadata. A
     source file whose exact bytes were kept (``source.files[].exact``) comes back byte for byte (sha256
@@ -154,35 +152,39 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     if folder_rewrite is not None and (layout != "folder" or only):
         raise UsageError("folder_rewrite applies to a folder source restored whole (this generation restores "
                          "to a file; pass transform= instead)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(out)
+    from ckpt_archive.store.fs import Staging
+
+    stage = Staging(out)  # the output's folder (created if absent), leftovers of killed restores removed
+    staged = stage.entry  # the output being written, in the private staging folder
     rewritten: dict = {}
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
 
     def write(gen: Generation) -> int:
+        stage.reset()  # a --fallback retry starts from nothing
         reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
         raw = None if only else gen.manifest["summary"].get("raw_bytes")
         if layout == "folder" and not only:
             phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
-            nbytes = _restore_folder(reader, gen.manifest, tmp, map_location, on_bytes)
-            if folder_rewrite is not None:
-                from ckpt_archive.ops.folder_policy import rewrite_folder_files
+            stage.dir.mkdir(stage.name)
+            with stage.dir.sub(stage.name) as dest:
+                nbytes = _restore_folder(reader, gen.manifest, dest, map_location, on_bytes)
+                if folder_rewrite is not None:
+                    from ckpt_archive.ops.folder_policy import rewrite_folder_files
 
-                delta, rewritten["report"] = rewrite_folder_files(reader, gen.manifest, tmp, folder_rewrite,
-                                                                  map_location=map_location)
-                nbytes += delta
+                    delta, rewritten["report"] = rewrite_folder_files(reader, gen.manifest, dest, folder_rewrite,
+                                                                      map_location=map_location)
+                    nbytes += delta
             return nbytes
         first = (gen.manifest["source"].get("files") or [{}])[0]
         if layout == "file" and not only and transform is None and map_location is None and first.get("exact"):
             phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
-            return _restore_exact(reader, first, tmp, on_bytes)  # [issue 11] the source file byte for byte
+            return _restore_exact(reader, first, staged, on_bytes)  # [issue 11] the source file byte for byte
         src_files = gen.manifest["source"].get("files") or [{}]
         if _torch_output(layout, only, src_files[0]) and transform is None and map_location is None:
             from ckpt_archive.ops.restore_torch import write_torch_file
             from ckpt_archive.repo.reader import subtree
 
             tree = reader.tree()
-            nbytes = write_torch_file(reader, subtree(tree, only) if only is not None else tree, tmp, on_bytes,
+            nbytes = write_torch_file(reader, subtree(tree, only) if only is not None else tree, staged, on_bytes,
                                       on_start=lambda: phase(on_bytes, f"decode, check and write generation "
                                                                        f"{gen.number}", raw))
             if nbytes is not None:
@@ -190,57 +192,40 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             _check_space(out, int(gen.manifest["summary"]["raw_bytes"] * 2.05) + (1 << 20))
         # tensors over memory-mapped spill files next to the output: anonymous memory stays bounded
         phase(on_bytes, f"decode and check generation {gen.number}", raw)
-        state = reader.load(only, map_location=map_location, spill_dir=tmp.parent, on_bytes=on_bytes)
+        state = reader.load(only, map_location=map_location, spill_dir=stage.dir, on_bytes=on_bytes)
         phase(on_bytes, f"write {out.name}", raw)  # the tensors' raw bytes: nearly all of the file
         if transform is not None:
             state = transform(state)
         if layout == "file" and not only and src_files[0].get("kind") == "safetensors":
             from safetensors.torch import save_file
 
-            save_file(state, str(tmp), metadata=src_files[0].get("metadata") or None)
-            _fsync_file(tmp)
+            os.close(staged.create())  # the name is ours (O_EXCL) before the library writes it by path
+            save_file(state, staged.path, metadata=src_files[0].get("metadata") or None)
+            size = stage.dir.finish_file(stage.name)
             if on_bytes:
-                on_bytes(tmp.stat().st_size)  # safetensors writes in one call: reported when done
-            return tmp.stat().st_size
-        try:
-            if on_bytes:
-                with open(tmp, "wb") as fh:
-                    _torch_save(state, _Counted(fh, on_bytes), out, part=bool(only))
-            else:
-                _torch_save(state, tmp, out, part=bool(only))
-        except CannotCheck:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_file(tmp)
-        return tmp.stat().st_size
+                on_bytes(size)  # safetensors writes in one call: reported when done
+            return size
+        with os.fdopen(staged.create(), "wb") as fh:
+            _torch_save(state, _Counted(fh, on_bytes) if on_bytes else fh, out, part=bool(only))
+        return stage.dir.finish_file(stage.name)
 
     from ckpt_archive.format.allowlist import allowing
     from ckpt_archive.repo.publish import phase
 
-    try:
+    with stage:  # on any exception the staging folder is removed; the output is untouched
         with allowing(allow):
             gen, nbytes = with_fallback(r, generation, fallback, write, unverified=unverified, action="restore",
                                         override="--restore-unverified", notes=notes)
-    except BaseException:
-        _remove(tmp)
-        raise
-    if layout == "file" and not only and transform is None:  # the source file itself: its permission bits
-        apply_mode(tmp, (gen.manifest["source"].get("files") or [{}])[0])
-    try:
+        if layout == "file" and not only and transform is None:  # the source file itself: its permission bits
+            apply_mode(stage.dir, stage.name, (gen.manifest["source"].get("files") or [{}])[0])
         refuse_special_output(out)  # again: one may have been put there while we wrote
-    except UsageError:
-        _remove(tmp)
-        raise
-    if out.exists() or out.is_symlink():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        _remove(old)
-    else:
-        os.replace(tmp, out)
-    from ckpt_archive.store.local import fsync_directory
-
-    fsync_directory(out.parent)
+        # one rename through the output folder's descriptor (a folder, or a file replacing a folder,
+        # through .NAME.old-PID-<hex>); the folder fsynced
+        try:
+            stage.commit(replace=force)
+        except FileExistsError:  # put there while we wrote: never replaced without --force
+            raise OutputExists("appeared while restoring; pass --force to replace it (nothing was written)",
+                               where=str(out)) from None
     result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only,
                            warnings=list(notes))
     if notes:
@@ -296,52 +281,22 @@ def _check_output_target(out: Path, r: Repository, *, writes_folder: bool) -> No
             raise UsageError("holds a ckpt-archive repository; refusing to replace it", where=str(out))
 
 
-def _remove_stale_temporaries(out: Path) -> None:
-    """Remove what a killed restore to ``out`` left beside it (``.NAME.tmp-PID``, ``.NAME.old-PID`` of a
-    process that is gone): the next restore to the same output cleans up (a kill -9 runs no handler)."""
-    import re
-
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(\d+)$")
-    try:
-        names = os.listdir(out.parent)
-    except OSError:
-        return
-    for name in names:
-        m = pattern.match(name)
-        if m and int(m.group(2)) != os.getpid() and not _alive(int(m.group(2))):
-            _remove(out.parent / name)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
-
-
-def _remove(p: Path) -> None:
-    import shutil
-
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
-    elif p.exists() or p.is_symlink():
-        p.unlink()
-
-
-def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_location=None, on_bytes=None) -> int:
-    """Recreate a folder source: torch files via torch.save, safetensors files via safetensors with
-    their metadata, raw/opaque files byte for byte. Returns bytes written."""
-    dest.mkdir(parents=True)
+def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Dir, map_location=None, on_bytes=None) -> int:
+    """Recreate a folder source in the fresh folder ``dest`` (inside the staging folder): torch files via
+    torch.save, safetensors files via safetensors with their metadata, raw/opaque files byte for byte.
+    Every name is created exclusively through ``dest``'s descriptor, each folder on the way opened
+    ``O_NOFOLLOW``: nothing a manifest says can reach outside ``dest``. Returns bytes written."""
     tree = reader.tree()
     total = 0
     for f in manifest["source"]["files"]:
-        # every final path resolved and kept inside the output folder (format/paths.py)
-        target = inside(dest, f["relpath"], where=f"manifest.json: source.files {f['relpath']!r}")
+        # the path rule again (format/paths.py: plain relative names), then a walk that follows no link
+        check_relpath(f["relpath"], where=f"manifest.json: source.files {f['relpath']!r}", what="source file")
+        target = f"{dest.display()}/{f['relpath']}"
+        parts = f["relpath"].split("/")
         try:
-            _restore_folder_file(reader, tree, f, dest, target, map_location, on_bytes)
+            with dest.walk(parts[:-1], create=True) as folder:
+                _restore_folder_file(reader, tree, f, dest, folder, parts[-1], map_location, on_bytes)
+                total += apply_mode(folder, parts[-1], f)
         except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
             # the manifest's relpaths are distinct and none lies inside another (format/manifest.py): a
             # file system that folds names (case, Unicode normalisation) made two of them one
@@ -349,20 +304,17 @@ def _restore_folder(reader: ArchiveReader, manifest: dict, dest: Path, map_locat
                               f"here ({exc.strerror}); this file system treats two names of the archive as "
                               f"one (case or Unicode normalisation?)", where=str(target),
                               hint="restore to a folder on a case-sensitive file system") from None
-        apply_mode(target, f)
-        _fsync_file(target)
-        total += target.stat().st_size
     return total
 
 
-def apply_mode(path: Path, f: dict) -> None:
+def apply_mode(folder: Dir, name: str, f: dict) -> int:
     """Give a restored source file the permission bits recorded at pack (``source.files[].mode``), less this
     process's umask, as ``tar`` does for a user who is not root: a 0600 file comes back 0600, a 0755 script
     executable, and an archive can never make a file wider than the umask allows (nor setuid: only the
-    0o777 bits are read). A manifest without ``mode`` (written before it was recorded) leaves the default."""
+    0o777 bits are read). A manifest without ``mode`` (written before it was recorded) leaves the default.
+    The file is fsynced; returns its size in bytes."""
     mode = f.get("mode")
-    if type(mode) is int:
-        os.chmod(path, mode & 0o777 & ~_umask())
+    return folder.finish_file(name, mode & 0o777 & ~_umask() if type(mode) is int else None)
 
 
 def _umask() -> int:
@@ -379,34 +331,39 @@ def _umask() -> int:
     return old
 
 
-def _restore_folder_file(reader: ArchiveReader, tree: Any, f: dict, dest: Path, target: Path, map_location,
-                         on_bytes) -> None:
-    """One file of a folder source, created exclusively in the fresh staging folder: a name already
-    there is ``FileExistsError``, never a file silently written over another."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+def _restore_folder_file(reader: ArchiveReader, tree: Any, f: dict, dest: Dir, folder: Dir, name: str,
+                         map_location, on_bytes) -> None:
+    """One file of a folder source, created exclusively (``O_EXCL | O_NOFOLLOW``) in ``folder``, inside the
+    fresh staging folder ``dest``: a name already there is ``FileExistsError``, never a file silently
+    written over another."""
     if f.get("hardlink_of"):  # [issue 11] hardlinks come back as hardlinks
-        os.link(inside(dest, f["hardlink_of"], where=f"manifest.json: hardlink_of {f['hardlink_of']!r}"), target)
+        src = f["hardlink_of"]
+        check_relpath(src, where=f"manifest.json: hardlink_of {src!r}", what="hardlink_of")
+        with dest.walk(src.split("/")[:-1]) as src_folder:
+            src_folder.link(src.split("/")[-1], name, folder)
     elif f.get("exact") and map_location is None:  # [issue 11] byte for byte (format/exact_bytes.py: O_EXCL)
-        _restore_exact(reader, f, target, on_bytes)
+        _restore_exact(reader, f, folder.entry(name), on_bytes)
     elif f["kind"] in ("raw", "opaque"):
         rec = reader.by_path[f["member"]]
-        with open(target, "xb") as fh:
+        with os.fdopen(folder.create(name), "wb") as fh:
             for _, chunk in reader.iter_member(rec, on_bytes=on_bytes):
                 fh.write(chunk)
     else:
-        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))  # the name is ours from here
-        node = _folder_node(tree, f["relpath"])
-        obj = reader.load_node(node, map_location=map_location, on_bytes=on_bytes)
+        fd = folder.create(name)  # the name is ours from here
+        try:
+            node = _folder_node(tree, f["relpath"])
+            obj = reader.load_node(node, map_location=map_location, on_bytes=on_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
         if f["kind"] == "safetensors":
             from safetensors.torch import save_file
 
-            save_file(obj, str(target), metadata=f.get("metadata") or None)
+            os.close(fd)
+            save_file(obj, folder.path_of(name), metadata=f.get("metadata") or None)
         else:
-            try:
-                _torch_save(obj, target, target)
-            except CannotCheck:
-                target.unlink(missing_ok=True)
-                raise
+            with os.fdopen(fd, "wb") as fh:
+                _torch_save(obj, fh, folder.display(name))
 
 
 def _torch_save(state: Any, dest, out, *, part: bool = False) -> None:
@@ -432,7 +389,7 @@ def _torch_save(state: Any, dest, out, *, part: bool = False) -> None:
                               "" if part else "; --only restores a part of it as a .pt")) from None
 
 
-def _restore_exact(reader: ArchiveReader, f: dict, target: Path, on_bytes=None) -> int:
+def _restore_exact(reader: ArchiveReader, f: dict, target: Entry, on_bytes=None) -> int:
     """[issue 11] Rebuild a decomposed source file byte for byte from its skeleton member and the tensor
     entries (format/exact_bytes.py); its sha256 is checked against the source's. Returns bytes written."""
     from ckpt_archive.format import exact_bytes

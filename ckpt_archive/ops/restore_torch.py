@@ -29,25 +29,26 @@ from __future__ import annotations
 import os
 import struct
 import zipfile
-from pathlib import Path
 from typing import Any
 
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format.exact_bytes import crc32, pwrite_all, zip_records
 from ckpt_archive.repo.reader import ArchiveReader, leaf_from_base, tensor_refs
+from ckpt_archive.store.fs import Entry
 
 _CD_MAGIC = b"PK\x01\x02"
 _DD_MAGIC = b"PK\x07\x08"
 
 
-def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=None, on_start=None) -> int | None:
+def write_torch_file(reader: ArchiveReader, tree: Any, target: Entry, on_bytes=None, on_start=None) -> int | None:
     """Write the state of ``tree`` (an encoded state tree of ``reader``'s generation) as a ``torch.save``
     file at ``target`` in one pass (see the module docstring).
 
     Args:
         reader: the generation's reader (its chunks and fingerprints are checked as they are decoded).
         tree: the encoded tree to write (the whole state, or a sub-tree).
-        target: the file to create (its folder must exist; an existing file is replaced).
+        target: the file to create, a name in a folder the file layer opened (restore's staging folder:
+            :class:`~ckpt_archive.store.fs.Entry`); created exclusively, never through a link.
         on_bytes: progress callback, raw bytes decoded.
         on_start: called once the state is taken (nothing is declined after it), before any entry is decoded.
 
@@ -134,12 +135,13 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
     except Exception:  # noqa: BLE001 - an object that does not take a fake tensor: the general path decodes
         return None  # it for real (and raises the same error there if the tree itself is at fault)
     try:
-        named = _save_skeleton(state, target)
+        os.close(target.create())  # the name is ours (O_EXCL | O_NOFOLLOW) before torch writes it by path
+        named = _save_skeleton(state, target.path)
     except OSError:
-        target.unlink(missing_ok=True)
+        target.remove()
         raise  # disk full, permissions: the general path would meet the same
     except Exception:  # noqa: BLE001 - a torch without skip_data(materialize_fake_tensors) (< 2.5), or a
-        target.unlink(missing_ok=True)  # value its fake-tensor save does not take: the general path writes it
+        target.remove()  # value its fake-tensor save does not take: the general path writes it
         return None
     try:
         plan = []  # (record name, entry key or real storage)
@@ -152,10 +154,10 @@ def write_torch_file(reader: ArchiveReader, tree: Any, target: Path, on_bytes=No
             on_start()
         size = _fill(reader, target, plan, member_of, on_bytes, part_views)
     except _Fallback:
-        target.unlink()
+        target.remove()
         return None
     except BaseException:
-        target.unlink(missing_ok=True)
+        target.remove()
         raise
     return size
 
@@ -172,7 +174,7 @@ def _declined(node: dict) -> bool:
     return (tag == "tensor" and bool(node.get("attrs"))) or tag in ("rebuild", "storage")
 
 
-def _save_skeleton(state: Any, target: Path) -> dict:
+def _save_skeleton(state: Any, target: str) -> dict:
     """``torch.save`` of ``state`` with storages' space reserved, not written; returns ``{record key:
     untyped storage}`` as torch's own pickler named them (``data/<key>``)."""
     import pickle
@@ -202,7 +204,7 @@ def _save_skeleton(state: Any, target: Path) -> dict:
     return named
 
 
-def _records(path: Path) -> dict[str, tuple[int, int, int, int]]:
+def _records(path: str) -> dict[str, tuple[int, int, int, int]]:
     """``{record name below the archive folder: (data offset, bytes, flag bits, central-directory entry
     offset)}`` of a zip written by torch (data offsets: :func:`~ckpt_archive.format.exact_bytes.zip_records`)."""
     with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
@@ -221,7 +223,7 @@ def _records(path: Path) -> dict[str, tuple[int, int, int, int]]:
             for start, length, _, name, _ in zip_records(path)}
 
 
-def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_bytes,
+def _fill(reader: ArchiveReader, target: Entry, plan: list, member_of: dict, on_bytes,
           part_views: dict | None = None) -> int:
     """Write every planned record's bytes and CRC-32; returns the file's size. ``part_views``: entry key
     -> ``[(leaf, record)]`` of views of part of that entry, whose own bytes are checked against their
@@ -231,7 +233,7 @@ def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_b
     from ckpt_archive.format import fingerprint
     from ckpt_archive.repo.trial_reload import check_leaf_bytes
 
-    records = _records(target)
+    records = _records(target.path)
     by_entry: dict[str, list[str]] = {}  # entry key -> the records it fills
     real = []  # (record, storage) of storages the tree built itself
     for name, what in plan:
@@ -241,7 +243,7 @@ def _fill(reader: ArchiveReader, target: Path, plan: list, member_of: dict, on_b
             by_entry.setdefault(what, []).append(name)
         else:
             real.append((name, what))
-    fd = os.open(target, os.O_RDWR)
+    fd = target.open(os.O_RDWR)
     try:
         def put(name: str, data) -> None:
             start, length, flags, cd_at = records[name]

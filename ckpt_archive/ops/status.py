@@ -205,7 +205,7 @@ def _read_previous(path: Path, location: str) -> dict | None:
 
 
 def _remember(path: Path, location: str, entry: dict) -> None:
-    from ckpt_archive.store.local import write_atomic
+    from ckpt_archive.store.fs import write_file_atomic
 
     try:
         doc = jsonio.loads(path.read_bytes(), where=str(path))
@@ -216,8 +216,8 @@ def _remember(path: Path, location: str, entry: dict) -> None:
     doc["format"] = "ckpt-archive-status"
     doc["version"] = STATE_VERSION
     doc.setdefault("repositories", {})[location] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, jsonio.dumps(doc, indent=1, sort_keys=True, ensure_ascii=True))
+    # the folder created if absent, a fresh O_EXCL temporary beside the file, renamed over it (the file layer)
+    write_file_atomic(path, jsonio.dumps(doc, indent=1, sort_keys=True, ensure_ascii=True))
 
 
 def _human_age(seconds: float | None) -> str:

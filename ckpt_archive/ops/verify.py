@@ -1,13 +1,14 @@
 """``verify``: check a generation, shallow (stored bytes) or deep (trial reload); mark a copied one usable.
 
 Reading needs no lock. Marking a ``copied`` generation usable is a publish, so it goes through
-:func:`ckpt_archive.repo.publish.adopt` (under the lock, marker last).
+:func:`ckpt_archive.repo.publish.adopt` (under the lock, marker last). On a read-only repository the lock
+cannot be taken: the deep check still runs, and the report says the generation could not be marked.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from ckpt_archive.errors import CannotCheck, IntegrityError
+from ckpt_archive.errors import CannotCheck, IntegrityError, ReadOnlyRepository
 from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import MANIFEST, Generation, Repository
@@ -202,7 +203,9 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
 
     Raises:
         NotFound / NoUsableGeneration / NewerFormatError: could not check (exit 2).
-        LockError: marking a copied generation usable, another writer held the lock (exit 2).
+        LockError: marking a copied generation usable, another writer held the lock (exit 2). A
+            read-only repository is no error: the generation is checked, ``marked_usable`` stays False and
+            a warning (and ``extra["not_marked"]``) says it could not be marked here.
 
     Example:
         >>> import torch, ckpt_archive, tempfile
@@ -215,15 +218,25 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
     r = open_repo(repo, **store_options)
     gen = r.resolve(generation)
     marked = False
+    not_marked = None
     if deep and (gen.status == "copied" or gen.check_failed is not None):
         from ckpt_archive.repo.publish import adopt
 
-        gen, problems, stats, marked = adopt(
-            r, gen.number, lambda g: check_generation(r, g, deep, jobs, on_bytes), wait=wait)
+        try:
+            gen, problems, stats, marked = adopt(
+                r, gen.number, lambda g: check_generation(r, g, deep, jobs, on_bytes), wait=wait)
+        except ReadOnlyRepository as exc:
+            # the check is what was asked for; the marker is only its record here: check without the lock
+            problems, stats = check_generation(r, gen, deep, jobs, on_bytes)
+            not_marked = (f"generation {gen.number} could not be marked usable here: the repository is read-only "
+                          f"({exc.message}); the check ran without the writer lock and recorded nothing")
     else:
         problems, stats = check_generation(r, gen, deep, jobs, on_bytes)
     report = VerifyReport(not problems, gen.number, gen.status, deep, problems, stats=stats, marked_usable=marked,
                           extra={"shared_objects": shared_object_report(r, gen.number, problems)})
+    if not_marked is not None:
+        report.warnings.append(not_marked)
+        report.extra["not_marked"] = not_marked
     if problems and str(generation) == "latest":
         fb = find_fallback(r, gen.number, deep, jobs)
         report.fallback = fb

@@ -22,8 +22,7 @@ from ckpt_archive.errors import CkptArchiveError, IntegrityError, NotFound
 from ckpt_archive.format.member_writer import ChunkSink
 from ckpt_archive.format.objects import OBJECT_DIR, check_fp, object_id, object_key, oid_of_name, parts, rebase
 from ckpt_archive.format.objects import refs as manifest_refs
-
-_TMP_NAME = re.compile(r"^\..+\.tmp-\d+$")
+from ckpt_archive.store.fs import TEMP_FILE as _TMP_NAME  # the file layer's temporary names
 
 
 @dataclasses.dataclass

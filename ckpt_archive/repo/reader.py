@@ -539,15 +539,19 @@ class SizeOnly:
 
 
 def _spill_member(reader: "ArchiveReader", rec: dict, spill_dir, on_bytes=None):
-    """Decode a member into an unlinked file in ``spill_dir``; return a private (copy-on-write) mmap of it.
+    """Decode a member into an unlinked file in ``spill_dir`` (a :class:`~ckpt_archive.store.fs.Dir`, e.g.
+    restore's staging folder, or a folder path); return a private (copy-on-write) mmap of it.
 
-    The member's raw sha256 is checked (by iter_member) before the map is returned.
+    The spill file is created through the file layer (``O_EXCL | O_NOFOLLOW``, an unpredictable name). The
+    member's raw sha256 is checked (by iter_member) before the map is returned.
     """
     import mmap
     import os
-    import tempfile
 
-    fd, name = tempfile.mkstemp(prefix=".ckpt-archive-spill-", dir=str(spill_dir))
+    from ckpt_archive.store.fs import Dir
+
+    folder = spill_dir if isinstance(spill_dir, Dir) else Dir.open(spill_dir)
+    name, fd = folder.create_temp("ckpt-archive-spill", mode=0o600, readable=True)
     try:
         with os.fdopen(fd, "wb", closefd=False) as fh:
             for _, chunk in reader.iter_member(rec, on_bytes=on_bytes):
@@ -558,7 +562,9 @@ def _spill_member(reader: "ArchiveReader", rec: dict, spill_dir, on_bytes=None):
                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-        os.unlink(name)
+        folder.unlink(name)
+        if folder is not spill_dir:
+            folder.close()
 
 
 

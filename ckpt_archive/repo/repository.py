@@ -326,7 +326,10 @@ class Repository:
         if material is not None:
             config["encryption"] = keys.new_encryption(material, config["id"])
         try:
-            store.write_bytes_once(REPO_FILE, jsonio.dumps(config, indent=1, ensure_ascii=True))
+            # atomic like every other write (a temporary file, then linked to its name): a full disk or a
+            # kill leaves no repository.json or a whole one, never a 0-byte or half file
+            with store.write_new(REPO_FILE) as fh:
+                fh.write(jsonio.dumps(config, indent=1, ensure_ascii=True))
         except StoreError:
             if not store.exists(REPO_FILE):
                 raise  # not a concurrent creator: the store refused (no such bucket, access denied)
@@ -519,24 +522,26 @@ class Repository:
     def lock(self, wait: float = 0) -> Iterator[None]:
         """Hold the repository's single-writer lock (re-entrant for this object).
 
-        The store says which file to lock (:meth:`~ckpt_archive.store.base.Store.lock_file`): local
-        repositories lock ``REPO/.lock`` (filelock: an OS lock the kernel releases when the holder
-        dies, so a killed writer never leaves a lock behind); remote ones lock a file in the user's
-        cache keyed by the URL (one writer per machine). The holder's pid/host/time are written to
-        ``.lock.owner`` to say who holds it. Entered again while this object holds it (the publish
-        lifecycle inside ``pack``'s lock), it just holds on.
+        The store gives the lock (:meth:`~ckpt_archive.store.base.Store.writer_lock`, through the file
+        layer :mod:`ckpt_archive.store.fs`): local repositories lock ``REPO/.lock`` (``flock``: an OS lock
+        the kernel releases when the holder dies, so a killed writer never leaves a lock behind); remote
+        ones lock a file in the user's cache keyed by the URL (one writer per machine). The lock file is
+        opened ``O_NOFOLLOW`` relative to its folder, never through a link. The holder's pid/host/time are
+        written to ``.lock.owner`` (a fresh ``O_EXCL`` temporary file renamed over it) to say who holds it.
+        Entered again while this object holds it (the publish lifecycle inside ``pack``'s lock), it just
+        holds on.
 
         Args:
             wait: seconds to wait for another writer (0: fail at once).
 
         Raises:
             LockError: not obtained within ``wait`` seconds; says who holds it.
+            ReadOnlyRepository: (a LockError) the repository is read-only here: the lock cannot be taken.
+            LinkInRepository: ``.lock`` is a symbolic link (exit 2; nothing was written through it).
         """
-        import filelock
-
         from ckpt_archive.format.durations import check_seconds
 
-        wait = check_seconds(wait, "--wait")  # filelock waits forever on a negative timeout
+        wait = check_seconds(wait, "--wait")  # a negative wait would mean "forever" to some lock libraries
         if self._lock_depth:
             self._lock_depth += 1
             try:
@@ -544,40 +549,35 @@ class Repository:
             finally:
                 self._lock_depth -= 1
             return
-        lock_path = self.store.lock_file()
-        owner_path = lock_path.with_name(lock_path.name + ".owner")
-        lock = filelock.FileLock(str(lock_path))
-        try:
-            lock.acquire(timeout=wait)
-        except filelock.Timeout:
+        lock = self.store.writer_lock()
+        if not lock.acquire(timeout=wait):
             holder = ""
             try:
-                info = jsonio.loads(owner_path.read_bytes(), where=str(owner_path), max_bytes=1 << 16)
+                raw = lock.read_owner()
+                if raw is None:
+                    raise ValueError("no owner file")
+                info = jsonio.loads(raw, where=str(lock.path) + ".owner", max_bytes=1 << 16)
                 if not isinstance(info, dict):
                     raise ValueError("not an object")
                 alive = _pid_alive(info.get("pid")) if info.get("host") == socket.gethostname() else None
                 holder = (f" by pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
                           + ("" if alive is not False else " (that process is gone: the OS lock is held by "
                              "another process, or the file system does not release locks; if no writer "
-                             f"runs, remove {lock_path})"))
+                             f"runs, remove {lock.path})"))
             except (OSError, ValueError):
                 pass
             raise LockError(f"the repository is locked by another writer{holder}; retry later or pass "
                             f"--wait SECONDS", where=self.location) from None
         try:
             try:
-                owner_path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                                  "since": iso(utcnow())}))
+                lock.write_owner(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                             "since": iso(utcnow())}).encode())
             except OSError:
                 pass
             self._lock_depth = 1
             yield
         finally:
             self._lock_depth = 0
-            try:
-                owner_path.unlink()
-            except OSError:
-                pass
             lock.release()
 
     # -- writing ---------------------------------------------------------------------------------------

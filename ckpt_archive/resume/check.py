@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ckpt_archive.errors import CannotCheck, IntegrityError, SourceError, UsageError
-from ckpt_archive.resume.compare import (MAX_LISTED, TreeDiff, compact, compare_runs, compare_trajectories, describe,
-                                         short_value, span)
+from ckpt_archive.resume.compare import (MAX_LISTED, TreeDiff, compact, compare_runs, compare_trajectories,
+                                         data_ids_differences, describe, ids_named, short_value, span)
 from ckpt_archive.resume.controls import (CONTROL_LABELS, STREAMS, TOOL_CONTROLS, canonical_control, control_verdict,
                                           perturb, script_control_name)
 from ckpt_archive.resume.report import REPORT_FILE, build_report, interruption_facts, write_report
@@ -166,7 +166,11 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int | Sequ
 
     interruptions = [dict(t["facts"], at=p, expected_cursor=_expected_cursor(cont_traj, p))
                      for t, p in zip(trips, points)]
-    verdict = _verdict(determinism, positive, positive_ok, entries, trips[0]["facts"], points[0], interruptions)
+    verdict = _verdict(determinism, positive, positive_ok, entries, trips[0]["facts"], points[0], interruptions,
+                       resumed_ids=[(seg_name, data_ids_differences(cont_traj.get("data_ids"), seg.get("data_ids"),
+                                                                    "continuous", seg_name))
+                                    for seg_name, seg in zip(_segment_names(points), segments)],
+                       hash_seed=run_env.get("PYTHONHASHSEED"))
     verdict["warnings"] += ids.warnings
     report = build_report(kind=kind, command=command, steps=steps, interrupt_at=points[0], atol=atol, rtol=rtol,
                           verdict=verdict, positive=positive, determinism=determinism, entries=entries,
@@ -324,8 +328,13 @@ def _run_baselines(runs: _Runs, steps: int, interrupt_at: int, atol: float, rtol
                               "(does the script run {steps} updates and call Trajectory.record with step=?)",
                               where=str(rec.output / TRAJECTORY_FILE))
     det = compare_trajectories(cont_traj["updates"][:interrupt_at], int_traj["updates"], atol=atol, rtol=rtol)
-    determinism = {"matched": det["first_divergence"] is None and not det["structure"],
+    # [issue 27] the runs' own data ids (a label map from a set under PYTHONHASHSEED=random): named, not just
+    # "update 1 (loss)"
+    ids = data_ids_differences(cont_traj.get("data_ids"), int_traj.get("data_ids"), "continuous", "interrupted")
+    determinism = {"matched": det["first_divergence"] is None and not det["structure"] and not ids,
                    "first_divergence": det["first_divergence"]}
+    if ids is not None:
+        determinism["data_ids"] = {"same": not ids, "differences": ids}
     return cont, intr, cont_traj, int_traj, determinism
 
 
@@ -459,18 +468,51 @@ def _not_run(chosen: list[str], scripted: list[list[str]]) -> list[dict]:
              "message": "not run: the resume itself already diverged", "changed": []} for name, kind in names]
 
 
+def _segment_names(points: list[int]) -> list[str]:
+    """The resumed runs' names, one per interruption (as :func:`check_resume` launches them)."""
+    return [f"resumed-{k + 1}" for k in range(len(points) - 1)] + ["resumed"]
+
+
+def _not_deterministic(determinism: dict, hash_seed: str | None) -> str:
+    """The problem line of continuous and interrupted runs that differ before any resume, naming the data ids that
+    differ (recorded with ``Trajectory(data_ids=)``), or the sample ids of the first batch that differs."""
+    fd = determinism["first_divergence"] or {}
+    ids = (determinism.get("data_ids") or {}).get("differences") or []
+    if fd:
+        text = (f"the script is not deterministic: the continuous and interrupted runs already differ at update "
+                f"{fd.get('step')} ({fd.get('field')}) before any resume")
+    else:
+        text = "the script is not deterministic: the continuous and interrupted runs built different data ids"
+    if ids:
+        text += ("; their data ids differ: " + "; ".join(ids) + "; build them in a fixed order (sorted(...), not the "
+                 "order of a set or of a dict built from one: string hashing, and so that order, changes between "
+                 "processes unless PYTHONHASHSEED is fixed)")
+    elif fd.get("field") == "sample_ids" and isinstance(fd.get("expected"), list) and isinstance(fd.get("got"), list):
+        text += f": update {fd['step']} consumed " + ids_named(fd["expected"], fd["got"])
+    elif "data_ids" not in determinism:
+        text += ("; the same samples can mean different data in two processes (a label map or file list built from a "
+                 "set): record the run's data ids with Trajectory(output, data_ids=...) to have them compared")
+        if hash_seed == "random":
+            text += " (PYTHONHASHSEED is 'random' here, so set and dict orders of strings change from run to run)"
+    return text + "; seed every random stream from the config"
+
+
 def _verdict(determinism: dict, positive: dict, positive_ok: bool, entries: list[dict], facts: dict,
-             interrupt_at: int, interruptions: list[dict] = ()) -> dict:
-    """``all_ok``, ``negative_detected``, and the report's ``problems`` and ``warnings``."""
+             interrupt_at: int, interruptions: list[dict] = (), resumed_ids: list = (),
+             hash_seed: str | None = None) -> dict:
+    """``all_ok``, ``negative_detected``, and the report's ``problems`` and ``warnings``.
+
+    ``resumed_ids``: ``(run name, data_ids_differences against the continuous run)`` per resumed run."""
     ran = [e for e in entries if e["status"] not in ("skipped", "not-run", "could-not-check")]
     relevant = [e for e in ran if e["status"] != "no-effect-expected"]
     problems: list[str] = []
     warnings: list[str] = []
     if not determinism["matched"]:
-        fd = determinism["first_divergence"] or {}
-        problems.append(f"the script is not deterministic: the continuous and interrupted runs already differ "
-                        f"at update {fd.get('step')} ({fd.get('field')}) before any resume; seed every random "
-                        "stream from the config")
+        problems.append(_not_deterministic(determinism, hash_seed))
+    for name, lines in resumed_ids:
+        if lines:
+            problems.append(f"the {name} run built other data ids than the continuous run: " + "; ".join(lines)
+                            + "; the resumed process means other data by the same sample ids")
     if not positive["matched"]:
         problems.append("the resumed run does not match the continuous run: " + describe(positive))
     for e in entries:

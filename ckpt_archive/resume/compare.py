@@ -475,6 +475,56 @@ def describe(cmp: dict) -> str:
     return "; ".join(parts) or "no difference"
 
 
+#: At most this many entries of each kind (differing, only in one run) are named by :func:`data_ids_differences`.
+MAX_DATA_IDS_LISTED = 10
+
+
+def data_ids_differences(a: Any, b: Any, first: str, second: str) -> list[str] | None:
+    """The entries of two runs' recorded data ids that differ, one line each, key order aside.
+
+    Args:
+        a, b: the ``data_ids`` of two trajectories (:class:`~ckpt_archive.resume.trajectory.Trajectory`);
+            ``None`` when a run recorded none.
+        first, second: the runs' names for the lines (``"continuous"``, ``"interrupted"``).
+
+    Returns:
+        None when either run recorded no data ids; else ``[]`` when equal, or lines such as
+        ``cat: 0 in the continuous run, 1 in the interrupted run`` / ``bird: only in the interrupted run (2)``
+        (at most :data:`MAX_DATA_IDS_LISTED` of each kind, then a count).
+    """
+    if a is None or b is None:
+        return None
+    from ckpt_archive.ops.data_identity import compare_data_ids
+
+    diff = compare_data_ids(a, b)
+    lines: list[str] = []
+
+    def listed(rows: list, fmt) -> None:
+        lines.extend(fmt(*r) for r in rows[:MAX_DATA_IDS_LISTED])
+        if len(rows) > MAX_DATA_IDS_LISTED:
+            lines.append(f"... and {len(rows) - MAX_DATA_IDS_LISTED} more")
+
+    listed(diff.changed, lambda k, x, y: f"{k}: {short_value(x)} in the {first} run, {short_value(y)} in the {second} run")
+    listed(diff.removed, lambda k, x: f"{k}: only in the {first} run ({short_value(x)})")
+    listed(diff.added, lambda k, y: f"{k}: only in the {second} run ({short_value(y)})")
+    if diff.other:
+        lines.append(f"{first} run: {short_value(a)}; {second} run: {short_value(b)}")
+    return lines
+
+
+def ids_named(expected: list, got: list) -> str:
+    """Two batches' sample ids, and which are in only one of them (for a message)."""
+    only_e = sorted(set(expected) - set(got))[:MAX_DATA_IDS_LISTED]
+    only_g = sorted(set(got) - set(expected))[:MAX_DATA_IDS_LISTED]
+    text = f"ids {short_value(expected)} in the continuous run, {short_value(got)} in the interrupted run"
+    if only_e or only_g:
+        text += (f" (only in the continuous run: {', '.join(map(str, only_e)) or 'none'}; only in the interrupted "
+                 f"run: {', '.join(map(str, only_g)) or 'none'})")
+    else:
+        text += " (the same ids, in another order)"
+    return text
+
+
 def short_value(v) -> str:
     """A value in at most 60 characters for a message (floats with 7 significant digits)."""
     if isinstance(v, float):

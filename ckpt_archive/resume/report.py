@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +49,13 @@ def validate_report(report: dict) -> None:
 
 
 def write_report(report: dict, path: Path) -> Path:
-    """Validate ``report`` and write it as strict JSON, atomically (temporary name, fsync, rename)."""
+    """Validate ``report`` and write it as strict JSON, atomically (the file layer: a fresh ``O_EXCL``
+    temporary name, fsync, rename; never through a link planted at a predictable name)."""
+    from ckpt_archive.store.fs import write_file_atomic
+
     validate_report(report)
     text = json.dumps(report, indent=2, allow_nan=False)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file_atomic(path, (text + "\n").encode("utf-8"))
     return path
 
 

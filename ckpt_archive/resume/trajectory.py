@@ -119,16 +119,26 @@ class Trajectory:
         output: the run's output folder (``{output}`` in the check-resume command template). Created
             if missing.
         meta: optional strict-JSON-serialisable facts about the run (config, seed), kept verbatim.
+        data_ids: the run's data identity as this process built it (a label map ``{"cat": 0, ...}``, a file list,
+            a tokenizer fingerprint; plain JSON values). check-resume compares it between the runs and names
+            the entries that differ: a label map built from a ``set`` of strings changes with
+            ``PYTHONHASHSEED`` while the sample ids stay the same.
 
     Raises:
-        OSError: if ``output`` cannot be created.
+        OSError: if ``output`` cannot be created. ValueError: ``data_ids`` is not plain JSON.
     """
 
-    def __init__(self, output: str | os.PathLike, meta: dict | None = None):
+    def __init__(self, output: str | os.PathLike, meta: dict | None = None, data_ids: Any = None):
+        if data_ids is not None:
+            try:
+                json.dumps(data_ids, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"Trajectory data_ids must be plain JSON values: {exc}") from None
         self.output = Path(output)
         self.output.mkdir(parents=True, exist_ok=True)
         self.updates: list[dict] = []
         self.meta = dict(meta or {})
+        self.data_ids = data_ids
         self.final: dict | None = None
 
     def record(self, *, step: int, sample_ids: Iterable[int], loss: float,
@@ -220,18 +230,19 @@ class Trajectory:
 
     def to_json(self) -> dict:
         """The whole trajectory as a strict-JSON dict."""
-        return {"format": FORMAT, "version": VERSION, "meta": self.meta, "updates": self.updates,
-                "final": self.final}
+        out = {"format": FORMAT, "version": VERSION, "meta": self.meta, "updates": self.updates,
+               "final": self.final}
+        if self.data_ids is not None:
+            out["data_ids"] = self.data_ids
+        return out
 
     def write(self) -> Path:
-        """Write ``trajectory.json`` atomically (temporary name, fsync, rename). Returns its path."""
+        """Write ``trajectory.json`` atomically (the file layer: a fresh ``O_EXCL`` temporary name, fsync,
+        rename; never through a link planted at a predictable name). Returns its path."""
+        from ckpt_archive.store.fs import write_file_atomic
+
         path = self.output / TRAJECTORY_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_json(), f, allow_nan=False, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_file_atomic(path, json.dumps(self.to_json(), allow_nan=False, indent=1).encode("utf-8"))
         return path
 
 
@@ -239,7 +250,8 @@ def load_trajectory(path: str | os.PathLike) -> dict:
     """Read a ``trajectory.json`` (or the folder holding it) and decode non-finite floats.
 
     Returns:
-        ``{"updates": [{"step", "sample_ids", "lr" (floats), "loss" (float), "epoch"?}], "final": ...}``.
+        ``{"updates": [{"step", "sample_ids", "lr" (floats), "loss" (float), "epoch"?}], "final": ...,
+        "data_ids"?: the run's data identity when it recorded one}``.
 
     Raises:
         ckpt_archive.errors.SourceError: missing file, not JSON, or not a trajectory (the reason

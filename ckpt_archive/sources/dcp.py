@@ -329,11 +329,12 @@ def consolidate_dcp(folder: str | os.PathLike, output: str | os.PathLike) -> Pat
 
     folder = Path(folder)
     output = Path(output)
-    from ckpt_archive.store.local import atomic_path
+    from ckpt_archive.store.fs import staged_file
 
     read_dcp_metadata(folder / METADATA_NAME)
     try:
-        with atomic_path(output) as tmp, warnings.catch_warnings():
+        # a restore target: staged beside it through the file layer, renamed over it when complete
+        with staged_file(output) as tmp, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp_to_torch_save(folder, tmp)
     except (RefusedPickle, SourceError):

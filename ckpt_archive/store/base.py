@@ -15,9 +15,13 @@ on the kind of store):
   below a key (``[]`` where there are none, e.g. a local folder);
 * a local path: :meth:`Store.local_path` (``None`` for stores that are not a local folder), for
   callers that must refuse to write into the repository itself;
-* locking: :meth:`Store.lock_file`, the local file whose OS lock (filelock) serialises writers:
-  inside a local repository (the kernel releases it when the holder dies), or in the user's cache
-  keyed by the URL for a remote one (one writer per machine).
+* locking: :meth:`Store.writer_lock`, the OS lock (``flock``, :class:`ckpt_archive.store.fs.WriterLock`)
+  that serialises writers, on :meth:`Store.lock_file`: inside a local repository (the kernel releases it
+  when the holder dies), or in the user's cache keyed by the URL for a remote one (one writer per
+  machine); either way opened through the file layer, never through a link.
+
+Every local file the stores touch goes through :mod:`ckpt_archive.store.fs` (folder descriptors,
+``O_NOFOLLOW``, ``O_EXCL`` temporary files under unpredictable names).
 
 :func:`open_store` picks the store for a path or URL: a local path (or ``file://``) is a
 :class:`~ckpt_archive.store.local.LocalStore`, a URL with a scheme (``s3://bucket/prefix``,
@@ -60,6 +64,7 @@ class Store(Protocol):
     def free_bytes(self) -> int | None: ...
     def local_path(self, key: str = "") -> Path | None: ...
     def lock_file(self) -> Path: ...
+    def writer_lock(self): ...
 
 
 def has_scheme(url: str) -> bool:

@@ -62,7 +62,7 @@ class FsspecStore:
         b'hi'
     """
 
-    is_local = False  # informational; callers use local_path() / lock_file(), never this flag
+    is_local = False  # informational; callers use local_path() / writer_lock(), never this flag
 
     def __init__(self, url: str, *, endpoint_url: str | None = None, storage_options: dict | None = None):
         import fsspec
@@ -225,10 +225,13 @@ class FsspecStore:
         return self.write_once(key)
 
     def new_object(self, folder: str, hint: str) -> "_FsspecPending":
-        """Start an object whose key is decided when it is complete: uploaded to ``folder/.HINT.tmp-PID``,
-        then copied (server-side) to its final key at :meth:`_FsspecPending.commit` and the temporary
-        object deleted; ``abort`` discards the upload."""
-        tmp = f"{folder}/.{hint}.tmp-{os.getpid()}"
+        """Start an object whose key is decided when it is complete: uploaded to ``folder/.HINT.tmp-PID-<hex>``
+        (:func:`ckpt_archive.store.fs.temp_name`, the same names as on a local disk), then copied
+        (server-side) to its final key at :meth:`_FsspecPending.commit` and the temporary object deleted;
+        ``abort`` discards the upload."""
+        from ckpt_archive.store.fs import temp_name
+
+        tmp = f"{folder}/{temp_name(hint)}"
         cm = self.write_once(tmp) if not self.exists(tmp) else None
         if cm is None:
             self.remove(tmp)  # left by a killed writer of this name (the lock is held)
@@ -316,12 +319,31 @@ class FsspecStore:
         """``None``: not a local folder."""
         return None
 
+    def _lock_place(self) -> tuple[Path, str]:
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckpt-archive" / "locks"
+        return cache, hashlib.sha256(self.location.encode()).hexdigest()[:24] + ".lock"
+
     def lock_file(self) -> Path:
         """A file in the user's cache keyed by the URL (``~/.cache/ckpt-archive/locks``): one writer per
-        machine (an object store offers no lock the kernel would release for a killed writer)."""
-        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ckpt-archive" / "locks"
-        cache.mkdir(parents=True, exist_ok=True)
-        return cache / (hashlib.sha256(self.location.encode()).hexdigest()[:24] + ".lock")
+        machine (an object store offers no lock the kernel would release for a killed writer). For
+        messages; :meth:`writer_lock` takes it."""
+        folder, name = self._lock_place()
+        folder.mkdir(parents=True, exist_ok=True)  # the user's cache (a link on its path is the user's choice)
+        return folder / name
+
+    def writer_lock(self):
+        """The writer lock on :meth:`lock_file`, through the file layer (:class:`ckpt_archive.store.fs.WriterLock`:
+        opened ``O_NOFOLLOW`` relative to the cache folder, created if absent; a link planted at the lock
+        or owner file is refused, never followed)."""
+        from ckpt_archive.errors import LockError
+        from ckpt_archive.store import fs
+
+        def refuse(rel: str, root: str) -> Exception:  # the user's cache, not an archive: could not lock (exit 2)
+            return LockError(f"{rel} is a symbolic link; the writer lock is never taken or recorded through one "
+                             f"(remove the link by hand if it is yours)", where=root)
+
+        folder, name = self._lock_place()
+        return fs.WriterLock(folder, name, create_folder=True, refuse=refuse)
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.location!r})"

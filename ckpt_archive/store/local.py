@@ -1,7 +1,14 @@
 """A local (or mounted) folder as a :class:`~ckpt_archive.store.base.Store`.
 
-:class:`LocalStore` fsyncs every file it writes and the folders it changes; its writer lock is
-``REPO/.lock``. The protocol, :func:`~ckpt_archive.store.base.open_store` and
+Every operation goes through the file layer (:mod:`ckpt_archive.store.fs`): the root is resolved once per
+operation (it may be the user's symbolic link to another disk); below it each folder is opened
+``O_NOFOLLOW | O_DIRECTORY`` relative to its parent's descriptor and each file ``O_NOFOLLOW``, so nothing is
+read, written, renamed or deleted through a link inside the repository. A link in the repository's own
+skeleton (``repository.json``, ``generations``, ``objects``, ``.lock``) is
+:class:`~ckpt_archive.errors.LinkInRepository` (exit 2); one deeper (a generation folder, a member, an
+object) is :class:`~ckpt_archive.errors.UnsafePath` (exit 1). Temporary files are created ``O_EXCL`` under
+unpredictable names. :class:`LocalStore` fsyncs every file it writes and the folders it changes; its
+writer lock is ``REPO/.lock``. The protocol, :func:`~ckpt_archive.store.base.open_store` and
 :func:`~ckpt_archive.store.base.has_scheme` live in :mod:`ckpt_archive.store.base` (re-exported here).
 """
 from __future__ import annotations
@@ -16,85 +23,22 @@ from typing import BinaryIO, Iterator
 
 from ckpt_archive.errors import InsufficientSpace, LinkInRepository, NotFound, StoreError, UnsafePath
 from ckpt_archive.format.paths import check_relpath
+from ckpt_archive.store import fs
 from ckpt_archive.store.base import Store, has_scheme, open_store  # noqa: F401  (re-exported)
 
 
-def fsync_directory(path: str | os.PathLike) -> None:
-    """Make a local folder's entries (files created, renamed or removed in it) durable.
-
-    Best effort: a folder that cannot be opened (absent, or a platform without directory fsync) is
-    skipped silently, as there is nothing more to make durable.
-
-    Args:
-        path: the folder.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def temp_sibling(path: Path) -> Path:
-    """The temporary name an atomic replace of ``path`` writes first: ``.NAME.tmp-PID`` beside it
-    (``ckpt-archive gc`` removes such leftovers of an interrupted write)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path`` to write; on success fsync it, rename it over ``path`` and
-    fsync the folder, so a reader sees the old file or the whole new one, never a part.
-
-    The folder is created if absent. On an exception the temporary file is removed and ``path`` is
-    left as it was.
-
-    Args:
-        path: the file to create or replace.
-
-    Yields:
-        The temporary path (``.NAME.tmp-PID`` beside ``path``); the caller writes the whole file there.
-
-    Raises:
-        OSError: the temporary file was not written, or the rename failed.
-    """
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(p)
-    try:
-        yield tmp
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_directory(p.parent)
-
-
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Create or replace the file ``path`` with ``data`` atomically (temporary sibling, fsync, rename,
-    fsync of the folder): the one temp-file-then-rename writer.
-
-    Args:
-        path: the file to write.
-        data: its whole new content.
+    """Create or replace the file ``path`` with ``data`` atomically (:func:`ckpt_archive.store.fs.write_file_atomic`:
+    a fresh ``O_EXCL`` temporary file beside it, fsync, rename, fsync of the folder).
 
     Raises:
         OSError: the write or the rename failed; ``path`` is unchanged and no temporary file is left.
     """
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)  # atomic_path fsyncs it before the rename
+    fs.write_file_atomic(path, data)
 
 
 @contextlib.contextmanager
-def _disk_full_named(step: str, path: Path) -> Iterator[None]:
+def _disk_full_named(step: str, path) -> Iterator[None]:
     """Turn ENOSPC/EDQUOT into :class:`InsufficientSpace` naming the step and the path (exit 2)."""
     try:
         yield
@@ -108,79 +52,109 @@ class LocalStore:
     """A folder on a local (or mounted) file system.
 
     Args:
-        root: the repository folder; need not exist yet (writes create parents).
+        root: the repository folder; need not exist yet (writes create it and its parents).
     """
 
-    is_local = True  # informational; callers use local_path() / lock_file(), never this flag
+    is_local = True  # informational; callers use local_path() / writer_lock(), never this flag
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).expanduser().absolute()
         self.location = str(self.root)
 
-    def path(self, key: str, *, final_link_ok: bool = False) -> Path:
-        """The file system path of ``key``, checked before any I/O: ``key`` is a relative path of plain
-        names (:func:`~ckpt_archive.format.paths.check_relpath`) and no part of it below the root is a
-        symbolic link, so nothing read, written or deleted through a key leaves the repository.
+    # -- the layer -----------------------------------------------------------------------------------
+    def _refuse(self, rel: str, root: str) -> Exception:
+        # the repository's own skeleton (repository.json, generations/, objects/, the lock): the operation
+        # cannot be carried out (exit 2); a generation folder or member that is a link: that generation is
+        # damaged here (exit 1)
+        cls = LinkInRepository if "/" not in rel else UnsafePath
+        return cls(f"{rel} is a symbolic link; a repository is never read, written or deleted through one "
+                   f"(remove the link by hand if it is yours)", where=self.location)
+
+    def _root(self, create: bool = False) -> fs.Dir:
+        return fs.Dir.open(self.root, create=create, refuse=self._refuse)
+
+    def _parts(self, key: str) -> list[str]:
+        check_relpath(key, where=self.location, what="store key")
+        return key.split("/")
+
+    @contextlib.contextmanager
+    def _parent(self, key: str, *, create: bool = False) -> Iterator[tuple[fs.Dir, str]]:
+        """The open folder holding ``key``'s last name, and that name (folders created with ``create``).
 
         Raises:
-            UnsafePath: (exit 1) the key breaks the path rule or goes through a link inside a generation.
-            LinkInRepository: (exit 2) it goes through a link in the repository's own skeleton.
+            FileNotFoundError / NotADirectoryError: a folder on the way is absent or is not a folder.
+            UnsafePath / LinkInRepository: a folder on the way is a symbolic link.
         """
+        parts = self._parts(key)
+        with self._root(create) as root, root.walk(parts[:-1], create=create) as d:
+            yield d, parts[-1]
+
+    @contextlib.contextmanager
+    def _folder(self, key: str, *, create: bool = False) -> Iterator[fs.Dir]:
+        with self._root(create) as root, root.walk(self._parts(key) if key else [], create=create) as d:
+            yield d
+
+    def path(self, key: str) -> Path:
+        """The file system path of ``key`` (for messages and for callers that must refuse to write into
+        the repository), after the path rule; no I/O, never used to reach the file."""
         if not key:
             return self.root
-        check_relpath(key, where=self.location, what="store key")
-        cur = self.root
-        parts = key.split("/")
-        for i, part in enumerate(parts):
-            cur = cur / part
-            if final_link_ok and i == len(parts) - 1:
-                break  # removing a link itself (never what it points to) is allowed
-            try:
-                mode = os.lstat(cur).st_mode
-            except (FileNotFoundError, NotADirectoryError):
-                break
-            except OSError:
-                break  # unreadable here: the operation itself reports it
-            if stat.S_ISLNK(mode):
-                rel = cur.relative_to(self.root)
-                # the repository's own skeleton (repository.json, generations/, the lock): the operation cannot
-                # be carried out (exit 2); a generation folder or member that is a link: that generation is
-                # damaged here (exit 1)
-                cls = LinkInRepository if len(rel.parts) == 1 else UnsafePath
-                raise cls(f"{rel} is a symbolic link; a repository is never read, written or deleted through one "
-                          f"(remove the link by hand if it is yours)", where=self.location)
+        self._parts(key)
         return self.root / key
 
+    # -- reading -------------------------------------------------------------------------------------
     def exists(self, key: str) -> bool:
-        return self.path(key).exists()
+        """True when something is at ``key``.
+
+        Raises:
+            UnsafePath / LinkInRepository: ``key`` or a folder on its way is a symbolic link.
+        """
+        if not key:
+            return self.root.exists()
+        try:
+            with self._parent(key) as (d, name):
+                st = d.lstat(name)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise self._refuse(key, self.location)
+        return st is not None
 
     def listdir(self, key: str) -> list[str]:
         try:
-            return sorted(os.listdir(self.path(key)))
+            with self._folder(key) as d:
+                return d.listdir()
         except (FileNotFoundError, NotADirectoryError):  # a file where a folder should be: nothing in it
             return []
 
     def size(self, key: str) -> int:
         try:
-            return self.path(key).stat().st_size
+            with self._parent(key) as (d, name):
+                st = d.lstat(name)
         except (FileNotFoundError, NotADirectoryError):
-            raise NotFound("missing", where=key) from None
+            st = None
+        if st is None:
+            raise NotFound("missing", where=key)
+        if stat.S_ISLNK(st.st_mode):
+            raise self._refuse(key, self.location)
+        return st.st_size
 
     def open_read(self, key: str) -> BinaryIO:
-        """Open ``key`` for reading: a regular file only.
+        """Open ``key`` for reading: a regular file only, never through a link.
 
         Raises:
             NotFound: absent (or a file stands where one of its folders should be).
-            UnsafePath: (exit 1) not a regular file -- a FIFO, device, socket or folder planted where a
-                member should be is refused before any read (a FIFO would block the reader forever).
+            UnsafePath: (exit 1) a link, or not a regular file -- a FIFO, device, socket or folder planted
+                where a member should be is refused before any read (a FIFO would block the reader forever).
+            LinkInRepository: (exit 2) a link in the repository's skeleton (``repository.json``).
         """
-        p = self.path(key)
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            with self._parent(key) as (d, name):
+                fd = d.open_file(name, os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, NotADirectoryError):
             raise NotFound("missing", where=key) from None
         except OSError as exc:
-            if exc.errno in (errno.ENXIO, errno.ELOOP, errno.EOPNOTSUPP):  # a socket, a link, a device gone
+            if exc.errno in (errno.ENXIO, errno.ELOOP, errno.EOPNOTSUPP):  # a socket, a device gone
                 raise UnsafePath(f"{key} is not a regular file ({exc.strerror}); a repository is only read "
                                  f"through regular files", where=self.location) from None
             raise
@@ -200,16 +174,21 @@ class LocalStore:
         with self.open_read(key) as fh:
             return fh.read()
 
+    # -- writing -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def write_once(self, key: str) -> Iterator[BinaryIO]:
-        p = self.path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
+        """Create ``key`` exclusively (``O_EXCL | O_NOFOLLOW``), streaming; fsynced when the block exits.
+
+        Raises:
+            StoreError: something is there already. InsufficientSpace: the disk is full.
+        """
+        with self._parent(key, create=True) as (d, name):
+            try:
+                fh = fs.open_stream(d.create(name))
+            except FileExistsError:
+                raise StoreError("refusing to overwrite a write-once member", where=key) from None
         try:
-            fh = open(p, "xb")
-        except FileExistsError:
-            raise StoreError("refusing to overwrite a write-once member", where=key) from None
-        try:
-            with _disk_full_named("writing", p):
+            with _disk_full_named("writing", self.root / key):
                 yield fh
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -219,87 +198,99 @@ class LocalStore:
 
     @contextlib.contextmanager
     def write_new(self, key: str) -> Iterator[BinaryIO]:
-        """Create ``key`` atomically and exclusively: written under ``.NAME.tmp-PID``, fsynced, then
-        hard-linked to its name (fails if it exists) and the temporary name removed; the folder is
-        fsynced. A reader never sees a partial file; on an exception nothing is left.
+        """Create ``key`` atomically and exclusively: written under a fresh ``O_EXCL`` temporary name
+        (``.NAME.tmp-PID-<hex>``), fsynced, then hard-linked to its name (fails if anything is there) and the
+        temporary name removed; the folder is fsynced. A reader never sees a partial file; on an exception
+        (a full disk included) nothing is left.
 
         Raises:
-            StoreError: ``key`` already exists. OSError: the write failed.
+            StoreError: ``key`` already exists. InsufficientSpace: the disk is full. OSError: the write failed.
         """
-        p = self.path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_sibling(p)
-        fh = open(tmp, "wb")
-        try:
-            with _disk_full_named("writing", p):
-                yield fh
-                fh.flush()
-                os.fsync(fh.fileno())
-            fh.close()
+        with self._parent(key, create=True) as (d, name):
             try:
-                os.link(tmp, p)
+                with _disk_full_named("writing", self.root / key), d.atomic_file(name, exclusive=True) as fh:
+                    yield fh
             except FileExistsError:
                 raise StoreError("refusing to overwrite a write-once object", where=key) from None
-        finally:
-            with contextlib.suppress(OSError):
-                fh.close()
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-        fsync_directory(p.parent)
 
     def new_object(self, folder: str, hint: str) -> "_LocalPending":
         """Start a file whose name is decided when it is complete (a content-addressed object): written
-        under ``folder/.HINT.tmp-PID``; :meth:`PendingObject.commit` fsyncs it and hard-links it to its
-        final key (never replacing one), :meth:`PendingObject.abort` removes it.
+        under a fresh ``folder/.HINT.tmp-PID-<hex>`` (``O_EXCL``); :meth:`_LocalPending.commit` fsyncs it
+        and hard-links it to its final key (never replacing one), :meth:`_LocalPending.abort` removes it.
 
         Raises:
             OSError: the temporary file cannot be created.
         """
-        tmp = self.path(f"{folder}/.{hint}.tmp-{os.getpid()}")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        return _LocalPending(self, tmp, open(tmp, "wb"))
+        with self._root(create=True) as root:
+            d = root.walk(self._parts(folder), create=True)
+        try:
+            tmp, fd = d.create_temp(hint)
+        except BaseException:
+            d.close()
+            raise
+        return _LocalPending(self, d, tmp, fs.open_stream(fd))
 
     def write_bytes_once(self, key: str, data: bytes) -> None:
         with self.write_once(key) as fh:
             fh.write(data)
 
     def replace_bytes(self, key: str, data: bytes) -> None:
-        """Atomic replace: write a temporary sibling, fsync, rename over, fsync the folder (:func:`write_atomic`)."""
-        p = self.path(key)
-        with _disk_full_named("replacing", p):
-            write_atomic(p, data)
+        """Atomic replace: a fresh ``O_EXCL`` temporary file beside ``key``, fsync, rename over it (a link
+        there is replaced, never followed), fsync of the folder.
+
+        Raises:
+            InsufficientSpace: the disk is full (``key`` unchanged, nothing left). OSError: the write failed.
+        """
+        with _disk_full_named("replacing", self.root / key), self._parent(key, create=True) as (d, name):
+            d.write_atomic(name, data)
 
     def remove(self, key: str) -> None:
+        """Remove the file at ``key`` (a link is unlinked, never followed); absent is fine.
+
+        Raises:
+            IsADirectoryError: a folder is there (use :meth:`remove_prefix`).
+        """
         try:
-            self.path(key, final_link_ok=True).unlink()  # a symbolic link is unlinked, never followed
-        except FileNotFoundError:
+            with self._parent(key) as (d, name):
+                d.unlink(name, missing_ok=True)
+        except (FileNotFoundError, NotADirectoryError):
             pass
 
     def remove_prefix(self, key: str) -> None:
-        p = self.path(key, final_link_ok=True)
-        if p.is_symlink():
-            p.unlink()  # the link itself; what it points to is never touched
-        elif p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-        fsync_directory(p.parent)
+        """Remove ``key`` and everything below it (a link is unlinked, never followed); absent is fine."""
+        if not key:
+            raise ValueError("remove_prefix needs a key below the root")
+        try:
+            with self._parent(key) as (d, name):
+                d.remove_tree(name)
+                d.fsync()
+        except (FileNotFoundError, NotADirectoryError):
+            pass
 
     def claim(self, key: str) -> bool:
-        p = self.path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        os.fsync(fd)
-        os.close(fd)
-        fsync_directory(p.parent)
-        fsync_directory(p.parent.parent)
+        """Exclusively create an empty file at ``key``; False when anything (a link included) is there."""
+        parts = self._parts(key)
+        with self._root(create=True) as root, root.walk(parts[:-2], create=True) as gp, \
+                gp.walk(parts[-2:-1], create=True) as d:
+            try:
+                fd = d.create(parts[-1])
+            except (FileExistsError, UnsafePath):
+                return False
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            d.fsync()
+            gp.fsync()
         return True
 
     def fsync_dir(self, key: str) -> None:
-        fsync_directory(self.path(key))
+        """Make the entries of the folder ``key`` durable (absent: nothing to do)."""
+        try:
+            with self._folder(key) as d:
+                d.fsync()
+        except (FileNotFoundError, NotADirectoryError):
+            pass
 
     def abort_uploads(self, key: str) -> list[str]:
         """``[]``: a local write has no hidden upload (a cut-off file is visible and replaced by its writer)."""
@@ -313,12 +304,19 @@ class LocalStore:
         return shutil.disk_usage(p).free
 
     def local_path(self, key: str = "") -> Path:
-        """The file system path of ``key`` (the root for ``""``)."""
+        """The file system path of ``key`` (the root for ``""``): for messages and for callers that must
+        refuse to write into the repository; never used to reach a file."""
         return self.path(key)
 
     def lock_file(self) -> Path:
-        """``REPO/.lock``: an OS lock the kernel releases when the holder dies."""
+        """``REPO/.lock`` (for messages; :meth:`writer_lock` takes it)."""
         return self.root / ".lock"
+
+    def writer_lock(self) -> fs.WriterLock:
+        """The writer lock on ``REPO/.lock``: an OS lock the kernel releases when the holder dies, opened
+        ``O_NOFOLLOW`` relative to the root (a link there is :class:`LinkInRepository`); the root is created
+        if absent."""
+        return fs.WriterLock(self.root, ".lock", create_folder=True, refuse=self._refuse)
 
     def __repr__(self) -> str:
         return f"LocalStore({self.location!r})"
@@ -327,8 +325,8 @@ class LocalStore:
 class _LocalPending:
     """A :meth:`LocalStore.new_object` in progress: ``fh`` to write, then ``commit(key)`` or ``abort()``."""
 
-    def __init__(self, store: "LocalStore", tmp: Path, fh):
-        self.store, self.tmp, self.fh = store, tmp, fh
+    def __init__(self, store: "LocalStore", folder: fs.Dir, tmp: str, fh):
+        self.store, self.folder, self.tmp, self.fh = store, folder, tmp, fh
 
     def commit(self, key: str, *, sync_dir: bool = True, replace: bool = False) -> bool:
         """Make the file visible as ``key``: True, or False when ``key`` already exists (nothing replaced,
@@ -337,33 +335,37 @@ class _LocalPending:
         folder's fsync to the caller (one :meth:`LocalStore.fsync_dir` for many objects). Raises OSError
         (the temporary file is removed)."""
         try:
-            with _disk_full_named("writing", self.tmp):
+            with _disk_full_named("writing", self.folder.display(self.tmp)):
                 self.fh.flush()
                 os.fsync(self.fh.fileno())
             self.fh.close()
-            p = self.store.path(key)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            if replace:
-                os.replace(self.tmp, p)
-            else:
-                try:
-                    os.link(self.tmp, p)
-                except FileExistsError:
-                    return False
-            if sync_dir:
-                fsync_directory(p.parent)
+            with self.store._parent(key, create=True) as (d, name):
+                if replace:
+                    self.folder.rename(self.tmp, name, d)
+                    self.tmp = None
+                else:
+                    try:
+                        self.folder.link(self.tmp, name, d)
+                    except FileExistsError:
+                        d.check_link(name)  # a link planted at the object's name: refused, never kept
+                        return False
+                if sync_dir:
+                    d.fsync()
             return True
         finally:
-            with contextlib.suppress(OSError):
-                self.fh.close()
-            with contextlib.suppress(OSError):
-                self.tmp.unlink()
+            self._cleanup()
 
     def abort(self) -> None:
+        self._cleanup()
+
+    def _cleanup(self) -> None:
         with contextlib.suppress(OSError):
             self.fh.close()
-        with contextlib.suppress(OSError):
-            self.tmp.unlink()
+        if self.tmp is not None:
+            with contextlib.suppress(OSError):
+                self.folder.unlink(self.tmp, missing_ok=True)
+            self.tmp = None
+        self.folder.close()
 
 
-__all__ = ["LocalStore", "fsync_directory", "Store", "has_scheme", "open_store"]
+__all__ = ["LocalStore", "write_atomic", "Store", "has_scheme", "open_store"]

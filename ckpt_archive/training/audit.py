@@ -220,6 +220,33 @@ def _position_words(counters: dict) -> str:
     return "at the archived position"
 
 
+def counters_finding(field: str, opt_step: int, progress_step: int) -> Finding:
+    """The finding for an optimizer step counter that differs from the progress step.
+
+    The progress step's convention is the number of optimizer updates completed (what Adam's
+    ``state["step"]`` counts, and what ``Checkpointer.save(step=)`` records; docs/checkpointer.md). One
+    less is the 0-based index of the last update, a common way to pass it: an info finding. Otherwise the
+    difference is named and explained by its sign.
+    """
+    what = (f"optimizer step {opt_step} vs progress step {progress_step} (optimizer step: the updates the "
+            f"optimizer completed, its state['step']; progress step: the step saved with the state)")
+    if opt_step == progress_step + 1:
+        return Finding("info", field, f"{what}: progress is one behind, as when the step saved is the 0-based "
+                                      f"index of the last update rather than the number of updates completed "
+                                      f"(the convention: docs/checkpointer.md); consistent with that")
+    if opt_step < progress_step:
+        return Finding("warning", field, f"counters disagree: {what}: the optimizer completed "
+                                         f"{progress_step - opt_step} fewer updates than progress counts; "
+                                         f"AMP-skipped steps (GradScaler skips optimizer.step() on inf/NaN "
+                                         f"gradients) or gradient accumulation (progress counting micro-batches) "
+                                         f"explain that; otherwise the optimizer state is older than the "
+                                         f"progress counter (the parts were saved at different instants)")
+    return Finding("warning", field, f"counters disagree: {what}: the optimizer completed "
+                                     f"{opt_step - progress_step} more updates than progress counts; the optimizer "
+                                     f"state is newer than the progress counter (the parts were saved at different "
+                                     f"instants), or progress counts something else (epochs, another optimizer)")
+
+
 def missing_scheduler_message(counters: dict) -> str:
     """The finding for a scheduler state that is missing although ``initial_lr`` shows one was attached."""
     return (f"scheduler state missing: the LR {_position_words(counters)} cannot be rebuilt from counters "
@@ -396,8 +423,9 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
           overridden): the next step uses the optimizer's value;
         * warning ``scheduler._last_lr[i]``: ``_last_lr`` differs from the closed-form value;
         * warning ``scheduler.last_epoch``: the scheduler lags (or leads) the progress counters;
-        * warning ``optimizer.state``: progress step and optimizer step disagree, or per-parameter
-          step counters differ;
+        * warning ``optimizer.state``: progress step and optimizer step disagree (info when progress is
+          exactly one behind: a 0-based step; see :func:`counters_finding`), or per-parameter step
+          counters differ;
         * warning ``scheduler``: scheduler state missing although ``initial_lr`` shows one was attached;
         * error: non-finite or non-numeric lr, a scheduler with a different number of groups than the
           optimizer, a OneCycleLR whose next step raises (``last_epoch >= total_steps``).
@@ -464,10 +492,7 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
     ps, pe = counters["progress_step"], counters["progress_epoch"]
     os_ = counters["optimizer_step"]
     if ps is not None and os_ is not None and ps != os_:
-        findings.append(Finding("warning", f"{opt_field}.state",
-                                f"counters disagree: optimizer step {os_} vs progress step {ps} (AMP-skipped "
-                                f"steps or gradient accumulation can explain optimizer < progress; otherwise the "
-                                f"parts were saved at different instants)"))
+        findings.append(counters_finding(f"{opt_field}.state", os_, ps))
     le = counters["scheduler_last_epoch"]
     if le is not None and sched_info["kind"] != "ReduceLROnPlateau":
         cands = {k: v for k, v in (("progress step", ps), ("optimizer step", os_), ("progress epoch", pe))

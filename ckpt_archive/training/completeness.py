@@ -103,7 +103,8 @@ def lint_completeness(state: Any, *, config: dict | str | Path | None = None, pr
     prog_cursor = (progress or {}).get("cursor")
     data = parts.get("data")
     if not data and prog_cursor is None and not _has_data_order(state):
-        counters = parts.get("progress")
+        # the manifest's progress counts too (what Checkpointer.save(step=) and pack --step record)
+        counters = parts.get("progress") or any((progress or {}).get(k) is not None for k in ("step", "epoch"))
         if hidden("data"):
             out.append(Finding("info", "data", cc + hidden("data")))
         elif counters:

@@ -18,8 +18,8 @@ from ckpt_archive.repo.repository import MANIFEST, gen_key, host_record, iso, ra
 
 
 class _DistSteps:
-    def __init__(self, w, plan, options):
-        self.w, self.plan, self.options = w, plan, options
+    def __init__(self, w, plan, options, intact=None):
+        self.w, self.plan, self.options, self.intact = w, plan, options, intact
         self.stage = 1
         self.number: int | None = None
         self.manifest: dict | None = None
@@ -94,6 +94,9 @@ class _DistSteps:
             own, counts = reload_own(self.w.repo, self.number, self.manifest, 0, self.options.jobs)
         except CkptArchiveError as exc:
             own, counts = [{"message": str(exc), "member": exc.where}], {}
+        reason = self.intact() if self.intact is not None else None  # rank 0's snapshot: read for the last time
+        if reason:
+            own = [*own, {"message": f"the snapshot is not what was copied: {reason}", "member": None}]
         results = self.w.comm.all_gather({"problems": own, "counts": counts})
         self.stage = 5
         total = {"tensors": 0, "bytes": 0}
@@ -139,11 +142,11 @@ class _DistSteps:
             self.stage = 6
 
 
-def _publish_rank0(w, plan, options, retention):
+def _publish_rank0(w, plan, options, retention, intact=None):
     from ckpt_archive.ops.pack import PackResult
 
     r = w.repo
-    steps = _DistSteps(w, plan, options)
+    steps = _DistSteps(w, plan, options, intact)
     life = None
     leftovers: list[str] = []
     try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-from typing import Any
+from typing import Any, Callable
 
 from ckpt_archive.errors import CannotCheck, CkptArchiveError, IntegrityError
 from ckpt_archive.format.state_tree import _Encoder
@@ -169,8 +169,6 @@ class DistributedWriter:
         self.world = dist.get_world_size(group)
         self.comm = _Comm(group, self.rank, self.world)
         self.group = group
-        self.notes: dict[int, dict] = {}
-        self._keep: list = []
         err = None
         if self.rank == 0:
             try:
@@ -183,26 +181,17 @@ class DistributedWriter:
         if self.rank != 0:
             self.repo = open_repo(repo)
 
-    # -- snapshot side (training thread) -------------------------------------------------------------------
-    def begin_snapshot(self) -> None:
-        self.notes = {}
-        self._keep = []
-
-    def note_dtensor(self, local_copy, dtensor) -> None:
-        """Record a DTensor's layout for its local shard's copy (called by the Snapshotter)."""
-        chunks = dtensor.__create_chunk_list__()
-        if len(chunks) != 1:
-            raise CannotCheck(f"a DTensor with {len(chunks)} local chunks is not supported (uneven/strided "
-                              f"sharding); placements {dtensor.placements}")
-        self._keep.append(local_copy)  # keeps id() unique until the save is written
-        self.notes[id(local_copy)] = {"shape": [int(x) for x in dtensor.shape],
-                                      "dtype": str(dtensor.dtype).replace("torch.", ""),
-                                      "offsets": [int(x) for x in chunks[0].offsets],
-                                      "sizes": [int(x) for x in chunks[0].sizes]}
-
     # -- background ----------------------------------------------------------------------------------------
-    def write(self, snap: Any, options, notes, retention):
+    def write(self, snap: Any, options, notes, retention, shards: "ShardNotes | None" = None,
+              intact: "Callable[[], str | None] | None" = None):
         """Write this rank's part of one generation; rank 0 publishes it (see the module docstring).
+
+        Args:
+            snap: this rank's snapshot. options, notes, retention: as :func:`~ckpt_archive.ops.pack.pack`.
+            shards: the layouts of the DTensors whose local shards ``snap`` holds (taken with the snapshot).
+            intact: called once this rank has read ``snap`` for the last time (members written), before
+                its trial-reload result is sent: a reason (str) why the snapshot may not be what was copied
+                (its buffers changed hands), or None. A reason fails the generation on every rank.
 
         Returns:
             a :class:`~ckpt_archive.ops.pack.PackResult` (on ranks other than 0: ``retention`` None,
@@ -216,8 +205,10 @@ class DistributedWriter:
 
         enc_holder: dict = {}
 
+        by_id = shards.by_id if shards is not None else {}
+
         def encoder(state):
-            enc = _ShardAwareEncoder(self.notes)
+            enc = _ShardAwareEncoder(by_id)
             tree = enc.enc(state, ())
             enc.finish_tensors()
             enc_holder["enc"] = enc
@@ -239,8 +230,8 @@ class DistributedWriter:
         plan = _Plan(self.rank, self.world, prep, enc_holder["enc"].shard_of,
                      assign_writers([x["fingerprints"] for x in everyone]))
         if self.rank == 0:
-            return _publish_rank0(self, plan, options, retention)
-        return _follow(self, plan, options)
+            return _publish_rank0(self, plan, options, retention, intact)
+        return _follow(self, plan, options, intact)
 
     def restore(self, generation, **kwargs):
         """Restore this rank's part (see :func:`ckpt_archive.training.dist_restore.restore_distributed`)."""
@@ -256,6 +247,35 @@ class DistributedWriter:
                 dist.destroy_process_group(self.group)
             except Exception:  # noqa: BLE001 - the group may already be gone with the default one
                 pass
+
+
+class ShardNotes:
+    """The layouts of the DTensors one snapshot holds the local shards of (one per save: the save owns it).
+
+    :meth:`add` is the Snapshotter's ``on_dtensor``; ``by_id`` maps ``id(local shard copy)`` to
+    ``{"shape", "dtype", "offsets", "sizes"}`` (the copies are kept alive here, so ids stay unique until the
+    save is written).
+    """
+
+    def __init__(self):
+        self.by_id: dict[int, dict] = {}
+        self._keep: list = []
+
+    def add(self, local_copy, dtensor) -> None:
+        """Record a DTensor's layout for its local shard's copy.
+
+        Raises:
+            CannotCheck: a DTensor with several local chunks (uneven/strided sharding).
+        """
+        chunks = dtensor.__create_chunk_list__()
+        if len(chunks) != 1:
+            raise CannotCheck(f"a DTensor with {len(chunks)} local chunks is not supported (uneven/strided "
+                              f"sharding); placements {dtensor.placements}")
+        self._keep.append(local_copy)
+        self.by_id[id(local_copy)] = {"shape": [int(x) for x in dtensor.shape],
+                                      "dtype": str(dtensor.dtype).replace("torch.", ""),
+                                      "offsets": [int(x) for x in chunks[0].offsets],
+                                      "sizes": [int(x) for x in chunks[0].sizes]}
 
 
 def _fingerprints(table, shard_of: dict) -> dict:
@@ -347,7 +367,7 @@ def reload_own(repo, number: int, manifest: dict, rank: int, jobs) -> tuple[list
     return [p.to_json() for p in problems], counts
 
 
-def _follow(w: DistributedWriter, plan: _Plan, options):
+def _follow(w: DistributedWriter, plan: _Plan, options, intact=None):
     """A rank other than 0: the same exchanges, in the same order, as :func:`_publish_rank0`."""
     from ckpt_archive.ops.pack import PackResult
     from ckpt_archive.repo.repository import gen_key
@@ -378,6 +398,9 @@ def _follow(w: DistributedWriter, plan: _Plan, options):
         problems, counts = reload_own(w.repo, number, manifest, w.rank, options.jobs)
     except CkptArchiveError as exc:
         problems = [{"message": str(exc), "member": exc.where}]
+    reason = intact() if intact is not None else None  # the snapshot is no longer read after (3)
+    if reason:
+        problems = [*problems, {"message": f"the snapshot is not what was copied: {reason}", "member": None}]
     comm.all_gather({"problems": problems, "counts": counts})  # (5)
     outcome = comm.from_rank0()  # (6)
     if problems:
@@ -391,5 +414,5 @@ def _follow(w: DistributedWriter, plan: _Plan, options):
 
 from ckpt_archive.training.dist_publish import _publish_rank0  # noqa: E402  (rank 0's half, split for length)
 
-__all__ = ["DistributedWriter", "assign_writers", "combined_tree", "is_distributed_tree", "reload_own",
+__all__ = ["DistributedWriter", "ShardNotes", "assign_writers", "combined_tree", "is_distributed_tree", "reload_own",
            "rank_prefix", "DIST_KEY"]

@@ -18,12 +18,23 @@ by :func:`ckpt_archive.format.state_tree.encode`), so the manifest says ``cuda:0
 there, as ``pack`` of the live state would.
 
 A DTensor (``torch.distributed.tensor``) is snapshotted as its local shard; the caller (the distributed
-checkpointer) gets its layout through ``on_dtensor``.
+checkpointer) gets its layout through ``on_dtensor``. Whether a tensor is a DTensor is decided without
+importing ``torch.distributed.tensor`` (whose import pulls in sympy and mpmath, seconds on a first save): a
+DTensor can only exist once that module is loaded, so an unloaded module means there is none.
+
+**Who may write the buffers.** The buffers are owned by at most one holder at a time (:meth:`Snapshotter.acquire`,
+:meth:`Snapshotter.release`): the Checkpointer makes each save the holder from before its copy until its
+background write has finished reading them (successfully or not), and :meth:`Snapshotter.take` refuses to
+write buffers another holder owns. So a copy can never overwrite a snapshot that a write may still be
+reading, whatever interrupted whom; :meth:`Snapshotter.holds` lets the write check, before its generation
+is marked usable, that it held the buffers the whole time.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
+import threading
 from typing import Any, Callable
 
 #: Attribute set on a snapshot tensor copied from a non-CPU device: that device, as a string.
@@ -86,9 +97,11 @@ class Snapshotter:
             is what the snapshot holds); None: DTensors are refused with a message naming the distributed
             checkpointer.
 
-    The buffers of the previous :meth:`take` are overwritten by the next one: the caller must be done
-    with a snapshot (its background write finished) before taking the next. The Checkpointer guarantees
-    this by allowing one save in flight.
+    The buffers of the previous :meth:`take` are overwritten by the next one. A caller that keeps a
+    snapshot while it is read elsewhere (the Checkpointer: until its background write finished) makes
+    itself the buffers' holder first (:meth:`acquire`) and passes itself as ``owner`` to :meth:`take`; while
+    one holder owns them, every other :meth:`take` and :meth:`acquire` raises :class:`BuffersBusy` instead
+    of writing.
     """
 
     def __init__(self, *, pin_memory: bool = True, on_dtensor: Callable[[Any, Any], None] | None = None):
@@ -96,6 +109,37 @@ class Snapshotter:
         self.on_dtensor = on_dtensor
         self._buffers: dict[tuple, Any] = {}  # (slot, kind, nbytes) -> uint8 tensor / ndarray
         self.last = SnapshotStats()
+        self._holder: Any = None
+        self._holder_lock = threading.Lock()
+
+    # -- ownership ---------------------------------------------------------------------------------------------
+    def acquire(self, owner: Any) -> None:
+        """Make ``owner`` the buffers' only holder (until :meth:`release` by the same owner).
+
+        Raises:
+            BuffersBusy: another holder owns the buffers (its snapshot may still be read).
+        """
+        with self._holder_lock:
+            if self._holder is not None and self._holder is not owner:
+                raise BuffersBusy(f"the snapshot buffers are held by {self._holder!r}: its snapshot may still be "
+                                  f"read, so they are not overwritten")
+            self._holder = owner
+
+    def release(self, owner: Any) -> bool:
+        """Give the buffers up, if ``owner`` holds them (a no-op otherwise, so a late release is harmless).
+
+        Returns:
+            True when ``owner`` held them.
+        """
+        with self._holder_lock:
+            if self._holder is owner and owner is not None:
+                self._holder = None
+                return True
+            return False
+
+    def holds(self, owner: Any) -> bool:
+        """Whether ``owner`` holds the buffers now."""
+        return owner is not None and self._holder is owner
 
     def _buffer(self, slot: int, kind: str, nbytes: int, stats: SnapshotStats):
         key = (slot, kind, nbytes)
@@ -116,11 +160,13 @@ class Snapshotter:
             stats.allocated_bytes += nbytes
         return buf
 
-    def take(self, state: Any) -> Any:
+    def take(self, state: Any, *, owner: Any = None, on_dtensor: Callable[[Any, Any], None] | None = None) -> Any:
         """Return a copy of ``state`` that no later change of the live tensors can alter.
 
         Args:
             state: nested dict/list/tuple of tensors (any device), NumPy arrays and plain values.
+            owner: the holder the buffers were acquired for (:meth:`acquire`); None: nobody may hold them.
+            on_dtensor: as the constructor's, for this copy only (None: the constructor's).
 
         Returns:
             the copy, same structure and types; tensors are CPU tensors over this snapshotter's buffers
@@ -128,11 +174,16 @@ class Snapshotter:
             stride, storage offset and storage sharing kept.
 
         Raises:
+            BuffersBusy: the buffers are held by another owner (checked before any byte is written).
             TypeError: a DTensor without ``on_dtensor`` (use the distributed checkpointer).
         """
         import numpy as np
         import torch
 
+        if self._holder is not owner:
+            raise BuffersBusy(f"the snapshot buffers are held by {self._holder!r}, not by {owner!r}: its snapshot "
+                              f"may still be read, so they are not overwritten")
+        on_dtensor = on_dtensor or self.on_dtensor
         stats = SnapshotStats()
         found: list = []
         _walk_tensors(state, found, set())
@@ -155,9 +206,9 @@ class Snapshotter:
             stats.tensors += 1
             t = obj
             src = t
-            is_dtensor = _is_dtensor(t)
+            is_dtensor = is_dtensor_instance(t)
             if is_dtensor:
-                if self.on_dtensor is None:
+                if on_dtensor is None:
                     raise TypeError("a DTensor is in the state: save it with the Checkpointer under an initialised "
                                     "torch.distributed process group (it writes each rank's shards)")
                 src = t.to_local()
@@ -200,7 +251,7 @@ class Snapshotter:
             if src.device.type != "cpu":
                 setattr(copy_t, DEVICE_ATTR, str(src.device))
             if is_dtensor:
-                self.on_dtensor(copy_t, t)
+                on_dtensor(copy_t, t)
             memo[id(t)] = _with_attrs(copy_t, t, memo)
         for dev in devices:  # the copies were queued on each device's current stream: wait for them
             torch.cuda.current_stream(dev).synchronize()
@@ -230,12 +281,19 @@ def _with_attrs(copy_t: Any, t: Any, memo: dict) -> Any:
     return copy_t
 
 
-def _is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+class BuffersBusy(RuntimeError):
+    """The snapshot buffers are held by another save, whose snapshot may still be read: nothing was written."""
 
 
-__all__ = ["Snapshotter", "SnapshotStats", "DEVICE_ATTR"]
+def is_dtensor_instance(t: Any) -> bool:
+    """Whether ``t`` is a DTensor, without importing ``torch.distributed.tensor`` (seconds: sympy, mpmath).
+
+    A DTensor's class lives in that package, so no DTensor exists while the package is not loaded; when it is,
+    the check is an ordinary ``isinstance``.
+    """
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(t, cls)
+
+
+__all__ = ["Snapshotter", "SnapshotStats", "BuffersBusy", "DEVICE_ATTR", "is_dtensor_instance"]
