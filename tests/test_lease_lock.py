@@ -1,4 +1,4 @@
-"""The in-repository lock of stores without OS locks (repo/lease_lock.py): tickets, leases, fencing.
+"""The in-repository lock of stores without OS locks (store/lease_lock.py): tickets, leases, fencing.
 
 Unit cases run on fsspec's memory:// store with a fake clock; the two-process race and the holder killed
 mid-lease run against the S3 test server (tests/test_remote_lock.py).
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from ckpt_archive.errors import LockError
-from ckpt_archive.repo.lease_lock import LeaseLock
+from ckpt_archive.store.lease_lock import LeaseLock
 
 _n = itertools.count()
 

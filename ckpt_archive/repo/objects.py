@@ -464,6 +464,8 @@ def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = Fals
             continue
         if not dry_run:
             repo.faults.point("object-delete")
+            if repo.locked:
+                repo.check_lock()  # fencing: a writer that lost its lease deletes nothing
             repo.store.remove(key)
         out.removed.append(key)
         out.freed_bytes += size

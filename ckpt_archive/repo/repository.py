@@ -575,10 +575,26 @@ class Repository:
             except OSError:
                 pass
             self._lock_depth = 1
+            self._held_lock = lock
             yield
         finally:
             self._lock_depth = 0
+            self._held_lock = None
             lock.release()
+
+    def check_lock(self) -> None:
+        """Fencing: before a commit or a deletion, make sure this writer still holds the lock (a lease lock
+        of an object store can be lost when its holder stalls past the lease; an OS lock cannot).
+
+        Raises:
+            LockError: (exit 2) the lock is not held or was lost; the step must not be carried out.
+        """
+        held = getattr(self, "_held_lock", None)
+        if held is None:
+            raise LockError("the repository lock is not held", where=self.location)
+        check = getattr(held, "check", None)
+        if check is not None:
+            check()
 
     # -- writing ---------------------------------------------------------------------------------------
     def claim_next(self) -> int:
@@ -647,6 +663,7 @@ class Repository:
         if identity:
             marker["identity"] = identity
         self.faults.point("publish")
+        self.check_lock()
         self.store.replace_bytes(f"{gen_key(number)}/{MARKER}", jsonio.dumps(marker, indent=1, ensure_ascii=True))
         return marker
 
@@ -708,6 +725,8 @@ class Repository:
     def _remove_generation(self, number: int) -> None:
         key = gen_key(number)
         self.faults.point("prune-before-marker-removal")
+        if self.locked:
+            self.check_lock()
         self.store.remove(f"{key}/{MARKER}")
         self.store.fsync_dir(key)  # durable where that means anything (a no-op on object stores)
         self.faults.point("prune-after-marker-removal")

@@ -239,4 +239,72 @@ class LeaseLock:
             self.seq = None
 
 
-__all__ = ["LeaseLock", "LOCK_DIR", "DEFAULT_LEASE"]
+class StoreWriterLock:
+    """The writer lock of a repository on an object store: the machine's lock (an OS lock in the user's cache,
+    so processes on one machine queue cheaply and a killed one frees it at once) and then the repository's
+    own :class:`LeaseLock` (so two machines never both hold it). The interface of
+    :class:`ckpt_archive.store.fs.WriterLock`, plus :meth:`check` (fencing).
+
+    Args:
+        local: the machine's lock (:class:`ckpt_archive.store.fs.WriterLock`).
+        store: the repository's store (where the lease lives).
+    """
+
+    def __init__(self, local, store):
+        self.local = local
+        self.lease = LeaseLock(store)
+        self.path = local.path
+        self._held = False
+
+    def acquire(self, timeout: float) -> bool:
+        """Take both locks, waiting up to ``timeout`` seconds in all. True when held.
+
+        Raises:
+            what the machine's lock raises; StoreError: the store refused the lease's ticket.
+        """
+        start = time.monotonic()
+        if not self.local.acquire(timeout):
+            return False
+        try:
+            self.notes = self.lease.acquire(max(0.0, timeout - (time.monotonic() - start)))
+        except LockError as exc:
+            self.local.release()
+            self._refused = exc
+            return False
+        except BaseException:
+            self.local.release()
+            raise
+        self._held = True
+        return True
+
+    def read_owner(self, max_bytes: int = 1 << 16) -> bytes | None:
+        """Who holds it: this machine's owner record, else the newest live lease ticket in the repository."""
+        raw = self.local.read_owner(max_bytes)
+        if raw is not None:
+            return raw
+        tickets = self.lease._tickets()
+        if not tickets:
+            return None
+        info = self.lease._read(tickets[-1])
+        if self.lease.holder_state(info)[0] != "held":
+            return None
+        return json.dumps({k: info.get(k) for k in ("pid", "host", "since")}).encode()
+
+    def write_owner(self, data: bytes) -> None:
+        self.local.write_owner(data)
+
+    def check(self) -> None:
+        """Fencing (:meth:`LeaseLock.check`): raise LockError if the repository's lock was lost."""
+        if self._held:
+            self.lease.check()
+
+    def release(self) -> None:
+        try:
+            if self._held:
+                self.lease.release()
+        finally:
+            self._held = False
+            self.local.release()
+
+
+__all__ = ["LeaseLock", "StoreWriterLock", "LOCK_DIR", "DEFAULT_LEASE"]
