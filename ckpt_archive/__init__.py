@@ -11,7 +11,7 @@ Public API (plain functions; the CLI is a thin shell over them)::
     adopt(repo)                             -> AdoptReport  (every copied generation proven and marked usable here)
     status(repo, max_age=...)               -> StatusReport (watchdog: newest usable generation fresh and advancing?)
     export(repo, dest, ...)                 -> ExportResult (copied, re-read and trial-reloaded at dest)
-    prune(repo, policy=None, dry_run=False) -> PruneResult  (retention; never deletes the only verified copy)
+    prune(repo, policy=None, dry_run=False) -> PruneResult  (retention; never leaves nothing restorable)
     forget(repo, generation, force=False)   -> ForgetResult (one generation, marker first, under the lock)
     gc(repo, dry_run=False)                 -> GcResult     (leftovers of interrupted writes)
     backup(source, repo, ...)               -> BackupResult (one idempotent run, for cron; exit_code 75 = retry)

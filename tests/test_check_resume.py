@@ -702,3 +702,36 @@ def test_a_control_run_that_records_too_few_updates_is_could_not_check_not_diver
     assert e["status"] == "could-not-check" and e["diverged"] is False and not report["all_checks_passed"]
     assert "recorded 2 updates" in e["message"] and report["positive"] is True
     assert report["negative_divergence_detected"] is False
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25: messages that are wrong although the check passes
+# ------------------------------------------------------------------------------------------------
+def test_cursor_on_an_epoch_boundary_and_no_controls_get_wrong_messages(tmp_path):
+    """Two wrong messages of one run. (1) A script that starts the next epoch right after the last batch saves
+    cursor 0 of epoch 1 when interrupted exactly at the end of epoch 0: where the continuous run was. The report
+    warned "data.cursor 0, but the continuous run had consumed 12 samples ... replays data" although the resume
+    matched. (2) `--no-controls` on a checkpoint holding rng, optimizer, scheduler and data said "no negative
+    control could run ... (the checkpoint holds none of rng/optimizer/scheduler/data)": none was asked for."""
+    out = tmp_path / "b"
+    r = cli("check-resume", "--steps", "8", "--interrupt-at", "6", "--output", str(out), "--no-controls",
+            "--json", "--", *template("epoch_cursor.py", "--rollover-at-end"))
+    assert r.returncode == 1, r.stderr
+    report = _report(out)
+    assert report["positive"] is True
+    (it,) = report["interruptions"]
+    assert (it["at"], it["cursor"], it["epoch"], it["expected_cursor"]) == (6, 0, 1, 0)
+    assert not any("data.cursor" in w for w in report["warnings"]), report["warnings"]
+    assert any("--no-controls" in p for p in report["problems"]), report["problems"]
+    assert not any("holds none" in p for p in report["problems"]), report["problems"]
+
+
+def test_controls_that_could_not_run_say_why_each_was_skipped():
+    from ckpt_archive.resume.check import _verdict
+
+    det = {"matched": True, "first_divergence": None}
+    skipped = control_verdict(None, name="data-cursor", kind="tool", label="the data cursor", expected_no_effect=False,
+                              applied=False, note="no data cursor ('data': {'cursor': int}) in the checkpoint")
+    v = _verdict(det, {"matched": True}, True, [skipped], {"step": 3}, 3)
+    (p,) = v["problems"]
+    assert "data-cursor: not run: no data cursor" in p and "holds none" not in p

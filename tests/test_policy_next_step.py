@@ -264,9 +264,17 @@ def test_audit_names_every_overriding_field_and_when_it_takes_effect():
     _train(opt, sched, 5)
     a = audit(_rt({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}))
     got = {o.field: o.when for o in a.overrides}
+    # issue 25: when a field takes effect comes from real torch; the recursive CosineAnnealingLR computes the next
+    # steps from the group's lr, so its base_lrs do not take effect at the next scheduler.step() (a LambdaLR's do)
     assert got == {"optimizer.param_groups[0].lr": "now",
                    "optimizer.param_groups[0].initial_lr": "when a scheduler is built on this optimizer",
-                   "scheduler.base_lrs[0]": "at the next scheduler.step()"}
+                   "scheduler.base_lrs[0]": "at a later scheduler.step() (real torch: CosineAnnealingLR computes the "
+                                            "next 3 steps from the group's current lr)"}
+    lam = torch.optim.Adam(_net().parameters(), lr=1e-3)
+    lam_s = L.LambdaLR(lam, lambda e: 0.9 ** e)
+    _train(lam, lam_s, 5)
+    a = audit(_rt({"optimizer": lam.state_dict(), "scheduler": lam_s.state_dict()}))
+    assert {o.field: o.when for o in a.overrides}["scheduler.base_lrs[0]"] == "at the next scheduler.step()"
     d = compare_with_session(_rt({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}),
                              session_config={"lr": 1e-5})
     assert [(x.field, x.archived, x.session) for x in d] == [("optimizer.param_groups[0].initial_lr", 1e-3, 1e-5)]

@@ -210,23 +210,45 @@ def flip_byte(repo: Path, n: int, member: str = "tensors-00000.safetensors.ckz")
     return f
 
 
-def test_prune_refuses_to_delete_the_only_intact_generations_when_the_kept_one_is_corrupt(tmp_path):
+def test_prune_keeps_the_newest_intact_generation_when_the_kept_one_is_corrupt(tmp_path):
+    """Fault guarded (issue 24 item 1): a prune that keeps only a damaged generation deleting every one that
+    restores. The newest generation the policy removes that verifies stays, and the prune says so."""
     repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
     flip_byte(repo, 3)
     res, out = cli_json("prune", repo, "--keep-last", 1)
+    assert res.exit_code == 0, res.stderr
+    assert out["removed"] == [1] and usable(repo) == [2, 3]
+    assert out["verify_kept"]["rescued_generation"] == 2 and out["verify_kept"]["verified_generation"] is None
+    assert [f["generation"] for f in out["verify_kept"]["failed"]] == [3]
+    assert any("generation 2, the newest that does, is kept" in w and "tensors-00000.safetensors" in w
+               for w in out["warnings"]), out["warnings"]
+    assert cli("verify", f"{repo}@2").exit_code == 0  # the intact copy is still there
+    human = make_repo(tmp_path / "r2", [0.9, 0.8, 0.7])
+    flip_byte(human, 3)
+    res = cli("prune", human, "--keep-last", 1)
+    text = " ".join(res.stderr.split())
+    assert res.exit_code == 0 and "KEPT: no kept generation verifies, this one does" in text, text
+    assert "removed 1 generation(s): 1; kept 2" in text and "warning: no kept generation verifies" in text
+
+
+def test_prune_refuses_to_remove_anything_when_no_generation_verifies(tmp_path):
+    """Fault guarded: a prune deleting generations when none of those that would stay verifies, nor any it
+    removes (every copy damaged: a pack of the same state may still repair shared objects)."""
+    repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
+    for n in (1, 2, 3):
+        flip_byte(repo, n)
+    res, out = cli_json("prune", repo, "--keep-last", 1)
     assert res.exit_code == 1, res.stderr
     assert out["ok"] is False and out["error"] == "IntegrityError"
-    assert "generation 3" in out["reason"] and "tensors-00000.safetensors" in out["reason"]
+    assert all(f"generation {n}" in out["reason"] for n in (1, 2, 3)) and "tensors-00000.safetensors" in out["reason"]
     assert "nothing was removed" in out["reason"] and "Traceback" not in res.stderr
     assert usable(repo) == [1, 2, 3]
-    for n in (1, 2):  # the intact copies are still there
-        assert ckpt_archive.verify(repo, n).ok
-    assert cli("verify", f"{repo}@2").exit_code == 0
 
 
-def test_prune_refuses_when_a_kept_generation_lost_a_member_and_names_it(tmp_path):
+def test_prune_refuses_when_every_generation_lost_a_member_and_names_it(tmp_path):
     repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
-    (gen_dir(repo, 3) / "tensors-00000.safetensors.ckz").unlink()
+    for n in (1, 2, 3):
+        (gen_dir(repo, n) / "tensors-00000.safetensors.ckz").unlink()
     res, out = cli_json("prune", repo, "--keep-last", 1)
     assert res.exit_code == 1 and out["error"] == "IntegrityError", res.stderr
     assert "generation 3" in out["reason"] and "tensors-00000.safetensors" in out["reason"]
@@ -235,7 +257,8 @@ def test_prune_refuses_when_a_kept_generation_lost_a_member_and_names_it(tmp_pat
 
 def test_prune_refusal_does_not_save_the_policy_as_default(tmp_path):
     repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
-    flip_byte(repo, 3)
+    for n in (1, 2, 3):
+        flip_byte(repo, n)
     assert cli("prune", repo, "--keep-last", 1, "--save-default").exit_code == 1
     assert json.loads((repo / "repository.json").read_text())["retention"] is None
 
@@ -262,6 +285,11 @@ def test_prune_dry_run_shows_the_kept_generation_check_and_a_refusal_it_would_me
     text = " ".join(res.stderr.split())
     assert res.exit_code == 0 and "kept generation 3 verified (stored sizes + sha256)" in text, text
     flip_byte(repo, 3)
+    res, out = cli_json("prune", repo, "--keep-last", 1, "--dry-run")  # the same decision as the real prune
+    assert res.exit_code == 0 and out["dry_run"] is True and out["removed"] == []
+    assert out["verify_kept"]["rescued_generation"] == 2 and out["to_remove"] == [1]
+    flip_byte(repo, 2)
+    flip_byte(repo, 1)
     res, out = cli_json("prune", repo, "--keep-last", 1, "--dry-run")
     assert res.exit_code == 1, res.stderr
     assert out["ok"] is False and out["dry_run"] is True and out["removed"] == []
@@ -315,7 +343,9 @@ def test_pack_time_retention_counts_the_just_published_generation_as_verified_wi
     assert usable(repo) == [3]
 
 
-def test_pack_time_retention_without_a_verified_generation_removes_nothing_when_the_kept_one_is_corrupt(tmp_path):
+def test_pack_time_retention_without_a_verified_generation_keeps_one_that_verifies(tmp_path):
+    """Fault guarded: retention after a pack removing the only generations that restore when the one it keeps
+    is corrupt; and removing anything at all when none verifies."""
     from ckpt_archive.ops import prune as prune_ops
 
     repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
@@ -323,9 +353,14 @@ def test_pack_time_retention_without_a_verified_generation_removes_nothing_when_
     r = Repository.open(repo)
     with r.lock():
         ret = prune_ops.apply_after_pack(r, {"keep_last": 1})
+    assert ret["removed"] == [1] and ret["kept"] == [3, 2] and usable(repo) == [2, 3]
+    assert any("generation 2, the newest that does, is kept" in w for w in ret["warnings"]), ret["warnings"]
+    flip_byte(repo, 2)
+    with r.lock():
+        ret = prune_ops.apply_after_pack(r, {"keep_last": 1})
     assert ret["removed"] == []
     assert any("retention not applied, nothing removed" in w and "generation 3" in w for w in ret["warnings"])
-    assert usable(repo) == [1, 2, 3]
+    assert usable(repo) == [2, 3]
 
 
 def test_backup_retention_does_not_reread_the_generation_it_just_packed(tmp_path, monkeypatch):

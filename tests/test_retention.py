@@ -500,16 +500,35 @@ def fake_verify(monkeypatch):
     monkeypatch.setattr(prune_ops, "_verify_problems", verify_problems)
 
 
-def test_execute_prune_refuses_and_removes_nothing_when_no_kept_generation_verifies(fake_verify):
+def test_execute_prune_refuses_and_removes_nothing_when_no_generation_verifies(fake_verify):
+    """Fault guarded: removing generations when none of those that would stay, nor any removed, verifies."""
     from ckpt_archive.errors import IntegrityError
     from ckpt_archive.ops.prune import execute_prune
 
-    repo = FakeRepo(3, bad={3})
+    repo = FakeRepo(3, bad={1, 2, 3})
     decision = apply_policy(gens_with_losses([0.9, 0.8, 0.7]), RetentionPolicy(keep_last=1))
     with pytest.raises(IntegrityError, match=r"generation 3: tensors-00000.safetensors") as err:
         execute_prune(repo, decision)
-    assert err.value.exit_code == 1 and "removing 1, 2" in err.value.message
-    assert repo.removed == [] and repo.read == [3]
+    assert err.value.exit_code == 1 and "nothing was removed" in err.value.message
+    assert "generation 1: " in err.value.message and "generation 2: " in err.value.message
+    assert repo.removed == [] and repo.read == [3, 2, 1]
+
+
+def test_when_no_kept_generation_verifies_the_newest_one_removed_that_does_is_kept(fake_verify):
+    """Fault guarded (issue 24 item 1): retention removed every generation that restores because the one it
+    kept was damaged. The generations slated for removal are checked newest first; the newest that passes
+    stays (the check says so: never silent) and the others go."""
+    from ckpt_archive.ops.prune import check_kept, execute_prune
+
+    repo = FakeRepo(5, bad={5, 4})
+    decision = apply_policy(gens_with_losses([0.9] * 5), RetentionPolicy(keep_last=1))
+    check = check_kept(repo, decision)
+    assert repo.read == [5, 4, 3]
+    assert check.ok and check.verified is None and check.rescued == 3
+    assert [n for n, _ in check.failed] == [5] and [n for n, _ in check.rescue_failed] == [4]
+    assert len(check.warnings()) == 1 and "generation 3, the newest that does, is kept" in check.warnings()[0]
+    assert execute_prune(repo, decision, check=check) == [1, 2, 4]
+    assert repo.numbers == [3, 5]
 
 
 def test_check_kept_walks_kept_generations_newest_first_and_stops_at_the_first_that_verifies(fake_verify):

@@ -132,8 +132,9 @@ def test_prune_keeps_objects_a_remaining_generation_references(two_sharing):
 def test_forgetting_the_last_user_deletes_its_objects_and_reports_the_bytes(two_sharing):
     repo, st, objs = two_sharing
     forget(repo, 1)
+    ckpt_archive.pack({"step": 7}, repo)  # 3: what restores once 2 is gone (the only one is never forgotten)
     sizes = sum((repo / k).stat().st_size for k in objs)
-    proc = cli("forget", f"{repo}@2", "--force", "--json")
+    proc = cli("forget", f"{repo}@2", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert sorted(data["objects"]["removed"]) == objs
@@ -148,8 +149,9 @@ def test_unreadable_manifest_blocks_object_deletion_with_a_clear_message(two_sha
     os.chmod(man, 0o644)
     man.write_bytes(b"{not json")
     assert Repository.open(repo).generation(3).status == "damaged"
+    ckpt_archive.pack({"step": 8}, repo)  # 4: what restores once 2 is gone (the only one is never forgotten)
     forget(repo, 1)
-    proc = cli("forget", f"{repo}@2", "--force")
+    proc = cli("forget", f"{repo}@2")
     assert proc.returncode == 0, proc.stderr
     assert "generation 3's manifest cannot be read" in proc.stderr and "no shared object was deleted" in proc.stderr
     assert committed_objects(repo) == objs, "objects deleted although a manifest's references were unknown"
@@ -223,7 +225,8 @@ def test_partial_generation_protects_its_objects_and_a_new_pack_checks_them_in_f
     assert Repository.open(repo).generation(2).status == "partial"
     objs = committed_objects(repo)
     assert {object_key(fp) for fp in manifest_fps(repo, 2)} == set(objs) and len(objs) == 2
-    res = forget(repo, 1, force=True)
+    ckpt_archive.pack({"step": 7}, repo)  # 3: what restores once 1 is gone (the only one is never forgotten)
+    res = forget(repo, 1)
     assert res.objects.removed == [] and all(v == [2] for v in res.objects.in_use.values())
     assert committed_objects(repo) == objs, "an object a partial generation references was deleted"
     # a new pack of the same state does not take objects only a partial generation references on trust:

@@ -12,11 +12,15 @@ from ckpt_archive.cli.prune_cmd import WAIT
 def register(app: typer.Typer) -> None:
     @app.command("forget", help="Remove one generation: its USABLE marker first (from that instant it is not "
                  "usable), then its members, manifest and folder, holding the repository lock. Refuses the "
-                 "newest usable generation unless --force."
+                 "newest usable generation unless --force. Never leaves nothing restorable: the generations "
+                 "that remain are verified newest first until one passes; forgetting the only generation "
+                 "that verifies is refused, --force or not."
                  + exit_codes_help({0: "the generation was removed",
+                                    1: "nothing removed: it is the only generation that verifies (what fails in "
+                                       "the others is named)",
                                     2: "nothing removed: no such generation (the existing ones are listed), the "
                                        "newest usable one without --force, lock held by another writer, not a "
-                                       "repository"}, codes=(0, 2)))
+                                       "repository"}, codes=(0, 1, 2)))
     @command
     def forget_cmd(
         spec: str = typer.Argument(..., metavar="REPO@GEN", help="Repository and generation: number, latest or "

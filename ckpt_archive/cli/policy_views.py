@@ -1,8 +1,10 @@
 """The policy audit in the CLI: ``inspect``, ``verify`` and ``restore`` print and extend their reports.
 
 Rendering only: the analysis is :mod:`ckpt_archive.training` (audit, completeness lint, session
-policy) and reading a generation for it is :func:`ckpt_archive.ops.audit_read.state_for_audit`. Rich is
-imported inside the functions, so importing this module stays cheap.
+policy), the verdicts of ``verify``/``inspect`` are :mod:`ckpt_archive.ops.policy_check` (run by
+:func:`ckpt_archive.verify` and :func:`ckpt_archive.inspect`), and reading a generation for them is
+:func:`ckpt_archive.ops.audit_read.state_for_audit`. Rich is imported inside the functions, so importing
+this module stays cheap.
 """
 from __future__ import annotations
 
@@ -11,25 +13,81 @@ from typing import Any
 
 from ckpt_archive.errors import UsageError
 from ckpt_archive.ops.audit_read import state_for_audit
-from ckpt_archive.training.audit import Finding, PolicyAudit
-from ckpt_archive.training.completeness import policy_section
-from ckpt_archive.training.session import HYPER_NAMES, PolicyChange, apply_session_policy, compare_with_session, session_values
+from ckpt_archive.training.audit import PolicyAudit
+from ckpt_archive.training.nextstep import build_model
+from ckpt_archive.training.session import (HYPER_NAMES, PolicyChange, apply_session_policy, differences,
+                                           session_values)
 
 
-def audit_table(a: PolicyAudit):
-    """A :class:`rich.table.Table` of :meth:`PolicyAudit.rows` (one row per param group)."""
+#: The table's columns in display order, and the order they give way in when the terminal is narrow (the
+#: first to go first): numbers are never cut, a column is left out instead and the caption says which.
+_COLUMNS = ("group", "params", "lr", "initial_lr", "base_lr", "last_lr", "derived_lr", "next_lr",
+            "after_sched_step")
+_GIVE_WAY = ("params", "derived_lr", "last_lr", "lr", "initial_lr", "base_lr", "after_sched_step")
+
+
+def audit_table(a: PolicyAudit, width: int | None = None):
+    """A :class:`rich.table.Table` of :meth:`PolicyAudit.rows` (one row per param group) that fits ``width``
+    columns without cutting a number: a column that is ``-`` in every row is left out, then, while the table
+    is too wide, the columns of :data:`_GIVE_WAY` in that order (a column equal to another shown one first,
+    e.g. ``lr`` = ``next_lr``); the caption names what was left out (``--json`` has every column).
+    ``group`` and ``next_lr`` (the LR the next step uses, what the table is for) always stay."""
+    rows = a.rows()
+    cols = [c for c in _COLUMNS if c in ("group", "next_lr") or any(r[c] != "-" for r in rows)]
+    left_out: list[str] = []
+    for col in sorted(_GIVE_WAY, key=lambda c: _equal_to(c, cols, rows) is None):
+        if width is None or _measure(a, rows, cols) <= width:
+            break
+        if col in cols:
+            same = _equal_to(col, cols, rows)
+            cols.remove(col)
+            left_out.append(f"{col} (= {same})" if same else col)
+    caption = (f"not shown at {width} columns: {', '.join(left_out)}; --json has every column"
+               if left_out else None)
+    return _table(a, rows, cols, caption)
+
+
+def _equal_to(col: str, cols: list[str], rows: list[dict]) -> str | None:
+    """Another shown column whose values equal ``col``'s in every row (so leaving ``col`` out loses nothing)."""
+    for other in cols:
+        if other != col and other != "group" and all(r[col] == r[other] for r in rows):
+            return other
+    return None
+
+
+def _table(a: PolicyAudit, rows: list[dict], cols: list[str], caption: str | None = None):
     from rich import box
     from rich.table import Table
 
     kind = a.scheduler.get("kind") or "none"
     t = Table(title=f"LR policy (scheduler: {kind})", title_justify="left", box=box.SIMPLE_HEAD,
-              pad_edge=False)
-    for col in ("group", "params", "lr", "initial_lr", "base_lr", "last_lr", "derived_lr", "next_lr",
-                "after_sched_step"):
-        t.add_column(col, justify="right" if col != "group" else "left")
-    for r in a.rows():
-        t.add_row(*r.values())
+              pad_edge=False, caption=caption, caption_justify="left")
+    for col in cols:
+        t.add_column(col, justify="right" if col != "group" else "left", no_wrap=True,
+                     min_width=max(len(col), *(len(r[col]) for r in rows)) if rows else None)
+    for r in rows:
+        t.add_row(*(r[c] for c in cols))
     return t
+
+
+def _measure(a: PolicyAudit, rows: list[dict], cols: list[str]) -> int:
+    """The width the table needs to show every cell whole."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=10_000)
+    return Measurement.get(console, console.options, _table(a, rows, cols)).maximum
+
+
+def _width(out: Any) -> int:
+    """The width of the console the tables go to (80 when it cannot be told)."""
+    for name in ("console", "out", "err"):
+        width = getattr(getattr(out, name, None), "width", None)
+        if isinstance(width, int):
+            return width
+    import shutil
+
+    return shutil.get_terminal_size((80, 24)).columns
 
 
 def audit_renderable(a: PolicyAudit):
@@ -44,6 +102,10 @@ def audit_renderable(a: PolicyAudit):
     return Group(*items)
 
 
+#: Param groups whose next steps are listed in words (``--json`` has every one).
+_SHOWN = 8
+
+
 def _say_counters(a: PolicyAudit, out: Any) -> None:
     """The counters line, the partial-decoding note, what was audited, and what overrides the session."""
     out.say("  counters: " + ", ".join(f"{k} {v}" for k, v in a.counter_rows()))
@@ -51,92 +113,52 @@ def _say_counters(a: PolicyAudit, out: Any) -> None:
         out.say(f"  ({a.counters['partial']})")
     for note in a.notes:
         out.say(f"  {note}")
+    described = [g for g in a.groups if g.next_steps_from]
+    if described:
+        out.say(f"  the next {len(described[0].next_steps)} optimizer steps:")
+        for g in described[:_SHOWN]:
+            out.say(f"    {g.field}: {g.next_steps_from}")
+        if len(described) > _SHOWN:
+            out.say(f"    ... {len(described) - _SHOWN} more group(s) (--json lists every one)")
     if a.overrides:
         out.say("  archived fields that override the session's:")
         for o in a.overrides:
             out.say(f"    {o}")
 
 
-def _dedup(a: PolicyAudit, lint: list[Finding]) -> list[Finding]:
-    """Audit findings not repeated by the lint (the missing-scheduler line is in both)."""
-    texts = [f.message for f in lint]
-    return [f for f in a.findings if not any(f.message in t for t in texts)]
-
-
 def cli_inspect(info: dict, repo: Any, out: Any) -> dict:
-    """``inspect``: print the audit table, counters and findings; return ``{"policy": ...}`` for ``--json``.
-
-    An archive whose state cannot be read for the audit still inspects (the reason is printed).
-    """
-    from ckpt_archive.errors import CkptArchiveError
-
-    try:
-        decoded: dict = {}
-        state, manifest, _ = state_for_audit(repo, info["generation"], info=decoded)
-    except CkptArchiveError as exc:
-        out.warn(f"policy audit skipped: {exc}")
-        return {"policy": {"skipped": str(exc)}}
-    a, lint, section = policy_section(state, manifest, decoded)
+    """``inspect``: print the audit table, counters and findings of ``info["policy"]`` (the
+    :class:`~ckpt_archive.ops.policy_check.PolicyVerdict` that :func:`ckpt_archive.inspect` computed); return
+    ``{"policy": ...}`` for ``--json``. An archive whose state cannot be read for the audit still inspects (the
+    reason is printed)."""
+    verdict = info.get("policy")
+    if verdict is None:
+        return {}
+    if verdict.skipped is not None:
+        out.warn(f"policy audit skipped: {verdict.skipped}")
+        return {"policy": verdict.to_json()}
+    a = verdict.audit
     if a.groups:
-        out.table(audit_table(a))
+        out.table(audit_table(a, _width(out)))
     else:  # no optimizer param groups: an empty table says nothing
         out.say(f"LR policy: no optimizer param groups in this state (scheduler: {a.scheduler.get('kind') or 'none'})")
     _say_counters(a, out)
-    for f in _dedup(a, lint) + lint:
+    for f in verdict.findings:
         if f.severity == "info":
             out.say(f"  info: {f.field}: {f.message}")
         else:
             out.warn(f"{f.field}: {f.message}")
-    return {"policy": section}
+    return {"policy": verdict.to_json()}
 
 
-def cli_verify(report: Any, repo: Any, *, strict: bool, out: Any) -> None:
-    """``verify``: add the audit and lint to a :class:`~ckpt_archive.ops.verify.VerifyReport`.
-
-    Semantics: audit findings of severity ``error`` (the state cannot be resumed as saved) are problems
-    (exit 1); warnings and ``info`` (a finished schedule, what could not be checked) are warnings;
-    completeness warnings are warnings, and problems under ``--strict``; completeness ``info`` (what
-    could not be seen, guesses) never fails. A generation that failed its
-    byte checks is not audited (its state cannot be trusted). ``report.extra["policy"]`` holds the audit,
-    the completeness findings and ``strict``.
-    """
-    from ckpt_archive.errors import CheckFailed, CkptArchiveError, FormatError
-    from ckpt_archive.repo.reader import Problem
-
-    if not report.ok:
-        report.extra["policy"] = {"skipped": "the generation failed its checks"}
+def cli_verify(report: Any, out: Any) -> None:
+    """``verify``: print the audit table and counters of ``report.policy`` (the verdict itself, its problems and
+    warnings, was computed by :func:`ckpt_archive.verify`; they are printed with the report's own)."""
+    verdict = getattr(report, "policy", None)
+    if verdict is None or verdict.audit is None:
         return
-    try:
-        decoded: dict = {}
-        state, manifest, _ = state_for_audit(repo, report.generation, info=decoded)
-    except CkptArchiveError as exc:
-        report.extra["policy"] = {"skipped": str(exc)}
-        if isinstance(exc, (CheckFailed, FormatError)):
-            # the state tree itself was read and is broken (not valid JSON, too deep, malformed nodes): the
-            # generation cannot be restored, so plain verify must not pass it with a warning
-            report.problems.append(Problem(f"state tree cannot be read: {exc.message}", member=exc.where))
-            report.ok = False
-        else:
-            report.warnings.append(f"policy audit skipped: {exc}")
-        return
-    a, lint, section = policy_section(state, manifest, decoded)
-    out.table(audit_table(a))
-    _say_counters(a, out)
-    for f in _dedup(a, lint):
-        if f.severity == "error":  # only a state that cannot be resumed as saved fails the check
-            report.problems.append(Problem(f"policy: {f.message}", field=f.field))
-        else:
-            report.warnings.append(f"policy ({f.severity}): {f.field}: {f.message}" if f.severity == "info"
-                                   else f"policy: {f.field}: {f.message}")
-    for f in lint:
-        if strict and f.severity == "warning":
-            report.problems.append(Problem(f"completeness (--strict): {f.message}", field=f.field))
-        elif f.severity == "info":  # what could not be checked, or a guess: never a failure, even --strict
-            report.warnings.append(f"completeness (info): {f.field}: {f.message}")
-        else:
-            report.warnings.append(f"completeness: {f.field}: {f.message}")
-    report.ok = not report.problems
-    report.extra["policy"] = {**section, "strict": strict}
+    out.table(audit_table(verdict.audit, _width(out)))
+    _say_counters(verdict.audit, out)
 
 
 def _parse_expect_lr(value: Any) -> float | list[float] | None:
@@ -180,20 +202,22 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
     expect_lr = _parse_expect_lr(expect_lr)
     if session_config is None and expect_lr is None and policy == "checkpoint":
         return None, {}
+    if policy == "session" and not _imposes(session_config):
+        # refused before anything is compared or printed: no advice that --policy session cannot follow
+        raise UsageError("--policy session needs --session-config with an lr (or weight_decay, momentum, eps, "
+                         "betas, scheduler settings) to impose; --expect-lr only checks")
     state, manifest, _ = state_for_audit(repo, generation)
     packed_cfg = manifest.get("config") or None
-    diffs = compare_with_session(state, session_config=session_config, expect_lr=expect_lr, policy=policy,
-                                 archived_config=packed_cfg)
+    model = build_model(state, session_config=session_config, archived_config=packed_cfg)
+    diffs = differences(model, expect_lr=expect_lr, policy=policy)
     for d in diffs:
         out.warn(d.message)
     section: dict = {"mode": policy, "differences": [d.to_json() for d in diffs], "changes": []}
     if policy == "checkpoint":
         return None, section
-    sess = session_values(session_config)
-    if not any(k in sess for k in ("lr", *HYPER_NAMES, "betas", "scheduler")):
-        raise UsageError("--policy session needs --session-config with an lr (or weight_decay, momentum, eps, "
-                         "betas, scheduler settings) to impose; --expect-lr only checks")
-    if not diffs:  # the archive already holds the session's values: restore it as packed (byte for byte)
+    if model.refused:
+        raise UsageError(model.refused)
+    if not model.changes:  # the archive already holds the session's values: restore it as packed (byte for byte)
         if manifest["source"]["layout"] == "folder":
             section["rewritten"] = []
         return None, section
@@ -211,6 +235,14 @@ def cli_restore_prepare(repo: Any, generation: str | int, *, session_config: str
         return new
 
     return transform, section
+
+
+def _imposes(session_config: Any) -> bool:
+    """Whether a session config gives something ``--policy session`` can impose."""
+    if session_config is None:
+        return False
+    sess = session_values(session_config)
+    return any(k in sess for k in ("lr", *HYPER_NAMES, "betas", "scheduler"))
 
 
 def cli_restore_finish(section: dict, out: Any, folder_report: dict | None = None) -> dict:

@@ -37,10 +37,12 @@ WAIT = typer.Option(0.0, "--wait", metavar="SECONDS", callback=seconds_callback(
 
 POLICY_HELP = ("The newest usable generation is always kept; generations that are not usable are never counted "
                "and never removed here (gc removes leftovers); a policy that would keep none of the usable "
-               "generations is refused. Before removing anything, the kept generations are verified newest "
-               "first (stored sizes and sha256) until one passes; if none passes, nothing is removed and the "
-               "prune exits 1 naming what failed (never delete the only verified copy). Calendar buckets are "
-               "in UTC.")
+               "generations is refused. Never leaves nothing restorable: before removing anything, the kept "
+               "generations are verified newest first (the size and sha256 of every stored chunk, members and "
+               "shared objects) until one passes; if none passes, the newest generation the policy removes "
+               "that does is kept as well (a warning names it); if no generation passes at all, nothing is "
+               "removed and the prune exits 1 naming what failed. --dry-run makes the same check. Calendar "
+               "buckets are in UTC.")
 
 
 def policy_from_flags(keep_last: Optional[int], keep_hourly: Optional[int], keep_daily: Optional[int],
@@ -75,10 +77,13 @@ def decision_table(decision, generations, title: str, check=None):
                     ("stored", {"justify": "right"}), ("action", {}), ("why", {"overflow": "fold"})):
         table.add_column(col, **kw)
     styles = {"keep": "green", "remove": "red", "not usable": "yellow"}
-    failed = dict(check.failed) if check is not None else {}
+    failed = dict(check.failed + check.rescue_failed) if check is not None else {}
     for number, action, reasons in decision.rows():
         if check is not None and number == check.verified:
             reasons = list(reasons) + ["verified at pack" if check.trusted else "verified (sizes + sha256)"]
+        elif check is not None and number == check.rescued:
+            action = "keep"  # the newest that verifies, kept although the policy removes it
+            reasons = list(reasons) + ["KEPT: no kept generation verifies, this one does"]
         elif number in failed:
             where = sorted({line.split(": ", 1)[0] for line in failed[number]})
             reasons = list(reasons) + ["FAILS verify (" + ", ".join(where) + ")"]
@@ -97,8 +102,8 @@ def register(app: typer.Typer) -> None:
                  "policy is refused. --dry-run prints what stays and what goes, and why, and deletes nothing. "
                  + POLICY_HELP
                  + exit_codes_help({0: "pruned (or, with --dry-run, the decision printed), also when nothing was to go",
-                                    1: "refused: no kept generation verifies (each failure named); nothing was "
-                                       "removed",
+                                    1: "refused: no generation verifies, kept or to be removed (each failure "
+                                       "named); nothing was removed",
                                     2: "could not be carried out (empty or malformed policy, not a repository, "
                                        "lock held by another writer)"}))
     @command
@@ -137,9 +142,10 @@ def register(app: typer.Typer) -> None:
             out.json({"ok": False, **result.to_json(), "exit_code": code})
             raise typer.Exit(code)
         if not json_output:
-            done = decision.remove_numbers if dry_run else result.removed
+            done = result.to_remove if dry_run else result.removed
+            kept = len(decision.keep) + (check.rescued is not None)
             out.say(f"{verb} {len(done)} generation(s){': ' + ', '.join(map(str, sorted(done))) if done else ''}; "
-                    f"kept {len(decision.keep)}; {len(decision.not_usable)} not usable left for gc")
+                    f"kept {kept}; {len(decision.not_usable)} not usable left for gc")
             if result.objects is not None and not result.objects.kept and result.objects.describe(dry_run):
                 out.say(f"shared objects: {result.objects.describe(dry_run)}")
             if result.saved_default:

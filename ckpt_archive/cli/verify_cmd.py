@@ -31,8 +31,9 @@ def register(app: typer.Typer) -> None:
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
         with out.progress(None, "verify") as bar:  # each check tells the bar its phase and total
-            report = ckpt_archive.verify(repo, gen, deep=deep, jobs=jobs, fallback=fallback, on_bytes=bar)
-        _extend_report(report, repo, strict=strict, out=out)
+            report = ckpt_archive.verify(repo, gen, deep=deep, jobs=jobs, fallback=fallback, strict=strict,
+                                         on_bytes=bar)
+        _extend_report(report, out)
         for w in report.warnings:
             out.warn(w)
         if report.ok:
@@ -48,8 +49,8 @@ def register(app: typer.Typer) -> None:
         exit_with(report)
 
 
-def _extend_report(report, repo: str, *, strict: bool, out: Output) -> None:
-    """Checks beyond bytes: the policy audit and completeness lint (``--strict``: lint findings fail)."""
+def _extend_report(report, out: Output) -> None:
+    """The policy audit's table and counters (its verdict is in the report: ``--strict`` lint findings fail)."""
     from ckpt_archive.cli.policy_views import cli_verify
 
-    cli_verify(report, repo, strict=strict, out=out)
+    cli_verify(report, out)

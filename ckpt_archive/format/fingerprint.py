@@ -214,6 +214,27 @@ class MemberRawCheck:
             mv, pos = mv[take:], pos + take
         self._close_finished(pos)
 
+    def skip(self, nbytes: int, fp: str) -> bool:
+        """Account for one entry's ``nbytes`` raw bytes without feeding them: their fingerprint is ``fp``,
+        proven otherwise (a shared object whose stored bytes were hashed now, under a chunk table a trial
+        reload proved decodes to ``fp``; docs/FORMAT.md, "Write order", step 5).
+
+        Returns:
+            False (nothing recorded) unless this is a format-2 tensors member and the next bytes are exactly
+            one whole entry of ``nbytes``: the caller must then feed the bytes instead.
+        """
+        if self.alg != BLAKE3_ENTRIES or nbytes <= 0:
+            return False
+        pos = self.total
+        self._close_finished(pos)
+        if self._ri >= len(self.ranges) or self.ranges[self._ri][:2] != (pos, pos + nbytes):
+            return False
+        self.got.append(fp)
+        self._h = new(BLAKE3)
+        self._ri += 1
+        self.total += nbytes
+        return True
+
     def _close_finished(self, pos: int) -> None:
         while self._ri < len(self.ranges) and self.ranges[self._ri][1] <= pos:
             self.got.append(f"{BLAKE3}:{self._h.hexdigest()}")

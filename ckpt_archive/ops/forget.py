@@ -1,4 +1,4 @@
-"""Forget: remove one generation, marker first, under the repository lock."""
+"""Forget: remove one generation, marker first, under the repository lock, never leaving nothing restorable."""
 from __future__ import annotations
 
 import os
@@ -27,6 +27,7 @@ class ForgetResult:
     newest_usable: int | None
     objects: Any = None
     skipped_keys: list[str] = field(default_factory=list)
+    check: Any = None
 
     @property
     def ok(self) -> bool:
@@ -35,22 +36,43 @@ class ForgetResult:
 
     @property
     def warnings(self) -> list[str]:
-        """Why shared objects were not deleted (a manifest that cannot be read), if so."""
+        """Remaining generations that do not verify (or that none does, the forgotten one included); why
+        shared objects were not deleted (a manifest that cannot be read), if so."""
+        out = []
+        if self.check is not None and self.check.needed:
+            if self.check.verified is not None:
+                out += self.check.warnings()
+            else:
+                failures = "; ".join(f"generation {n}: {', '.join(p)}"
+                                     for n, p in self.check.failed + self.check.rescue_failed)
+                out.append(f"no generation of the repository verifies ({failures}): generation {self.generation} "
+                           f"did not either, so forgetting it left nothing that restores behind; a pack of the "
+                           f"same state writes damaged shared objects again")
         kept = [self.objects.kept] if self.objects is not None and self.objects.kept else []
-        return kept + list(self.skipped_keys)  # unsafe store keys left alone (never deleted through)
+        return out + kept + list(self.skipped_keys)  # unsafe store keys left alone (never deleted through)
 
     def to_json(self) -> dict[str, Any]:
-        """``{"repository", "generation", "status", "newest_usable", "objects", "warnings"}`` (JSON-ready;
-        ``objects``: :meth:`~ckpt_archive.repo.objects.SweepResult.to_json`)."""
+        """``{"repository", "generation", "status", "newest_usable", "objects", "verify_kept", "warnings"}``
+        (JSON-ready; ``objects``: :meth:`~ckpt_archive.repo.objects.SweepResult.to_json`; ``verify_kept``:
+        what the check of the remaining generations found, :meth:`~ckpt_archive.ops.prune.KeptCheck.to_json`,
+        or None when the generation forgotten was not one that could restore)."""
         return {"repository": self.repository, "generation": self.generation, "status": self.status,
                 "newest_usable": self.newest_usable,
                 "objects": self.objects.to_json() if self.objects is not None else None,
+                "verify_kept": self.check.to_json() if self.check is not None else None,
                 "warnings": self.warnings}
 
 
 def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = False,
            wait: float = 0.0) -> ForgetResult:
     """Remove one generation (any status) in reverse publish order, holding the lock.
+
+    Never leave nothing restorable (docs/retention.md): before a generation that could restore (``usable``
+    or ``copied``) is removed, the remaining usable generations are checked newest first (shallow verify:
+    the size and sha256 of every stored chunk, members and shared objects) until one passes. If none
+    passes and the generation to forget does, it is the only one that restores: refused (exit 1). If it
+    fails too, it goes, with a warning. A ``partial`` or ``damaged`` generation restores nothing and goes
+    unchecked.
 
     The ``USABLE.json`` marker goes first (from that instant the generation is not usable), then its
     members, manifest and folder; a kill part-way leaves a ``partial`` generation for ``gc``. Last, the
@@ -71,6 +93,8 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
         NotFound: no such repository or generation. UsageError: it is the newest usable one and
             ``force`` is false. LockError: another writer holds the lock. LinkInRepository: the generation
             (or a part of it) is a symbolic link: nothing is deleted through it (exit 2).
+        IntegrityError: it is the only generation that verifies; nothing removed (exit 1, naming what
+            failed in the others).
 
     Example:
         >>> import ckpt_archive, tempfile
@@ -80,7 +104,8 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
         >>> ckpt_archive.forget(repo, 1).newest_usable
         2
     """
-    from ckpt_archive.errors import LinkInRepository, UnsafePath, UsageError
+    from ckpt_archive.errors import IntegrityError, LinkInRepository, UnsafePath, UsageError
+    from ckpt_archive.ops.prune import check_restorable
     from ckpt_archive.repo.repository import Repository
 
     r = Repository.open(repo)
@@ -93,6 +118,20 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
             raise UsageError(f"refusing to forget generation {gen.number}: it is the newest usable generation"
                              f"{older}; pass --force to remove it anyway", where=r.location)
         status = gen.status
+        check = None
+        if status in ("usable", "copied"):
+            check = check_restorable(r, [n for n in usable if n != gen.number], [gen.number])
+            if check.rescued == gen.number:
+                failures = "; ".join(f"generation {n}: {', '.join(p)}" for n, p in check.failed)
+                others = f" (none of the others does: {failures})" if failures else " (there is no other)"
+                raise IntegrityError(
+                    f"refusing to forget generation {gen.number}: it is the only generation that verifies"
+                    f"{others}; forgetting it would leave nothing that restores, so nothing was removed",
+                    where=r.location,
+                    hint=("a pack of the same state writes damaged shared objects again (which repairs the "
+                          "generations that reference them); `ckpt-archive verify REPO@N` names what is damaged"
+                          if failures else "pack a newer generation first; to discard every generation, remove "
+                          "the repository itself"))
         try:
             swept = r.remove_generation(gen.number)
         except UnsafePath as exc:  # a generation that is a link: nothing is deleted through it
@@ -100,4 +139,4 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
         remaining = [g.number for g in r.usable()]
     return ForgetResult(repository=r.location, generation=gen.number, status=status,
                         newest_usable=remaining[-1] if remaining else None, objects=swept,
-                        skipped_keys=list(r.unsafe_keys))
+                        skipped_keys=list(r.unsafe_keys), check=check)

@@ -1,7 +1,7 @@
 """``inspect``: what a generation holds, from its manifest and marker (reads no member)."""
 from __future__ import annotations
 
-from typing import Any, Optional, TypedDict
+from typing import Any, Mapping, Optional, TypedDict
 
 from ckpt_archive.ops.common import RepoLike, open_repo, pick
 
@@ -19,6 +19,9 @@ class InspectInfo(TypedDict):
             (:func:`shared_summary`).
         numpy: where the state holds NumPy values (:func:`numpy_summary`): what a reader of the restored file
             needs NumPy's allowlist for.
+        policy: the LR audit and completeness lint of the generation
+            (:class:`~ckpt_archive.ops.policy_check.PolicyVerdict`, ``.to_json()`` for JSON), or None when not
+            asked for (``policy=False``).
     """
 
     generation: int
@@ -31,6 +34,7 @@ class InspectInfo(TypedDict):
     exact_bytes: Any
     shared: dict
     numpy: dict
+    policy: Any
 
 
 def shared_summary(manifest: dict, number: int, users: dict[str, list[int]]) -> dict:
@@ -108,19 +112,27 @@ def numpy_summary(manifest: dict) -> dict:
     return {"arrays": arrays, "scalars": scalars}
 
 
-def inspect(repo: RepoLike, generation: str | int = "latest", **store_options: Any) -> InspectInfo:
-    """The manifest and marker of a generation plus a summary (reads no member).
+def inspect(repo: RepoLike, generation: str | int = "latest", *, policy: bool = True,
+            store_options: Mapping[str, Any] | None = None) -> InspectInfo:
+    """The manifest and marker of a generation plus a summary, and its LR policy audit.
+
+    The summary reads no member. The audit (``policy=True``, as ``ckpt-archive inspect`` shows it) reads the
+    state tree and the tensors of at most 8 elements (step counters), never the weights
+    (:func:`ckpt_archive.ops.policy_check.policy_verdict`); a state that cannot be read for it is said in
+    ``policy.skipped``, never an exception.
 
     Args:
         repo: repository path/URL or Repository.
         generation: ``"latest"``, a number, or ``"tag:NAME"``.
-        **store_options: for URL repositories.
+        policy: run the LR policy audit and completeness lint (default).
+        store_options: for URL repositories (``{"endpoint_url": ..., "storage_options": {...}}``).
 
     Returns:
         :class:`InspectInfo`.
 
     Raises:
         NotFound / NoUsableGeneration / ManifestInvalid / NewerFormatError: nothing to show.
+        TypeError: an unknown keyword argument (store options go in ``store_options``).
 
     Example:
         >>> import torch, ckpt_archive, tempfile
@@ -130,7 +142,7 @@ def inspect(repo: RepoLike, generation: str | int = "latest", **store_options: A
         >>> info["generation"], info["status"], info["manifest"]["progress"]["step"]
         (1, 'usable', 5)
     """
-    r = open_repo(repo, **store_options)
+    r = open_repo(repo, **dict(store_options or {}))
     gen = pick(r, generation, False)
     m = gen.manifest
     opaque = [f["relpath"] for f in m["source"]["files"] if f["kind"] == "opaque"]
@@ -144,7 +156,14 @@ def inspect(repo: RepoLike, generation: str | int = "latest", **store_options: A
         users = users_of(r)
     return {"generation": gen.number, "status": gen.status, "reason": gen.reason, "location": r.location,
             "manifest": m, "marker": gen.marker, "opaque_members": opaque, "exact_bytes": exact_summary(m),
-            "shared": shared_summary(m, gen.number, users), "numpy": numpy_summary(m)}
+            "shared": shared_summary(m, gen.number, users), "numpy": numpy_summary(m),
+            "policy": _policy(r, gen.number) if policy else None}
+
+
+def _policy(r: Any, number: int) -> Any:
+    from ckpt_archive.ops.policy_check import policy_verdict
+
+    return policy_verdict(r, number)
 
 
 __all__ = ["inspect", "InspectInfo", "shared_summary", "numpy_summary"]

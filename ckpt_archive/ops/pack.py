@@ -287,6 +287,8 @@ class _PackSteps:
         self.warnings: list[str] = []
         self.shared = None
         self.distrust: set[str] = set()  # shared objects found damaged: written again, not referenced
+        self.repaired: dict[str, str | None] = {}  # those, each with what was wrong (None: not known)
+        self.retried = False  # the lifecycle ran a second time, the damaged objects it found written again
         self.generations = None  # the repository's generations as pack read them under the lock, once
         self.scans: dict | None = None  # source files' reads started before parsing (exact_bytes.ScanJob)
         self.written_crc: dict = {}  # member path -> CRC-32 of each chunk as written (MemberWriter.written_crc)
@@ -304,7 +306,7 @@ class _PackSteps:
             # the generations pack read under this lock (a retry reads them again: it removed one)
             gens, self.generations = self.generations, None
             shared = SharedWriter(repo.store, ObjectIndex.build(repo, gens), min_bytes=o.share_min_bytes,
-                                  faults=repo.faults, distrust=self.distrust)
+                                  faults=repo.faults, distrust=self.distrust, jobs=o.jobs)
         try:
             body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
                                  level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
@@ -316,6 +318,12 @@ class _PackSteps:
             # a file rewritten under the reads is the reason for what failed, not its symptom
             _raise_if_changed((self.scans or {}).values())
             raise
+        finally:
+            if shared is not None:
+                shared.close()
+                # objects the reuse check found damaged (rewritten from this state): reported once published
+                self.repaired.update(shared.repaired)
+                self.distrust |= set(shared.repaired)
         _raise_if_changed((self.scans or {}).values())
         self.shared = shared
         self.warnings = body.pop("warnings")
@@ -336,7 +344,9 @@ class _PackSteps:
         # verify, export and adopt hash every chunk
         reader.written_crc = self.written_crc
         if self.shared is not None:
-            reader.proven_objects = frozenset(self.shared.reused)
+            # reused objects whose stored bytes this pack hashed, under a chunk table a usable generation's
+            # trial reload proved: not decoded a second time (docs/FORMAT.md, "Write order", step 5)
+            reader.proven_objects = self.shared.proven(self.manifest)
         reader.check_stored(problems, hash_files=False)
         raise_if_problems("verify", problems, number)
         return {"when": iso(utcnow()), "result": "ok", "members": len(self.manifest["members"])}
@@ -451,7 +461,6 @@ def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_byt
         steps.generations = gens
         leftovers = [f"generation {g.number} is {g.status}: {g.reason}" for g in gens
                      if g.status in ("partial", "damaged")]
-        repaired: list[str] = []
         life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait, jobs=options.jobs,
                          progress=on_bytes)
         try:
@@ -466,8 +475,9 @@ def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_byt
                 if not damaged:
                     raise
                 r.remove_generation(life.number)
+                steps.retried = True
                 steps.distrust |= set(damaged)
-                repaired = damaged
+                steps.repaired.update(damaged)
                 life = Lifecycle(r, steps, PACK_POINTS, before_publish=before_publish, wait=options.wait,
                                  jobs=options.jobs, progress=on_bytes)
                 published = life.run()
@@ -503,8 +513,14 @@ def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_byt
                              f"removes it", where=getattr(exc, "filename", None) or r.location) from None
         number = published.number
         warnings = steps.warnings
-        if repaired:
-            warnings.extend(_repair_notes(repaired, steps.shared.index.users, published.manifest, number))
+        if steps.repaired:
+            warnings.extend(_repair_notes(steps.repaired, steps.shared.index.users, published.manifest, number))
+        if steps.shared is not None:
+            from ckpt_archive.format.objects import object_key
+
+            warnings.extend(f"{object_key(oid)} was not a regular file ({what}): removed, and the shared object "
+                            f"written in its place" for oid, what in steps.shared.replaced.items()
+                            if oid not in steps.repaired)
         # Published: from here on the new generation is usable whatever happens, so later failures are
         # warnings, never "left partial".
         retention_result = None
@@ -523,23 +539,25 @@ def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_byt
                       retention_result, published.trial_reload)
 
 
-def _repair_notes(damaged: list[str], users: dict, manifest: dict, number: int) -> list[str]:
-    """What the retry did about each damaged object: written again under its own name (which repairs
-    every generation that references it), or stored anew under another name (this pack encodes it
-    otherwise: the damaged one stays, and the generations that reference it stay broken)."""
+def _repair_notes(damaged: Mapping[str, str | None], users: dict, manifest: dict, number: int) -> list[str]:
+    """What pack did about each damaged object (``{oid: what was wrong}``, found by the reuse check or after a
+    failed trial reload): written again under its own name (which repairs every generation that references
+    it), or stored anew under another name (this pack encodes it otherwise: the damaged one stays, and the
+    generations that reference it stay broken)."""
     from ckpt_archive.format.objects import object_key, refs
 
     now = refs(manifest)
     notes = []
-    for oid in damaged:
+    for oid, why in damaged.items():
         others = sorted(n for n in users.get(oid, ()) if n != number)
         gens = ", ".join(map(str, others))
+        what = f" ({why})" if why else ""
         if oid in now:
-            notes.append(f"shared object {object_key(oid)} failed its check (damaged since it was written); "
+            notes.append(f"shared object {object_key(oid)} failed its check{what}: damaged since it was written; "
                          f"generation {number} wrote it again from this state"
                          + (f", which also repairs generation(s) {gens} that reference it" if others else ""))
         else:
-            notes.append(f"shared object {object_key(oid)} failed its check (damaged since it was written); "
+            notes.append(f"shared object {object_key(oid)} failed its check{what}: damaged since it was written; "
                          f"generation {number} stored the tensor anew (encoded otherwise by this pack's "
                          f"settings, under another name), so the damaged object stays"
                          + (f" and generation(s) {gens} that reference it stay broken: a pack with the "
@@ -548,14 +566,14 @@ def _repair_notes(damaged: list[str], users: dict, manifest: dict, number: int) 
     return notes
 
 
-def _damaged_reused(r, life, steps) -> list[str]:
+def _damaged_reused(r, life, steps) -> dict[str, str]:
     """After a failed lifecycle: the shared objects the new generation references whose files are damaged
     (referenced on trust, or kept because a generation not usable here named them; missing, another size
     or a chunk failing its sha256): only when the re-read (sizes) or the trial reload was the step that
     failed, and only once per pack."""
     shared = steps.shared
-    if life.step not in ("verify", "trial reload") or shared is None or steps.distrust or steps.manifest is None:
-        return []
+    if life.step not in ("verify", "trial reload") or shared is None or steps.manifest is None or steps.retried:
+        return {}
     from ckpt_archive.format.objects import refs
     from ckpt_archive.repo.objects import damaged_objects
 

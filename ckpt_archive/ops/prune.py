@@ -1,16 +1,27 @@
-"""Prune: apply a retention decision to a repository, never deleting the only verified copy.
+"""Prune: apply a retention decision to a repository, never leaving nothing restorable.
 
 The decision itself is pure (:func:`ckpt_archive.retention.policy.apply_policy`); this module adds the
-I/O around it, under the repository's writer lock:
+I/O around it, under the repository's writer lock. The rule (docs/retention.md, "The guarantees"): a
+generation is removed only when the generations that remain include one whose every stored byte (its
+members and the shared objects it references) was checked in this operation.
 
-* :func:`check_kept` verifies the kept usable generations newest first (shallow ``verify``: stored
-  sizes and sha256 of every member) and stops at the first that passes; a generation that pack verified
-  and trial-reloaded moments ago counts as verified without being read again;
-* :func:`refuse_unless_verified` refuses the whole prune (:class:`IntegrityError`, exit 1) when none
-  passes, naming each kept generation and what failed; nothing is removed;
-* :func:`execute_prune` removes what the decision removes, oldest first, marker first;
+* :func:`check_restorable` checks the kept usable generations newest first (shallow ``verify``: the size
+  and sha256 of every stored chunk, members and shared objects) and stops at the first that passes; a
+  generation pack published moments ago under the same lock counts as checked without being read again
+  (pack checked every stored byte it references: what it wrote, re-read against the CRC-32 of the bytes
+  it wrote, and every object it reused, hashed before publishing). When no kept generation passes, the
+  generations slated for removal are checked newest first and the newest that passes is kept as well
+  (``rescued``), and the result says so; when none passes at all, nothing is removed;
+* :func:`check_kept` is that check for a retention :class:`Decision`;
+* :func:`refuse_unless_verified` refuses the whole prune (:class:`IntegrityError`, exit 1) when no
+  generation passes, naming each one checked and what failed; nothing is removed;
+* :func:`execute_prune` removes what the decision removes (less a rescued generation), oldest first,
+  marker first;
 * :func:`prune` is ``ckpt-archive prune``: decide, check, (save the default policy), remove;
 * :func:`apply_after_pack` is the hook ``pack`` and ``backup`` call once a new generation is usable.
+
+``forget`` applies the same check (:func:`check_restorable` with the remaining generations kept and the
+one forgotten as the only candidate).
 """
 from __future__ import annotations
 
@@ -22,57 +33,74 @@ from typing import Any, Iterable, Mapping
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, UsageError
 from ckpt_archive.retention.policy import Decision, GenerationFacts, RetentionPolicy, apply_policy
 
-__all__ = ["KeptCheck", "PruneResult", "prune", "check_kept", "refuse_unless_verified", "execute_prune",
-           "apply_after_pack"]
+__all__ = ["KeptCheck", "PruneResult", "prune", "check_kept", "check_restorable", "refuse_unless_verified",
+           "execute_prune", "apply_after_pack"]
 
 
 @dataclass
 class KeptCheck:
-    """Whether a generation that a prune keeps verifies, established before anything is removed.
+    """Whether a generation that stays after a removal verifies, established before anything is removed.
 
     Attributes:
-        needed: False when the decision removes nothing (then nothing is read and nothing is refused).
+        needed: False when nothing is to be removed (then nothing is read and nothing is refused).
         verified: the kept generation that passed (the newest kept one that did), or ``None``.
-        trusted: True when ``verified`` was counted as verified without being read again (pack
-            verified and trial-reloaded it moments ago, under the same lock).
+        trusted: True when the generation that passed was counted as checked without being read again
+            (pack checked every stored byte it references moments ago, under the same lock).
         failed: kept generations newer than ``verified`` (or all of them when none passed) that
             failed the check, newest first, each with one line per problem (member: reason).
+        rescued: when no kept generation passed: the newest generation slated for removal that passed,
+            kept as well (the removal goes on without it), or ``None``.
+        rescue_failed: generations slated for removal checked for the rescue that failed, newest first.
     """
 
     needed: bool
     verified: int | None = None
     trusted: bool = False
     failed: list[tuple[int, list[str]]] = field(default_factory=list)
+    rescued: int | None = None
+    rescue_failed: list[tuple[int, list[str]]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """True when removing is allowed: nothing to remove, or a kept generation verifies."""
-        return not self.needed or self.verified is not None
+        """True when removing is allowed: nothing to remove, or a generation that stays verifies."""
+        return not self.needed or self.verified is not None or self.rescued is not None
 
     def warnings(self) -> list[str]:
-        """One line per kept generation that failed while an older kept one passed."""
-        if self.verified is None:
+        """One line per kept generation that failed while another generation that stays passed, and one
+        saying which generation was kept although it was to be removed (never silent)."""
+        if self.verified is not None:
+            return [f"kept generation {n} does not verify ({'; '.join(problems)}); generation {self.verified} is "
+                    f"the newest kept generation that does" for n, problems in self.failed]
+        if self.rescued is None:
             return []
-        return [f"kept generation {n} does not verify ({'; '.join(problems)}); generation {self.verified} is "
-                f"the newest kept generation that does" for n, problems in self.failed]
+        failures = "; ".join(f"generation {n}: {', '.join(p)}" for n, p in self.failed + self.rescue_failed)
+        return [f"no kept generation verifies ({failures}); generation {self.rescued}, the newest that does, "
+                f"is kept as well although the policy removes it, so that a generation that restores remains"]
 
     def describe(self) -> str:
         """One line for humans: what the check found."""
         if not self.needed:
             return "nothing to remove: kept generations not checked"
+        if self.verified is None and self.rescued is None:
+            return ("no generation verifies: " +
+                    "; ".join(f"generation {n}: {', '.join(p)}" for n, p in self.failed + self.rescue_failed))
         if self.verified is None:
-            return ("no kept generation verifies: " +
-                    "; ".join(f"generation {n}: {', '.join(p)}" for n, p in self.failed))
-        how = "verified and trial-reloaded by this pack" if self.trusted else "verified (stored sizes + sha256)"
+            how = "checked by this pack" if self.trusted else "verified (stored sizes + sha256)"
+            return (f"no kept generation verifies ({', '.join(str(n) for n, _ in self.failed)} FAIL verify); "
+                    f"generation {self.rescued} {how} and kept as well")
+        how = "checked by this pack" if self.trusted else "verified (stored sizes + sha256)"
         text = f"kept generation {self.verified} {how}"
         if self.failed:
             text += "; newer kept generation(s) " + ", ".join(str(n) for n, _ in self.failed) + " FAIL verify"
         return text
 
     def to_json(self) -> dict[str, Any]:
-        """``{"needed", "ok", "verified_generation", "trusted", "failed": [{"generation", "problems"}]}``."""
+        """``{"needed", "ok", "verified_generation", "trusted", "failed": [{"generation", "problems"}],
+        "rescued_generation", "rescue_failed": [{"generation", "problems"}]}``."""
         return {"needed": self.needed, "ok": self.ok, "verified_generation": self.verified, "trusted": self.trusted,
-                "failed": [{"generation": n, "problems": list(p)} for n, p in self.failed]}
+                "failed": [{"generation": n, "problems": list(p)} for n, p in self.failed],
+                "rescued_generation": self.rescued,
+                "rescue_failed": [{"generation": n, "problems": list(p)} for n, p in self.rescue_failed]}
 
 
 def _verify_problems(repo: Any, number: int) -> list[str]:
@@ -84,7 +112,7 @@ def _verify_problems(repo: Any, number: int) -> list[str]:
     from ckpt_archive.ops import verify as verify_op  # looked up at call time: tests replace verify_op.verify
 
     try:
-        report = verify_op.verify(repo, str(number))
+        report = verify_op.verify(repo, str(number), policy=False)  # the stored bytes; no LR audit
     except (CkptArchiveError, OSError) as exc:
         return [f"could not be verified: {exc}"]
     lines = []
@@ -94,13 +122,51 @@ def _verify_problems(repo: Any, number: int) -> list[str]:
     return lines
 
 
-def check_kept(repo: Any, decision: Decision, *, verified: Iterable[int] = ()) -> KeptCheck:
-    """Establish that a generation ``decision`` keeps verifies, before any of ``decision.remove`` goes.
+def check_restorable(repo: Any, keep: Iterable[int], remove: Iterable[int], *,
+                     verified: Iterable[int] = ()) -> KeptCheck:
+    """Establish that a generation which stays verifies, before any of ``remove`` goes.
 
-    Walks the kept (usable) generations newest first and stops at the first that passes a shallow
-    verify (every stored member's size and sha256, as ``ckpt-archive verify REPO@N``). A generation in
-    ``verified`` counts as passing without being read again: pack passes the generation it has just
-    verified and trial-reloaded under the same lock. Reads nothing when the decision removes nothing.
+    Walks ``keep`` newest first and stops at the first that passes a shallow verify (the size and sha256
+    of every stored chunk of its members and of the shared objects it references, as ``ckpt-archive
+    verify REPO@N``). A generation in ``verified`` counts as passing without being read again: pack passes
+    the generation it has just published under the same lock (every stored byte it references was checked
+    by that pack). When none passes, ``remove`` is walked newest first the same way and the first that
+    passes is ``rescued``: the caller keeps it. Reads nothing when ``remove`` is empty.
+
+    Args:
+        repo: an open :class:`ckpt_archive.repo.repository.Repository` (or its path/URL).
+        keep: usable generation numbers that stay. remove: usable generation numbers to be removed.
+        verified: generation numbers checked in full moments ago, under the same lock (not re-read).
+
+    Returns:
+        A :class:`KeptCheck`; ``.ok`` is False when no generation, kept or to be removed, verifies.
+    """
+    keep, remove = sorted(set(keep), reverse=True), sorted(set(remove), reverse=True)
+    if not remove:
+        return KeptCheck(needed=False)
+    trusted = {int(n) for n in verified}
+    failed: list[tuple[int, list[str]]] = []
+    for number in keep:
+        if number in trusted:
+            return KeptCheck(needed=True, verified=number, trusted=True, failed=failed)
+        problems = _verify_problems(repo, number)
+        if not problems:
+            return KeptCheck(needed=True, verified=number, failed=failed)
+        failed.append((number, problems))
+    rescue_failed: list[tuple[int, list[str]]] = []
+    for number in remove:
+        if number in trusted:
+            return KeptCheck(needed=True, trusted=True, failed=failed, rescued=number, rescue_failed=rescue_failed)
+        problems = _verify_problems(repo, number)
+        if not problems:
+            return KeptCheck(needed=True, failed=failed, rescued=number, rescue_failed=rescue_failed)
+        rescue_failed.append((number, problems))
+    return KeptCheck(needed=True, verified=None, failed=failed, rescue_failed=rescue_failed)
+
+
+def check_kept(repo: Any, decision: Decision, *, verified: Iterable[int] = ()) -> KeptCheck:
+    """:func:`check_restorable` for a retention decision: its kept generations, then (when none of them
+    verifies) those it removes, newest first.
 
     Args:
         repo: an open :class:`ckpt_archive.repo.repository.Repository` (or its path/URL).
@@ -108,39 +174,27 @@ def check_kept(repo: Any, decision: Decision, *, verified: Iterable[int] = ()) -
         verified: generation numbers known to verify right now (not re-read).
 
     Returns:
-        A :class:`KeptCheck`; ``.ok`` is False when no kept generation verifies.
+        A :class:`KeptCheck`; ``.ok`` is False when no generation verifies.
     """
-    if not decision.remove:
-        return KeptCheck(needed=False)
-    trusted = {int(n) for n in verified}
-    failed: list[tuple[int, list[str]]] = []
-    for number in decision.keep_numbers:  # newest first
-        if number in trusted:
-            return KeptCheck(needed=True, verified=number, trusted=True, failed=failed)
-        problems = _verify_problems(repo, number)
-        if not problems:
-            return KeptCheck(needed=True, verified=number, failed=failed)
-        failed.append((number, problems))
-    return KeptCheck(needed=True, verified=None, failed=failed)
+    return check_restorable(repo, decision.keep_numbers, decision.remove_numbers, verified=verified)
 
 
 def refuse_unless_verified(check: KeptCheck, decision: Decision, where: str | None = None) -> None:
     """Raise when removing ``decision.remove`` could delete the only intact generations.
 
     Raises:
-        IntegrityError: ``check`` found no kept generation that verifies (exit 1); the message names
-            each kept generation and what failed, and says nothing was removed.
+        IntegrityError: ``check`` found no generation, kept or to be removed, that verifies (exit 1); the
+            message names each generation checked and what failed, and says nothing was removed.
     """
     if check.ok:
         return
-    removing = ", ".join(str(n) for n in sorted(decision.remove_numbers))
-    failures = "; ".join(f"generation {n}: {', '.join(p)}" for n, p in check.failed)
+    failures = "; ".join(f"generation {n}: {', '.join(p)}" for n, p in check.failed + check.rescue_failed)
     raise IntegrityError(
-        f"refusing to prune: none of the kept generation(s) {', '.join(map(str, decision.keep_numbers))} verifies "
-        f"({failures}); removing {removing} could delete the only intact copies, so nothing was removed",
+        f"refusing to prune: none of the kept generation(s) {', '.join(map(str, decision.keep_numbers))} verifies, "
+        f"nor any of those it would remove ({failures}); nothing was removed",
         where=where,
-        hint="keep an older generation that verifies (e.g. a larger --keep-last), or find one with "
-             "`ckpt-archive verify REPO@N` and `forget` the damaged one first")
+        hint="a pack of the same state writes damaged shared objects again (which repairs the generations "
+             "that reference them); `ckpt-archive verify REPO@N` names what is damaged")
 
 
 def apply_after_pack(repo: Any, policy: RetentionPolicy | Mapping[str, Any] | None, *,
@@ -150,16 +204,18 @@ def apply_after_pack(repo: Any, policy: RetentionPolicy | Mapping[str, Any] | No
     The caller (``ckpt_archive.ops.pack.pack``) already holds the repository lock. ``policy=None`` uses the
     repository's default policy (``repository.json`` ``retention``); no policy there means nothing
     is removed. A policy the repository refuses (see :func:`apply_policy`) never fails the pack: it
-    comes back as a warning. Nothing is removed unless a kept generation verifies (:func:`check_kept`);
-    otherwise that comes back as a warning too.
+    comes back as a warning. Nothing is removed unless a generation that stays verifies
+    (:func:`check_kept`; one the policy removes may be kept for that, with a warning); otherwise that
+    comes back as a warning too.
 
     Args:
         repo: an open :class:`ckpt_archive.repo.repository.Repository` (lock held).
         policy: the policy for this pack, or ``None``.
         now: the decision time (default: now, UTC).
-        verified: generation numbers that passed verify and trial reload moments ago under this lock
-            (the one pack just published): counted as verified without being read again. Without it
-            the newest kept generation is read (shallow verify) before anything is removed.
+        verified: generation numbers whose every stored byte was checked moments ago under this lock (the
+            one pack just published: what it wrote re-read and decoded, every shared object it reused
+            hashed before publishing): counted as verified without being read again. Without it the
+            newest kept generation is read (shallow verify) before anything is removed.
 
     Returns:
         ``{"policy": dict, "kept": [numbers], "removed": [numbers], "warnings": [str],
@@ -196,7 +252,8 @@ def apply_after_pack(repo: Any, policy: RetentionPolicy | Mapping[str, Any] | No
                         "usable, run `ckpt-archive gc` to remove any half-removed generation")
     if swept and swept[0].kept:
         warnings.append(swept[0].kept)
-    out = {"policy": pol.to_dict(), "kept": decision.keep_numbers, "removed": removed, "warnings": warnings,
+    kept = decision.keep_numbers + ([check.rescued] if check.rescued is not None else [])
+    out = {"policy": pol.to_dict(), "kept": kept, "removed": removed, "warnings": warnings,
            "verify_kept": check.to_json()}
     if swept:
         out["objects"] = swept[0].to_json()
@@ -208,9 +265,10 @@ def execute_prune(repo: Any, decision: Decision, *, removed: list[int] | None = 
                   objects: list | None = None) -> list[int]:
     """Remove the generations ``decision.remove`` names, oldest first; the caller holds the lock.
 
-    Nothing is removed unless a generation the decision keeps verifies: ``check`` (from
-    :func:`check_kept`), or, when not given, a fresh :func:`check_kept` run here (``verified``: numbers
-    that count as verified without being read). Each removal goes through ``repo.remove_generation``
+    Nothing is removed unless a generation that stays verifies: ``check`` (from :func:`check_kept`), or,
+    when not given, a fresh :func:`check_kept` run here (``verified``: numbers that count as verified
+    without being read); a generation the check rescued (``check.rescued``) is not removed. Each removal
+    goes through ``repo.remove_generation``
     (marker first, then members, then manifest, then the folder), so a kill part-way leaves the
     half-removed generation without its marker, i.e. recognisably not usable, and every kept
     generation untouched. The newest usable generation is checked once more here and never removed,
@@ -248,8 +306,8 @@ def execute_prune(repo: Any, decision: Decision, *, removed: list[int] | None = 
         removed = []
     candidates: set[str] | None = set()
     for number in sorted(decision.remove_numbers):
-        if number == newest:  # defence in depth: apply_policy never puts it there
-            continue
+        if number == newest or number == check.rescued:  # never the newest usable (defence in depth:
+            continue                                     # apply_policy never puts it there), nor the rescued
         refs = refs_of(repo, number)
         repo.remove_generation(number, sweep=False)
         removed.append(number)
@@ -292,22 +350,31 @@ class PruneResult:
 
     @property
     def ok(self) -> bool:
-        """False when the prune is (or, with ``dry_run``, would be) refused: no kept generation verifies."""
+        """False when the prune is (or, with ``dry_run``, would be) refused: no generation verifies."""
         return self.refused is None
 
     @property
+    def to_remove(self) -> list[int]:
+        """The generations this prune removes (or, with ``dry_run``, would remove): the decision's, less one
+        the check kept so that a generation that verifies remains (``check.rescued``); oldest first."""
+        if self.refused:
+            return []
+        return sorted(n for n in self.decision.remove_numbers if n != self.check.rescued)
+
+    @property
     def warnings(self) -> list[str]:
-        """Kept generations that fail verify while an older kept one passes; shared objects that were not
-        deleted because a manifest cannot be read."""
+        """Kept generations that fail verify while another generation that stays passes (or one the policy
+        removes, kept for that); shared objects that were not deleted because a manifest cannot be read."""
         extra = [self.objects.kept] if self.objects is not None and self.objects.kept else []
         return self.check.warnings() + extra + list(self.skipped_keys)  # unsafe store keys left alone
 
     def to_json(self) -> dict[str, Any]:
-        """``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "removed", "saved_default",
-        "verify_kept", "warnings", "refused", "objects"}`` (JSON-ready; ``objects``:
+        """``{"repository", "dry_run", "policy", "keep", "remove", "not_usable", "to_remove", "removed",
+        "saved_default", "verify_kept", "warnings", "refused", "objects"}`` (JSON-ready; ``to_remove``: what
+        goes or would go, the decision's ``remove`` less a generation kept by the check; ``objects``:
         :meth:`~ckpt_archive.repo.objects.SweepResult.to_json` or None)."""
         return {"repository": self.repository, "dry_run": self.dry_run, **self.decision.to_json(),
-                "removed": list(self.removed), "saved_default": self.saved_default,
+                "to_remove": self.to_remove, "removed": list(self.removed), "saved_default": self.saved_default,
                 "verify_kept": self.check.to_json(), "warnings": self.warnings, "refused": self.refused,
                 "objects": self.objects.to_json() if self.objects is not None else None}
 
@@ -316,9 +383,11 @@ def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry
           wait: float = 0.0, now: datetime | None = None, save_default: bool = False) -> PruneResult:
     """Apply ``policy`` (or the repository's default when ``None``) to the repository.
 
-    Before anything is removed, a kept generation must verify (newest kept first, shallow verify:
-    stored sizes and sha256; :func:`check_kept`): never delete the only verified copy. ``dry_run``
-    makes the same check and reports it.
+    Before anything is removed, a generation that stays must verify (newest kept first, shallow verify:
+    stored sizes and sha256 of its members and shared objects; :func:`check_kept`): when no kept one does,
+    the newest generation the policy removes that does is kept as well (a warning says so); when none
+    does, nothing is removed. Never leave nothing restorable. ``dry_run`` makes the same check and reports
+    the same decision.
 
     Args:
         repo: repository path or URL.
@@ -337,7 +406,7 @@ def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry
     Raises:
         NotFound: no repository there. UsageError: empty or refused policy, a policy that is not a
             ``RetentionPolicy``, or ``save_default`` without a policy. LockError: another writer.
-        IntegrityError: (not with ``dry_run``) no kept generation verifies; nothing removed (exit 1).
+        IntegrityError: (not with ``dry_run``) no generation verifies; nothing removed (exit 1).
 
     Example:
         >>> import ckpt_archive, tempfile
@@ -373,7 +442,8 @@ def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry
         except IntegrityError as exc:
             refused = str(exc)
         removed: list[int] = []
-        swept = [_forecast_sweep(r, decision)] if decision.remove_numbers and refused is None else []
+        going = [n for n in decision.remove_numbers if n != check.rescued]
+        swept = [_forecast_sweep(r, going)] if going and refused is None else []
     else:
         swept = []
         with r.lock(wait=wait):
@@ -389,12 +459,12 @@ def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry
                        skipped_keys=list(r.unsafe_keys))
 
 
-def _forecast_sweep(repo: Any, decision: Decision):
-    """What removing ``decision.remove`` would free (a dry run: nothing is deleted, no lock needed)."""
+def _forecast_sweep(repo: Any, going: list[int]):
+    """What removing generations ``going`` would free (a dry run: nothing is deleted, no lock needed)."""
     from ckpt_archive.repo.objects import refs_of, sweep
 
     candidates: set[str] | None = set()
-    for number in decision.remove_numbers:
+    for number in going:
         refs = refs_of(repo, number)
         candidates = None if candidates is None or refs is None else candidates | refs
-    return sweep(repo, candidates, dry_run=True, exclude=decision.remove_numbers)
+    return sweep(repo, candidates, dry_run=True, exclude=going)

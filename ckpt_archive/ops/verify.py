@@ -7,6 +7,7 @@ cannot be taken: the deep check still runs, and the report says the generation c
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
 
 from ckpt_archive.errors import CannotCheck, IntegrityError, ReadOnlyRepository
 from ckpt_archive.ops.common import RepoLike, open_repo
@@ -27,6 +28,9 @@ class VerifyReport:
         warnings: notes that do not fail the check (completeness lint, policy audit, ...).
         fallback: when ``@latest`` fails: the newest older generation that verifies, else None.
         marked_usable: a ``copied`` generation that passed ``--deep`` and was marked usable here.
+        policy: the LR audit and completeness lint of the generation and their verdict
+            (:class:`~ckpt_archive.ops.policy_check.PolicyVerdict`; its problems and warnings are in
+            ``problems``/``warnings`` too), or None when not asked for (``policy=False``).
     """
 
     ok: bool
@@ -39,12 +43,14 @@ class VerifyReport:
     marked_usable: bool = False
     stats: dict | None = None
     extra: dict = dataclasses.field(default_factory=dict)
+    policy: Any = None
 
     def to_json(self) -> dict:
+        policy = {} if self.policy is None else {"policy": self.policy.to_json()}
         return {"ok": self.ok, "generation": self.generation, "status": self.status, "deep": self.deep,
                 "problems": [p.to_json() for p in self.problems], "warnings": self.warnings,
                 "fallback_generation": self.fallback, "marked_usable": self.marked_usable, "stats": self.stats,
-                **self.extra}
+                **self.extra, **policy}
 
 
 def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | None = None,
@@ -178,7 +184,8 @@ def find_fallback(r: Repository, newer_than_bad: int, deep: bool, jobs=None) -> 
 
 
 def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = False, jobs: int | None = None,
-           on_bytes=None, fallback: bool = False, wait: float = 0.0, **store_options) -> VerifyReport:
+           on_bytes=None, fallback: bool = False, wait: float = 0.0, strict: bool = False, policy: bool = True,
+           store_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Check a generation.
 
     Shallow: manifest (schema, version), marker, every stored member's size and sha256. Deep
@@ -190,6 +197,14 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
     When ``generation`` is ``"latest"`` and it fails, the report names the newest older generation
     that verifies (``fallback``); with ``fallback=True`` that one is checked and reported instead.
 
+    A generation that passes its byte checks is then audited (``policy=True``, as ``ckpt-archive verify``
+    does; :mod:`ckpt_archive.ops.policy_check`, docs/policy.md): its state tree and small tensors are read,
+    audit findings of severity ``error`` (the state cannot be resumed as saved) and a state tree that cannot
+    be read are problems; audit and completeness warnings are warnings, and with ``strict=True`` the
+    completeness warnings (what a resume from it loses: no optimizer state, no RNG, ...) are problems too.
+    The verdict is the CLI's: ``verify(repo, strict=True).ok`` is False exactly where ``ckpt-archive verify
+    --strict`` exits 1.
+
     Args:
         repo: repository path/URL or Repository.
         generation: ``"latest"``, a number, or ``"tag:NAME"``.
@@ -197,6 +212,9 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
         jobs: decoder threads. on_bytes: progress callback (bytes read or decoded).
         fallback: report the newest older generation that verifies instead of a failing ``latest``.
         wait: seconds to wait for the writer lock when a ``copied`` generation is to be marked usable.
+        strict: completeness warnings fail the check (``--strict``).
+        policy: audit the LR policy and completeness (default); False checks the stored bytes only.
+        store_options: for URL repositories (``{"endpoint_url": ..., "storage_options": {...}}``).
 
     Returns:
         :class:`VerifyReport` (``ok`` False: exit 1).
@@ -206,6 +224,7 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
         LockError: marking a copied generation usable, another writer held the lock (exit 2). A
             read-only repository is no error: the generation is checked, ``marked_usable`` stays False and
             a warning (and ``extra["not_marked"]``) says it could not be marked here.
+        TypeError: an unknown keyword argument (store options go in ``store_options``).
 
     Example:
         >>> import torch, ckpt_archive, tempfile
@@ -215,7 +234,7 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
         >>> report.ok, report.generation, report.problems
         (True, 1, [])
     """
-    r = open_repo(repo, **store_options)
+    r = open_repo(repo, **dict(store_options or {}))
     gen = r.resolve(generation)
     marked = False
     not_marked = None
@@ -249,7 +268,23 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
                 report = VerifyReport(not fb_problems, fb, fb_gen.status, deep, fb_problems,
                                       warnings=report.warnings, fallback=fb, stats=fb_stats,
                                       extra={"shared_objects": shared_object_report(r, fb, fb_problems)})
+    if policy:
+        _add_policy(report, r, strict)
     return report
+
+
+def _add_policy(report: VerifyReport, r: Repository, strict: bool) -> None:
+    """The policy verdict of the reported generation (:func:`ckpt_archive.ops.policy_check.policy_verdict`) joins
+    the report; a generation that failed its byte checks is not audited (its state cannot be trusted)."""
+    from ckpt_archive.ops import policy_check
+
+    if not report.ok:
+        report.policy = policy_check.skipped("the generation failed its checks")
+        return
+    report.policy = policy_check.policy_verdict(r, report.generation, strict=strict)
+    report.problems.extend(report.policy.problems)
+    report.warnings.extend(report.policy.warnings)
+    report.ok = not report.problems
 
 
 @dataclasses.dataclass

@@ -4,7 +4,8 @@ its objects, and which objects a deletion may remove (docs/FORMAT.md, "Shared ob
 * :class:`ObjectIndex` -- built under the writer lock from every generation's manifest: the objects
   usable generations vouch for (reusable, with their chunk records), every generation referencing
   each object, and the generations whose manifests cannot be read (then nothing is deleted);
-* :class:`SharedWriter` -- the writer's decision per entry: reference, create, or keep it inline;
+* :class:`SharedWriter` -- the writer's decision per entry: reference (after hashing the object's stored
+  bytes now: :func:`check_object`), create (repairing a damaged object in place), or keep it inline;
 * :class:`MemberStream` -- a member's stored stream read from its own file and its objects, with
   positional reads when every part is a local file (so chunks still decode in parallel);
 * :func:`sweep` -- delete objects no remaining manifest references, under the lock, last in delete order.
@@ -78,21 +79,76 @@ class SharedWriter:
             (points ``object-write``: an object written, not yet linked; ``object-commit``: linked).
     """
 
-    def __init__(self, store, index: ObjectIndex, *, min_bytes: int, faults=None, distrust: Iterable[str] = ()):
+    def __init__(self, store, index: ObjectIndex, *, min_bytes: int, faults=None, distrust: Iterable[str] = (),
+                 jobs: int | None = None):
         self.store = store
         self.index = index
         self.min_bytes = min_bytes
         self.faults = faults
+        self.jobs = jobs
         #: objects (oids) found damaged: never referenced on trust; written again (replacing the file)
-        self.distrust: frozenset[str] = frozenset(distrust)
+        self.distrust: set[str] = set(distrust)
         self._made: dict[str, tuple[str, list[dict]]] = {}   # raw fp -> objects this generation created
         self._open: set[str] = set()
         self._lock = threading.Lock()
         self.new_stored_bytes = 0
         #: names (oids) of objects referenced because a usable generation vouches for them
-        #: (see ArchiveReader.proven_objects)
         self.reused: set[str] = set()
+        #: the reuse check (:func:`check_object`) of each object a usable generation vouches for, made once
+        #: per pack before it is referenced: oid -> None (every stored byte matched) or what is wrong
+        self.checked: dict[str, str | None] = {}
+        #: objects the reuse check found damaged (oid -> what is wrong), written again from the state
+        self.repaired: dict[str, str] = {}
+        #: objects whose stored bytes passed the reuse check: oid -> the chunk table they were checked
+        #: against, a usable generation's (see :meth:`proven`)
+        self._hashed: dict[str, list[dict]] = {}
+        #: objects found as something other than a regular file (a folder, FIFO, link): oid -> what; removed
+        #: and written in their place
+        self.replaced: dict[str, str] = {}
         self._folders: set[str] = set()
+        self._pool = None
+
+    def close(self) -> None:
+        """Stop the reuse check's threads (idempotent; the caller's ``finally``)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _sound(self, oid: str, chunks: list[dict]) -> bool:
+        """The reuse check: whether the stored bytes of object ``oid`` match ``chunks`` (a usable generation's
+        chunk table of it) now, hashed once per pack (never decoded). A failure is remembered in
+        :attr:`repaired` and :attr:`distrust`: the entry is then written again from the state."""
+        if oid not in self.checked:
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                from ckpt_archive.format.codec import default_jobs
+
+                self._pool = ThreadPoolExecutor(self.jobs or default_jobs(), thread_name_prefix="ckpt-reuse")
+            why = check_object(self.store, oid, rebase(chunks), pool=self._pool)
+            self.checked[oid] = why
+            if why is None:
+                self._hashed[oid] = chunks
+            else:
+                self.distrust.add(oid)
+                self.repaired[oid] = why
+        return self.checked[oid] is None
+
+    def proven(self, manifest: dict) -> frozenset[str]:
+        """The objects ``manifest`` (the new generation's) references that need no second decode by its
+        trial reload (docs/FORMAT.md, "Write order", step 5): their stored bytes were hashed by this pack
+        (every chunk's sha256 matched) and the chunk table the manifest lists for them is, chunk for chunk
+        (codec, raw and stored size, stored sha256), the one a usable generation's trial reload proved
+        decodes to the object's raw fingerprint. Any other object is decoded and checked in full."""
+        out = set()
+        for m in manifest.get("members") or ():
+            if not m.get("objects"):
+                continue
+            for p in parts(m):
+                table = self._hashed.get(p.oid) if p.oid is not None else None
+                if table is not None and same_chunks(p.record["chunks"], table):
+                    out.add(p.oid)
+        return frozenset(out)
 
     def sync(self) -> None:
         """Make the new objects' names durable: one fsync per folder they were linked in, then
@@ -112,15 +168,19 @@ class SharedWriter:
         """Decide for one entry: ``(sink, chunks)`` to reference an object whose chunks are known,
         ``(sink, None)`` to create a new object through ``sink``, or None to keep the entry inline.
 
-        Referenced on trust (their stored chunks not re-hashed by this pack's trial reload, see
-        :attr:`reused`): only objects a usable generation references and no check found damaged. Any
-        other entry is written as a new object; if a file of its name exists it is replaced when no
-        manifest references it or it was found damaged, else kept and checked in full by the trial
-        reload (the same name promises the same stored bytes)."""
+        Referenced: only objects a usable generation references, no check found damaged, and whose stored
+        bytes pass the reuse check now (every chunk's sha256, :meth:`_sound`; a rotted, truncated, missing
+        or replaced one is written again from the state instead, which repairs it for every generation
+        that references it). Any other entry is written as a new object; if a file of its name exists it
+        is replaced when no manifest references it or it was found damaged, else kept and checked in full
+        by the trial reload (the same name promises the same stored bytes). Something that is not a
+        regular file where the object belongs (a folder, FIFO, link) is removed and the object written in
+        its place."""
         with self._lock:
             made = self._made.get(fp)  # written by this generation (checked in full by its trial reload)
-        usable = self.index.usable.get(fp)
-        if usable is not None and usable[0] in self.distrust:
+        usable = None if made is not None else self.index.usable.get(fp)
+        if usable is not None and (usable[0] in self.distrust or (
+                sum(c["raw_bytes"] for c in usable[1]) == nbytes and not self._sound(*usable))):
             usable = None
         known = made or usable
         if known is not None and sum(c["raw_bytes"] for c in known[1]) == nbytes:
@@ -146,8 +206,16 @@ class SharedWriter:
             # generations that reference it); else kept as it is, and this generation's trial reload
             # checks every byte of it (the lock is held: nothing else writes here)
             replace = oid not in self.index.users or oid in self.distrust
+            odd = not_a_file(self.store, key)
+            if odd is not None:
+                # a folder, FIFO or symbolic link where the object belongs is not the object: it is removed (a
+                # link itself, never what it points to) and the object written in its place
+                self.store.remove_prefix(key)
+                replace = True
             pending.commit(key, sync_dir=False, replace=replace)  # folders fsynced once, by sync()
             with self._lock:
+                if odd is not None:
+                    self.replaced[oid] = odd
                 self._folders.add(key.rsplit("/", 1)[0])
                 self._made[fp] = (oid, rebased)
                 self._open.discard(fp)
@@ -163,17 +231,95 @@ class SharedWriter:
         return ChunkSink(fp, fh=pending.fh, commit=commit, abort=abort), None
 
 
-def damaged_objects(store, reader_manifest: dict, oids: Iterable[str]) -> list[str]:
-    """Of ``oids`` (objects a manifest references), those whose file is missing, has another size or a
-    chunk failing its stored sha256 (read only on a failure path: after a trial reload failed).
+def same_chunks(a: list[dict], b: list[dict]) -> bool:
+    """Whether two chunk tables of one object list the same chunks: codec, raw and stored size, stored
+    sha256 (what decoding depends on, and what the stored bytes are checked against), in order."""
+    fields = ("codec", "raw_bytes", "stored_bytes", "stored_sha256")
+    return len(a) == len(b) and all(all(x.get(f) == y.get(f) for f in fields) for x, y in zip(a, b))
+
+
+def not_a_file(store, key: str) -> str | None:
+    """What stands at ``key`` when it is neither absent nor a regular file (a folder, FIFO, device or
+    symbolic link: the store refuses to read it, :class:`~ckpt_archive.errors.UnsafePath`), else None.
+    Only a local store can hold such a thing (an object store holds keys)."""
+    from ckpt_archive.errors import UnsafePath
+
+    if store.local_path("") is None:
+        return None
+    try:
+        with store.open_read(key):
+            return None
+    except UnsafePath as exc:
+        return exc.message
+    except (NotFound, OSError):
+        return None  # absent, or a regular file this process may not read (replaced by a rename anyway)
+
+
+def check_object(store, oid: str, table: dict, *, pool=None) -> str | None:
+    """Hash the stored bytes of shared object ``oid`` now (sha256 of every chunk; nothing decoded).
+
+    Args:
+        store: the repository's store. oid: the object's name.
+        table: its chunk table as a manifest lists it, rebased to the object (``raw_bytes``,
+            ``stored_bytes``, ``chunks`` with ``stored_offset`` from 0 and each chunk's ``stored_sha256``).
+        pool: an executor to hash a local file's chunks on in parallel (else one sequential read).
+
+    Returns:
+        None when every stored byte matches, else what is wrong, one line: missing; not a regular file (a
+        folder, FIFO or symbolic link; never read through); unreadable here; another size; the first chunk
+        whose sha256 differs.
+    """
+    import stat as stat_
+
+    from ckpt_archive.errors import UnsafePath
+    from ckpt_archive.format.codec import StoredStream, submit_chunk_checks
+
+    key = object_key(oid)
+    try:
+        fh = store.open_read(key)
+    except NotFound:
+        return f"missing: {key} is not in the repository"
+    except UnsafePath as exc:
+        return f"not a regular file: {exc.message}"
+    except OSError as exc:
+        return f"cannot be read here: {exc.strerror or exc}"
+    with fh:
+        try:
+            fd = fh.fileno()
+            fd = fd if stat_.S_ISREG(os.fstat(fd).st_mode) else None
+        except (AttributeError, OSError, ValueError, Exception):
+            fd = None
+        try:
+            size = os.fstat(fd).st_size if fd is not None else store.size(key)
+        except (NotFound, OSError):
+            return f"missing: {key} is not in the repository"
+        want = table["stored_bytes"]
+        if size != want:
+            return f"{'truncated' if size < want else 'longer than recorded'}: {size} bytes stored, {want} expected"
+        if fd is not None and pool is not None:
+            futs = submit_chunk_checks(fd, table, member=key, pool=pool)
+            if futs is not None and all([fut.result() for _, fut in futs]):
+                return None
+        check = StoredStream({**table, "path": key}, key)
+        try:
+            fh.seek(0)
+            while piece := fh.read(8 << 20):
+                check.update(piece)
+        except OSError as exc:
+            return f"cannot be read here: {exc.strerror or exc}"
+        bad = check.finish()
+        return None if bad is None else f"stored bytes do not match: {bad}"
+
+
+def damaged_objects(store, reader_manifest: dict, oids: Iterable[str]) -> dict[str, str]:
+    """Of ``oids`` (objects a manifest references), those whose stored bytes fail :func:`check_object` now
+    (missing, not a regular file, another size, a chunk failing its stored sha256), each with what is wrong
+    (read only on a failure path: after a trial reload failed).
 
     Args:
         store: the repository's store. reader_manifest: a manifest referencing the objects (their chunk
             tables). oids: the objects to check.
     """
-    from ckpt_archive.format import fingerprint
-    from ckpt_archive.format.codec import StoredStream
-
     want = set(oids)
     tables: dict[str, dict] = {}
     for m in reader_manifest.get("members") or ():
@@ -181,22 +327,14 @@ def damaged_objects(store, reader_manifest: dict, oids: Iterable[str]) -> list[s
             for p in parts(m):
                 if p.oid in want:
                     tables[p.oid] = p.record
-    bad = []
+    bad: dict[str, str] = {}
     for oid, table in sorted(tables.items()):
-        key = object_key(oid)
         try:
-            if store.size(key) != table["stored_bytes"]:
-                bad.append(oid)
-                continue
-            check = StoredStream({**table, "path": key, "stored_fp": fingerprint.sha256_chunks(
-                c["stored_sha256"] for c in table["chunks"])}, key)
-            with store.open_read(key) as fh:
-                while piece := fh.read(8 << 20):
-                    check.update(piece)
-            if check.finish() is not None:
-                bad.append(oid)
-        except (NotFound, CkptArchiveError, OSError):
-            bad.append(oid)
+            why = check_object(store, oid, table)
+        except CkptArchiveError as exc:
+            why = exc.message
+        if why is not None:
+            bad[oid] = why
     return bad
 
 
@@ -268,6 +406,11 @@ class MemberStream:
         fd = self._fds[pi]
         return os.pread(fd, n, local)
 
+    def seek(self, pos: int) -> int:
+        """Move the sequential read position to stored byte ``pos`` of the stream."""
+        self._pos = pos
+        return pos
+
     def read(self, n: int = -1) -> bytes:
         import bisect
 
@@ -305,6 +448,98 @@ class MemberStream:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class ProvenRange:
+    """In a member's decoded stream (:func:`decode_around`), in place of a proven object's chunks: its raw
+    size (bytes), raw fingerprint and name (``ArchiveReader.proven_objects``)."""
+
+    nbytes: int
+    fp: str
+    oid: str
+
+
+class StreamWindow:
+    """Stored bytes ``[start, start + length)`` of a member's stream (a :class:`MemberStream`), seen as a file
+    of their own: positional reads when the stream has them, else sequential reads that stop at its end."""
+
+    def __init__(self, fh, start: int, length: int):
+        self._fh, self._start, self._len, self._pos = fh, start, length, 0
+        self.positional = bool(getattr(fh, "positional", False))
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return self._fh.pread(n, self._start + offset)
+
+    def size(self) -> int:
+        return self._len
+
+    def read(self, n: int = -1) -> bytes:
+        left = self._len - self._pos
+        n = left if n is None or n < 0 else min(n, left)
+        if n <= 0:
+            return b""
+        self._fh.seek(self._start + self._pos)
+        data = self._fh.read(n)
+        self._pos += len(data)
+        return data
+
+
+def decode_around(fh, rec: dict, proven: frozenset, *, jobs: int, verify_chunks: bool = True,
+                  skip_sha: frozenset = frozenset(), written_crc=None):
+    """The codec's ``iter_decoded`` over a member's chunks except those of the ``proven`` objects: each run of
+    other chunks is decoded as a stream of its own (a :class:`StreamWindow` on the member's stream); each
+    proven object yields one ``(raw offset, ProvenRange)`` instead, in stream order (never read).
+
+    Args:
+        fh: the member's stream (:func:`open_member`). rec: its manifest record. proven: object names.
+        jobs: decoder threads. verify_chunks, skip_sha, written_crc: as ``iter_decoded`` takes them, for
+            the whole member (sliced here for each run).
+
+    Raises:
+        IntegrityError: the chunk table does not tile the member, its stream has another size, or a chunk
+            fails its check or decode (named as ``iter_decoded`` names it, within its run).
+    """
+    from ckpt_archive.format.codec import check_chunk_table, iter_decoded
+
+    member = rec["path"]
+    check_chunk_table(rec, member)
+    chunks = rec["chunks"]
+    size = fh.size() if hasattr(fh, "size") else None
+    if size is not None and size != rec["stored_bytes"]:
+        raise IntegrityError(f"stored stream holds {size} bytes, manifest says {rec['stored_bytes']}", where=member)
+    at = {p.index[0]: p for p in parts(rec) if p.oid in proven and p.index}
+    i, n = 0, len(chunks)
+    while i < n:
+        p = at.get(i)
+        if p is not None:
+            yield chunks[i]["raw_offset"], ProvenRange(p.record["raw_bytes"], p.fp, p.oid)
+            i = p.index[-1] + 1  # an object's chunks are consecutive in the stream
+            continue
+        j = i + 1
+        while j < n and j not in at:
+            j += 1
+        run = rebase(chunks[i:j])
+        raw0, stored0 = chunks[i]["raw_offset"], chunks[i]["stored_offset"]
+        for off, chunk in iter_decoded(StreamWindow(fh, stored0, run["stored_bytes"]), run, member=member, jobs=jobs,
+                                       verify_chunks=verify_chunks,
+                                       skip_sha=frozenset(k - i for k in skip_sha if i <= k < j),
+                                       written_crc=None if written_crc is None else written_crc[i:j]):
+            yield raw0 + off, chunk
+        i = j
+
+
+def object_entries(rec: dict) -> dict[str, str]:
+    """``{object name (oid): entry key}`` of a format-3 tensors member: the one entry each object holds."""
+    base = rec.get("header_bytes", 0)
+    start_of = {base + e["data_offsets"][0]: k for k, e in (rec.get("entries") or {}).items()
+                if e["data_offsets"][1] > e["data_offsets"][0]}
+    out = {}
+    for p, o in zip(parts(rec)[1:], rec.get("objects") or ()):
+        key = start_of.get(o["raw_offset"])
+        if key is not None and p.oid is not None:
+            out[p.oid] = key
+    return out
 
 
 def open_member(store, gen_key: str, rec: dict):
@@ -466,7 +701,11 @@ def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = Fals
             repo.faults.point("object-delete")
             if repo.locked:
                 repo.check_lock()  # fencing: a writer that lost its lease deletes nothing
-            repo.store.remove(key)
+            try:
+                repo.store.remove(key)
+            except IsADirectoryError:  # a folder where an object belongs: not ours to delete; named, left alone
+                out.skipped.append(f"{key} is a folder, not a shared object: left alone")
+                continue
         out.removed.append(key)
         out.freed_bytes += size
     return out
@@ -478,4 +717,5 @@ def users_of(repo) -> dict[str, list[int]]:
 
 
 __all__ = ["ObjectIndex", "SharedWriter", "MemberStream", "open_member", "sweep", "SweepResult", "all_objects",
-           "users_of", "manifest_refs", "refs_of"]
+           "users_of", "manifest_refs", "refs_of", "check_object", "damaged_objects", "not_a_file", "same_chunks",
+           "ProvenRange", "StreamWindow", "decode_around", "object_entries"]

@@ -19,7 +19,7 @@ from ckpt_archive.errors import FormatError, IntegrityError, NotFound, UnsafePat
 from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.format.codec import StoredStream, _fileno, default_jobs, iter_decoded, submit_chunk_checks
 from ckpt_archive.format.objects import parts, stored_files
-from ckpt_archive.repo.objects import open_member
+from ckpt_archive.repo.objects import ProvenRange, decode_around, object_entries, open_member
 from ckpt_archive.format.limits import check_allocation, frame_size_problem, lazy_buffer
 from ckpt_archive.format.shard import check_header as _check_header
 from ckpt_archive.format.state_tree import apply_view_bits, decode, torch_dtype
@@ -58,11 +58,13 @@ class ArchiveReader:
         self.manifest = manifest
         self.jobs = jobs or default_jobs()
         self.by_path = {m["path"]: m for m in manifest["members"]}
-        #: Shared objects (fingerprints) this generation references that a usable generation already
-        #: proved (stored sha256 of every chunk checked when created, and by every verify since): a read
-        #: that checks every decoded entry's raw fingerprint (the trial reload) skips their stored
-        #: sha256 -- their content is still decoded and checked end to end. Set by pack for the objects
-        #: it referenced; empty otherwise.
+        #: Shared objects (names) this generation references whose stored bytes pack hashed in this
+        #: operation (every chunk's sha256 matched), under a chunk table that a usable generation's trial
+        #: reload proved decodes to the object's raw fingerprint (docs/FORMAT.md, "Write order", step 5;
+        #: :meth:`ckpt_archive.repo.objects.SharedWriter.proven`). The trial reload does not decode them
+        #: again where it needs only their fingerprint (``iter_entries(skip_objects=...)``: an entry no view
+        #: reads); elsewhere they are decoded without hashing their stored bytes a second time. Set by pack;
+        #: empty otherwise (verify, export, adopt, load: everything decoded and hashed).
         self.proven_objects: frozenset[str] = frozenset()
         #: [issue 14: each role hashed once] Set by pack for the generation it has just written: member
         #: path -> the CRC-32 of each chunk's stored bytes as this process handed them to the store (None
@@ -225,12 +227,17 @@ class ArchiveReader:
 
     # -- decoding ----------------------------------------------------------------------------------
     def iter_member(self, rec: dict, *, check_whole: bool = True, on_bytes=None,
-                    verify_chunks: bool = True, into=None) -> Iterator[tuple[int, bytes]]:
+                    verify_chunks: bool = True, into=None,
+                    skip_objects: frozenset = frozenset()) -> Iterator[tuple[int, bytes]]:
         """Decoded chunks of a member; checks chunk and whole-member sha256 (stored and raw).
 
         Chunks are bytes-like (``bytes`` or ``memoryview``); the consumer must not modify them.
         ``check_whole=False, verify_chunks=False``: no hashing at all -- only for a caller that
         hashes every byte it uses against the manifest (``load_node``'s per-tensor check).
+        ``skip_objects``: shared objects among :attr:`proven_objects` not to read or decode at all: each
+        yields one :class:`ProvenRange` (its raw offset, size and fingerprint) in place of its chunks, and
+        the member's raw check takes that fingerprint for its entry (format 2 tensors members with the
+        raw check on only; otherwise everything is decoded).
         """
         # The member's stored fingerprint is not recomputed here: iter_decoded checks every chunk's
         # stored sha256 and that the chunk table tiles the file (and derives format 2's), which implies
@@ -254,9 +261,21 @@ class ArchiveReader:
                         crcs = written
                     if self.proven_objects and rec.get("objects"):
                         skip = frozenset(i for p in parts(rec) if p.oid in self.proven_objects for i in p.index)
-                for off, chunk in iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs,
-                                               verify_chunks=verify_chunks, into=into, skip_sha=skip,
-                                               written_crc=crcs):
+                proven = (frozenset(skip_objects) & self.proven_objects if raw_check is not None and into is None
+                          and raw_check.alg == fingerprint.BLAKE3_ENTRIES and rec.get("objects") else frozenset())
+                if proven:
+                    chunks = decode_around(fh, rec, proven, jobs=self.jobs, verify_chunks=verify_chunks,
+                                           skip_sha=skip, written_crc=crcs)
+                else:
+                    chunks = iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs, verify_chunks=verify_chunks,
+                                          into=into, skip_sha=skip, written_crc=crcs)
+                for off, chunk in chunks:
+                    if isinstance(chunk, ProvenRange):
+                        pending.append(hasher.submit(_skip_or_fail, raw_check, chunk, rec["path"]))
+                        if on_bytes:
+                            on_bytes(chunk.nbytes)
+                        yield off, chunk
+                        continue
                     if raw_check is not None:
                         pending.append(hasher.submit(raw_check.update, chunk))
                         while len(pending) > 2 * self.jobs:
@@ -282,7 +301,8 @@ class ArchiveReader:
 
     def iter_entries(self, rec: dict, *, wanted: set[str] | None = None, on_bytes=None,
                      checked_by_caller: bool = False, into=None, transient: bool = False,
-                     sizes_only: set[str] | frozenset = frozenset()) -> Iterator[tuple[str, dict, Any]]:
+                     sizes_only: set[str] | frozenset = frozenset(),
+                     skip_objects: frozenset = frozenset()) -> Iterator[tuple[str, dict, Any]]:
         """Yield ``(entry key, entry record, raw bytes)`` of a tensors shard, one tensor at a time.
 
         Checks the shard's safetensors header against the manifest. With ``wanted``, other entries
@@ -298,6 +318,8 @@ class ArchiveReader:
         is then not assembled and a :class:`SizeOnly` is yielded in place of its bytes.
         ``transient``: the caller drops each entry's bytes before asking for the next (trial reload),
         so entries spanning chunks are assembled in one reused buffer (no fresh pages per tensor).
+        ``skip_objects``: shared objects among :attr:`proven_objects` whose entry is in ``sizes_only``
+        are not read or decoded at all (:meth:`iter_member`); their entry comes as a :class:`ProvenSize`.
         [codec/benchmarks helper: rewritten for zero copies; same checks and order]
         """
         entries = rec["entries"]
@@ -331,8 +353,30 @@ class ArchiveReader:
         scratch = bytearray()
         header_buf = bytearray()
         header_checked = False
+        skip = frozenset()
+        if skip_objects and not checked_by_caller and rec.get("objects"):
+            skip = frozenset(oid for oid, key in object_entries(rec).items()
+                             if oid in skip_objects and key in sizes_only)
         for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
-                                           verify_chunks=not checked_by_caller):
+                                           verify_chunks=not checked_by_caller, skip_objects=skip):
+            if isinstance(chunk, ProvenRange):
+                # an entry held whole by a proven shared object (never decoded here): it starts where the
+                # stream stands, at an entry boundary, and is exactly that entry
+                while idx < len(order) and order[idx][1]["data_offsets"][0] == order[idx][1]["data_offsets"][1] \
+                        and base + order[idx][1]["data_offsets"][0] <= off:
+                    k, e = order[idx]
+                    idx += 1
+                    if wanted is None or k in wanted:
+                        yield k, e, bytearray()
+                k, e = order[idx] if idx < len(order) else (None, None)
+                if (not header_checked or filled or e is None or base + e["data_offsets"][0] != off
+                        or e["data_offsets"][1] - e["data_offsets"][0] != chunk.nbytes):
+                    raise IntegrityError(f"shared object {chunk.oid} is not one entry of its member at raw byte {off}",
+                                         where=rec["path"])
+                idx += 1
+                if wanted is None or k in wanted:
+                    yield k, e, ProvenSize(chunk.nbytes)
+                continue
             mv = memoryview(chunk).cast("B") if memoryview(chunk).format != "B" else memoryview(chunk)
             pos = 0
             if not header_checked:
@@ -383,6 +427,11 @@ class ArchiveReader:
                     done, cur, filled = cur, None, 0
                     if want:
                         yield k, e, (SizeOnly(size) if done is None else done)
+        while idx < len(order) and order[idx][1]["data_offsets"][0] == order[idx][1]["data_offsets"][1]:
+            k, e = order[idx]  # empty entries at the very end, after a proven object
+            idx += 1
+            if wanted is None or k in wanted:
+                yield k, e, bytearray()
         if not header_checked and base:
             raise IntegrityError("shard ends inside its safetensors header", where=rec["path"])
         if idx != len(order):
@@ -536,6 +585,21 @@ class SizeOnly:
 
     def __len__(self) -> int:
         return self.nbytes
+
+
+class ProvenSize(SizeOnly):
+    """An entry's bytes that were not decoded at all: a shared object whose stored bytes were hashed now,
+    under a chunk table a usable generation's trial reload proved (:attr:`ArchiveReader.proven_objects`);
+    the entry's raw fingerprint is the object's."""
+
+    __slots__ = ()
+
+
+def _skip_or_fail(raw_check, proven: ProvenRange, member: str) -> None:
+    """Give the member's raw check a proven object's fingerprint for its entry (on the raw-hash thread, in
+    stream order); a range that is not exactly one entry is a problem of the member."""
+    if not raw_check.skip(proven.nbytes, proven.fp):
+        raise IntegrityError(f"shared object {proven.oid} is not one entry of its member", where=member)
 
 
 def _spill_member(reader: "ArchiveReader", rec: dict, spill_dir, on_bytes=None):

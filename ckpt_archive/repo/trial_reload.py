@@ -8,6 +8,11 @@ whole -- each tensor's dtype and shape checked against its entry (byte counts, v
 storage, a view's own bytes fingerprinted), the state tree rebuilt and every tensor reference
 resolved. Tensors are checked as bytes with NumPy: ``import torch`` is not needed (it costs ~1 s of
 start-up). Run by pack and export before the marker is written, and by ``verify --deep``.
+
+One exception, only in pack's own trial reload: a shared object the new generation reuses whose stored
+bytes pack hashed in this operation, under a chunk table a usable generation's trial reload proved, is
+not decoded again (``ArchiveReader.proven_objects``; the rule and why it is sound: docs/FORMAT.md,
+"Write order", step 5). ``verify --deep``, export and adopt decode everything.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import math
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, StoreError
 from ckpt_archive.format import fingerprint
 from ckpt_archive.format.state_tree import NUMPY_TO_ST, TORCH_TO_ST, decode
-from ckpt_archive.repo.reader import ArchiveReader, Problem, SizeOnly, tensor_refs
+from ckpt_archive.repo.reader import ArchiveReader, Problem, ProvenSize, SizeOnly, tensor_refs
 
 #: Element size of every torch dtype by name, so tensors are checked without importing torch.
 TORCH_ITEMSIZE = {
@@ -39,7 +44,9 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
         on_bytes: progress callback (raw bytes decoded).
 
     Returns:
-        counts: ``tensors`` checked, ``bytes`` decoded, ``members``.
+        counts: ``tensors`` checked, ``bytes`` decoded, ``members``; ``proven_bytes``: raw bytes of shared
+        objects in ``reader.proven_objects`` that were not decoded again (pack hashed their stored bytes;
+        present when not 0).
     """
     tensors = reader.manifest["tensors"]
     by_entry: dict[str, list[str]] = {}
@@ -47,6 +54,7 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
         by_entry.setdefault(rec["entry"], []).append(leaf)
     checked = 0
     decoded = 0
+    proven = 0  # raw bytes of proven shared objects, checked by their stored bytes' hash, not decoded again
     for rec in reader.manifest["members"]:
         if rec["role"] == "tensors":
             # One read: chunks checked and decoded in parallel, the member's raw fingerprint (format 2:
@@ -54,15 +62,21 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
             # bytes; only views (their own bytes) are hashed again. A format-1 member whose whole sha256
             # fails is re-read entry by entry (below) to name the tensor(s) at fault.
             fast: list[Problem] | None = []
-            fast_checked = fast_decoded = 0
+            fast_checked = fast_decoded = fast_proven = 0
             try:
                 # entries whose every leaf is the entry itself (no view) need only their length here:
                 # their bytes are hashed chunk by chunk on the way, not assembled
                 plain = frozenset(k for k in rec["entries"]
                                   if all(not tensors[leaf].get("view") for leaf in by_entry.get(k, [])))
+                # shared objects whose stored bytes pack hashed now, under a chunk table a trial reload
+                # proved (reader.proven_objects): an entry no view reads needs only its fingerprint, which is
+                # the object's -- not decoded again (docs/FORMAT.md, "Write order", step 5)
                 for key, erec, buf in reader.iter_entries(rec, on_bytes=on_bytes, transient=True,
-                                                          sizes_only=plain):
-                    fast_decoded += len(buf)
+                                                          sizes_only=plain, skip_objects=reader.proven_objects):
+                    if isinstance(buf, ProvenSize):
+                        fast_proven += len(buf)
+                    else:
+                        fast_decoded += len(buf)
                     fast_checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []),
                                                        fingerprint.raw_fp(erec), fast)
             except StoreError:
@@ -76,6 +90,7 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
                 problems.extend(fast)
                 checked += fast_checked
                 decoded += fast_decoded
+                proven += fast_proven
                 continue
         try:
             if rec["role"] == "tensors":
@@ -111,7 +126,10 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
         raise
     except CkptArchiveError as exc:
         problems.append(Problem(exc.message, member=reader.manifest["tree_member"]))
-    return {"tensors": checked, "bytes": decoded, "members": len(reader.manifest["members"])}
+    counts = {"tensors": checked, "bytes": decoded, "members": len(reader.manifest["members"])}
+    if proven:
+        counts["proven_bytes"] = proven
+    return counts
 
 
 def check_entry_leaves(tensors: dict, rec: dict, erec: dict, buf, leaves: list[str], entry_fp: str | None,

@@ -164,7 +164,7 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int | Sequ
     finally:
         runs.pool.shutdown(wait=True)
 
-    interruptions = [dict(t["facts"], at=p, expected_cursor=_expected_cursor(cont_traj, p))
+    interruptions = [dict(t["facts"], at=p, expected_cursor=_expected_cursor(cont_traj, p, t["facts"].get("epoch")))
                      for t, p in zip(trips, points)]
     verdict = _verdict(determinism, positive, positive_ok, entries, trips[0]["facts"], points[0], interruptions,
                        resumed_ids=[(seg_name, data_ids_differences(cont_traj.get("data_ids"), seg.get("data_ids"),
@@ -212,13 +212,20 @@ def _interruptions(interrupt_at: int | Sequence[int], steps: int) -> list[int]:
     return pts
 
 
-def _expected_cursor(cont_traj: dict, point: int) -> int | None:
+def _expected_cursor(cont_traj: dict, point: int, saved_epoch: int | None = None) -> int | None:
     """Samples of the current epoch the continuous run had consumed after update ``point`` (None without
-    per-update epochs): what a ``data.cursor`` counting samples into the epoch must say there."""
+    per-update epochs): what a ``data.cursor`` counting samples into the epoch must say there.
+
+    An interruption exactly on an epoch boundary (the continuous run's next update starts epoch ``e + 1``) is
+    the end of epoch ``e`` and the start of epoch ``e + 1`` alike: a checkpoint that already says epoch
+    ``e + 1`` (``saved_epoch``) with cursor 0 is where the continuous run was, so 0 is expected there."""
     ups = [u for u in cont_traj["updates"] if u["step"] <= point]
     if not ups or any(u.get("epoch") is None for u in ups):
         return None
     epoch = ups[-1]["epoch"]
+    nxt = [u.get("epoch") for u in cont_traj["updates"] if u["step"] == point + 1]
+    if saved_epoch is not None and saved_epoch == epoch + 1 and nxt == [epoch + 1]:
+        return 0
     return sum(len(u["sample_ids"]) for u in ups if u["epoch"] == epoch)
 
 
@@ -497,6 +504,33 @@ def _not_deterministic(determinism: dict, hash_seed: str | None) -> str:
     return text + "; seed every random stream from the config"
 
 
+def _control_findings(entries: list[dict], ran: list[dict], positive_ok: bool, problems: list[str],
+                      warnings: list[str]) -> None:
+    """What the negative controls add to the problems (no effect, could not check, none asked for or none could
+    run: nothing shows the check would see a broken resume) and to the warnings (a skipped control)."""
+    for e in entries:
+        if e["status"] in ("no-effect", "could-not-check"):
+            problems.append(e["message"])
+        elif e["status"] == "skipped":
+            warnings.append(f"control {e['name']} {e['message']}")
+    if positive_ok and not entries:
+        problems.append("no negative control was asked for (--no-controls), so nothing shows that this check "
+                        "would see a broken resume; run the default controls or give --script-control")
+    elif positive_ok and not ran and not any(e["status"] == "could-not-check" for e in entries):
+        why = "; ".join(f"{e['name']}: {e['message']}" for e in entries if e["status"] == "skipped")
+        problems.append("no negative control could run, so nothing shows that this check would see a broken "
+                        f"resume ({why})")
+
+
+def _cursor_warnings(interruptions: Sequence[dict]) -> list[str]:
+    """Each interruption whose ``data.cursor`` is not where the continuous run was in the epoch."""
+    return [f"interruption at update {it['at']}: data.cursor {it['cursor']}, but the continuous run had consumed "
+            f"{it['expected_cursor']} samples of epoch {it.get('epoch')} there (a cursor counted since the last "
+            f"resume rather than from the start of the epoch replays data)"
+            for it in interruptions if it.get("cursor") is not None and it.get("expected_cursor") is not None
+            and it["cursor"] != it["expected_cursor"]]
+
+
 def _verdict(determinism: dict, positive: dict, positive_ok: bool, entries: list[dict], facts: dict,
              interrupt_at: int, interruptions: list[dict] = (), resumed_ids: list = (),
              hash_seed: str | None = None) -> dict:
@@ -515,22 +549,10 @@ def _verdict(determinism: dict, positive: dict, positive_ok: bool, entries: list
                             + "; the resumed process means other data by the same sample ids")
     if not positive["matched"]:
         problems.append("the resumed run does not match the continuous run: " + describe(positive))
-    for e in entries:
-        if e["status"] in ("no-effect", "could-not-check"):
-            problems.append(e["message"])
-        elif e["status"] == "skipped":
-            warnings.append(f"control {e['name']} {e['message']}")
-    if positive_ok and not ran and not any(e["status"] == "could-not-check" for e in entries):
-        problems.append("no negative control could run, so nothing shows that this check would see a broken "
-                        "resume (the checkpoint holds none of rng/optimizer/scheduler/data)")
+    _control_findings(entries, ran, positive_ok, problems, warnings)
     if facts["step"] is not None and facts["step"] != interrupt_at:
         warnings.append(f"the interruption checkpoint says progress.step {facts['step']}, expected {interrupt_at}")
-    for it in interruptions:
-        if it.get("cursor") is not None and it.get("expected_cursor") is not None \
-                and it["cursor"] != it["expected_cursor"]:
-            warnings.append(f"interruption at update {it['at']}: data.cursor {it['cursor']}, but the continuous run "
-                            f"had consumed {it['expected_cursor']} samples of epoch {it.get('epoch')} there (a cursor "
-                            f"counted since the last resume rather than from the start of the epoch replays data)")
+    warnings.extend(_cursor_warnings(interruptions))
     if any(e["status"] == "could-not-check" for e in entries):
         relevant = []
     controls_ok = positive_ok and all(e["ok"] for e in entries)

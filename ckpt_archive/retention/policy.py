@@ -40,8 +40,9 @@ Invariants (each has a test):
 
 Deleting is not done here: this module reads nothing and writes nothing (it imports no repository,
 store or operation). :mod:`ckpt_archive.ops.prune` applies a decision under the repository lock and adds
-one more rule, with I/O: **never delete the only verified copy** (``check_kept`` verifies the kept
-generations newest first before anything is removed).
+one more rule, with I/O: **never leave nothing restorable** (``check_kept`` verifies the kept generations
+newest first before anything is removed, and keeps the newest removed one that verifies when none of them
+does; docs/retention.md).
 """
 from __future__ import annotations
 

@@ -12,8 +12,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ckpt_archive.training.nextstep import STEPS, GroupSteps, pair_steps
 from ckpt_archive.training.parts import find_parts, sub_checkpoints
-from ckpt_archive.training.schedulers import derive_lrs, nested_base_lrs, primary_base_lrs
+from ckpt_archive.training.plan import PairPlan, plan_pairs
+from ckpt_archive.training.schedulers import derive_lrs, nested_base_lrs, primary_base_lrs, scheduler_kind
+from ckpt_archive.training.session_config import archived_values
 from ckpt_archive.training.values import DERIVED_RTOL, as_float, as_number, fmt_pair, fmt_value, jsonable, nearly_equal
 
 
@@ -62,6 +65,12 @@ class GroupPolicy:
             it raises, depends on what the session builds, or there is no scheduler.
         after_step_basis: how ``after_step_lr`` was obtained or why it is missing.
         hyper: other group hyperparameters (weight_decay, momentum, betas, eps) as archived.
+        next_steps: the LR of each of the next optimizer steps (:data:`~ckpt_archive.training.nextstep.STEPS`),
+            from the next-step model (:class:`~ckpt_archive.training.nextstep.GroupSteps`).
+        next_steps_from: the same in words, with where each value comes from (``6e-05
+            (optimizer.param_groups[0].lr), then 8e-07, 9.6e-07 (from scheduler.base_lrs[0])``).
+        lr_set_by: who sets the ``lr`` the steps use: ``"scheduler"``, ``"state"`` (no scheduler: it stays) or
+            ``"script"`` (no scheduler state; the config names a hand-written schedule the script runs).
     """
 
     index: int
@@ -77,6 +86,9 @@ class GroupPolicy:
     after_step_lr: float | None = None
     after_step_basis: str = ""
     hyper: dict = dataclasses.field(default_factory=dict)
+    next_steps: list = dataclasses.field(default_factory=list)
+    next_steps_from: str = ""
+    lr_set_by: str = ""
 
     def to_json(self) -> dict:
         """The fields as strict JSON (non-finite floats as strings)."""
@@ -254,150 +266,175 @@ def missing_scheduler_message(counters: dict) -> str:
             f"scheduler restarts its schedule)")
 
 
-def _audit_pair(opt_field: str, opt: Any, sch_field: str, sch: Any, findings: list[Finding],
-                overrides: list[Override]) -> tuple[list[GroupPolicy], dict, list]:
-    """Groups of one optimizer (and its scheduler): LR facts, what overrides the session, findings."""
-    from ckpt_archive.training.simulate import depends_on_session, simulate
-
-    sched_info: dict = {"kind": None, "field": None, "last_epoch": None, "derivable": False, "note": ""}
-    groups_sd = opt.get("param_groups") if isinstance(opt, dict) else None
-    if groups_sd is not None and not isinstance(groups_sd, (list, tuple)):
-        findings.append(Finding("error", f"{opt_field}.param_groups", "param_groups is not a list"))
-        groups_sd = None
-    groups_sd = list(groups_sd or [])
-    dict_groups = [g for g in groups_sd if isinstance(g, dict)]
-
-    derived: list[float] | None = None
-    bases: list = []
-    last: list = []
-    after: list | None = None
-    after_basis = ""
-    if isinstance(sch, dict):
-        kind, derived, note = derive_lrs(sch, dict_groups or None)
-        le = as_number(sch.get("last_epoch"))
-        sched_info.update(kind=kind, field=sch_field, last_epoch=le, derivable=derived is not None, note=note)
-        bases = primary_base_lrs(sch)  # SequentialLR/ChainedScheduler: the sub-scheduler's
-        last = list(sch.get("_last_lr") or [])
-        n_sched = len(last) or len(bases)
-        mismatch = bool(groups_sd and n_sched and n_sched != len(groups_sd))
-        if mismatch:
-            findings.append(Finding("error", f"{sch_field}._last_lr",
-                                    f"the scheduler has {n_sched} param group(s), the optimizer "
-                                    f"{len(groups_sd)}: they do not come from the same optimizer"))
-        elif dict_groups:
-            sim = simulate(sch, archived_groups=dict_groups)
-            after, after_basis = sim.after_step, sim.note or "real torch: the scheduler rebuilt from its state and stepped"
-            if sim.raises:
-                after_basis = f"the next scheduler.step() raises {sim.raises}"
-                findings.append(Finding(
-                    "info", f"{sch_field}.last_epoch",
-                    f"the schedule is finished ({kind} at last_epoch {int(le) if le is not None else '?'}"
-                    + (f" of total_steps {int(as_number(sch['total_steps']))}" if "total_steps" in sch else "")
-                    + f"): the state resumes as saved, but the next scheduler.step() raises {sim.raises}; "
-                    f"to train on, build a new schedule (not a problem for a final checkpoint)"))
-        elif not groups_sd:
-            n = n_sched or 1
-            after, depends, raises = depends_on_session(sch, n)
-            if raises:
-                after_basis = f"the next scheduler.step() raises {raises}"
-            elif depends:
-                after, after_basis = None, ("depends on the LR the session builds its optimizer with (the "
-                                            f"{kind} step multiplies the group's current lr)")
-            else:
-                after_basis = "real torch: from the archived base_lrs, whatever the session's LR"
-            shown = ", ".join(fmt_value(as_float(b)) for b in bases) or "-"
-            then = (f"the next scheduler.step() sets the LR to {', '.join(fmt_value(x) for x in after)} "
-                    f"whatever the session's LR" if after is not None else
-                    f"the next scheduler.step() continues the archived schedule ({after_basis})")
-            findings.append(Finding(
-                "warning", f"{sch_field}.base_lrs",
-                f"no optimizer state: the next optimizer step runs at the session's LR, then {sch_field}.base_lrs "
-                f"[{shown}] (archived) override it: {then}; --policy session rewrites base_lrs to the session's"))
-            for bfield, bs in nested_base_lrs(sch, sch_field):  # also SequentialLR sub-schedulers'
-                for i, b in enumerate(bs):
-                    overrides.append(Override(f"{bfield}.base_lrs[{i}]", as_float(b), None,
-                                              "at the next scheduler.step()"))
-
-    groups: list[GroupPolicy] = []
-    n = max(len(groups_sd), len(last), len(bases))
-    for i in range(n):
-        g = groups_sd[i] if i < len(groups_sd) and isinstance(groups_sd[i], dict) else None
-        gfield = f"{opt_field}.param_groups[{i}]" if g is not None or groups_sd else f"{sch_field}[{i}]"
-        gp = GroupPolicy(index=i, field=gfield)
-        if g is not None:
-            params = g.get("params")
-            gp.n_params = len(params) if isinstance(params, (list, tuple)) else None
-            raw_lr = g.get("lr")
-            gp.lr = as_float(raw_lr)
-            if raw_lr is not None and gp.lr is None:
-                findings.append(Finding("error", f"{gfield}.lr", f"lr is not a number: {raw_lr!r}"))
-            elif gp.lr is not None and not math.isfinite(gp.lr):
-                findings.append(Finding("error", f"{gfield}.lr", f"lr is {gp.lr}: every update will be non-finite"))
-            gp.initial_lr = as_float(g.get("initial_lr"))
-            for h in ("weight_decay", "momentum", "betas", "eps", "max_lr", "min_lr"):
-                if h in g:
-                    v = g[h]
-                    gp.hyper[h] = [as_float(x) for x in v] if isinstance(v, (list, tuple)) else as_number(v)
+def _audit_pair(p: PairPlan, steps: list[GroupSteps], findings: list[Finding],
+                overrides: list[Override]) -> tuple[list[GroupPolicy], dict]:
+    """Groups of one optimizer (and its scheduler): LR facts from the next-step model, what overrides the
+    session, findings."""
+    sch = p.sch if isinstance(p.sch, dict) else None
+    if isinstance(p.opt, dict) and p.opt.get("param_groups") is not None \
+            and not isinstance(p.opt.get("param_groups"), (list, tuple)):
+        findings.append(Finding("error", f"{p.opt_field}.param_groups", "param_groups is not a list"))
+    sched_info, derived = _scheduler_info(p)
+    if sch is not None:
+        findings.extend(_scheduler_findings(p, sched_info, steps))
+    bases = primary_base_lrs(sch) if sch is not None else []  # SequentialLR/ChainedScheduler: the sub-scheduler's
+    last = list(sch.get("_last_lr") or []) if sch is not None else []
+    groups = []
+    for i in range(max(len(p.groups), len(last), len(bases))):
+        g = p.groups[i] if i < len(p.groups) else None
+        gp = _group_policy(p, i, g, steps[i] if i < len(steps) else None, sched_info)
         gp.base_lr = as_float(bases[i]) if i < len(bases) else None
         gp.last_lr = as_float(last[i]) if i < len(last) else None
         gp.derived_lr = derived[i] if derived is not None and i < len(derived) else None
-        if gp.lr is not None:
-            gp.next_lr = gp.lr
-            gp.next_lr_basis = "optimizer group lr (load_state_dict restores it; optimizer.step() reads it)"
-        elif not groups_sd:
-            gp.next_lr_basis = ("the session's LR: the checkpoint holds no optimizer state (the scheduler's "
-                                "_last_lr is not written into any group by load_state_dict)")
-        if after is not None and i < len(after):
-            gp.after_step_lr = after[i]
-        gp.after_step_basis = after_basis
         groups.append(gp)
         if g is not None:
-            _group_overrides(g, gfield, sched_info["kind"], sch_field if isinstance(sch, dict) else None,
-                             gp, i, overrides)
-
-        # -- consistency --------------------------------------------------------------------------
-        if gp.lr is not None and gp.last_lr is not None and not nearly_equal(gp.lr, gp.last_lr):
-            a, b = fmt_pair(gp.lr, gp.last_lr)
-            findings.append(Finding(
-                "warning", f"{gfield}.lr",
-                f"optimizer lr {a} != scheduler last LR {b} ({sch_field}._last_lr[{i}]): the optimizer state "
-                f"was loaded before its scheduler was built (the scheduler's constructor rewrote lr), or the "
-                f"policy was overridden; the next step uses {a}"))
-        if gp.derived_lr is not None:
-            ref = gp.last_lr if gp.last_lr is not None else gp.lr
-            ref_field = f"{sch_field}._last_lr[{i}]" if gp.last_lr is not None else f"{gfield}.lr"
-            if ref is not None and not nearly_equal(ref, gp.derived_lr, DERIVED_RTOL):
-                a, b = fmt_pair(ref, gp.derived_lr)
-                findings.append(Finding(
-                    "warning", ref_field,
-                    f"{a} differs from {sched_info['kind']} at last_epoch {sched_info['last_epoch']} "
-                    f"({b}, from base_lrs): the LR was changed by hand or the scheduler state was edited"))
-        if gp.initial_lr is not None and gp.base_lr is not None and not nearly_equal(gp.initial_lr, gp.base_lr):
-            a, b = fmt_pair(gp.initial_lr, gp.base_lr)
-            findings.append(Finding("warning", f"{gfield}.initial_lr",
-                                    f"initial_lr {a} != scheduler base_lrs[{i}] {b}: the optimizer and scheduler "
-                                    f"states come from different configurations"))
-
-    return groups, sched_info, groups_sd
+            findings.extend(_group_findings(p, i, g, gp, sched_info))
+            overrides.extend(_group_overrides(p, i, g, gp, steps[i] if i < len(steps) else None))
+    if sch is not None and not p.groups:
+        overrides.extend(_scheduler_only_overrides(p, steps))
+    return groups, sched_info
 
 
-def _group_overrides(g: dict, gfield: str, kind: str | None, sch_field: str | None, gp: GroupPolicy, i: int,
-                     overrides: list[Override]) -> None:
-    """The archived fields of one optimizer group (and its scheduler) that override the session's."""
-    one_cycle = kind == "OneCycleLR"
+def _scheduler_info(p: PairPlan) -> tuple[dict, list[float] | None]:
+    """``{kind, field, last_epoch, derivable, note}`` of the pair's scheduler, and its closed-form LRs."""
+    info: dict = {"kind": None, "field": None, "last_epoch": None, "derivable": False, "note": ""}
+    if not isinstance(p.sch, dict):
+        return info, None
+    kind, derived, note = derive_lrs(p.sch, p.groups or None)
+    info.update(kind=kind, field=p.sch_field, last_epoch=as_number(p.sch.get("last_epoch")),
+                derivable=derived is not None, note=note)
+    return info, derived
+
+
+def _group_policy(p: PairPlan, i: int, g: dict | None, gs: GroupSteps | None, sched_info: dict) -> GroupPolicy:
+    """One row of the audit: the group's fields as archived and its next steps from the model."""
+    gp = GroupPolicy(index=i, field=p.group_field(i) if g is not None or p.groups else f"{p.sch_field}[{i}]")
+    if g is not None:
+        params = g.get("params")
+        gp.n_params = len(params) if isinstance(params, (list, tuple)) else None
+        gp.lr, gp.initial_lr = as_float(g.get("lr")), as_float(g.get("initial_lr"))
+        for h in ("weight_decay", "momentum", "betas", "eps", "max_lr", "min_lr"):
+            if h in g:
+                v = g[h]
+                gp.hyper[h] = [as_float(x) for x in v] if isinstance(v, (list, tuple)) else as_number(v)
     if gp.lr is not None:
-        overrides.append(Override(f"{gfield}.lr", gp.lr, None, "now"))
-    if gp.initial_lr is not None:
-        overrides.append(Override(f"{gfield}.initial_lr", gp.initial_lr, None,
-                                  "at the next scheduler.step()" if one_cycle
-                                  else "when a scheduler is built on this optimizer"))
-    for key in ("max_lr", "min_lr"):
+        gp.next_lr = gp.lr
+        gp.next_lr_basis = "optimizer group lr (load_state_dict restores it; optimizer.step() reads it)"
+    elif not p.groups:
+        gp.next_lr_basis = ("the session's LR: the checkpoint holds no optimizer state (the scheduler's "
+                            "_last_lr is not written into any group by load_state_dict)")
+    if gs is not None:
+        gp.next_steps, gp.next_steps_from, gp.lr_set_by = list(gs.checkpoint), gs.describe(), gs.lr_set_by
+        if sched_info["kind"] is not None:
+            gp.after_step_lr, gp.after_step_basis = gs.after_step, gs.basis
+            if gs.raises:
+                gp.after_step_basis = f"the next scheduler.step() raises {gs.raises}"
+        elif gs.lr_set_by == "script":
+            gp.next_lr, gp.next_lr_basis = None, gs.basis
+    return gp
+
+
+def _scheduler_findings(p: PairPlan, info: dict, steps: list[GroupSteps]) -> list[Finding]:
+    """A scheduler of another optimizer (group counts differ); a finished schedule (info); a scheduler without
+    optimizer state, whose ``base_lrs`` take over after the session's LR ran one step (warning)."""
+    sch, out = p.sch, []
+    last, bases = list(sch.get("_last_lr") or []), primary_base_lrs(sch)
+    n_sched = len(last) or len(bases)
+    if p.groups and n_sched and n_sched != len(p.groups):
+        return [Finding("error", f"{p.sch_field}._last_lr",
+                        f"the scheduler has {n_sched} param group(s), the optimizer {len(p.groups)}: they do not "
+                        f"come from the same optimizer")]
+    raises = next((gs.raises for gs in steps if gs.raises), None)
+    if raises and p.groups:
+        le = info["last_epoch"]
+        out.append(Finding(
+            "info", f"{p.sch_field}.last_epoch",
+            f"the schedule is finished ({info['kind']} at last_epoch {int(le) if le is not None else '?'}"
+            + (f" of total_steps {int(as_number(sch['total_steps']))}" if "total_steps" in sch else "")
+            + f"): the state resumes as saved, but the next scheduler.step() raises {raises}; "
+            f"to train on, build a new schedule (not a problem for a final checkpoint)"))
+    if not p.groups and p.opt is None:
+        out.append(_scheduler_only_finding(p, info, steps, bases))
+    return out
+
+
+def _scheduler_only_finding(p: PairPlan, info: dict, steps: list[GroupSteps], bases: list) -> Finding:
+    shown = ", ".join(fmt_value(as_float(b)) for b in bases) or "-"
+    after = [gs.after_step for gs in steps]
+    basis = steps[0].basis if steps else ""
+    if steps and steps[0].session_independent and None not in after:
+        then = f"the next scheduler.step() sets the LR to {', '.join(fmt_value(x) for x in after)} whatever the session's LR"
+    elif steps and steps[0].session_independent is False:
+        then = (f"the next scheduler.step() continues the archived schedule (depends on the LR the session builds "
+                f"its optimizer with: the {info['kind']} step multiplies the group's current lr)")
+    else:
+        then = f"the next scheduler.step() continues the archived schedule ({basis})"
+    return Finding("warning", f"{p.sch_field}.base_lrs",
+                   f"no optimizer state: the next optimizer step runs at the session's LR, then {p.sch_field}.base_lrs "
+                   f"[{shown}] (archived) override it: {then}; --policy session rewrites base_lrs to the session's")
+
+
+def _group_findings(p: PairPlan, i: int, g: dict, gp: GroupPolicy, info: dict) -> list[Finding]:
+    """A non-numeric or non-finite ``lr`` (error); ``lr`` against the scheduler's ``_last_lr``, ``_last_lr``
+    against the closed form, ``initial_lr`` against ``base_lrs`` (warnings)."""
+    gfield, out = gp.field, []
+    if g.get("lr") is not None and gp.lr is None:
+        out.append(Finding("error", f"{gfield}.lr", f"lr is not a number: {g.get('lr')!r}"))
+    elif gp.lr is not None and not math.isfinite(gp.lr):
+        out.append(Finding("error", f"{gfield}.lr", f"lr is {gp.lr}: every update will be non-finite"))
+    if gp.lr is not None and gp.last_lr is not None and not nearly_equal(gp.lr, gp.last_lr):
+        a, b = fmt_pair(gp.lr, gp.last_lr)
+        out.append(Finding(
+            "warning", f"{gfield}.lr",
+            f"optimizer lr {a} != scheduler last LR {b} ({p.sch_field}._last_lr[{i}]): the optimizer state "
+            f"was loaded before its scheduler was built (the scheduler's constructor rewrote lr), or the "
+            f"policy was overridden; the next step uses {a}"))
+    if gp.derived_lr is not None:
+        ref = gp.last_lr if gp.last_lr is not None else gp.lr
+        ref_field = f"{p.sch_field}._last_lr[{i}]" if gp.last_lr is not None else f"{gfield}.lr"
+        if ref is not None and not nearly_equal(ref, gp.derived_lr, DERIVED_RTOL):
+            a, b = fmt_pair(ref, gp.derived_lr)
+            out.append(Finding("warning", ref_field,
+                               f"{a} differs from {info['kind']} at last_epoch {info['last_epoch']} "
+                               f"({b}, from base_lrs): the LR was changed by hand or the scheduler state was edited"))
+    if gp.initial_lr is not None and gp.base_lr is not None and not nearly_equal(gp.initial_lr, gp.base_lr):
+        a, b = fmt_pair(gp.initial_lr, gp.base_lr)
+        out.append(Finding("warning", f"{gfield}.initial_lr",
+                           f"initial_lr {a} != scheduler base_lrs[{i}] {b}: the optimizer and scheduler "
+                           f"states come from different configurations"))
+    return out
+
+
+def _when(field: str, gs: GroupSteps | None, otherwise: str) -> str:
+    """When an archived LR field takes effect, from the model: at the next ``scheduler.step()`` where real torch
+    shows it drives the steps after the next one, else ``otherwise``."""
+    if gs is not None and field in gs.later_from:
+        return "at the next scheduler.step()"
+    return otherwise
+
+
+def _group_overrides(p: PairPlan, i: int, g: dict, gp: GroupPolicy, gs: GroupSteps | None) -> list[Override]:
+    """The archived fields of one optimizer group (and its scheduler) that override the session's."""
+    gfield, out = gp.field, []
+    if gp.lr is not None:
+        out.append(Override(f"{gfield}.lr", gp.lr, None, "now" if gp.lr_set_by != "script" else
+                            "never: the training script sets lr before every step"))
+    for key in ("initial_lr", "max_lr", "min_lr"):
         if as_float(g.get(key)) is not None:
-            overrides.append(Override(f"{gfield}.{key}", as_float(g[key]), None,
-                                      "at the next scheduler.step()" if one_cycle
-                                      else "when a scheduler is built on this optimizer"))
-    if sch_field is not None and gp.base_lr is not None:
-        overrides.append(Override(f"{sch_field}.base_lrs[{i}]", gp.base_lr, None, "at the next scheduler.step()"))
+            out.append(Override(f"{gfield}.{key}", as_float(g[key]), None,
+                                _when(f"{gfield}.{key}", gs, "when a scheduler is built on this optimizer")))
+    if isinstance(p.sch, dict) and gp.base_lr is not None:
+        field = f"{p.sch_field}.base_lrs[{i}]"
+        out.append(Override(field, gp.base_lr, None, _when(
+            field, gs, f"at a later scheduler.step() (real torch: {scheduler_kind(p.sch)} computes the next {STEPS} "
+                       f"steps from the group's current lr)")))
+    return out
+
+
+def _scheduler_only_overrides(p: PairPlan, steps: list[GroupSteps]) -> list[Override]:
+    """A scheduler without optimizer state: every ``base_lrs`` it restores (also SequentialLR sub-schedulers')."""
+    return [Override(f"{bfield}.base_lrs[{i}]", as_float(b), None, "at the next scheduler.step()")
+            for bfield, bs in nested_base_lrs(p.sch, p.sch_field) for i, b in enumerate(bs)]
 
 
 def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict | None = None,
@@ -407,16 +444,18 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
     Args:
         state: nested checkpoint dict (``torch.load(weights_only=True)`` or :func:`ckpt_archive.load`).
             Parts are found under conventional keys (see :data:`ALIASES`) or by shape.
-        config: the experiment's config (dict or path of JSON/YAML/TOML); not needed for the audit
-            itself, accepted so callers can pass one object to audit and lint.
+        config: the run's own config (dict or path of JSON/YAML/TOML; default: the copy inside the state):
+            whether the script schedules the LR itself (a hand-written schedule, no scheduler state).
         progress: ``{"step": int, "epoch": int}`` from the manifest, overriding what the state holds.
         keys: part -> path overrides, as in :func:`find_parts`.
 
     Returns:
         :class:`PolicyAudit`. The LR the next step will use (``next_lr``) is the archived optimizer
         group's ``lr`` (``Optimizer.load_state_dict`` restores it, ``LRScheduler.load_state_dict`` never
-        writes a group, and ``optimizer.step()`` reads ``group["lr"]``); without an optimizer it is the
-        scheduler's ``_last_lr``. Findings:
+        writes a group, and ``optimizer.step()`` reads ``group["lr"]``); without optimizer state it is the
+        session's (None here); where the script sets the LR every step, None. ``next_steps`` /
+        ``after_step_lr`` / ``next_steps_from`` come from the next-step model
+        (:mod:`~ckpt_archive.training.nextstep`: real torch, with the fields each step comes from). Findings:
 
         * warning ``optimizer.param_groups[i].lr``: the group's lr differs from the scheduler's
           ``_last_lr`` (the optimizer was loaded before its scheduler was built, or the policy was
@@ -427,8 +466,11 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
           exactly one behind: a 0-based step; see :func:`counters_finding`), or per-parameter step
           counters differ;
         * warning ``scheduler``: scheduler state missing although ``initial_lr`` shows one was attached;
+        * warning ``scheduler.base_lrs``: no optimizer state, so the archived base_lrs take over after the
+          session's LR ran one step;
+        * info ``scheduler.last_epoch``: a finished schedule (the next ``scheduler.step()`` raises);
         * error: non-finite or non-numeric lr, a scheduler with a different number of groups than the
-          optimizer, a OneCycleLR whose next step raises (``last_epoch >= total_steps``).
+          optimizer.
 
     Raises:
         UsageError: a ``keys`` path does not exist.
@@ -439,84 +481,84 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
         [0.1]
     """
     parts = find_parts(state, keys)
+    plans = plan_pairs(state, None, keys=keys, archived=archived_values(state, config))
+    counters = _counters(parts, progress)
     findings: list[Finding] = []
-    opt_entries = parts.get("optimizer", [])
-    sch_entries = parts.get("scheduler", [])
-    opt_path, opt = opt_entries[0] if opt_entries else ("", None)
-    sch_path, sch = sch_entries[0] if sch_entries else ("", None)
-    opt_field = str(opt_path) or "optimizer"
-    sch_field = str(sch_path) or "scheduler"
-
-    prog = dict(parts["progress"][0][1]) if parts.get("progress") else {"step": None, "epoch": None}
-    if progress:
-        for k in ("step", "epoch"):
-            if progress.get(k) is not None:
-                prog[k] = int(progress[k])
-
-    steps = _optimizer_steps(opt) if isinstance(opt, dict) else []
-    counters = {
-        "optimizer_step": max(steps) if steps else None,
-        "optimizer_step_min": min(steps) if steps else None,
-        "scheduler_last_epoch": None,
-        "progress_step": prog.get("step"),
-        "progress_epoch": prog.get("epoch"),
-    }
-
-    sched_info: dict = {"kind": None, "field": None, "last_epoch": None, "derivable": False, "note": ""}
     groups: list[GroupPolicy] = []
-    groups_sd: list = []
     overrides: list[Override] = []
     schedulers: list[dict] = []
     # every optimizer with its scheduler (paired by position: optimizer_1.bin with scheduler_1.bin), and
     # schedulers without an optimizer (scripts that save only the scheduler)
-    for n in range(max(len(opt_entries), len(sch_entries), 1)):
-        o_path, o = opt_entries[n] if n < len(opt_entries) else ("", None)
-        s_path, s = sch_entries[n] if n < len(sch_entries) else ("", None)
-        if o is None and s is None:
-            break
-        g_n, info_n, gsd_n = _audit_pair(str(o_path) or "optimizer", o, str(s_path) or "scheduler", s,
-                                         findings, overrides)
+    for p in plans:
+        g_n, info_n = _audit_pair(p, pair_steps(p), findings, overrides)
         groups.extend(g_n)
         schedulers.append(info_n)
-        if n == 0:
-            sched_info, groups_sd = info_n, gsd_n
+    sched_info = schedulers[0] if schedulers else {"kind": None, "field": None, "last_epoch": None,
+                                                   "derivable": False, "note": ""}
     le0 = sched_info.get("last_epoch")
     counters["scheduler_last_epoch"] = None if le0 is None else int(le0)
-
-    # -- counters --------------------------------------------------------------------------------------
-    if steps and min(steps) != max(steps):
-        findings.append(Finding("warning", f"{opt_field}.state",
-                                f"per-parameter step counters differ (min {min(steps)}, max {max(steps)}): "
-                                f"parameters were added to the optimizer later (unfrozen), or the state was "
-                                f"merged from different runs"))
-    ps, pe = counters["progress_step"], counters["progress_epoch"]
-    os_ = counters["optimizer_step"]
-    if ps is not None and os_ is not None and ps != os_:
-        findings.append(counters_finding(f"{opt_field}.state", os_, ps))
-    le = counters["scheduler_last_epoch"]
-    if le is not None and sched_info["kind"] != "ReduceLROnPlateau":
-        cands = {k: v for k, v in (("progress step", ps), ("optimizer step", os_), ("progress epoch", pe))
-                 if v is not None}
-        # A per-epoch scheduler stepped at the end of epoch E, saved with ``epoch: E`` (the common
-        # ``for epoch in ...: train; scheduler.step(); save(epoch=epoch)``, and Lightning on an epoch's
-        # last batch) has last_epoch E + 1: in step with progress, not ahead of it.
-        accepted = set(cands.values()) | ({pe + 1} if pe is not None else set())
-        if cands and le not in accepted:
-            name, val = min(cands.items(), key=lambda kv: abs(kv[1] - le))
-            what = "lags" if le < val else "is ahead of"
-            findings.append(Finding("warning", f"{sch_field}.last_epoch",
-                                    f"scheduler {what} progress: last_epoch {le} vs {name} {val} (a missed or extra "
-                                    f"scheduler.step(), or scheduler state from another save): the LR schedule "
-                                    f"is shifted by {abs(val - le)}"))
-    if sch is None and groups_sd and any(isinstance(g, dict) and "initial_lr" in g for g in groups_sd):
+    first = plans[0] if plans else None
+    findings.extend(_counter_findings(counters, first, sched_info))
+    if first is not None and first.sch is None and any("initial_lr" in g for g in first.groups):
         findings.append(Finding("warning", "scheduler", missing_scheduler_message(counters)))
         sched_info["note"] = "missing (initial_lr present in param groups)"
+    part_paths = {name: str(v[0][0]) or "(top level)" for name, v in parts.items() if v}
+    return PolicyAudit(parts=part_paths, groups=groups, scheduler=sched_info, counters=counters,
+                       findings=findings, overrides=overrides, schedulers=schedulers,
+                       notes=_notes(state, parts, keys))
 
-    part_paths = {p: str(v[0][0]) or "(top level)" for p, v in parts.items() if v}
+
+def _counters(parts: dict, progress: dict | None) -> dict:
+    """The optimizer's step counters (max and min over parameters) and the progress step and epoch (the
+    manifest's ``progress`` over what the state holds)."""
+    prog = dict(parts["progress"][0][1]) if parts.get("progress") else {"step": None, "epoch": None}
+    for k in ("step", "epoch"):
+        if (progress or {}).get(k) is not None:
+            prog[k] = int(progress[k])
+    opts = parts.get("optimizer", [])
+    steps = _optimizer_steps(opts[0][1]) if opts and isinstance(opts[0][1], dict) else []
+    return {"optimizer_step": max(steps) if steps else None, "optimizer_step_min": min(steps) if steps else None,
+            "scheduler_last_epoch": None, "progress_step": prog.get("step"), "progress_epoch": prog.get("epoch")}
+
+
+def _counter_findings(counters: dict, first: PairPlan | None, sched_info: dict) -> list[Finding]:
+    """Per-parameter step counters that differ; optimizer and progress steps that disagree; a scheduler that
+    lags or leads every progress counter."""
+    out: list[Finding] = []
+    opt_field = first.opt_field if first is not None else "optimizer"
+    os_, lo = counters["optimizer_step"], counters["optimizer_step_min"]
+    ps, pe = counters["progress_step"], counters["progress_epoch"]
+    if os_ is not None and lo != os_:
+        out.append(Finding("warning", f"{opt_field}.state",
+                           f"per-parameter step counters differ (min {lo}, max {os_}): parameters were added to the "
+                           f"optimizer later (unfrozen), or the state was merged from different runs"))
+    if ps is not None and os_ is not None and ps != os_:
+        out.append(counters_finding(f"{opt_field}.state", os_, ps))
+    le = counters["scheduler_last_epoch"]
+    if le is None or sched_info["kind"] == "ReduceLROnPlateau":
+        return out
+    cands = {k: v for k, v in (("progress step", ps), ("optimizer step", os_), ("progress epoch", pe)) if v is not None}
+    # A per-epoch scheduler stepped at the end of epoch E, saved with ``epoch: E`` (the common
+    # ``for epoch in ...: train; scheduler.step(); save(epoch=epoch)``, and Lightning on an epoch's
+    # last batch) has last_epoch E + 1: in step with progress, not ahead of it.
+    accepted = set(cands.values()) | ({pe + 1} if pe is not None else set())
+    if cands and le not in accepted:
+        name, val = min(cands.items(), key=lambda kv: abs(kv[1] - le))
+        what = "lags" if le < val else "is ahead of"
+        out.append(Finding("warning", f"{first.sch_field if first else 'scheduler'}.last_epoch",
+                           f"scheduler {what} progress: last_epoch {le} vs {name} {val} (a missed or extra "
+                           f"scheduler.step(), or scheduler state from another save): the LR schedule "
+                           f"is shifted by {abs(val - le)}"))
+    return out
+
+
+def _notes(state: Any, parts: dict, keys: dict | None) -> list[str]:
+    """What was audited: the newest of several sub-checkpoints; how several optimizers and schedulers were paired."""
+    opt_entries, sch_entries = parts.get("optimizer", []), parts.get("scheduler", [])
     notes = []
     subs = sub_checkpoints(state)
     if subs and not keys:
-        where = opt_path if opt_entries else sch_path
+        where = opt_entries[0][0] if opt_entries else (sch_entries[0][0] if sch_entries else ())
         newest = str(where[0]) if len(where) else "?"
         notes.append(f"{len(subs)} sub-checkpoints ({', '.join(subs)}): audited the newest, {newest}")
     if len(opt_entries) > 1 or len(sch_entries) > 1:
@@ -524,5 +566,4 @@ def audit(state: Any, *, config: dict | str | Path | None = None, progress: dict
                      + "; ".join(f"{str(opt_entries[i][0]) if i < len(opt_entries) else '-'} with "
                                  f"{str(sch_entries[i][0]) if i < len(sch_entries) else '-'}"
                                  for i in range(max(len(opt_entries), len(sch_entries)))))
-    return PolicyAudit(parts=part_paths, groups=groups, scheduler=sched_info, counters=counters,
-                       findings=findings, overrides=overrides, schedulers=schedulers, notes=notes)
+    return notes

@@ -13,6 +13,8 @@ from typing import Any
 from ckpt_archive.format.config_file import load_config
 from ckpt_archive.training.audit import Finding, PolicyAudit, audit, missing_scheduler_message
 from ckpt_archive.training.parts import ALIASES, RNG_STREAMS, find_parts, is_tensor, norm_key, rng_streams_by_key
+from ckpt_archive.training.session import compare_with_session
+from ckpt_archive.training.session_config import archived_config
 from ckpt_archive.training.values import flatten, fmt_value
 
 
@@ -68,81 +70,103 @@ def lint_completeness(state: Any, *, config: dict | str | Path | None = None, pr
                 cfg = state[key]
                 break
     parts = find_parts(state, keys)
-    out: list[Finding] = []
-    nb = "not bitwise-resumable: "
-    cc = "could not check: "
+    hidden = _Hidden(unseen, dcp)
+    return (_lint_rng(parts, hidden) + _lint_data(state, parts, progress or {}, hidden)
+            + _lint_optimizer(parts, hidden) + _lint_scheduler(state, parts, progress, keys)
+            + _lint_scaler(cfg, parts, hidden))
 
-    def hidden(part: str) -> str | None:
-        """Where ``part`` may be although it is not in the readable state (opaque files, DCP shards)."""
-        if dcp:
+
+_NB = "not bitwise-resumable: "
+_CC = "could not check: "
+
+
+class _Hidden:
+    """Where a part may be although it is not in the readable state (opaque files, DCP shards)."""
+
+    def __init__(self, unseen: list[str] | tuple, dcp: bool):
+        self.unseen, self.dcp = list(unseen), dcp
+
+    def __call__(self, part: str) -> str | None:
+        if self.dcp:
             return ("the torch.distributed.checkpoint shards (kept byte for byte, not read here) hold the "
                     f"checkpoint's state; {part} state may be inside them")
-        names = [u for u in unseen if norm_key(u) in ALIASES.get(part, ()) or part in norm_key(u)]
+        names = [u for u in self.unseen if norm_key(u) in ALIASES.get(part, ()) or part in norm_key(u)]
         if names:
             return f"{part} state is inside an opaque file ({', '.join(names)}), kept byte for byte and never loaded"
-        if unseen:
-            return (f"no {part} state in the readable files; {len(unseen)} opaque file(s) ({', '.join(unseen[:4])}"
-                    f"{', ...' if len(unseen) > 4 else ''}) were not read and may hold it")
+        if self.unseen:
+            return (f"no {part} state in the readable files; {len(self.unseen)} opaque file(s) "
+                    f"({', '.join(self.unseen[:4])}{', ...' if len(self.unseen) > 4 else ''}) were not read and may "
+                    f"hold it")
         return None
 
+
+def _lint_rng(parts: dict, hidden: _Hidden) -> list[Finding]:
     rng_entries = parts.get("rng")
     if not rng_entries and hidden("rng"):
-        out.append(Finding("info", "rng", cc + hidden("rng")))
-    elif not rng_entries:
-        out.append(Finding("warning", "rng", nb + "no RNG state saved (Python, NumPy, torch): dropout masks, "
-                           "augmentations and shuffles draw different numbers after the resume"))
-    else:
-        streams = rng_streams_by_key(rng_entries[0][1])
-        if not streams and is_tensor(rng_entries[0][1]):
-            streams = {"torch": rng_entries[0][1]}
-        missing = [s for s in RNG_STREAMS if s not in streams]
-        if missing:
-            out.append(Finding("warning", str(rng_entries[0][0]),
-                               nb + f"RNG streams missing: {', '.join(missing)}: those draw different numbers "
-                               f"after the resume"))
-    prog_cursor = (progress or {}).get("cursor")
-    data = parts.get("data")
-    if not data and prog_cursor is None and not _has_data_order(state):
-        # the manifest's progress counts too (what Checkpointer.save(step=) and pack --step record)
-        counters = parts.get("progress") or any((progress or {}).get(k) is not None for k in ("step", "epoch"))
-        if hidden("data"):
-            out.append(Finding("info", "data", cc + hidden("data")))
-        elif counters:
-            # A script may derive its position in the epoch from the saved step and epoch (and reseed its
-            # sampler): then nothing is lost. Only a guess either way.
-            out.append(Finding("info", "data", cc + "no data permutation or cursor found, only step/epoch "
-                               "counters: if the script derives its position in the epoch from them (and reseeds "
-                               "its sampler per epoch), the resume is exact; if not, the resumed run probably "
-                               "restarts the epoch's sample order"))
-        else:
-            out.append(Finding("warning", "data", nb + "no data permutation, cursor or step counter saved: the "
-                               "resumed run probably restarts the epoch's sample order, replaying some samples "
-                               "and never seeing others"))
+        return [Finding("info", "rng", _CC + hidden("rng"))]
+    if not rng_entries:
+        return [Finding("warning", "rng", _NB + "no RNG state saved (Python, NumPy, torch): dropout masks, "
+                        "augmentations and shuffles draw different numbers after the resume")]
+    streams = rng_streams_by_key(rng_entries[0][1])
+    if not streams and is_tensor(rng_entries[0][1]):
+        streams = {"torch": rng_entries[0][1]}
+    missing = [s for s in RNG_STREAMS if s not in streams]
+    if missing:
+        return [Finding("warning", str(rng_entries[0][0]), _NB + f"RNG streams missing: {', '.join(missing)}: those "
+                        f"draw different numbers after the resume")]
+    return []
+
+
+def _lint_data(state: Any, parts: dict, progress: dict, hidden: _Hidden) -> list[Finding]:
+    """No data permutation, cursor or sampler state. With step/epoch counters (in the state, or the manifest's
+    ``progress`` a source recorded, e.g. an Accelerate folder's optimizer step) a script may derive its position
+    from them: only a guess either way (info); without any counter a warning."""
+    if parts.get("data") or progress.get("cursor") is not None or _has_data_order(state):
+        return []
+    if hidden("data"):
+        return [Finding("info", "data", _CC + hidden("data"))]
+    if parts.get("progress") or any(progress.get(k) is not None for k in ("step", "epoch")):
+        # A script may derive its position in the epoch from the saved step and epoch (and reseed its
+        # sampler): then nothing is lost. Only a guess either way.
+        return [Finding("info", "data", _CC + "no data permutation or cursor found, only step/epoch "
+                        "counters: if the script derives its position in the epoch from them (and reseeds "
+                        "its sampler per epoch), the resume is exact; if not, the resumed run probably "
+                        "restarts the epoch's sample order")]
+    return [Finding("warning", "data", _NB + "no data permutation, cursor or step counter saved: the "
+                    "resumed run probably restarts the epoch's sample order, replaying some samples "
+                    "and never seeing others")]
+
+
+def _lint_optimizer(parts: dict, hidden: _Hidden) -> list[Finding]:
     opt = parts.get("optimizer")
     if not opt and hidden("optimizer"):
-        out.append(Finding("info", "optimizer", cc + hidden("optimizer")))
-    elif not opt:
-        out.append(Finding("warning", "optimizer", nb + "no optimizer state: moments and step counters restart "
-                           "from zero (Adam's bias correction starts over)"))
-    else:
-        for path, o in opt:
-            st = o.get("state") if isinstance(o, dict) else None
-            if not st and not _stateless(o):
-                out.append(Finding("warning", f"{path}.state",
-                                   nb + "optimizer state is empty: no moments saved, the resumed run restarts "
-                                   "them from zero"))
-    if not parts.get("scheduler") and opt and any(
-            isinstance(g, dict) and "initial_lr" in g for _, o in opt for g in (o.get("param_groups") or [])):
-        a = audit(state, progress=progress, keys=keys)
-        out.append(Finding("warning", "scheduler", nb + missing_scheduler_message(a.counters)))
+        return [Finding("info", "optimizer", _CC + hidden("optimizer"))]
+    if not opt:
+        return [Finding("warning", "optimizer", _NB + "no optimizer state: moments and step counters restart "
+                        "from zero (Adam's bias correction starts over)")]
+    return [Finding("warning", f"{path}.state", _NB + "optimizer state is empty: no moments saved, the resumed run "
+                    "restarts them from zero")
+            for path, o in opt if not (o.get("state") if isinstance(o, dict) else None) and not _stateless(o)]
+
+
+def _lint_scheduler(state: Any, parts: dict, progress: dict | None, keys: dict | None) -> list[Finding]:
+    opt = parts.get("optimizer") or []
+    if parts.get("scheduler") or not any(isinstance(g, dict) and "initial_lr" in g
+                                         for _, o in opt for g in (o.get("param_groups") or [])):
+        return []
+    a = audit(state, progress=progress, keys=keys)
+    return [Finding("warning", "scheduler", _NB + missing_scheduler_message(a.counters))]
+
+
+def _lint_scaler(cfg: dict, parts: dict, hidden: _Hidden) -> list[Finding]:
     amp = _amp_configured(cfg)
-    if amp and not parts.get("scaler") and hidden("scaler"):
-        out.append(Finding("info", "scaler", cc + f"AMP configured ({amp}); " + hidden("scaler")))
-    elif amp and not parts.get("scaler"):
-        out.append(Finding("warning", "scaler", nb + f"AMP configured ({amp}) but no GradScaler state: the loss "
-                           f"scale restarts at its initial value, so the first steps after the resume are "
-                           f"skipped or scaled differently"))
-    return out
+    if not amp or parts.get("scaler"):
+        return []
+    if hidden("scaler"):
+        return [Finding("info", "scaler", _CC + f"AMP configured ({amp}); " + hidden("scaler"))]
+    return [Finding("warning", "scaler", _NB + f"AMP configured ({amp}) but no GradScaler state: the loss "
+                    f"scale restarts at its initial value, so the first steps after the resume are "
+                    f"skipped or scaled differently")]
 
 
 def _has_data_order(state: Any) -> bool:
@@ -161,38 +185,35 @@ def _has_data_order(state: Any) -> bool:
     return False
 
 
-def archived_config(state: Any, config: Any = None) -> tuple[dict, str]:
-    """The run's own config: ``config`` (packed with ``--config``) if given, else the copy inside the state
-    (``config``, ``hyper_parameters`` (Lightning), ``hparams``, ``args``, ``cfg``). Returns ``(dict, where)``."""
-    cfg = load_config(config) if config else {}
-    if cfg:
-        return cfg, "the packed config"
-    if isinstance(state, dict):
-        for key in ("config", "hyper_parameters", "hparams", "args", "cfg"):
-            if isinstance(state.get(key), dict) and state[key]:
-                return state[key], f"the state's {key}"
-    return {}, ""
-
-
 def config_disagreements(state: Any, config: Any = None) -> list[Finding]:
     """The archived config's LR keys against the optimizer/scheduler state of the same checkpoint.
 
     A config that says ``lr: 1e-4`` while the state's ``initial_lr`` and ``base_lrs`` say ``1e-6`` means the
     state was not trained (or will not resume) with that config: the resumed run follows the state. Each
-    differing field is a warning naming both values and the config key.
+    differing field is a warning naming both values and the config key. What the next-step model knows is not
+    policy carried by the state is not compared (:func:`~ckpt_archive.training.session.compare_with_session`):
+    the ``lr`` of a group the script schedules itself (no scheduler state, a hand-written schedule in the
+    config), a hyperparameter of a group the script set apart (``weight_decay = 0`` on norms and biases). The
+    ``lr`` of a group without scheduler state that is not the config's, with no schedule named, is information:
+    the run itself set it (or the config is not the one it ran with), and the resume continues it.
     """
-    from ckpt_archive.training.session import compare_with_session
-
     cfg, where = archived_config(state, config)
     if not cfg:
         return []
     out = []
     for d in compare_with_session(state, session_config=cfg, archived_config=cfg):
         key = d.config_key or d.field.rsplit(".", 1)[-1]
+        a, c = fmt_value(d.archived), fmt_value(d.session)
+        if d.lr_set_by == "state" and d.field.endswith(".lr"):
+            out.append(Finding("info", d.field,
+                               f"{where} says {key} = {c} but the state holds {a} and no scheduler state is saved: "
+                               f"the script set the LR itself (a hand-written schedule), or the config is not the "
+                               f"one the run used; the resumed run uses what the script sets, else {a}"))
+            continue
         out.append(Finding("warning", d.field,
-                           f"{where} says {key} = {fmt_value(d.session)} but the state holds {fmt_value(d.archived)} "
-                           f"(takes effect {d.when}): optimizer and scheduler state do not follow the config they "
-                           f"were archived with; the resumed run uses the state's value"))
+                           f"{where} says {key} = {c} but the state holds {a} (takes effect {d.when}): optimizer and "
+                           f"scheduler state do not follow the config they were archived with; the resumed run uses "
+                           f"the state's value"))
     return out
 
 

@@ -20,7 +20,9 @@ import math
 from typing import Any
 
 from ckpt_archive.errors import UsageError
+from ckpt_archive.training.changes import put
 from ckpt_archive.training.schedulers import scheduler_kind
+from ckpt_archive.training.session_config import per_group
 from ckpt_archive.training.values import as_float, coerce_float, nearly_equal
 
 #: rtol for "the lr is the base reduced k times by factor" (torch multiplies k times: rounding accumulates)
@@ -84,54 +86,14 @@ def cyclic_slots(groups: list[dict], sd: dict) -> list[tuple[float | None, float
              as_float(maxs[i]) if i < len(maxs) else None) for i in range(n)]
 
 
-def compare_cyclic(groups: list, sch: dict, sess: dict, opt_field: str, sch_field: str, add: Any) -> None:
-    """CyclicLR: config ``base_lr`` against ``base_lrs`` (= ``initial_lr``), ``max_lr`` against ``max_lrs``;
-    the config's ``lr`` is the optimizer constructor's, which CyclicLR overrides, and is not compared."""
-    from ckpt_archive.training.session import per_group
-
-    slots = cyclic_slots(groups, sch)
-    for key, pos, field in (("base_lr", 0, "base_lrs"), ("max_lr", 1, "max_lrs")):
-        if key not in sess:
-            continue
-        for i, (slot, want) in enumerate(zip(slots, per_group(sess[key], len(slots)))):
-            have, want = slot[pos], coerce_float(want)
-            if have is not None and want is not None and not nearly_equal(have, want):
-                add(f"{sch_field}.{field}[{i}]", have, want,
-                    f"config {sess['source'][key]}; CyclicLR cycles between base_lrs and max_lrs",
-                    "at the next scheduler.step()")
-
 def cyclic_wants(sch: Any, sess: dict, lr: Any, n: int) -> tuple[list | None, list | None]:
     """CyclicLR: the session's ``base_lr`` and ``max_lr`` per group (None where the config names none)."""
-    from ckpt_archive.training.session import per_group
-
     if base_kind(sch) != "cyclic":
         return None, None
     n = n or len(cyclic_slots([], sch))
     base = lr if lr is not None else sess.get("base_lr")
     return (per_group(base, n) if base is not None else None,
             per_group(sess["max_lr"], n) if "max_lr" in sess else None)
-
-def _same_type(template: Any, value: float) -> Any:
-    if hasattr(template, "dtype") and hasattr(template, "device"):
-        import torch
-
-        return torch.tensor(value, dtype=template.dtype, device=template.device)
-    return value
-
-
-def _put(container: Any, key: Any, value: float, field: str, changes: list, note: str = "") -> None:
-    """``container[key] = value`` (keeping a tensor a tensor), recorded as a change when it differs."""
-    from ckpt_archive.training.session import PolicyChange
-
-    old = as_float(container[key])
-    if old is None or old == value:
-        return
-    container[key] = _same_type(container[key], value)
-    for c in changes:
-        if c.field == field:
-            c.new = value
-            return
-    changes.append(PolicyChange(field, old, value, note))
 
 
 def impose_cyclic(groups: list, sd: dict, want_base: list, want_max: list | None, ofield: str, sfield: str,
@@ -147,10 +109,7 @@ def impose_cyclic(groups: list, sd: dict, want_base: list, want_max: list | None
     slots = cyclic_slots(groups, sd)
     last = sd.get("_last_lr")
     for i, (ob, om) in enumerate(slots):
-        nb = coerce_float(want_base[i]) if want_base and i < len(want_base) else None
-        nm = coerce_float(want_max[i]) if want_max and i < len(want_max) else None
-        nb = ob if nb is None else nb
-        nm = om if nm is None else nm
+        nb, nm = _pick(want_base, i, ob), _pick(want_max, i, om)
         if ob is None or om is None or (nearly_equal(nb, ob) and nearly_equal(nm, om)):
             continue
         g = groups[i] if i < len(groups) else None
@@ -161,12 +120,16 @@ def impose_cyclic(groups: list, sd: dict, want_base: list, want_max: list | None
         for key, v in (("base_lrs", nb), ("max_lrs", nm), ("_last_lr", new_lr)):
             vals = sd.get(key)
             if isinstance(vals, list) and i < len(vals):
-                _put(vals, i, v, f"{sfield}.{key}[{i}]", changes)
-        if g is not None:
-            if "initial_lr" in g:
-                _put(g, "initial_lr", nb, f"{ofield}.param_groups[{i}].initial_lr", changes)
-            if "lr" in g:
-                _put(g, "lr", new_lr, f"{ofield}.param_groups[{i}].lr", changes)
+                put(vals, i, v, f"{sfield}.{key}[{i}]", changes)
+        for key, v in (("initial_lr", nb), ("lr", new_lr)):
+            if g is not None and key in g:
+                put(g, key, v, f"{ofield}.param_groups[{i}].{key}", changes)
+
+
+def _pick(wants: list | None, i: int, archived: float | None) -> float | None:
+    """The session's value for slot ``i`` (None in ``wants``, or no ``wants``: the archived one is kept)."""
+    want = coerce_float(wants[i]) if wants and i < len(wants) else None
+    return archived if want is None else want
 
 
 def impose_plateau(groups: list, sd: dict | None, wants: list, olds: list, ofield: str, sfield: str,
@@ -200,9 +163,9 @@ def impose_plateau(groups: list, sd: dict | None, wants: list, olds: list, ofiel
             new = max(new, floor)
         note = (f"ReduceLROnPlateau: the current lr rescaled by session base / archived base "
                 f"{want:g} / {old:g}, keeping the reductions made so far")
-        _put(g, "lr", new, f"{ofield}.param_groups[{i}].lr", changes, note)
+        put(g, "lr", new, f"{ofield}.param_groups[{i}].lr", changes, note)
         if "initial_lr" in g:
-            _put(g, "initial_lr", want, f"{ofield}.param_groups[{i}].initial_lr", changes)
+            put(g, "initial_lr", want, f"{ofield}.param_groups[{i}].initial_lr", changes)
         last = sd.get("_last_lr")
         if isinstance(last, list) and i < len(last):
-            _put(last, i, new, f"{sfield}._last_lr[{i}]", changes, note)
+            put(last, i, new, f"{sfield}._last_lr[{i}]", changes, note)

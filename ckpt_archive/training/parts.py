@@ -85,49 +85,18 @@ def find_parts(state: Any, keys: dict | None = None) -> dict[str, list[tuple[Sta
     Raises:
         UsageError: a path given in ``keys`` does not exist in ``state``.
     """
-    found: dict[str, list[tuple[StatePath, Any]]] = {}
-    keys = dict(keys or {})
-    for part, spec in keys.items():
-        if part not in PARTS:
-            raise UsageError(f"unknown part {part!r} in keys (known: {', '.join(PARTS)})")
-        try:
-            path = StatePath.parse(spec)
-        except ValueError as exc:
-            raise UsageError(f"keys[{part!r}]: {exc}") from None
-        try:
-            obj = path.get(state)
-        except (KeyError, IndexError, TypeError):
-            raise UsageError(f"keys[{part!r}]: no {str(path)!r} in the checkpoint") from None
-        found[part] = _expand(part, path, obj)
+    found = _given_parts(state, keys)
     if not isinstance(state, dict):
         return found
     given = set(found)
     # 1. conventional names at the top level, then one level down (e.g. {"checkpoint": {...}}); of
     # several such sub-checkpoints (a folder with epoch_1.pt and epoch_2.pt) only the newest.
     containers = list(_containers(state))
+    subs = {id(c) for c, _ in containers[1:]}
     if len(containers) > 2:
         containers = [containers[0], newest_container(containers[1:])]
     for depth_state, prefix in containers:
-        here: set[str] = set()
-        for key, obj in depth_state.items():
-            nk = norm_key(key)
-            for part, names in ALIASES.items():
-                if part in given or nk not in names:
-                    continue
-                # several optimizers/schedulers/scalers in one container (Accelerate's optimizer.bin and
-                # optimizer_1.bin) are all kept; of any other part the first; an outer container wins.
-                if part in found and (part not in here or part not in _MULTI):
-                    continue
-                if part == "model" and not isinstance(obj, dict):
-                    continue
-                if part in ("optimizer", "scheduler") and not (
-                        looks_like(part, obj) or (isinstance(obj, (list, tuple)) and obj
-                                                   and all(looks_like(part, x) for x in obj))):
-                    continue
-                if part == "scaler" and not isinstance(obj, dict):
-                    continue
-                found.setdefault(part, []).extend(_expand(part, prefix.child(key), obj))
-                here.add(part)
+        _conventional_parts(depth_state, prefix, given, subs, found)
     for part in _MULTI:
         if part in found and part not in given:
             found[part].sort(key=lambda e: _rank(e[0]))
@@ -149,6 +118,57 @@ def find_parts(state: Any, keys: dict | None = None) -> dict[str, list[tuple[Sta
     if prog is not None:
         found["progress"] = [prog]
     return found
+
+
+def _given_parts(state: Any, keys: dict | None) -> dict[str, list[tuple[StatePath, Any]]]:
+    """The parts named by ``keys`` (see :func:`find_parts`).
+
+    Raises:
+        UsageError: an unknown part, a malformed path, or a path that does not exist.
+    """
+    found: dict[str, list[tuple[StatePath, Any]]] = {}
+    for part, spec in dict(keys or {}).items():
+        if part not in PARTS:
+            raise UsageError(f"unknown part {part!r} in keys (known: {', '.join(PARTS)})")
+        try:
+            path = StatePath.parse(spec)
+        except ValueError as exc:
+            raise UsageError(f"keys[{part!r}]: {exc}") from None
+        try:
+            obj = path.get(state)
+        except (KeyError, IndexError, TypeError):
+            raise UsageError(f"keys[{part!r}]: no {str(path)!r} in the checkpoint") from None
+        found[part] = _expand(part, path, obj)
+    return found
+
+
+def _conventional_parts(container: dict, prefix: StatePath, given: set, subs: set, found: dict) -> None:
+    """Add the parts found under conventional names in one container to ``found``. Several
+    optimizers/schedulers/scalers in one container (Accelerate's optimizer.bin and optimizer_1.bin) are all
+    kept; of any other part the first; an outer container wins. A sub-checkpoint (``model_0.pth`` holding a
+    whole checkpoint) is never itself a part, whatever its name."""
+    here: set[str] = set()
+    for key, obj in container.items():
+        if id(obj) in subs:
+            continue
+        nk = norm_key(key)
+        for part, names in ALIASES.items():
+            if part in given or nk not in names or not _fits(part, obj):
+                continue
+            if part in found and (part not in here or part not in _MULTI):
+                continue
+            found.setdefault(part, []).extend(_expand(part, prefix.child(key), obj))
+            here.add(part)
+
+
+def _fits(part: str, obj: Any) -> bool:
+    """Whether ``obj``, found under a conventional name of ``part``, can be that part."""
+    if part in ("model", "scaler"):
+        return isinstance(obj, dict)
+    if part in ("optimizer", "scheduler"):
+        return looks_like(part, obj) or (isinstance(obj, (list, tuple)) and bool(obj)
+                                         and all(looks_like(part, x) for x in obj))
+    return True
 
 
 #: Parts of which a checkpoint may hold several (one per optimizer), paired by their ``_<n>`` suffix.
@@ -187,11 +207,14 @@ def sub_checkpoints(state: Any) -> list[str]:
 
 
 def _containers(state: dict) -> Iterable[tuple[dict, StatePath]]:
-    """The top level, then sub-dicts that hold optimizer/scheduler names (``{"checkpoint": {...}}``)."""
+    """The top level, then the sub-checkpoints: sub-dicts holding an optimizer or scheduler state under a
+    conventional name (``{"checkpoint": {...}}``, a folder's ``epoch_9.pt``, or ``model_0.pth`` whose name reads
+    as a model but which holds a whole checkpoint)."""
     yield state, StatePath()
     for key, obj in state.items():
-        if isinstance(obj, dict) and norm_key(key) not in ALIASES["model"] and not looks_like("optimizer", obj):
-            if any(norm_key(k) in ALIASES["optimizer"] + ALIASES["scheduler"] for k in obj):
+        if isinstance(obj, dict) and not looks_like("optimizer", obj) and not looks_like("scheduler", obj):
+            if any(norm_key(k) in ALIASES[part] and _fits(part, v)
+                   for k, v in obj.items() for part in ("optimizer", "scheduler")):
                 yield obj, StatePath((key,))
 
 

@@ -16,7 +16,9 @@ from ckpt_archive.errors import UsageError
 from ckpt_archive.training.audit import PolicyAudit, audit, missing_scheduler_message
 from ckpt_archive.training.parts import find_parts
 from ckpt_archive.training.rng_restore import restore_rng
-from ckpt_archive.training.session import PolicyChange, impose_lrs, per_group
+from ckpt_archive.training.changes import PolicyChange
+from ckpt_archive.training.impose import impose_lrs
+from ckpt_archive.training.session_config import archived_lr, lr_base_field, per_group, spread_scalar_lr
 from ckpt_archive.training.structure import check_structure
 from ckpt_archive.training.values import as_float, fmt_value, jsonable
 
@@ -139,33 +141,33 @@ def restore_training_state(state: Any, *, model: Any = None, optimizer: Any = No
                              parts["scheduler"][0] or "scheduler", **policy_kw)
 
     # The RNG streams last: nothing that runs during the restore draws from a restored stream.
-    rng_report: dict = {}
-    numpy_gen = None
-    bitwise = True
-    rng_part = found.get("rng")
-    if rng is False:
-        skipped["rng"] = "rng=False"
-    elif not rng_part:
-        skipped["rng"] = "no RNG state in the checkpoint"
-        warnings.append("no RNG state in the checkpoint: the random streams continue from this process's "
-                        "seeds: not bitwise-resumable")
-        bitwise = False
-    else:
-        done = restore_rng(rng_part[0][1], rng)
-        rng_report, numpy_gen, bitwise = done.report, done.numpy_generator, done.bitwise
-        warnings.extend(done.warnings)
-        restored.append("rng")
-
-    if optimizer is not None:
-        next_lrs = [float(as_float(g["lr"])) for g in optimizer.param_groups]
-    else:
-        next_lrs = [g.next_lr for g in a.groups if g.next_lr is not None]
-    if any(p in skipped and skipped[p] != f"no live {p} given" for p in ("optimizer", "scheduler", "scaler")):
-        bitwise = False  # a live object was given for a part the checkpoint lacks
+    rng_report, numpy_gen, bitwise = _restore_rng_last(found.get("rng"), rng, restored, skipped, warnings)
+    next_lrs = ([float(as_float(g["lr"])) for g in optimizer.param_groups] if optimizer is not None
+                else [g.next_lr for g in a.groups if g.next_lr is not None])
+    # a live object given for a part the checkpoint lacks
+    bitwise = bitwise and not any(skipped.get(p, f"no live {p} given") != f"no live {p} given"
+                                  for p in ("optimizer", "scheduler", "scaler"))
     _log_summary(log, warnings, restored, a, policy, next_lrs)
     return RestoreReport(restored=restored, skipped=skipped, policy=policy, next_lrs=next_lrs, changes=changes,
                          rng=rng_report, bitwise_resumable=bitwise, warnings=warnings, numpy_generator=numpy_gen,
                          audit=a)
+
+
+def _restore_rng_last(rng_part: list | None, rng: bool | dict, restored: list[str], skipped: dict,
+                      warnings: list[str]) -> tuple[dict, Any, bool]:
+    """Restore the RNG streams (after every other part); ``(report, numpy generator, bitwise)``."""
+    if rng is False:
+        skipped["rng"] = "rng=False"
+        return {}, None, True
+    if not rng_part:
+        skipped["rng"] = "no RNG state in the checkpoint"
+        warnings.append("no RNG state in the checkpoint: the random streams continue from this process's "
+                        "seeds: not bitwise-resumable")
+        return {}, None, False
+    done = restore_rng(rng_part[0][1], rng)
+    warnings.extend(done.warnings)
+    restored.append("rng")
+    return done.report, done.numpy_generator, done.bitwise
 
 
 def _stale_scheduler_bases(state: Any, parts: dict, optimizer: Any, keys: dict | None) -> list[str]:
@@ -174,7 +176,7 @@ def _stale_scheduler_bases(state: Any, parts: dict, optimizer: Any, keys: dict |
     LR, then the next ``scheduler.step()`` switches to the archived bases. A warning, as the CLI's is."""
     if optimizer is None or parts["optimizer"][1] is not None or not isinstance(parts["scheduler"][1], dict):
         return []
-    from ckpt_archive.training.session import compare_with_session, lr_base_field
+    from ckpt_archive.training.session import compare_with_session
 
     bases = [as_float(g.get(lr_base_field(g))) for g in optimizer.param_groups]
     if None in bases:
@@ -183,7 +185,8 @@ def _stale_scheduler_bases(state: Any, parts: dict, optimizer: Any, keys: dict |
                                  keys=keys)
     return [f"{d.field}: archived {fmt_value(d.archived)}, session {fmt_value(d.session)} (the live optimizer's base "
             f"LR): the checkpoint holds no optimizer state, so the next step runs at the session's LR, then the next "
-            f"scheduler.step() computes from the archived base_lrs; policy='session' keeps the session's"
+            f"scheduler.step() computes from the archived base_lrs (takes effect {d.when}); policy='session' keeps "
+            f"the session's"
             for d in diffs if ".base_lrs[" in d.field]
 
 
@@ -193,14 +196,12 @@ def _session_bases(optimizer: Any, session_lr: float | Sequence[float] | None, s
     ``session_lr`` for archived groups with different base LRs keeps each group's ratio
     (:func:`~ckpt_archive.training.session.spread_scalar_lr`, as ``apply_session_policy`` and the CLI do)."""
     if session_lr is not None:
-        from ckpt_archive.training.session import _archived_lr, lr_base_field, spread_scalar_lr
-
         saved = [g for g in ((saved_optimizer or {}).get("param_groups") or []) if isinstance(g, dict)] \
             if isinstance(saved_optimizer, dict) else []
         if isinstance(session_lr, (list, tuple)) or len(saved) != len(optimizer.param_groups):
             return per_group(session_lr, len(optimizer.param_groups))
         return spread_scalar_lr(session_lr, [as_float(g.get(lr_base_field(g))) for g in saved],
-                                _archived_lr(state, None) if state is not None else None)
+                                archived_lr(state, None) if state is not None else None)
     return [as_float(g.get("max_lr", g.get("initial_lr", g["lr"]))) for g in optimizer.param_groups]
 
 
@@ -214,7 +215,6 @@ def _session_policy_kw(state: Any, parts: dict, scheduler: Any, session_bases: l
         UsageError: a ReduceLROnPlateau state whose base cannot be told while the session's differs.
     """
     from ckpt_archive.training.lr_bases import base_kind, impose_plateau, plateau_bases
-    from ckpt_archive.training.session import _archived_lr
 
     kind = base_kind(scheduler)
     if kind == "cyclic":
@@ -224,7 +224,7 @@ def _session_policy_kw(state: Any, parts: dict, scheduler: Any, session_bases: l
         return {}
     groups = [dict(g) for g in saved.get("param_groups") or [] if isinstance(g, dict)]
     ssd = parts["scheduler"][1] if isinstance(parts["scheduler"][1], dict) else {}
-    olds = plateau_bases(groups, ssd, _archived_lr(state, None))
+    olds = plateau_bases(groups, ssd, archived_lr(state, None))
     # The archived factor and min_lrs decide whether the lr is the session's base after whole reductions (a
     # dry run on copies: the archived state is not touched here).
     facts = {"factor": ssd.get("factor"), "min_lrs": list(ssd.get("min_lrs") or [])}

@@ -71,17 +71,10 @@ def _same(archived: Any, session: Any) -> bool:
 
 def _converted(archived: Any, session: Any) -> Any:
     """The session value in the archived value's type (an int stays an int); None if it cannot be."""
-    if isinstance(archived, bool):
-        return session if isinstance(session, bool) else None
-    if isinstance(archived, str):
-        return session if isinstance(session, str) else None
+    if isinstance(archived, (bool, str)):
+        return session if isinstance(session, type(archived)) else None
     if isinstance(archived, dict):
-        s = session if isinstance(session, (list, tuple)) else [session]
-        vals = [coerce_float(x) for x in s]
-        if None in vals or any(v != int(v) for v in vals):
-            return None
-        c = collections.Counter(int(v) for v in vals)
-        return c if type(archived) is collections.Counter else type(archived)(c)
+        return _counter(archived, session)
     if isinstance(archived, (list, tuple)):
         s = session if isinstance(session, (list, tuple)) else [session] * len(archived)
         if len(s) != len(archived):
@@ -94,6 +87,16 @@ def _converted(archived: Any, session: Any) -> Any:
     if isinstance(archived, int):
         return int(s) if s == int(s) else None
     return s
+
+
+def _counter(archived: dict, session: Any) -> Any:
+    """MultiStepLR's milestones (a Counter: milestone -> multiplicity) from a session list of whole numbers."""
+    s = session if isinstance(session, (list, tuple)) else [session]
+    vals = [coerce_float(x) for x in s]
+    if None in vals or any(v != int(v) for v in vals):
+        return None
+    c = collections.Counter(int(v) for v in vals)
+    return c if type(archived) is collections.Counter else type(archived)(c)
 
 
 def differences(sd: Any, settings: dict) -> list[tuple[str, Any, Any, str]]:

@@ -13,6 +13,25 @@ from typing import Any
 from ckpt_archive.training.values import as_float, as_number
 
 
+#: ``(class, keys its state_dict holds)`` in the order they are tried (no class name is saved): the first whose
+#: keys are all present names the class. SequentialLR and ChainedScheduler are told by ``_schedulers`` first.
+_KINDS = (
+    ("OneCycleLR", {"_schedule_phases", "total_steps"}),
+    ("CyclicLR", {"max_lrs"}),
+    ("CyclicLR", {"step_ratio"}),
+    ("ReduceLROnPlateau", {"patience", "factor"}),
+    ("CosineAnnealingWarmRestarts", {"T_0", "T_i", "T_cur"}),
+    ("CosineAnnealingLR", {"T_max"}),
+    ("StepLR", {"step_size", "gamma"}),
+    ("MultiStepLR", {"milestones", "gamma"}),
+    ("LinearLR", {"start_factor", "end_factor"}),
+    ("PolynomialLR", {"power", "total_iters"}),
+    ("ConstantLR", {"factor", "total_iters"}),
+    ("ExponentialLR", {"gamma"}),
+    ("LambdaLR", {"lr_lambdas"}),
+)
+
+
 def scheduler_kind(sd: dict) -> str:
     """Name the torch scheduler class a state_dict comes from, by its keys (no class name is saved).
 
@@ -23,36 +42,12 @@ def scheduler_kind(sd: dict) -> str:
         one of ``SequentialLR``, ``ChainedScheduler``, ``OneCycleLR``, ``CyclicLR``,
         ``ReduceLROnPlateau``, ``CosineAnnealingWarmRestarts``, ``CosineAnnealingLR``, ``StepLR``,
         ``MultiStepLR``, ``LinearLR``, ``PolynomialLR``, ``ConstantLR``, ``ExponentialLR``,
-        ``LambdaLR`` (also ``MultiplicativeLR``: the same keys), or ``unknown``.
+        ``LambdaLR`` (also ``MultiplicativeLR``: the same keys), or ``unknown`` (:data:`_KINDS`).
     """
     k = set(sd)
     if "_schedulers" in k:
         return "SequentialLR" if "_milestones" in k else "ChainedScheduler"
-    if "_schedule_phases" in k and "total_steps" in k:
-        return "OneCycleLR"
-    if "max_lrs" in k or "step_ratio" in k:
-        return "CyclicLR"
-    if "patience" in k and "factor" in k:
-        return "ReduceLROnPlateau"
-    if {"T_0", "T_i", "T_cur"} <= k:
-        return "CosineAnnealingWarmRestarts"
-    if "T_max" in k:
-        return "CosineAnnealingLR"
-    if "step_size" in k and "gamma" in k:
-        return "StepLR"
-    if "milestones" in k and "gamma" in k:
-        return "MultiStepLR"
-    if "start_factor" in k and "end_factor" in k:
-        return "LinearLR"
-    if "power" in k and "total_iters" in k:
-        return "PolynomialLR"
-    if "factor" in k and "total_iters" in k:
-        return "ConstantLR"
-    if "gamma" in k:
-        return "ExponentialLR"
-    if "lr_lambdas" in k:
-        return "LambdaLR"
-    return "unknown"
+    return next((name for name, keys in _KINDS if keys <= k), "unknown")
 
 
 def _milestones(m: Any) -> list[int]:
@@ -93,72 +88,82 @@ def derive_lrs(sd: dict, groups: list[dict] | None = None) -> tuple[str, list[fl
     bases = [as_float(b) for b in (sd.get("base_lrs") or [])]
     try:
         if kind == "SequentialLR":
-            ms = [int(as_number(m)) for m in sd.get("_milestones") or []]
-            subs = sd.get("_schedulers") or []
-            idx = bisect.bisect_right(ms, int(e))
-            if idx >= len(subs):
-                return kind, None, f"milestone index {idx} has no sub-scheduler"
-            sub = subs[idx]
-            sub_kind, lrs, note = derive_lrs(sub, groups)
-            return f"SequentialLR[{idx}:{sub_kind}]", lrs, note
+            return _sequential(sd, e, groups)
         if e is None:
             return kind, None, "no last_epoch"
-        e = int(e)
         if kind == "OneCycleLR":
-            if groups is None:
-                return kind, None, "needs the optimizer's initial_lr/max_lr/min_lr"
-            if e > int(as_number(sd["total_steps"])):
-                return kind, None, f"last_epoch {e} exceeds total_steps {sd['total_steps']}"
-            lrs = []
-            for g in groups:
-                start = 0.0
-                phases = sd["_schedule_phases"]
-                for i, ph in enumerate(phases):
-                    end = float(as_number(ph["end_step"]))
-                    if e <= end or i == len(phases) - 1:
-                        pct = (e - start) / (end - start)
-                        a, b = float(as_number(g[ph["start_lr"]])), float(as_number(g[ph["end_lr"]]))
-                        if sd.get("_anneal_func_type", "cos") == "linear":
-                            lrs.append((b - a) * pct + a)
-                        else:
-                            lrs.append(b + (a - b) / 2.0 * (math.cos(math.pi * pct) + 1))
-                        break
-                    start = end
-            return kind, lrs, ""
+            return _one_cycle(sd, int(e), groups)
         if not bases or any(b is None for b in bases):
             return kind, None, "no base_lrs"
-        if kind == "StepLR":
-            g, s = float(as_number(sd["gamma"])), int(as_number(sd["step_size"]))
-            return kind, [b * g ** (e // s) for b in bases], ""
-        if kind == "MultiStepLR":
-            g = float(as_number(sd["gamma"]))
-            n = bisect.bisect_right(_milestones(sd["milestones"]), e)
-            return kind, [b * g ** n for b in bases], ""
-        if kind == "ExponentialLR":
-            g = float(as_number(sd["gamma"]))
-            return kind, [b * g ** e for b in bases], ""
-        if kind == "CosineAnnealingLR":
-            tm, mn = float(as_number(sd["T_max"])), float(as_number(sd["eta_min"]))
-            return kind, [mn + (b - mn) * (1 + math.cos(math.pi * e / tm)) / 2 for b in bases], ""
-        if kind == "CosineAnnealingWarmRestarts":
-            mn, tc, ti = float(as_number(sd["eta_min"])), float(as_number(sd["T_cur"])), float(as_number(sd["T_i"]))
-            return kind, [mn + (b - mn) * (1 + math.cos(math.pi * tc / ti)) / 2 for b in bases], ""
-        if kind == "LinearLR":
-            s0, s1, n = float(as_number(sd["start_factor"])), float(as_number(sd["end_factor"])), int(as_number(sd["total_iters"]))
-            return kind, [b * (s0 + (s1 - s0) * min(n, e) / n) for b in bases], ""
-        if kind == "ConstantLR":
-            f, n = float(as_number(sd["factor"])), int(as_number(sd["total_iters"]))
-            return kind, [b * (f + (e >= n) * (1 - f)) for b in bases], ""
-        if kind == "PolynomialLR":
-            p, n = float(as_number(sd["power"])), int(as_number(sd["total_iters"]))
-            return kind, [b * (1.0 - min(n, e) / n) ** p for b in bases], ""
+        if kind in _CLOSED_FORMS:
+            return kind, [_CLOSED_FORMS[kind](sd, int(e), b) for b in bases], ""
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         return kind, None, f"state incomplete for {kind} ({type(exc).__name__}: {exc})"
-    if kind == "LambdaLR":
-        return kind, None, "the lambda is code, not state: the next LR cannot be derived; _last_lr reported"
-    if kind == "ReduceLROnPlateau":
-        return kind, None, "depends on the metric history: the LR stays until the plateau rule fires"
-    return kind, None, f"{kind}: no closed form known here"
+    return kind, None, _NOT_DERIVABLE.get(kind, f"{kind}: no closed form known here")
+
+
+def _g(sd: dict, key: str) -> float:
+    return float(as_number(sd[key]))
+
+
+def _n(sd: dict, key: str) -> int:
+    return int(as_number(sd[key]))
+
+
+def _cosine(mn: float, b: float, pos: float) -> float:
+    return mn + (b - mn) * (1 + math.cos(math.pi * pos)) / 2
+
+
+#: kind -> the LR after ``e`` steps from base ``b`` (torch/optim/lr_scheduler.py ``_get_closed_form_lr``).
+_CLOSED_FORMS = {
+    "StepLR": lambda sd, e, b: b * _g(sd, "gamma") ** (e // _n(sd, "step_size")),
+    "MultiStepLR": lambda sd, e, b: b * _g(sd, "gamma") ** bisect.bisect_right(_milestones(sd["milestones"]), e),
+    "ExponentialLR": lambda sd, e, b: b * _g(sd, "gamma") ** e,
+    "CosineAnnealingLR": lambda sd, e, b: _cosine(_g(sd, "eta_min"), b, e / _g(sd, "T_max")),
+    "CosineAnnealingWarmRestarts": lambda sd, e, b: _cosine(_g(sd, "eta_min"), b, _g(sd, "T_cur") / _g(sd, "T_i")),
+    "LinearLR": lambda sd, e, b: b * (_g(sd, "start_factor") + (_g(sd, "end_factor") - _g(sd, "start_factor"))
+                                      * min(_n(sd, "total_iters"), e) / _n(sd, "total_iters")),
+    "ConstantLR": lambda sd, e, b: b * (_g(sd, "factor") + (e >= _n(sd, "total_iters")) * (1 - _g(sd, "factor"))),
+    "PolynomialLR": lambda sd, e, b: b * (1.0 - min(_n(sd, "total_iters"), e) / _n(sd, "total_iters")) ** _g(sd, "power"),
+}
+
+_NOT_DERIVABLE = {
+    "LambdaLR": "the lambda is code, not state: the next LR cannot be derived; _last_lr reported",
+    "ReduceLROnPlateau": "depends on the metric history: the LR stays until the plateau rule fires",
+}
+
+
+def _sequential(sd: dict, e: Any, groups: list[dict] | None) -> tuple[str, list[float] | None, str]:
+    """SequentialLR: the sub-scheduler ``bisect_right(milestones, e)`` at its own ``last_epoch``."""
+    ms = [int(as_number(m)) for m in sd.get("_milestones") or []]
+    subs = sd.get("_schedulers") or []
+    idx = bisect.bisect_right(ms, int(e))
+    if idx >= len(subs):
+        return "SequentialLR", None, f"milestone index {idx} has no sub-scheduler"
+    sub_kind, lrs, note = derive_lrs(subs[idx], groups)
+    return f"SequentialLR[{idx}:{sub_kind}]", lrs, note
+
+
+def _one_cycle(sd: dict, e: int, groups: list[dict] | None) -> tuple[str, list[float] | None, str]:
+    """OneCycleLR: the annealing phases over the group's ``initial_lr``/``max_lr``/``min_lr``."""
+    if groups is None:
+        return "OneCycleLR", None, "needs the optimizer's initial_lr/max_lr/min_lr"
+    if e > int(as_number(sd["total_steps"])):
+        return "OneCycleLR", None, f"last_epoch {e} exceeds total_steps {sd['total_steps']}"
+    linear = sd.get("_anneal_func_type", "cos") == "linear"
+    return "OneCycleLR", [_one_cycle_lr(sd["_schedule_phases"], e, g, linear) for g in groups], ""
+
+
+def _one_cycle_lr(phases: list, e: int, g: dict, linear: bool) -> float:
+    start = 0.0
+    for i, ph in enumerate(phases):
+        end = float(as_number(ph["end_step"]))
+        if e <= end or i == len(phases) - 1:
+            pct = (e - start) / (end - start)
+            a, b = float(as_number(g[ph["start_lr"]])), float(as_number(g[ph["end_lr"]]))
+            return (b - a) * pct + a if linear else b + (a - b) / 2.0 * (math.cos(math.pi * pct) + 1)
+        start = end
+    raise ValueError("OneCycleLR state without phases")
 
 
 def nested_base_lrs(sd: dict, field: str = "scheduler") -> list[tuple[str, list]]:

@@ -11,6 +11,8 @@ and the resumed run replays samples it has already seen.
 data-cursor negative control makes it): the control's run fails instead of training.
 ``--short-resume``: a resumed run stops after 2 updates and exits 0 (a run that did not do what it was
 asked); ``--short-on-odd-cursor``: only when the cursor is off a batch boundary (the data-cursor control's run).
+``--rollover-at-end``: start the next epoch (new permutation, cursor 0, epoch + 1) right after an epoch's last
+batch rather than before the next batch, so a checkpoint on an epoch boundary says cursor 0 of the next epoch.
 """
 import argparse
 import os
@@ -32,6 +34,7 @@ p.add_argument("--steps-is-total", action="store_true")
 p.add_argument("--refuse-odd-cursor", action="store_true")
 p.add_argument("--short-resume", action="store_true")
 p.add_argument("--short-on-odd-cursor", action="store_true")
+p.add_argument("--rollover-at-end", action="store_true")
 args = p.parse_args()
 
 torch.manual_seed(3)
@@ -68,6 +71,9 @@ for _ in range(todo):
     w = w - lr * 2.0 * (w - y)
     step += 1
     traj.record(step=step, sample_ids=ids, loss=loss, lr=[lr], epoch=epoch)
+    if args.rollover_at_end and pos >= len(perm):
+        epoch += 1
+        perm, pos, batches_this_run = [int(i) for i in rng.permutation(N)], 0, 0
 
 cursor = batches_this_run * BATCH if args.cursor_since_resume else pos
 torch.save({"model": {"w": w}, "rng": {"numpy": rng.bit_generator.state, "torch": torch.get_rng_state()},
