@@ -11,7 +11,7 @@ and that is enough for a ticket lock with fencing:
   ticket ``top`` was free: released, or stale.
 * A ticket holds ``owner`` (a random id), ``host``, ``pid``, ``since``, ``refreshed`` (UNIX seconds and
   RFC 3339) and ``lease`` (seconds). The holder rewrites its own ticket every ``lease / 4`` seconds.
-* A ticket is **stale** when it was not refreshed for ``lease`` seconds by the reader's clock, or, on the
+* A ticket is **stale** when it was not refreshed for its ``lease`` seconds by the reader's clock, or, on the
   same host, when its pid is gone (the local lock's rule: a killed writer on this machine is seen at
   once). A ticket that cannot be read as a lock record counts as stale (it cannot be anybody's lease).
 * **Fencing.** A holder whose lease lapsed (a stopped VM, a hung network) may still believe it holds the
@@ -130,10 +130,15 @@ class LeaseLock:
             return "stale", f"an unreadable lock ticket ({who})"
         if info.get("host") == socket.gethostname() and _pid_alive(info.get("pid")) is False:
             return "stale", f"{who}: that process is gone"
+        # the holder's own lease (it refreshes every lease / 4): a reader configured with a shorter one must not
+        # call a live holder stale; a value out of range falls back to this reader's
+        lease = info.get("lease")
+        if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not 1.0 <= lease <= 86400.0:
+            lease = self.lease
         age = self.clock() - refreshed
-        if age > self.lease:
-            return "stale", f"{who}: not refreshed for {age:.0f} s (lease {self.lease:.0f} s)"
-        return "held", f"{who}, refreshed {max(age, 0):.0f} s ago (lease {self.lease:.0f} s)"
+        if age > lease:
+            return "stale", f"{who}: not refreshed for {age:.0f} s (lease {lease:.0f} s)"
+        return "held", f"{who}, refreshed {max(age, 0):.0f} s ago (lease {lease:.0f} s)"
 
     # -- acquire / check / release ------------------------------------------------------------------
     def acquire(self, wait: float = 0.0) -> list[str]:
