@@ -398,7 +398,7 @@ def test_case4_lambda_lr_resume_passes_and_stale_scheduler_control_names_update_
             "--control", "scheduler", "--json", "--", *template("lambda_lr.py"))
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert report == _report(out)
+    assert report.pop("ok") is True and report == _report(out)  # the printed object adds ok (issue 26)
     assert report["all_checks_passed"] and report["positive"] and report["positive_comparison"]["matched"]
     resumed = _traj(out, "resumed")
     assert [u["step"] for u in resumed] == [6, 7, 8, 9, 10]
@@ -442,7 +442,7 @@ def test_case5_restoring_the_generator_alone_is_caught_with_first_batch_and_coun
     assert counts == [{"epoch": 1, "duplicated": 4, "never_seen": 0}, {"epoch": 2, "duplicated": 0, "never_seen": 4}]
     # and which samples: the 4 of epoch 1 consumed before the interruption are the ones replayed
     assert d["per_epoch"][0]["duplicated_ids"] == sorted(i for u in cont[:7] if u["epoch"] == 1 for i in u["sample_ids"])
-    assert "update 8" in r.stderr and "4 duplicated, 4 never-seen" in r.stderr
+    assert "update 8" in r.stdout and "4 duplicated, 4 never-seen" in r.stdout  # the result: stdout
     assert all(e["status"] == "not-run" for e in report["negative_controls"])
 
 
@@ -451,7 +451,7 @@ def test_unused_stream_perturbation_fails_the_check_unless_declared(tmp_path):
     r = cli("check-resume", "--steps", "4", "--interrupt-at", "2", "--output", str(out), "--control", "torch",
             "--", *template("shuffled_epochs.py"))
     assert r.returncode == 1, r.stderr
-    assert "perturbing the torch RNG changed nothing: either it is not restored or not used" in r.stderr
+    assert "perturbing the torch RNG changed nothing: either it is not restored or not used" in r.stdout
     report = _report(out)
     assert report["positive"] and report["positive_comparison"]["matched"]  # the resume itself is fine: only the control is empty
     assert report["negative_divergence_detected"] is False and not report["all_checks_passed"]
@@ -585,7 +585,8 @@ def test_cursor_counting_batches_since_the_last_resume_passes_a_second_interrupt
             "--json", "--", *template("epoch_cursor.py", "--cursor-since-resume"))
     assert r.returncode == 1, r.stderr
     report = json.loads(r.stdout)
-    assert report == _report(out) and report["interrupt_points"] == [2, 4]
+    assert report.pop("ok") == report["all_checks_passed"] and report == _report(out)
+    assert report["interrupt_points"] == [2, 4]
     assert report["positive"] is False and report["all_checks_passed"] is False
     d = report["positive_comparison"]["data_order"]
     assert d["first_divergent_step"] == 5 and d["duplicated"] == 4 and d["never_seen"] == 4
@@ -603,7 +604,9 @@ def test_cursor_counting_batches_since_the_last_resume_passes_a_second_interrupt
     from ckpt_archive.cli.common import Output
 
     report_human(Output(False), report, "check-resume")  # what a run without --json prints
-    assert "duplicated ids" in capsys.readouterr().err and any("data.cursor 4" in w for w in report["warnings"])
+    printed = capsys.readouterr()                             # the table: stdout; warnings: stderr (issue 26)
+    assert "duplicated ids" in printed.out and any("data.cursor 4" in w for w in report["warnings"])
+    assert "warning: interruption at update 4: data.cursor 4" in printed.err
     # the correct cursor passes the same two interruptions
     ok = cli("check-resume", "--steps", "8", "--interrupt-at", "2", "--interrupt-at", "4", "--output",
              str(tmp_path / "ok"), "--control", "data", "--json", "--", *template("epoch_cursor.py"))

@@ -37,7 +37,8 @@ def report(demo):
 def test_demo_exits_0_and_prints_exactly_one_json_object_on_stdout(demo, report):
     r, _ = demo
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == report  # stdout holds the report and nothing else
+    doc = json.loads(r.stdout)
+    assert doc.pop("ok") is True and doc == report  # stdout holds the report (and ok) and nothing else
     assert report["all_checks_passed"] is True and report["kind"] == "demo"
 
 
@@ -101,16 +102,36 @@ def test_demo_checkpoint_went_through_a_usable_verified_archive_generation(repor
     assert state["progress"]["step"] == 5 and state["data"]["cursor"] == 20
 
 
-def test_demo_prints_a_proof_table_on_stderr(demo, report, capsys):
+def test_demo_prints_a_proof_table_on_stdout(demo, report, capsys):
     r, _ = demo
     assert r.stderr == ""  # the demo ran with --json: nothing but the JSON object
     from ckpt_archive.cli.common import Output
     from ckpt_archive.cli.demo_cmd import render_demo
 
     render_demo(Output(False), report)  # what a run without --json prints, from the same report
-    err = capsys.readouterr().err
+    printed = capsys.readouterr()
     for text in ("20 of 24 (mid-epoch)", "0.00375", "negative control: omit-rng-restore", "PASSED"):
-        assert text in err
+        assert text in printed.out                            # the result goes to stdout (issue 26)
+    assert printed.err == ""
+
+
+def test_demo_draws_every_run_next_to_the_report_and_its_archive_remembers_it(demo, report):
+    """[issue 26] A picture where people would rather look than read: written next to verification.json,
+    naming the continuous, resumed and every control run with its first divergent update; the archive
+    repository records the check, so an export of it links the picture."""
+    pytest.importorskip("matplotlib")
+    from ckpt_archive.ops.export_proof import read_last_check
+    from ckpt_archive.repo.repository import Repository
+
+    _, out = demo
+    assert report["picture"] == "verification.svg"
+    svg = (out / "verification.svg").read_text()
+    assert "continuous (never interrupted)" in svg and "interrupted, archived, restored, resumed" in svg
+    for e in report["negative_controls"]:
+        assert f"control {e['name']}: first divergent update {e['first_divergent_step']}" in svg, e["name"]
+    assert "interrupted after update 5" in svg and "resume: 0 at every update (identical)" in svg
+    rec = read_last_check(Repository.open(report["archive"]["repository"]))
+    assert rec["kind"] == "demo" and rec["passed"] is True and rec["picture"] == str(out / "verification.svg")
 
 
 def test_demo_never_overwrites_an_earlier_proof(demo):
@@ -140,4 +161,7 @@ def test_resume_that_forgets_the_scheduler_exits_1_with_lr_apart_from_loss(tmp_p
     from ckpt_archive.cli.common import Output
 
     report_human(Output(False), report, "check-resume")  # what a run without --json prints
-    assert "LR diverges at update 7" in capsys.readouterr().err
+    assert "LR diverges at update 7" in capsys.readouterr().out
+    if report.get("picture"):                                 # the failure, named where a person looks
+        svg = (out / report["picture"]).read_text()
+        assert "the resume diverges here: update 7 (lr[0])" in svg and "the resume DIVERGES at update 7" in svg

@@ -377,3 +377,52 @@ def test_a_root_reached_through_the_users_own_link_works(tmp_path):
     assert cli("verify", tmp_path / "backups", "--deep").exit_code == 0
     assert cli("gc", tmp_path / "backups").exit_code == 0
     assert (real / "repository.json").is_file()
+
+
+def test_link_copy_and_symlink_into_a_dir_never_follow_or_replace_a_link_at_the_new_name(tmp_path, monkeypatch):
+    """The layer's operations for a snapshot of a trainer's folder (issue 27 met issue 24): the source is read by
+    its path (a link there followed, as the folder reader does), the new name is created exclusively, so a link
+    planted at it is an error, never followed or replaced; a copy keeps mode and times and leaves nothing when it
+    fails part-way; ``read_file`` refuses a link and never blocks on a FIFO."""
+    from ckpt_archive.errors import UnsafePath
+
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    (src_dir / "f").write_bytes(b"data" * 1000)
+    os.chmod(src_dir / "f", 0o640)
+    os.utime(src_dir / "f", ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    (src_dir / "via-link").symlink_to(src_dir / "f")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "planted").symlink_to(outside)
+    with fs.Dir.open(root) as d:
+        for op in (lambda n: d.link_from(src_dir / "f", n), lambda n: d.symlink("anywhere", n)):
+            with pytest.raises(FileExistsError):
+                op("planted")
+        with pytest.raises(UnsafePath, match="planted is a symbolic link"):
+            d.copy_from(src_dir / "f", "planted")
+        d.link_from(src_dir / "via-link", "linked")  # the source's link followed: the file it points to
+        assert os.stat(root / "linked").st_ino == os.stat(src_dir / "f").st_ino
+        assert d.copy_from(src_dir / "via-link", "copied") == 4000
+        st, src = os.stat(root / "copied"), os.stat(src_dir / "f")
+        assert (root / "copied").read_bytes() == b"data" * 1000 and st.st_ino != src.st_ino
+        assert (stat_mode(st), st.st_mtime_ns) == (0o640, src.st_mtime_ns)
+        monkeypatch.setattr(fs, "open_stream", lambda fd: _FillsUp(os.fdopen(fd, "wb"), 100))
+        with pytest.raises(OSError, match="No space"):
+            d.copy_from(src_dir / "f", "half")
+        monkeypatch.undo()
+        assert not (root / "half").exists()
+        with pytest.raises(UnsafePath):
+            d.read_file("planted", 100)
+        os.mkfifo(root / "fifo")
+        assert d.read_file("fifo", 100) is None and d.read_file("absent", 100) is None
+        assert d.read_file("copied", 3999) is None and d.read_file("copied", 4000) == b"data" * 1000
+    assert outside.read_bytes() == b"keep" and (root / "planted").is_symlink()
+
+
+def stat_mode(st: os.stat_result) -> int:
+    import stat
+
+    return stat.S_IMODE(st.st_mode)

@@ -256,7 +256,7 @@ def test_a_member_that_is_a_symlink_out_of_the_repository_is_not_read(tmp_path, 
     tree.unlink()
     os.symlink(outside, tree)
     res = cli("verify", f"{file_repo}@1")
-    assert res.exit_code == 1 and "symbolic link" in res.stderr
+    assert res.exit_code == 1 and "symbolic link" in res.stdout  # verify's verdict: stdout (issue 26)
     assert cli("gc", file_repo).exit_code == 0 and outside.exists()
 
 
@@ -856,7 +856,7 @@ def test_dcp_metadata_with_a_junk_shard_table_is_refused_cleanly(tmp_path):
 def test_a_state_tree_nested_100k_deep_is_refused_not_an_internal_error(file_repo):
     set_tree(file_repo, b"[" * 100_000 + b"]" * 100_000)
     res = cli("verify", f"{file_repo}@1")  # stored bytes are as recorded, but the tree it reads is broken
-    assert res.exit_code == 1 and "state tree cannot be read" in res.stderr, res.stderr
+    assert res.exit_code == 1 and "state tree cannot be read" in res.stdout, res.output
     res = cli("verify", f"{file_repo}@1", "--deep")
     assert res.exit_code == 1 and "nested more than" in res.stdout + res.stderr
     res = cli("restore", f"{file_repo}@1", "-o", file_repo.parent / "o.pt", "--only", "model")
@@ -1084,7 +1084,7 @@ def test_a_generation_folder_copied_under_another_number_passed_as_that_number(t
 
     shutil.copytree(gen_dir(file_repo, 1), file_repo / "generations" / "00000003", symlinks=True)
     res = cli("verify", f"{file_repo}@3")
-    assert res.exit_code == 1 and "manifest says generation 1" in res.stderr, res.stderr
+    assert res.exit_code == 1 and "manifest says generation 1" in res.stdout, res.output
     assert Repository.open(file_repo).generation(3).status == "damaged"
     assert cli("verify", f"{file_repo}@1").exit_code == 0
 

@@ -107,7 +107,11 @@ def test_where_links_fail_the_files_are_copied(tmp_path, monkeypatch):
     def no_links(*a, **k):
         raise OSError(errno.EPERM, "hard links not supported here")
 
-    monkeypatch.setattr(os, "link", no_links)
+    from ckpt_archive.store import fs
+
+    # the snapshot's links only: the repository's own writes link too (a temporary file to its name), and a file
+    # system without links under the trainer's folder may well hold a repository that has them
+    monkeypatch.setattr(fs.Dir, "link_from", no_links)
     with FolderPublisher(tmp_path / "repo") as pub:
         handle = pub.publish(folder, step=1, block=True)
     assert (handle.linked, handle.copied) == (0, 2)

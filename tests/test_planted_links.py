@@ -391,3 +391,192 @@ def test_verify_deep_and_restore_of_a_repository_holding_planted_links_read_and_
     assert cli("verify", p.repo, "--deep").exit_code == 0
     assert cli("restore", p.repo, "-o", tmp_path / "out.pt").exit_code == 0
     p.assert_outside_unchanged()
+
+
+# --- trainer integrations: the staging folder, a snapshot name, the Lightning pointer, restore_checkpoint -----
+# Their files live in the trainer's output folder, where others may write too (issue 27 met issue 24): each case
+# plants a link where an integration creates, writes or deletes, and checks that nothing outside changed.
+
+def _tree(root: Path) -> dict:
+    """Everything below ``root`` (links not followed): relpath -> bytes and mtime, "folder", or "-> target"."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                out[rel] = f"-> {os.readlink(p)}"
+            elif p.is_dir():
+                out[rel] = "folder"
+            else:
+                out[rel] = (p.read_bytes(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def _victim(tmp: Path, host: str) -> tuple[Path, dict]:
+    """A folder outside the trainer's folder holding a precious file and a folder named like a stale snapshot of a
+    dead process on this host (what a cleanup through a planted link would delete)."""
+    victim = tmp / "victim"
+    stale = victim / f"{host}-{_dead_pid()}-{'a' * 32}"
+    stale.mkdir(parents=True)
+    (stale / "optimizer.bin").write_bytes(PRECIOUS)
+    (victim / "keep.txt").write_bytes(PRECIOUS)
+    return victim, _tree(victim)
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _trainer_folder(folder: Path, step: int = 1) -> Path:
+    """A small Trainer-style checkpoint-N/ folder (weights and trainer_state.json)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file({"w": torch.arange(8.0)}, str(folder / "model.safetensors"))
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "epoch": 1.0}))
+    return folder
+
+
+def test_a_staging_folder_that_is_a_link_is_refused_and_nothing_is_linked_written_or_deleted_through_it(tmp_path):
+    """Fault: FolderPublisher reached ``_ckpt-archive-staging`` by path. A link planted there made publish() list the
+    folder it pointed to and delete what looked like a dead publisher's snapshot in it, then hard-link the trainer's
+    files into it. Now the staging folder is opened O_NOFOLLOW in the output folder: the publish is refused, naming
+    the link, and the folder it points to is untouched (and so is the link)."""
+    from ckpt_archive.errors import UnsafePath
+    from ckpt_archive.integrations.folder import STAGING_NAME, FolderPublisher, _host, remove_stale_snapshots
+
+    victim, before = _victim(tmp_path, _host())
+    folder = _trainer_folder(tmp_path / "out" / "checkpoint-1")
+    (tmp_path / "out" / STAGING_NAME).symlink_to(victim)
+    with FolderPublisher(tmp_path / "repo") as pub:
+        with pytest.raises(UnsafePath, match=f"{STAGING_NAME} is a symbolic link"):
+            pub.publish(folder, step=1)
+    with pytest.raises(UnsafePath, match=f"{STAGING_NAME} is a symbolic link"):
+        remove_stale_snapshots(tmp_path / "out" / STAGING_NAME)
+    assert _tree(victim) == before
+    assert os.readlink(tmp_path / "out" / STAGING_NAME) == str(victim)
+    assert Repository.open(tmp_path / "repo").generations() == []
+
+
+def test_a_link_at_a_snapshot_name_is_never_written_through_and_a_stale_one_is_removed_as_a_link(tmp_path, monkeypatch):
+    """Fault: the snapshot folder ``<staging>/<host>-<pid>-<random>/`` was made with ``mkdir(parents=True)`` by path: a
+    link at that name (guessed, or left) made the snapshot's folder and hard links appear in the folder it pointed
+    to, and they stayed there (the cleanup's rmtree refused the link). Now the name is created exclusively in the
+    staging folder's descriptor: a name taken by a link is skipped for a fresh one. A link at the name of a dead
+    process's snapshot is removed as a link; what it points to stays."""
+    import ckpt_archive.integrations.folder as folder_mod
+    from ckpt_archive.integrations.folder import STAGING_NAME, FolderPublisher, _host
+
+    victim, before = _victim(tmp_path, _host())
+    staging = tmp_path / "out" / STAGING_NAME
+    staging.mkdir(parents=True)
+    planted = staging / f"{_host()}-{os.getpid()}-{'d' * 32}"  # this process's own name: never cleaned as stale
+    planted.symlink_to(victim)
+    stale_link = staging / f"{_host()}-{_dead_pid()}-{'e' * 32}"
+    stale_link.symlink_to(victim)
+    names = iter([planted.name])
+    real = folder_mod._snapshot_name
+    monkeypatch.setattr(folder_mod, "_snapshot_name", lambda: next(names, None) or real())
+    folder = _trainer_folder(tmp_path / "out" / "checkpoint-2", step=2)
+    with FolderPublisher(tmp_path / "repo") as pub:
+        handle = pub.publish(folder, block=True)
+    assert handle.snapshot.parent != planted and handle.result().status == "usable"
+    assert _tree(victim) == before
+    assert os.readlink(planted) == str(victim) and not os.path.lexists(stale_link)
+    assert sorted(p.name for p in staging.iterdir()) == [planted.name]  # the snapshot itself is gone
+
+
+def test_a_link_at_a_lightning_pointer_is_replaced_on_save_and_never_deleted_or_followed_on_removal(tmp_path):
+    """The pointer files ArchiveCheckpointIO writes at the paths Lightning chooses: a link planted at a pointer's
+    name is replaced by the pointer (its target untouched); a link there at removal is not a pointer of ours and
+    stays, as does the pointer file elsewhere it points to."""
+    pytest.importorskip("lightning")
+    from ckpt_archive.integrations.lightning import ArchiveCheckpointIO
+
+    p = Place(tmp_path)
+    ckpts = tmp_path / "ckpts"
+    io = ArchiveCheckpointIO(tmp_path / "lrepo")
+    p.link(ckpts / "a.ckpt")
+    p.link(ckpts / "b.ckpt", p.outside_dir)
+    for step, name in ((1, "a.ckpt"), (2, "b.ckpt")):
+        io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": step}, ckpts / name)
+        assert not (ckpts / name).is_symlink() and io.load_checkpoint(ckpts / name)["global_step"] == step
+    p.assert_outside_unchanged()
+    elsewhere = tmp_path / "other-run"
+    elsewhere.mkdir()
+    pointer = (ckpts / "a.ckpt").read_bytes()
+    (elsewhere / "a.ckpt").write_bytes(pointer)  # another run's pointer (the same generation, even)
+    (ckpts / "a.ckpt").unlink()
+    (ckpts / "a.ckpt").symlink_to(elsewhere / "a.ckpt")
+    assert io.load_checkpoint(ckpts / "a.ckpt")["global_step"] == 1  # loading reads through the user's link
+    io.remove_checkpoint(ckpts / "a.ckpt")
+    assert (elsewhere / "a.ckpt").read_bytes() == pointer and (ckpts / "a.ckpt").is_symlink()
+
+
+def test_a_pointer_folder_swapped_for_a_link_between_the_read_and_the_delete_deletes_nothing_outside(tmp_path,
+                                                                                                monkeypatch):
+    """Fault: remove_checkpoint read the pointer by its path, then unlinked that path: a folder on the way replaced
+    by a link in between made it delete the file of that name in the folder the link points to (there, another
+    run's checkpoint). Now the read and the delete go through one folder descriptor: the pointer read is the file
+    deleted."""
+    pytest.importorskip("lightning")
+    import json
+
+    from ckpt_archive.integrations.lightning import _POINTER_KEY, ArchiveCheckpointIO
+
+    ckpts = tmp_path / "ckpts"
+    io = ArchiveCheckpointIO(tmp_path / "lrepo")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, ckpts / "a.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 2}, ckpts / "b.ckpt")
+    elsewhere = tmp_path / "other-run"
+    elsewhere.mkdir()
+    (elsewhere / "a.ckpt").write_bytes((ckpts / "a.ckpt").read_bytes())  # looks like a pointer too
+    real_loads, swapped = json.loads, []
+
+    def loads(raw, *a, **k):
+        key = _POINTER_KEY.encode() if isinstance(raw, bytes) else _POINTER_KEY
+        if not swapped and key in raw:  # the pointer has just been read: swap its folder for a link
+            swapped.append(1)
+            ckpts.rename(tmp_path / "ckpts-moved")
+            ckpts.symlink_to(elsewhere)
+        return real_loads(raw, *a, **k)
+
+    monkeypatch.setattr(json, "loads", loads)
+    io.remove_checkpoint(ckpts / "a.ckpt")
+    monkeypatch.undo()
+    assert swapped and (elsewhere / "a.ckpt").is_file()
+    assert not (tmp_path / "ckpts-moved" / "a.ckpt").exists()  # the pointer it read is the one removed
+    assert io.forgotten == [1]
+
+
+@pytest.mark.parametrize("name", ["lock", "json"])
+def test_restore_checkpoint_never_writes_through_a_link_at_its_lock_or_record(tmp_path, name):
+    """restore_checkpoint's lock and record files in output_dir: the lock was a ``filelock.FileLock`` by path (3.x
+    opened it following links, with O_TRUNC), the record reached by path. Now both go through the file layer: a
+    link at the lock is refused (UnsafePath, nothing written), a link at the record is replaced."""
+    pytest.importorskip("transformers")
+    from ckpt_archive.errors import UnsafePath
+    from ckpt_archive.integrations.transformers import restore_checkpoint
+
+    p = Place(tmp_path)
+    src = _trainer_folder(tmp_path / "run" / "checkpoint-3", step=3)
+    assert cli("pack", src, "--repo", tmp_path / "hrepo").exit_code == 0
+    out = tmp_path / "out"
+    p.link(out / f".checkpoint-3.ckpt-archive-restore.{name}")
+    if name == "lock":
+        with pytest.raises(UnsafePath, match="is a symbolic link"):
+            restore_checkpoint(tmp_path / "hrepo", out)
+        assert not (out / "checkpoint-3").exists()
+    else:
+        assert restore_checkpoint(tmp_path / "hrepo", out) == out / "checkpoint-3"
+        assert not (out / ".checkpoint-3.ckpt-archive-restore.json").is_symlink()
+        assert restore_checkpoint(tmp_path / "hrepo", out) == out / "checkpoint-3"  # the record vouches for it
+    p.assert_outside_unchanged()

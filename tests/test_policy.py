@@ -575,7 +575,7 @@ def test_inspect_shows_next_step_lr_and_puts_policy_in_json(repo_case1):
     assert doc["policy"]["audit"]["counters"]["optimizer_step"] == 6000
     assert res.stderr == ""                                   # --json: nothing but the JSON object
     res = _cli("inspect", repo_case1)
-    assert "next_lr" in res.stderr and "optimizer step 6000" in res.stderr
+    assert "next_lr" in res.stdout and "optimizer step 6000" in res.stdout  # inspect's result: stdout
 
 
 def test_verify_warns_on_incomplete_state_and_strict_fails(repo_incomplete):
@@ -628,7 +628,7 @@ def test_restore_policy_session_rewrites_lr_and_keeps_moments(repo_case1, adam_6
     assert doc["policy"]["changes"] == [{"field": "optimizer.param_groups[0].lr", "old": 0.001, "new": 1e-05}]
     assert res.stderr == ""                                   # --json: nothing but the JSON object
     human = _cli("restore", repo_case1, "-o", tmp_path / "human.pt", "--session-config", cfg, "--policy", "session")
-    assert "--policy session: rewrote 1 field(s)" in human.stderr
+    assert "--policy session: rewrote 1 field(s)" in human.stdout  # what restore wrote: its result
     restored = _load(out)
     assert restored["optimizer"]["param_groups"][0]["lr"] == 1e-5
     for k, st in adam_6000["optimizer"]["state"].items():

@@ -188,8 +188,8 @@ def test_accelerate_second_optimizer_and_scheduler_get_the_session_lr_too(acc_re
     assert {k for k in before if before[k] != after[k]} == set(rewritten)
     human = _cli("restore", repo, "-o", tmp_path / "human", "--session-config", cfg, "--policy", "session")
     assert human.exit_code == 0, human.output
-    assert "optimizer_1.bin: rewritten with torch.save" in human.stderr
-    assert '["optimizer_1.bin"].param_groups[0].max_lr: 0.001 -> 0.0002' in human.stderr
+    assert "optimizer_1.bin: rewritten with torch.save" in human.stderr  # a warning: stderr
+    assert '["optimizer_1.bin"].param_groups[0].max_lr: 0.001 -> 0.0002' in human.stdout  # the result: stdout
 
     # real objects, real load_state, real steps: both pairs continue at the session's schedule
     acc, models, opts, scheds = _acc_setup()

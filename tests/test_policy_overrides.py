@@ -174,7 +174,7 @@ def test_single_config_lr_with_a_head_group_at_another_lr_is_a_no_op_for_the_sam
     assert "but the state holds" not in r.stderr, r.stderr
     r = _cli("restore", f"{repo}@latest", "-o", tmp_path / "o.pt", "--session-config", cfg, "--policy", "session")
     assert r.exit_code == 0, r.stderr
-    assert "nothing rewritten" in r.stderr
+    assert "nothing rewritten" in r.stdout
     assert (tmp_path / "o.pt").read_bytes() == src.read_bytes()
 
 

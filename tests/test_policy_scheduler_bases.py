@@ -198,7 +198,7 @@ def test_end_to_end_policy_session_silently_rewrites_cyclic_and_plateau_schedule
     r = _cli("restore", str(repo), "-o", str(tmp_path / "same.pt"), "--session-config", str(cfg_file),
              "--policy", "session")
     assert r.returncode == 0, r.stderr
-    assert "nothing rewritten" in r.stderr
+    assert "nothing rewritten" in r.stdout
     assert _resume(name, cfg, torch.load(tmp_path / "same.pt", weights_only=True)) == uninterrupted
     r = _cli("restore", str(repo), "-o", str(tmp_path / "x10.pt"), "--session-config", str(cfg10_file),
              "--policy", "session")
@@ -209,7 +209,7 @@ def test_end_to_end_policy_session_silently_rewrites_cyclic_and_plateau_schedule
     got = _resume(name, _x10(name), torch.load(tmp_path / "x10.pt", weights_only=True))
     assert _close(got, fresh), (got, fresh)
     if name == "ReduceLROnPlateau":
-        assert "keeping the reductions" in r.stderr
+        assert "keeping the reductions" in r.stdout
 
 
 def test_policy_session_with_the_packed_config_re_saved_the_file_although_nothing_was_rewritten(tmp_path):
@@ -236,7 +236,7 @@ def test_policy_session_with_the_packed_config_re_saved_the_file_although_nothin
     res = run(app, ["restore", str(tmp_path / "r"), "-o", str(tmp_path / "o.pt"), "--session-config", str(cfg),
                     "--policy", "session"])
     assert res.exit_code == 0, res.stderr
-    assert "nothing rewritten" in res.stderr
+    assert "nothing rewritten" in res.stdout
     assert (tmp_path / "o.pt").read_bytes() == src.read_bytes()
 
 

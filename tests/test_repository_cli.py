@@ -96,10 +96,10 @@ def test_prune_dry_run_prints_table_with_reasons_and_deletes_nothing(repo5):
     assert res.exit_code == 0, res.stderr
     assert sorted(p.name for p in (repo5 / "generations").iterdir()) == before
     assert usable(repo5) == [1, 2, 3, 4, 5]
-    err = " ".join(res.stderr.split())
+    err = " ".join(res.stdout.split())                     # the decision is prune's result: stdout
     assert "REMOVE" in err and "matched no keep rule" in err and "newest usable" in err and "val_loss:min" in err
     assert "would remove 3 generation(s): 1, 3, 4" in err
-    assert res.stdout == ""  # human output goes to stderr only
+    assert res.stderr == ""  # the decision is the result: stdout only, nothing to warn about (issue 26)
 
 
 def test_prune_dry_run_json_is_one_object_and_deletes_nothing(repo5):
@@ -153,7 +153,7 @@ def test_prune_never_counts_or_removes_a_partial_generation(repo5):
 def test_prune_dry_run_says_partial_generations_are_left_for_gc(repo5):
     make_partial(repo5, 3)
     res = cli("prune", repo5, "--keep-last", 1, "--dry-run")
-    assert "left for gc" in " ".join(res.stderr.split())
+    assert "left for gc" in " ".join(res.stdout.split())
 
 
 @pytest.mark.parametrize("args, message", [
@@ -282,7 +282,7 @@ def test_prune_removes_only_after_an_older_kept_generation_verifies_and_warns_ab
 def test_prune_dry_run_shows_the_kept_generation_check_and_a_refusal_it_would_meet(tmp_path):
     repo = make_repo(tmp_path / "r", [0.9, 0.8, 0.7])
     res = cli("prune", repo, "--keep-last", 2, "--dry-run")
-    text = " ".join(res.stderr.split())
+    text = " ".join(res.stdout.split())
     assert res.exit_code == 0 and "kept generation 3 verified (stored sizes + sha256)" in text, text
     flip_byte(repo, 3)
     res, out = cli_json("prune", repo, "--keep-last", 1, "--dry-run")  # the same decision as the real prune
@@ -296,8 +296,8 @@ def test_prune_dry_run_shows_the_kept_generation_check_and_a_refusal_it_would_me
     assert out["verify_kept"]["ok"] is False and out["verify_kept"]["failed"][0]["generation"] == 3
     assert "refusing to prune" in out["refused"]
     res = cli("prune", repo, "--keep-last", 1, "--dry-run")
-    text = " ".join(res.stderr.split())
-    assert "FAILS verify" in text and "a prune would be refused" in text
+    assert "FAILS verify" in " ".join(res.stdout.split())        # the decision table: stdout
+    assert "a prune would be refused" in " ".join(res.stderr.split())  # the error: stderr
     assert usable(repo) == [1, 2, 3]
 
 
@@ -433,14 +433,14 @@ def test_gc_removes_partial_generations_and_says_which(repo5):
     assert not gen_dir(repo5, 2).exists() and not gen_dir(repo5, 6).exists()
     assert usable(repo5) == [1, 3, 4, 5]
     res = cli("gc", repo5)
-    assert "nothing to remove" in res.stderr
+    assert "nothing to remove" in res.stdout
 
 
 def test_gc_human_output_names_each_removed_generation(repo5):
     make_partial(repo5, 3)
     res = cli("gc", repo5)
     assert res.exit_code == 0
-    assert "removed generation 3: partial" in res.stderr
+    assert "removed generation 3: partial" in res.stdout
 
 
 def test_gc_dry_run_removes_nothing(repo5):
@@ -514,7 +514,7 @@ def test_backup_packs_a_file_then_a_second_tick_does_nothing(tmp_path):
     assert res.exit_code == 0
     assert out["action"] == "unchanged" and out["generation"] == 1 and out["read_bytes"] == 0
     res = cli("backup", src, "--repo", repo, "--settle", 0)
-    assert res.exit_code == 0 and "nothing to do" in res.stderr
+    assert res.exit_code == 0 and "nothing to do" in res.stdout
     assert usable(repo) == [1]
     state_file = json.loads((repo / "backup-state.json").read_text())
     assert state_file["sources"][str(src.absolute())]["generation"] == 1
@@ -604,7 +604,7 @@ def test_backup_skips_a_truncated_torch_zip_with_exit_75(tmp_path):
     assert res.exit_code == 75
     assert out["action"] == "busy" and "zip is not whole" in out["reason"]
     res = cli("backup", src, "--repo", tmp_path / "repo", "--settle", 0)
-    assert res.exit_code == 75 and "exit 75" in res.stderr
+    assert res.exit_code == 75 and "exit 75" in res.stdout
     assert not (tmp_path / "repo" / "generations").exists() or usable(tmp_path / "repo") == []
 
 
@@ -955,7 +955,7 @@ def test_inspect_shows_numpy_metrics_as_numbers_and_unknown_progress_as_dash(tmp
     ckpt_archive.pack({"w": torch.zeros(1)}, repo, annotations=ckpt_archive.Annotations(metrics={"val_loss": np.float64(0.25), "acc": float("nan")}))
     res = CliRunner().invoke(app, ["inspect", str(repo)])
     assert res.exit_code == 0, res.output
-    text = res.stderr
+    text = res.stdout
     assert 'metrics: {"val_loss": 0.25, "acc": "nan"}' in text
     assert "npscalar" not in text and "None" not in text.split("environment")[0]
     assert "progress: step -  epoch -  cursor -" in text

@@ -41,7 +41,7 @@ def test_a_newest_generation_older_than_max_age_is_exit_1(tmp_path):
     assert not report.ok and "3.0 h old, more than --max-age 2.0 h" in report.problems[0]
     time.sleep(0.05)
     cli_res = cli("status", tmp_path / "repo", "--max-age", "0.01s", "--state", tmp_path / "st2.json")
-    assert cli_res.exit_code == 1 and "unhealthy" in cli_res.stderr and "--max-age" in cli_res.stderr
+    assert cli_res.exit_code == 1 and "unhealthy" in cli_res.stdout and "--max-age" in cli_res.stdout  # the verdict
 
 
 def test_a_new_generation_that_did_not_advance_the_step_is_exit_1(tmp_path):
@@ -68,7 +68,7 @@ def test_no_usable_generation_is_exit_1_and_names_copied_ones(tmp_path):
     _pack(tmp_path / "repo", 1)
     shutil.copytree(tmp_path / "repo", tmp_path / "moved")
     res = cli("status", tmp_path / "moved", "--state", tmp_path / "st.json")
-    assert res.exit_code == 1 and "no usable generation" in res.stderr and "ckpt-archive adopt" in res.stderr
+    assert res.exit_code == 1 and "no usable generation" in res.stdout and "ckpt-archive adopt" in res.stdout
 
 
 def test_a_repository_that_cannot_be_read_is_exit_2(tmp_path):

@@ -39,14 +39,27 @@ class Recorder:
         self.phases.append([name, total, 0])
 
 
-def test_pack_reports_verify_and_trial_reload_phases_so_the_bar_never_sits_at_100_percent(tmp_path):
+def test_pack_reports_write_verify_and_trial_reload_phases_so_the_bar_never_sits_at_100_percent(tmp_path):
     rec = Recorder()
     res = ca.pack(_state(), tmp_path / "repo", on_bytes=rec)
     names = [p[0] for p in rec.phases]
-    assert names == ["(start)", "verify", "trial reload"]
+    assert names == ["(start)", "write", "verify", "trial reload"]
     raw = res.manifest["summary"]["raw_bytes"]
-    assert rec.phases[0][2] > 0                                   # the write phase counted bytes
-    assert rec.phases[2][1] == raw and rec.phases[2][2] == raw     # the trial reload has a total and reaches it
+    assert rec.phases[1][1] == 64 * 32 * 4 and rec.phases[1][2] > 0  # the write phase: its total and its bytes
+    assert rec.phases[3][1] == raw and rec.phases[3][2] == raw     # the trial reload has a total and reaches it
+
+
+def test_pack_of_a_file_names_the_read_and_hash_phase_with_its_bytes_from_the_first_second(tmp_path):
+    """[issue 26] The bar sat at 'write 0 B / 464 MiB' for 9 of 20 s while the source was read and hashed."""
+    src = tmp_path / "c.pt"
+    torch.save(_state(), src)
+    rec = Recorder()
+    ca.pack(src, tmp_path / "repo", on_bytes=rec)
+    names = [p[0] for p in rec.phases]
+    assert names == ["(start)", "read and hash c.pt", "write", "verify", "trial reload"]
+    assert rec.phases[0][2] == 0                                   # nothing is counted before a phase is named
+    read = rec.phases[1]
+    assert read[1] == src.stat().st_size and 0 <= read[2] <= read[1]
 
 
 def test_export_reports_copy_reread_and_trial_reload_phases_with_totals(tmp_path):
@@ -70,24 +83,63 @@ def test_verify_deep_reports_its_total(tmp_path):
     assert name.startswith("trial reload") and total == raw and done == raw
 
 
-def test_progress_bar_uses_iec_units():
+def _task(description: str, total, done_steps, clock):
+    """A rich Task advanced ``done_steps`` = [(seconds, bytes)] on a fake clock (rates and ETAs are real)."""
     from rich.progress import Progress
 
-    from ckpt_archive.cli.common import _size_column, _speed_column
+    now = [0.0]
+    p = Progress(get_time=lambda: now[0])
+    t = p.add_task(description, total=total)
+    for at, n in done_steps:
+        now[0] = at
+        p.advance(t, n)
+    now[0] = clock
+    return p.tasks[0]
 
-    p = Progress()
-    task = p.add_task("x", total=3 * 1024 ** 3)
-    p.update(task, completed=1536 * 1024 ** 2)
-    text = _size_column().render(p.tasks[0]).plain
-    assert text == "1.5 GiB / 3.0 GiB"
-    assert "MB" not in _speed_column().render(p.tasks[0]).plain
+
+def test_progress_bar_uses_iec_units():
+    from ckpt_archive.cli.common import bar_line, size_text
+
+    assert size_text(1536 * 1024 ** 2, 3 * 1024 ** 3) == "1.5/3.0 GiB"
+    assert size_text(512, 1536) == "512 B/1.5 KiB"
+    task = _task("pack: write", 3 * 1024 ** 3, [(1.0, 0), (3.0, 1536 * 1024 ** 2)], 3.0)
+    text = bar_line(task, 120).plain
+    assert "1.5/3.0 GiB" in text and "MiB/s" in text and not re.search(r"\b(MB|GB|kB)\b", text)
+
+
+#: a digit next to an ellipsis: a number cut to fit
+CUT_NUMBER = re.compile(r"[0-9.]…|…[0-9]")
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_progress_bar_is_one_row_with_its_numbers_and_eta_at_any_width(width):
+    """[issue 26] Bars wrapped to 3-4 rows at 80 columns and cut the ETA."""
+    from ckpt_archive.cli.common import bar_line
+
+    desc = "restore: decode, check and write generation 12 of /a/very/long/repository/path"
+    task = _task(desc, 464 * 1024 ** 2, [(1.0, 0), (5.0, 200 * 1024 ** 2)], 5.0)
+    text = bar_line(task, width).plain
+    assert "\n" not in text and len(text) <= width - 1, text
+    assert "200.0/464.0 MiB" in text and re.search(r"ETA \d+:\d\d", text), text
+    assert not CUT_NUMBER.search(text), text
+
+
+def test_progress_shows_no_eta_until_a_rate_is_known():
+    """[issue 26] Restore's first tick showed an ETA of 4 h: a rate from the first bytes of a phase."""
+    from ckpt_archive.cli.common import bar_line, eta_seconds
+
+    first_tick = _task("restore: decode", 464 * 1024 ** 2, [(0.0, 0), (0.3, 4096)], 0.3)
+    assert eta_seconds(first_tick) is None and "ETA" not in bar_line(first_tick, 80).plain
+    later = _task("restore: decode", 464 * 1024 ** 2, [(0.0, 0), (1.0, 100 << 20), (3.0, 200 << 20)], 3.0)
+    assert eta_seconds(later) == pytest.approx((464 - 300) / 100, rel=0.01)  # 300 MiB in 3 s
 
 
 @pytest.mark.parametrize("args", [["list", "{repo}"], ["verify", "{repo}", "--deep"], ["inspect", "{repo}"],
                                   ["restore", "{repo}", "--output", "{tmp}/o.pt"], ["adopt", "{repo}"],
                                   ["status", "{repo}", "--state", "{tmp}/st.json"],
                                   ["export", "{repo}", "--to", "{tmp}/dst"],
-                                  ["prune", "{repo}", "--keep-last", "1", "--dry-run"]])
+                                  ["prune", "{repo}", "--keep-last", "1", "--dry-run"], ["gc", "{repo}"],
+                                  ["forget", "{repo}@1", "--force"]])
 def test_json_mode_prints_only_the_json_object_and_nothing_on_stderr(tmp_path, args):
     repo = tmp_path / "repo"
     ca.pack(_state(), repo)
@@ -95,7 +147,8 @@ def test_json_mode_prints_only_the_json_object_and_nothing_on_stderr(tmp_path, a
     res = cli(*argv, "--json")
     assert res.exit_code == 0, res.output
     assert res.stderr == ""
-    assert isinstance(json.loads(res.stdout), dict)
+    doc = json.loads(res.stdout)
+    assert isinstance(doc, dict) and doc["ok"] is True             # [issue 26] success says so, as errors do
 
 
 def test_json_mode_errors_are_json_too(tmp_path):
@@ -215,7 +268,7 @@ def test_restore_cli_shows_phases_and_iec_totals_on_a_terminal_and_nothing_with_
     res = cli("restore", repo, "--output", tmp_path / "a.pt", env=tty)
     assert res.exit_code == 0, res.output
     assert "restore: decode, check and write generation 1" in res.stderr  # one pass (ops/restore_torch.py)
-    assert re.search(r"[0-9.]+ (B|KiB) / 8\.2 KiB", res.stderr)   # the manifest's raw size, in IEC units
+    assert re.search(r"[0-9.]+( B| KiB)?/8\.2 KiB", res.stderr)    # the manifest's raw size, in IEC units
     assert not re.search(r"[0-9] (kB|KB|MB|GB)\b", res.stderr)
     for quiet in (["--json"], ["--quiet"]):
         res = cli("restore", repo, "--output", tmp_path / f"b{quiet[0]}.pt", *quiet, env=tty)
@@ -343,3 +396,118 @@ def test_generation_repr_is_short_not_the_whole_manifest(tmp_path):
     ca.pack({"model": {"w": torch.ones(300)}, "step": 7}, repo)
     text = repr(Repository.open(repo).generation(1))
     assert len(text) < 200 and "Generation(1, 'usable', step=7" in text and "members" not in text
+
+
+# ------------------------------------------------------------------ issue 26: stdout for results, 80 columns, --help
+def _repo_with_wide_numbers(tmp_path):
+    """Three generations with big steps, MiB sizes, long tags; and a partial one (a reason for --all)."""
+    repo = tmp_path / "repo"
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        ca.pack({"model": {"w": torch.randn(600, 600, generator=g)}, "step": 123_456_789 + i}, repo,
+                annotations=ca.Annotations(tags=("nightly", "keep-forever-and-ever")))
+    (repo / "generations" / "00000009").mkdir()
+    return repo
+
+
+@pytest.mark.parametrize("command", [["list", "{repo}"], ["inspect", "{repo}"], ["verify", "{repo}"],
+                                     ["status", "{repo}", "--state", "{tmp}/st.json"]])
+def test_results_go_to_stdout_and_nothing_else_to_stderr(tmp_path, command):
+    """[issue 26] list, inspect, verify and status printed their result on stderr: `list R | grep usable`
+    got nothing."""
+    repo = tmp_path / "repo"
+    ca.pack(_state(), repo)
+    res = cli(*[a.format(repo=repo, tmp=tmp_path) for a in command])
+    assert res.exit_code == 0, res.output
+    assert all(line.startswith("warning: ") for line in res.stderr.splitlines()), res.stderr  # diagnostics only
+    assert {"list": "usable", "inspect": "generation 1", "verify": "generation 1: ok",
+            "status": "ok: newest usable generation 1"}[command[0]] in res.stdout
+
+
+def test_a_failing_verdict_goes_to_stdout_even_with_quiet_and_errors_to_stderr(tmp_path):
+    repo = tmp_path / "repo"
+    ca.pack(_state(), repo)
+    member = next((repo / "generations" / "00000001").glob("tensors-*.ckz"))
+    data = bytearray(member.read_bytes())
+    data[-1] ^= 0xFF
+    member.write_bytes(bytes(data))
+    res = cli("verify", repo, "-q")
+    assert res.exit_code == 1 and "problem(s)" in res.stdout and member.name.removesuffix(".ckz") in res.stdout
+    res = cli("verify", f"{repo}@7", "-q")
+    assert res.exit_code == 2 and res.stdout == "" and "no generation 7" in res.stderr
+
+
+def _table_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_list_fits_the_terminal_without_cutting_or_wrapping_a_number(tmp_path, width):
+    """[issue 26] At 80 columns `list` wrapped dates and sizes across lines; numbers are never cut: columns
+    are abbreviated or dropped instead, and a row is one line."""
+    repo = _repo_with_wide_numbers(tmp_path)
+    res = cli("list", repo, "--all", env={"COLUMNS": str(width)})
+    assert res.exit_code == 0, res.output
+    lines = _table_lines(res.stdout)[1:]                            # the title (the repository's path) aside
+    assert all(len(line.rstrip()) <= width for line in lines), lines
+    assert not CUT_NUMBER.search(res.stdout), res.stdout
+    for n in (1, 2, 3):                                           # each generation: one line, numbers whole
+        row = next(line for line in lines if re.match(rf"\s*{n}\s+usable", line))
+        assert f"{123_456_789 + n - 1}" in row and re.search(r"\d\d-\d\d \d\d:\d\d", row)
+        assert re.search(r"\d+\.\d (KiB|MiB)", row), row
+    assert "no manifest" in res.stdout                            # the reason is shown, in a column or below
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_inspect_and_prune_tables_fit_without_cutting_numbers(tmp_path, width):
+    repo = _repo_with_wide_numbers(tmp_path)
+    for args, start in ((["inspect", repo], "members"), (["prune", repo, "--keep-last", "1", "--dry-run"], "keep")):
+        res = cli(*args, env={"COLUMNS": str(width)})
+        assert res.exit_code == 0, res.output
+        table = res.stdout[res.stdout.index(start):].split("loading instructions")[0].split("LR policy")[0]
+        prose = ("  ", "check before removing", "would remove", "shared objects:")  # sentences, not rows
+        lines = [line for line in _table_lines(table) if not line.startswith(prose)][1:]  # rows; title aside
+        assert lines and all(len(line.rstrip()) <= width for line in lines), (args[0], lines)
+        assert not CUT_NUMBER.search(table), table
+    res = cli("prune", repo, "--keep-last", "1", "--dry-run", env={"COLUMNS": str(width)})
+    for n in (1, 2):                                              # a decision row: one line, numbers whole
+        assert re.search(rf"^\s*{n}\s+\S.*{123_456_789 + n - 1}.*REMOVE", res.stdout, re.M), res.stdout
+
+
+def test_help_shows_readable_metavars_and_a_plain_usage_line():
+    """[issue 26] <list[str]> metavars, pack's usage with {source}, check-resume without {total_steps}."""
+    for name in [c.name for c in app.registered_commands]:
+        text = cli(name, "--help", env={"COLUMNS": "100"}).output
+        assert "<list[" not in text and "{" not in text.split("Usage:")[1].splitlines()[0], name
+    pack = cli("pack", "--help", env={"COLUMNS": "100"}).output
+    assert re.search(r"pack \[OPTIONS\] SOURCE", pack) and re.search(r"--tag\s+TAG", pack)
+    check = " ".join(cli("check-resume", "--help", env={"COLUMNS": "100"}).output.split())
+    assert "{total_steps}" in check and "'{resume:--resume-from {}}'" in check
+    assert re.search(r"--interrupt-at\s+N\[,N\.\.\.\]", check)
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_restore_only_example_is_not_cut_at_80_to_100_columns(width):
+    text = cli("restore", "--help", env={"COLUMNS": str(width)}).output
+    assert "global_step10/mp_rank_00_model_states.pt/module" in text
+    assert "…" not in text
+
+
+def test_the_docs_give_one_check_resume_template_form():
+    """[issue 26] The README had `--out {output} {resume}` and `--output {output} '{resume:--resume-from {}}'`."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for line in doc.read_text().splitlines():
+            if "python train.py --steps {steps}" in line:  # a command template (the API's list form aside)
+                assert "--output {output}" in line and "'{resume:--resume-from {}}'" in line, (doc.name, line)
+
+
+def test_a_folder_named_like_a_selector_gets_told_how_to_name_it(tmp_path):
+    """[issue 26] `run@2` (a folder) gave '.../run: not a repository'."""
+    repo = tmp_path / "run@2"
+    ca.pack(_state(), repo)
+    res = cli("inspect", repo)
+    assert res.exit_code == 2 and f"{repo}@latest" in res.stderr and "not a repository" not in res.stderr
+    assert cli("inspect", f"{repo}@latest").exit_code == 0

@@ -1,8 +1,8 @@
 """The ``ckpt-archive`` command line: a thin Typer shell over the library.
 
 Commands live one per module in :mod:`ckpt_archive.cli.commands`; each maps library errors to exit codes
-through :func:`ckpt_archive.cli.common.command`. Human output goes to stderr, ``--json`` output
-to stdout.
+through :func:`ckpt_archive.cli.common.command`. Results go to stdout, notes, warnings, errors and
+progress to stderr; ``--json`` prints one object on stdout (:class:`ckpt_archive.cli.common.Output`).
 """
 from __future__ import annotations
 
@@ -14,22 +14,43 @@ from typer.core import TyperCommand, TyperGroup
 from ckpt_archive.cli.commands import COMMAND_MODULES
 
 
-def _no_flag_metavar(params: list) -> list:
-    """On/off flags take no value: show none (Typer prints ``<bool>`` in the type column otherwise)."""
+def _tidy_params(params: list) -> list:
+    """Metavars a person can read: on/off flags take no value and show none (Typer prints ``<bool>``
+    otherwise); a repeatable option shows its value's name (``--tag TAG``), never the annotation
+    (``<list[str]>``); a variadic argument shows only its own metavar (``-- CMD...``)."""
     for p in params:
         if getattr(p, "is_flag", False) and getattr(p, "metavar", None) is None:
             p.metavar = ""
+        elif getattr(p, "multiple", False) and getattr(p, "metavar", None) is None:
+            p.metavar = (p.name or "value").upper()
+        elif getattr(p, "param_type_name", "") == "argument" and getattr(p, "nargs", 1) != 1:
+            p.display_type_rich = lambda ctx: None  # the metavar says it all (Typer would add <list[str]>)
     return params
+
+
+def _plain_usage(pieces: list[str]) -> list[str]:
+    """Usage pieces in the Unix convention: a required argument bare (``SOURCE``, not Typer's ``{source}``),
+    an optional one in brackets."""
+    import re
+
+    pieces = [re.sub(r"^\{(.+)\}((\.\.\.)?)$", r"\1\2", piece) for piece in pieces]
+    return [re.sub(r"^\[(.+\.\.\.)\]\.\.\.$", r"[\1]", piece) for piece in pieces]  # [-- CMD...]... -> [-- CMD...]
 
 
 class _Command(TyperCommand):
     def get_params(self, ctx):
-        return _no_flag_metavar(super().get_params(ctx))
+        return _tidy_params(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx):
+        return _plain_usage(super().collect_usage_pieces(ctx))
 
 
 class _Group(TyperGroup):
     def get_params(self, ctx):
-        return _no_flag_metavar(super().get_params(ctx))
+        return _tidy_params(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx):
+        return _plain_usage(super().collect_usage_pieces(ctx))
 
 
 app = typer.Typer(

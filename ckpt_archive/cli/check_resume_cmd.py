@@ -8,9 +8,12 @@ from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_hel
 HELP = (
     "Run a training command continuous, interrupted, archived + restored + resumed, and under negative "
     "controls, in fresh processes; compare per update (sample ids, LR, loss) and the final state; write "
-    "verification.json. The command template after '--' uses {steps} (updates this run adds), {output} "
-    "(folder for checkpoint.pt and trajectory.json) and {resume} (the checkpoint path; an argument holding "
-    "it is dropped when not resuming, '{resume:--resume-from {}}' expands to two arguments). "
+    "verification.json and a picture of loss and LR per update (with the plot extra). The command template "
+    "after '--' uses {steps} (updates this run adds) or {total_steps} (the update this run ends at, for a "
+    "script whose --steps is the total), {output} (folder for checkpoint.pt and trajectory.json) and "
+    "'{resume:--resume-from {}}' (two arguments, --resume-from PATH, when the run resumes; gone when it "
+    "does not; an argument holding {resume} is filled or dropped the same way), e.g. "
+    "-- python train.py --steps {steps} --output {output} '{resume:--resume-from {}}'. "
     "See docs/check-resume.md."
 )
 EXIT_CODES = exit_codes_help({0: "the resume is exact and every negative control diverged",
@@ -28,16 +31,28 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def proof_table(report: dict, title: str = "resume check"):
-    """A short rich table of what the report shows (for stderr)."""
-    from rich.table import Table
+class _Rows:
+    """Rows of the proof table (``add_row`` as a rich Table has it)."""
 
-    ok, bad = "[green]yes[/green]", "[red]NO[/red]"
+    def __init__(self):
+        self.rows: list[list] = []
+
+    def add_row(self, check: str, result: str, mark="") -> None:
+        from rich.text import Text
+
+        self.rows.append([check, result, mark if isinstance(mark, Text) else Text(mark)])
+
+
+def proof_table(report: dict, title: str = "resume check", width: int = 200):
+    """A short table of what the report shows (the command's result, on stdout), fitted to ``width`` columns:
+    the checks and results wrap in their columns, nothing is cut (:func:`ckpt_archive.cli.tables.fit`)."""
+    from rich.text import Text
+
+    from ckpt_archive.cli.tables import Col, fit
+
+    ok, bad = Text("yes", style="green"), Text("NO", style="red")
     pos = report["positive_comparison"]
-    t = Table(title=title, show_lines=False)
-    t.add_column("check")
-    t.add_column("result")
-    t.add_column("ok", justify="center")
+    t = _Rows()
     a = report["archive"]
     t.add_row("interruption checkpoint archived",
               f"{a['repository']} generation {a['generation']}: packed, deep-verified, restored"
@@ -96,24 +111,35 @@ def proof_table(report: dict, title: str = "resume check"):
     if pos.get("non_finite"):
         t.add_row("non-finite values", ", ".join(pos["non_finite"][:4]), bad)
     for e in report["negative_controls"]:
-        mark = {"diverged": ok, "no-effect-expected": "[yellow]declared[/yellow]", "skipped": "[yellow]n/a[/yellow]",
-                "no-effect": bad, "not-run": "-", "could-not-check": "[red]could not check[/red]"}[e["status"]]
+        mark = {"diverged": ok, "no-effect-expected": Text("declared", style="yellow"),
+                "skipped": Text("n/a", style="yellow"), "no-effect": bad, "not-run": Text("-"),
+                "could-not-check": Text("could not check", style="red")}[e["status"]]
         text = e["message"]
         if e["status"] == "diverged" and e.get("first_divergent_step") is not None:
             text = f"diverged at update {e['first_divergent_step']} ({e['field']})"
         t.add_row(f"negative control: {e['name']}", text, mark)
-    return t
+    cols = (Col("check", "check", kind="prose", min_width=20), Col("result", "result", kind="prose", min_width=24),
+            Col("ok", "ok"))
+    return fit(cols, t.rows, width, title=title)
 
 
 def report_human(out: Output, report: dict, title: str) -> None:
-    out.table(proof_table(report, title))
+    """The proof for a person: the table, warnings (stderr), problems and the verdict (stdout; a failing
+    verdict even with ``--quiet``), where the report and its picture are."""
+    out.table(proof_table(report, title, out.width))
     for w in report["warnings"]:
         out.warn(w)
+    passed = report["all_checks_passed"]
     for p in report["problems"]:
-        out.say(f"problem: {p}", style="red")
-    verdict = "PASSED" if report["all_checks_passed"] else "FAILED"
+        out.say(f"problem: {p}", style="red", even_quiet=True)
+    verdict = "PASSED" if passed else "FAILED"
     out.say(f"{title} {verdict}; details in {report['output']}/verification.json",
-            style="green" if report["all_checks_passed"] else "red")
+            style="green" if passed else "red", even_quiet=not passed)
+    picture = report.get("picture")
+    if picture:
+        out.say(f"picture (loss and LR per update, every run): {report['output']}/{picture}")
+    if report.get("picture_note"):
+        out.note(report["picture_note"])
 
 
 def register(app: typer.Typer) -> None:
@@ -123,21 +149,21 @@ def register(app: typer.Typer) -> None:
     def check_resume_cmd(
         cmd: list[str] = typer.Argument(None, metavar="-- CMD...", help="the training command template"),
         steps: int = typer.Option(..., "--steps", help="updates of the continuous run"),
-        interrupt_at: list[str] = typer.Option(..., "--interrupt-at",
+        interrupt_at: list[str] = typer.Option(..., "--interrupt-at", metavar="N[,N...]",
                                                help="updates before the interruption; several interruptions as "
                                                     "30,40 (or the option repeated: they accumulate)"),
         atol: float = typer.Option(1e-12, "--atol", help="absolute tolerance for floats"),
         rtol: float = typer.Option(0.0, "--rtol", help="relative tolerance for floats"),
         output: str = typer.Option(None, "--output", "-o",
                                    help="new or empty folder (default ./ckpt-archive-check-resume-<UTC time>)"),
-        control: list[str] = typer.Option(None, "--control",
+        control: list[str] = typer.Option(None, "--control", metavar="NAME[,NAME...]",
                                           help="run only these tool-made controls (python, numpy, torch, "
                                                "optimizer, scheduler, data); default all"),
         no_controls: bool = typer.Option(False, "--no-controls", help="run no tool-made control"),
-        expect_no_effect: list[str] = typer.Option(None, "--expect-no-effect",
+        expect_no_effect: list[str] = typer.Option(None, "--expect-no-effect", metavar="NAME[,NAME...]",
                                                    help="a control that may change nothing (an unused stream: "
                                                         "numpy, python, torch, ...); repeatable or comma-separated"),
-        script_control: list[str] = typer.Option(None, "--script-control",
+        script_control: list[str] = typer.Option(None, "--script-control", metavar="ARGS",
                                                  help="extra arguments for a script-side negative control, e.g. "
                                                       "--script-control=--omit-rng-restore; repeatable"),
         jobs: int = typer.Option(1, "--jobs", "-j", help="runs at once (each a separate process)"),
@@ -159,10 +185,10 @@ def register(app: typer.Typer) -> None:
         report = check_resume(cmd or [], steps=steps, interrupt_at=_points(interrupt_at), output=output, atol=atol,
                               rtol=rtol, controls=controls, expect_no_effect=_split(expect_no_effect),
                               script_controls=list(script_control or []), jobs=jobs, timeout=timeout,
-                              on_event=out.say, data_ids=data_ids, resume_data_ids=resume_data_ids,
+                              on_event=out.note, data_ids=data_ids, resume_data_ids=resume_data_ids,
                               allow_data_change=allow_data_change)
         report_human(out, report, "resume check")
-        out.json(report)
+        out.json(report, ok=report["all_checks_passed"])
         exit_with(report)
 
 

@@ -1,13 +1,17 @@
-"""Helpers every command uses: REPO@GEN parsing, output (human on stderr, JSON on stdout), exit codes,
-progress bars with phases. Commands stay thin: parse, call the library, report.
+"""Helpers every command uses: REPO@GEN parsing, output (results on stdout, diagnostics on stderr), exit
+codes, progress bars with phases. Commands stay thin: parse, call the library, report.
 
-Output modes, the same for every command:
+Output modes, the same for every command (as restic, borg and git do it):
 
-* default: human lines on stderr; a progress bar (phase, IEC bytes, MiB/s, ETA where the total is
-  known) when stderr is a terminal;
+* default: the result (tables, verdicts, what was written) on **stdout**, so ``ckpt-archive list R | grep
+  usable`` works; notes, warnings, errors and progress on **stderr**; a progress bar (phase, IEC bytes,
+  MiB/s, ETA once a rate is known), one row wide, when stderr is a terminal;
 * ``--json``: one JSON object on stdout and nothing on stderr -- errors too are that JSON object
-  (``ok: false``, ``error``, ``reason``, ``exit_code``);
-* ``--quiet`` (for cron): only warnings and errors on stderr, no progress.
+  (``ok: false``, ``error``, ``reason``, ``exit_code``); a successful object has ``ok: true``;
+* ``--quiet`` (for cron): only warnings and errors on stderr (and a failing verdict), no progress.
+
+Tables and bars are laid out for the terminal's width, 80 columns included (:mod:`ckpt_archive.cli.tables`):
+a number is never cut; columns are abbreviated or dropped instead.
 
 ``--quiet`` is added to every command by :func:`command`, which also maps exceptions to exit codes and
 turns Ctrl-C into exit 130 with a line naming what was left and the command that cleans it.
@@ -67,11 +71,46 @@ def _unicode_only(obj):
     return obj
 
 
-class Output:
-    """Human lines to stderr (rich, no tracebacks); one JSON object to stdout in ``--json`` mode.
+class _Readable:
+    """``sys.stdout`` or ``sys.stderr``, looked up at every write (a test runner swaps them), writing a path
+    whose bytes are not UTF-8 with ``\\xNN`` escapes (:func:`ckpt_archive.format.text.shown`): stdout's
+    strict encoder would raise on its lone surrogates, so a result naming such a path would crash."""
 
-    In ``--json`` mode nothing goes to stderr (the JSON object carries the warnings and the error);
-    with ``--quiet`` only warnings and errors do.
+    def __init__(self, name: str):
+        self._name = name
+
+    @property
+    def _stream(self):
+        return getattr(sys, self._name)
+
+    def write(self, text: str) -> int:
+        from ckpt_archive.format.text import shown
+
+        return self._stream.write(shown(text))
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return bool(getattr(self._stream, "isatty", lambda: False)())
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._stream, "encoding", None) or "utf-8"
+
+
+class Output:
+    """The result on stdout, diagnostics on stderr (rich, no tracebacks); one JSON object on stdout in ``--json``
+    mode.
+
+    * :meth:`say`, :meth:`table`: the command's result (stdout); not with ``--json`` or ``--quiet``, except a
+      failing verdict (``even_quiet=True``), which cron must mail;
+    * :meth:`note`: what the command is doing, hints (stderr); not with ``--json`` or ``--quiet``;
+    * :meth:`warn`, :meth:`error`: stderr, also with ``--quiet``; not with ``--json`` (the object carries them);
+    * :meth:`json`: the one object, with ``ok`` (true unless the object or the caller says otherwise).
 
     Args:
         json_mode: ``--json`` was given.
@@ -83,40 +122,69 @@ class Output:
 
         self.json_mode = json_mode
         self.quiet = _QUIET.get() if quiet is None else quiet
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
-        if not self.err.is_terminal and "COLUMNS" not in __import__("os").environ:
-            self.err.width = 200  # logs and pipes: do not cut paths and reasons at 80 columns
+        self.out = Console(file=_Readable("stdout"), highlight=False, soft_wrap=True)
+        self.err = Console(file=_Readable("stderr"), stderr=True, highlight=False, soft_wrap=True)
+        import os
 
-    def say(self, text: str = "", style: str | None = None) -> None:
-        """An information line (not in ``--json`` or ``--quiet`` mode)."""
+        for console in (self.out, self.err):
+            if not console.is_terminal and "COLUMNS" not in os.environ:
+                console.width = 200  # logs and pipes: do not cut paths and reasons at 80 columns
+
+    @property
+    def width(self) -> int:
+        """Columns available for a result (the stdout console's width)."""
+        return self.out.width
+
+    def say(self, text: str = "", style: str | None = None, *, even_quiet: bool = False) -> None:
+        """A line of the result, on stdout (not in ``--json`` mode; not with ``--quiet`` unless ``even_quiet``)."""
+        if not self.json_mode and (even_quiet or not self.quiet):
+            self.out.print(text, style=style, markup=False)
+
+    def note(self, text: str = "", style: str | None = None) -> None:
+        """A diagnostic line on stderr: what is being done, a hint (not in ``--json`` or ``--quiet`` mode)."""
         if not (self.json_mode or self.quiet):
             self.err.print(text, style=style, markup=False)
 
     def warn(self, text: str) -> None:
-        """A warning (not in ``--json`` mode, where the JSON object carries it)."""
+        """A warning on stderr (not in ``--json`` mode, where the JSON object carries it)."""
         if not self.json_mode:
             self.err.print(f"warning: {text}", style="yellow", markup=False)
 
     def error(self, text: str) -> None:
-        """An error line (not in ``--json`` mode, where the JSON object carries it)."""
+        """An error line on stderr (not in ``--json`` mode, where the JSON object carries it)."""
         if not self.json_mode:
             self.err.print(text, style="red", markup=False)
 
     def table(self, table) -> None:
+        """A table of the result, on stdout (not in ``--json`` or ``--quiet`` mode). A table laid out by
+        :func:`ckpt_archive.cli.tables.fit` that cannot fit even with its columns dropped is printed at the
+        width it needs, never with a number cut."""
         if not (self.json_mode or self.quiet):
-            self.err.print(table)
+            need = getattr(table, "needed_width", None)
+            if need and need > self.out.width:  # rich would shrink every column to its width, numbers too
+                width, self.out.width = self.out.width, need
+                try:
+                    self.out.print(table)
+                finally:
+                    self.out.width = width
+            else:
+                self.out.print(table)
 
-    def json(self, obj: dict) -> None:
+    def json(self, obj: dict, *, ok: bool | None = None) -> None:
+        """Print ``obj`` as the one JSON object on stdout (``--json`` mode only), ``ok`` first: the object's
+        own, else ``ok`` as given, else true (an error is printed by :func:`command`, with ``ok: false``)."""
         if self.json_mode:
             from ckpt_archive.format.jsonio import dumps
 
+            if "ok" not in obj:
+                obj = {"ok": True if ok is None else bool(ok), **obj}
             sys.stdout.write(dumps(_unicode_only(obj), indent=2, ensure_ascii=True, default=str).decode("utf-8"))
             sys.stdout.flush()
 
     def progress(self, total: int | None, description: str):
-        """A progress bar (phase, bytes in IEC units, MiB/s, ETA when ``total`` is known) when stderr is a
-        terminal and neither ``--json`` nor ``--quiet`` is given; else a no-op. The returned object is a
-        context manager, a callable ``advance(nbytes)`` and has ``phase(name, total)``."""
+        """A progress bar (phase, bytes in IEC units, MiB/s, ETA once a rate is known), one row at any width,
+        when stderr is a terminal and neither ``--json`` nor ``--quiet`` is given; else a no-op. The returned
+        object is a context manager, a callable ``advance(nbytes)`` and has ``phase(name, total)``."""
         return make_progress(total, description,
                              enabled=not (self.json_mode or self.quiet) and self.err.is_terminal)
 
@@ -135,43 +203,125 @@ class _NoProgress:
         pass
 
 
-def _speed_column():
-    from rich.progress import ProgressColumn
+#: An ETA is shown only once the phase has run this long (seconds) and a rate was measured: the first
+#: tick's rate (a few bytes after the set-up of the phase) would promise hours.
+ETA_AFTER_S = 2.0
+
+
+def eta_seconds(task) -> float | None:
+    """Seconds left in a rich ``Task``, or None while no trustworthy rate is known: no total, nothing done,
+    fewer than :data:`ETA_AFTER_S` seconds into the phase, or no measured speed."""
+    if task.total is None or task.finished:
+        return None
+    elapsed = task.elapsed or 0.0
+    speed = task.speed
+    if elapsed < ETA_AFTER_S or not task.completed or not speed:
+        return None
+    return max(0.0, (task.total - task.completed) / speed)
+
+
+def _clock(seconds: float) -> str:
+    """``75`` -> ``"1:15"``, ``3725`` -> ``"1:02:05"``."""
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def size_text(done: int, total: int | None) -> str:
+    """``"12.3/464.0 MiB"`` (one unit when both sides share it), ``"512 B/1.5 KiB"``, or ``done`` alone."""
+    d = human_bytes(int(done))
+    if total is None:
+        return d
+    t = human_bytes(int(total))
+    dv, du = d.rsplit(" ", 1)
+    tv, tu = t.rsplit(" ", 1)
+    return f"{dv}/{tv} {tu}" if du == tu else f"{d}/{t}"
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` in at most ``width`` cells, cut with an ellipsis at a word boundary (never inside a word or
+    a number: ``generation 12`` never becomes ``generation 1…``)."""
+    from rich.cells import cell_len, set_cell_size
+
+    if cell_len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    head = set_cell_size(text, width - 1).rstrip()
+    if len(head) < len(text) and text[len(head)].isalnum() and head[-1:].isalnum():
+        cut = max(head.rfind(c) for c in " ,;:/-_(")
+        head = head[:cut + 1].rstrip() if cut > 0 else ""
+    return head + "…"
+
+
+def bar_line(task, width: int):
+    """One progress row for a rich ``Task``, at most ``width - 1`` cells (a full row wraps on some
+    terminals): ``description  bar  done/total unit  speed  ETA m:ss``. The sizes and the ETA are never
+    cut: as the row narrows, the speed goes first, then the description is cut (to 12 cells), then the bar
+    goes."""
+    from rich.cells import cell_len
     from rich.text import Text
 
-    class IECSpeed(ProgressColumn):
-        """Bytes per second in IEC units (MiB/s), like every size the tool prints."""
+    avail = max(24, width - 1)
+    size = size_text(task.completed, task.total)
+    speed = task.finished_speed or task.speed
+    speed_s = f"{human_bytes(int(speed))}/s" if speed else ""
+    eta = eta_seconds(task)
+    eta_s = f"ETA {_clock(eta)}" if eta is not None else ""
+    right = cell_len(size) + (2 + cell_len(eta_s) if eta_s else 0)
+    desc = task.description
+    d = cell_len(desc)
+    gap, bar_min, bar_max = 2, 10, 40
+    spd = gap + cell_len(speed_s) if speed_s else 0
+    if d + gap + bar_min + gap + right + spd <= avail:            # everything
+        bar_w = min(bar_max, avail - d - 2 * gap - right - spd)
+    elif d + gap + bar_min + gap + right <= avail:               # without the speed
+        spd, bar_w = 0, min(bar_max, avail - d - 2 * gap - right)
+    elif avail - (gap + bar_min + gap + right) >= 12:            # the description cut
+        spd, bar_w = 0, bar_min
+        d = avail - (2 * gap + bar_min + right)
+    else:                                                        # no bar
+        spd, bar_w = 0, 0
+        d = max(8, avail - gap - right)
+    line = Text(_cut(desc, d).ljust(d))
+    if bar_w:
+        line.append(" " * gap)
+        filled = int(bar_w * min(1.0, task.completed / task.total)) if task.total else 0
+        line.append("━" * filled, style="bar.complete")
+        line.append("━" * (bar_w - filled), style="bar.back")
+    line.append(" " * gap + size, style="progress.download")
+    if spd:
+        line.append(" " * gap + speed_s, style="progress.data.speed")
+    if eta_s:
+        line.append(" " * gap + eta_s, style="progress.remaining")
+    return line
 
-        def render(self, task) -> Text:
-            speed = task.finished_speed or task.speed
-            return Text("" if speed is None else f"{human_bytes(int(speed))}/s", style="progress.data.speed")
 
-    return IECSpeed()
+def _line_progress_class():
+    from rich.progress import Progress
 
+    class LineProgress(Progress):
+        """A rich Progress whose every task is one row laid out for the console's width (:func:`bar_line`)."""
 
-def _size_column():
-    from rich.progress import ProgressColumn
-    from rich.text import Text
+        def get_renderables(self):
+            tasks = [t for t in self.tasks if t.visible]
+            if not tasks:  # rich's Live renders once while the Progress is still being built
+                return
+            width = self.console.width
+            for task in tasks:
+                yield bar_line(task, width)
 
-    class IECSize(ProgressColumn):
-        """``done / total`` in IEC units (``done`` alone while the total is unknown)."""
-
-        def render(self, task) -> Text:
-            done = human_bytes(int(task.completed))
-            text = done if task.total is None else f"{done} / {human_bytes(int(task.total))}"
-            return Text(text, style="progress.download")
-
-    return IECSize()
+    return LineProgress
 
 
 class _RichProgress:
     def __init__(self, total, description):
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        self._p = Progress(TextColumn("{task.description}"), BarColumn(), _size_column(), _speed_column(),
-                           TimeElapsedColumn(), TimeRemainingColumn(),
-                           console=Console(stderr=True), transient=True)
+        # no redirection of stdout: results printed meanwhile go to stdout, not into the bar's stream
+        self._p = _line_progress_class()(console=Console(stderr=True), transient=True, redirect_stdout=False,
+                                         redirect_stderr=False)
         self._total = total
         self._desc = description
         self._base = description.split(":", 1)[0]  # "pack: write" -> phases read "pack: trial reload"
@@ -188,7 +338,8 @@ class _RichProgress:
         self._p.advance(self._task, nbytes)
 
     def phase(self, name: str, total: int | None = None) -> None:
-        """A new phase of the work (``verify``, ``trial reload``, ``re-read``): the bar starts over."""
+        """A new phase of the work (``verify``, ``trial reload``, ``re-read``): the bar starts over, and so
+        do its rate and ETA."""
         self._p.reset(self._task, total=total, completed=0, description=f"{self._base}: {name}")
         self._p.refresh()  # show each phase at once, however short (not only at the next timed refresh)
 

@@ -32,9 +32,9 @@ def register(app: typer.Typer) -> None:
         if jobs is not None and jobs < 1:
             raise UsageError(f"--jobs must be >= 1, got {jobs}")
         out = Output(json_output)
-        report = run_demo(output, jobs=jobs, on_event=out.say)
+        report = run_demo(output, jobs=jobs, on_event=out.note)
         render_demo(out, report)
-        out.json(report)
+        out.json(report, ok=report["all_checks_passed"])
         exit_with(report)
 
 
@@ -45,4 +45,4 @@ def render_demo(out: Output, report: dict) -> None:
     report_human(out, report, "ckpt-archive demo")
     for f in report["demo_facts"]:
         out.say(("  ok   " if f["ok"] else "  FAIL ") + f"{f['fact']}: {f['observed']}",
-                style=None if f["ok"] else "red")
+                style=None if f["ok"] else "red", even_quiet=not f["ok"])

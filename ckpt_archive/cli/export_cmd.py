@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
         from ckpt_archive.ops.export_copy import unique_stored_bytes
 
         total = unique_stored_bytes([g.manifest for g in picked])  # each shared object once
-        out.say(f"exporting {len(picked)} generation(s) ({', '.join(str(g.number) for g in picked)}; "
+        out.note(f"exporting {len(picked)} generation(s) ({', '.join(str(g.number) for g in picked)}; "
                 f"{human_bytes(total)} stored) from {source.location} to {to}")
         argv = "ckpt-archive " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         with out.progress(total, "export") as advance:  # phases: copy, re-read, trial reload (per generation)
@@ -85,7 +85,7 @@ def register(app: typer.Typer) -> None:
                             command=argv, lock_wait=wait)
         for g in result.generations:
             checks = sum(c.ok for c in g.checks)
-            skipped = f", {human_bytes(g.bytes_skipped)} of shared objects already there" if g.bytes_skipped else ""
+            skipped = f", {human_bytes(g.bytes_skipped)} already there" if g.bytes_skipped else ""
             out.say(f"generation {g.generation} (step {g.step}): {g.status}, {human_bytes(g.bytes_copied)} copied"
                     f"{skipped}, {checks}/{len(g.checks)} checks ok, usable at {result.destination}")
             aborted, removed = g.cleaned.get("aborted_uploads") or [], g.cleaned.get("removed") or []
@@ -93,7 +93,7 @@ def register(app: typer.Typer) -> None:
                 out.say(f"  cleaned what an interrupted run left there: {len(aborted)} unfinished upload(s) "
                         f"aborted, {len(removed)} stray object(s) removed")
         out.say(f"moved {human_bytes(result.bytes_copied)}; skipped {human_bytes(result.bytes_skipped)} already at "
-                f"the destination (shared objects, re-read there all the same)")
+                f"the destination (re-read there all the same)")
         out.say(f"restore on a new machine: {result.restore_command}")
         if report is not None:
             out.say(f"recovery proof written to {report}")

@@ -7,6 +7,7 @@ import json
 import typer
 
 from ckpt_archive.cli.common import JSON_OPTION, exit_codes_help, Output, command, human_bytes, split_repo_spec
+from ckpt_archive.cli.tables import Col, fit
 
 
 def _readable(tree):
@@ -52,7 +53,6 @@ def register(app: typer.Typer) -> None:
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
-        from rich.table import Table
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
@@ -77,18 +77,11 @@ def register(app: typer.Typer) -> None:
             out.say(f"  metrics: {json.dumps(_readable(m['metrics']), ensure_ascii=False)}")
         if m.get("data"):
             d = m["data"]
-            out.say(f"  data ids: {d.get('count')} (sha256 {str(d.get('fingerprint'))[:16]}…)")
+            out.say(f"  data ids: {d.get('count')} (sha256 {str(d.get('fingerprint'))[:16]})")
         s = m["summary"]
         out.say(f"  {s['tensor_count']} tensors in {s['member_count']} members: {human_bytes(s['raw_bytes'])} raw, "
                 f"{human_bytes(s['stored_bytes'])} stored")
-        table = Table(title="members")
-        for col in ("member", "role", "raw", "stored", "codecs", "raw fingerprint"):
-            table.add_column(col)
-        for mem in m["members"]:
-            role = mem["role"] + (" (opaque: never loaded)" if mem.get("opaque") else "")
-            table.add_row(mem["path"], role, human_bytes(mem["raw_bytes"]), human_bytes(mem["stored_bytes"]),
-                          ",".join(mem.get("chunk_codecs", [])), _short_fp(mem))
-        out.table(table)
+        out.table(members_table(m["members"], out.width))
         _say_shared(info, out)
         if info["opaque_members"]:
             out.say(f"  opaque files (fingerprinted, restored byte for byte, never unpickled): "
@@ -123,7 +116,8 @@ def _say_numpy(info: dict, out: Output) -> None:
 
 
 def _say_shared(info: dict, out: Output) -> None:
-    """What the generation stored itself, what it keeps in shared objects, and with which generations."""
+    """What the generation stored itself, what it keeps in shared objects, and with which generations (a table
+    fitted to the terminal: an object by the first 12 hex digits of its fingerprint, as git shortens commits)."""
     sh = info.get("shared") or {}
     if not sh.get("objects"):
         return
@@ -133,10 +127,14 @@ def _say_shared(info: dict, out: Output) -> None:
             f"{human_bytes(sh['shared_bytes'])} shared with generation(s) {with_}; "
             f"only here: {human_bytes(sh['only_here_bytes'])} (what forgetting it would free)")
     shown = 10
+    rows = []
     for o in sh["objects"][:shown]:
         others = [n for n in o["generations"] if n != info["generation"]]
-        out.say(f"    {o['key']}  {human_bytes(o['stored_bytes'])}  {', '.join(o['entries'])}  "
-                f"also used by: {', '.join(map(str, others)) or '-'}")
+        short = o["key"].rsplit("/", 1)[-1][:12]
+        rows.append([short, human_bytes(o["stored_bytes"]), ", ".join(o["entries"]), ", ".join(map(str, others)) or "-"])
+    cols = (Col("object", "object"), Col("stored", "stored", justify="right"),
+            Col("entries", "entries", kind="text", min_width=12), Col("also", "also used by", kind="prose", min_width=12))
+    out.table(fit(cols, rows, out.width, title="shared objects", degrade=(("cut", "entries"),)))
     if len(sh["objects"]) > shown:
         out.say(f"    ... {len(sh['objects']) - shown} more (--json lists every one)")
 
@@ -146,6 +144,22 @@ def _extend_inspect(info: dict, repo: str, out: Output) -> dict:
     from ckpt_archive.cli.policy_views import cli_inspect
 
     return cli_inspect(info, repo, out)
+
+
+#: inspect's members table; on a narrow terminal the fingerprint goes first, then the codecs, and the member's
+#: path is cut (the sizes never are).
+MEMBER_COLUMNS = (Col("member", "member", kind="text", min_width=16), Col("role", "role", kind="text", min_width=7),
+                  Col("raw", "raw", justify="right"), Col("stored", "stored", justify="right"),
+                  Col("codecs", "codecs", kind="text", min_width=6), Col("fp", "raw fingerprint"))
+MEMBER_DEGRADE = (("drop", "fp"), ("cut", "codecs"), ("drop", "codecs"), ("cut", "role"), ("cut", "member"))
+
+
+def members_table(members: list[dict], width: int):
+    """The manifest's members as a table fitted to ``width`` (:func:`ckpt_archive.cli.tables.fit`)."""
+    rows = [[mem["path"], mem["role"] + (" (opaque: never loaded)" if mem.get("opaque") else ""),
+             human_bytes(mem["raw_bytes"]), human_bytes(mem["stored_bytes"]), ",".join(mem.get("chunk_codecs", [])),
+             _short_fp(mem)] for mem in members]
+    return fit(MEMBER_COLUMNS, rows, width, title="members", degrade=MEMBER_DEGRADE)
 
 
 def _short_fp(mem: dict) -> str:

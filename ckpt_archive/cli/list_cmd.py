@@ -4,6 +4,7 @@ from __future__ import annotations
 import typer
 
 from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, human_bytes
+from ckpt_archive.cli.tables import Col, date_forms, fit
 
 
 def register(app: typer.Typer) -> None:
@@ -18,9 +19,6 @@ def register(app: typer.Typer) -> None:
         all_: bool = typer.Option(False, "--all", help="Also list generations that are not usable."),
         json_output: bool = JSON_OPTION,
     ) -> None:
-        import ckpt_archive
-        from rich.table import Table
-
         out = Output(json_output)
         from ckpt_archive.repo.repository import Repository
 
@@ -30,21 +28,47 @@ def register(app: typer.Typer) -> None:
         from ckpt_archive.ops.list import generation_row
 
         rows = [generation_row(g) for g in gens]
-        table = Table(title=f"{repo}", show_lines=False)
-        # new: stored bytes this generation wrote; stored: all it references (shared objects included)
-        for col in ("gen", "status", "step", "created (UTC)", "new", "stored", "raw", "tags", "why"):
-            table.add_column(col)
-        for row in rows:
-            table.add_row(str(row["generation"]), row["status"], "" if row["step"] is None else str(row["step"]),
-                          (row["created"] or "")[:19].replace("T", " "), human_bytes(row["new_stored_bytes"]),
-                          human_bytes(row["stored_bytes"]), human_bytes(row["raw_bytes"]), ",".join(row["tags"]),
-                          row["reason"] or "")
         if rows:
+            table = list_table(rows, repo, out.width)
             out.table(table)
+            _say_reasons_left_out(rows, table, out)
         else:
-            out.say("no usable generation" + ("" if all_ else f" ({r.existing_summary(every)}; --all shows them)"))
+            out.note("no usable generation" + ("" if all_ else f" ({r.existing_summary(every)}; --all shows them)"))
         copied = [g.number for g in every if g.status == "copied"]
         if copied and not all_:
-            out.say(f"{len(copied)} generation(s) copied here from another place (restore reads them); "
-                    f"`ckpt-archive adopt {r.location}` makes them usable here")
+            out.note(f"{len(copied)} generation(s) copied here from another place (restore reads them); "
+                     f"`ckpt-archive adopt {r.location}` makes them usable here")
         out.json({"repository": r.location, "generations": rows})
+
+
+#: ``list``'s columns (``new``: stored bytes this generation wrote; ``stored``: all it references, shared
+#: objects included) and what gives way, in order, on a narrow terminal: the seconds of the date, the raw
+#: size, the tags' full text, the ``why`` column (printed under the table instead), the new size, the year,
+#: the tags.
+LIST_COLUMNS = (Col("gen", "gen", justify="right"), Col("status", "status"), Col("step", "step", justify="right"),
+                Col("created", "created (UTC)", forms=date_forms()), Col("new", "new", justify="right"),
+                Col("stored", "stored", justify="right"), Col("raw", "raw", justify="right"),
+                Col("tags", "tags", kind="text", min_width=6), Col("why", "why", kind="prose", min_width=20))
+LIST_DEGRADE = (("abbrev", "created"), ("drop", "raw"), ("cut", "tags"), ("drop", "why"), ("drop", "new"),
+                ("abbrev", "created"), ("drop", "tags"))
+
+
+def list_table(rows: list[dict], title: str, width: int):
+    """The generations as a table fitted to ``width`` columns (:func:`ckpt_archive.cli.tables.fit`); the
+    ``why`` column only when some generation has a reason (``--all``)."""
+    cols = [c for c in LIST_COLUMNS if c.name != "why" or any(r["reason"] for r in rows)]
+    cells = [[str(r["generation"]), r["status"], "" if r["step"] is None else str(r["step"]),
+              (r["created"] or "")[:19].replace("T", " "), human_bytes(r["new_stored_bytes"]),
+              human_bytes(r["stored_bytes"]), human_bytes(r["raw_bytes"]), ",".join(r["tags"]), r["reason"] or ""]
+             for r in rows]
+    keep = [i for i, c in enumerate(LIST_COLUMNS) if c in cols]
+    return fit(cols, [[row[i] for i in keep] for row in cells], width, title=title, degrade=LIST_DEGRADE)
+
+
+def _say_reasons_left_out(rows: list[dict], table, out: Output) -> None:
+    """When the terminal had no room for the ``why`` column, each reason under the table."""
+    if "why" in table.shown or not any(r["reason"] for r in rows):
+        return
+    for r in rows:
+        if r["reason"]:
+            out.say(f"  {r['generation']}: {r['reason']}")

@@ -26,14 +26,14 @@ def register(app: typer.Typer) -> None:
                                        "held, disk full)"}))
     @command
     def pack_cmd(
-        source: Path = typer.Argument(..., help="A torch.save file or a checkpoint folder."),
+        source: Path = typer.Argument(..., metavar="SOURCE", help="A torch.save file or a checkpoint folder."),
         repo: str = typer.Option(..., "--repo", help="Repository path or URL (created if absent)."),
         config: Optional[Path] = typer.Option(None, "--config", help="Experiment config (JSON/YAML/TOML)."),
         metrics: Optional[Path] = typer.Option(None, "--metrics", help="Metrics (JSON/YAML/TOML)."),
         data_ids: Optional[Path] = typer.Option(None, "--data-ids", help="Sample ids / dataset identity."),
         instructions: Optional[Path] = typer.Option(None, "--instructions", help="Loading instructions (text)."),
         code_version: Optional[str] = typer.Option(None, "--code-version", help="Code version text."),
-        tag: List[str] = typer.Option([], "--tag", help="Tag (repeatable)."),
+        tag: List[str] = typer.Option([], "--tag", metavar="TAG", help="Tag (repeatable)."),
         step: Optional[int] = typer.Option(None, "--step", min=0, help="Progress step to record in the manifest "
                                            "(overrides the step found in the state)."),
         epoch: Optional[int] = typer.Option(None, "--epoch", min=0, help="Progress epoch to record (overrides "
@@ -72,8 +72,8 @@ def register(app: typer.Typer) -> None:
                      f"other commands will read it as one; address this repository as {repo}@latest")
         policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
                                    keep_tag, keep_best, best_by)
-        total = _source_bytes(source)
-        with out.progress(total, "pack: write") as bar:
+        # phases, each with its bytes: read and hash the source, write, verify, trial reload
+        with out.progress(_source_bytes(source), "pack: read") as bar:
             res = ckpt_archive.pack(
                 source, repo,
                 PackOptions(level=level, jobs=jobs, wait=wait, source_format=fmt, allow_numpy=allow_numpy,

@@ -63,21 +63,26 @@ def policy_from_flags(keep_last: Optional[int], keep_hourly: Optional[int], keep
                                       keep_tag=keep_tag, keep_best=keep_best, best_by=best_by)
 
 
-def decision_table(decision, generations, title: str, check=None):
-    """A rich table of a retention decision: generation, created, step, stored size, action, why.
+def decision_table(decision, generations, title: str, check=None, width: int = 200):
+    """A table of a retention decision fitted to ``width`` columns: generation, created, step, stored size,
+    action, why (:func:`ckpt_archive.cli.tables.fit`; the reasons wrap in their column; on a narrow terminal
+    the date loses its year, then the stored size goes).
 
     ``check`` (a :class:`~ckpt_archive.ops.prune.KeptCheck`) adds what the kept-generation check found
     to the "why" of each kept generation it read (or trusted).
     """
-    from rich.table import Table
+    from rich.text import Text
 
+    from ckpt_archive.cli.tables import Col, fit
+
+    cols = (Col("gen", "gen", justify="right"),
+            Col("created", "created (UTC)", forms=(("created", lambda t: t), ("created", lambda t: t[5:]))),
+            Col("step", "step", justify="right"), Col("stored", "stored", justify="right"), Col("action", "action"),
+            Col("why", "why", kind="prose", min_width=14))
     by_number = {g.number: g for g in generations}
-    table = Table(title=title, title_justify="left")
-    for col, kw in (("gen", {"justify": "right"}), ("created (UTC)", {}), ("step", {"justify": "right"}),
-                    ("stored", {"justify": "right"}), ("action", {}), ("why", {"overflow": "fold"})):
-        table.add_column(col, **kw)
     styles = {"keep": "green", "remove": "red", "not usable": "yellow"}
     failed = dict(check.failed + check.rescue_failed) if check is not None else {}
+    rows = []
     for number, action, reasons in decision.rows():
         if check is not None and number == check.verified:
             reasons = list(reasons) + ["verified at pack" if check.trusted else "verified (sizes + sha256)"]
@@ -92,8 +97,9 @@ def decision_table(decision, generations, title: str, check=None):
         step = str(g.step) if g is not None and g.step is not None else "-"
         size = human_bytes(g.stored_bytes) if g is not None and g.stored_bytes is not None else "-"
         label = {"keep": "keep", "remove": "REMOVE", "not usable": "left for gc"}[action]
-        table.add_row(str(number), created, step, size, f"[{styles[action]}]{label}[/]", "; ".join(reasons))
-    return table
+        rows.append([str(number), created, step, size, Text(label, style=styles[action]), "; ".join(reasons)])
+    return fit(cols, rows, width, title=title, degrade=(("abbrev", "created"), ("abbrev", "created"),
+                                                       ("drop", "stored")))
 
 
 def register(app: typer.Typer) -> None:
@@ -131,14 +137,14 @@ def register(app: typer.Typer) -> None:
             verb = "would remove" if dry_run else "removed"
             out.table(decision_table(decision, result.generations,
                                      f"{decision.policy.describe()} ({'dry run' if dry_run else 'prune'})",
-                                     check=check))
+                                     check=check, width=out.width))
             if not result.refused:
                 out.say(f"check before removing: {check.describe()}")
         for w in result.warnings:
             out.warn(w)
         if not result.ok:
             code = exit_code_for(result)
-            out.say(f"error: a prune would be refused: {result.refused}", style="red")
+            out.error(f"error: a prune would be refused: {result.refused}")
             out.json({"ok": False, **result.to_json(), "exit_code": code})
             raise typer.Exit(code)
         if not json_output:

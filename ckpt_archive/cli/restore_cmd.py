@@ -10,13 +10,19 @@ from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_hel
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("restore", help="Restore a generation to FILE.pt (loads with torch.load(weights_only=True); a "
-                                 "state holding NumPy objects also needs NumPy's allowlist, "
-                                 "ckpt_archive.sources.torchfile.numpy_safe_globals()) or, "
-                                 "for a folder source, to a folder. Never overwrites without --force; writes a "
-                                 "temporary name then renames; checks free space first. Every byte is decoded and "
-                                 "checked on the way, so a generation copied here by another tool (status "
-                                 "'copied') restores too, and the restore says it served as its trial reload."
+    @app.command("restore", help="Restore a generation to FILE.pt or, for a folder source, to a folder, and say "
+                                 "how the file loads (read from the file written): torch.load(path, "
+                                 "weights_only=True), or, for a state holding NumPy values or other Python "
+                                 "objects, a snippet allowing exactly those with torch.serialization.safe_globals. "
+                                 "Never overwrites without --force; writes a temporary name then renames; checks "
+                                 "free space first. Every byte is decoded and checked on the way, so a generation "
+                                 "copied here by another tool (status 'copied') restores too, and the restore says "
+                                 "it served as its trial reload."
+                                 "\n\n--only PATH restores a part: keys and indices joined by '/' ('model', "
+                                 "'optimizer/state/0'). A key may itself contain '/' (a folder source's files): "
+                                 "--only global_step10/mp_rank_00_model_states.pt/module -- every split into keys "
+                                 "is tried and exactly one must name something; an ambiguous path or an empty "
+                                 "component ('', '/', 'a//b') is refused (exit 2)."
                  + exit_codes_help({0: "restored",
                                     1: "the generation failed its checks (a member corrupt, tampered or missing; "
                                        "named); nothing was written",
@@ -27,13 +33,9 @@ def register(app: typer.Typer) -> None:
         spec: str = typer.Argument(..., metavar="REPO[@GEN]"),
         output: Path = typer.Option(..., "--output", "-o", help="The .pt file or folder to create."),
         force: bool = typer.Option(False, "--force", help="Replace an existing output (after the new one is complete); never a FIFO, device or socket."),
-        only: Optional[str] = typer.Option(None, "--only", help="Restore part of the state, e.g. 'model' "
-                                                                "(a '/'-separated path of keys and indices). A key "
-                                                                "may contain '/' (a folder's file, "
-                                                                "'global_step10/mp_rank_00_model_states.pt/module'): "
-                                                                "every split is tried and exactly one must exist; "
-                                                                "an ambiguous path or an empty component ('', "
-                                                                "'/', 'a//b') is refused (exit 2)."),
+        only: Optional[str] = typer.Option(None, "--only", metavar="PATH",
+                                           help="Restore part of the state: keys and indices joined by '/', e.g. "
+                                                "'model' or 'optimizer/state/0' (keys holding '/': see above)."),
         fallback: bool = typer.Option(False, "--fallback", help="If @latest fails its checks, use the newest "
                                                                 "generation that verifies."),
         map_location: Optional[str] = typer.Option(None, "--map-location", help="Device for tensors (default cpu)."),
@@ -89,6 +91,13 @@ def register(app: typer.Typer) -> None:
         what = f" ({only})" if only else ""
         out.say(f"restored generation {res.generation}{what} to {res.output} ({human_bytes(res.bytes_written)})",
                 style="green")
+        loading = res.extra.get("loading")
+        if loading and loading.get("allow"):  # the file needs more than weights_only's defaults: say exactly what
+            out.say(f"it {loading['text']}:")
+            for line in loading["snippet"].splitlines():
+                out.say(f"    {line}")
+        elif loading:
+            out.say(f"it {loading['text']}")
         if res.extra.get("consolidated"):
             out.say(f"consolidated the DCP state into {res.extra['consolidated']}", style="green")
         out.json(res.to_json())

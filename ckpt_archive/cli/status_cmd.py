@@ -36,11 +36,13 @@ def register(app: typer.Typer) -> None:
         out = Output(json_output)
         report = status(repo, max_age=max_age, state=state, record=not no_record)
         if report.ok:
-            age = "" if report.age_s is None else f", {report.age_s / 3600:.1f} h old"
+            from ckpt_archive.ops.common import human_seconds
+
+            age = "" if report.age_s is None else f", {human_seconds(report.age_s)} old"
             out.say(f"ok: newest usable generation {report.generation} (step {report.step}{age}) at "
                     f"{report.location}", style="green")
-        else:
+        else:  # the verdict cron must mail: printed even with --quiet
             for line in report.problems:
-                out.error(f"unhealthy: {report.location}: {line}")
+                out.say(f"unhealthy: {report.location}: {line}", style="red", even_quiet=True)
         out.json(report.to_json())
         exit_with(report)

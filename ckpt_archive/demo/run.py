@@ -68,6 +68,7 @@ def run_demo(output: str | os.PathLike | None = None, *, jobs: int | None = None
         SourceError: a run failed; IntegrityError: the archived checkpoint failed verification.
     """
     from ckpt_archive.resume.check import REPORT_FILE, check_resume, write_report
+    from ckpt_archive.resume.report import record_last_check
 
     if jobs is None:
         jobs = max(1, min(4, os.cpu_count() or 1))
@@ -80,4 +81,5 @@ def run_demo(output: str | os.PathLike | None = None, *, jobs: int | None = None
             report["problems"].append(f"demo fact does not hold: {f['fact']} (observed: {f['observed']})")
     report["all_checks_passed"] = bool(report["all_checks_passed"] and all(f["ok"] for f in facts))
     write_report(report, __import__("pathlib").Path(report["output"]) / REPORT_FILE)
+    record_last_check(report["archive"]["repository"], report)  # the verdict with the demo facts
     return report

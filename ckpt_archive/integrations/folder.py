@@ -18,6 +18,12 @@ again under the repository lock just before the marker is written (pack's before
 difference withdraws the generation (never published), raised at the next call. So a publish either makes a
 generation holding exactly the files that were there at :meth:`~FolderPublisher.publish`, or fails loudly.
 
+The staging folder lives in the trainer's output folder, where others may write too, so every link, write and
+delete there goes through the file layer (:mod:`ckpt_archive.store.fs`): the output folder is opened once by its
+path, ``_ckpt-archive-staging`` in it ``O_NOFOLLOW`` (a symbolic link planted there is refused), the snapshot under
+a random name created exclusively and held by descriptor until it is removed. The trainer's checkpoint folder is
+only read, following its own links as the folder reader does.
+
 Why not :class:`~ckpt_archive.training.checkpointer.Checkpointer`: its ``save`` takes a nested state from memory
 and copies it; here the state is already on disk as a folder whose files (``training_args.bin``, the tokenizer,
 the exact safetensors bytes) must come back as that folder, and the snapshot must be checked before publishing.
@@ -28,17 +34,19 @@ failure is raised (once) by the next :meth:`~FolderPublisher.publish`, :meth:`~F
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import re
-import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpt_archive.errors import SourceError, UsageError
+from ckpt_archive.store import fs
 
 if TYPE_CHECKING:
     from ckpt_archive.ops.pack import PackOptions, PackResult
@@ -106,46 +114,132 @@ def default_staging(folder: Path) -> Path:
     return parent / STAGING_NAME
 
 
-def snapshot_folder(folder: Path, dest: Path) -> tuple[int, int, list[str]]:
-    """Recreate ``folder`` at ``dest`` (which must not exist) with hard links, copying where a link fails.
+def snapshot_folder(folder: Path, into: "fs.Dir", name: str) -> tuple[int, int, list[str]]:
+    """Recreate ``folder`` as the new folder ``name`` in the open folder ``into``, with hard links, copying where a
+    link fails.
 
     What the folder reader (:func:`ckpt_archive.sources.files.read_folder`) would archive is kept: regular files
     (a symbolic link to a file as the file it points to, linked by its target), sub-folders; a symbolic link to a
     folder is recreated as such (the reader does not follow it and says so); a dangling link, a FIFO, a socket or
     a device is left out and named in the returned warnings.
 
+    ``folder`` is only read, by its path (the trainer's own links followed as the reader follows them). Everything
+    written goes through ``into``'s descriptor (:mod:`ckpt_archive.store.fs`): each folder of the copy is created
+    there and opened ``O_NOFOLLOW``, each file and link created exclusively
+    (:meth:`~ckpt_archive.store.fs.Dir.link_from`, :meth:`~ckpt_archive.store.fs.Dir.copy_from`,
+    :meth:`~ckpt_archive.store.fs.Dir.symlink`), so a link met in the copy is never followed, written through or
+    replaced.
+
     Returns:
         ``(files linked, files copied, warnings)``.
 
     Raises:
-        SourceError: ``folder`` is not a folder. OSError: the staging folder cannot be written.
+        SourceError: ``folder`` is not a folder. FileExistsError: ``name`` exists in ``into``. OSError: the copy
+        cannot be written. UnsafePath: a folder of the copy was replaced by a symbolic link meanwhile.
     """
     if not folder.is_dir():
         raise SourceError("no such checkpoint folder (was it saved under another name?)", where=str(folder))
     linked = copied = 0
     warnings: list[str] = []
-    dest.mkdir(parents=True)
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
-        src_dir = Path(dirpath)
-        dst_dir = dest / src_dir.relative_to(folder)
-        for name in list(dirnames):
-            if (src_dir / name).is_symlink():
-                os.symlink(os.readlink(src_dir / name), dst_dir / name)
-                dirnames.remove(name)
-            else:
-                (dst_dir / name).mkdir()
-        for name in filenames:
-            src, dst = src_dir / name, dst_dir / name
-            if not src.is_file():  # dangling link, FIFO, socket, device: the reader skips them too
-                warnings.append(f"{src.relative_to(folder).as_posix()}: not a regular file (not archived)")
-                continue
-            try:
-                os.link(src, dst, follow_symlinks=True)
-                linked += 1
-            except OSError:  # another file system under a link, no hard links here (some FUSE/network mounts)
-                shutil.copy2(src, dst)
-                copied += 1
+    into.mkdir(name)
+    with into.sub(name) as top:
+        for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+            src_dir = Path(dirpath)
+            rel = src_dir.relative_to(folder)
+            with top.walk(rel.parts) as dst:
+                for entry in list(dirnames):
+                    if (src_dir / entry).is_symlink():
+                        dst.symlink(os.readlink(src_dir / entry), entry)
+                        dirnames.remove(entry)
+                    else:
+                        dst.mkdir(entry)
+                for entry in filenames:
+                    src = src_dir / entry
+                    if not src.is_file():  # dangling link, FIFO, socket, device: the reader skips them too
+                        warnings.append(f"{src.relative_to(folder).as_posix()}: not a regular file (not archived)")
+                        continue
+                    try:
+                        dst.link_from(src, entry)
+                        linked += 1
+                    except OSError:  # another file system under a link, no hard links here (some FUSE/network mounts)
+                        dst.copy_from(src, entry)
+                        copied += 1
     return linked, copied, warnings
+
+
+class _Snapshot:
+    """One publish's snapshot folder, ``<staging>/<host>-<pid>-<random>/`` (mode 0700), held open by descriptor from
+    its creation to its removal.
+
+    The staging folder's own folder (the trainer's output folder) is the root, resolved once by its path (the
+    trainer's choice, links on it included); the staging folder in it is opened ``O_NOFOLLOW`` (created when
+    absent), so a symbolic link planted at ``_ckpt-archive-staging`` is refused, never linked, written or deleted
+    through; the snapshot's random name is created exclusively.
+
+    Args:
+        staging: the staging folder.
+
+    Attributes:
+        path: the snapshot folder's path (for the pack and messages; never used to write). dir: the open snapshot
+        folder.
+
+    Raises:
+        UnsafePath: the staging folder is a symbolic link. OSError: it cannot be created or opened.
+    """
+
+    def __init__(self, staging: Path):
+        self.staging = staging
+        self.name: str | None = None  # set once the snapshot folder exists
+        self.stage: fs.Dir | None = None
+        self.dir: fs.Dir | None = None
+        self.parent = fs.Dir.open(staging.parent, create=True)
+        try:
+            for attempt in range(3):
+                self.stage = self.parent.sub(staging.name, create=True)
+                _remove_stale_in(self.stage, staging)
+                name = self._make(self.stage)
+                if name is None:  # another publisher removed the staging folder, empty, meanwhile
+                    self.stage.close()
+                    if attempt == 2:
+                        raise FileNotFoundError(errno.ENOENT, "removed while in use", str(staging))
+                    continue
+                self.name = name
+                break
+            self.dir = self.stage.sub(self.name)
+        except BaseException:
+            self.close()
+            raise
+        self.path = staging / self.name
+
+    @staticmethod
+    def _make(stage: "fs.Dir") -> str | None:
+        """Create a fresh snapshot folder (mode 0700) in ``stage``; its name, or None when ``stage`` was removed."""
+        for _ in range(100):
+            name = _snapshot_name()
+            try:
+                stage.mkdir(name, 0o700)
+                return name
+            except FileExistsError:  # a name planted (or left) there: another random name, never that one
+                continue
+            except FileNotFoundError:
+                return None
+        raise FileExistsError(errno.EEXIST, "no free snapshot name", stage.path)
+
+    def close(self) -> None:
+        """Remove the snapshot (links only: the trainer's files are untouched), then the staging folder when empty;
+        close the descriptors (idempotent)."""
+        if self.dir is not None:
+            self.dir.close()
+        if self.stage is not None and self.stage.fd >= 0:
+            if self.name is not None:
+                with contextlib.suppress(OSError):
+                    self.stage.remove_tree(self.name)
+            self.stage.close()
+            try:  # by name in its folder: a link there now is not a folder (ENOTDIR), never followed
+                self.parent.rmdir(self.staging.name)
+            except OSError:  # another publish's snapshot is there, or it is gone already
+                pass
+        self.parent.close()
 
 
 class FolderPublisher:
@@ -170,7 +264,9 @@ class FolderPublisher:
         options: :class:`~ckpt_archive.ops.pack.PackOptions`; its ``wait`` (seconds for another writer's lock)
             defaults to :data:`ckpt_archive.training.checkpointer.DEFAULT_LOCK_WAIT` here.
         staging: the folder to snapshot into (on the same file system as the checkpoints, or every file is
-            copied); default :func:`default_staging` of each published folder.
+            copied); default :func:`default_staging` of each published folder. Its own folder is reached by path
+            (links on it followed); the staging folder itself must not be a symbolic link (refused: give the
+            folder it points to).
 
     Raises:
         UsageError: ``retention`` is not a RetentionPolicy. NotFound / StoreError: the repository cannot be
@@ -197,7 +293,7 @@ class FolderPublisher:
         self.tags = (tags,) if isinstance(tags, str) else tuple(tags)
         self.code_version = code_version
         self.options = options if options is not None else PackOptions(wait=DEFAULT_LOCK_WAIT)
-        self.staging = Path(staging) if staging is not None else None
+        self.staging = Path(staging).expanduser().absolute() if staging is not None else None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-folder-publisher")
         self._inflight: PublishHandle | None = None
         self._last: "PackResult | None" = None
@@ -225,7 +321,8 @@ class FolderPublisher:
 
         Raises:
             the previous publish's exception (with a note naming its folder), once; UsageError: bad step,
-            closed publisher; SourceError: no such folder, or metrics that cannot be recorded; with
+            closed publisher; SourceError: no such folder, or metrics that cannot be recorded; UnsafePath: the
+            staging folder is a symbolic link (nothing is written through it; remove it by hand); with
             ``block=True`` this publish's own failure.
         """
         from ckpt_archive.format.metrics import metrics_to_json
@@ -240,20 +337,19 @@ class FolderPublisher:
         self._finish_previous()
         t1 = time.perf_counter()
         staging = self.staging or default_staging(folder)
-        remove_stale_snapshots(staging)
-        root = staging / _snapshot_name()
-        snap_dir = root / folder.name  # the folder's own name: the HF reader reads the step from checkpoint-N
+        snap = _Snapshot(staging)
+        snap_dir = snap.path / folder.name  # the folder's own name: the HF reader reads the step from checkpoint-N
         try:
-            linked, copied, warnings = snapshot_folder(folder, snap_dir)
+            linked, copied, warnings = snapshot_folder(folder, snap.dir, folder.name)
             from ckpt_archive.ops.backup import stat_snapshot
 
             taken = stat_snapshot(snap_dir)
         except BaseException:
-            _remove_staging(root)
+            snap.close()
             raise
         t2 = time.perf_counter()
         extra = (tags,) if isinstance(tags, str) else tuple(tags)
-        fut = self._pool.submit(self._publish, folder, snap_dir, root, taken, step, metrics, self.tags + extra)
+        fut = self._pool.submit(self._publish, folder, snap_dir, snap, taken, step, metrics, self.tags + extra)
         fut.add_done_callback(lambda f, name=folder.name: _log_failure(f, name))
         handle = PublishHandle(folder, snap_dir, step, linked, copied, t1 - t0, t2 - t1, warnings, fut)
         self._inflight = handle
@@ -261,7 +357,7 @@ class FolderPublisher:
             self._finish_previous()
         return handle
 
-    def _publish(self, folder: Path, snap_dir: Path, root: Path, taken: list, step: int | None, metrics: Any,
+    def _publish(self, folder: Path, snap_dir: Path, snap: _Snapshot, taken: list, step: int | None, metrics: Any,
                  tags: tuple[str, ...]) -> "PackResult":
         from ckpt_archive.ops.backup import stat_snapshot
         from ckpt_archive.ops.pack import Annotations, pack
@@ -284,7 +380,7 @@ class FolderPublisher:
             return pack(str(snap_dir), self.repo, self.options, notes, retention=self.retention,
                         before_publish=unchanged)
         finally:
-            _remove_staging(root)
+            snap.close()
 
     def _finish_previous(self) -> "PackResult | None":
         handle, self._inflight = self._inflight, None
@@ -373,19 +469,31 @@ def remove_stale_snapshots(staging: Path) -> list[str]:
     host and a process that no longer exists. A snapshot holds hard links, so one left behind keeps the disk space
     of a checkpoint folder the trainer's rotation has deleted since; the trainer's own files are never touched.
 
+    ``staging`` is opened ``O_NOFOLLOW`` in its folder and each snapshot removed through its descriptor, never
+    following a link inside (:meth:`ckpt_archive.store.fs.Dir.remove_tree`).
+
     Returns:
         the names removed.
+
+    Raises:
+        UnsafePath: ``staging`` is a symbolic link (nothing is removed through it).
     """
-    pattern = re.compile(rf"^{re.escape(_host())}-(\d+)-[0-9a-f]{{32}}$")
     try:
-        names = os.listdir(staging)
-    except OSError:  # no staging folder yet
+        with fs.Dir.open(staging.parent) as parent, parent.sub(staging.name) as stage:
+            return _remove_stale_in(stage, staging)
+    except (FileNotFoundError, NotADirectoryError):  # no staging folder yet
         return []
+
+
+def _remove_stale_in(stage: "fs.Dir", staging: Path) -> list[str]:
+    """:func:`remove_stale_snapshots` in the open staging folder ``stage`` (``staging``: its path, for the log)."""
+    pattern = re.compile(rf"^{re.escape(_host())}-(\d+)-[0-9a-f]{{32}}$")
     removed = []
-    for name in names:
+    for name in stage.listdir():
         m = pattern.match(name)
         if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
-            shutil.rmtree(staging / name, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                stage.remove_tree(name)
             removed.append(name)
     if removed:
         _LOG.info("removed %d snapshot(s) left in %s by publishers that are gone", len(removed), staging)
@@ -400,16 +508,6 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError, ValueError):
         return True
     return True
-
-
-def _remove_staging(root: Path) -> None:
-    """Remove one publish's staging folder (links only: the trainer's files are untouched), then the staging
-    parent when empty."""
-    shutil.rmtree(root, ignore_errors=True)
-    try:
-        root.parent.rmdir()
-    except OSError:  # another publish's snapshot is there, or it is gone already
-        pass
 
 
 def _log_failure(fut: concurrent.futures.Future, name: str) -> None:

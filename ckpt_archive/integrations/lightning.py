@@ -105,7 +105,9 @@ class ArchiveCheckpointIO(CheckpointIO):
         # removals not done yet: (tag, the newest generation number it may forget, or None while no usable
         # generation carries the tag -- under AsyncCheckpointIO the save it follows may still be queued)
         self._to_forget: list[tuple[str, int | None]] = []
-        self._pointers: dict[str, Any] = {}  # file name -> the path its newest pointer was written at
+        # file name -> (the path its newest pointer was written at, that file's (st_dev, st_ino)): a pointer is
+        # deleted later only if it is still that file
+        self._pointers: dict[str, tuple[Any, tuple[int, int] | None]] = {}
 
     # -- CheckpointIO ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -188,7 +190,10 @@ class ArchiveCheckpointIO(CheckpointIO):
         name is never touched by it.
         """
         name = _tag_of(path)
-        _remove_pointer(path)  # ModelCheckpoint's file checks see it gone at once, as a deleted file
+        written = self._pointers.get(name)
+        # ModelCheckpoint's file checks see it gone at once, as a deleted file; one this plugin wrote here is
+        # deleted only while it is still that file
+        _remove_pointer(path, identity=written[1] if written and os.fspath(written[0]) == os.fspath(path) else None)
         with self._mutex:
             self._to_forget.append((name, None))
             if self._saving:
@@ -261,9 +266,9 @@ class ArchiveCheckpointIO(CheckpointIO):
                         keep.extend([(name, limit)] + pending[i + 1:])
                         return
                     self.forgotten.append(n)
-                    pointer = self._pointers.get(name)
-                    if pointer is not None and _read_pointer(pointer, quiet=True).get("generation") == n:
-                        _remove_pointer(pointer)  # written by a save that landed after its removal (async)
+                    written = self._pointers.get(name)
+                    if written is not None:  # written by a save that landed after its removal (async)
+                        _remove_pointer(written[0], generation=n, identity=written[1])
         except BaseException:
             keep = pending  # nothing is dropped: retried after the next save
             raise
@@ -307,18 +312,25 @@ class ArchiveCheckpointIO(CheckpointIO):
     def _write_pointer(self, path: Any, result: "PackResult") -> None:
         """Write the pointer file at ``path`` (atomically where it is local): ModelCheckpoint decides by the files in
         its folder (a name that exists gets a ``-v1`` suffix; ``ckpt_path="last"`` looks for ``last*.ckpt``), so
-        a checkpoint it saved must exist there as a file, as with Lightning's own ``TorchCheckpointIO``."""
-        from ckpt_archive.store.local import write_atomic
+        a checkpoint it saved must exist there as a file, as with Lightning's own ``TorchCheckpointIO``.
+
+        Through the file layer (:func:`ckpt_archive.store.fs.write_file_atomic`): the folder Lightning chose is
+        reached by its path (created if absent, as Lightning creates it); the pointer is a fresh ``O_EXCL`` file
+        renamed over the name, so a symbolic link planted at the name is replaced, never written through. The new
+        file's identity (device, inode), read through the same folder descriptor, is kept: a later removal deletes
+        only that file."""
+        from ckpt_archive.store import fs
 
         text = os.fspath(path)
         if not _is_local(text):  # a remote dirpath (s3://): no pointer; the generation is tagged all the same
             return
-        text = text.removeprefix("file://")
         data = json.dumps({_POINTER_KEY: 1, "repository": self._repo_location(), "generation": result.generation,
                            "archive_id": result.manifest.get("archive_id")}, indent=1).encode() + b"\n"
-        os.makedirs(os.path.dirname(os.path.abspath(text)), exist_ok=True)
-        write_atomic(text, data)
-        self._pointers[_tag_of(path)] = path
+        p = _local(text)
+        with fs.Dir.open(p.parent, create=True) as d:
+            d.write_atomic(p.name, data)
+            st = d.lstat(p.name)
+        self._pointers[_tag_of(path)] = (path, (st.st_dev, st.st_ino) if st is not None else None)
 
     def _pointed(self, text: str, pointer: dict) -> tuple[Any, str]:
         """(repository, generation) a pointer file names, checked to be that archive's generation and usable."""
@@ -375,18 +387,56 @@ def _is_local(text: str) -> bool:
     return "://" not in text or text.startswith("file://")
 
 
+def _local(text: str) -> Path:
+    """The local path a ``file://`` URL or a plain path names, absolute (``~`` expanded)."""
+    return Path(text.removeprefix("file://")).expanduser().absolute()
+
+
 def _read_pointer(path: Any, quiet: bool = False) -> dict:
     """The pointer file at ``path`` as ``{"repository", "generation", "archive_id"}``, or ``{}`` when ``path`` is not
     a local file this plugin wrote (missing, too large, not JSON, other keys). Read as hostile input: at most
-    64 KiB, every field type-checked."""
+    64 KiB, every field type-checked.
+
+    For loading only: ``path`` is what the user (or Lightning's ``"last"``/``"best"``) named, so a symbolic link there
+    is followed, as any reader of that path would; the file it comes to is read through the file layer
+    (``O_NOFOLLOW`` from its folder). :func:`_remove_pointer` follows no link at the name."""
     text = os.fspath(path)
     if not _is_local(text):
         return {}
+    real = Path(os.path.realpath(_local(text)))
+    return _pointer_in(real.parent, real.name, text, quiet)
+
+
+def _pointer_in(folder: Path, name: str, text: str, quiet: bool, *, remove: bool = False,
+                generation: int | None = None, identity: tuple[int, int] | None = None) -> dict:
+    """The pointer ``name`` of ``folder`` (opened once, by its path), read ``O_NOFOLLOW`` (a symbolic link at ``name``
+    is no pointer); ``{}`` when it is none. With ``remove``, a pointer (naming ``generation``, and being the file
+    ``identity`` (st_dev, st_ino), when given) is then deleted through the same folder descriptor it was read
+    through, so no folder swapped for a link meanwhile can redirect the delete."""
+    from ckpt_archive.errors import UnsafePath
+    from ckpt_archive.store import fs
+
     try:
-        with open(text.removeprefix("file://"), "rb") as fh:
-            raw = fh.read(_POINTER_MAX + 1)
-        data = json.loads(raw) if len(raw) <= _POINTER_MAX else None
-    except (OSError, ValueError):
+        d = fs.Dir.open(folder)
+    except OSError:  # no such folder
+        return {}
+    with d:
+        try:
+            raw = d.read_file(name, _POINTER_MAX)
+        except (OSError, UnsafePath):  # unreadable, or a symbolic link: no pointer of ours
+            return {}
+        pointer = _parse_pointer(raw, text, quiet)
+        if pointer and remove and generation in (None, pointer["generation"]):
+            st = d.lstat(name)
+            if identity is None or (st is not None and (st.st_dev, st.st_ino) == identity):
+                d.unlink(name, missing_ok=True)
+        return pointer
+
+
+def _parse_pointer(raw: bytes | None, text: str, quiet: bool) -> dict:
+    try:
+        data = json.loads(raw) if raw is not None else None
+    except (ValueError, RecursionError):  # not JSON (or nested past the parser's depth): no pointer
         return {}
     if not isinstance(data, dict) or data.get(_POINTER_KEY) != 1:
         return {}
@@ -399,13 +449,14 @@ def _read_pointer(path: Any, quiet: bool = False) -> dict:
     return {"repository": repo, "generation": number, "archive_id": archive_id}
 
 
-def _remove_pointer(path: Any) -> None:
-    """Delete the pointer file at ``path`` if it is one this plugin wrote (never another file)."""
-    if _read_pointer(path, quiet=True):
-        try:
-            os.unlink(os.fspath(path).removeprefix("file://"))
-        except FileNotFoundError:
-            pass
+def _remove_pointer(path: Any, generation: int | None = None, identity: tuple[int, int] | None = None) -> None:
+    """Delete the pointer file at ``path`` if it is one this plugin wrote (never another file; with ``generation``,
+    only one naming that generation; with ``identity``, only that very file, ``(st_dev, st_ino)``). A symbolic link
+    at ``path`` is never followed nor deleted: it is no pointer."""
+    text = os.fspath(path)
+    if _is_local(text):
+        p = _local(text)
+        _pointer_in(p.parent, p.name, text, True, remove=True, generation=generation, identity=identity)
 
 
 def _tag_of(path: Any) -> str:

@@ -169,7 +169,8 @@ def restore_checkpoint(repo: Any, output_dir: str | os.PathLike, generation: str
 
     Safe to call from every process of a multi-process run (``torchrun``, ``accelerate launch``), as the one-line
     ``trainer.train(resume_from_checkpoint=restore_checkpoint(...))`` does: the processes that share
-    ``output_dir`` take turns under a file lock (``<output_dir>/.checkpoint-N.ckpt-archive-restore.lock``); the
+    ``output_dir`` take turns under a file lock (``<output_dir>/.checkpoint-N.ckpt-archive-restore.lock``, ``flock``
+    through :class:`ckpt_archive.store.fs.WriterLock`); the
     first restores, the others find the folder it restored and return it. What was restored is recorded beside it
     (``.checkpoint-N.ckpt-archive-restore.json``: the generation's archive id and manifest sha256, and every
     file's size, mtime and inode), so a folder is reused only when it is exactly that restore, untouched since;
@@ -192,12 +193,17 @@ def restore_checkpoint(repo: Any, output_dir: str | os.PathLike, generation: str
         ``torch.save`` file or a state from memory: use :func:`ckpt_archive.restore`). OutputExists: the folder
         exists and is not this generation's unchanged restore (without ``force``). NoUsableGeneration / NotFound:
         nothing to restore. IntegrityError: the generation fails its checks (nothing is written;
-        ``ckpt-archive verify REPO --fallback`` names the newest that verifies).
+        ``ckpt-archive verify REPO --fallback`` names the newest that verifies). UnsafePath: the lock file is a
+        symbolic link (nothing is written through it; remove it by hand). PermissionError: ``output_dir`` is not
+        writable.
     """
-    from filelock import FileLock
+    import errno
 
+    from ckpt_archive.errors import ReadOnlyRepository
+    from ckpt_archive.ops.backup import stat_snapshot
     from ckpt_archive.ops.common import open_repo, pick
     from ckpt_archive.ops.restore import restore
+    from ckpt_archive.store import fs
 
     r = open_repo(repo)
     gen = pick(r, generation, False)
@@ -207,37 +213,48 @@ def restore_checkpoint(repo: Any, output_dir: str | os.PathLike, generation: str
                          f"Face Trainer checkpoint-N/ folder; restore it with ckpt_archive.restore(...)",
                          where=r.location)
     name = _folder_name(gen)
-    root = Path(output_dir)
+    root = Path(output_dir).expanduser().absolute()
     out = root / name
-    root.mkdir(parents=True, exist_ok=True)
-    record = root / f".{name}.ckpt-archive-restore.json"
+    record = f".{name}.ckpt-archive-restore.json"
     identity = {"archive_id": gen.manifest.get("archive_id"), "generation": gen.number,
                 "manifest_sha256": gen.manifest_sha256}
-    with FileLock(str(root / f".{name}.ckpt-archive-restore.lock")):
-        if _restored_before(record, out, identity):
-            return out  # another process of this run (or an earlier call) restored exactly this; untouched since
-        record.unlink(missing_ok=True)  # the folder is about to change: an old record must not vouch for it
-        restore(r, gen.number, out, force=force)  # the generation picked, even if a newer one is published meanwhile
-        from ckpt_archive.ops.backup import stat_snapshot
-        from ckpt_archive.store.local import write_atomic
-
-        write_atomic(record, json.dumps(dict(identity, files=stat_snapshot(out))).encode())
+    # output_dir is the root (its path, links on it included, is the caller's choice); the record and the lock in
+    # it are opened O_NOFOLLOW through its descriptor, so a link planted at their names is refused or replaced,
+    # never written through, and the restore itself goes through the layer's Staging
+    with fs.Dir.open(root, create=True) as d:
+        lock = fs.WriterLock(root, f".{name}.ckpt-archive-restore.lock")
+        try:
+            lock.acquire(math.inf)  # the other processes of this run wait their turn, as long as the restore takes
+        except ReadOnlyRepository:  # the layer's words are for a repository; here it is the restore's target
+            raise PermissionError(errno.EACCES, "output_dir is not writable here; nothing was restored",
+                                  str(root)) from None
+        try:
+            if _restored_before(d, record, out, identity):
+                return out  # another process of this run (or an earlier call) restored exactly this; untouched since
+            d.unlink(record, missing_ok=True)  # the folder is about to change: an old record must not vouch for it
+            restore(r, gen.number, out, force=force)  # the generation picked, even if a newer one is published since
+            d.write_atomic(record, json.dumps(dict(identity, files=stat_snapshot(out))).encode())
+        finally:
+            lock.release()
     return out
 
 
-def _restored_before(record: Path, out: Path, identity: dict) -> bool:
-    """Whether ``out`` is the restore of ``identity`` that ``record`` describes, with every file as it was written
-    then (size, mtime, inode; no entry added or removed). A record that cannot be read counts as none."""
+def _restored_before(d, record: str, out: Path, identity: dict) -> bool:
+    """Whether ``out`` is the restore of ``identity`` that the record ``record`` of the open folder ``d`` describes,
+    with every file as it was written then (size, mtime, inode; no entry added or removed). A record that cannot be
+    read (absent, a symbolic link, over 16 MiB, not JSON) counts as none."""
+    from ckpt_archive.errors import UnsafePath
     from ckpt_archive.ops.backup import stat_snapshot
 
     try:
-        if record.stat().st_size > 16 << 20:  # ours is a few KiB per file; never read a huge one
+        raw = d.read_file(record, 16 << 20)  # ours is a few KiB per file; never read a huge one
+        if raw is None:
             return False
-        saved = json.loads(record.read_bytes())
+        saved = json.loads(raw)
         if not isinstance(saved, dict) or any(saved.get(k) != v for k, v in identity.items()):
             return False
         return out.is_dir() and not out.is_symlink() and saved.get("files") == stat_snapshot(out)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError, UnsafePath):
         return False
 
 

@@ -25,7 +25,9 @@ A cron tick must be cheap and safe:
 
 SOURCE is a checkpoint file, a checkpoint folder, or a training output folder, from which the
 newest checkpoint is picked: the ``checkpoint-N/`` folder with the highest N (Hugging Face Trainer),
-else the newest ``*.pt``/``*.pth``/``*.ckpt`` file (top level or ``checkpoints/``).
+else the ``*.pt``/``*.pth``/``*.ckpt`` file (top level or ``checkpoints/``) holding the highest step,
+not the one written last: a stray older-step file copied in later must not become ``@latest``. When the
+newest file holds a lower step than the newest usable generation, the run warns and says what it chose.
 """
 from __future__ import annotations
 
@@ -67,16 +69,19 @@ def _looks_like_checkpoint_folder(path: Path) -> bool:
     return any(n.endswith(".distcp") or n.endswith(".safetensors") for n in names)
 
 
-def checkpoint_candidates(source: str | os.PathLike) -> list[Path]:
+def checkpoint_candidates(source: str | os.PathLike, steps: dict | None = None) -> list[Path]:
     """Every checkpoint SOURCE offers, newest first (the first is what :func:`find_checkpoint` picks).
 
     Args:
         source: a checkpoint file, a checkpoint folder, or a training output folder.
+        steps: a cache of the steps read from files (:func:`file_steps`; updated in place), or None.
 
     Returns:
         ``[SOURCE]`` when it is a file or a checkpoint folder; else the ``checkpoint-N/`` subfolders
         by N, highest first (``tmp-checkpoint-*`` ignored); else the ``*.pt``/``*.pth``/``*.ckpt`` files
-        at the top level or in ``checkpoints/``, newest mtime first. Never empty.
+        at the top level or in ``checkpoints/``, by the step each holds, highest first (ties and files
+        whose step cannot be read: newest mtime first), and a file whose step cannot be read (one still
+        being written) first when it is newer than every file whose step is known. Never empty.
 
     Raises:
         NotFound: SOURCE does not exist.
@@ -105,10 +110,65 @@ def checkpoint_candidates(source: str | os.PathLike) -> list[Path]:
                 if p.is_file() and p.suffix.lower() in _CKPT_SUFFIXES and not _TEMP_NAME.search(p.name):
                     st = p.stat()
                     files.append((st.st_mtime_ns, p.name, p))
-    if files:
-        return [p for _, _, p in sorted(files, reverse=True)]
-    raise SourceError("no checkpoint found: looked for checkpoint-N/ folders and *.pt, *.pth, *.ckpt files "
-                      "(top level and checkpoints/)", where=str(src))
+    if not files:
+        raise SourceError("no checkpoint found: looked for checkpoint-N/ folders and *.pt, *.pth, *.ckpt files "
+                          "(top level and checkpoints/)", where=str(src))
+    by_mtime = [p for _, _, p in sorted(files, reverse=True)]
+    if len(by_mtime) == 1:
+        return by_mtime
+    # [issue 26] by step, not mtime: a stray older-step file written later must not become @latest
+    step_of = file_steps(by_mtime, steps if steps is not None else {})
+    known = [p for p in by_mtime if step_of[p] is not None]
+    if not known:
+        return by_mtime
+    newest_known = max(p.stat().st_mtime_ns for p in known)
+    unknown = [p for p in by_mtime if step_of[p] is None]
+    ranked = sorted(known, key=lambda p: (step_of[p], p.stat().st_mtime_ns, p.name), reverse=True)
+    return ([p for p in unknown if p.stat().st_mtime_ns > newest_known] + ranked
+            + [p for p in unknown if p.stat().st_mtime_ns <= newest_known])
+
+
+def file_steps(paths: list[Path], cache: dict) -> dict[Path, int | None]:
+    """The progress step each checkpoint file holds (:func:`~ckpt_archive.format.progress.find_progress`),
+    read with ``torch.load(weights_only=True, mmap=True)`` (NumPy's own types admitted, nothing else; the
+    tensors' bytes are not read), or None when it cannot be read (still being written, refused, no step).
+
+    Args:
+        paths: the files.
+        cache: ``{path: [size, mtime_ns, inode, step]}`` from earlier runs (``backup-state.json``): a file
+            whose stat facts are unchanged is not read again; updated in place.
+    """
+    found: dict[Path, int | None] = {}
+    for p in paths:
+        try:
+            st = p.stat()
+        except OSError:
+            found[p] = None
+            continue
+        facts = [st.st_size, st.st_mtime_ns, st.st_ino]
+        hit = cache.get(str(p))
+        if isinstance(hit, list) and len(hit) == 4 and hit[:3] == facts and (hit[3] is None or type(hit[3]) is int):
+            found[p] = hit[3]
+            continue
+        found[p] = _read_step(p)
+        cache[str(p)] = [*facts, found[p]]
+    return found
+
+
+def _read_step(path: Path) -> int | None:
+    """The step a ``torch.save`` file holds, or None (see :func:`file_steps`)."""
+    try:
+        import torch
+
+        from ckpt_archive.format.progress import find_progress
+        from ckpt_archive.sources.torchfile import numpy_safe_globals
+
+        with torch.serialization.safe_globals(numpy_safe_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        step = find_progress(state).get("step")
+        return step if type(step) is int else None
+    except Exception:  # noqa: BLE001 - unreadable now (being written, refused): ordered by mtime instead
+        return None
 
 
 def find_checkpoint(source: str | os.PathLike) -> Path:
@@ -119,8 +179,9 @@ def find_checkpoint(source: str | os.PathLike) -> Path:
 
     Returns:
         The file or folder to pack: SOURCE itself when it is a file or a checkpoint folder; else the
-        ``checkpoint-N/`` subfolder with the highest N (``tmp-checkpoint-*`` ignored); else the newest
-        (mtime) ``*.pt``/``*.pth``/``*.ckpt`` file at the top level or in ``checkpoints/``.
+        ``checkpoint-N/`` subfolder with the highest N (``tmp-checkpoint-*`` ignored); else the
+        ``*.pt``/``*.pth``/``*.ckpt`` file at the top level or in ``checkpoints/`` holding the highest step
+        (see :func:`checkpoint_candidates`).
 
     Raises:
         NotFound: SOURCE does not exist.
@@ -437,6 +498,40 @@ def _examine(checkpoint: Path, entry: Mapping[str, Any], *, settle: float, stale
     return _Examined("ready", snap=snap, hashes=hashes, read_bytes=counter[0])
 
 
+def _lower_step_note(candidates: list[Path], steps: dict, before, chosen: Path, now, *, packed: bool = False) -> list[str]:
+    """[issue 26] The warning when the newest checkpoint file (by mtime) holds a lower step than the newest
+    usable generation had before this run (``before``), saying what was chosen: a stray older-step file
+    written later is not picked (:func:`checkpoint_candidates`), and when it is the only candidate and was
+    packed, the new ``@latest`` goes back in steps -- never silently.
+
+    Args:
+        candidates: the checkpoints examined; steps: the steps read from the files (:func:`file_steps`).
+        before: the newest usable generation before this run (or None); chosen: the checkpoint backed up;
+        now: the generation that holds it (new or matching); packed: a new generation was written.
+    """
+    files = [c for c in candidates if c.is_file()]
+    if before is None or before.step is None or not files:
+        return []
+    newest = max(files, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    hit = steps.get(str(newest))
+    step = hit[3] if isinstance(hit, list) and len(hit) == 4 else None
+    if newest == chosen and now is not None and now.step is not None:
+        step = now.step
+    if step is None or step >= before.step:
+        return []
+    written = datetime.fromtimestamp(newest.stat().st_mtime, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    head = (f"the newest file {newest} (written {written}) holds step {step}, lower than step {before.step} of "
+            f"generation {before.number}, the newest usable one before this run")
+    if newest != chosen:
+        what = "packed as generation" if packed else "which is generation"
+        return [f"{head}: not chosen; chose {chosen} (step {now.step if now is not None else '?'}) by step, "
+                f"{what} {now.number if now is not None else '?'}"]
+    if packed:
+        return [f"{head}: it was the only checkpoint to back up and is now generation {now.number}, @latest, at "
+                f"the lower step; `ckpt-archive restore REPO@{before.number}` restores step {before.step}"]
+    return []
+
+
 def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settle: float = 10.0,
            wait: float = 0.0, tags: tuple[str, ...] | list[str] = (), now: datetime | None = None,
            sleep: Callable[[float], None] = time.sleep, on_bytes: Callable[[int], None] | None = None,
@@ -490,11 +585,16 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
     stale_after = check_seconds(stale_after, "--stale-after", allow_zero=False)
     policy = None if retention is None else RetentionPolicy.from_dict(retention)
     src = Path(source).absolute()
-    candidates = [c.absolute() for c in checkpoint_candidates(src)]
     key = str(src)
+    if not src.exists():  # before the repository is created for nothing
+        raise NotFound("no such file or folder", where=key)
     rep = Repository.open(repo, create=True)
     state = read_state(rep.store)
     entry = state["sources"].get(key) or {}
+    steps = dict(entry["steps"]) if isinstance(entry.get("steps"), dict) else {}
+    candidates = [c.absolute() for c in checkpoint_candidates(src, steps)]
+    steps = {k: v for k, v in steps.items() if Path(k) in candidates}  # the files still there
+    before = rep.usable()[-1] if rep.usable() else None  # the newest usable generation before this run
 
     def reference_for(i: int) -> Path | None:
         """The newest older sibling of a ``checkpoint-N/`` candidate whose files are whole (what a complete
@@ -556,14 +656,16 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
 
     def remember(generation: int | None) -> None:
         state["sources"][key] = {"checkpoint": str(checkpoint), "stat": snap, "files": hashes,
-                                 "generation": generation, "at": datetime.now(timezone.utc).isoformat()}
+                                 "generation": generation, "at": datetime.now(timezone.utc).isoformat(),
+                                 "steps": steps}
         write_state(rep.store, state)
 
     newest = newest_usable()
     if newest is not None and manifest_source_hashes(newest.manifest) == hashes:
-        if recorded is None or recorded.get("generation") != newest.number:
+        if recorded is None or recorded.get("generation") != newest.number or entry.get("steps", {}) != steps:
             with rep.lock(wait=wait):
                 remember(newest.number)
+        warnings += _lower_step_note(candidates, steps, before, checkpoint, newest)
         return BackupResult("unchanged", key, str(checkpoint), newest.number,
                             f"source equals generation {newest.number}; nothing to do", read_bytes=read_bytes,
                             warnings=warnings, skipped=skipped, **busy_fields)
@@ -612,5 +714,6 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
         # pack verified and trial-reloaded `gen` moments ago: it counts as the kept verified copy unread
         ret = apply_after_pack(rep, policy.to_dict() if policy is not None else None, now=now, verified=(gen,))
     warnings += ret.get("warnings", [])
+    warnings += _lower_step_note(candidates, steps, before, checkpoint, rep.generation(gen), packed=True)
     return BackupResult("packed", key, str(checkpoint), gen, f"packed as generation {gen}", read_bytes=read_bytes,
                         retention=ret, warnings=warnings, skipped=skipped, **busy_fields)

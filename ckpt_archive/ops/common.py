@@ -230,10 +230,15 @@ _GEN_SUFFIX = re.compile(r"^([0-9]+|latest|tag:[^/@]+)$", re.ASCII)
 def split_repo_spec(spec: str) -> tuple[str, str]:
     """Split ``REPO[@GEN]`` at the last ``@`` only when what follows is digits, ``latest`` or ``tag:NAME``.
 
-    Paths and URLs may contain ``@`` (``s3://user@host/...``, ``runs/exp@2``): those stay whole.
+    Paths and URLs may contain ``@`` (``s3://user@host/...``, ``runs/a@b/repo``): those stay whole. A
+    folder whose own name ends like a selector (``run@2``) is addressed with one more: ``run@2@latest``.
 
     Returns:
         (repo, gen) where gen is ``"latest"`` when none was given.
+
+    Raises:
+        UsageError: an empty spec; a bad generation after an existing path; ``run@2`` naming a folder
+            ``run@2`` while no ``run`` exists (the message says to write ``run@2@latest``).
 
     Example:
         >>> split_repo_spec("runs/a@b/repo@12")
@@ -242,11 +247,16 @@ def split_repo_spec(spec: str) -> tuple[str, str]:
         ('s3://u@bucket/p', 'latest')
     """
     if "@" in spec:
-        head, _, tail = spec.rpartition("@")
-        if head and _GEN_SUFFIX.match(tail):
-            return head, tail
         from ckpt_archive.store.local import has_scheme
 
+        head, _, tail = spec.rpartition("@")
+        if head and _GEN_SUFFIX.match(tail):
+            if not has_scheme(spec) and not os.path.exists(head) and os.path.isdir(spec):
+                # a folder named like a selector (run@2): generation 2 of a `run` that is not there
+                raise UsageError(f"{spec!r} reads as generation {tail} of {head!r}, which does not exist; a "
+                                 f"repository folder named {spec!r} is addressed as {spec}@latest (or {spec}@N, "
+                                 f"{spec}@tag:NAME)", where=spec)
+            return head, tail
         if head and not has_scheme(spec) and not os.path.exists(spec) and os.path.exists(head):
             raise UsageError(f"bad generation {tail!r} in {spec!r}: use REPO@N, REPO@latest or REPO@tag:NAME")
     if not spec:

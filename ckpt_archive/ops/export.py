@@ -38,8 +38,8 @@ from ckpt_archive.errors import (CheckFailed, CkptArchiveError, IntegrityError, 
                                  OutputExists, UsageError)
 from ckpt_archive.ops.export_copy import (SharedCopies, StoredFile, check_at, clean_objects,
                                           copy_file, files_of, place_object, recheck_object, stored_digest)
-from ckpt_archive.ops.export_proof import (endpoint_for, fingerprints, install_commands, region_for, render_markdown,
-                                           restore_command, verify_command, write_report)
+from ckpt_archive.ops.export_proof import (endpoint_for, fingerprints, install_commands, read_last_check, region_for,
+                                           render_markdown, restore_command, verify_command, write_report)
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
@@ -73,8 +73,10 @@ class ExportedGeneration:
             ``action`` (``copied`` | ``present`` | ``replaced`` | ``kept``), and ``object`` (the fingerprint
             of a shared object, else None).
         bytes_copied: stored bytes sent to DEST now.
-        bytes_skipped: stored bytes of shared objects this generation references that were already at
-            DEST (not copied; re-read there all the same).
+        bytes_skipped: stored bytes this generation holds that were not copied because DEST held them: the
+            shared objects it references that were there and the files an interrupted run had copied
+            (re-read there all the same), or all of its stored bytes when the whole generation was already
+            usable there (``already-usable``).
         checks: every check made, in order.
         marker: DEST's marker (dict) once written (its ``trial_reload`` is the trial-reload record).
         fingerprints: archive id, manifest sha256, every source file's sha256
@@ -112,8 +114,9 @@ class ExportResult:
     Attributes:
         source: the source repository's location; destination: DEST's location.
         generations: per generation, oldest first.
-        bytes_copied: stored bytes sent to DEST in this run (each shared object counted once).
-        bytes_skipped: stored bytes not sent because DEST already held them (shared objects).
+        bytes_copied: stored bytes sent to DEST in this run (each stored file counted once).
+        bytes_skipped: stored bytes not sent because DEST held them before this run (shared objects, whole
+            generations already usable there), each stored file counted once (:func:`run_totals`).
         restore_command: the exact command that restores the newest exported generation on a new machine
             (with ``AWS_ENDPOINT_URL=`` when DEST was reached through a custom endpoint).
         verify_command: the command that re-proves it there.
@@ -122,6 +125,10 @@ class ExportResult:
         endpoint_url: the S3 endpoint DEST was reached through (``--endpoint-url`` or the environment's).
         region: the region botocore used for DEST, when known.
         install_commands: how to install exactly this code on the next machine.
+        resume_check: the last resume check archived to the source repository (``check-resume``, ``demo``):
+            ``kind``, ``created``, ``passed``, ``report``, ``picture`` (None when that file is not here),
+            ``generation`` (:func:`~ckpt_archive.ops.export_proof.read_last_check`); the proof links its
+            picture. None when there is none.
     """
 
     source: str
@@ -137,6 +144,7 @@ class ExportResult:
     region: str | None = None
     install_commands: list[str] = dataclasses.field(default_factory=list)
     bytes_skipped: int = 0
+    resume_check: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -149,7 +157,7 @@ class ExportResult:
                 "bytes_skipped": self.bytes_skipped,
                 "generations": [g.to_json() for g in self.generations],
                 "install_commands": self.install_commands, "restore_command": self.restore_command,
-                "verify_command": self.verify_command}
+                "verify_command": self.verify_command, "resume_check": self.resume_check}
 
     def to_markdown(self) -> str:
         return render_markdown(self)
@@ -314,16 +322,37 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
                                again)
                 raise
     endpoint, region = endpoint_for(dst.location, endpoint_url), region_for(dst.location)
+    copied, skipped = run_totals(done)
     result = ExportResult(
         source=src.location, destination=dst.location, generations=done,
-        bytes_copied=sum(g.bytes_copied for g in done), bytes_skipped=sum(g.bytes_skipped for g in done),
+        bytes_copied=copied, bytes_skipped=skipped,
         restore_command=restore_command(dst.location, picked[-1], endpoint, region),
         verify_command=verify_command(dst.location, picked[-1].number, endpoint, region),
         command=command, started=started, finished=_now(), endpoint_url=endpoint, region=region,
-        install_commands=install_commands("://" in dst.location))
+        install_commands=install_commands("://" in dst.location), resume_check=read_last_check(src))
     if report is not None:
         write_report(result, report, report_format)
     return result
+
+
+def run_totals(done: list[ExportedGeneration]) -> tuple[int, int]:
+    """(bytes copied, bytes skipped) of a whole run, each stored file counted once: a shared object that
+    several generations reference is copied (or found at DEST) once per run, and an object this run copied
+    for one generation was not "already at the destination" for the next. Skipped: the files DEST held
+    before the run (re-read there all the same); the manifest and marker are not counted."""
+    from ckpt_archive.repo.repository import MANIFEST, MARKER
+
+    action: dict[str, tuple[str, int]] = {}
+    for g in done:
+        for m in g.members:
+            key, nbytes = m["key"], m.get("bytes")
+            if nbytes is None or key.endswith((f"/{MANIFEST}", f"/{MARKER}")):
+                continue
+            copied = m["action"] in ("copied", "replaced")
+            if key not in action or (copied and action[key][0] != "copied"):
+                action[key] = ("copied" if copied else "skipped", nbytes)
+    copied = sum(n for what, n in action.values() if what == "copied")
+    return copied, sum(n for what, n in action.values() if what == "skipped")
 
 
 def _raise_if_source_moved_on(src, g, exc, dst_location: str, again: str) -> None:
@@ -496,6 +525,8 @@ class _ExportSteps:
                 copy_file(self.src.store, dst.store, f, self.on_bytes, dst.faults)
                 out.bytes_copied += f.rec["stored_bytes"]
                 dst.faults.point("export-after-member")
+            else:  # our own partial copy's file, whole (sha256 checked): not copied again
+                out.bytes_skipped += f.rec["stored_bytes"]
             self.actions[f.key] = action
         phase(self.on_bytes, f"re-read of generation {number} from {dst.location}",
               sum(f.rec["stored_bytes"] for f in files if f.fp not in self.shared.verified))
@@ -573,6 +604,7 @@ def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> Exporte
 
     out.status = "already-usable"
     out.marker = existing.marker
+    out.bytes_skipped = sum(f.rec["stored_bytes"] for f in files_of(existing.manifest, key))  # all of it was there
     out.members.append({"key": f"{key}/{MANIFEST}", "member": None, "bytes": None,
                         "sha256": existing.manifest_sha256, "action": "kept", "object": None})
     for f in files_of(existing.manifest, key):

@@ -125,6 +125,59 @@ def fingerprints(manifest: dict, manifest_sha256: str | None) -> dict:
             "source_format": source.get("format"), "source_files": files}
 
 
+#: The repository file naming the last resume check whose interruption checkpoints were archived there
+#: (``check-resume``, ``demo``): its report, its picture, its verdict. The export proof links the picture.
+LAST_CHECK_KEY = "last-check.json"
+LAST_CHECK_MAX_BYTES = 64 << 10
+
+
+def write_last_check(repo, record: dict) -> None:
+    """Replace ``REPO/last-check.json`` atomically with ``record`` (``kind``, ``created``, ``passed``, ``report``,
+    ``picture``, ``generation``).
+
+    Raises:
+        NotFound, StoreError, OSError: the repository cannot be opened or written.
+    """
+    from ckpt_archive.format import jsonio
+    from ckpt_archive.repo.repository import Repository
+
+    r = repo if isinstance(repo, Repository) else Repository.open(repo)
+    doc = {"format": "ckpt-archive-last-check", "version": 1, **record}
+    r.store.replace_bytes(LAST_CHECK_KEY, jsonio.dumps(doc, indent=1, ensure_ascii=True))
+
+
+def read_last_check(repo) -> dict | None:
+    """The last resume check recorded in a repository (:func:`write_last_check`), checked like anything read
+    from a repository: at most 64 KiB of strict JSON, every field of its type, text on one line without
+    Markdown's backticks; the picture only when that file exists here. None when there is none or it is not
+    such a record."""
+    import os
+
+    from ckpt_archive.format import jsonio
+
+    try:
+        if not repo.store.exists(LAST_CHECK_KEY) or repo.store.size(LAST_CHECK_KEY) > LAST_CHECK_MAX_BYTES:
+            return None
+        doc = jsonio.loads(repo.store.read_bytes(LAST_CHECK_KEY), where=LAST_CHECK_KEY,
+                           max_bytes=LAST_CHECK_MAX_BYTES)
+    except Exception:  # noqa: BLE001 - a record that cannot be read (store, size, JSON) links nothing
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != "ckpt-archive-last-check":
+        return None
+
+    def text(v):
+        return v if isinstance(v, str) and v.isprintable() and "`" not in v and len(v) < 4096 else None
+
+    rec = {"kind": text(doc.get("kind")), "created": text(doc.get("created")), "report": text(doc.get("report")),
+           "picture": text(doc.get("picture")), "passed": doc.get("passed") if isinstance(doc.get("passed"), bool)
+           else None, "generation": doc.get("generation") if type(doc.get("generation")) is int else None}
+    if rec["kind"] not in ("check-resume", "demo") or rec["passed"] is None or rec["report"] is None:
+        return None
+    if rec["picture"] is not None and not os.path.isfile(rec["picture"]):
+        rec["picture"] = None
+    return rec
+
+
 def write_report(result, path, fmt: str = "markdown") -> None:
     """Write the recovery proof (Markdown or JSON) atomically at ``path`` (a FIFO, device or socket there is
     refused, UsageError exit 2: it is not ours to replace)."""
@@ -154,7 +207,7 @@ def render_markdown(r) -> str:
         lines.append(f"- region: `{r.region}`" if r.region else "- region: botocore's default")
     lines += [f"- started: {r.started}, finished: {r.finished}",
               f"- bytes copied in this run: {_bytes(r.bytes_copied)}",
-              f"- bytes not copied, already at the destination (shared objects, re-read there): "
+              f"- bytes not copied, at the destination before this run (re-read there): "
               f"{_bytes(getattr(r, 'bytes_skipped', 0))}", "", "## Generations", "",
               "| generation | step | epoch | archive id | manifest sha256 | status | bytes copied | bytes skipped |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -193,6 +246,15 @@ def render_markdown(r) -> str:
                           f"(host {tr.get('host')}, ckpt-archive {tr.get('tool_version')}): {tr.get('result')}, "
                           f"{_cell(tr.get('tensors'))} tensor(s), {_bytes(tr.get('bytes'))} decoded; manifest "
                           f"sha256 `{g.marker.get('manifest_sha256')}`."]
+    check = getattr(r, "resume_check", None)
+    if check:
+        verdict = "PASSED" if check["passed"] else "FAILED"
+        lines += ["", "## Last resume check of the source repository", "",
+                  f"`ckpt-archive {check['kind']}` of {check['created']}: **{verdict}** (its interruption "
+                  f"checkpoint is generation {_cell(check['generation'])} of `{r.source}`); report "
+                  f"`{check['report']}`."]
+        if check.get("picture"):
+            lines += ["", f"![loss and LR per update of every run of that check]({check['picture']})"]
     lines += ["", "## Restore on a new machine", "", "```sh", *r.install_commands, r.verify_command,
               r.restore_command, "```"]
     if "://" in r.destination:

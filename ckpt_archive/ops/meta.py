@@ -13,7 +13,8 @@ from ckpt_archive.format.config_file import load_value_file
 from ckpt_archive.format.progress import find_metrics, find_progress
 
 __all__ = ["load_value_file", "value_or_file", "find_progress", "find_metrics", "code_identity", "environment",
-           "default_instructions"]
+           "default_instructions", "needs_by_part", "restored_file_loading", "torch_load_snippet",
+           "unsafe_globals_of_file", "unsafe_globals_of_state"]
 
 
 def value_or_file(value: Any, *, what: str, max_bytes: int | None = None) -> Any:
@@ -74,25 +75,309 @@ def environment() -> dict:
     return env
 
 
-def default_instructions(source_format: str, layout: str, top_keys: list[str]) -> dict:
-    """Loading instructions when the user gives none: text and a runnable snippet."""
+def _dtype_classes(pkl: bytes) -> set[str]:
+    """The NumPy dtype classes (``numpy.dtypes.UInt32DType``) a pickle builds: ``torch.load(weights_only=True)``
+    checks the class of every object it BUILDs, and a dtype is pickled as ``numpy.dtype('u4', ...)`` -- its
+    class never appears as a global, so ``get_unsafe_globals_in_checkpoint`` does not list it, yet the load
+    refuses it. Read from the opcodes (nothing executed): the string following each ``numpy.dtype`` global
+    (direct or through the memo) is the dtype's spec."""
+    import pickletools
+
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return set()
+    found: set[str] = set()
+    memo: dict = {}
+    prev = None
+    pending = False
+    strings = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING")
+    try:
+        for op, arg, _ in pickletools.genops(pkl):
+            if op.name in ("BINPUT", "LONG_BINPUT", "PUT"):
+                memo[arg] = prev
+                continue
+            if op.name == "MEMOIZE":
+                memo[len(memo)] = prev
+                continue
+            if op.name == "GLOBAL":
+                value = ("global", str(arg).replace(" ", "."))
+            elif op.name in strings:
+                value = ("str", arg)
+            elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+                value = memo.get(arg)
+            else:
+                value = None
+            if pending and value is not None and value[0] == "str":
+                try:
+                    cls = type(np.dtype(value[1]))
+                    found.add(f"{cls.__module__}.{cls.__qualname__}")
+                except (TypeError, ValueError):
+                    pass
+                pending = False
+            if value is not None and value[0] == "global" and value[1] in ("numpy.dtype", "numpy.core.numeric.dtype"):
+                pending = True
+            prev = value
+    except Exception:  # noqa: BLE001 - a pickle this scan does not follow: the globals alone are the answer
+        pass
+    return {name for name in found if name != "numpy.dtype"}
+
+
+def _unsafe_globals(f) -> list[str] | None:
+    """What a ``torch.save`` zip (a path or a binary file object) holds that ``torch.load(weights_only=True)``
+    refuses unless allowed: torch's ``get_unsafe_globals_in_checkpoint`` (the pickle's globals) plus the
+    NumPy dtype classes it builds (:func:`_dtype_classes`). None when torch cannot tell (torch < 2.5, not a
+    zip)."""
+    import zipfile
+
+    import torch
+
+    finder = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if finder is None:
+        return None
+    try:
+        names = set(finder(f))
+        if hasattr(f, "seek"):
+            f.seek(0)
+        with zipfile.ZipFile(f) as zf:
+            pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if pkl is not None and zf.getinfo(pkl).file_size <= (256 << 20):
+                names |= _dtype_classes(zf.read(pkl))
+    except Exception:  # noqa: BLE001 - an unreadable answer is "cannot tell", never a failed pack or restore
+        return None
+    return sorted(names)
+
+
+def unsafe_globals_of_state(state: Any) -> list[str] | None:
+    """The globals (``"module.qualname"``) a ``torch.save`` file of ``state`` holds that
+    ``torch.load(weights_only=True)`` refuses unless allowed: NumPy's reconstructors, dtypes and arrays (and
+    the dtype classes it builds), an admitted plain-data class, ``bytes``...; ``[]`` when plain
+    ``weights_only=True`` loads it.
+
+    How: ``state`` is saved with ``torch.save`` into memory, every tensor pickled as ``torch.device("cpu")``
+    and every NumPy array as one element of its dtype (so the cost is per object, not per byte: ~10 ms for
+    3000 tensors), and that pickle's opcodes are read (:func:`_unsafe_globals`; nothing is unpickled).
+    Tensors need nothing beyond weights_only's defaults (torch rebuilds them itself), so leaving them out
+    changes no answer.
+
+    Returns:
+        sorted names, or None when this torch cannot tell (torch < 2.5) or ``torch.save`` refuses the state.
+    """
+    import io
+    import pickle
+    import types
+
+    import torch
+
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        np = None
+
+    class Skeleton(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, torch.Tensor):
+                return torch.device, ("cpu",)  # a global weights_only always allows, and no storage
+            if np is not None and type(obj) is np.ndarray and obj.size > 1:
+                # one element, not none: an empty array's b"" data pickles as builtins.bytes, a real one's not
+                return obj.flat[:1].__reduce_ex__(2)
+            return NotImplemented
+
+    module = types.SimpleNamespace(Pickler=Skeleton, Unpickler=pickle.Unpickler, __name__="pickle")
+    buf = io.BytesIO()
+    try:
+        torch.save(state, buf, pickle_module=module)
+    except Exception:  # noqa: BLE001 - a state torch.save refuses: restore says so when it writes it
+        return None
+    buf.seek(0)
+    return _unsafe_globals(buf)
+
+
+def unsafe_globals_of_file(path: str | os.PathLike) -> list[str] | None:
+    """The globals of a ``torch.save`` file that ``torch.load(weights_only=True)`` refuses unless allowed
+    (:func:`_unsafe_globals`, read from the file's pickle, nothing unpickled); None when it cannot be told
+    (a legacy, non-zip file; torch < 2.5)."""
+    import zipfile
+
+    try:
+        if not zipfile.is_zipfile(path):
+            return None
+    except OSError:
+        return None
+    return _unsafe_globals(os.fspath(path))
+
+
+def needs_by_part(state: Any) -> dict | None:
+    """What a restored ``.pt`` of ``state`` needs allowed (:func:`unsafe_globals_of_state`), as a whole and
+    per top-level key (what ``restore --only KEY`` writes).
+
+    Returns:
+        ``{"allow": [names], "plain_parts": [keys whose file loads with plain weights_only=True]}``, or None
+        when it cannot be told.
+    """
+    whole = unsafe_globals_of_state(state)
+    if whole is None:
+        return None
+    plain: list[str] = []
+    if whole and isinstance(state, dict):
+        for key, value in state.items():
+            if isinstance(key, str) and unsafe_globals_of_state(value) == []:
+                plain.append(key)
+    return {"allow": whole, "plain_parts": plain}
+
+
+def _resolve(name: str) -> tuple[str | None, str, Any]:
+    """``"numpy._core.multiarray._reconstruct"`` -> (module to import, Python expression, the object): the
+    longest importable module prefix, then attributes; (None, name, None) when it cannot be found here."""
+    import importlib
+
+    parts = name.split(".")
+    if len(parts) == 2 and parts[0] == "builtins":
+        import builtins
+
+        return None, parts[1], getattr(builtins, parts[1], None)
+    for cut in range(len(parts) - 1, 0, -1):
+        mod_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(mod_name)
+        except Exception:  # noqa: BLE001 - not a module: try a shorter prefix
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            continue
+        return mod_name, name, obj
+    return None, name, None
+
+
+def torch_load_snippet(allow: list[str], path: str = "ckpt.pt") -> str:
+    """Python that loads a restored ``torch.save`` file with exactly ``allow`` admitted (nothing else) by
+    ``torch.serialization.safe_globals``; plain ``torch.load(path, weights_only=True)`` when ``allow`` is
+    empty. Each global is imported by its module and named as the file names it; one whose ``__module__``
+    and ``__qualname__`` differ from that name is given as ``(object, "name")``, as torch matches names."""
+    if not allow:
+        return f"import torch\nstate = torch.load({path!r}, weights_only=True)\n"
+    imports = {"torch"}
+    items = []
+    for name in allow:
+        mod, expr, obj = _resolve(name)
+        if mod is not None:
+            imports.add(mod)
+        own = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+        items.append(expr if own == name else f"({expr}, {name!r})")
+    lines = [f"import {m}" for m in sorted(imports)]
+    lines.append("allowed = [" + ", ".join(items) + "]  # exactly what the file holds besides tensors")
+    lines.append("with torch.serialization.safe_globals(allowed):")
+    lines.append(f"    state = torch.load({path!r}, weights_only=True)")
+    return "\n".join(lines) + "\n"
+
+
+def _kinds(allow: list[str]) -> str:
+    """``["numpy.dtype", "argparse.Namespace", "builtins.bytes"]`` -> ``"NumPy values, argparse.Namespace,
+    bytes"`` (what the types are, in words)."""
+    words = []
+    if any(n.startswith("numpy.") for n in allow):
+        words.append("NumPy values")
+    words += [n.removeprefix("builtins.") for n in allow if not n.startswith("numpy.")]
+    return ", ".join(words)
+
+
+def default_instructions(source_format: str, layout: str, top_keys: list[str], needs: dict | None = None,
+                         allowed: list[str] | None = None) -> dict:
+    """Loading instructions when the user gives none, generated from what the restored output needs.
+
+    Args:
+        source_format, layout: the source's (``"torch-file"``, ``"file"``; a ``"folder"`` restores as a folder).
+        top_keys: the state's top-level keys.
+        needs: :func:`needs_by_part` of the state (None: could not be told).
+        allowed: plain-data classes admitted at pack (``ckpt_archive.load`` needs those but
+            ``argparse.Namespace``).
+
+    Returns:
+        ``{"text", "snippet"}``: the snippet runs as written once ``REPO`` and ``ckpt.pt`` name the
+        repository and the restored file (tests/test_loading_instructions.py runs it for every kind of state).
+    """
     keys = ", ".join(repr(k) for k in top_keys[:12]) or "(none)"
+    extra = [a for a in (allowed or []) if a != "argparse.Namespace"]
+    load_args = f", allow={extra!r}" if extra else ""
+    api = (f"import ckpt_archive\n"
+           f"state = ckpt_archive.load('REPO', generation='latest'{load_args})  # the exact state; nothing unpickled\n")
     if layout == "folder":
-        snippet = ("# restore the folder, then resume with the original library\n"
+        snippet = ("# restore the folder, then resume with the original library:\n"
                    "#   ckpt-archive restore REPO@latest --output ./restored\n"
-                   "import ckpt_archive\n"
-                   "files = ckpt_archive.load('REPO', generation='latest')  # {relpath: state}\n")
+                   f"import ckpt_archive\n"
+                   f"files = ckpt_archive.load('REPO', generation='latest'{load_args})  # {{relpath: state}}\n")
         what = "checkpoint folder" if source_format == "folder" else f"{source_format} checkpoint folder"
         text = f"A {what}. Restore it with `ckpt-archive restore REPO@GEN --output DIR` and " \
                f"point the original trainer at DIR."
+        return {"text": text, "snippet": snippet}
+    policy = ("A checkpoint carries progress, not policy: check the LR the next step will use "
+              "(`ckpt-archive inspect`).")
+    if source_format == "safetensors-file":
+        snippet = (api + "\n# the file `ckpt-archive restore REPO@latest --output model.safetensors` writes:\n"
+                   "from safetensors.torch import load_file\nstate = load_file('model.safetensors')\n")
+        text = ("A .safetensors file. `ckpt-archive restore REPO@GEN --output model.safetensors` writes it back "
+                "byte for byte; it loads with safetensors.torch.load_file(path).")
+        return {"text": text, "snippet": snippet}
+    use = ("# then: model.load_state_dict(state['model']); optimizer.load_state_dict(state['optimizer']);\n"
+           "# scheduler.load_state_dict(state['scheduler']); RNG streams last -- or, in that order:\n"
+           "# ckpt_archive.restore_training_state(state, model=..., optimizer=..., scheduler=...)\n"
+           f"# top-level keys: {keys}\n")
+    allow = None if needs is None else needs["allow"]
+    load = torch_load_snippet(allow or [])
+    snippet = api + "\n# the file `ckpt-archive restore REPO@latest --output ckpt.pt` writes:\n" + load + use
+    if allow is None:
+        text = (f"A {source_format} checkpoint. `ckpt-archive restore REPO@GEN --output ckpt.pt` writes a torch.save "
+                f"file; what torch.load(path, weights_only=True) needs allowed could not be told here (if it "
+                f"refuses the file, it names the type to allow with torch.serialization.safe_globals); "
+                f"ckpt_archive.load gives the exact state without it. {policy}")
+        snippet = api + use
+    elif not allow:
+        text = (f"A {source_format} checkpoint. `ckpt-archive restore REPO@GEN --output ckpt.pt` writes a file that "
+                f"loads with torch.load(path, weights_only=True). {policy}")
     else:
-        snippet = ("import ckpt_archive\n"
-                   "state = ckpt_archive.load('REPO', generation='latest')\n"
-                   f"# top-level keys: {keys}\n"
-                   "# model.load_state_dict(state['model']); optimizer.load_state_dict(state['optimizer'])\n"
-                   "# scheduler.load_state_dict(state['scheduler']); restore RNG streams last\n"
-                   "# or: ckpt_archive.restore_training_state(state, model=..., optimizer=..., scheduler=...)\n")
-        text = (f"A {source_format} checkpoint. `ckpt-archive restore REPO@GEN --output ckpt.pt` writes a file "
-                f"that loads with torch.load(path, weights_only=True). A checkpoint carries progress, not policy: "
-                f"check the LR the next step will use (`ckpt-archive inspect`).")
+        plain = needs.get("plain_parts") or []
+        parts = (f" `--only {plain[0]}` writes a part that loads with plain weights_only=True"
+                 + (f" (so do {', '.join(plain[1:])})" if len(plain) > 1 else "") + ";") if plain else ""
+        text = (f"A {source_format} checkpoint. `ckpt-archive restore REPO@GEN --output ckpt.pt` writes a file that "
+                f"holds {_kinds(allow)}: torch.load(path, weights_only=True) refuses it unless exactly these are "
+                f"allowed: {', '.join(allow)} (the snippet does it with torch.serialization.safe_globals).{parts} "
+                f"ckpt_archive.load gives the exact state without any pickle. {policy}")
     return {"text": text, "snippet": snippet}
+
+
+def restored_file_loading(path: str | os.PathLike, *, plain_parts: list[str] | None = None) -> dict:
+    """How the file ``restore`` just wrote loads, from the file itself (``restore`` prints it).
+
+    Args:
+        path: the restored file (a ``torch.save`` file or a ``.safetensors`` file).
+        plain_parts: top-level keys that load with plain ``weights_only=True`` (from the manifest's
+            instructions), suggested as ``--only`` when the whole file needs more.
+
+    Returns:
+        ``{"format": "torch" | "safetensors", "allow": [names] | None, "snippet": str, "text": str}``;
+        ``allow`` is None when it could not be told (a legacy, non-zip ``torch.save`` file).
+    """
+    import zipfile
+
+    p = os.fspath(path)
+    if not zipfile.is_zipfile(p):
+        with open(p, "rb") as fh:
+            head = fh.read(1)
+        if head != b"\x80":  # not a pickle either: a .safetensors file (restore writes nothing else)
+            return {"format": "safetensors", "allow": [], "text": "loads with safetensors.torch.load_file(path)",
+                    "snippet": f"from safetensors.torch import load_file\nstate = load_file({p!r})\n"}
+    allow = unsafe_globals_of_file(p)
+    if allow is None:
+        text = ("a legacy (non-zip) torch.save file: torch.load(path, weights_only=True) names any type it "
+                "refuses; allow it with torch.serialization.safe_globals")
+        return {"format": "torch", "allow": None, "text": text, "snippet": torch_load_snippet([], p)}
+    if not allow:
+        return {"format": "torch", "allow": [], "text": "loads with torch.load(path, weights_only=True)",
+                "snippet": torch_load_snippet([], p)}
+    text = (f"holds {_kinds(allow)}: torch.load(path, weights_only=True) refuses it unless exactly these are "
+            f"allowed: {', '.join(allow)}; load it with the snippet")
+    if plain_parts:
+        text += f", or restore a part that needs none (--only {plain_parts[0]})"
+    return {"format": "torch", "allow": allow, "text": text, "snippet": torch_load_snippet(allow, p)}

@@ -25,7 +25,7 @@ from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
 from ckpt_archive.format.metrics import metrics_to_json
 from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.ops.meta import (code_identity, default_instructions, environment, find_metrics, find_progress,
-                                   value_or_file)
+                                   needs_by_part, value_or_file)
 from ckpt_archive.repo.publish import PACK_POINTS, BeforePublish, Lifecycle, Withdrawn
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import MANIFEST, Repository, gen_key, host_record, iso, raise_if_problems, utcnow
@@ -124,9 +124,13 @@ class PackResult:
                 "trial_reload": self.trial_reload}
 
 
-def _instructions(instructions: Any, source) -> dict:
+def _instructions(instructions: Any, source, allowed: list[str] | None = None) -> dict:
     top = [str(k) for k in source.state.keys()] if isinstance(source.state, dict) else []
-    base = default_instructions(source.format, source.layout, top)
+    # [issue 26] from what the restored .pt needs: the globals to allow, the parts that need none
+    needs = needs_by_part(source.state) if source.layout == "file" else None
+    base = default_instructions(source.format, source.layout, top, needs, allowed)
+    if needs is not None:
+        base["plain_parts"] = needs["plain_parts"]
     if instructions is None:
         return base
     if isinstance(instructions, dict):
@@ -227,7 +231,7 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
                                 " (it is stored in the manifest, which every `list` reads; put large records "
                                 "in a file of the checkpoint folder)"))
     prepared = _Prepared(source, encoded, prog, config_enc, metrics_plain, ids_v, [str(t) for t in tags],
-                         _instructions(notes.instructions, source),
+                         _instructions(notes.instructions, source, sorted(allowed or ())),
                          None if notes.code_version is None else str(notes.code_version),  # the schema's string
                          sorted(allowed or ()))
     # the manifest and members are UTF-8 JSON: text that is not (lone surrogates, as os.fsdecode gives for
@@ -307,6 +311,9 @@ class _PackSteps:
             gens, self.generations = self.generations, None
             shared = SharedWriter(repo.store, ObjectIndex.build(repo, gens), min_bytes=o.share_min_bytes,
                                   faults=repo.faults, distrust=self.distrust, jobs=o.jobs)
+        from ckpt_archive.repo.publish import phase
+
+        phase(self.on_bytes, "write", _raw_total(p))
         try:
             body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
                                  level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
@@ -378,8 +385,10 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
         retention: a :class:`~ckpt_archive.retention.policy.RetentionPolicy` applied after publish;
             ``None`` applies the repository's default policy, if any; an empty ``RetentionPolicy()``
             applies none even when the repository has a default (``backup`` runs retention itself).
-        on_bytes: progress callback, raw bytes processed (written, then decoded by the trial reload; one
-            with a ``phase(name, total)`` method is told when each phase starts).
+        on_bytes: progress callback, bytes processed: a source file's bytes read and hashed (phase ``read and
+            hash NAME``; these calls come from one helper thread, never at the same time as another call),
+            raw bytes written (``write``), then decoded by the trial reload; one with a ``phase(name, total)``
+            method is told when each phase starts.
         before_publish: called under the lock with the checked generation before its marker is written
             (:data:`~ckpt_archive.repo.publish.BeforePublish`); a returned reason withdraws it.
 
@@ -407,6 +416,7 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
         # [issue 14] a source file's own reads (its sha256, its tensor ranges' fingerprints and, for a zip
         # torch.save file, every record's CRC-32) start now, beside `import torch` and torch.load
         scan = early_scan(source, scan_pool) if isinstance(source, (str, os.PathLike)) else None
+        reading = _ReadProgress(on_bytes, source, scan)  # [issue 26] the bar moves from the first second
         # What can refuse the input runs before a generation number is claimed, except the scan's verdict:
         # it is awaited before the manifest is sealed (encoding starts at once), and a record that fails
         # its CRC, or a file that changed meanwhile, withdraws the claimed generation (_pack_prepared).
@@ -419,12 +429,74 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
                 _raise_if_changed([scan] if scan is not None else [])
                 _crc_reason_first(scan)
                 raise
+            finally:
+                reading.stop()
             return _pack_prepared(prep, repo, options, on_bytes, before_publish, retention,
                                   {scan.identity: scan} if scan is not None else None)
         except BaseException:
             if scan is not None:
                 scan.cancel()
             raise
+
+
+class _ReadProgress:
+    """[issue 26] The first phase of packing a file or folder, ``read and hash NAME``: while ``torch.load``
+    parses the source, the bytes its early scan (:class:`~ckpt_archive.format.exact_bytes.ScanJob`: sha256,
+    range fingerprints, zip CRCs) has read are reported to ``on_bytes`` every 0.2 s from one helper thread,
+    which is stopped (joined) before pack reports anything else, so calls never overlap. A source without a
+    scan (a folder, a legacy pickle) has its phase named, without a total. Nothing for a state given as an
+    object, or without a callback."""
+
+    def __init__(self, on_bytes, source: Any, scan) -> None:
+        import threading
+
+        self.on_bytes, self.scan, self._sent, self._thread = on_bytes, scan, 0, None
+        self._stop = threading.Event()
+        if on_bytes is None or not isinstance(source, (str, os.PathLike)):
+            return
+        from ckpt_archive.repo.publish import phase
+
+        name = Path(source).name or str(source)
+        if scan is None:
+            phase(on_bytes, f"read {name}")
+            return
+        try:
+            size = scan.path.stat().st_size
+        except OSError:
+            size = None
+        phase(on_bytes, f"read and hash {name}", size)
+        self._thread = threading.Thread(target=self._feed, name="ckpt-read-progress", daemon=True)
+        self._thread.start()
+
+    def _feed(self) -> None:
+        while not self._stop.wait(0.2):
+            self._send()
+
+    def _send(self) -> None:
+        done = self.scan.progress[0]
+        if done > self._sent:
+            delta, self._sent = done - self._sent, done
+            self.on_bytes(delta)
+
+    def stop(self) -> None:
+        """End the phase: the helper thread is joined and what was read meanwhile reported (idempotent)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._send()
+
+
+def _raw_total(p: "_Prepared") -> int | None:
+    """Raw bytes the write phase handles: the state's tensor entries and the files stored as they are."""
+    try:
+        total = sum(e.nbytes for e in p.encoded[1].entries.values())
+        for sf in p.source.files:
+            if sf.kind in ("raw", "opaque") and sf.path is not None and not getattr(sf, "link_of", None):
+                total += sf.path.stat().st_size
+        return total
+    except (AttributeError, IndexError, TypeError, OSError):
+        return None
 
 
 def _raise_if_changed(scans) -> None:

@@ -19,7 +19,12 @@ from ckpt_archive.store.fs import Dir, Entry
 
 @dataclasses.dataclass
 class RestoreResult:
-    """What :func:`restore` wrote: ``output`` path, ``generation``, ``bytes_written``, ``layout``."""
+    """What :func:`restore` wrote: ``output`` path, ``generation``, ``bytes_written``, ``layout``.
+
+    ``extra["loading"]`` (a file output): how the file loads, read from the file written
+    (:func:`ckpt_archive.ops.meta.restored_file_loading`: ``format``, ``allow`` -- the globals
+    ``torch.load(weights_only=True)`` needs allowed --, ``text``, ``snippet``).
+    """
 
     generation: int
     output: str
@@ -237,6 +242,11 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     if "report" in rewritten:
         result.extra["folder_rewrite"] = rewritten["report"]
         result.warnings.extend(rewritten["report"]["warnings"])
+    if result.layout == "file":  # [issue 26] how the file just written loads, read from the file itself
+        from ckpt_archive.ops.meta import restored_file_loading
+
+        plain = None if only else (gen.manifest.get("instructions") or {}).get("plain_parts")
+        result.extra["loading"] = restored_file_loading(out, plain_parts=plain)
     note = copied_note(r, gen)
     if note:
         result.warnings.append(note)

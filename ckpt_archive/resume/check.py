@@ -48,7 +48,8 @@ from ckpt_archive.resume.compare import (MAX_LISTED, TreeDiff, compact, compare_
                                          data_ids_differences, describe, ids_named, short_value, span)
 from ckpt_archive.resume.controls import (CONTROL_LABELS, STREAMS, TOOL_CONTROLS, canonical_control, control_verdict,
                                           perturb, script_control_name)
-from ckpt_archive.resume.report import REPORT_FILE, build_report, interruption_facts, write_report
+from ckpt_archive.resume.report import (REPORT_FILE, build_report, draw_picture, interruption_facts, record_last_check,
+                                        write_report)
 from ckpt_archive.resume.runner import (ArchiveLoop, RunRecord, load_checkpoint, prepare_output, require_ok,
                                         run_command, run_name)
 from ckpt_archive.resume.template import check_template, expand_command
@@ -182,12 +183,31 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int | Sequ
     report["interruptions"] = interruptions
     if ids.checks:
         report["data_ids"] = ids.checks
+    # [issue 26] a picture next to the report: loss and LR per update of every run, divergences marked
+    report["picture"] = draw_picture(report, {"continuous": cont_traj, "resumed": {"updates": line}},
+                                     _control_trajectories(runs, entries), out)
     write_report(report, out / REPORT_FILE)
+    record_last_check(loop.repo, report)
     failed = [e for e in entries if e["status"] == "could-not-check"]
     if failed:
         raise SourceError("; ".join(e["message"] for e in failed)
                           + f" (report: {out / REPORT_FILE})")
     return report
+
+
+def _control_trajectories(runs: _Runs, entries: list[dict]) -> dict[str, dict]:
+    """Each control run's trajectory (its updates after the last interruption), by control name; a control
+    whose run left none (it crashed, or did not run) is left out."""
+    by_run = {rec.name: rec for rec in runs.records}
+    found: dict[str, dict] = {}
+    for e in entries:
+        rec = by_run.get(run_name(e["name"]))
+        if rec is not None and (rec.output / TRAJECTORY_FILE).is_file():
+            try:
+                found[e["name"]] = load_trajectory(rec.output)
+            except (SourceError, OSError, ValueError):
+                continue
+    return found
 
 
 def _interruptions(interrupt_at: int | Sequence[int], steps: int) -> list[int]:

@@ -59,6 +59,50 @@ def write_report(report: dict, path: Path) -> Path:
     return path
 
 
+def draw_picture(report: dict, trajectories: dict, controls: dict, folder: Path) -> str | None:
+    """Write the picture of the runs next to ``verification.json`` (:mod:`ckpt_archive.resume.picture`).
+
+    Args:
+        report: the report (before it is written).
+        trajectories: ``continuous`` and ``resumed`` (the whole interrupted + resumed line).
+        controls: each control run's trajectory by control name.
+        folder: the check's output folder.
+
+    Returns:
+        the picture's file name in ``folder``, or None: matplotlib is not installed (``report["picture_note"]``
+        says so, :data:`~ckpt_archive.resume.picture.NO_MATPLOTLIB`; the CLI prints it once), or drawing
+        failed (a warning in the report says why: the verdict never depends on the picture).
+    """
+    from ckpt_archive.resume.picture import NO_MATPLOTLIB, run_lines, write_picture
+
+    try:
+        path = write_picture(report, run_lines(report, trajectories, controls), folder)
+    except Exception as exc:  # noqa: BLE001 - a picture that cannot be drawn never costs the check its verdict
+        report["warnings"].append(f"the picture of the runs could not be drawn: {type(exc).__name__}: {exc}")
+        return None
+    if path is None:
+        report["picture_note"] = NO_MATPLOTLIB
+        return None
+    return path.name
+
+
+def record_last_check(repo: str, report: dict) -> None:
+    """Remember this check in the repository its interruption checkpoints were archived to
+    (:func:`ckpt_archive.ops.export_proof.write_last_check`), so that an export of that repository links its
+    picture. A repository that cannot take it (read-only, remote and unreachable) costs the check nothing."""
+    from ckpt_archive.ops.export_proof import write_last_check
+
+    out = Path(report["output"])
+    try:
+        write_last_check(repo, {"kind": report["kind"], "created": report["created"],
+                                "passed": bool(report["all_checks_passed"]),
+                                "report": str((out / REPORT_FILE).absolute()),
+                                "picture": str((out / report["picture"]).absolute()) if report.get("picture") else None,
+                                "generation": (report.get("archive") or {}).get("generation")})
+    except Exception:  # noqa: BLE001 - the check's result stands in verification.json either way
+        pass
+
+
 def interruption_facts(state, interrupt_at: int) -> dict:
     """Step, epoch, data cursor and samples per epoch of the interruption checkpoint (None where absent)."""
     facts: dict[str, Any] = {"step": None, "epoch": None, "cursor": None, "samples_per_epoch": None,

@@ -22,6 +22,10 @@ The rules, each enforced here and nowhere else:
   ``.NAME.tmp-`` prefix is kept so ``gc`` and restore recognise leftovers (:data:`TEMP_NAME`, which also
   matches the ``.NAME.tmp-PID`` names of earlier versions).
 * **Durable**: a file is fsynced before it is linked or renamed to its name, and its folder after.
+* **What is only read is not a root.** A source (a checkpoint being packed, a trainer's checkpoint folder
+  being snapshot into its staging folder) is read by its path and may follow its owner's links, as the
+  source readers do; :meth:`Dir.link_from` and :meth:`Dir.copy_from` take such a file by path, while the
+  name they create is on the write side like any other (exclusive, never followed).
 
 What a target needs beyond that (a staging folder, the final rename, ``--force``) is :class:`Staging`;
 the repository's writer lock is :class:`WriterLock`. POSIX only (directory descriptors, ``flock``).
@@ -236,6 +240,36 @@ class Dir:
         """The :class:`Entry` ``name`` of this folder."""
         return Entry(self, name)
 
+    def read_file(self, name: str, max_bytes: int) -> bytes | None:
+        """The content of the regular file ``name`` here, opened ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO never blocks).
+
+        Args:
+            name: the file. max_bytes: the largest content accepted, in bytes (never more is read).
+
+        Returns:
+            the bytes; None when ``name`` is absent, is not a regular file, or holds more than ``max_bytes``.
+
+        Raises:
+            the refusal: ``name`` is a symbolic link. OSError: it cannot be read.
+        """
+        try:
+            fd = self.open_file(name, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+                return None
+            data = b""
+            while len(data) <= max_bytes:
+                chunk = os.read(fd, max_bytes + 1 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+            return None if len(data) > max_bytes else data
+        finally:
+            os.close(fd)
+
     # -- files ----------------------------------------------------------------------------------------
     def open_file(self, name: str, flags: int, mode: int = 0o644) -> int:
         """``os.open(name, flags | O_NOFOLLOW | O_CLOEXEC, dir_fd=...)``: a descriptor (the caller closes it).
@@ -290,6 +324,68 @@ class Dir:
         """Hard-link ``src`` here to ``dst`` (in ``dst_dir``, default here), never following a link;
         FileExistsError when ``dst`` exists (anything, a link included: it is never replaced)."""
         os.link(src, dst, src_dir_fd=self.fd, dst_dir_fd=(dst_dir or self).fd, follow_symlinks=False)
+
+    def link_from(self, src: str | os.PathLike, name: str) -> None:
+        """Hard-link the file at the path ``src`` to the new name ``name`` here (a snapshot of a trainer's checkpoint
+        folder: no byte copied).
+
+        ``src`` is the read side (a folder this process only reads, such as a trainer's checkpoint folder): it is
+        reached by its path and a symbolic link there is followed, so ``name`` becomes the file a reader of ``src``
+        sees (``linkat(AT_SYMLINK_FOLLOW)``). ``name`` is the write side and is never followed: the new name is
+        created by the kernel exclusively, so anything there, a symbolic link included, is FileExistsError and is
+        never replaced or written through.
+
+        Raises:
+            FileExistsError: something is at ``name``. OSError: the link cannot be made (EXDEV: ``src`` is on
+            another file system; EPERM / EOPNOTSUPP: no hard links there): :meth:`copy_from` copies instead.
+        """
+        os.link(os.fspath(src), name, dst_dir_fd=self.fd, follow_symlinks=True)
+
+    def copy_from(self, src: str | os.PathLike, name: str) -> int:
+        """Copy the regular file at the path ``src`` to a new file ``name`` here, where :meth:`link_from` cannot link.
+
+        ``src`` is read by its path, a symbolic link there followed (the read side, as in :meth:`link_from`).
+        ``name`` is created ``O_CREAT | O_EXCL | O_NOFOLLOW`` (:meth:`create`): anything there, a link included, is
+        refused, never followed or replaced. The copy keeps the source's permission bits and access and
+        modification times (what ``shutil.copy2`` keeps, less extended attributes). A copy that fails part-way
+        is removed. It is written at its final name and not fsynced: meant for a private folder this process
+        fills and removes (a snapshot), which nothing reads after a crash.
+
+        Returns:
+            the bytes copied.
+
+        Raises:
+            FileExistsError / the refusal: something (a link) is at ``name``. OSError: ``src`` is absent or is not
+            a regular file (EINVAL), or a read or write failed (ENOSPC).
+        """
+        sfd = os.open(os.fspath(src), os.O_RDONLY | os.O_NONBLOCK | O_CLOEXEC)
+        try:
+            st = os.fstat(sfd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", os.fspath(src))
+            dfd = self.create(name, 0o600)
+            try:
+                with os.fdopen(sfd, "rb", closefd=False) as fin, open_stream(dfd) as fout:
+                    shutil.copyfileobj(fin, fout, 1 << 20)
+                    fout.flush()
+                    os.fchmod(fout.fileno(), stat.S_IMODE(st.st_mode))
+                    os.utime(fout.fileno(), ns=(st.st_atime_ns, st.st_mtime_ns))
+                    return st.st_size
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    self.unlink(name, missing_ok=True)
+                raise
+        finally:
+            os.close(sfd)
+
+    def symlink(self, target: str, name: str) -> None:
+        """Create the symbolic link ``name`` here pointing at ``target`` (stored as given: creating a link follows
+        nothing; a snapshot recreates a trainer's link to a folder, which the folder reader then does not follow).
+
+        Raises:
+            FileExistsError: something, a link included, is at ``name`` (never replaced).
+        """
+        os.symlink(target, name, dir_fd=self.fd)
 
     def rename(self, src: str, dst: str, dst_dir: "Dir | None" = None) -> None:
         """Rename ``src`` here to ``dst`` (in ``dst_dir``, default here), replacing a file or link there
