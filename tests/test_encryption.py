@@ -144,3 +144,37 @@ def test_a_key_file_for_a_plain_repository_is_refused_not_ignored(tmp_path, keyf
     ckpt_archive.pack(_state(), tmp_path / "r")
     with pytest.raises(ckpt_archive.errors.UsageError, match="not encrypted"):
         Repository.open(tmp_path / "r", key_file=keyfile)
+
+
+def test_key_material_never_reaches_output_json_the_proof_the_manifest_or_an_error(tmp_path, keyfile):
+    """Keys and passwords never reach logs, --json, the proof report, the manifest or a traceback (issue 28)."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    runner = CliRunner()
+    sign = tmp_path / "signer"
+    assert runner.invoke(app, ["key", "new", str(sign)]).exit_code == 0
+    secrets_ = [keyfile.read_bytes().strip(), b"".join(sign.read_bytes().splitlines()[1:-1])[:40]]
+    src = tmp_path / "c.pt"
+    torch.save(_state(), src)
+    repo, dest = tmp_path / "r", tmp_path / "dest"
+    outputs = []
+    for args in (["pack", src, "--repo", repo, "--key-file", keyfile, "--sign-key", sign, "--json"],
+                 ["list", repo, "--key-file", keyfile, "--json"],
+                 ["verify", repo, "--deep", "--key-file", keyfile, "--trust", f"{sign}.pub", "--json"],
+                 ["inspect", repo, "--key-file", keyfile],
+                 ["export", repo, "--to", dest, "--key-file", keyfile, "--to-key-file", keyfile, "--report",
+                  tmp_path / "proof.md"],
+                 ["restore", repo, "--output", tmp_path / "o.pt", "--key-file", keyfile, "--json"],
+                 ["verify", repo, "--key-file", tmp_path / "proof.md"],  # a wrong key: an error, exit 2
+                 ["verify", repo]):  # no key: exit 2
+        res = runner.invoke(app, [str(a) for a in args])
+        outputs.append(res.stdout + (res.stderr or ""))
+        assert "Traceback" not in outputs[-1]
+        assert res.exit_code == (2 if args[0] == "verify" and "--deep" not in args else 0), outputs[-1]
+    stored = _every_stored_byte(repo) + _every_stored_byte(dest) + (tmp_path / "proof.md").read_bytes()
+    for secret in secrets_:
+        assert secret and secret not in stored
+        for text in outputs:
+            assert secret.decode() not in text

@@ -5,11 +5,11 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes, split_repo_spec, seconds_callback
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes, split_repo_spec, seconds_callback, KEY_FILE_OPTION, TRUST_OPTION, SIGN_KEY_OPTION, open_cli_repo)
 
 
 def register(app: typer.Typer) -> None:
@@ -45,11 +45,17 @@ def register(app: typer.Typer) -> None:
         report: Optional[Path] = typer.Option(None, "--report", metavar="FILE", help="Write the recovery proof "
                                               "here: Markdown, or JSON with --json."),
         wait: float = typer.Option(0.0, "--wait", metavar="SECONDS", callback=seconds_callback("--wait"), help="Wait this long for DEST's writer lock."),
+        key_file: Optional[Path] = KEY_FILE_OPTION,
+        trust: Optional[List[Path]] = TRUST_OPTION,
+        to_key_file: Optional[Path] = typer.Option(
+            None, "--to-key-file", metavar="PATH",
+            help="The destination's key file: a new destination is created encrypted with it (the source may be "
+                 "plain or encrypted with another key). Without it the destination is plain."),
+        sign_key: Optional[Path] = SIGN_KEY_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.errors import UsageError
         from ckpt_archive.ops.export import export, select_generations
-        from ckpt_archive.repo.repository import Repository
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
@@ -70,7 +76,7 @@ def register(app: typer.Typer) -> None:
                 extra["SSEKMSKeyId"] = sse_kms_key_id
             storage_options = {"s3_additional_kwargs": extra}
 
-        source = Repository.open(repo)
+        source = open_cli_repo(repo, key_file=key_file, trust=trust)
         picked = select_generations(source, selection)
         from ckpt_archive.ops.export_copy import unique_stored_bytes
 
@@ -82,7 +88,7 @@ def register(app: typer.Typer) -> None:
             result = export(source, to, generations=[g.number for g in picked], endpoint_url=endpoint_url,
                             storage_options=storage_options, report=report,
                             report_format="json" if json_output else "markdown", on_bytes=advance,
-                            command=argv, lock_wait=wait)
+                            command=argv, lock_wait=wait, to_key_file=to_key_file, sign_key=sign_key)
         for g in result.generations:
             checks = sum(c.ok for c in g.checks)
             skipped = f", {human_bytes(g.bytes_skipped)} already there" if g.bytes_skipped else ""

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, human_bytes, split_repo_spec
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, human_bytes, split_repo_spec, KEY_FILE_OPTION, TRUST_OPTION, open_cli_repo)
 
 
 def register(app: typer.Typer) -> None:
@@ -70,6 +70,8 @@ def register(app: typer.Typer) -> None:
         restore_unverified: bool = typer.Option(
             False, "--restore-unverified", help="Restore a partial or damaged generation anyway (refused otherwise, "
                                                 "exit 2); every byte is still checked against its manifest."),
+        key_file: Optional[Path] = KEY_FILE_OPTION,
+        trust: Optional[List[Path]] = TRUST_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
@@ -80,7 +82,7 @@ def register(app: typer.Typer) -> None:
         transform, policy_json = cli_restore_prepare(repo, gen, session_config=session_config,
                                                      expect_lr=expect_lr, policy=policy, out=out)
         with out.progress(None, "restore") as bar:  # the restore tells the bar each phase and its total
-            res = ckpt_archive.restore(repo, gen, output, force=force, only=only, fallback=fallback,
+            res = ckpt_archive.restore(open_cli_repo(repo, key_file=key_file, trust=trust), gen, output, force=force, only=only, fallback=fallback,
                                        map_location=map_location, jobs=jobs, transform=transform,
                                        consolidate=consolidate, allow=allow, data_ids=data_ids,
                                        allow_data_change=allow_data_change, unverified=restore_unverified,

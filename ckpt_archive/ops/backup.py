@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping
 from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceChanged, SourceError
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.shard import file_problem
-from ckpt_archive.ops.common import human_seconds, leftover_note
+from ckpt_archive.ops.common import RepoLike, human_seconds, leftover_note, open_repo
 
 #: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
 #: the default is ``max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * settle)``.
@@ -532,7 +532,7 @@ def _lower_step_note(candidates: list[Path], steps: dict, before, chosen: Path, 
     return []
 
 
-def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settle: float = 10.0,
+def backup(source: str | os.PathLike, repo: RepoLike, *, retention: Any = None, settle: float = 10.0,
            wait: float = 0.0, tags: tuple[str, ...] | list[str] = (), now: datetime | None = None,
            sleep: Callable[[float], None] = time.sleep, on_bytes: Callable[[int], None] | None = None,
            stale_after: float | None = None, allow=()) -> BackupResult:
@@ -573,7 +573,6 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
     from ckpt_archive.ops import pack as pack_op
     from ckpt_archive.ops.pack import Annotations, PackOptions
     from ckpt_archive.repo.publish import Withdrawn
-    from ckpt_archive.repo.repository import Repository
     from ckpt_archive.ops.prune import apply_after_pack
     from ckpt_archive.retention.policy import RetentionPolicy
 
@@ -588,7 +587,7 @@ def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settl
     key = str(src)
     if not src.exists():  # before the repository is created for nothing
         raise NotFound("no such file or folder", where=key)
-    rep = Repository.open(repo, create=True)
+    rep = open_repo(repo, create=True)
     state = read_state(rep.store)
     entry = state["sources"].get(key) or {}
     steps = dict(entry["steps"]) if isinstance(entry.get("steps"), dict) else {}

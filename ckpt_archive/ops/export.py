@@ -245,7 +245,8 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
            storage_options: dict | None = None, report: str | os.PathLike | None = None,
            report_format: str = "markdown", on_bytes: Callable[[int], None] | None = None,
            on_generation: Callable[[int, int, int], None] | None = None, command: str | None = None,
-           lock_wait: float = 0) -> ExportResult:
+           lock_wait: float = 0, to_key_file: str | os.PathLike | None = None,
+           sign_key: str | os.PathLike | None = None) -> ExportResult:
     """Copy usable generations to ``dest``, verify the copy there, trial-reload it there, mark it usable.
 
     Args:
@@ -262,6 +263,13 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
         on_generation: called ``(generation, index, count)`` when a generation starts.
         command: the command line to record in the proof.
         lock_wait: seconds to wait for DEST's writer lock.
+        to_key_file: DEST's key file: a new DEST is created encrypted with it, an encrypted one is opened
+            with it. None: DEST is plain (the source's key, given with ``repo``, is never used for DEST), so
+            an encrypted source can be exported to a plain DEST and the reverse (docs/FORMAT.md,
+            "Encrypted repositories").
+        sign_key: sign each generation published at DEST that carries no signature from the source (a
+            source's signature covers content, not place: it travels unchanged). None:
+            ``$CKPT_ARCHIVE_SIGN_KEY``.
 
     Returns:
         :class:`ExportResult`, the recovery proof.
@@ -297,7 +305,8 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
         options["endpoint_url"] = endpoint_url
     if storage_options:
         options["storage_options"] = storage_options
-    dst = Repository.open(dest, create=True, **options)
+    dst = Repository.open(dest, create=True, key_file=to_key_file if to_key_file is not None else False,
+                          sign_key=sign_key, **options)
     if dst.location == src.location:
         raise UsageError(f"source and destination are the same repository ({src.location})")
     done: list[ExportedGeneration] = []
@@ -322,12 +331,14 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
                                again)
                 raise
     endpoint, region = endpoint_for(dst.location, endpoint_url), region_for(dst.location)
+    encrypted = "encryption" in dst.config
     copied, skipped = run_totals(done)
     result = ExportResult(
         source=src.location, destination=dst.location, generations=done,
         bytes_copied=copied, bytes_skipped=skipped,
-        restore_command=restore_command(dst.location, picked[-1], endpoint, region),
-        verify_command=verify_command(dst.location, picked[-1].number, endpoint, region),
+        restore_command=restore_command(dst.location, picked[-1], endpoint, region, encrypted=encrypted),
+        verify_command=verify_command(dst.location, picked[-1].number, endpoint, region, encrypted=encrypted,
+                                      signer=picked[-1].signer),
         command=command, started=started, finished=_now(), endpoint_url=endpoint, region=region,
         install_commands=install_commands("://" in dst.location), resume_check=read_last_check(src))
     if report is not None:

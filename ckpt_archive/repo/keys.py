@@ -40,8 +40,9 @@ def _read_small(path: str | os.PathLike, what: str, limit: int = 1 << 16) -> byt
     return data
 
 
-def key_material(key_file: str | os.PathLike | None) -> tuple[bytes | None, bool]:
-    """The encryption secret: from ``key_file``, else from ``$CKPT_ARCHIVE_KEY_FILE``.
+def key_material(key_file: str | os.PathLike | None | bool) -> tuple[bytes | None, bool]:
+    """The encryption secret: from ``key_file``, else from ``$CKPT_ARCHIVE_KEY_FILE``; ``False``: none, the
+    environment not read.
 
     Returns:
         ``(material or None, explicit)``: ``explicit`` is True when the caller named the file (an
@@ -50,6 +51,8 @@ def key_material(key_file: str | os.PathLike | None) -> tuple[bytes | None, bool
     Raises:
         UsageError: the file is missing, unreadable or not a key file. KeyRefused: empty.
     """
+    if key_file is False:  # explicitly none (an export destination given no key): the environment is not read
+        return None, False
     explicit = key_file is not None
     path = key_file if explicit else os.environ.get(ENV_KEY_FILE) or None
     if path is None:
