@@ -1,12 +1,21 @@
-"""Ratio benchmark: ckpt-archive against the hand pipeline and the usual loaders, same machine, same run.
+"""Ratio benchmark: ckpt-archive against its peers and the usual loaders, same machine, same run.
 
-Default (paired) mode, for issue 14's table: every comparison runs interleaved in this one driver
-process -- ours, baseline, then baseline, ours, ... ``--reps`` times -- so both sides see the same
-machine load; each run is a whole process (``ckpt-archive`` CLI processes for pack / verify /
-verify --deep / restore: start-up included, as a user pays it), and Python workers also report the
-in-process time of the call alone. It prints min / median / max per side, the median of per-pair
-ratios (whole process and in-process), the load average (``os.getloadavg``) around the runs, and the
-table "now vs target". ``--unpaired`` gives the older per-operation report described below.
+Default mode (issue 29, :mod:`peers`): ckpt-archive against **restic** (repository v2, ``--compression
+auto``) and **borg** (``--compression zstd,3``), the tools a user would run instead of us to keep a
+checkpoint safe, where they are installed (a missing one is named in the table): pack vs backup/create,
+restore vs restore/extract (+ fsync), ``verify --deep`` vs ``check --read-data`` / ``--verify-data``, stored
+bytes, the LoRA-like incremental run, an incompressible fp32 state, ``load`` vs ``torch.load``, our peak
+anonymous memory, a small repository's CLI start-up. Rounds of whole processes in a rotating order, ``sync``
+before each run; min / median / max per side and the median per-round ratio (wall and CPU). Quick run:
+``python benchmarks/run.py --sizes 64 --rand-sizes 64 --lora-base-mib 64 --lora-generations 3 --reps 2``.
+
+``--vs-hand``: issue 14's paired table -- every comparison interleaved in this one driver process (ours,
+baseline, then baseline, ours, ... ``--reps`` times) against the hand pipeline (``zstd && openssl``) --
+each run a whole process (``ckpt-archive`` CLI processes for pack / verify / verify --deep / restore:
+start-up included, as a user pays it), Python workers also reporting the in-process time of the call
+alone. It prints min / median / max per side, the median of per-pair ratios (whole process and
+in-process), the load average (``os.getloadavg``) around the runs, and the table "now vs target".
+``--unpaired`` gives the older per-operation report described below.
 
 For each state size it builds a realistic training state (``benchmarks/state.py``: trained-looking
 bf16 weights + fp32 Adam moments, 80 % of the bytes fp32) saved as ``ckpt.pt``, the same tensors as
@@ -592,6 +601,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<stamp>.json)")
     ap.add_argument("--baselines-only", action="store_true", help="skip ckpt-archive operations")
     ap.add_argument("--no-zipnn", action="store_true")
+    ap.add_argument("--vs-hand", action="store_true",
+                    help="issue 14's paired table against the hand pipeline (zstd + openssl) instead of the peers")
+    ap.add_argument("--rand-sizes", default="",
+                    help="peers: sizes (MiB) of the incompressible fp32 state (two random float32 tensors)")
+    ap.add_argument("--lora-base-mib", type=int, default=500,
+                    help="peers: frozen bf16 base of the LoRA-like incremental run (0: skip it)")
+    ap.add_argument("--lora-generations", type=int, default=10, help="peers: LoRA-like generations (2..N timed)")
+    ap.add_argument("--memory-sizes", default="",
+                    help="peers: sizes (MiB) of random fp32 states whose peak memory alone is measured (ours only)")
+    ap.add_argument("--no-load", action="store_true", help="peers: skip load vs torch.load")
+    ap.add_argument("--no-cli-small", action="store_true", help="peers: skip the small repository's CLI timings")
     ap.add_argument("--unpaired", action="store_true",
                     help="the older report: every operation per repetition, medians per operation (not paired)")
     ap.add_argument("--ab", default=None, metavar="TREE",
@@ -619,6 +639,20 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_ab(size_mib, a, log))
         info["loadavg_end"] = os.getloadavg()
         return _finish("ab", "-ab", ab_table, results, info, stamp, a, log)
+    if not a.unpaired and not a.vs_hand:
+        from peers import main_peers, table as peers_table, versions  # restic / borg (issue 29)
+
+        doc = main_peers(a, log)
+        info["loadavg_end"] = os.getloadavg()
+        info["versions"].update(versions())
+        doc.update({"stamp": stamp, "machine": info, "jobs": a.jobs, "reps": a.reps})
+        out = Path(a.out) if a.out else HERE / "results" / f"{stamp}-peers.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1))
+        print(f"load average at start {info['loadavg_start']}, at end {info['loadavg_end']}; {info['cpus']} CPUs")
+        print(peers_table(doc))
+        log(f"\nwrote {out}")
+        return 0
     if not a.unpaired:
         for size_mib in [int(x) for x in a.sizes.split(",") if x]:
             results.append(run_paired(size_mib, a, log))

@@ -96,6 +96,12 @@ class ImplausibleSize(CheckFailed):
     anything is allocated (exit 1)."""
 
 
+class TooLargeHere(ImplausibleSize):
+    """A buffer a manifest declares is larger than the memory this machine has: refused before allocating
+    (exit 1), but no evidence that the generation is damaged -- a larger machine may read it, so readers
+    record no failed check for it (docs/FORMAT.md, "One status rule")."""
+
+
 class IncoherentState(CheckFailed):
     """The parts of a state do not describe the same instant, or a structure does not match."""
 

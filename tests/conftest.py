@@ -34,3 +34,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         for name in FAULT_TALLY["failed"]:
             terminalreporter.write_line(f"  not survived: {name}")
 # --- end fault-injection tally ---------------------------------------------------------------------
+
+
+# --- process-wide torch switches a library may leave on (Lightning's Trainer(deterministic=True)) --------
+# Lightning turns torch.use_deterministic_algorithms on for the whole process and never turns it off: every
+# later test then ran in a mode the product must survive (tests/test_state_types.py checks it does) but that
+# the rest of the suite did not choose. Restored after each test, only when torch is already imported.
+@pytest.fixture(autouse=True)
+def _restore_torch_deterministic_mode():
+    import sys
+
+    torch = sys.modules.get("torch")
+    before = torch.are_deterministic_algorithms_enabled() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and before is not None and torch.are_deterministic_algorithms_enabled() != before:
+        torch.use_deterministic_algorithms(before)
+    elif torch is not None and before is None and torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(False)

@@ -5,7 +5,9 @@ with the same environment variables for the killed-rank case).
 
 SCENARIO: ``save`` (two saves, the live state mutated right after each), ``restore`` (fresh objects restored
 from the latest generation, compared with what ``save`` recorded), ``kill`` (the second save's rank 1 is
-SIGKILLed while writing a member). KIND: ``ddp`` (replicated full tensors) or ``fsdp`` (FSDP2 ``fully_shard``:
+SIGKILLed while writing a member), ``desync`` (one rank's ``save(2)`` raises before its copy is handed over,
+or one rank's previous save failed alone: both ranks go on saving steps 3 and 4; KIND names the case, see
+:func:`desync`). KIND: ``ddp`` (replicated full tensors) or ``fsdp`` (FSDP2 ``fully_shard``:
 DTensor shards). Every rank writes ``OUT/rank<R>.json`` (results) and, for ``save``, ``OUT/expected-<R>.pt``.
 """
 from __future__ import annotations
@@ -63,10 +65,73 @@ def flat_full(sd, prefix=""):
     return out
 
 
+def desync(case: str, repo: str, rank: int) -> dict:
+    """Steps 1-4 saved by every rank; one rank's save(2) goes wrong as ``case`` says:
+    ``at-POINT``: rank 1's save(2) is interrupted at the Checkpointer's point POINT (a signal handler's
+    exception); ``bad-metrics``: rank 1's save(2) is given metrics it refuses; ``rank0-fails-after-publish``:
+    rank 0's save(2) fails alone, after its generation was published (the others' succeeded)."""
+    import time
+
+    from ckpt_archive.repo.repository import Repository
+    from ckpt_archive.store.faults import Faults
+    from ckpt_archive.training import checkpointer as ck
+
+    real = ck.Checkpointer._write
+
+    def slow(self, rec):  # each save still in flight when the next one starts (its wait is interrupted)
+        time.sleep(0.3)
+        return real(self, rec)
+
+    ck.Checkpointer._write = slow
+    target = repo
+    if case == "rank0-fails-after-publish" and rank == 0:
+        Repository.open(repo, create=True)
+        target = Repository.open(repo, faults=Faults.parse("after-publish=raise@2"))
+    dist.barrier()
+    ckpt = ck.Checkpointer(target, timeout=30)
+    log = []
+    for step in (1, 2, 3, 4):
+        state = {"model": {"w": torch.full((64,), float(step))}, "mine": torch.full((8,), float(10 * step + rank)),
+                 "step": step}
+        metrics = {"loss": 1.0}
+        if rank == 1 and step == 2 and case.startswith("at-"):
+            point = case[3:]
+
+            def hook(p, fired=[]):
+                if p == point and not fired:
+                    fired.append(p)
+                    raise KeyboardInterrupt("a signal handler's exception")
+
+            ck._HOOK = hook
+        if rank == 1 and step == 2 and case == "bad-metrics":
+            metrics = {"loss": object()}
+        try:
+            ckpt.save(step, state, metrics)
+            log.append([step, "ok", ""])
+        except BaseException as exc:  # noqa: BLE001 - recorded
+            log.append([step, type(exc).__name__, str(exc) + " ".join(getattr(exc, "__notes__", []))])
+        ck._HOOK = None
+    try:
+        ckpt.close()
+        log.append(["close", "ok", ""])
+    except BaseException as exc:  # noqa: BLE001
+        log.append(["close", type(exc).__name__, str(exc)])
+    ck.Checkpointer._write = real
+    return {"log": log}
+
+
 def main() -> None:
     scenario, kind, repo, out = sys.argv[1:5]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if scenario == "desync":
+        results = {}
+        for case in kind.split(","):
+            results[case] = desync(case, os.path.join(repo, case), rank)
+        with open(os.path.join(out, f"desync-rank{rank}.json"), "w") as fh:
+            json.dump(results, fh)
+        dist.destroy_process_group()
+        return
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import ckpt_archive

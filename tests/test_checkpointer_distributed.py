@@ -171,3 +171,47 @@ def test_a_rank_killed_mid_save_leaves_a_partial_generation_no_reader_lists(tmp_
     from ckpt_archive.training.dist_restore import load_consolidated
 
     assert load_consolidated(repo)["progress"] == {"step": 2}
+
+
+DESYNC_CASES = ["at-save", "at-waiting", "at-copy-acquired", "at-submitted", "at-handed-over", "bad-metrics",
+                "rank0-fails-after-publish"]
+
+
+@pytest.mark.slow
+def test_a_save_that_fails_on_one_rank_only_never_makes_a_mixed_step_generation(tmp_path):
+    """One rank's save(2) raises before its copy is handed over (an interrupt in its wait, in its copy, as it
+    hands over; bad metrics), or one rank's previous save failed alone (so its next save raised before
+    copying). That rank sat save 2 out while the others made it, and the exchanges pair up by order only:
+    rank 0's step 2 met rank 1's step 3, and generations were published usable holding step 2 on one rank
+    and step 3 on the other (and 3 with 4), then rank 0 hung at close until the timeout. Now every save call
+    takes part in its save's exchanges (with nothing, if it handed no copy over), exchanges are labelled and
+    checked, and a failure is raised after the next save's hand-over: step 2 is published by no rank (or by
+    all), steps 3 and 4 are, and every usable generation holds its step on every rank."""
+    from ckpt_archive.training.dist_restore import load_consolidated
+
+    repo, out = tmp_path / "repos", tmp_path / "out"
+    out.mkdir()
+    repo.mkdir()
+    _torchrun(2, "desync", ",".join(DESYNC_CASES), repo, out)
+    logs = [json.loads((out / f"desync-rank{r}.json").read_text()) for r in range(2)]
+    for case in DESYNC_CASES:
+        usable = {}
+        for g in ckpt_archive.list_generations(repo / case):
+            step = g.manifest["progress"]["step"]
+            for r in range(2):
+                got = load_consolidated(repo / case, g.number, rank=r)
+                assert (got["step"], got["model"]["w"][0].item(), got["mine"][0].item()) == \
+                    (step, float(step), float(10 * step + r)), f"{case}: generation {g.number} mixes steps on rank {r}"
+            usable[step] = usable.get(step, 0) + 1
+        r0, r1 = logs[0][case]["log"], logs[1][case]["log"]
+        assert r0[-1][:2] == ["close", "ok"] and r1[-1][:2] == ["close", "ok"], (case, r0, r1)
+        if case in ("at-handed-over", "rank0-fails-after-publish"):
+            assert usable == {1: 1, 2: 1, 3: 1, 4: 1}, (case, usable)
+        else:
+            assert usable == {1: 1, 3: 1, 4: 1}, (case, usable)
+            assert r1[1][1] != "ok", (case, r1)
+            # rank 0 learns that step 2 was not saved, from its next save (which saved step 3 all the same)
+            assert r0[2][1] == "CannotCheck" and "rank 1" in r0[2][2] and "step 2" in r0[2][2], (case, r0)
+        if case == "rank0-fails-after-publish":
+            assert r0[2][1] == "RuntimeError" and "injected" in r0[2][2], r0
+            assert [e[1] for e in r1] == ["ok"] * 5, r1

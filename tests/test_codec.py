@@ -503,3 +503,24 @@ def test_blocked_grouping_equals_the_whole_chunk_transform_across_block_edges(n,
     out = bytearray(len(raw))
     assert bytes(codec.byte_ungroup(want, n, out=out, rotate=rotate)) == raw and bytes(out) == raw
     assert bytes(codec.byte_ungroup(want, n, rotate=rotate)) == raw
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_small_planes_are_put_back_without_numpy_exactly_as_with_it(n, rotate, monkeypatch):
+    """Guards against the plain-Python ungrouping of small chunks (format/planes.py: it spares the policy
+    audit ``import numpy``) disagreeing with the NumPy path in any bit: random bytes of several sizes,
+    both sides of the threshold, rotated or not, into a fresh buffer or a caller's."""
+    import os
+
+    from ckpt_archive.format import planes
+
+    for size in (0, n, 3 * n, 1000 * n, 20_000 * n):
+        raw = os.urandom(size)
+        grouped = bytes(planes.byte_group(raw, n, rotate=rotate))
+        monkeypatch.setattr(planes, "SMALL_PLANES_BYTES", 1 << 30)
+        small = bytes(planes.byte_ungroup(grouped, n, rotate=rotate))
+        out = bytearray(size)
+        planes.byte_ungroup(grouped, n, out=out, rotate=rotate)
+        monkeypatch.setattr(planes, "SMALL_PLANES_BYTES", -1)
+        assert small == bytes(out) == bytes(planes.byte_ungroup(grouped, n, rotate=rotate)) == raw

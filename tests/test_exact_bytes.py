@@ -129,9 +129,10 @@ def test_a_rebuilt_file_whose_sha256_differs_is_removed_not_returned(tmp_path):
     with Dir.open(tmp_path) as folder:
         with pytest.raises(IntegrityError, match="sha256"):
             exact_bytes.rebuild(folder.entry("a.pt"), record, iter([b"ab", b"fgh"]),
-                                lambda wanted: iter([("e", b"XXX")]))
+                                lambda wanted: iter([("e", 0, b"XXX")]))
         assert not target.exists()
-        exact_bytes.rebuild(folder.entry("a.pt"), record, iter([b"ab", b"fgh"]), lambda wanted: iter([("e", b"cde")]))
+        exact_bytes.rebuild(folder.entry("a.pt"), record, iter([b"ab", b"fgh"]),
+                            lambda wanted: iter([("e", 0, b"c"), ("e", 1, b"de")]))
     assert target.read_bytes() == b"abcdefgh"
 
 
@@ -170,3 +171,35 @@ def test_fairseq_num_updates_and_epoch_are_recognised(tmp_path):
              "extra_state": {"train_iterator": {"epoch": 3, "iterations_in_epoch": 17}}}
     r = ckpt_archive.pack(state, tmp_path / "r")
     assert r.manifest["progress"] == {"step": 250, "epoch": 3, "cursor": 17}
+
+
+@pytest.mark.parametrize("keep", [0, 1 << 20])
+def test_the_rebuilt_files_sha256_is_taken_in_file_order_whatever_order_pieces_are_written(tmp_path, keep,
+                                                                                          monkeypatch):
+    """Guards against restore's in-order sha256 (taken while the file is written, on writer threads that
+    finish in any order) hashing a piece twice, in the wrong order, or before it is written: pieces of a
+    random file written in shuffled order, kept in memory or read back from the file, give the file's
+    sha256; a piece reported twice is refused."""
+    import os
+    import random
+
+    from ckpt_archive.format import ordered_writes
+
+    data = os.urandom(300_000)
+    cuts = sorted(random.Random(keep).sample(range(1, len(data)), 40))
+    pieces = [(a, data[a:b]) for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    random.Random(1).shuffle(pieces)
+    monkeypatch.setattr(ordered_writes.InOrderSha256, "KEEP_AHEAD_BYTES", keep)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)  # as the file layer creates a restore's target
+    os.ftruncate(fd, len(data))
+    sha = ordered_writes.InOrderSha256(fd, len(data))
+    writes = ordered_writes.ParallelWrites(fd, threads=3, on_written=sha.wrote)
+    for offset, piece in pieces:
+        writes.write(piece, offset)
+    writes.drain()
+    assert sha.hexdigest() == hashlib.sha256(data).hexdigest()
+    with pytest.raises(IntegrityError, match="twice"):
+        sha.wrote(0, data[:10])
+    writes.close()
+    sha.close()
+    os.close(fd)

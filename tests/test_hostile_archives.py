@@ -26,8 +26,8 @@ from ckpt_archive.cli.app import app
 from ckpt_archive.errors import InsufficientSpace, NotUsable, StoreError, UnsafePath
 from ckpt_archive.repo.repository import Repository
 
-from hostile_archive import (edit_manifest, edit_manifest_text, folder_source, gen_dir, member, put_member_bytes,
-                             read_manifest, reseal, run_cli, set_tree, snapshot)
+from hostile_archive import (edit_manifest, edit_manifest_text, folder_source, forget_notes, gen_dir, member,
+                             put_member_bytes, read_manifest, reseal, run_cli, set_tree, snapshot)
 
 runner = CliRunner()
 
@@ -425,8 +425,10 @@ def test_a_resealed_tensor_record_is_refused_by_restore_and_load_as_by_the_trial
         m["tensors"]["w"].update(edit)
     edit_manifest(repo, apply)
     assert cli("verify", f"{repo}@1", "--deep").exit_code == 1
+    forget_notes(repo)  # each reader meets the damage itself (else it refuses the recorded failure, exit 2)
     res = cli("restore", f"{repo}@1", "-o", tmp_path / "o.pt")
     assert res.exit_code == 1 and not (tmp_path / "o.pt").exists(), res.stdout + res.stderr
+    forget_notes(repo)
     with pytest.raises(ckpt_archive.errors.IntegrityError):
         ckpt_archive.load(repo, 1)
 
@@ -628,19 +630,30 @@ def test_packs_early_scan_refuses_a_pt_with_bytes_cut_from_a_record(tmp_path):
     assert not (tmp_path / "r" / "generations").exists() or not list((tmp_path / "r" / "generations").iterdir())
 
 
-def _touch_after_load(monkeypatch, path: Path) -> None:
-    """The source's mtime moves once torch.load has read it: a trainer rewriting or touching it mid-pack."""
+def _after_reads(monkeypatch, then) -> None:
+    """Run ``then()`` once the source has been read -- by torch.load, or by the reader that needs no torch
+    (format/pt_pickle.py, issue 29)."""
+    from ckpt_archive.format import pt_pickle
     from ckpt_archive.sources import torchfile
 
-    real = torchfile.load_torch_file
+    def wrap(real):
+        def read_then(*a, **kw):
+            obj = real(*a, **kw)
+            then()
+            return obj
+        return read_then
 
-    def load_then_touch(p, **kw):
-        obj = real(p, **kw)
+    monkeypatch.setattr(torchfile, "load_torch_file", wrap(torchfile.load_torch_file))
+    monkeypatch.setattr(pt_pickle, "read", wrap(pt_pickle.read))
+
+
+def _touch_after_load(monkeypatch, path: Path) -> None:
+    """The source's mtime moves once it has been read: a trainer rewriting or touching it mid-pack."""
+    def touch():
         st = os.stat(path)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-        return obj
 
-    monkeypatch.setattr(torchfile, "load_torch_file", load_then_touch)
+    _after_reads(monkeypatch, touch)
 
 
 @pytest.mark.parametrize("damaged", [False, True])
@@ -667,14 +680,10 @@ def test_pack_refuses_a_source_rewritten_in_place_with_its_mtime_put_back(tmp_pa
     generation mixing the two versions was once published. The ctime gives it away."""
     import time
 
-    from ckpt_archive.sources import torchfile
-
     p = tmp_path / "ck.pt"
     torch.save({"w": torch.arange(50_000, dtype=torch.float32)}, p)
-    real = torchfile.load_torch_file
 
-    def load_then_rewrite(path, **kw):
-        obj = real(path, **kw)
+    def rewrite():
         st = os.stat(p)
         time.sleep(0.01)  # a visibly later ctime on coarse clocks
         with open(p, "r+b") as fh:  # same size, same inode: one byte of the tensor record changed
@@ -682,9 +691,8 @@ def test_pack_refuses_a_source_rewritten_in_place_with_its_mtime_put_back(tmp_pa
             fh.seek(len(data) // 2)
             fh.write(bytes([data[len(data) // 2] ^ 0x01]))
         os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
-        return obj
 
-    monkeypatch.setattr(torchfile, "load_torch_file", load_then_rewrite)
+    _after_reads(monkeypatch, rewrite)
     res = cli("pack", p, "--repo", tmp_path / "r")
     assert res.exit_code == 2 and "changed while it was being packed" in res.stderr, res.stderr
     assert not (tmp_path / "r" / "generations").exists() or not list((tmp_path / "r" / "generations").iterdir())
@@ -913,13 +921,17 @@ def test_a_malformed_tree_node_is_damaged_in_every_command_never_a_bug(tmp_path,
                     % _BAD_NODES[name]).encode())
     res = cli("restore", f"{repo}@1", "-o", tmp_path / "o.pt")
     assert res.exit_code == 1 and tree in res.stderr and not (tmp_path / "o.pt").exists(), res.stderr
+    forget_notes(repo)  # each reader meets the damage itself (else it refuses the recorded failure, exit 2)
     res = cli("restore", f"{repo}@1", "-o", tmp_path / "x.pt", "--only", "x")
     assert res.exit_code == 1 and not (tmp_path / "x.pt").exists(), res.stderr
+    forget_notes(repo)
     with pytest.raises(ckpt_archive.errors.IntegrityError) as exc:
         ckpt_archive.load(repo, 1)
     assert isinstance(exc.value, ckpt_archive.errors.FormatError) and exc.value.where == tree
-    assert cli("inspect", f"{repo}@1").exit_code in (0, 1)  # inspect reads no tree node: never a bug
+    forget_notes(repo)
+    assert cli("inspect", f"{repo}@1").exit_code in (0, 1)  # never a bug
     for args in (("verify", f"{repo}@1"), ("verify", f"{repo}@1", "--deep")):
+        forget_notes(repo)
         res = cli(*args)
         assert res.exit_code == 1 and tree in res.stdout + res.stderr, res.stdout + res.stderr
 

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from ckpt_archive.cli.app import app
 
-from hostile_archive import folder_source, gen_dir, member, put_member_bytes, reseal
+from hostile_archive import bomb_member, folder_source, gen_dir, member, put_member_bytes, reseal
 
 FUZZ_FAST = 12
 FUZZ_SLOW = 300
@@ -70,10 +70,45 @@ def _mutate_doc(doc, rng: random.Random) -> str:
     return f"set {'/'.join(map(str, path))} = {shown}"
 
 
+def _bomb(repo: Path, rng: random.Random) -> str:
+    """[issue 24] A declared-size bomb that tells the truth: a member (tree, raw file, skeleton, tensors)
+    replaced by chunks of spaces that really decode to what they declare -- one huge chunk, a few big ones
+    or many tiny ones -- every fingerprint recomputed. Members read whole are refused from their declared
+    size; streamed ones stay bounded (128 MiB at most here: restore writes what they hold)."""
+    m = json.loads((gen_dir(repo) / "manifest.json").read_text())
+    rec = rng.choice(m["members"])
+    chunk_raw, chunks = rng.choice([(64 << 20, 1), (64 << 20, 2), (1 << 20, 128), (16 << 10, 4096), (64 << 20, 32)])
+    if rec["role"] != "tree":
+        chunk_raw, chunks = min(chunk_raw, 1 << 20), min(chunks, 128)
+    bomb_member(repo, rec, m, chunk_raw=chunk_raw, chunks=chunks, head=b"{}" if rec["role"] == "tree" else b"")
+    reseal(repo, manifest_bytes=json.dumps(m, indent=1).encode())
+    return f"bomb: {rec['path']} as {chunks} chunks of {chunk_raw} bytes"
+
+
+def _declare(repo: Path, rng: random.Random) -> str:
+    """[issue 24] A chunk that declares more raw bytes than its frame holds (up to the 64 MiB chunk limit, or
+    past it), the chunk table still tiling the member: refused at parse or at the first decode, in bounded
+    memory."""
+    m = json.loads((gen_dir(repo) / "manifest.json").read_text())
+    rec = rng.choice([r for r in m["members"] if r.get("chunks")])
+    i = rng.randrange(len(rec["chunks"]))
+    grow = rng.choice([1 << 20, 63 << 20, 64 << 20, 1 << 40])
+    rec["chunks"][i]["raw_bytes"] += grow
+    for c in rec["chunks"][i + 1:]:
+        c["raw_offset"] += grow
+    rec["raw_bytes"] += grow
+    reseal(repo, manifest_bytes=json.dumps(m, indent=1).encode())
+    return f"declare: chunk {i} of {rec['path']} + {grow} raw bytes"
+
+
 def _mutate(repo: Path, rng: random.Random) -> tuple[str, bool]:
     """Apply one mutation; return (description, whether verify must fail)."""
     g = gen_dir(repo)
-    kind = rng.choice(["manifest", "manifest", "manifest", "text", "marker", "tree", "flip"])
+    kind = rng.choice(["manifest", "manifest", "manifest", "text", "marker", "tree", "flip", "bomb", "declare"])
+    if kind == "bomb":
+        return _bomb(repo, rng), False
+    if kind == "declare":
+        return _declare(repo, rng), True
     if kind in ("manifest", "text"):
         m = json.loads((g / "manifest.json").read_text())
         if kind == "manifest":
@@ -141,6 +176,8 @@ def _check_one(pristine: Path, scratch: Path, rng: random.Random, case: int) -> 
                 ["verify", f"{repo}@1", "--deep"],
                 ["restore", f"{repo}@1", "-o", str(scratch / "out"), "--restore-unverified"]]
     for args in commands:
+        for note in repo.glob("generations/*/CHECK-FAILED.json"):
+            note.unlink()  # each command meets the mutation itself (a recorded failed check is refused unread)
         res = runner.invoke(app, args)
         text = res.stdout + (res.stderr or "")
         where = f"seed {SEED} case {case} ({what}): {' '.join(args[:1] + args[2:])}"

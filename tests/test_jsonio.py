@@ -62,3 +62,37 @@ def test_dumps_of_finite_values_is_byte_identical_to_json_dumps():
     assert jsonio.dumps(doc, indent=1) == (json.dumps(doc, indent=1, ensure_ascii=False) + "\n").encode()
     assert jsonio.dumps(doc, indent=2, ensure_ascii=True, sort_keys=True) == \
         (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+_SHAPES = {  # the densest JSON there is, one shape each (issue 24: a 60 MiB tree parsed into 1.5 GB)
+    "empty lists": lambda n: "[" + ",".join(["[]"] * (n // 3)) + "]",
+    "empty objects": lambda n: "[" + ",".join(["{}"] * (n // 3)) + "]",
+    "short strings": lambda n: "[" + ",".join(['"ab"'] * (n // 5)) + "]",
+    "floats": lambda n: "[" + ",".join(["1.5"] * (n // 4)) + "]",
+    "unique keys": lambda n: "{" + ",".join(f'"{i}":0' for i in range(n // 12)) + "}",
+    "one-key objects": lambda n: "[" + ",".join(['{"a":0}'] * (n // 8)) + "]",
+    "wide characters": lambda n: "[" + ",".join(['"\U0001f600a"'] * (n // 9)) + "]",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_SHAPES))
+def test_parse_cost_is_an_upper_bound_of_what_a_parse_really_allocates(shape):
+    """The parse-cost bound (issue 24) is only a bound if the estimate is never below what a parse really
+    takes: measured with tracemalloc on 1 MiB of each of the densest shapes."""
+    import tracemalloc
+
+    doc = _SHAPES[shape](1 << 20).encode()
+    tracemalloc.start()
+    try:
+        jsonio.loads(doc, where="m.json")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= jsonio.parse_cost(doc), (shape, peak, jsonio.parse_cost(doc))
+
+
+def test_a_document_costlier_than_max_cost_is_refused_before_parsing():
+    doc = _SHAPES["empty lists"](1 << 20).encode()
+    with pytest.raises(InvalidJSON, match="would take about .* bytes of memory to parse"):
+        jsonio.loads(doc, where="m.json", max_cost=8 << 20)
+    assert jsonio.loads(b'{"a": [1, 2]}', where="m.json", max_cost=8 << 20) == {"a": [1, 2]}

@@ -157,7 +157,7 @@ def test_a_generation_that_failed_adopt_is_listed_damaged_never_latest_and_resto
     res = cli("restore", f"{copy}@latest", "--output", tmp_path / "l.pt")
     assert res.exit_code == 0 and torch.load(tmp_path / "l.pt", weights_only=True)["step"] == 10
     res = cli("restore", f"{copy}@2", "--output", tmp_path / "x.pt", "--json")
-    assert res.exit_code == 2  # damaged: refused unread (issue 17), saying why and what to run
+    assert res.exit_code == 1  # a recorded failed check: refused unread (issue 24: exit 1, as the check did)
     assert "deep check" in json.loads(res.stdout)["reason"] and "tensors-00000" in json.loads(res.stdout)["reason"]
     assert not (tmp_path / "x.pt").exists()
     victim.write_bytes(good)                                    # repaired: adopt checks it again and clears it

@@ -226,7 +226,7 @@ def test_prune_keeps_the_newest_intact_generation_when_the_kept_one_is_corrupt(t
     human = make_repo(tmp_path / "r2", [0.9, 0.8, 0.7])
     flip_byte(human, 3)
     res = cli("prune", human, "--keep-last", 1)
-    text = " ".join(res.stderr.split())
+    text = " ".join((res.stdout + res.stderr).split())  # the table is the result (stdout), the warning stderr
     assert res.exit_code == 0 and "KEPT: no kept generation verifies, this one does" in text, text
     assert "removed 1 generation(s): 1; kept 2" in text and "warning: no kept generation verifies" in text
 

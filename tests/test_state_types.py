@@ -258,3 +258,28 @@ def test_long_lists_of_plain_values_keep_every_edge_through_the_fast_path(tmp_pa
     assert math.copysign(1.0, back["floats"][-1]) == -1.0 and back["floats"][:-1] == state["floats"][:-1]
     assert math.isnan(back["nan"][-2]) and back["nan"][-1] == float("-inf")
     assert type(back["bools_in_ints"][-1]) is bool and type(back["bools_in_ints"][0]) is int
+
+
+def test_pack_load_and_the_checkpointer_work_when_the_script_turned_on_deterministic_algorithms(tmp_path):
+    """Fault: a training script with ``torch.use_deterministic_algorithms(True)`` crashed pack (and the in-loop
+    Checkpointer) on a uint4 or int2 tensor: ``torch.empty(0, dtype=uint4)`` runs the deterministic fill, which
+    has no kernel for those dtypes (NotImplementedError, "fill_empty_deterministic_")."""
+    import torch
+
+    import ckpt_archive
+
+    u = torch.tensor([1, 2, 3, 4], dtype=torch.uint8).view(torch.uint4)
+    i2 = torch.tensor([5, 6], dtype=torch.uint8).view(torch.int2)
+    state = {"u": u, "u_view": u[1:3], "i2": i2, "w": torch.ones(3)}
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ckpt_archive.pack(state, tmp_path / "r")
+        back = ckpt_archive.load(tmp_path / "r")
+        with ckpt_archive.Checkpointer(tmp_path / "c") as ck:
+            ck.save(1, state)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert back["u"].dtype == torch.uint4 and back["u"].view(torch.uint8).tolist() == [1, 2, 3, 4]
+    assert back["u_view"].view(torch.uint8).tolist() == [2, 3] and back["i2"].dtype == torch.int2
+    assert ckpt_archive.load(tmp_path / "c")["u"].view(torch.uint8).tolist() == [1, 2, 3, 4]

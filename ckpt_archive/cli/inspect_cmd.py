@@ -9,7 +9,8 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import (JSON_OPTION, exit_codes_help, Output, command, human_bytes, split_repo_spec, KEY_FILE_OPTION, TRUST_OPTION, open_cli_repo)
+from ckpt_archive.cli.common import (JSON_OPTION, KEY_FILE_OPTION, TRUST_OPTION, Output, command, exit_codes_help,
+                                     exit_with, human_bytes, open_cli_repo, split_repo_spec)
 from ckpt_archive.cli.tables import Col, fit
 
 
@@ -47,9 +48,11 @@ def register(app: typer.Typer) -> None:
                                  "members (opaque ones flagged), tensors, loading instructions."
                  + exit_codes_help({0: "shown",
                                     1: "the generation's manifest or marker is not valid (not JSON, breaks the "
-                                       "schema; the field is named)",
+                                       "schema, larger than a reader accepts; the field is named), or its state "
+                                       "tree is damaged (shown as far as it reads)",
                                     2: "could not show it (no such generation: the existing ones are listed; not "
-                                       "a repository; written by a newer format)"}))
+                                       "a repository; written by a newer format; its state tree cannot be read "
+                                       "here)"}))
     @command
     def inspect_cmd(
         spec: str = typer.Argument(..., metavar="REPO[@GEN]"),
@@ -103,7 +106,10 @@ def register(app: typer.Typer) -> None:
         out.say("loading instructions:", style="bold")
         out.say(m["instructions"]["text"])
         extra = _extend_inspect(info, repo, out)
+        for p in info["problems"]:  # [issue 24] what it reports could not be read: never exit 0
+            out.error(f"{p.get('member') or p.get('field') or '-'}: {p['reason']}")
         out.json({**info, **extra})
+        exit_with(info)
 
 
 def _say_numpy(info: dict, out: Output) -> None:

@@ -354,21 +354,36 @@ def submit_chunk_checks(fd: int, record: dict, *, member: str, pool: ThreadPoolE
     return [(c["stored_bytes"], pool.submit(_stored_chunk_ok, fd, c)) for c in record["chunks"]]
 
 
+#: A shallow check reads a stored chunk in pieces of at most this many bytes (one reused buffer per thread).
+_CHECK_PIECE_BYTES = 16 << 20
+
+
 def _stored_chunk_ok(fd: int, c: dict) -> bool:
-    """True when chunk ``c`` of the file ``fd`` is as long as recorded and has its recorded sha256."""
-    n = c["stored_bytes"]
-    buf = _read_buffer(n)
-    got = os.preadv(fd, [buf], c["stored_offset"]) if n else 0
-    return got == n and hashlib.sha256(buf).hexdigest() == c["stored_sha256"]
+    """True when chunk ``c`` of the file ``fd`` is as long as recorded and has its recorded sha256 (read in
+    pieces of at most 16 MiB: memory is one reused buffer per thread, whatever size a chunk declares)."""
+    n, pos = c["stored_bytes"], c["stored_offset"]
+    if n <= _CHECK_PIECE_BYTES:
+        buf = _read_buffer(n)
+        got = os.preadv(fd, [buf], pos) if n else 0
+        return got == n and hashlib.sha256(buf).hexdigest() == c["stored_sha256"]
+    h = hashlib.sha256()
+    left = n
+    while left:
+        buf = _read_buffer(min(left, _CHECK_PIECE_BYTES))
+        got = os.preadv(fd, [buf], pos)
+        if got != len(buf):
+            return False
+        h.update(buf)
+        pos += got
+        left -= got
+    return h.hexdigest() == c["stored_sha256"]
 
 
 def _read_buffer(nbytes: int) -> memoryview:
-    """A thread-local writable buffer of ``nbytes`` (anonymous ``mmap``, no NumPy: the shallow verify does
-    not import it), reused across chunks; sizes above 16 MiB are not kept."""
+    """A thread-local writable buffer of ``nbytes`` (at most :data:`_CHECK_PIECE_BYTES`; anonymous ``mmap``,
+    no NumPy: the shallow verify does not import it), reused across chunks."""
     import mmap
 
-    if nbytes > (16 << 20):
-        return memoryview(mmap.mmap(-1, nbytes))
     buf = getattr(_tls, "read_buf", None)
     if buf is None or len(buf) < nbytes:
         buf = _tls.read_buf = memoryview(mmap.mmap(-1, max(nbytes, DEFAULT_CHUNK_BYTES + (64 << 10))))
@@ -410,7 +425,9 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
     """Yield ``(raw_offset, raw_chunk)`` for each chunk of a stored member, in order.
 
     Each chunk's stored sha256 is checked before decoding; decoding runs on a thread pool with ordered
-    output and at most ``2 * jobs`` chunks in flight.
+    output and at most ``2 * jobs`` chunks in flight, whose declared raw sizes add up to at most
+    :data:`~ckpt_archive.format.limits.IN_FLIGHT_RAW_BYTES` (one chunk alone may exceed it): 64 MiB chunks on
+    many cores cannot hold gigabytes.
 
     Args:
         fh: the stored file, positioned at 0.
@@ -485,9 +502,16 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
         except IntegrityError as exc:
             raise IntegrityError(f"chunk {i}: {exc.message}", where=member) from None
 
+    from ckpt_archive.format.limits import IN_FLIGHT_RAW_BYTES
+
     with ThreadPoolExecutor(jobs, thread_name_prefix="ckpt-dec") as pool:
-        pending: collections.deque = collections.deque()
+        pending: collections.deque = collections.deque()  # (raw offset, declared raw bytes, future)
+        in_flight = 0  # declared raw bytes submitted and not yet yielded: at most IN_FLIGHT_RAW_BYTES (but one chunk)
         for i, chunk in enumerate(chunks):
+            while pending and (len(pending) >= 2 * jobs or in_flight + chunk["raw_bytes"] > IN_FLIGHT_RAW_BYTES):
+                off, n, fut = pending.popleft()
+                in_flight -= n
+                yield off, fut.result()
             stored = None
             if fd is None:
                 stored = _read_exact(fh, chunk["stored_bytes"])
@@ -496,12 +520,10 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
                 if len(stored) != chunk["stored_bytes"]:
                     raise IntegrityError(f"truncated: chunk {i} has {len(stored)} of {chunk['stored_bytes']} "
                                          f"stored bytes", where=member)
-            pending.append((chunk["raw_offset"], pool.submit(work, i, stored, chunk)))
-            while len(pending) > 2 * jobs:
-                off, fut = pending.popleft()
-                yield off, fut.result()
+            pending.append((chunk["raw_offset"], chunk["raw_bytes"], pool.submit(work, i, stored, chunk)))
+            in_flight += chunk["raw_bytes"]
         while pending:
-            off, fut = pending.popleft()
+            off, _, fut = pending.popleft()
             yield off, fut.result()
         if fd is None and fh.read(1):
             raise IntegrityError("stored file is longer than its chunks", where=member)

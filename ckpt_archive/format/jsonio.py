@@ -5,19 +5,21 @@
   (``{"$t": "float", "v": "nan" | "inf" | "-inf"}``, see ``docs/FORMAT.md``), never as the
   non-standard ``NaN``/``Infinity`` tokens other parsers refuse.
 * :func:`loads` reads hostile bytes: it refuses duplicate keys (which of two values would a reader
-  take?), the ``NaN``/``Infinity`` constants, documents larger than ``max_bytes`` and nesting deeper
-  than ``max_depth``, with :class:`~ckpt_archive.errors.InvalidJSON` naming where. A valid document
-  parses exactly as ``json.loads`` parses it.
+  take?), the ``NaN``/``Infinity`` constants, documents larger than ``max_bytes``, documents whose
+  parse would cost more than ``max_cost`` bytes of Python objects (:func:`parse_cost`, counted before
+  parsing) and nesting deeper than ``max_depth``, with :class:`~ckpt_archive.errors.InvalidJSON` naming
+  where. A valid document parses exactly as ``json.loads`` parses it.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Callable
 
 from ckpt_archive.errors import InvalidJSON
 
-__all__ = ["dumps", "loads", "depth_exceeds", "tag_float", "MAX_BYTES", "MAX_DEPTH"]
+__all__ = ["dumps", "loads", "depth_exceeds", "parse_cost", "tag_float", "MAX_BYTES", "MAX_DEPTH"]
 
 #: Largest JSON document :func:`loads` reads by default (bytes). A manifest of a model with 100,000
 #: tensors is a few tens of MiB.
@@ -96,24 +98,73 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def depth_exceeds(doc: Any, limit: int) -> bool:
-    """Whether a JSON value nests objects/arrays deeper than ``limit`` levels (as :func:`loads` counts them)."""
-    stack = [(doc, 1)]
+    """Whether a JSON value nests objects/arrays deeper than ``limit`` levels (as :func:`loads` counts them).
+
+    Walks with one iterator per open level, so its memory follows the depth, not the width: a parse of
+    ``[[],[],...]`` is not doubled by the check that follows it (:func:`parse_cost` counts only the parse)."""
+    if not isinstance(doc, (dict, list)):
+        return False
+    stack = [iter(doc.values() if isinstance(doc, dict) else doc)]
     while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > limit:
+        if len(stack) > limit:
             return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        for child in stack[-1]:
+            if isinstance(child, (dict, list)):
+                stack.append(iter(child.values() if isinstance(child, dict) else child))
+                break
+        else:
+            stack.pop()
     return False
 
 
+#: What :func:`parse_cost` charges (bytes of CPython 3.11 objects, 64-bit, rounded up): a container (dict or
+#: list, with its GC header), an element slot after ``,``, a key/value pair after ``:`` (dict entry, the pair
+#: list the duplicate-key check builds), a string (two ``"``: one str object).
+_COST_CONTAINER, _COST_COMMA, _COST_COLON, _COST_QUOTE = 72, 40, 56, 32
+
+
+def parse_cost(data: bytes | str) -> int:
+    """An upper estimate of the memory (bytes) that parsing ``data`` takes, from its structure alone.
+
+    JSON is dense: ``[[],[],...]`` spends 3 bytes per list, which costs Python 64, so a parse may take ~25
+    times the document's size. Counting the structural characters (C speed, nothing allocated) before the
+    parse bounds that: 72 bytes per ``{``/``[``, 40 per ``,``, 56 per ``:``, 32 per ``"``, plus the document's
+    characters held three times (the bytes, the decoded text, the strings parsed from it), each 1, 2 or 4
+    bytes wide as CPython stores the widest character. Characters inside strings count as structure too,
+    which only overestimates. Measured against real parses (tests/test_jsonio.py): 0.6-1.0 of the estimate
+    for the worst shapes; a real manifest takes half of it (the parser shares repeated keys).
+
+    Args:
+        data: the document (UTF-8 bytes or text).
+
+    Returns:
+        the estimate in bytes.
+
+    Example:
+        >>> parse_cost(b"[[],[]]")
+        277
+    """
+    if isinstance(data, str):
+        width = 1 if data.isascii() else 4
+        marks: tuple = ("{", "[", ",", ":", '"')
+    else:
+        data = data if isinstance(data, (bytes, bytearray)) else bytes(data)  # (a bytearray is counted in place)
+        width = 1 if data.isascii() else 4 if _UTF8_4.search(data) else 2
+        marks = (b"{", b"[", b",", b":", b'"')
+    brace, bracket, comma, colon, quote = (data.count(m) for m in marks)
+    return (_COST_CONTAINER * (brace + bracket) + _COST_COMMA * comma + _COST_COLON * colon
+            + _COST_QUOTE * quote + len(data) * (1 + 2 * width))
+
+
+#: The most :func:`parse_cost` charges per byte of a document: a document smaller than ``max_cost`` divided by
+#: this cannot be charged more than ``max_cost`` (and is not counted).
+_MAX_COST_PER_BYTE = max(_COST_CONTAINER, _COST_COMMA, _COST_COLON, _COST_QUOTE) + 1 + 2 * 4
+#: A UTF-8 lead byte of a 4-byte character (beyond U+FFFF: CPython then stores 4 bytes per character).
+_UTF8_4 = re.compile(rb"[\xf0-\xf4]")
+
+
 def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
-          allow_nonfinite: bool = False) -> Any:
+          allow_nonfinite: bool = False, max_cost: int | None = None) -> Any:
     """Parse one strict JSON document read from an archive, a repository or a report.
 
     Args:
@@ -124,14 +175,18 @@ def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_dept
         allow_nonfinite: accept ``NaN``/``Infinity`` and numbers beyond the float range, as Python's
             ``json`` writes them by default: only for third-party files whose format has them (an HF
             ``trainer_state.json`` logging an infinite grad norm), never for what ckpt-archive writes.
+        max_cost: refuse a document whose parse would take more than this many bytes of memory
+            (:func:`parse_cost`, estimated before parsing); None: only ``max_bytes`` bounds it (the user's
+            own input files). Every document read from an archive or a repository passes one
+            (``ckpt_archive.format.limits``).
 
     Returns:
         The parsed value, as ``json.loads`` gives it.
 
     Raises:
         InvalidJSON: not UTF-8, not JSON, a duplicate key, ``NaN``/``Infinity`` or a number beyond the
-            float range (``1e999``), an integer of more digits than Python converts, too large or too deep
-            (exit 1; also a ``ValueError``).
+            float range (``1e999``), an integer of more digits than Python converts, too large, too costly
+            to parse or too deep (exit 1; also a ``ValueError``).
 
     Example:
         >>> loads(b'{"a": 1}', where="x.json")
@@ -144,8 +199,13 @@ def loads(data: bytes | str, *, where: str, max_bytes: int = MAX_BYTES, max_dept
     if len(data) > max_bytes:
         raise InvalidJSON(f"not read: {len(data)} bytes, more than the {max_bytes} a JSON document may have here",
                           where=where)
+    if max_cost is not None and len(data) * _MAX_COST_PER_BYTE > max_cost:  # smaller ones cannot cost more
+        cost = parse_cost(data)
+        if cost > max_cost:
+            raise InvalidJSON(f"not parsed: its {len(data)} bytes would take about {cost} bytes of memory to "
+                              f"parse, more than the {max_cost} allowed here", where=where)
     try:
-        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+        text = data if isinstance(data, str) else str(data, "utf-8")
         hooks = {} if allow_nonfinite else {"parse_constant": _refuse_constant, "parse_float": _finite_float}
         doc = json.loads(text, object_pairs_hook=_unique_keys, **hooks)
     except RecursionError:

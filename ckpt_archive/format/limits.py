@@ -11,20 +11,36 @@ alone, when the manifest is parsed (:func:`ckpt_archive.format.manifest.parse`):
   :data:`MAX_ZSTD_RATIO` times its stored size (a zstd block of 128 KiB takes at least 4 stored bytes:
   nothing decodes to more);
 * the chunk table tiles the member's raw and stored bytes exactly;
-* a tensors member's header and every entry lie inside the member's raw bytes.
+* a tensors member's header and every entry lie inside the member's raw bytes, and its header is at most
+  :data:`MAX_MEMBER_HEADER_BYTES`; a chunk's stored size is at most :func:`stored_bound` of its raw size;
+* a member every reader holds whole (the state tree, the data ids: :data:`WHOLE_READ_LIMITS`) declares at
+  most its limit (:func:`check_whole_read`).
 
 What passes these checks is still only *declared*: readers then decode chunk by chunk and compare every
 size and sha256, and buffers that must hold a whole entry are allocated lazily
 (:func:`lazy_buffer`, zero pages until written) after :func:`check_allocation` compared them with the
 memory the machine has.
+
+Everything a reader holds *whole* in memory has a limit of its own, checked from the declared numbers
+before the first byte is read or decoded (:func:`check_whole_read`, :func:`read_bounded`), and again on
+the bytes really read: the state tree (:data:`MAX_TREE_BYTES`), the data ids (:data:`MAX_DATA_IDS_BYTES`),
+a tensors member's safetensors header (:data:`MAX_MEMBER_HEADER_BYTES`), ``manifest.json``
+(:data:`MAX_MANIFEST_BYTES`), the marker, ``repository.json``, a failed-check note and ``backup-state.json``
+(:data:`MAX_SMALL_DOC_BYTES`). A JSON document's parse is bounded too (``ckpt_archive.format.jsonio``'s
+``max_cost``): Python objects cost up to ~25 times the bytes that spell them (``[[],[],...]``). Members
+read as a stream (tensors, raw files, skeletons) hold at most :data:`IN_FLIGHT_RAW_BYTES` of decoded
+chunks at once, whatever their chunk size and the number of cores.
 """
 from __future__ import annotations
 
 import os
 
-from ckpt_archive.errors import ImplausibleSize, IntegrityError
+from ckpt_archive.errors import ImplausibleSize, IntegrityError, TooLargeHere
 
-__all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_ZSTD_RATIO", "MAX_ANNOTATION_BYTES", "MAX_DATA_IDS_BYTES", "check_member_sizes", "check_manifest_sizes",
+__all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_CHUNK_STORED_BYTES", "MAX_ZSTD_RATIO", "MAX_ANNOTATION_BYTES",
+           "MAX_DATA_IDS_BYTES", "MAX_DATA_IDS_COST", "MAX_TREE_BYTES", "MAX_TREE_COST", "MAX_HEADER_BYTES", "MAX_HEADER_COST", "MAX_MEMBER_HEADER_BYTES", "WHOLE_READ_LIMITS",
+           "MAX_MANIFEST_BYTES", "MAX_MANIFEST_COST", "MAX_SMALL_DOC_BYTES", "MAX_SMALL_DOC_COST", "IN_FLIGHT_RAW_BYTES",
+           "stored_bound", "check_member_sizes", "check_manifest_sizes", "check_whole_read", "read_bounded",
            "memory_available", "check_allocation", "lazy_buffer", "frame_size_problem"]
 
 #: The largest raw size of one chunk a reader accepts (bytes). ``pack --chunk-bytes`` is bounded by it.
@@ -35,12 +51,64 @@ MAX_ANNOTATION_BYTES = 1 << 20
 #: Largest ``--data-ids`` (as JSON, bytes). Data ids are stored as a member (``data-ids.json``) with their
 #: fingerprint in the manifest, so they may be larger, but they are read into memory once.
 MAX_DATA_IDS_BYTES = 256 << 20
+#: Largest estimated parse cost of the data ids (bytes of Python objects, ``jsonio.parse_cost``): pack refuses
+#: ids a reader would refuse. 8 million integer ids (64 MB of JSON) estimate at 500 MiB.
+MAX_DATA_IDS_COST = 512 << 20
 #: No zstandard frame decodes to more than this many times its size (128 KiB RLE block in 4 bytes).
 MAX_ZSTD_RATIO = 32768
+#: The largest stored size of one chunk (bytes): a zstandard frame of :data:`MAX_CHUNK_RAW_BYTES` that does
+#: not compress at all (:func:`stored_bound`). Every stored chunk is read whole before it is decoded.
+MAX_CHUNK_STORED_BYTES = MAX_CHUNK_RAW_BYTES + (MAX_CHUNK_RAW_BYTES >> 7) + 1024
+
+# -- what a reader holds whole in memory (each refused from the declared sizes before any read) -------------
+#: Largest state tree a reader decodes (raw JSON bytes). Measured: the tree of a state of 100,000 tensors is
+#: 11 MB (docs/FORMAT.md, "Reading hostile archives"; tests/test_hostile_sizes.py keeps the limits above it).
+MAX_TREE_BYTES = 64 << 20
+#: Largest estimated parse cost of a state tree (bytes of Python objects, ``jsonio.parse_cost``). The tree of
+#: 100,000 tensors estimates at 75 MiB.
+MAX_TREE_COST = 256 << 20
+#: Largest safetensors header of a source file (bytes; the safetensors library's own limit is 100 MB).
+MAX_HEADER_BYTES = 100 << 20
+#: Largest estimated parse cost of a safetensors header (bytes of Python objects).
+MAX_HEADER_COST = 256 << 20
+#: Largest safetensors header of an archive's tensors member (bytes, length prefix included). The writer
+#: makes ~100 bytes per entry: 32 MiB holds 300,000 entries, more than a manifest may list.
+MAX_MEMBER_HEADER_BYTES = 32 << 20
+#: Largest ``manifest.json`` (bytes). Measured: 100,000 tensors (one shard, indent 1) make a 57 MB manifest.
+MAX_MANIFEST_BYTES = 128 << 20
+#: Largest estimated parse cost of a manifest (bytes of Python objects). The 57 MB manifest of 100,000
+#: tensors estimates at ~430 MiB (it really takes 160 MiB once parsed: repeated keys are shared): about
+#: 120,000 tensors fit. A larger parse would break the 600 MB bound on a hostile repository.
+MAX_MANIFEST_COST = 512 << 20
+#: Largest marker (``USABLE.json``), ``repository.json``, failed-check note (``CHECK-FAILED.json``) and
+#: ``backup-state.json`` (bytes). Each is a few KiB; a backup state lists one fingerprint per source file.
+MAX_SMALL_DOC_BYTES = 16 << 20
+#: Largest estimated parse cost of those documents (bytes of Python objects, ``jsonio.parse_cost``).
+MAX_SMALL_DOC_COST = 256 << 20
+#: Decoded chunks a streaming read keeps in flight at once (raw bytes, summed over the chunks submitted to
+#: the decoders and not yet consumed or hashed). 32 default 4 MiB chunks: every core of a 16-core machine
+#: stays busy, while 64 MiB chunks on that machine can no longer take 2 GiB.
+IN_FLIGHT_RAW_BYTES = 128 << 20
 
 
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+#: Members every reader holds whole, by role: their declared size is refused at parse above these (bytes).
+WHOLE_READ_LIMITS = {"tree": MAX_TREE_BYTES, "data-ids": MAX_DATA_IDS_BYTES}
+
+
+def stored_bound(raw_bytes: int) -> int:
+    """The most stored bytes a chunk (or a member) of ``raw_bytes`` raw bytes can take: zstandard's own
+    worst case (``ZSTD_compressBound``: raw + raw/256 + a frame header) with room to spare; the writer
+    stores a chunk raw as soon as compression saves under 1 %, so real chunks stay below ``raw_bytes``.
+
+    Example:
+        >>> stored_bound(4 << 20) - (4 << 20)
+        33792
+    """
+    return raw_bytes + (raw_bytes >> 7) + 1024
 
 
 def check_member_sizes(rec: dict, member: str) -> None:
@@ -69,6 +137,10 @@ def check_member_sizes(rec: dict, member: str) -> None:
         if codec != "store" and raw > max(stored, 1) * MAX_ZSTD_RATIO:
             raise ImplausibleSize(f"chunk {i} declares {raw} raw bytes from {stored} stored bytes, more than any "
                                   f"zstandard frame decodes to", where=member)
+        if stored > stored_bound(raw):
+            raise ImplausibleSize(f"chunk {i} declares {stored} stored bytes for {raw} raw bytes; no chunk is "
+                                  f"stored in more than {stored_bound(raw)} (refused before reading it)",
+                                  where=member)
     if chunks or rec.get("raw_bytes") or rec.get("stored_bytes"):
         try:
             check_chunk_table(rec, member)
@@ -79,12 +151,18 @@ def check_member_sizes(rec: dict, member: str) -> None:
         base = rec.get("header_bytes", 0)
         if not _int(base) or base > total:
             raise ImplausibleSize(f"safetensors header of {base} bytes in a member of {total} raw bytes", where=member)
+        if base > MAX_MEMBER_HEADER_BYTES:  # the header is held whole to be parsed
+            raise ImplausibleSize(f"declares a safetensors header of {base} bytes; the limit is "
+                                  f"{MAX_MEMBER_HEADER_BYTES} (refused before reading it)", where=member)
         for key, e in (rec.get("entries") or {}).items():
             off = e.get("data_offsets") if isinstance(e, dict) else None
             if not (isinstance(off, list) and len(off) == 2 and all(_int(x) for x in off)
                     and off[0] <= off[1] and base + off[1] <= total):
                 raise ImplausibleSize(f"entry {key!r} has data_offsets {off!r} outside the member's {total} raw "
                                       f"bytes", where=member)
+    whole = WHOLE_READ_LIMITS.get(rec.get("role"))
+    if whole is not None:  # held whole by every reader: a larger one is damaged for all of them, here already
+        check_whole_read(rec, member, whole)
     _check_objects(rec, member)
 
 
@@ -127,6 +205,71 @@ def check_manifest_sizes(doc: dict, *, where: str = "manifest.json") -> None:
                                   where=f"{where}: source.files {f.get('relpath')!r}")
 
 
+def check_whole_read(rec: dict, member: str, limit: int) -> None:
+    """Refuse, from its manifest record alone, a member that would be held whole in memory and is larger
+    than ``limit``: its declared raw bytes, its stored bytes (at most :func:`stored_bound` of the limit), and
+    every chunk's (the chunk table tiles the member, :func:`check_member_sizes`; checked again here so the
+    bound does not rest on that).
+
+    Args:
+        rec: the member's manifest record. member: its path, named in the error.
+        limit: the most raw bytes the caller will hold (e.g. :data:`MAX_TREE_BYTES`).
+
+    Raises:
+        ImplausibleSize: (exit 1) naming the member, its declared size and the limit.
+    """
+    raw, stored = rec.get("raw_bytes"), rec.get("stored_bytes")
+    chunks = rec.get("chunks") or []
+    if not (_int(raw) and _int(stored)):
+        raise ImplausibleSize("declares a size that is not a non-negative integer", where=member)
+    if raw > limit:
+        raise ImplausibleSize(f"declares {raw} raw bytes; a reader holds at most {limit} of it "
+                              f"(refused before reading it)", where=member)
+    if stored > stored_bound(limit):
+        raise ImplausibleSize(f"declares {stored} stored bytes; at most {stored_bound(limit)} for the "
+                              f"{limit} raw bytes a reader holds of it (refused before reading it)", where=member)
+    total_raw = sum(c.get("raw_bytes") if _int(c.get("raw_bytes")) else limit + 1 for c in chunks)
+    total_stored = sum(c.get("stored_bytes") if _int(c.get("stored_bytes")) else stored_bound(limit) + 1
+                       for c in chunks)
+    if total_raw > limit or total_stored > stored_bound(limit):
+        raise ImplausibleSize(f"its {len(chunks)} chunks declare {total_raw} raw / {total_stored} stored bytes; a "
+                              f"reader holds at most {limit} raw bytes of it (refused before reading it)",
+                              where=member)
+
+
+def read_bounded(fh, limit: int, *, where: str) -> bytes:
+    """Read a whole file that is held in memory (a manifest, a marker, ``repository.json``) -- at most
+    ``limit + 1`` bytes: a larger file is refused without reading the rest (its size, when the file can
+    say, before reading anything).
+
+    Args:
+        fh: the file, opened for reading (binary).
+        limit: the most bytes accepted (e.g. :data:`MAX_MANIFEST_BYTES`).
+        where: the file, named in the error.
+
+    Returns:
+        the file's bytes (at most ``limit``).
+
+    Raises:
+        ImplausibleSize: (exit 1) the file is larger than ``limit``; names the file and the limit.
+    """
+    import stat
+
+    size = None
+    try:
+        st = os.fstat(fh.fileno())
+        size = st.st_size if stat.S_ISREG(st.st_mode) else None
+    except Exception:  # noqa: BLE001 - no descriptor (a remote store's file): read and count instead
+        pass
+    if size is not None and size > limit:
+        raise ImplausibleSize(f"{size} bytes, more than the {limit} a reader accepts here (not read)", where=where)
+    data = fh.read(limit + 1)
+    data = b"" if data is None else bytes(data)
+    if len(data) > limit:
+        raise ImplausibleSize(f"more than the {limit} bytes a reader accepts here (not read further)", where=where)
+    return data
+
+
 def memory_available() -> int | None:
     """Bytes of memory this process could still get (``MemAvailable`` plus free swap on Linux), or None."""
     try:
@@ -144,11 +287,11 @@ def check_allocation(nbytes: int, member: str) -> None:
     """Refuse to allocate more than the machine has for a buffer a manifest declared.
 
     Raises:
-        ImplausibleSize: (exit 1) ``nbytes`` exceeds the memory available; names the member.
+        TooLargeHere: (an ImplausibleSize, exit 1) ``nbytes`` exceeds the memory available; names the member.
     """
     avail = memory_available()
     if avail is not None and nbytes > avail:
-        raise ImplausibleSize(f"declares a buffer of {nbytes} bytes, more than the {avail} bytes of memory "
+        raise TooLargeHere(f"declares a buffer of {nbytes} bytes, more than the {avail} bytes of memory "
                               f"available (restore spills large members to disk)", where=member)
 
 

@@ -159,10 +159,19 @@ def seal_bytes(doc: dict, *, where: str = "manifest.json") -> bytes:
 
     Raises:
         ManifestInvalid: the bytes break the schema (nothing is written; the caller refuses the generation).
-        FormatError: not strict JSON.
+        FormatError: (exit 2) not strict JSON, or larger than readers accept (``limits.MAX_MANIFEST_BYTES``,
+            ``limits.MAX_MANIFEST_COST``).
     """
+    from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_MANIFEST_COST
+
     raw = dumps(doc)
     schema_name = SCHEMAS.get(doc.get("format_version"), SCHEMAS[FORMAT_VERSION])
+    # the limits every reader applies (format/limits.py): a manifest no reader would read is never written
+    cost = jsonio.parse_cost(raw) if len(raw) <= MAX_MANIFEST_BYTES else None
+    if cost is None or cost > MAX_MANIFEST_COST:
+        raise FormatError(f"the manifest would be {len(raw)} bytes" + (f" (about {cost} bytes to parse)" if cost else "")
+                          + f"; readers accept at most {MAX_MANIFEST_BYTES} bytes and {MAX_MANIFEST_COST} to parse "
+                            f"(about 120,000 tensors per generation); nothing was published", where=where)
     validate(jsonio.loads(raw, where=where), where=where, schema_name=schema_name)
     _mark_validated(hashlib.sha256(raw).digest(), schema_name)
     return raw
@@ -197,7 +206,9 @@ def parse(data: bytes, *, where: str = "manifest.json") -> dict:
     """
     if not data:
         raise ManifestInvalid("empty manifest", where=where)
-    doc = jsonio.loads(data, where=where)
+    from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_MANIFEST_COST
+
+    doc = jsonio.loads(data, where=where, max_bytes=MAX_MANIFEST_BYTES, max_cost=MAX_MANIFEST_COST)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestInvalid("not a ckpt-archive manifest (field 'format' is not 'ckpt-archive')", where=where)
     version = doc.get("format_version")

@@ -21,6 +21,8 @@ from ckpt_archive.format.codec import (CODEC_NAME, DEFAULT_CHUNK_BYTES, DEFAULT_
 #: While writing a local file, start writeback (fdatasync on a helper thread) every this many stored
 #: bytes, so the disk works while the CPUs encode and the store's final fsync finds little left.
 SYNC_EVERY_BYTES = 64 << 20
+#: Stored bytes the feeding thread may queue for the writer thread before it waits (bounded memory).
+WRITE_AHEAD_BYTES = 32 << 20
 
 
 def _encode_and_crc(raw, hint: str, level: int) -> tuple[str, bytes, str, int]:
@@ -78,6 +80,10 @@ class MemberWriter:
         on_bytes: progress callback, called with raw bytes consumed.
         pool: an executor to share between members (optional).
         raw_alg: algorithm of the whole-member raw fingerprint, or None for none.
+        io_pool: a one-thread executor that does every write, writeback start and object commit in order
+            (shared between members; default: one of its own). [issue 29] The feeding thread only hands
+            encoded chunks over, within :data:`WRITE_AHEAD_BYTES`: it no longer spends its time in the kernel
+            copying them into the page cache while the encoders wait for it.
 
     Example:
         >>> import io
@@ -88,7 +94,8 @@ class MemberWriter:
 
     def __init__(self, fh: BinaryIO, *, level: int = DEFAULT_LEVEL, jobs: int | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_bytes: Callable[[int], None] | None = None,
-                 pool: ThreadPoolExecutor | None = None, raw_alg: str | None = "sha256"):
+                 pool: ThreadPoolExecutor | None = None, raw_alg: str | None = "sha256",
+                 io_pool: ThreadPoolExecutor | None = None):
         self.fh = fh
         self.raw_alg = raw_alg
         self.level = level
@@ -116,6 +123,11 @@ class MemberWriter:
         self._unsynced = 0
         self._sync_pool: ThreadPoolExecutor | None = None
         self._sync_fut: Future | None = None
+        self._own_io = io_pool is None
+        self._io = io_pool or ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
+        self._io_pending: collections.deque[tuple[int, Future]] = collections.deque()
+        self._io_bytes = 0
+        self._io_limit = max(WRITE_AHEAD_BYTES, 2 * self.jobs * chunk_bytes)
         self._buf_sink: ChunkSink | None = None
         self._open_sinks: list[ChunkSink] = []
         self._commits: list[Future] = []
@@ -223,32 +235,61 @@ class MemberWriter:
             if sink.written == 0:
                 sink.stored_offset = self._stored_offset
             if stored is not None:
-                sink.fh.write(stored)
+                self._io_submit(n, self._io_write, sink.fh, stored, False)
             sink.written += 1
             sink.stored_bytes += n
         else:
-            self.fh.write(stored)
+            self._io_submit(n, self._io_write, self.fh, stored, True)
         # no whole-file hash: the member's stored fingerprint is derived from the chunks' (fingerprint.py)
         self.chunks.append({"raw_offset": raw_offset, "raw_bytes": raw_len, "stored_offset": self._stored_offset,
                             "stored_bytes": n, "stored_sha256": sha, "codec": codec})
         self._stored_offset += n
-        if sink is not None:
-            if self.on_bytes:
-                self.on_bytes(raw_len)
-            self._maybe_commit(sink)
-            return
-        if self._fd is not None:
-            self._unsynced += len(stored)
-            if self._unsynced >= SYNC_EVERY_BYTES and (self._sync_fut is None or self._sync_fut.done()):
-                if self._sync_fut is not None:
-                    self._sync_fut.result()  # an I/O error surfaces here, as OSError
-                self.fh.flush()
-                if self._sync_pool is None:
-                    self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-sync")
-                self._sync_fut = self._sync_pool.submit(os.fdatasync, self._fd)
-                self._unsynced = 0
         if self.on_bytes:
             self.on_bytes(raw_len)
+        if sink is not None:
+            self._maybe_commit(sink)
+
+    # -- the writer thread ------------------------------------------------------------------------
+    def _io_submit(self, nbytes: int, fn, *args) -> None:
+        """Queue one job for the writer thread (in order); wait while more than the write-ahead bound is
+        queued. A failed write surfaces here or in :meth:`finish`, as the OSError it raised."""
+        self._io_pending.append((nbytes, self._io.submit(fn, *args)))
+        self._io_bytes += nbytes
+        while self._io_pending and (self._io_bytes > self._io_limit or self._io_pending[0][1].done()):
+            size, fut = self._io_pending.popleft()
+            self._io_bytes -= size
+            fut.result()
+
+    def _io_drain(self) -> None:
+        while self._io_pending:
+            size, fut = self._io_pending.popleft()
+            self._io_bytes -= size
+            fut.result()
+
+    def _io_write(self, fh, data, own: bool) -> None:
+        """(writer thread) Write one chunk; for the member's own local file, start writeback (fdatasync on
+        the sync thread) every :data:`SYNC_EVERY_BYTES`, so the disk works while the CPUs encode."""
+        fh.write(data)
+        if not own or self._fd is None:
+            return
+        self._unsynced += len(data)
+        if self._unsynced >= SYNC_EVERY_BYTES and (self._sync_fut is None or self._sync_fut.done()):
+            if self._sync_fut is not None:
+                self._sync_fut.result()  # an I/O error surfaces here, as OSError
+            self.fh.flush()
+            self._sync_fut = self._sync().submit(os.fdatasync, self._fd)
+            self._unsynced = 0
+
+    def _sync(self) -> ThreadPoolExecutor:
+        """(writer thread) The one-thread executor for fdatasync and object commits."""
+        if self._sync_pool is None:
+            self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-sync")
+        return self._sync_pool
+
+    def _io_commit(self, sink: "ChunkSink", chunks: list[dict]) -> None:
+        """(writer thread) Commit a new object once its chunks are written: on the sync thread, so the next
+        writes go on while it is fsynced."""
+        self._commits.append(self._sync().submit(sink.commit, chunks))
 
     def finish(self) -> dict:
         """Flush and return the member record: sizes, ``stored_fp`` (derived from the chunks), ``raw_fp``
@@ -257,6 +298,7 @@ class MemberWriter:
             self._flush_buf()
             while self._pending:
                 self._write_one()
+            self._io_drain()
             while self._hash_pending:
                 self._hash_pending.popleft()[1].result()
             if self._sync_fut is not None:
@@ -265,6 +307,8 @@ class MemberWriter:
                 fut.result()  # an object's fsync/link error surfaces here
         finally:
             self._hash_pool.shutdown(wait=True)
+            if self._own_io:
+                self._io.shutdown(wait=True)
             if self._sync_pool is not None:
                 self._sync_pool.shutdown(wait=True)
             if self._own_pool:
@@ -290,19 +334,27 @@ class MemberWriter:
                              "stored_offset": sink.stored_offset, "stored_bytes": sink.stored_bytes})
         if sink.reused:
             return
-        if self._sync_pool is None:
-            self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-sync")
         first = len(self.chunks) - sink.written
-        chunks = self.chunks[first:]
-        self._commits.append(self._sync_pool.submit(sink.commit, chunks))
+        self._io_submit(0, self._io_commit, sink, self.chunks[first:])  # after its writes, in order
 
     def abort(self) -> None:
+        for item in self._pending:
+            item[2].cancel()
+        # the writer thread finishes what it was given (bounded by WRITE_AHEAD_BYTES): nothing may still
+        # write to a file the caller is about to discard, and a queued object commit completes or fails
+        for _, fut in self._io_pending:
+            with contextlib.suppress(BaseException):
+                fut.result()
+        self._io_pending.clear()
+        if self._own_io:
+            self._io.shutdown(wait=True)
+        for fut in self._commits:
+            with contextlib.suppress(BaseException):
+                fut.result()
         for sink in self._open_sinks:
             with contextlib.suppress(Exception):
                 sink.abort()
         self._open_sinks = []
-        for item in self._pending:
-            item[2].cancel()
         self._hash_pool.shutdown(wait=True)
         if self._sync_pool is not None:
             self._sync_pool.shutdown(wait=True)

@@ -139,6 +139,8 @@ def byte_ungroup(planes, n: int, out=None, rotate: bool = False) -> memoryview:
     Raises:
         ValueError: ``out`` has the wrong size, or ``len(planes)`` is not a multiple of ``n``.
     """
+    if len(memoryview(planes).cast("B")) <= SMALL_PLANES_BYTES:
+        return _ungroup_small(planes, n, out, rotate)
     import numpy as np
 
     a = np.frombuffer(planes, dtype=np.uint8)
@@ -170,3 +172,33 @@ def byte_ungroup(planes, n: int, out=None, rotate: bool = False) -> memoryview:
     if rotate and len(dest):
         _rotr1_inplace(dest.view(_UINT[n]), n)
     return memoryview(dest)
+
+
+#: Planes up to this many bytes are put back without NumPy (:func:`_ungroup_small`): a command that reads
+#: only a few small tensors (the policy audit of ``verify`` and ``inspect``) then does not import it (~0.1 s).
+SMALL_PLANES_BYTES = 64 << 10
+
+
+def _ungroup_small(planes, n: int, out=None, rotate: bool = False) -> memoryview:
+    """:func:`byte_ungroup` in plain Python for small inputs: each plane put back with one extended-slice
+    assignment, the rotation undone on the whole chunk as one integer (each element's lowest bit moved to
+    its top, the rest shifted down one bit, with masks repeated per element)."""
+    src = bytes(memoryview(planes).cast("B"))
+    if len(src) % n:
+        raise ValueError(f"{len(src)} bytes of planes are not a multiple of {n}")
+    m = len(src) // n
+    dest = bytearray(len(src))
+    for k in range(n):
+        dest[k::n] = src[k * m:(k + 1) * m]
+    if rotate and m:
+        x = int.from_bytes(dest, "little")
+        low = int.from_bytes((b"\x01" + b"\x00" * (n - 1)) * m, "little")
+        keep = int.from_bytes((b"\xff" * (n - 1) + b"\x7f") * m, "little")
+        dest = bytearray((((x >> 1) & keep) | ((x & low) << (8 * n - 1))).to_bytes(len(src), "little"))
+    if out is None:
+        return memoryview(dest)
+    view = memoryview(out).cast("B")
+    if len(view) != len(dest):
+        raise ValueError(f"out has {len(view)} bytes, planes {len(dest)}")
+    view[:] = dest
+    return view

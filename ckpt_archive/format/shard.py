@@ -19,9 +19,9 @@ from typing import Any, Mapping
 
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format import jsonio
+# A header larger than MAX_HEADER_BYTES is refused: one limit for sources and archives (format/limits.py).
+from ckpt_archive.format.limits import MAX_HEADER_BYTES, MAX_HEADER_COST
 
-#: A header larger than this is refused (the safetensors library's own limit is 100 MB).
-MAX_HEADER_BYTES = 100 << 20
 LENGTH_BYTES = 8
 
 
@@ -73,7 +73,7 @@ def parse_header(prefix: bytes) -> tuple[dict[str, Any], dict[str, str]]:
         raise ValueError(f"safetensors header claims {n} bytes, more than {MAX_HEADER_BYTES}")
     try:  # a length beyond the bytes given leaves a truncated JSON text: refused below
         header = jsonio.loads(prefix[LENGTH_BYTES:LENGTH_BYTES + n], where="safetensors header",
-                              max_bytes=MAX_HEADER_BYTES)
+                              max_bytes=MAX_HEADER_BYTES, max_cost=MAX_HEADER_COST)
     except ValueError as exc:
         raise ValueError(f"safetensors header is not valid JSON ({getattr(exc, 'message', exc)})") from None
     if not isinstance(header, dict):
@@ -131,7 +131,7 @@ def file_problem(path: str | os.PathLike) -> str | None:
         if n > size - LENGTH_BYTES or n > MAX_HEADER_BYTES:
             return f"safetensors header claims {n} bytes but the file has {size}"
         try:
-            header = jsonio.loads(fh.read(n), where=str(path), max_bytes=MAX_HEADER_BYTES)
+            header = jsonio.loads(fh.read(n), where=str(path), max_bytes=MAX_HEADER_BYTES, max_cost=MAX_HEADER_COST)
         except ValueError:
             return "safetensors header is not whole JSON"
     end = 0

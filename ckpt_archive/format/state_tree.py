@@ -26,6 +26,7 @@ import base64
 import collections
 import dataclasses
 import math
+import sys
 from typing import Any, Callable
 
 from ckpt_archive.errors import CkptArchiveError, FormatError, MalformedTree, SourceError, first_line
@@ -122,6 +123,19 @@ def view_bits(t) -> dict:
     return bits
 
 
+def empty_tensor(dtype, device=None):
+    """A 0-element tensor of ``dtype`` for ``.set_()`` that allocates and fills nothing.
+
+    ``torch.empty(0, dtype=...)`` runs the deterministic fill when a training script turned on
+    ``torch.use_deterministic_algorithms(True)``, and that fill has no kernel for ``uint1``-``uint7``,
+    ``int1``-``int7`` (``"fill_empty_deterministic_" not implemented for 'UInt4'``): a pack or restore in such
+    a process crashed. A view of an empty ``uint8`` tensor runs no kernel.
+    """
+    torch = _torch()
+    base = torch.empty(0, dtype=torch.uint8, device=device)
+    return base if dtype == torch.uint8 else base.view(dtype)
+
+
 def physical(t):
     """``t`` without its lazy conj/neg bits: the same storage, offset, shape and strides, i.e. the bytes
     as they lie in memory (what ``torch.save`` writes for such a view). ``t`` itself when it has none."""
@@ -129,8 +143,7 @@ def physical(t):
     if not (t.is_conj() or t.is_neg()):
         return t
     with torch.no_grad():
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
-                                                                   t.shape, t.stride())
+        return empty_tensor(t.dtype, t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
 def apply_view_bits(t, bits: dict):
@@ -236,10 +249,7 @@ class _Encoder:
         encoded once and referenced after: torch.save's pickle memo keeps that identity (``state["a"] is
         state["b"]`` after ``torch.load``), and an in-place change through one name must show through the
         other after a restore too."""
-        import numpy as np
-
-        torch = _torch()
-        leaf_types = (torch.Tensor, np.ndarray, bytearray, torch.UntypedStorage, torch.TypedStorage)
+        leaf_types = self._leaf_types()
         atoms = _ATOM_TYPES  # immutable: their identity is nobody's business (and a sampler's list is long)
         seen: set[int] = set()
         stack = [root]
@@ -273,6 +283,13 @@ class _Encoder:
             else:
                 stack.extend([v for v in obj if type(v) not in atoms])
 
+    def _leaf_types(self) -> tuple:
+        """Leaf types counted for sharing; torch's only once imported (none of its objects exist before)."""
+        import numpy as np
+
+        torch = sys.modules.get("torch")
+        return (np.ndarray, bytearray) + ((torch.Tensor, torch.UntypedStorage, torch.TypedStorage) if torch else ())
+
     def _leaf_key(self, path: tuple) -> str:
         base = _path_name(path)
         key, n = base, 1
@@ -302,7 +319,7 @@ class _Encoder:
 
     def _enc(self, obj: Any, path: tuple) -> Any:
         """Encode one value; every type is matched exactly (a subclass is never stored as its base)."""
-        torch = _torch()
+        torch = sys.modules.get("torch")  # None: no torch object can exist (see _leaf_types)
         import numpy as np
 
         tp = type(obj)
@@ -324,24 +341,27 @@ class _Encoder:
             return {"$t": "complex", "re": _float(obj.real), "im": _float(obj.imag)}
         if tp is bytes or tp is bytearray:
             return {"$t": tp.__name__, "b64": base64.b64encode(bytes(obj)).decode("ascii")}
-        if isinstance(obj, torch.Tensor):
+        if torch is not None and isinstance(obj, torch.Tensor):
             return self._tensor(obj, path)
         if tp is np.ndarray:
             return self._ndarray(obj, path)
         if isinstance(obj, np.dtype):
             self.table.numpy_values.append(_path_name(path))
             return {"$t": "npdtype", "v": obj.str}
-        if tp is torch.dtype:
+        if torch is None:
+            pass
+        elif tp is torch.dtype:
             return {"$t": "dtype", "v": str(obj).replace("torch.", "")}
-        if tp is torch.Size:
+        elif tp is torch.Size:
             return {"$t": "size", "v": [int(x) for x in obj]}
-        if tp is torch.device:
+        elif tp is torch.device:
             return {"$t": "device", "v": str(obj)}
-        if tp is torch.layout:
+        elif tp is torch.layout:
             return {"$t": "layout", "v": str(obj).replace("torch.", "")}
-        if tp is torch.UntypedStorage or tp is torch.TypedStorage:
+        elif tp is torch.UntypedStorage or tp is torch.TypedStorage:
             return self._storage(obj, path)
-        name = global_name(obj)
+        # the allowlist is read from torch; besides torch's own objects it names classes and functions only
+        name = global_name(obj) if torch is not None or callable(obj) else None
         if name is not None:  # an object torch's allowlist itself names: qscheme, legacy tensor class, ...
             return {"$t": "global", "v": name}
         if tp is tuple:
@@ -488,7 +508,7 @@ class _Encoder:
             dtypes = {t.dtype for _, t in views}
             flat_dtype = t0.dtype if len(dtypes) == 1 else torch.uint8
             fname = str(flat_dtype).replace("torch.", "")
-            itemsize = torch.empty(0, dtype=flat_dtype).element_size()
+            itemsize = flat_dtype.itemsize
             if fname not in TORCH_TO_ST or nbytes_storage % itemsize:
                 fname, itemsize = "uint8", 1
             entry_key = f"storage/{n_shared}:{key0}"
@@ -552,7 +572,7 @@ def _probe_bytes(t, where: str) -> None:
                                             "before saving") from None
 
 
-def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
+def encode(state: Any, *, allow=None, encoder: type | None = None) -> tuple[Any, TensorTable]:
     """Encode a nested state so that :func:`decode` gives back the same types, values, order and aliasing.
 
     Args:
@@ -565,6 +585,7 @@ def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
             scalars and dtypes.
         allow: names (``"argparse.Namespace"``) or classes of admitted plain-data classes; default: those
             admitted by :func:`ckpt_archive.format.allowlist.allowing` in this context.
+        encoder: an ``_Encoder`` subclass (:mod:`ckpt_archive.format.pt_encode`: tensors read without torch).
 
     Returns:
         (tree, table): ``tree`` is strict-JSON-able (``json.dumps(tree, allow_nan=False)`` works);
@@ -575,7 +596,7 @@ def encode(state: Any, *, allow=None) -> tuple[Any, TensorTable]:
             custom class not admitted, a tensor subclass, an object array), naming its path, its type
             and what to do. Nothing is ever stored as a lookalike of another type.
     """
-    enc = _Encoder(allow)
+    enc = (encoder or _Encoder)(allow)
     enc.count_shared(state)
     from ckpt_archive.format.jsonio import MAX_DEPTH, depth_exceeds
 

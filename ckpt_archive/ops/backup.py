@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, NotFound, SourceChanged, SourceError
+from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, CheckFailed, NotFound, SourceChanged, SourceError
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.shard import file_problem
 from ckpt_archive.ops.common import RepoLike, human_seconds, leftover_note, open_repo
@@ -354,8 +354,11 @@ def read_state(store: Any) -> dict[str, Any]:
     try:
         if not store.exists(STATE_KEY):
             return {"version": STATE_VERSION, "sources": {}}
-        data = jsonio.loads(store.read_bytes(STATE_KEY), where=STATE_KEY)
-    except (OSError, ValueError):
+        from ckpt_archive.format.limits import MAX_SMALL_DOC_BYTES
+        from ckpt_archive.repo.repository import read_json
+
+        data = read_json(store, STATE_KEY, MAX_SMALL_DOC_BYTES)  # bounded: read no more than the limit
+    except (OSError, ValueError, CheckFailed):
         return {"version": STATE_VERSION, "sources": {}}
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION or not isinstance(data.get("sources"), dict):
         return {"version": STATE_VERSION, "sources": {}}

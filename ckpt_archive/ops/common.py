@@ -10,7 +10,7 @@ import os
 import re
 from typing import Union
 
-from ckpt_archive.errors import IntegrityError, NotUsable, NoUsableGeneration, UsageError
+from ckpt_archive.errors import CheckFailed, IntegrityError, NotUsable, NoUsableGeneration, UsageError
 from ckpt_archive.repo.repository import Generation, Repository
 
 #: A repository argument: a local path, a URL (``s3://bucket/prefix``) or an open Repository.
@@ -52,16 +52,19 @@ def pick(r: Repository, generation: str | int, fallback: bool = False) -> Genera
     return require_readable(r, r.resolve(generation, copied=True))
 
 
-def require_readable(r: Repository, gen: Generation) -> Generation:
+def require_readable(r: Repository, gen: Generation, *, allow_noted: bool = False) -> Generation:
     """:func:`pick`'s checks on a generation already resolved (its manifest is parsed and validated once,
-    not once per check: ~30 ms for a 1000-tensor manifest).
+    not once per check: ~30 ms for a 1000-tensor manifest). ``allow_noted``: a generation with a recorded
+    failed check is read anyway (an explicit override: every byte is checked again).
 
     Raises:
         as :func:`pick`, except NotFound.
     """
-    if gen.check_failed is not None:
+    if gen.check_failed is not None and not allow_noted:
+        first = (gen.check_failed.get("problems") or [{}])[0]
+        named = first.get("member") or first.get("field") if isinstance(first, dict) else None
         raise IntegrityError(f"generation {gen.number} is damaged: {gen.reason}; "
-                             f"{r.existing_summary()}", where=r.location)
+                             f"{r.existing_summary()}", where=named if isinstance(named, str) else r.location)
     if gen.manifest is None:
         if gen.error is not None:
             raise gen.error
@@ -141,6 +144,86 @@ def check_present(r: Repository, gen: Generation) -> None:
                                      where=member["path"] if fp is None else key)
 
 
+def is_damage(exc: BaseException) -> bool:
+    """Whether an error raised while reading a generation is evidence that the generation is damaged (so
+    readers record a failed check, :func:`note_damage`): a member or object corrupt, missing, of the wrong
+    kind, a manifest that breaks its rules, a size no reader accepts. Not: a buffer larger than *this*
+    machine's memory (:class:`~ckpt_archive.errors.TooLargeHere`), a store that cannot be reached, a file
+    this process may not read, a user's wrong ``--only``."""
+    from ckpt_archive.errors import ImplausibleSize, LinkInRepository, ManifestInvalid, TooLargeHere, UnsafePath
+
+    return (isinstance(exc, (IntegrityError, ManifestInvalid, ImplausibleSize, UnsafePath))
+            and not isinstance(exc, (TooLargeHere, LinkInRepository)))
+
+
+def fails_generation(exc: BaseException, r: Repository | None = None) -> bool:
+    """Whether an error raised while reading one generation is that generation's problem, so ``--fallback``
+    goes on to an older one (never stops): a member, object or record found wrong (corrupt, missing, a size
+    no reader accepts, a manifest it cannot index), a member or object that is a folder, a FIFO, a device, a
+    link, or cannot be read here (permissions; an ``OSError`` naming a file inside the repository ``r``).
+    Not: a store that cannot be reached, a lock, a user's wrong arguments (``--only`` naming nothing), a state
+    a transform or ``torch.save`` refuses, an output that cannot be written."""
+    from ckpt_archive.errors import (FormatError, ImplausibleSize, LinkInRepository, ManifestInvalid, Unreadable,
+                                     UnsafePath)
+
+    if isinstance(exc, LinkInRepository):
+        return False
+    if isinstance(exc, (IntegrityError, ManifestInvalid, ImplausibleSize, UnsafePath, Unreadable, FormatError)):
+        return True
+    if isinstance(exc, OSError) and r is not None and getattr(exc, "filename", None):
+        root = r.store.local_path("")
+        if root is not None:
+            try:
+                inside = os.path.realpath(str(exc.filename)).startswith(os.path.realpath(root) + os.sep)
+            except (TypeError, ValueError):
+                return False
+            return inside
+    return False
+
+
+def note_damage(r: Repository, gen: Generation, problems: list, *, by: str) -> str | None:
+    """Record a failed check of ``gen`` found by a reader (:meth:`Repository.note_check_failed`), only for
+    problems that are the generation's (not this machine's: ``Problem.local``). Returns a line to show when
+    the note could not be written (a read-only repository), else None."""
+    rows = [p for p in problems if not getattr(p, "local", False)]
+    if not rows:
+        return None
+    return r.note_check_failed(gen, rows, by=by)
+
+
+def vouch(r: Repository, gen: Generation, reader, *, by: str) -> None:
+    """[issue 24: one status rule] What a reader of part of a generation checks of the rest before it hands
+    out a result (docs/FORMAT.md, "One status rule"): every stored file it did not check while decoding --
+    sizes and every chunk's stored sha256, as a shallow ``verify`` (:meth:`ArchiveReader.check_unread`) -- and
+    the index the trial reload checks without bytes: the state tree against the tensor records, every record's
+    dtype and shape against its entry, every exact-bytes record against its entries and skeleton
+    (:func:`ckpt_archive.repo.trial_reload.index_problems`). A failure is recorded (:func:`note_damage`), so
+    ``list`` and ``@latest`` say so afterwards.
+
+    Raises:
+        IntegrityError: (exit 1) naming the first problem and how many more.
+    """
+    from ckpt_archive.repo.reader import Problem
+    from ckpt_archive.repo.trial_reload import index_problems
+
+    problems: list[Problem] = []
+    reader.check_unread(problems)
+    try:
+        tree = reader.tree()
+    except CheckFailed as exc:
+        problems.append(Problem.of(exc, member=gen.manifest["tree_member"]))
+    else:
+        problems.extend(index_problems(reader, tree))
+    if problems:
+        note_damage(r, gen, problems, by=by)
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        place = " ".join(x for x in (first.field, first.member) if x) or "-"
+        raise IntegrityError(f"generation {gen.number} is damaged: {place}: {first.reason}{more}; nothing was "
+                             f"handed out (`ckpt-archive verify {r.location}@{gen.number}` lists every problem)",
+                             where=first.member or first.field)
+
+
 def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action: str, override: str) -> str | None:
     """Refuse to read a ``partial`` or ``damaged`` generation for ``restore``/``load`` unless ``unverified``.
 
@@ -160,6 +243,9 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
 
     Raises:
         NotUsable: (exit 2) partial or damaged and no override: says why and what to run.
+        IntegrityError: (exit 1) a check of it failed before and was recorded (``CHECK-FAILED.json``, by
+            ``adopt`` or any reader) and no override: names the recorded failure (docs/FORMAT.md, "One status
+            rule").
         SignatureProblem: (exit 1) a bad signature, or (with trusted keys) none or a foreign one: even
             with ``unverified``.
     """
@@ -167,6 +253,8 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
     if gen.status not in ("partial", "damaged"):
         return None
     spec = f"{r.location}@{gen.number}"
+    if gen.check_failed is not None and not unverified:  # a check found it wrong: exit 1, as that check did
+        require_readable(r, gen)
     if not unverified:
         raise NotUsable(f"refusing to {action} generation {gen.number}: it is {gen.status} ({gen.reason}). Run "
                         f"`ckpt-archive verify {spec}` to see what is wrong (`ckpt-archive list {r.location}` shows "
@@ -188,7 +276,8 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-__all__ = ["RepoLike", "open_repo", "pick", "check_present", "copied_note", "refuse_unusable", "human_seconds"]
+__all__ = ["RepoLike", "open_repo", "pick", "check_present", "copied_note", "refuse_unusable", "human_seconds",
+           "is_damage", "fails_generation", "note_damage", "vouch"]
 
 
 def leftover_note(line: str) -> str:

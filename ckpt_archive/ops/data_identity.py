@@ -17,7 +17,7 @@ import dataclasses
 import json
 from typing import Any
 
-from ckpt_archive.errors import CheckFailed
+from ckpt_archive.errors import CheckFailed, IntegrityError
 from ckpt_archive.format.data_ids import _plain, canonical_bytes, fingerprint
 
 #: At most this many changed/added/removed entries are listed in a message (all are counted).
@@ -136,8 +136,9 @@ def archived_data_ids(repo: Any, generation: str | int = "latest") -> tuple[Any,
         IntegrityError (exit 1) / NotFound (exit 2): as reading any member.
     """
     from ckpt_archive.format.jsonio import loads
-    from ckpt_archive.ops.common import open_repo, pick
-    from ckpt_archive.repo.reader import ArchiveReader
+    from ckpt_archive.format.limits import MAX_DATA_IDS_BYTES, MAX_DATA_IDS_COST
+    from ckpt_archive.ops.common import note_damage, open_repo, pick
+    from ckpt_archive.repo.reader import ArchiveReader, Problem
 
     r = open_repo(repo)
     gen = pick(r, generation, False)
@@ -145,8 +146,16 @@ def archived_data_ids(repo: Any, generation: str | int = "latest") -> tuple[Any,
     if not data or not data.get("ids_member"):
         return None, data, gen.number
     reader = ArchiveReader(r.store, gen.key, gen.manifest)
-    raw = reader.read_member_bytes(data["ids_member"])
-    return loads(raw, where=data["ids_member"]), data, gen.number
+    try:
+        raw = reader.read_member_bytes(data["ids_member"], limit=MAX_DATA_IDS_BYTES)  # refused unread when larger
+        return loads(raw, where=data["ids_member"], max_bytes=MAX_DATA_IDS_BYTES, max_cost=MAX_DATA_IDS_COST), \
+            data, gen.number
+    except ValueError as exc:  # the member passed its fingerprints: what it holds is damaged, not the input
+        err = IntegrityError(f"data ids are not valid JSON ({getattr(exc, 'message', exc)})", where=data["ids_member"])
+    except CheckFailed as exc:
+        err = exc
+    note_damage(r, gen, [Problem.of(err, member=data["ids_member"])], by="restore --data-ids")  # issue 24
+    raise err
 
 
 def check_data_ids(repo: Any, generation: str | int, session_ids: Any, *, allow_change: bool = False

@@ -34,8 +34,8 @@ import hashlib
 import os
 from typing import Any, Callable
 
-from ckpt_archive.errors import (CheckFailed, CkptArchiveError, IntegrityError, NoUsableGeneration, NotFound, NotUsable,
-                                 OutputExists, UsageError)
+from ckpt_archive.errors import (CheckFailed, CkptArchiveError, ImplausibleSize, IntegrityError, NoUsableGeneration, NotFound,
+                                 NotUsable, OutputExists, UsageError)
 from ckpt_archive.ops.export_copy import (SharedCopies, StoredFile, check_at, clean_objects,
                                           copy_file, files_of, place_object, recheck_object, stored_digest)
 from ckpt_archive.ops.export_proof import (endpoint_for, fingerprints, install_commands, read_last_check, region_for,
@@ -391,7 +391,8 @@ def _raise_if_source_moved_on(src, g, exc, dst_location: str, again: str) -> Non
 
 def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None,
                 shared: SharedCopies | None = None) -> ExportedGeneration:
-    from ckpt_archive.repo.repository import CLAIM, MANIFEST, MARKER, gen_key
+    from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_DOC_BYTES
+    from ckpt_archive.repo.repository import CLAIM, MANIFEST, MARKER, gen_key, read_small
 
     manifest = g.manifest
     number = g.number
@@ -399,7 +400,7 @@ def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None,
     progress = manifest.get("progress") or {}
     out = ExportedGeneration(number, manifest["archive_id"], progress.get("step"), progress.get("epoch"),
                              fingerprints=fingerprints(manifest, g.manifest_sha256))
-    raw_manifest = src.store.read_bytes(f"{key}/{MANIFEST}")
+    raw_manifest = read_small(src.store, f"{key}/{MANIFEST}", MAX_MANIFEST_BYTES)
     manifest_sha = hashlib.sha256(raw_manifest).hexdigest()
     if manifest_sha != g.manifest_sha256:
         raise IntegrityError(f"manifest.json of generation {number} changed while exporting", where=src.location)
@@ -407,7 +408,10 @@ def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None,
     # -- what DEST already holds at this number ---------------------------------------------------------
     names = set(dst.store.listdir(key))
     if MANIFEST in names:
-        theirs = dst.store.read_bytes(f"{key}/{MANIFEST}")
+        try:
+            theirs = read_small(dst.store, f"{key}/{MANIFEST}", MAX_MANIFEST_BYTES)
+        except ImplausibleSize:
+            theirs = b""  # larger than any manifest: not ours (named below as an unreadable manifest)
         if hashlib.sha256(theirs).hexdigest() != manifest_sha:
             other = _archive_id_of(theirs)
             if other != out.archive_id:
@@ -445,7 +449,7 @@ def _export_one(src, dst, g, *, on_bytes, cleanup: str | None = None,
     published = Lifecycle(dst, steps, EXPORT_POINTS, reload_where=f"trial reload at {dst.location}",
                           progress=on_bytes, cleanup=cleanup).run()
     dst.faults.point("export-after-publish")
-    raw_marker = dst.store.read_bytes(f"{key}/{MARKER}")
+    raw_marker = read_small(dst.store, f"{key}/{MARKER}", MAX_SMALL_DOC_BYTES)
     out.members.append({"key": f"{key}/{MARKER}", "member": None, "bytes": len(raw_marker),
                         "sha256": hashlib.sha256(raw_marker).hexdigest(), "action": "written",
                         "object": None})
@@ -655,9 +659,10 @@ def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> Exporte
 
 def _archive_id_of(raw: bytes) -> str | None:
     from ckpt_archive.format.jsonio import loads
+    from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_MANIFEST_COST
 
     try:
-        doc = loads(raw, where="manifest.json")
+        doc = loads(raw, where="manifest.json", max_bytes=MAX_MANIFEST_BYTES, max_cost=MAX_MANIFEST_COST)
     except ValueError:
         return None
     return doc.get("archive_id") if isinstance(doc, dict) else None

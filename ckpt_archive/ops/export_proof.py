@@ -164,12 +164,14 @@ def read_last_check(repo) -> dict | None:
     import os
 
     from ckpt_archive.format import jsonio
+    from ckpt_archive.format.limits import MAX_SMALL_DOC_COST
+    from ckpt_archive.repo.repository import read_small
 
     try:
-        if not repo.store.exists(LAST_CHECK_KEY) or repo.store.size(LAST_CHECK_KEY) > LAST_CHECK_MAX_BYTES:
+        if not repo.store.exists(LAST_CHECK_KEY):
             return None
-        doc = jsonio.loads(repo.store.read_bytes(LAST_CHECK_KEY), where=LAST_CHECK_KEY,
-                           max_bytes=LAST_CHECK_MAX_BYTES)
+        doc = jsonio.loads(read_small(repo.store, LAST_CHECK_KEY, LAST_CHECK_MAX_BYTES), where=LAST_CHECK_KEY,
+                           max_bytes=LAST_CHECK_MAX_BYTES, max_cost=MAX_SMALL_DOC_COST)
     except Exception:  # noqa: BLE001 - a record that cannot be read (store, size, JSON) links nothing
         return None
     if not isinstance(doc, dict) or doc.get("format") != "ckpt-archive-last-check":

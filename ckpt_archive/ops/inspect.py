@@ -22,6 +22,9 @@ class InspectInfo(TypedDict):
         policy: the LR audit and completeness lint of the generation
             (:class:`~ckpt_archive.ops.policy_check.PolicyVerdict`, ``.to_json()`` for JSON), or None when not
             asked for (``policy=False``).
+        ok, exit_code, problems: whether the state tree it reports on (for the policy audit) could be read
+            and matches the tensor index (:func:`state_problems`): ``exit_code`` 1 when something there is
+            damaged, 2 when it could not be read here, 0 otherwise; ``problems`` say what.
     """
 
     generation: int
@@ -35,6 +38,9 @@ class InspectInfo(TypedDict):
     shared: dict
     numpy: dict
     policy: Any
+    ok: bool
+    exit_code: int
+    problems: list
 
 
 def shared_summary(manifest: dict, number: int, users: dict[str, list[int]]) -> dict:
@@ -127,6 +133,11 @@ def inspect(repo: RepoLike, generation: str | int = "latest", *, policy: bool = 
         policy: run the LR policy audit and completeness lint (default).
         store_options: for URL repositories (``{"endpoint_url": ..., "storage_options": {...}}``).
 
+    Besides the manifest, the state tree is read (bounded, ``limits.MAX_TREE_BYTES``) and checked against the
+    tensor index (:func:`state_problems`): what ``inspect`` reports from the state must be readable, so a
+    tree that is damaged makes the result's ``exit_code`` 1 (and is recorded as a failed check: ``list``
+    then says damaged), one that cannot be read here 2 -- never 0 with a warning.
+
     Returns:
         :class:`InspectInfo`.
 
@@ -154,10 +165,12 @@ def inspect(repo: RepoLike, generation: str | int = "latest", *, policy: bool = 
         from ckpt_archive.repo.objects import users_of
 
         users = users_of(r)
+    problems, code = state_problems(r, gen)
     return {"generation": gen.number, "status": gen.status, "reason": gen.reason, "location": r.location,
             "manifest": m, "marker": gen.marker, "opaque_members": opaque, "exact_bytes": exact_summary(m),
             "shared": shared_summary(m, gen.number, users), "numpy": numpy_summary(m),
-            "policy": _policy(r, gen.number) if policy else None}
+            "policy": _policy(r, gen.number) if policy else None, "ok": code == 0, "exit_code": code,
+            "problems": [p.to_json() for p in problems]}
 
 
 def _policy(r: Any, number: int) -> Any:
@@ -166,4 +179,39 @@ def _policy(r: Any, number: int) -> Any:
     return policy_verdict(r, number)
 
 
-__all__ = ["inspect", "InspectInfo", "shared_summary", "numpy_summary"]
+def state_problems(r, gen) -> tuple[list, int]:
+    """[issue 24] Whether the state ``inspect`` reports on can be read: the state tree (read whole, its
+    declared size checked first: ``limits.MAX_TREE_BYTES``, every chunk and its fingerprint checked) and its
+    agreement with the tensor index (:func:`ckpt_archive.repo.trial_reload.index_problems`: no tensor bytes
+    are decoded). Damage found is recorded as a failed check (:func:`ckpt_archive.ops.common.note_damage`).
+
+    Args:
+        r: the repository. gen: the generation (its manifest parsed).
+
+    Returns:
+        ``(problems, exit code)``: ``([], 0)``; damage: ``(problems, 1)``; not readable here (a store that
+        fails, a file this process may not read): ``([problem], 2)``.
+    """
+    from ckpt_archive.errors import CannotCheck, CheckFailed
+    from ckpt_archive.ops.common import note_damage
+    from ckpt_archive.repo.reader import ArchiveReader, Problem
+    from ckpt_archive.repo.trial_reload import index_problems
+
+    tree_member = gen.manifest["tree_member"]
+    reader = ArchiveReader(r.store, gen.key, gen.manifest)
+    try:
+        problems = index_problems(reader, reader.tree())
+    except CheckFailed as exc:
+        problems = [Problem.of(exc, member=tree_member)]
+    except (CannotCheck, OSError) as exc:
+        why = getattr(exc, "message", None) or getattr(exc, "strerror", None) or str(exc)
+        return [Problem(f"the state tree could not be read here: {why}", member=tree_member)], 2
+    except (KeyError, TypeError, IndexError) as exc:
+        problems = [Problem(f"the manifest is malformed where it is read ({type(exc).__name__}: {exc})",
+                            member="manifest.json")]
+    if problems:
+        note_damage(r, gen, problems, by="inspect")
+    return problems, 1 if problems else 0
+
+
+__all__ = ["inspect", "InspectInfo", "shared_summary", "numpy_summary", "state_problems"]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
 
-from ckpt_archive.errors import IntegrityError, Unreadable
-from ckpt_archive.ops.common import RepoLike, check_present, open_repo, refuse_unusable, require_readable
+from ckpt_archive.errors import CkptArchiveError, IntegrityError, Unreadable, first_line
+from ckpt_archive.ops.common import (RepoLike, check_present, fails_generation, is_damage, note_damage, open_repo,
+                                     refuse_unusable, require_readable, vouch)
 from ckpt_archive.ops.verify import find_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -14,49 +15,114 @@ T = TypeVar("T")
 
 
 def with_fallback(r: Repository, generation: str | int, fallback: bool,
-                  fn: Callable[[Generation], T], *, unverified: bool = False, action: str = "load",
-                  override: str = "unverified=True", notes: list | None = None) -> tuple[Generation, T]:
-    """Run ``fn`` on the picked generation; when ``latest`` fails its checks, name (or with ``fallback``
-    use) the newest older generation that verifies.
+                  fn: Callable[[Generation, ArchiveReader], T], *, unverified: bool = False, action: str = "load",
+                  override: str = "unverified=True", notes: list | None = None, warnings: list | None = None,
+                  jobs: int | None = None) -> tuple[Generation, T]:
+    """Run ``fn`` on the picked generation and vouch for the rest of it; when ``latest`` fails its checks,
+    name (or with ``fallback`` use) the newest older generation that verifies.
+
+    ``fn(generation, reader)`` reads what it needs through ``reader``; then every stored file it did not check
+    and the index are checked too (:func:`~ckpt_archive.ops.common.vouch`): a generation with one damaged
+    member is damaged for every reader, whatever part it reads (docs/FORMAT.md, "One status rule"). What a
+    reader finds damaged is recorded (``CHECK-FAILED.json``), so ``list`` and ``@latest`` say so afterwards.
+    Any failure that is the generation's own (:func:`~ckpt_archive.ops.common.fails_generation`: damage, a
+    member or object that is a folder, FIFO, device or link, one that cannot be read here) makes ``fallback``
+    go on to an older generation; only a failure of the store, the arguments or the output stops it.
 
     A ``partial`` or ``damaged`` generation is refused (:func:`~ckpt_archive.ops.common.refuse_unusable`)
-    unless ``unverified``; then the loud note is appended to ``notes``.
+    unless ``unverified``; then the loud note is appended to ``notes``. ``warnings`` receives the other lines
+    to show (``latest`` passing over newer damaged generations, a failed check that could not be recorded).
 
     Returns:
         ``(generation used, fn's result)``.
 
     Raises:
-        IntegrityError: the generation fails (and, for ``latest``, says which older one verifies).
+        IntegrityError (or the generation's own error): the generation fails (and, for ``latest``, says which
+            older one verifies).
         NotUsable: partial or damaged without ``unverified`` (exit 2).
     """
     gen = r.resolve(generation, copied=True)  # parses (and validates) the manifests once
-    note = refuse_unusable(r, gen, unverified=unverified, action=action, override=override)
+    recorded = None  # a failed check recorded earlier: for latest, the fallback rule below, as a new finding
+    try:
+        note = refuse_unusable(r, gen, unverified=unverified, action=action, override=override)
+    except IntegrityError as exc:
+        if not (gen.found_damaged_here and str(generation) == "latest"):
+            raise
+        recorded, note = exc, None
     if note is not None and notes is not None:
         notes.append(note)
-    gen = require_readable(r, gen)
+    gen = require_readable(r, gen, allow_noted=unverified or recorded is not None)
+    if str(generation) == "latest" and warnings is not None:
+        warnings.extend(passed_over(r, gen))
 
     def checked(g: Generation):
         check_present(r, g)
+        reader = ArchiveReader(r.store, g.key, g.manifest, jobs=jobs)
         try:
-            return fn(g)
+            result = fn(g, reader)
         except (KeyError, TypeError, IndexError) as exc:
             # [issue 17] a schema-valid but hand-made manifest lacking what the reader needs: refuse it
             # in one line rather than an "internal error"
             raise IntegrityError(f"generation {g.number}: the manifest is malformed where it is read "
                                  f"({type(exc).__name__}: {exc})", where="manifest.json") from None
+        vouch(r, g, reader, by=action)  # [issue 24] the rest of the generation, before anything is handed out
+        return result
 
     try:
+        if recorded is not None:
+            raise recorded
         return gen, checked(gen)
-    except (IntegrityError, Unreadable) as exc:  # found wrong, or a file of it cannot be read here
+    except Exception as exc:  # noqa: BLE001 - sorted by fails_generation; anything else goes on unchanged
+        if not fails_generation(exc, r):
+            raise
+        from ckpt_archive.repo.reader import Problem
+
+        unrecorded = note_damage(r, gen, [Problem.of(exc)], by=action) if is_damage(exc) else None
         if str(generation) != "latest":
+            _add_hint(exc, unrecorded)
             raise
         fb = find_fallback(r, gen.number, deep=False)
         if fallback and fb is not None:
+            if warnings is not None:
+                warnings.append(f"generation {gen.number} (latest) does not verify ({_one_line(exc)}); "
+                                f"generation {fb}, the newest that verifies, was used instead (--fallback)")
+                if unrecorded:
+                    warnings.append(unrecorded)
             return r.generation(fb), checked(r.generation(fb))
         hint = (f"the newest generation that verifies is {fb}: use --fallback or @{fb}" if fb is not None
                 else "no older usable generation verifies either")
-        raise type(exc)(f"generation {gen.number} (latest) does not verify: {exc.message}; {hint}",
-                        where=exc.where) from None
+        text = f"generation {gen.number} (latest) does not verify: {_one_line(exc)}; {hint}"
+        err = (type(exc)(text, where=exc.where) if isinstance(exc, CkptArchiveError)
+               else Unreadable(text, where=getattr(exc, "filename", None)))
+        _add_hint(err, unrecorded)
+        raise err from None
+
+
+def passed_over(r: Repository, gen: Generation) -> list[str]:
+    """Lines naming the generations newer than ``gen`` (picked as ``latest``) that are ``damaged``: ``latest``
+    never picks one, and a reader must not pass over them silently (a failed check recorded by an earlier
+    reader moves ``latest`` back)."""
+    out = []
+    for n in r.numbers():
+        if n <= gen.number:
+            continue
+        try:
+            g = r.generation(n)
+        except CkptArchiveError:
+            continue
+        if g.status == "damaged" and not g.found_damaged_here:
+            out.append(f"generation {n} is newer but damaged ({g.reason}); generation {gen.number} is the newest "
+                       f"readable one and was used")
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, CkptArchiveError) else first_line(exc, 300)
+
+
+def _add_hint(exc: BaseException, line: str | None) -> None:
+    if line and isinstance(exc, CkptArchiveError):
+        exc.hint = f"{exc.hint}; {line}" if exc.hint else line
 
 
 def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None = None, fallback: bool = False,
@@ -79,9 +145,15 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
     Returns:
         the nested state, equal to what was packed in structure, types, dtypes, shapes and bits.
 
+    Whatever part is loaded, the rest of the generation is checked before the state is returned (stored
+    bytes of every member and object not decoded, the tensor index: docs/FORMAT.md, "One status rule"); a
+    failure is recorded (``CHECK-FAILED.json``), so later readers and ``list`` see the generation damaged.
+
     Raises:
-        IntegrityError (exit 1) -- never returns wrong data; NotFound / NoUsableGeneration (exit 2);
-        NotUsable (exit 2): a partial or damaged generation without ``unverified``.
+        IntegrityError (exit 1) -- never returns wrong data; also for a generation whose failed check a
+            reader recorded. ImplausibleSize (exit 1): a size no reader accepts. NotFound /
+            NoUsableGeneration (exit 2); NotUsable (exit 2): a partial or damaged generation without
+            ``unverified``.
 
     Example:
         >>> import torch, ckpt_archive, tempfile
@@ -99,16 +171,16 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
         check_only(only)  # "" or "model//w" would select the whole state, or another place than written
     r = open_repo(repo, **store_options)
     notes: list[str] = []
+    lines: list[str] = []
     with allowing(allow):
         _, state = with_fallback(r, generation, fallback,
-                                 lambda g: ArchiveReader(r.store, g.key, g.manifest, jobs=jobs).load(
-                                     only, map_location=map_location),
-                                 unverified=unverified, notes=notes)
-    if notes:
-        import warnings
+                                 lambda g, reader: reader.load(only, map_location=map_location),
+                                 unverified=unverified, notes=notes, warnings=lines, jobs=jobs)
+    import warnings
 
-        warnings.warn(notes[0], UserWarning, stacklevel=2)
+    for line in notes + lines:
+        warnings.warn(line, UserWarning, stacklevel=2)
     return state
 
 
-__all__ = ["load", "with_fallback"]
+__all__ = ["load", "with_fallback", "passed_over"]

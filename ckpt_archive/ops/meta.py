@@ -60,10 +60,13 @@ def environment() -> dict:
     env = {"python": platform.python_version(), "platform": platform.platform(), "torch": None, "numpy": None,
            "devices": None, "executable": sys.executable}
     try:
-        import torch
+        if "torch" in sys.modules:
+            import torch
 
-        env["torch"] = torch.__version__
-        env["devices"] = {"cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+            env["torch"] = torch.__version__
+            env["devices"] = {"cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+        else:  # [issue 29] a pack that read its file without torch does not import it (~1 s) for these facts
+            env["torch"], env["devices"] = _torch_facts_unimported()
     except Exception:  # environment facts are best effort
         pass
     try:
@@ -283,6 +286,42 @@ def _kinds(allow: list[str]) -> str:
     return ", ".join(words)
 
 
+def _torch_facts_unimported() -> tuple[str | None, dict | None]:
+    """torch's version and CUDA device count without importing torch: ``torch/version.py`` (the text
+    ``torch.__version__`` and ``torch.version.cuda`` come from), and for a CUDA build the GPUs the NVIDIA
+    driver lists (``/proc/driver/nvidia/gpus``), as many as ``CUDA_VISIBLE_DEVICES`` leaves visible when it
+    is a list of indices (None when it names devices otherwise: not told)."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None, None
+    text = open(os.path.join(list(spec.submodule_search_locations)[0], "version.py"), encoding="utf-8").read()
+    version = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+    cuda = re.search(r"^cuda\s*(?::[^=]*)?=\s*(None|['\"][^'\"]*['\"])", text, re.M)
+    if version is None or cuda is None:
+        return (version.group(1) if version else None), None
+    if cuda.group(1) == "None":
+        return version.group(1), {"cuda": 0}  # a CPU build: torch.cuda.is_available() is False
+    try:
+        n = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        n = 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [x.strip() for x in visible.split(",") if x.strip()]
+        if not all(x.isdigit() for x in ids):
+            return version.group(1), None
+        valid = 0
+        for x in ids:  # CUDA stops at the first index the driver does not have
+            if int(x) >= n:
+                break
+            valid += 1
+        n = valid
+    return version.group(1), {"cuda": n}
+
+
 def default_instructions(source_format: str, layout: str, top_keys: list[str], needs: dict | None = None,
                          allowed: list[str] | None = None) -> dict:
     """Loading instructions when the user gives none, generated from what the restored output needs.
@@ -361,10 +400,18 @@ def restored_file_loading(path: str | os.PathLike, *, plain_parts: list[str] | N
     """
     import zipfile
 
+    from pathlib import Path
+
+    from ckpt_archive.store import fs
+
     p = os.fspath(path)
     if not zipfile.is_zipfile(p):
-        with open(p, "rb") as fh:
-            head = fh.read(1)
+        with fs.Dir.open(Path(p).parent) as folder:  # the target just written, read through the file layer
+            fd = folder.open_file(Path(p).name, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                head = os.read(fd, 1)
+            finally:
+                os.close(fd)
         if head != b"\x80":  # not a pickle either: a .safetensors file (restore writes nothing else)
             return {"format": "safetensors", "allow": [], "text": "loads with safetensors.torch.load_file(path)",
                     "snippet": f"from safetensors.torch import load_file\nstate = load_file({p!r})\n"}

@@ -173,13 +173,17 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
             raise UsageError(f"retention must be a RetentionPolicy or None, not {type(retention).__name__} "
                              f"(RetentionPolicy.from_dict({retention!r}) reads a dict)")
     from ckpt_archive.format.allowlist import allowing
-    from ckpt_archive.format.state_tree import encode, encode_value
+    from ckpt_archive.format.pt_encode import encode  # state_tree's, also for a file read without torch
+    from ckpt_archive.format.state_tree import encode_value
 
     allow = (options.allow,) if isinstance(options.allow, (str, type)) else tuple(options.allow or ())
     with allowing(allow) as allowed:  # [issue 11] plain-data classes admitted for reading and encoding
         if isinstance(source_or_path, (str, os.PathLike)):
             extra = {"zip_crc_checked": True} if zip_crc_checked else {}
-            source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy, **extra)
+            # [issue 29] a torch.save file whose pickle holds only plain containers and dense tensors is read
+            # without importing torch (format/pt_pickle.py); anything else through torch.load(weights_only=True)
+            source = read_source(source_or_path, options.source_format, allow_numpy=options.allow_numpy,
+                                 torch_free=encoder is None, **extra)
         else:
             source = from_object(source_or_path)
         encoded = (encoder or encode)(source.state)
@@ -217,9 +221,18 @@ def _prepare(source_or_path: Any, options: PackOptions, notes: Annotations, rete
     config_enc = encode_value(config_v) if config_v is not None else {}
     metrics_plain = metrics_to_json(metrics_v)
     try:
-        ids_size = len(json.dumps(ids_v, allow_nan=False))
+        ids_text = json.dumps(ids_v, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"data ids must be plain JSON values: {exc}") from None
+    ids_size = len(ids_text)
+    from ckpt_archive.format.jsonio import parse_cost
+    from ckpt_archive.format.limits import MAX_DATA_IDS_COST
+
+    if ids_size <= MAX_DATA_IDS_BYTES and parse_cost(ids_text) > MAX_DATA_IDS_COST:  # no reader would read them
+        raise UsageError(f"data ids of {ids_size} bytes are refused: reading them back would take about "
+                         f"{parse_cost(ids_text)} bytes of memory, more than the {MAX_DATA_IDS_COST} a reader "
+                         f"allows (docs/FORMAT.md, 'Reading hostile archives'); a larger dataset identity "
+                         f"belongs in a file of the checkpoint folder")
     # every `list` reads every manifest: config and metrics stay small (data ids live in a member)
     for name, value, limit in (("config", config_enc, MAX_ANNOTATION_BYTES), ("metrics", metrics_plain,
                                MAX_ANNOTATION_BYTES), ("data ids", None, MAX_DATA_IDS_BYTES)):

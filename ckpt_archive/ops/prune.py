@@ -112,7 +112,7 @@ def _verify_problems(repo: Any, number: int) -> list[str]:
     from ckpt_archive.ops import verify as verify_op  # looked up at call time: tests replace verify_op.verify
 
     try:
-        report = verify_op.verify(repo, str(number), policy=False)  # the stored bytes; no LR audit
+        report = verify_op.verify(repo, str(number), policy=False, record=False)  # stored bytes; nothing recorded
     except (CkptArchiveError, OSError) as exc:
         return [f"could not be verified: {exc}"]
     lines = []

@@ -10,7 +10,8 @@ from typing import Any, Callable
 from ckpt_archive.errors import (CannotCheck, InsufficientSpace, IntegrityError, OutputExists, UsageError,
                                  first_line)
 from ckpt_archive.format.paths import check_relpath
-from ckpt_archive.ops.common import RepoLike, copied_note, open_repo, pick, refuse_special_output, refuse_unusable
+from ckpt_archive.ops.common import (RepoLike, copied_note, open_repo, refuse_special_output, refuse_unusable,
+                                     require_readable)
 from ckpt_archive.ops.load import with_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -99,8 +100,13 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     Returns:
         :class:`RestoreResult`.
 
+    Whatever it decodes, the rest of the generation is checked before the output is put in place (stored
+    bytes of every member and object not decoded, the tensor index: docs/FORMAT.md, "One status rule"); a
+    failure is recorded (``CHECK-FAILED.json``), so later readers and ``list`` see the generation damaged.
+
     Raises:
-        OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1);
+        OutputExists (exit 2) without ``force``; InsufficientSpace (exit 2); IntegrityError (exit 1): a
+            member, object or record of the generation fails a check (also one recorded by an earlier reader);
         UsageError (exit 2): no output, or an output that would destroy the repository or the current folder,
             or one that is a FIFO, device or socket (with or without ``force``: not ours to replace);
             ``folder_rewrite`` for a generation that does not restore to a folder.
@@ -129,9 +135,11 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         raise OutputExists("exists; pass --force to replace it (nothing was written)", where=str(out))
     r = open_repo(repo, **store_options)
     notes: list[str] = []
-    refuse_unusable(r, r.resolve(generation, copied=True), unverified=unverified, action="restore",
-                    override="--restore-unverified")
-    gen0 = pick(r, generation, fallback)
+    gen0 = r.resolve(generation, copied=True)
+    latest_recorded = gen0.found_damaged_here and str(generation) == "latest"  # refused by with_fallback's rule
+    if not latest_recorded:
+        refuse_unusable(r, gen0, unverified=unverified, action="restore", override="--restore-unverified")
+    gen0 = require_readable(r, gen0, allow_noted=unverified or latest_recorded)
     ids_check = None
     if data_ids is not None:
         from ckpt_archive.ops.data_identity import check_data_ids
@@ -162,10 +170,10 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     stage = Staging(out)  # the output's folder (created if absent), leftovers of killed restores removed
     staged = stage.entry  # the output being written, in the private staging folder
     rewritten: dict = {}
+    passed: list[str] = []  # latest passing over newer damaged generations, a fallback taken
 
-    def write(gen: Generation) -> int:
+    def write(gen: Generation, reader: ArchiveReader) -> int:
         stage.reset()  # a --fallback retry starts from nothing
-        reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)
         raw = None if only else gen.manifest["summary"].get("raw_bytes")
         if layout == "folder" and not only:
             phase(on_bytes, f"decode, check and write generation {gen.number}", raw)
@@ -220,7 +228,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     with stage:  # on any exception the staging folder is removed; the output is untouched
         with allowing(allow):
             gen, nbytes = with_fallback(r, generation, fallback, write, unverified=unverified, action="restore",
-                                        override="--restore-unverified", notes=notes)
+                                        override="--restore-unverified", notes=notes, warnings=passed, jobs=jobs)
         if layout == "file" and not only and transform is None:  # the source file itself: its permission bits
             apply_mode(stage.dir, stage.name, (gen.manifest["source"].get("files") or [{}])[0])
         refuse_special_output(out)  # again: one may have been put there while we wrote
@@ -232,7 +240,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             raise OutputExists("appeared while restoring; pass --force to replace it (nothing was written)",
                                where=str(out)) from None
     result = RestoreResult(gen.number, str(out), nbytes, "folder" if (layout == "folder" and not only) else "file", only,
-                           warnings=list(notes))
+                           warnings=list(notes) + passed)
     if notes:
         result.extra["unverified"] = True
     if ids_check is not None:
@@ -408,15 +416,20 @@ def _restore_exact(reader: ArchiveReader, f: dict, target: Entry, on_bytes=None)
     if skeleton is None:
         raise IntegrityError(f"manifest lists no member {f['exact']['member']!r}", where="manifest.json")
 
-    def entry_bytes(wanted: set):
+    # [issue 29] chunk by chunk (memory does not grow with a tensor's size), and every byte is checked once,
+    # end to end: the rebuilt file's sha256 against the source's, taken as it is written. The stored chunks'
+    # sha256 and the entries' fingerprints would check the same bytes again (~0.5 ns/B); a mismatch removes
+    # the output and `verify --deep` names the damaged chunk.
+    def entry_pieces(wanted: set):
         for m in reader.manifest["members"]:
             mine = wanted & set(m.get("entries") or ()) if m["role"] == "tensors" else set()
             if mine:
-                for key, _, buf in reader.iter_entries(m, wanted=mine, on_bytes=on_bytes):
-                    yield key, buf
+                for key, _, offset, piece in reader.iter_entry_pieces(m, wanted=mine, on_bytes=on_bytes,
+                                                                      checked_by_caller=True):
+                    yield key, offset, piece
 
-    return exact_bytes.rebuild(target, f, (chunk for _, chunk in reader.iter_member(skeleton, on_bytes=on_bytes)),
-                               entry_bytes)
+    skeleton_chunks = reader.iter_member(skeleton, on_bytes=on_bytes, check_whole=False, verify_chunks=False)
+    return exact_bytes.rebuild(target, f, (chunk for _, chunk in skeleton_chunks), entry_pieces)
 
 
 class _Counted:

@@ -13,9 +13,11 @@ raw size on disk. Here the file is written once, in place:
    writer: every record is what ``torch.save`` of the real state writes, but the random
    ``.data/serialization_id`` and the pickle, which loads the same and memoises the location string
    ``'cpu'`` less often). A pickler hook records which storage torch named ``data/<key>``.
-3. Each storage record is filled from its entry's decoded bytes (every chunk and the member's raw
-   fingerprint checked by the reader on the way; one entry in memory at a time) and its CRC-32 written
-   into the record's data descriptor and the central directory.
+3. Each storage record is filled from its entry's decoded bytes, one decoded chunk at a time, written in
+   place with ``pwrite`` (every chunk and the member's raw fingerprint checked by the reader on the way;
+   memory is the chunk pipeline's whatever a storage's size, [issue 29]) and its CRC-32, taken on the way,
+   written into the record's data descriptor and the central directory. Views of part of an entry are
+   checked against their own fingerprints from the written file (a read-only file-backed map).
 
 States this path cannot reproduce exactly go the old way (``None`` is returned before anything is
 written): an ``nn.Parameter``, a conj/neg view, a tensor with Python attributes, a sparse, quantized,
@@ -33,6 +35,7 @@ from typing import Any
 
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format.exact_bytes import crc32, pwrite_all, zip_records
+from ckpt_archive.format.ordered_writes import ParallelWrites
 from ckpt_archive.repo.reader import ArchiveReader, leaf_from_base, tensor_refs
 from ckpt_archive.store.fs import Entry
 
@@ -245,31 +248,73 @@ def _fill(reader: ArchiveReader, target: Entry, plan: list, member_of: dict, on_
             real.append((name, what))
     fd = target.open(os.O_RDWR)
     try:
-        def put(name: str, data) -> None:
+        def seal(name: str, crc: int, nbytes: int) -> None:
+            """The record holds ``nbytes`` written bytes: write its CRC-32 into its data descriptor and its
+            central-directory entry."""
             start, length, flags, cd_at = records[name]
-            mv = memoryview(data).cast("B")
-            if len(mv) != length:
-                raise IntegrityError(f"record {name} holds {length} bytes, its storage {len(mv)}", where=str(target))
-            pwrite_all(fd, mv, start)
-            crc = struct.pack("<I", crc32(mv) & 0xFFFFFFFF)
+            if nbytes != length:
+                raise IntegrityError(f"record {name} holds {length} bytes, its storage {nbytes}", where=str(target))
+            packed = struct.pack("<I", crc & 0xFFFFFFFF)
             if flags & 0x08:  # a data descriptor follows the data: [signature] crc, sizes
                 sig = os.pread(fd, 4, start + length)
-                pwrite_all(fd, crc, start + length + (4 if sig == _DD_MAGIC else 0))
-            pwrite_all(fd, crc, cd_at + 16)
+                pwrite_all(fd, packed, start + length + (4 if sig == _DD_MAGIC else 0))
+            pwrite_all(fd, packed, cd_at + 16)
 
         for name, storage in real:  # small: their bytes from memory
-            put(name, torch.empty(0, dtype=torch.uint8).set_(storage).numpy() if storage.nbytes() else b"")
+            data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy() if storage.nbytes() else b""
+            pwrite_all(fd, data, records[name][0])
+            seal(name, crc32(memoryview(data).cast("B")), len(memoryview(data).cast("B")))
         members: dict[str, set] = {}
         for entry in by_entry:
             members.setdefault(member_of[entry]["path"], set()).add(entry)
         for path, wanted in members.items():
+            # [issue 29] chunk by chunk, written in place: memory does not grow with a storage's size (the
+            # reader checks every chunk and every entry's raw fingerprint; its verdict comes at the member's
+            # end, and any error removes the file)
             rec = reader.by_path[path]
-            for key, erec, buf in reader.iter_entries(rec, wanted=wanted, on_bytes=on_bytes, transient=True):
-                for leaf, lrec in (part_views or {}).get(key, ()):
-                    check_leaf_bytes(buf, erec, lrec, leaf, fingerprint.raw_fp(erec))
+            crcs: dict[str, int] = {}
+            written: dict[str, int] = {}
+            writes = ParallelWrites(fd)  # the page-cache copies on their own threads
+            try:
+                for key, erec, offset, piece in reader.iter_entry_pieces(rec, wanted=wanted, on_bytes=on_bytes):
+                    for name in by_entry[key]:
+                        start, length = records[name][:2]
+                        if offset != written.get(name, 0) or offset + len(piece) > length:
+                            raise IntegrityError(f"record {name} holds {length} bytes, its storage more",
+                                                 where=str(target))
+                        writes.write(piece, start + offset)
+                        crcs[name] = crc32(piece, crcs.get(name, 0))
+                        written[name] = offset + len(piece)
+                writes.drain()
+            finally:
+                writes.close()
+            for key in wanted:
+                erec = rec["entries"][key]
                 for name in by_entry[key]:
-                    put(name, buf)
+                    seal(name, crcs.get(name, 0), written.get(name, 0))
+                if (part_views or {}).get(key):
+                    _check_part_views(fd, records[by_entry[key][0]][0], erec, part_views[key], check_leaf_bytes,
+                                      fingerprint.raw_fp(erec))
         os.fsync(fd)
         return os.fstat(fd).st_size
     finally:
         os.close(fd)
+
+
+def _check_part_views(fd: int, start: int, erec: dict, views: list, check_leaf_bytes, entry_fp: str) -> None:
+    """Check the views of part of one entry against their own raw fingerprints, reading the entry's bytes
+    back from the file just written (a read-only, file-backed map: no anonymous copy of the entry)."""
+    import mmap
+
+    lo, hi = erec["data_offsets"]
+    nbytes = hi - lo
+    if nbytes == 0:
+        for leaf, lrec in views:
+            check_leaf_bytes(b"", erec, lrec, leaf, entry_fp)
+        return
+    aligned = start - start % mmap.ALLOCATIONGRANULARITY
+    mm = mmap.mmap(fd, start - aligned + nbytes, offset=aligned, access=mmap.ACCESS_READ)
+    buf = memoryview(mm)[start - aligned:]
+    for leaf, lrec in views:
+        check_leaf_bytes(buf, erec, lrec, leaf, entry_fp)
+    del buf  # the map is closed when the last view of it goes

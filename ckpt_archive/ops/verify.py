@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from ckpt_archive.errors import CannotCheck, IntegrityError, ReadOnlyRepository
+from ckpt_archive.errors import CannotCheck, CkptArchiveError, IntegrityError, ReadOnlyRepository
 from ckpt_archive.ops.common import RepoLike, open_repo
 from ckpt_archive.repo.reader import ArchiveReader, Problem
-from ckpt_archive.repo.repository import MANIFEST, Generation, Repository
+from ckpt_archive.repo.repository import CHECK_FAILED, MANIFEST, Generation, Repository
 
 
 @dataclasses.dataclass
@@ -70,7 +70,8 @@ def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | Non
             raise gen.error
         problems.append(Problem(f"not usable: {gen.reason}", member=MANIFEST))
         return problems, None
-    if gen.status == "damaged" and not (deep and gen.check_failed is not None):  # a new deep check supersedes
+    noted = gen.check_failed is not None  # a failed check recorded here: this check speaks first (below)
+    if gen.status == "damaged" and not noted:
         problems.append(Problem(gen.reason or "damaged", member="USABLE.json"))
     elif gen.status == "partial":
         problems.append(Problem(f"not usable: {gen.reason}", member="USABLE.json"))
@@ -95,6 +96,8 @@ def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | Non
         reader.check_stored(problems, on_bytes=on_bytes)
     name_shared_object_users(r, gen, reader, problems, deep)
     problems.extend(source_layout_problems(gen.manifest))
+    if noted and not deep and not problems:  # a shallow pass cannot clear what a check recorded: a deep one can
+        problems.append(Problem(f"{gen.reason}", member=CHECK_FAILED))
     return problems, stats
 
 
@@ -170,22 +173,66 @@ def source_layout_problems(manifest: dict) -> list[Problem]:
 
 
 def find_fallback(r: Repository, newer_than_bad: int, deep: bool, jobs=None) -> int | None:
-    """The newest usable generation older than ``newer_than_bad`` that passes :func:`check_generation`."""
+    """The newest usable generation older than ``newer_than_bad`` that passes :func:`check_generation`.
+
+    Whatever fails while one generation is checked -- a member or object that is a folder, a FIFO, a device,
+    a link, truncated, unreadable here (:func:`~ckpt_archive.ops.common.fails_generation`), or anything else
+    that keeps it from being checked -- passes that generation over: it is not one that verifies. Never the
+    end of the search.
+    """
+    from ckpt_archive.ops.common import fails_generation
+
     for g in reversed(r.usable()):
         if g.number >= newer_than_bad:
             continue
         try:
             problems, _ = check_generation(r, g, deep, jobs)
-        except (CannotCheck, OSError):  # a file of it cannot be read here (an unreadable shared object)
-            continue
+        except Exception as exc:  # noqa: BLE001 - sorted by fails_generation
+            if fails_generation(exc, r) or isinstance(exc, (CannotCheck, OSError)):
+                continue  # (an older generation that cannot be checked here is not one that verifies)
+            raise
         if not problems:
             return g.number
     return None
 
 
+def record_failure(r: Repository, gen: Generation, problems: list[Problem], *, by: str) -> list[str]:
+    """[issue 24: one status rule] Record a failed check found by ``verify`` (without the lock: the note is
+    only ever created, :meth:`Repository.note_check_failed`) on the generation checked and, for a damaged
+    shared object, on every other generation that references it (it breaks them all). Returns the lines
+    to show for notes that could not be written (a read-only repository)."""
+    from ckpt_archive.ops.common import note_damage
+
+    out = []
+    line = note_damage(r, gen, problems, by=by)
+    if line:
+        out.append(line)
+    users: dict[str, list[int]] | None = None
+    for p in problems:
+        fp = _object_fp(p)
+        if fp is None or p.local:
+            continue
+        if users is None:
+            from ckpt_archive.repo.objects import users_of
+
+            users = users_of(r)
+        for n in users.get(fp, []):
+            if n == gen.number:
+                continue
+            try:
+                other = r.generation(n)
+            except CkptArchiveError:
+                continue
+            line = note_damage(r, other, [Problem(f"{p.reason} (found while checking generation {gen.number})",
+                                                  member=p.member, field=p.field)], by=by)
+            if line and line not in out:
+                out.append(line)
+    return out
+
+
 def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = False, jobs: int | None = None,
            on_bytes=None, fallback: bool = False, wait: float = 0.0, strict: bool = False, policy: bool = True,
-           store_options: Mapping[str, Any] | None = None) -> VerifyReport:
+           record: bool = True, store_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Check a generation.
 
     Shallow: manifest (schema, version), marker, every stored member's size and sha256. Deep
@@ -215,6 +262,11 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
         strict: completeness warnings fail the check (``--strict``).
         policy: audit the LR policy and completeness (default); False checks the stored bytes only.
         store_options: for URL repositories (``{"endpoint_url": ..., "storage_options": {...}}``).
+        record: record a failed check of a ``usable`` or ``copied`` generation (``CHECK-FAILED.json``, created
+            without the lock, never replacing anything: :func:`record_failure`), so that ``list``, ``@latest``,
+            restore and load treat it as damaged from then on (docs/FORMAT.md, "One status rule"). A
+            shared object's damage is recorded on every generation that references it. ``prune`` and
+            retention pass False (their own refusal reports it).
 
     Returns:
         :class:`VerifyReport` (``ok`` False: exit 1).
@@ -256,6 +308,9 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
     if not_marked is not None:
         report.warnings.append(not_marked)
         report.extra["not_marked"] = not_marked
+    if record and problems and gen.status in ("usable", "copied") and gen.check_failed is None:
+        # [issue 24] damaged for every reader from now on: list, @latest, restore and load say so
+        report.warnings.extend(record_failure(r, gen, problems, by="verify --deep" if deep else "verify"))
     if problems and str(generation) == "latest":
         fb = find_fallback(r, gen.number, deep, jobs)
         report.fallback = fb
@@ -378,5 +433,5 @@ def adopt(repo: RepoLike, *, jobs: int | None = None, wait: float = 0.0, on_byte
     return report
 
 
-__all__ = ["verify", "VerifyReport", "adopt", "AdoptReport", "check_generation", "find_fallback",
+__all__ = ["verify", "VerifyReport", "adopt", "AdoptReport", "check_generation", "find_fallback", "record_failure",
            "source_layout_problems", "name_shared_object_users", "shared_object_report"]

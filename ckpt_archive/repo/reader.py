@@ -15,12 +15,14 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
-from ckpt_archive.errors import FormatError, IntegrityError, NotFound, UnsafePath, UsageError, first_line
+from ckpt_archive.errors import (CkptArchiveError, FormatError, IntegrityError, NotFound, UnsafePath, UsageError,
+                                 first_line)
 from ckpt_archive.format import fingerprint, jsonio
 from ckpt_archive.format.codec import StoredStream, _fileno, default_jobs, iter_decoded, submit_chunk_checks
 from ckpt_archive.format.objects import parts, stored_files
 from ckpt_archive.repo.objects import ProvenRange, decode_around, object_entries, open_member
-from ckpt_archive.format.limits import check_allocation, frame_size_problem, lazy_buffer
+from ckpt_archive.format.limits import (IN_FLIGHT_RAW_BYTES, MAX_TREE_BYTES, MAX_TREE_COST, check_allocation,
+                                       check_whole_read, frame_size_problem, lazy_buffer)
 from ckpt_archive.format.shard import check_header as _check_header
 from ckpt_archive.format.state_tree import apply_view_bits, decode, torch_dtype
 
@@ -36,9 +38,19 @@ class Problem:
     reason: str
     member: str | None = None
     field: str | None = None
+    #: True when what failed is this machine, not the generation (a buffer larger than its memory:
+    #: :class:`~ckpt_archive.errors.TooLargeHere`): reported, but never recorded as a failed check.
+    local: bool = False
 
     def to_json(self) -> dict:
         return {"member": self.member, "field": self.field, "reason": self.reason}
+
+    @classmethod
+    def of(cls, exc: CkptArchiveError, *, member: str | None = None, field: str | None = None) -> "Problem":
+        """The problem an error of the tool names (``exc.where`` when it names a place, else ``member``)."""
+        from ckpt_archive.errors import TooLargeHere
+
+        return cls(exc.message, member=exc.where or member, field=field, local=isinstance(exc, TooLargeHere))
 
 
 
@@ -76,22 +88,31 @@ class ArchiveReader:
         #: bytes are the manifest's. ``verify``, export's check at its destination and adopt hash every
         #: stored chunk (bytes someone else wrote).
         self.written_crc: dict[str, list] = {}
+        #: [issue 24: one status rule] store keys of the stored files (member files and shared objects) whose
+        #: every chunk's stored sha256 a completed read of this reader checked: :meth:`check_unread` checks
+        #: the others, so a reader that used only part of a generation still vouches for all of it.
+        self.verified_keys: set[str] = set()
+        self._tree: Any = None  # the parsed state tree, once read (:meth:`tree`)
 
     def key(self, rec: dict) -> str:
         return f"{self.gen_key}/{rec['stored_path']}"
 
     # -- shallow -----------------------------------------------------------------------------------
-    def check_stored(self, problems: list[Problem], on_bytes=None, *, hash_files: bool = True) -> None:
+    def check_stored(self, problems: list[Problem], on_bytes=None, *, hash_files: bool = True,
+                     skip: set[str] | frozenset = frozenset()) -> None:
         """Sizes and whole-file stored sha256 of every member (reads stored bytes, decodes nothing).
 
         ``hash_files=False`` checks sizes only: for callers that run :meth:`trial_reload` next, whose
         single read checks every chunk's stored sha256 (which implies the whole file's).
+        ``skip``: store keys of stored files not to check (already checked by this reader).
         [codec/benchmarks helper: verify and trial reload share one read in pack]
         """
         files: list[tuple[dict, str]] = []
         seen: set[str] = set()
         for member in self.manifest["members"]:
             for key, fp, rec in stored_files(member, self.gen_key):
+                if key in skip:
+                    continue
                 if fp is not None:
                     if fp in seen:
                         continue  # one object referenced twice by this generation is checked once
@@ -117,6 +138,14 @@ class ArchiveReader:
                 for item in window:  # an error on the way: close what is still open
                     if item["fh_cm"] is not None:
                         item["fh_cm"].__exit__(None, None, None)
+
+    def check_unread(self, problems: list[Problem]) -> None:
+        """[issue 24: one status rule] What a shallow ``verify`` checks -- every stored file's size and every
+        chunk's stored sha256 -- for the stored files this reader has not checked while decoding
+        (:attr:`verified_keys`): a generation with one damaged member is damaged for every reader, whether
+        or not it reads that member (``restore`` of a ``.pt`` kept as exact bytes never decodes the tree;
+        ``load(only="model")`` never decodes the optimizer's shard)."""
+        self.check_stored(problems, skip=frozenset(self.verified_keys))
 
     def _check_size(self, rec: dict, key: str, problems: list[Problem]) -> bool:
         """The stored file exists and has the recorded size (a problem is added when not)."""
@@ -147,7 +176,10 @@ class ArchiveReader:
             cm = self.store.open_read(key)
             fh = cm.__enter__()
         except PermissionError as exc:  # there, but this process may not read it: reported, never skipped
-            item["problems"].append(Problem(f"cannot be read here: {exc.strerror}", member=rec["path"]))
+            item["problems"].append(Problem(f"cannot be read here: {exc.strerror}", member=rec["path"], local=True))
+            return item
+        except UnsafePath as exc:  # a folder, a FIFO, a device where the file must be: never read
+            item["problems"].append(Problem(f"not a file of this repository: {exc.message}", member=rec["path"]))
             return item
         except IntegrityError as exc:  # an encrypted file whose header or size fails its check
             item["problems"].append(Problem(exc.message, member=rec["path"]))
@@ -269,39 +301,71 @@ class ArchiveReader:
                 else:
                     chunks = iter_decoded(fh, rec, member=rec["path"], jobs=self.jobs, verify_chunks=verify_chunks,
                                           into=into, skip_sha=skip, written_crc=crcs)
+                hashing = 0  # raw bytes queued for the raw fingerprint (bounded: IN_FLIGHT_RAW_BYTES)
                 for off, chunk in chunks:
                     if isinstance(chunk, ProvenRange):
-                        pending.append(hasher.submit(_skip_or_fail, raw_check, chunk, rec["path"]))
+                        pending.append((0, hasher.submit(_skip_or_fail, raw_check, chunk, rec["path"])))
                         if on_bytes:
                             on_bytes(chunk.nbytes)
                         yield off, chunk
                         continue
                     if raw_check is not None:
-                        pending.append(hasher.submit(raw_check.update, chunk))
-                        while len(pending) > 2 * self.jobs:
-                            pending.popleft().result()
+                        pending.append((len(chunk), hasher.submit(raw_check.update, chunk)))
+                        hashing += len(chunk)
+                        while len(pending) > 2 * self.jobs or (len(pending) > 1 and hashing > IN_FLIGHT_RAW_BYTES):
+                            n, fut = pending.popleft()
+                            fut.result()
+                            hashing -= n
                     total += len(chunk)
                     if on_bytes:
                         on_bytes(len(chunk))
                     yield off, chunk
             while pending:
-                pending.popleft().result()
+                pending.popleft()[1].result()
         finally:
             hasher.shutdown(wait=True, cancel_futures=True)
         if raw_check is not None:
             bad = raw_check.problem()
             if bad is not None:
                 raise IntegrityError(bad, where=rec["path"])
+        if verify_chunks and not skip and crcs is None:  # every chunk's stored sha256 was checked here
+            self.verified_keys.update(key for key, _, _ in stored_files(rec, self.gen_key))
 
-    def read_member_bytes(self, path: str) -> bytes:
+    def read_member_bytes(self, path: str, *, limit: int) -> bytearray:
+        """The whole raw bytes of a member a reader holds in memory (the state tree, the data ids), every
+        chunk's stored sha256 and the member's raw fingerprint checked.
+
+        Bounded before anything is read (docs/FORMAT.md, "Reading hostile archives"): the member's declared
+        raw and stored sizes, in total and summed over its chunks, must fit ``limit``
+        (:func:`~ckpt_archive.format.limits.check_whole_read`); the chunks are then decoded into one buffer
+        of exactly the declared size (never joined), and the read stops at the first byte beyond it.
+
+        Args:
+            path: the member's path. limit: the most raw bytes held (e.g. ``limits.MAX_TREE_BYTES``).
+
+        Returns:
+            the raw bytes (a ``bytearray`` of the member's ``raw_bytes``).
+
+        Raises:
+            FormatError: the manifest lists no such member.
+            ImplausibleSize: (exit 1) larger than ``limit``; names the member and the limit.
+            IntegrityError: (exit 1) a chunk or the raw fingerprint fails.
+        """
         rec = self.by_path.get(path)
         if rec is None:
             raise FormatError(f"manifest lists no member {path!r}", where="manifest.json")
-        return b"".join(chunk for _, chunk in self.iter_member(rec))
+        check_whole_read(rec, path, limit)
+        buf = bytearray(rec["raw_bytes"])
+        got = 0
+        for _, chunk in self.iter_member(rec, into=buf if rec["raw_bytes"] else None):
+            got += len(chunk)
+            if got > len(buf):  # cannot happen with a tiling chunk table: checked on the real bytes anyway
+                raise IntegrityError(f"decodes to more than its {len(buf)} raw bytes", where=path)
+        return buf
 
     def iter_entries(self, rec: dict, *, wanted: set[str] | None = None, on_bytes=None,
-                     checked_by_caller: bool = False, into=None, transient: bool = False,
-                     sizes_only: set[str] | frozenset = frozenset(),
+                     checked_by_caller: bool = False, verify_stored: bool | None = None, into=None,
+                     transient: bool = False, sizes_only: set[str] | frozenset = frozenset(),
                      skip_objects: frozenset = frozenset()) -> Iterator[tuple[str, dict, Any]]:
         """Yield ``(entry key, entry record, raw bytes)`` of a tensors shard, one tensor at a time.
 
@@ -309,6 +373,9 @@ class ArchiveReader:
         are skipped (their bytes are still read and checked: chunks are hashed as wholes). The raw
         bytes are writable and bytes-like: a zero-copy view of the decoded chunk when the entry lies
         in one writable chunk, else one preallocated ``bytearray`` (no growth by appending).
+        ``verify_stored``: check every chunk's stored sha256 (default: unless ``checked_by_caller``); a reader
+        that vouches for the whole generation afterwards (``load``) checks them in this one read rather than
+        in a second one (:meth:`check_unread` skips the files checked here).
         ``checked_by_caller``: skip the chunk and member hashes because the caller checks the raw
         sha256 of every entry it receives (and receives every entry it returns data from).
         ``into``: a writable buffer of the member's raw size; chunks are decoded straight into it and
@@ -324,13 +391,14 @@ class ArchiveReader:
         """
         entries = rec["entries"]
         base = rec["header_bytes"]
+        verify = not checked_by_caller if verify_stored is None else verify_stored
         order = sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0])
         idx = 0
         if into is not None:
             whole = memoryview(into).cast("B")
             header_checked = base == 0
             for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
-                                               verify_chunks=not checked_by_caller, into=into):
+                                               verify_chunks=verify, into=into):
                 frontier = off + len(chunk)
                 if not header_checked:
                     if frontier < base:
@@ -358,7 +426,7 @@ class ArchiveReader:
             skip = frozenset(oid for oid, key in object_entries(rec).items()
                              if oid in skip_objects and key in sizes_only)
         for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
-                                           verify_chunks=not checked_by_caller, skip_objects=skip):
+                                           verify_chunks=verify, skip_objects=skip):
             if isinstance(chunk, ProvenRange):
                 # an entry held whole by a proven shared object (never decoded here): it starts where the
                 # stream stands, at an entry boundary, and is exactly that entry
@@ -437,6 +505,105 @@ class ArchiveReader:
         if idx != len(order):
             raise IntegrityError(f"shard ends before entry {order[idx][0]}", where=rec["path"])
 
+    def entry_pieces(self, rec: dict, key: str, *, on_bytes=None) -> Iterator[memoryview]:
+        """The raw bytes of one entry of a tensors member, in order, decoded from only the chunks that hold
+        them, where they live (the member's file or its shared object), on the decoder pool with every chunk's
+        stored sha256 checked first (:func:`~ckpt_archive.format.codec.iter_decoded` over that window of the
+        file); the entry's raw fingerprint is checked once its last byte is out. Memory: the decoder's
+        in-flight bound. For reading entries out of their data order (a source file's exact bytes rebuilt in
+        file order, :func:`ckpt_archive.repo.trial_reload.rebuilt_sha256`).
+
+        Raises:
+            IntegrityError: a chunk is short, fails its sha256 or does not decode; the entry's fingerprint
+                differs (names the member and the entry).
+        """
+        from ckpt_archive.format.objects import object_key
+
+        e = rec["entries"][key]
+        base = rec["header_bytes"]
+        lo, hi = base + e["data_offsets"][0], base + e["data_offsets"][1]
+        want = fingerprint.raw_fp(e)
+        alg = fingerprint.split(want)[0] if want else None
+        h = fingerprint.new(alg) if alg else None
+        chunks = rec["chunks"]
+        for part in parts(rec) if hi > lo else ():
+            local = [(i, c) for i, c in zip(part.index, part.record["chunks"])
+                     if chunks[i]["raw_offset"] < hi and chunks[i]["raw_offset"] + chunks[i]["raw_bytes"] > lo]
+            if not local:
+                continue
+            first = local[0][1]
+            window = {"raw_bytes": sum(c["raw_bytes"] for _, c in local),
+                      "stored_bytes": sum(c["stored_bytes"] for _, c in local), "chunks": []}
+            raw_at = {}
+            for i, c in local:  # the entry's chunks, rebased to a file of their own
+                raw_at[c["raw_offset"] - first["raw_offset"]] = chunks[i]["raw_offset"]
+                window["chunks"].append({**c, "raw_offset": c["raw_offset"] - first["raw_offset"],
+                                         "stored_offset": c["stored_offset"] - first["stored_offset"]})
+            part_key = self.key(rec) if part.oid is None else object_key(part.oid)
+            with self.store.open_read(part_key) as fh:
+                view = _Window(fh, first["stored_offset"], window["stored_bytes"])
+                for off, chunk in iter_decoded(view, window, member=rec["path"], jobs=self.jobs):
+                    start = raw_at[off]
+                    mv = memoryview(chunk).cast("B")
+                    piece = mv[max(lo - start, 0):max(min(hi - start, len(mv)), 0)]
+                    if h is not None:
+                        h.update(piece)
+                    if on_bytes:
+                        on_bytes(len(piece))
+                    yield piece
+        if h is not None and f"{alg}:{h.hexdigest()}" != want:
+            raise IntegrityError(f"tensor bytes fingerprint mismatch: expected {want}, got {alg}:{h.hexdigest()}",
+                                 where=f"{rec['path']}:{key}")
+
+    def iter_entry_pieces(self, rec: dict, *, wanted: set[str], on_bytes=None, checked_by_caller: bool = False
+                          ) -> Iterator[tuple[str, dict, int, Any]]:
+        """[issue 29] Yield ``(entry key, entry record, offset in the entry, piece)`` for the ``wanted``
+        entries of a tensors shard, one decoded chunk's part at a time: nothing larger than a chunk is held,
+        whatever the entry's size (a 40 GiB optimizer moment restores in the chunk pipeline's memory).
+
+        Every chunk's stored sha256 and every entry's raw fingerprint (the member's raw check) are checked
+        on the way, the header against the manifest first; the raw check's verdict comes when the member
+        ends. So a caller that writes pieces as they come must not treat what it wrote as good before this
+        iterator is exhausted (restore writes a temporary file, removed on any error). Pieces are read-only
+        bytes-like views of decoded chunks (each chunk its own buffer, never reused).
+        ``checked_by_caller``: neither the chunks' stored sha256 nor the entries' raw fingerprints are taken
+        here -- only for a caller that checks every byte it receives end to end itself (an exact-bytes
+        restore checks the whole rebuilt file's sha256 against the source's).
+
+        Raises:
+            IntegrityError: a chunk, the header or an entry fails its check; names the member.
+        """
+        entries = rec["entries"]
+        base = rec["header_bytes"]
+        order = [(k, e) for k, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]) if k in wanted]
+        header = bytearray()
+        i = 0
+        for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
+                                           verify_chunks=not checked_by_caller):
+            mv = memoryview(chunk).cast("B")
+            end = off + len(mv)
+            if len(header) < base:
+                header += mv[:base - off] if off < base else b""
+                if len(header) >= base:
+                    _check_header(bytes(header[:base]), entries, rec["path"])
+            while i < len(order):
+                key, e = order[i]
+                start, stop = base + e["data_offsets"][0], base + e["data_offsets"][1]
+                if start >= end:
+                    break
+                lo, hi = max(start, off), min(stop, end)
+                if hi > lo:
+                    yield key, e, lo - start, mv[lo - off:hi - off]
+                if stop > end:
+                    break
+                i += 1
+        if len(header) < base:
+            raise IntegrityError("shard ends inside its safetensors header", where=rec["path"])
+        while i < len(order) and order[i][1]["data_offsets"][1] == order[i][1]["data_offsets"][0]:
+            i += 1  # empty entries at the very end: nothing to yield
+        if i != len(order):
+            raise IntegrityError(f"shard ends before entry {order[i][0]}", where=rec["path"])
+
     def _spilled_entries(self, rec: dict, wanted: set, spill_dir, on_bytes=None
                          ) -> Iterator[tuple[str, dict, memoryview]]:
         """Like :meth:`iter_entries` (``wanted`` only) but over a spilled, memory-mapped member."""
@@ -450,12 +617,24 @@ class ArchiveReader:
                 yield k, e, view[base + start:base + end]
 
     def tree(self) -> Any:
-        data = self.read_member_bytes(self.manifest["tree_member"])
-        try:  # the one strict reader: depth, duplicate keys, non-finite numbers (format/jsonio.py)
-            return jsonio.loads(data, where=self.manifest["tree_member"])
+        """The parsed state tree (its member read whole, bounded: :data:`~ckpt_archive.format.limits.MAX_TREE_BYTES`
+        raw bytes, :data:`~ckpt_archive.format.limits.MAX_TREE_COST` of parse). Read once per reader: later
+        calls return the same object, which callers must not modify.
+
+        Raises:
+            ImplausibleSize: (exit 1) the tree member declares more than the limit (nothing read).
+            IntegrityError: (exit 1) a chunk or fingerprint fails; not strict JSON; too costly to parse.
+        """
+        if self._tree is not None:
+            return self._tree
+        data = self.read_member_bytes(self.manifest["tree_member"], limit=MAX_TREE_BYTES)
+        try:  # the one strict reader: depth, duplicate keys, non-finite numbers, size, cost (format/jsonio.py)
+            self._tree = jsonio.loads(data, where=self.manifest["tree_member"], max_bytes=MAX_TREE_BYTES,
+                                      max_cost=MAX_TREE_COST)
         except ValueError as exc:
             raise IntegrityError(f"state tree is not valid JSON ({getattr(exc, 'message', exc)})",
                                  where=self.manifest["tree_member"]) from None
+        return self._tree
 
     # -- trial reload --------------------------------------------------------------------------------
     def trial_reload(self, problems: list[Problem], on_bytes=None) -> dict:
@@ -549,6 +728,7 @@ class ArchiveReader:
                     check_allocation(rec["raw_bytes"], rec["path"])  # pages taken as decoded, 4 KiB ones
                     into = anon_buffer(rec["raw_bytes"])
                 source = self.iter_entries(rec, wanted=entries, on_bytes=on_bytes, checked_by_caller=True,
+                                           verify_stored=True,  # [issue 24] the stored check, in this read
                                            into=into)
             for key, erec, buf in source:
                 entry_fp = fingerprint.raw_fp(erec)
@@ -572,6 +752,36 @@ class ArchiveReader:
                     built[leaf] = t
         return built
 
+
+
+class _Window:
+    """A contiguous range ``[base, base + length)`` of an open stored file, read as a file of its own:
+    positional reads on the decoder pool when the file is local (``pread``/``size``, as
+    :func:`~ckpt_archive.format.codec.iter_decoded` takes them), else sequential reads from ``base``."""
+
+    def __init__(self, fh, base: int, length: int):
+        self.fh, self.base, self.length, self._pos = fh, base, length, 0
+        self._fd = _fileno(fh)
+        self.positional = self._fd is not None
+
+    def size(self) -> int:
+        import os
+
+        return max(0, min(os.fstat(self._fd).st_size - self.base, self.length))
+
+    def pread(self, n: int, offset: int) -> bytes:
+        import os
+
+        return os.pread(self._fd, max(0, min(n, self.length - offset)), self.base + offset)
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.length - self._pos if n is None or n < 0 else min(n, self.length - self._pos)
+        if n <= 0:
+            return b""
+        self.fh.seek(self.base + self._pos)
+        data = self.fh.read(n) or b""
+        self._pos += len(data)
+        return data
 
 
 class SizeOnly:
@@ -671,11 +881,10 @@ def leaf_from_base(base, lrec: dict):
     if lrec["kind"] == "numpy" or not view:
         t = base
     else:
-        import torch
+        from ckpt_archive.format.state_tree import empty_tensor
 
         dt = torch_dtype(lrec["dtype"])
-        t = torch.empty(0, dtype=dt).set_(base.untyped_storage(), view["storage_offset"], lrec["shape"],
-                                          view["stride"])
+        t = empty_tensor(dt).set_(base.untyped_storage(), view["storage_offset"], lrec["shape"], view["stride"])
     if lrec.get("bits") and lrec["kind"] == "torch":  # an unresolved conj / neg view: the bytes are physical, the bits come back
         t = apply_view_bits(t, lrec["bits"])
     if lrec.get("parameter"):

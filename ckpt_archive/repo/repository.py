@@ -25,13 +25,15 @@ import os
 import re
 import socket
 import uuid
-from typing import Iterator
+from typing import Any, Iterator
 
 from ckpt_archive import __version__
 
-from ckpt_archive.errors import (CheckFailed, CkptArchiveError, FormatError, IntegrityError, LockError, ManifestInvalid,
-                                NewerFormatError, NoUsableGeneration, NotFound, StoreError, UnsafePath, UsageError)
+from ckpt_archive.errors import (CheckFailed, CkptArchiveError, FormatError, ImplausibleSize, IntegrityError, LockError,
+                                ManifestInvalid, NewerFormatError, NoUsableGeneration, NotFound, StoreError, UnsafePath,
+                                UsageError)
 from ckpt_archive.format import jsonio
+from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_DOC_BYTES
 from ckpt_archive.format.manifest import parse as parse_manifest
 from ckpt_archive.format.metrics import read_metrics
 from ckpt_archive.store.base import Store, open_store
@@ -83,6 +85,41 @@ def parse_time(text: str | None) -> dt.datetime | None:
 
 def gen_key(number: int) -> str:
     return f"{GEN_DIR}/{number:08d}"
+
+
+def read_small(store: Store, key: str, limit: int) -> bytes:
+    """THE read of a whole repository file held in memory (a manifest, a marker, ``repository.json``, a
+    failed-check note, ``backup-state.json``): at most ``limit + 1`` bytes are read
+    (:func:`ckpt_archive.format.limits.read_bounded`; docs/FORMAT.md, "Reading hostile archives").
+
+    Args:
+        store: the repository's store. key: the file. limit: the most bytes accepted
+            (``limits.MAX_MANIFEST_BYTES``, ``limits.MAX_SMALL_DOC_BYTES``).
+
+    Returns:
+        the file's bytes.
+
+    Raises:
+        NotFound: absent. UnsafePath: not a regular file (exit 1).
+        ImplausibleSize: (exit 1) larger than ``limit``, naming the file and the limit.
+    """
+    from ckpt_archive.format.limits import read_bounded
+
+    with store.open_read(key) as fh:
+        return read_bounded(fh, limit, where=key)
+
+
+def read_json(store: Store, key: str, limit: int, *, where: str | None = None) -> Any:
+    """:func:`read_small`, then the one strict JSON reader with the same size limit and a parse bounded at
+    :data:`ckpt_archive.format.limits.MAX_SMALL_DOC_COST` (for documents other than manifests).
+
+    Raises:
+        as :func:`read_small`; InvalidJSON (exit 1; also a ``ValueError``): not strict JSON, too costly.
+    """
+    from ckpt_archive.format.limits import MAX_SMALL_DOC_COST
+
+    return jsonio.loads(read_small(store, key, limit), where=where or key, max_bytes=limit,
+                        max_cost=MAX_SMALL_DOC_COST)
 
 
 def canonical_url(url: str) -> str:
@@ -194,6 +231,9 @@ class Generation:
     manifest_sha256: str | None = None
     error: CkptArchiveError | None = None
     check_failed: dict | None = None  # the CHECK-FAILED.json note that made it ``damaged``, if one did
+    #: ``damaged`` only by a recorded failed check, and its marker names this place (it was usable here):
+    #: ``@latest`` still stops at it, and readers refuse it naming the newest that verifies (--fallback)
+    found_damaged_here: bool = False
     #: fingerprint (``SHA256:...``) of the key whose valid signature the marker carries, or None (unsigned)
     signer: str | None = None
 
@@ -340,8 +380,10 @@ class Repository:
 
     @staticmethod
     def _read_config(store: Store) -> dict:
-        # InvalidJSON (a ManifestInvalid): "not valid JSON (...)", also for a duplicate key or NaN
-        config = jsonio.loads(store.read_bytes(REPO_FILE), where=f"{store.location}/{REPO_FILE}")
+        # InvalidJSON (a ManifestInvalid): "not valid JSON (...)", also for a duplicate key or NaN;
+        # ImplausibleSize: larger than any repository.json (read no further)
+        where = f"{store.location}/{REPO_FILE}"
+        config = read_json(store, REPO_FILE, MAX_SMALL_DOC_BYTES, where=where)
         if not isinstance(config, dict) or config.get("format") != "ckpt-archive-repository":
             raise ManifestInvalid("not a ckpt-archive repository file", where=f"{store.location}/{REPO_FILE}")
         v = config.get("format_version")
@@ -382,9 +424,11 @@ class Repository:
             why = "no manifest: interrupted before seal" if CLAIM in names else "no manifest (being deleted?)"
             return Generation(number, "partial", why)
         try:
-            raw = self.store.read_bytes(f"{key}/{MANIFEST}")
+            raw = read_small(self.store, f"{key}/{MANIFEST}", MAX_MANIFEST_BYTES)
         except NotFound:
             return Generation(number, "partial", "manifest vanished (being deleted?)")
+        except ImplausibleSize as exc:  # larger than any manifest a reader accepts: read no further
+            return Generation(number, "damaged", str(exc), error=exc)
         except IntegrityError as exc:  # an encrypted manifest that fails its authentication
             return Generation(number, "damaged", f"manifest.json: {exc.message}", error=exc)
         sha = hashlib.sha256(raw).hexdigest()
@@ -399,9 +443,11 @@ class Repository:
         if MARKER not in names:
             return Generation(number, "partial", "sealed but never published (no USABLE marker)", manifest, None, sha)
         try:
-            marker = jsonio.loads(self.store.read_bytes(f"{key}/{MARKER}"), where=f"{key}/{MARKER}")
+            marker = read_json(self.store, f"{key}/{MARKER}", MAX_SMALL_DOC_BYTES)
         except NotFound:
             return Generation(number, "partial", "marker removed (being deleted?)", manifest, None, sha)
+        except ImplausibleSize as exc:
+            return Generation(number, "damaged", f"USABLE marker is not read: {exc.message}", manifest, None, sha)
         except IntegrityError as exc:  # an encrypted marker that fails its authentication
             return Generation(number, "damaged", f"USABLE marker: {exc.message}", manifest, None, sha, error=exc)
         except (UnicodeDecodeError, ValueError):
@@ -424,10 +470,13 @@ class Repository:
             note = self._check_failed(key, sha)
             if note is not None:
                 first = (note.get("problems") or [{}])[0]
-                return Generation(number, "damaged", f"its deep check at {note.get('location')} failed "
+                what = "deep check" if note.get("by") in (None, "adopt", "verify --deep") else \
+                    f"check by `{note.get('by')}`"
+                return Generation(number, "damaged", f"its {what} at {note.get('location')} failed "
                                   f"({note.get('when')}): {first.get('member') or first.get('field') or '-'}: "
-                                  f"{first.get('reason')}; after repairing the copy, `ckpt-archive adopt "
-                                  f"{self.location}` checks it again", manifest, marker, sha, check_failed=note)
+                                  f"{first.get('reason')}; after repairing it, `ckpt-archive verify --deep "
+                                  f"{self.location}@{number}` checks it again", manifest, marker, sha,
+                                  check_failed=note, found_damaged_here=self.place.holds(marker))
         if not self.place.holds(marker):
             return Generation(number, "copied", f"trial-reloaded at {marker.get('location')}, not here (restore "
                               f"reads it, checking every byte; ckpt-archive adopt makes it usable here)",
@@ -437,14 +486,63 @@ class Repository:
     def _check_failed(self, key: str, sha: str) -> dict | None:
         """The failed-check note of this manifest (an unreadable note counts: the check did fail), or None."""
         try:
-            note = jsonio.loads(self.store.read_bytes(f"{key}/{CHECK_FAILED}"), where=f"{key}/{CHECK_FAILED}")
+            note = read_json(self.store, f"{key}/{CHECK_FAILED}", MAX_SMALL_DOC_BYTES)
         except NotFound:
             return None
+        except ImplausibleSize:
+            return {"problems": [{"field": CHECK_FAILED, "reason": "a failed-check note larger than any note"}]}
         except (UnicodeDecodeError, ValueError):
             return {"problems": [{"field": CHECK_FAILED, "reason": "a failed-check note that is not valid JSON"}]}
         if not isinstance(note, dict):
             return {"problems": [{"field": CHECK_FAILED, "reason": "a failed-check note that is not an object"}]}
         return note if note.get("manifest_sha256") in (sha, None) else None
+
+    def note_check_failed(self, gen: Generation, problems: list, *, by: str) -> str | None:
+        """[issue 24: one status rule] Record that a reader's check of ``gen`` found it damaged here, so that
+        every reader (``list``, ``@latest``, restore, load) treats it as damaged from now on
+        (docs/FORMAT.md, "One status rule"): ``CHECK-FAILED.json`` beside the marker, as ``adopt`` writes it.
+
+        Readers hold no lock, so the note is only ever *created* -- atomically and exclusively
+        (:meth:`~ckpt_archive.store.base.Store.write_new`): it never replaces a note or anything else, and a
+        note already there (another reader's) stays. Only a deep check that passes removes it, under the lock
+        (``verify --deep``, ``adopt``: :func:`ckpt_archive.repo.publish.adopt`). A generation that is not
+        ``usable`` or ``copied`` here, or already has a note, gets none.
+
+        Args:
+            gen: the generation as the reader resolved it (its ``manifest_sha256`` ties the note to that manifest).
+            problems: what was found (:class:`~ckpt_archive.repo.reader.Problem` or ``{"member", "field",
+                "reason"}``); the first 20 are kept. by: the command that found them (``verify``, ``restore``).
+
+        Returns:
+            None when recorded (or when no note applies), else one line saying why it could not be written
+            (a read-only repository, a store refusing it): the caller reports it; the damage stays reported.
+        """
+        if gen.status not in ("usable", "copied") or gen.check_failed is not None or not gen.manifest_sha256:
+            return None
+        rows = [p.to_json() if hasattr(p, "to_json") else dict(p) for p in problems]
+        if not rows:
+            return None
+        key = f"{gen.key}/{CHECK_FAILED}"
+        doc = {"generation": gen.number, "manifest_sha256": gen.manifest_sha256, "location": self.location,
+               **host_record(self.location), "by": by, "problems": rows[:20], "problem_count": len(rows)}
+        try:
+            if not self.store.exists(f"{gen.key}/{MARKER}"):
+                return None  # removed meanwhile (prune, forget): nothing left to mark
+            with self.store.write_new(key) as fh:
+                fh.write(jsonio.dumps(doc, indent=1, ensure_ascii=True))
+        except StoreError:
+            return None if self._exists_quietly(key) else f"the failed check could not be recorded at {key}"
+        except (OSError, CkptArchiveError) as exc:
+            why = getattr(exc, "strerror", None) or getattr(exc, "message", None) or str(exc)
+            return (f"the failed check could not be recorded in the repository ({why}); `ckpt-archive list` "
+                    f"shows generation {gen.number} as {gen.status} until a writable check records it")
+        return None
+
+    def _exists_quietly(self, key: str) -> bool:
+        try:
+            return self.store.exists(key)
+        except (OSError, CkptArchiveError):
+            return False
 
     def generations(self) -> list[Generation]:
         """All generations, oldest first, each with its status."""
@@ -464,6 +562,11 @@ class Repository:
     def resolve(self, spec: str | int = "latest", *, copied: bool = False) -> Generation:
         """Find a generation: ``"latest"`` (newest usable), a number, or ``"tag:NAME"`` (newest usable so tagged).
 
+        A generation usable here whose check failed later (a recorded ``CHECK-FAILED.json``:
+        :attr:`Generation.found_damaged_here`) is still what ``latest``/``tag:`` names: it is refused where it
+        is read, naming the newest that verifies, so falling back to an older generation stays the user's
+        choice (``--fallback``), never a silent one (docs/FORMAT.md, "One status rule").
+
         Args:
             spec: the selector.
             copied: also pick ``copied`` generations for ``latest``/``tag:`` (restore and load, which
@@ -474,7 +577,7 @@ class Repository:
             UsageError: bad spec.
         """
         spec = str(spec)
-        want = (lambda g: g.readable) if copied else (lambda g: g.usable)
+        want = (lambda g: g.readable or g.found_damaged_here) if copied else (lambda g: g.usable or g.found_damaged_here)
         if spec.isdigit():
             try:
                 return self.generation(int(spec))
@@ -780,4 +883,5 @@ def raise_if_problems(step: str, problems: list, number: int) -> None:
                              f"stays partial and earlier generations are untouched", where=where)
 
 
-__all__ = ["Repository", "Generation", "Place", "canonical_url", "CheckFailed", "utcnow", "iso", "gen_key", "host_record"]
+__all__ = ["Repository", "Generation", "Place", "canonical_url", "CheckFailed", "utcnow", "iso", "gen_key", "host_record",
+           "read_small", "read_json"]

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 
-from ckpt_archive.errors import CkptArchiveError, IntegrityError, StoreError
+from ckpt_archive.errors import CkptArchiveError, IntegrityError, StoreError, TooLargeHere
 from ckpt_archive.format import fingerprint
+from ckpt_archive.format.limits import MAX_DATA_IDS_BYTES, check_whole_read
 from ckpt_archive.format.state_tree import NUMPY_TO_ST, TORCH_TO_ST, decode
 from ckpt_archive.repo.reader import ArchiveReader, Problem, ProvenSize, SizeOnly, tensor_refs
 
@@ -85,7 +86,7 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
                 if exc.message.startswith("raw sha256 mismatch"):
                     fast = None  # format 1: fall through to the entry-by-entry pass
                 else:
-                    fast.append(Problem(exc.message, member=exc.where or rec["path"]))
+                    fast.append(Problem.of(exc, member=rec["path"]))
             if fast is not None:
                 problems.extend(fast)
                 checked += fast_checked
@@ -104,32 +105,186 @@ def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) 
                                                 field=f"tensors/{key}"))
                         continue
                     checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []), got, problems)
+            elif rec["path"] == reader.manifest["tree_member"]:
+                continue  # read whole below (reader.tree(): its declared size checked before any byte is read)
+            elif rec["role"] == "data-ids":  # read whole and parsed as `restore --data-ids` reads them
+                decoded += len(data_ids(reader, rec, on_bytes))
             else:
                 for _, chunk in reader.iter_member(rec, on_bytes=on_bytes):
                     decoded += len(chunk)
         except StoreError:
             raise
         except CkptArchiveError as exc:
-            problems.append(Problem(exc.message, member=exc.where or rec["path"]))
+            problems.append(Problem.of(exc, member=rec["path"]))
     try:
         tree = reader.tree()
-        missing = [k for k in tensor_refs(tree) if k not in tensors]
-        if missing:
-            problems.append(Problem(f"state tree references {len(missing)} tensor(s) not in the manifest: "
-                                    f"{', '.join(missing[:5])}", member=reader.manifest["tree_member"]))
-        check_tree_kinds(tree, tensors)
-        decode(tree, lambda k: None, objects="check")
-        from ckpt_archive.format.exact_bytes import exact_problems  # [issue 11]
-
-        problems.extend(Problem(p, field="source.files") for p in exact_problems(reader.manifest))
+        tree_bytes = reader.by_path[reader.manifest["tree_member"]]["raw_bytes"]
+        decoded += tree_bytes
+        if on_bytes:
+            on_bytes(tree_bytes)
     except StoreError:
         raise
     except CkptArchiveError as exc:
-        problems.append(Problem(exc.message, member=reader.manifest["tree_member"]))
+        problems.append(Problem.of(exc, member=reader.manifest["tree_member"]))
+    else:
+        # the leaves were checked against their bytes above: the index checks here need no geometry pass
+        problems.extend(index_problems(reader, tree, geometry=False))
+    if not reader.written_crc:  # [issue 24] bytes this process did not just write from the source itself
+        problems.extend(exact_sha256_problems(reader, on_bytes=on_bytes))
     counts = {"tensors": checked, "bytes": decoded, "members": len(reader.manifest["members"])}
     if proven:
         counts["proven_bytes"] = proven
     return counts
+
+
+def data_ids(reader: ArchiveReader, rec: dict, on_bytes=None) -> bytearray:
+    """The data ids member as ``restore --data-ids`` reads it: whole, bounded (``limits.MAX_DATA_IDS_BYTES``,
+    refused from the declared size before any byte is read), strict JSON within ``limits.MAX_DATA_IDS_COST``
+    of parse. Returns its raw bytes.
+
+    Raises:
+        ImplausibleSize: (exit 1) larger than the limit. IntegrityError: a chunk or fingerprint fails; not
+            strict JSON; too costly to parse.
+    """
+    from ckpt_archive.format import jsonio
+    from ckpt_archive.format.limits import MAX_DATA_IDS_COST
+
+    check_whole_read(rec, rec["path"], MAX_DATA_IDS_BYTES)
+    raw = reader.read_member_bytes(rec["path"], limit=MAX_DATA_IDS_BYTES)
+    if on_bytes:
+        on_bytes(len(raw))
+    try:
+        jsonio.loads(raw, where=rec["path"], max_bytes=MAX_DATA_IDS_BYTES, max_cost=MAX_DATA_IDS_COST)
+    except ValueError as exc:
+        raise IntegrityError(f"data ids are not valid JSON ({getattr(exc, 'message', exc)})",
+                             where=rec["path"]) from None
+    return raw
+
+
+def index_problems(reader: ArchiveReader, tree, *, geometry: bool = True) -> list[Problem]:
+    """The checks of the trial reload that need no tensor bytes, for readers that do not decode every tensor
+    (``restore`` of exact bytes, ``load`` of a part; docs/FORMAT.md, "One status rule"): every tensor the
+    state tree references is in the manifest, with the kind the tree says (:func:`check_tree_kinds`); every
+    tree node can be rebuilt (``decode(..., objects="check")``); with ``geometry``, every tensor record's
+    dtype, shape and view fit its entry (:func:`check_leaf_geometry`); every ``exact`` record of a source
+    file fits its entries and skeleton (``format/exact_bytes.py: exact_problems``).
+
+    Args:
+        reader: the generation's reader. tree: its parsed state tree (:meth:`ArchiveReader.tree`).
+        geometry: check every tensor record against its entry (the trial reload does it with the bytes).
+
+    Returns:
+        the problems found (empty when the index is sound).
+    """
+    from ckpt_archive.format.exact_bytes import exact_problems  # [issue 11]
+
+    problems: list[Problem] = []
+    manifest = reader.manifest
+    tensors = manifest["tensors"]
+    tree_member = manifest["tree_member"]
+    try:
+        missing = [k for k in tensor_refs(tree) if k not in tensors]
+        if missing:
+            problems.append(Problem(f"state tree references {len(missing)} tensor(s) not in the manifest: "
+                                    f"{', '.join(missing[:5])}", member=tree_member))
+        check_tree_kinds(tree, tensors)
+        decode(tree, lambda k: None, objects="check")
+    except StoreError:
+        raise
+    except CkptArchiveError as exc:
+        problems.append(Problem.of(exc, member=tree_member))
+    if geometry:
+        for leaf, lrec in tensors.items():
+            erec = reader.by_path[lrec["member"]]["entries"][lrec["entry"]]
+            start, end = erec["data_offsets"]
+            try:
+                check_leaf_geometry(erec, lrec, leaf, end - start)
+            except CkptArchiveError as exc:
+                problems.append(Problem(exc.message, member=lrec["member"], field=f"tensors/{leaf}"))
+    problems.extend(Problem(p, field="source.files") for p in exact_problems(manifest))
+    return problems
+
+
+def exact_sha256_problems(reader: ArchiveReader, on_bytes=None) -> list[Problem]:
+    """[issue 24, item 8] What ``restore`` checks of a source file kept as exact bytes, checked here: the
+    sha256 of the file its skeleton and segments rebuild (in file order) is ``source.files[].sha256``.
+
+    The file is rebuilt as a stream, never held: its skeleton member is decoded chunk by chunk into the gaps
+    between segments, and each segment's entry is decoded from its own chunks (a chunk never holds bytes of
+    two entries; a hostile table that does is sliced), every chunk's stored sha256 and the entry's raw
+    fingerprint checked. Memory: one chunk of each at a time.
+
+    Returns:
+        one problem per source file whose rebuilt sha256 differs (or that cannot be rebuilt).
+    """
+    from ckpt_archive.format.exact_bytes import exact_problems
+
+    problems: list[Problem] = []
+    if exact_problems(reader.manifest):
+        return problems  # the records do not fit: already reported by index_problems
+    for f in (reader.manifest.get("source") or {}).get("files") or []:
+        if not f.get("exact") or f.get("hardlink_of"):
+            continue
+        name = f["relpath"] or "file"
+        try:
+            got = rebuilt_sha256(reader, f, on_bytes)
+        except StoreError:
+            raise
+        except CkptArchiveError as exc:
+            problems.append(Problem(f"{name}: its exact bytes cannot be rebuilt: {exc.message}",
+                                    field="source.files", local=isinstance(exc, TooLargeHere)))
+            continue
+        if got != f.get("sha256"):
+            problems.append(Problem(f"{name}: the file its exact bytes rebuild has sha256 {got}, the manifest "
+                                    f"records {f.get('sha256')} (restore would refuse it)", field="source.files"))
+    return problems
+
+
+def rebuilt_sha256(reader: ArchiveReader, f: dict, on_bytes=None) -> str:
+    """sha256 hex of the source file ``f`` (a ``source.files[]`` record with ``exact``) as its skeleton and
+    segments rebuild it, in file order, streamed (see :func:`exact_sha256_problems`).
+
+    Raises:
+        IntegrityError: a chunk or fingerprint fails, or the skeleton does not fill the gaps exactly.
+    """
+    import hashlib
+
+    exact = f["exact"]
+    size = int(f["raw_bytes"])
+    skeleton = reader.by_path.get(exact["member"])
+    if skeleton is None:
+        raise IntegrityError(f"manifest lists no member {exact['member']!r}", where="manifest.json")
+    where = f["relpath"] or "file"
+    owner = {k: m for m in reader.manifest["members"] if m["role"] == "tensors" for k in m.get("entries") or ()}
+    h = hashlib.sha256()
+    pieces = (memoryview(c).cast("B") for _, c in reader.iter_member(skeleton, on_bytes=on_bytes))
+    buf = memoryview(b"")
+
+    def take(n: int) -> None:  # feed n skeleton bytes
+        nonlocal buf
+        while n:
+            if not len(buf):
+                buf = next(pieces, None)
+                if buf is None:
+                    raise IntegrityError("skeleton is shorter than the file it belongs to", where=where)
+                continue
+            k = min(n, len(buf))
+            h.update(buf[:k])
+            buf, n = buf[k:], n - k
+
+    pos = 0
+    for start, length, key in exact["segments"]:
+        take(start - pos)
+        m = owner.get(key)
+        if m is None:
+            raise IntegrityError(f"segment entry {key!r} is in no tensors member", where=where)
+        for piece in reader.entry_pieces(m, key, on_bytes=on_bytes):
+            h.update(piece)
+        pos = start + length
+    take(size - pos)
+    if len(buf) or next(pieces, None) is not None:
+        raise IntegrityError("skeleton is longer than the file it belongs to", where=where)
+    return h.hexdigest()
 
 
 def check_entry_leaves(tensors: dict, rec: dict, erec: dict, buf, leaves: list[str], entry_fp: str | None,
@@ -179,14 +334,14 @@ def check_leaf_bytes(buf, erec: dict, lrec: dict, leaf: str, entry_fp: str | Non
         leaf: the leaf's key (for messages). entry_fp: the entry's raw fingerprint, known to hold for
             ``buf`` or checked by the caller.
     """
-    import numpy as np
-
     nbytes = buf.nbytes if isinstance(buf, SizeOnly) else (len(memoryview(buf).cast("B")) if len(buf) else 0)
     whole = check_leaf_geometry(erec, lrec, leaf, nbytes)
     view = lrec.get("view")
     if whole:
         data = buf  # the leaf's bytes are the entry's: its fingerprint is the entry's
     else:
+        import numpy as np  # only views need it (the policy audit of small leaves does not import it)
+
         size = _itemsize(lrec["dtype"], lrec["kind"])
         shape = [int(x) for x in lrec["shape"]]
         offset, stride = int(view["storage_offset"]), [int(s) for s in view["stride"]]
@@ -221,8 +376,6 @@ def check_leaf_geometry(erec: dict, lrec: dict, leaf: str, nbytes: int) -> bool:
     Raises:
         IntegrityError: the leaf cannot be what the manifest says it is; names the leaf.
     """
-    import numpy as np
-
     kind, dtype, shape = lrec["kind"], lrec["dtype"], [int(x) for x in lrec["shape"]]
     view = lrec.get("view")
     if (lrec.get("bits") or {}).get("conj") and not dtype.startswith("complex"):
@@ -235,6 +388,9 @@ def check_leaf_geometry(erec: dict, lrec: dict, leaf: str, nbytes: int) -> bool:
     st_of = NUMPY_TO_ST if kind == "numpy" else TORCH_TO_ST
     if not view:
         try:
+            if kind == "numpy":
+                import numpy as np
+
             want_st = st_of.get(np.dtype(dtype).str if kind == "numpy" else dtype)
         except TypeError:
             raise IntegrityError(f"dtype {dtype!r} is not a NumPy dtype", where=leaf) from None

@@ -55,9 +55,13 @@ class GenerationWriter:
         self.on_bytes = on_bytes
         self.pool = ThreadPoolExecutor(jobs, thread_name_prefix="ckpt-enc")
         self.hash_pool = ThreadPoolExecutor(max(1, jobs), thread_name_prefix="ckpt-hash")
+        #: [issue 29] every write of the generation, in order, on one thread (MemberWriter's io_pool)
+        self.io_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self.members: list[dict] = []
         #: member path -> CRC-32 per chunk as written (MemberWriter.written_crc), for pack's trial reload
         self.written_crc: dict[str, list[int | None]] = {}
+        #: source files' reads by file identity (exact_bytes.ScanJob), whose range fingerprints entries take
+        self.scans: dict = {}
 
     def member(self, path: str, role: str, pieces: Iterator[tuple[Any, str]], *, raw_alg: str | None = BLAKE3,
                **extra) -> dict:
@@ -65,7 +69,7 @@ class GenerationWriter:
         key = f"{self.gen_key}/{stored_name(path)}"
         with self.store.write_once(key) as fh:
             w = MemberWriter(fh, level=self.level, jobs=self.jobs, chunk_bytes=self.chunk_bytes,
-                             on_bytes=self.on_bytes, pool=self.pool, raw_alg=raw_alg)
+                             on_bytes=self.on_bytes, pool=self.pool, raw_alg=raw_alg, io_pool=self.io_pool)
             try:
                 for i, piece in enumerate(pieces):
                     data, hint = piece[0], piece[1]
@@ -90,6 +94,7 @@ class GenerationWriter:
     def close(self):
         self.pool.shutdown(wait=True)
         self.hash_pool.shutdown(wait=True)
+        self.io_pool.shutdown(wait=True)
 
 
 def _file_pieces(path):
@@ -152,6 +157,7 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
                 job = exact_bytes.ScanJob(sf.path, sf.kind, BLAKE3, pool=scan_pool,  # a torch zip's CRCs too
                                           check_crc=sf.kind == "torch")
             jobs_by_file[id(sf)] = job
+        w.scans = {job.identity: job for job in jobs_by_file.values() if job.identity is not None}
         tensors = _write_tensors(w, table, shared=shared)
         if shared is not None:
             shared.sync()  # the new objects' names are durable before any manifest references them
@@ -305,7 +311,7 @@ def _shared_pieces(w: GenerationWriter, entries, entry_sha: dict, shared) -> Ite
             if len(data) != e.nbytes:
                 raise FormatError(f"tensor changed size while packing ({len(data)} != {e.nbytes} bytes)",
                                   where=e.key)
-            entry_sha[e.key] = w.hash_pool.submit(fingerprint.digest, data, BLAKE3)
+            entry_sha[e.key] = _entry_fp(w, e, data)
             want = shared is not None and shared.wants(e.nbytes)
             window.append((e, data, want))
             ahead += e.nbytes
@@ -317,6 +323,31 @@ def _shared_pieces(w: GenerationWriter, entries, entry_sha: dict, shared) -> Ite
         if want:
             share = shared.sink(entry_sha[e.key].result(), e.nbytes)
         yield data, _hint(e.st_dtype), share
+
+
+def _entry_fp(w: GenerationWriter, e, data):
+    """A Future of an entry's raw fingerprint (BLAKE3). [issue 29] An entry that is a range of a source
+    file whose scan is running (``FileEntry``, format/pt_encode.py) takes the scan's fingerprint of that
+    range: its bytes are hashed once, while they are read. Whatever the source, the trial reload checks
+    the stored bytes decode to this fingerprint, so a file changed between the two reads fails the pack
+    (and SourceChanged names why), never stores a fingerprint that is not the bytes'."""
+    from concurrent.futures import Future
+
+    scan = w.scans.get(getattr(e, "file_identity", None)) if getattr(e, "file_identity", None) else None
+    if scan is None:
+        return w.hash_pool.submit(fingerprint.digest, data, BLAKE3)
+    out: Future = Future()
+
+    def settle(src) -> None:
+        if src.exception() is not None:
+            out.set_exception(src.exception())
+        elif src.result() is not None:
+            out.set_result(src.result())
+        else:  # not a range the scan recognised: hash the bytes here
+            w.hash_pool.submit(fingerprint.digest, data, BLAKE3).add_done_callback(settle)
+
+    scan.range_fp(e.file_offset, e.nbytes).add_done_callback(settle)
+    return out
 
 
 def _write_tensors(w: GenerationWriter, table: TensorTable, *, prefix: str = "", shared=None) -> dict:

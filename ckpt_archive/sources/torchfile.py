@@ -186,11 +186,33 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True,
         raise diagnose_unreadable(path, exc) from None
 
 
-def _read(path: Path, *, allow_numpy: bool = False, zip_crc_checked: bool = False, **_ignored) -> SourceCheckpoint:
-    """``zip_crc_checked``: the caller checks the zip records' CRC-32 itself (see :func:`load_torch_file`)."""
-    state = load_torch_file(path, allow_numpy=allow_numpy, check_crc=not zip_crc_checked)
+def _read(path: Path, *, allow_numpy: bool = False, zip_crc_checked: bool = False, torch_free: bool = False,
+          **_ignored) -> SourceCheckpoint:
+    """``zip_crc_checked``: the caller checks the zip records' CRC-32 itself (see :func:`load_torch_file`).
+    ``torch_free``: [issue 29] read the pickle without importing torch where
+    :mod:`ckpt_archive.format.pt_pickle` proves it equal to ``torch.load``'s result (tensors are then
+    :class:`~ckpt_archive.format.pt_pickle.PtTensor`, for :mod:`ckpt_archive.format.pt_encode`); anything
+    else is loaded with ``torch.load(weights_only=True)`` as always."""
+    state = _read_torch_free(path, zip_crc_checked) if torch_free else None
+    if state is None:
+        state = load_torch_file(path, allow_numpy=allow_numpy, check_crc=not zip_crc_checked)
     return SourceCheckpoint(format="torch-file", layout="file", state=state, root=path.parent,
                             files=[SourceFile("", "torch", path)], info={"filename": path.name})
+
+
+def _read_torch_free(path: Path, zip_crc_checked: bool):
+    """The state read by :func:`ckpt_archive.format.pt_pickle.read`, or None: torch.load reads it."""
+    from ckpt_archive.format import pt_pickle
+
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0 or not zipfile.is_zipfile(path):
+        return None
+    if not zip_crc_checked:
+        check_zip_records(path)  # as load_torch_file does: a flipped byte would read silently
+    try:
+        return pt_pickle.read(path)[0]
+    except pt_pickle.NotSimple:
+        return None
 
 
 register("torch-file", _looks_like_torch_file, _read, priority=90)

@@ -100,11 +100,23 @@ def assign_writers(fingerprints: list[dict]) -> dict[tuple[int, str], int]:
 
 
 class _Comm:
-    """JSON exchanges over a gloo group; once one fails, the group is treated as broken."""
+    """JSON exchanges over a gloo group; once one fails, the group is treated as broken.
+
+    Every exchange is labelled with the operation it belongs to (:attr:`context`: ``"save #K"`` for a
+    Checkpointer's K-th save call, ``"restore"``) and its number within it; every rank checks that every
+    other rank sent the same label. Collectives pair up by order alone, so two ranks out of step (one rank
+    skipped an exchange, or a whole save) would otherwise mix one save's payloads with another's.
+    """
 
     def __init__(self, group, rank: int, world: int):
         self.group, self.rank, self.world = group, rank, world
         self.broken: str | None = None
+        self.context = "init"
+        self.count = 0
+
+    def begin(self, context: str) -> None:
+        """Label the exchanges that follow (see the class docstring)."""
+        self.context, self.count = context, 0
 
     def _guard(self, fn):
         if self.broken:
@@ -122,8 +134,11 @@ class _Comm:
         import torch
         import torch.distributed as dist
 
+        self.count += 1
+        label = [self.context, self.count]
+
         def run():
-            data = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode("utf-8")
+            data = json.dumps({"label": label, "v": obj}, allow_nan=False, separators=(",", ":")).encode("utf-8")
             n = torch.tensor([len(data)], dtype=torch.int64)
             sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
             dist.all_gather(sizes, n, group=self.group)
@@ -135,7 +150,16 @@ class _Comm:
             dist.all_gather(outs, buf, group=self.group)
             return [json.loads(bytes(o[:int(s.item())].numpy()).decode("utf-8")) for o, s in zip(outs, sizes)]
 
-        return self._guard(run)
+        got = self._guard(run)
+        labels = [g.get("label") if isinstance(g, dict) else None for g in got]
+        if any(lb != label for lb in labels):
+            self.broken = ("the ranks are out of step: " +
+                           ", ".join(f"rank {r} at {lb[0]} exchange {lb[1]}" if lb else f"rank {r} unlabelled"
+                                     for r, lb in enumerate(labels)))
+            raise CannotCheck(f"distributed save: {self.broken}; nothing is published from here on (every rank "
+                              f"must call save/wait/restore/close the same number of times, in the same order); "
+                              f"restart the job from the last usable generation")
+        return [g["v"] for g in got]
 
     def from_rank0(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (an all-gather keeps one code path; the payloads are small)."""
@@ -183,7 +207,7 @@ class DistributedWriter:
 
     # -- background ----------------------------------------------------------------------------------------
     def write(self, snap: Any, options, notes, retention, shards: "ShardNotes | None" = None,
-              intact: "Callable[[], str | None] | None" = None):
+              intact: "Callable[[], str | None] | None" = None, *, seq: int = 0, step: Any = None):
         """Write this rank's part of one generation; rank 0 publishes it (see the module docstring).
 
         Args:
@@ -192,6 +216,8 @@ class DistributedWriter:
             intact: called once this rank has read ``snap`` for the last time (members written), before
                 its trial-reload result is sent: a reason (str) why the snapshot may not be what was copied
                 (its buffers changed hands), or None. A reason fails the generation on every rank.
+            seq: which save call of this rank's Checkpointer this is (the K of the ``"save #K"`` exchanges;
+                every rank's call K must be the same save). step: its step; every rank must save the same.
 
         Returns:
             a :class:`~ckpt_archive.ops.pack.PackResult` (on ranks other than 0: ``retention`` None,
@@ -199,9 +225,12 @@ class DistributedWriter:
 
         Raises:
             IntegrityError: a rank's trial reload failed. CannotCheck: another rank failed (names it and
-            its message) or stopped answering. The errors of pack (SourceError, StoreError, LockError).
+            its message), had nothing to save for this call (:meth:`skip`), saved another step, or stopped
+            answering. The errors of pack (SourceError, StoreError, LockError).
         """
         from ckpt_archive.ops.pack import _prepare
+
+        self.comm.begin(f"save #{seq}")
 
         enc_holder: dict = {}
 
@@ -218,25 +247,44 @@ class DistributedWriter:
         try:
             prep = _prepare(snap, options, notes, retention, encoder=encoder)
             fps = _fingerprints(prep.encoded[1], enc_holder["enc"].shard_of)
-            mine = {"ok": True, "fingerprints": fps}
-        except CkptArchiveError as exc:
-            prep, mine = None, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            mine = {"ok": True, "fingerprints": fps, "step": step}
+        except Exception as exc:  # noqa: BLE001 - sent, so that every rank stops here, not at a timeout
+            prep, mine = None, {"ok": False, "error": f"{type(exc).__name__}: {exc}", "step": step}
         everyone = self.comm.all_gather(mine)  # (1)
         failed = [(r, x["error"]) for r, x in enumerate(everyone) if not x["ok"]]
         if failed:
             if not mine["ok"]:
                 raise CannotCheck(f"rank {self.rank} could not prepare its state: {mine['error']}")
-            raise CannotCheck(f"distributed save refused by rank {failed[0][0]}: {failed[0][1]}")
+            raise CannotCheck(f"distributed save of step {step} refused by rank {failed[0][0]}: {failed[0][1]}")
+        steps = [x.get("step") for x in everyone]
+        if any(s != step for s in steps):
+            raise CannotCheck(f"distributed save #{seq}: the ranks saved different steps ("
+                              + ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+                              + "); nothing is published for it: every rank must save the same step")
         plan = _Plan(self.rank, self.world, prep, enc_holder["enc"].shard_of,
                      assign_writers([x["fingerprints"] for x in everyone]))
         if self.rank == 0:
             return _publish_rank0(self, plan, options, retention, intact)
         return _follow(self, plan, options, intact)
 
+    def skip(self, seq: int, step: Any, why: str) -> None:
+        """Take part in save call ``seq``'s exchanges with nothing to save (this rank's ``save`` raised before
+        its copy was handed over): the others' save of that call stops at its first exchange, on every rank,
+        and nothing is published for it.
+
+        Raises:
+            CannotCheck: the group is broken or out of step.
+        """
+        self.comm.begin(f"save #{seq}")
+        self.comm.all_gather({"ok": False, "step": step,
+                              "error": f"its save of step {step} handed no copy over ({why}), so no rank publishes "
+                                       f"that step"})  # (1)
+
     def restore(self, generation, **kwargs):
         """Restore this rank's part (see :func:`ckpt_archive.training.dist_restore.restore_distributed`)."""
         from ckpt_archive.training.dist_restore import restore_distributed
 
+        self.comm.begin("restore")  # (no count: a restore interrupted before its exchange is retried as the same)
         return restore_distributed(self, generation, **kwargs)
 
     def close(self) -> None:
@@ -379,7 +427,7 @@ def _follow(w: DistributedWriter, plan: _Plan, options, intact=None):
     number = claim["number"]
     try:
         mine = plan.write(w.repo, number, options)
-    except (CkptArchiveError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - sent, so that every rank stops here, not at a timeout
         mine = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     comm.all_gather(mine)  # (3)
     if not mine["ok"]:
@@ -396,8 +444,8 @@ def _follow(w: DistributedWriter, plan: _Plan, options, intact=None):
         if manifest is None:
             raise IntegrityError("manifest.json unreadable after rank 0 sealed it", where=gen_key(number))
         problems, counts = reload_own(w.repo, number, manifest, w.rank, options.jobs)
-    except CkptArchiveError as exc:
-        problems = [{"message": str(exc), "member": exc.where}]
+    except Exception as exc:  # noqa: BLE001 - a failed reload, sent (else rank 0 waits for it until the timeout)
+        problems = [{"message": f"{type(exc).__name__}: {exc}", "member": getattr(exc, "where", None)}]
     reason = intact() if intact is not None else None  # the snapshot is no longer read after (3)
     if reason:
         problems = [*problems, {"message": f"the snapshot is not what was copied: {reason}", "member": None}]

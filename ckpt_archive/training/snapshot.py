@@ -26,8 +26,9 @@ DTensor can only exist once that module is loaded, so an unloaded module means t
 :meth:`Snapshotter.release`): the Checkpointer makes each save the holder from before its copy until its
 background write has finished reading them (successfully or not), and :meth:`Snapshotter.take` refuses to
 write buffers another holder owns. So a copy can never overwrite a snapshot that a write may still be
-reading, whatever interrupted whom; :meth:`Snapshotter.holds` lets the write check, before its generation
-is marked usable, that it held the buffers the whole time.
+reading, whatever interrupted whom; :meth:`Snapshotter.holds` and :attr:`Snapshotter.writes` (a count of
+every buffer write) let the write check, before its generation is marked usable, that it held the buffers
+the whole time and that nothing wrote them after its copy.
 """
 from __future__ import annotations
 
@@ -111,6 +112,9 @@ class Snapshotter:
         self.last = SnapshotStats()
         self._holder: Any = None
         self._holder_lock = threading.Lock()
+        #: buffer writes so far (one per storage or array copied, counted before it is written): a holder
+        #: that notes it after its copy knows, by comparing later, whether anything wrote the buffers since
+        self.writes = 0
 
     # -- ownership ---------------------------------------------------------------------------------------------
     def acquire(self, owner: Any) -> None:
@@ -180,6 +184,8 @@ class Snapshotter:
         import numpy as np
         import torch
 
+        from ckpt_archive.format.state_tree import empty_tensor
+
         if self._holder is not owner:
             raise BuffersBusy(f"the snapshot buffers are held by {self._holder!r}, not by {owner!r}: its snapshot "
                               f"may still be read, so they are not overwritten")
@@ -199,6 +205,7 @@ class Snapshotter:
                 buf = self._buffer(slot, "numpy", obj.nbytes, stats)
                 slot += 1
                 view = buf.view(obj.dtype).reshape(obj.shape) if obj.nbytes else np.empty(obj.shape, obj.dtype)
+                self.writes += 1
                 np.copyto(view, obj)
                 memo[id(obj)] = view
                 stats.tensor_bytes += obj.nbytes
@@ -229,6 +236,7 @@ class Snapshotter:
                     base = self._buffer(slot, kind, nbytes, stats)
                     slot += 1
                     whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(st)
+                    self.writes += 1
                     base.copy_(whole, non_blocking=on_gpu and kind == "pinned")
                     storages[sid] = base
                     stats.storages += 1
@@ -236,8 +244,8 @@ class Snapshotter:
                     if on_gpu:
                         stats.device_bytes += nbytes
                         devices.add(src.device)
-                copy_t = torch.empty(0, dtype=src.dtype).set_(base.untyped_storage(), src.storage_offset(),
-                                                             src.shape, src.stride())
+                copy_t = empty_tensor(src.dtype).set_(base.untyped_storage(), src.storage_offset(), src.shape,
+                                                      src.stride())
             # the lazy conjugate / negative bits are not in the storage's bytes: set them on the copy again
             # (a conj view over the same bytes reads as the source reads)
             if src.is_neg():
@@ -256,6 +264,9 @@ class Snapshotter:
         for dev in devices:  # the copies were queued on each device's current stream: wait for them
             torch.cuda.current_stream(dev).synchronize()
         out = copy.deepcopy(state, memo)
+        if self._holder is not owner:  # another copy took the buffers while this one wrote them
+            raise BuffersBusy(f"the snapshot buffers passed from {owner!r} to {self._holder!r} during its copy: "
+                              f"this copy is not used")
         self.last = stats
         return out
 
