@@ -42,6 +42,9 @@ READS = {
     "ckpt_archive/format/fingerprint.py": "sha256 of a source file, or of a staged restore file (Entry.path)",
     "ckpt_archive/format/shard.py": "a source safetensors file's header",
     "ckpt_archive/format/limits.py": "/proc/meminfo",
+    "ckpt_archive/format/ordered_writes.py": "a restore target read back through /proc/self/fd of our own descriptor",
+    "ckpt_archive/format/pt_pickle.py": "a source torch.save file (pack's torch-free reader)",
+    "ckpt_archive/ops/meta.py": "the installed torch's version.py (environment facts without importing torch)",
     "ckpt_archive/ops/restore.py": "/proc/self/status (the umask)",
     "ckpt_archive/ops/restore_torch.py": "the zip restore staged, read back through Entry.path",
 }
