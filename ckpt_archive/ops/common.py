@@ -86,6 +86,11 @@ def check_trust(r: Repository, gen: Generation) -> None:
         raise SignatureProblem(f"generation {gen.number}: {gen.error.message}", where=gen.error.where)
     if r.trust is None:
         return
+    if gen.signer is None and gen.manifest is None:
+        return  # its manifest cannot be read: nothing of it can be handed out, and its damage says why
+    if gen.signer is None and gen.status == "damaged":  # the signature was never checked: say why, not "unsigned"
+        raise SignatureProblem(f"generation {gen.number} is damaged ({gen.reason}), so no signature vouches for "
+                               f"it, and --trust requires one by {_names(r.trust)}", where=r.location)
     if gen.signer is None:
         raise SignatureProblem(f"generation {gen.number} is not signed, and --trust requires a signature by "
                                f"{_names(r.trust)}", where=r.location)
@@ -249,17 +254,21 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
         SignatureProblem: (exit 1) a bad signature, or (with trusted keys) none or a foreign one: even
             with ``unverified``.
     """
-    check_trust(r, gen)  # a bad or untrusted signature is never overridden (exit 1, nothing read)
+    from ckpt_archive.format.signature import SignatureProblem
+
+    if gen.status not in ("partial", "damaged") or isinstance(gen.error, SignatureProblem):
+        check_trust(r, gen)  # a bad or untrusted signature is never overridden (exit 1, nothing read)
     if gen.status not in ("partial", "damaged"):
         return None
     spec = f"{r.location}@{gen.number}"
     if gen.check_failed is not None and not unverified:  # a check found it wrong: exit 1, as that check did
         require_readable(r, gen)
-    if not unverified:
+    if not unverified:  # partial or damaged says so first, --trust or not (the same exit 2 as without it)
         raise NotUsable(f"refusing to {action} generation {gen.number}: it is {gen.status} ({gen.reason}). Run "
                         f"`ckpt-archive verify {spec}` to see what is wrong (`ckpt-archive list {r.location}` shows "
                         f"the usable ones); pass {override} to {action} it anyway (every byte is still checked "
                         f"against its manifest)", where=r.location)
+    check_trust(r, gen)  # the override never reads past --trust: unpublished or damaged means no signature vouches
     return (f"{action.upper()} OF AN UNVERIFIED GENERATION: generation {gen.number} is {gen.status} ({gen.reason}); "
             f"every byte was checked against its manifest, but no published marker vouches for that manifest")
 
