@@ -178,3 +178,87 @@ def test_key_material_never_reaches_output_json_the_proof_the_manifest_or_an_err
         assert secret and secret not in stored
         for text in outputs:
             assert secret.decode() not in text
+
+
+# --- export between plain and encrypted repositories, through the CLI (issue 28) ------------------------------
+def _cli_ok(*args, code: int = 0):
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    text = res.stdout + (res.stderr or "")
+    assert "Traceback" not in text and res.exit_code == code, text
+    return text
+
+
+def _plain_dest_holds_the_state(dest: Path, src: Path) -> None:
+    assert "encryption" not in (dest / "repository.json").read_text()
+    assert ckpt_archive.verify(dest, deep=True).ok
+    out = dest.parent / "back.pt"
+    ckpt_archive.restore(dest, "latest", out)
+    assert out.read_bytes() == src.read_bytes()
+
+
+def test_export_key_file_encrypts_the_copy_of_a_plain_source(tmp_path, keyfile, monkeypatch):
+    """`export --key-file K` from a plain source writes an encrypted destination (the issue's wording); it was
+    refused ("not encrypted") and needed --to-key-file."""
+    monkeypatch.delenv("CKPT_ARCHIVE_KEY_FILE", raising=False)
+    src = tmp_path / "c.pt"
+    torch.save(_state(), src)
+    ckpt_archive.pack(src, tmp_path / "plain")
+    _cli_ok("export", tmp_path / "plain", "--to", tmp_path / "enc", "--key-file", keyfile)
+    assert "encryption" in (tmp_path / "enc" / "repository.json").read_text()
+    assert _every_stored_byte(tmp_path / "enc").find(b"SECRETSTRING-in-state") < 0
+    with pytest.raises(crypto.KeyRefused):
+        Repository.open(tmp_path / "enc")
+    r = Repository.open(tmp_path / "enc", key_file=keyfile)
+    assert ckpt_archive.verify(r, deep=True).ok
+    ckpt_archive.restore(r, "latest", tmp_path / "back.pt")
+    assert (tmp_path / "back.pt").read_bytes() == src.read_bytes()
+
+
+def test_export_of_an_encrypted_source_stays_encrypted_unless_to_plain(tmp_path, keyfile, monkeypatch):
+    """The reverse is asked for, never the default: `export ENC --key-file K` (the key to read it) used to write
+    DEST in the clear, so copying an encrypted repository to a bucket silently published it decrypted. The copy
+    is now encrypted with K unless --to-plain; --to-key-file names another key."""
+    monkeypatch.delenv("CKPT_ARCHIVE_KEY_FILE", raising=False)
+    src = tmp_path / "c.pt"
+    torch.save(_state(), src)
+    ckpt_archive.pack(src, Repository.open(tmp_path / "enc", create=True, key_file=keyfile))
+    _cli_ok("export", tmp_path / "enc", "--to", tmp_path / "same", "--key-file", keyfile)
+    assert ckpt_archive.verify(Repository.open(tmp_path / "same", key_file=keyfile), deep=True).ok
+    assert _every_stored_byte(tmp_path / "same").find(b"SECRETSTRING-in-state") < 0
+    other = tmp_path / "other.key"
+    other.write_bytes(crypto.new_key_file_text())
+    _cli_ok("export", tmp_path / "enc", "--to", tmp_path / "other", "--key-file", keyfile, "--to-key-file", other)
+    assert ckpt_archive.verify(Repository.open(tmp_path / "other", key_file=other), deep=True).ok
+    with pytest.raises(crypto.KeyRefused):
+        Repository.open(tmp_path / "other", key_file=keyfile)
+    _cli_ok("export", tmp_path / "enc", "--to", tmp_path / "plain", "--key-file", keyfile, "--to-plain")
+    _plain_dest_holds_the_state(tmp_path / "plain", src)
+    # an existing plain destination is not written in the clear by accident; an encrypted one not with a wrong key
+    text = _cli_ok("export", tmp_path / "enc", "--to", tmp_path / "plain", "--key-file", keyfile, code=2)
+    assert "not encrypted" in text and "--to-plain" in text, text
+    text = _cli_ok("export", tmp_path / "enc", "--to", tmp_path / "other", "--key-file", keyfile, code=2)
+    assert "--to-key-file" in text, text
+    text = _cli_ok("export", tmp_path / "enc", "--to", tmp_path / "x", "--key-file", keyfile, "--to-plain",
+                   "--to-key-file", other, code=2)
+    assert "--to-plain" in text and not (tmp_path / "x").exists()
+
+
+def test_the_library_never_writes_an_encrypted_source_in_the_clear_unasked(tmp_path, keyfile, monkeypatch):
+    """ckpt_archive.export(ENC, DEST) wrote DEST in the clear; the transformers integration's export_to did so
+    for every encrypted repository. Now: the destination is encrypted with $CKPT_ARCHIVE_KEY_FILE when that
+    opened the source, else refused unless to_plain=True or to_key_file= is given."""
+    ckpt_archive.pack(_state(), Repository.open(tmp_path / "enc", create=True, key_file=keyfile))
+    monkeypatch.delenv("CKPT_ARCHIVE_KEY_FILE", raising=False)
+    with pytest.raises(ckpt_archive.errors.UsageError, match="to_plain"):
+        ckpt_archive.export(Repository.open(tmp_path / "enc", key_file=keyfile), tmp_path / "d1")
+    assert not (tmp_path / "d1" / "generations").exists()
+    monkeypatch.setenv("CKPT_ARCHIVE_KEY_FILE", str(keyfile))
+    ckpt_archive.export(tmp_path / "enc", tmp_path / "d2")
+    assert "encryption" in (tmp_path / "d2" / "repository.json").read_text()
+    assert ckpt_archive.verify(tmp_path / "d2", deep=True).ok
+    ckpt_archive.export(tmp_path / "enc", tmp_path / "d3", to_plain=True)
+    assert "encryption" not in (tmp_path / "d3" / "repository.json").read_text()

@@ -45,12 +45,18 @@ def register(app: typer.Typer) -> None:
         report: Optional[Path] = typer.Option(None, "--report", metavar="FILE", help="Write the recovery proof "
                                               "here: Markdown, or JSON with --json."),
         wait: float = typer.Option(0.0, "--wait", metavar="SECONDS", callback=seconds_callback("--wait"), help="Wait this long for DEST's writer lock."),
-        key_file: Optional[Path] = KEY_FILE_OPTION,
+        key_file: Optional[Path] = typer.Option(
+            None, "--key-file", metavar="PATH",
+            help="The key file of the encrypted side (default: $CKPT_ARCHIVE_KEY_FILE for an encrypted source). "
+                 "An encrypted source is read with it and DEST is encrypted with it too (unless --to-key-file or "
+                 "--to-plain); a plain source is copied to a DEST encrypted with it."),
         trust: Optional[List[Path]] = TRUST_OPTION,
         to_key_file: Optional[Path] = typer.Option(
             None, "--to-key-file", metavar="PATH",
-            help="The destination's key file: a new destination is created encrypted with it (the source may be "
-                 "plain or encrypted with another key). Without it the destination is plain."),
+            help="DEST's key file when it is not --key-file's: an encrypted source copied under another key (a "
+                 "new DEST is created encrypted with it; an encrypted DEST is opened with it)."),
+        to_plain: bool = typer.Option(False, "--to-plain", help="Write DEST in the clear from an encrypted "
+                                      "source (never the default: a copy keeps its encryption unless asked)."),
         sign_key: Optional[Path] = SIGN_KEY_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
@@ -76,7 +82,7 @@ def register(app: typer.Typer) -> None:
                 extra["SSEKMSKeyId"] = sse_kms_key_id
             storage_options = {"s3_additional_kwargs": extra}
 
-        source = open_cli_repo(repo, key_file=key_file, trust=trust)
+        source, to_key_file = _open_source(repo, key_file, to_key_file, to_plain, trust)
         picked = select_generations(source, selection)
         from ckpt_archive.ops.export_copy import unique_stored_bytes
 
@@ -88,7 +94,8 @@ def register(app: typer.Typer) -> None:
             result = export(source, to, generations=[g.number for g in picked], endpoint_url=endpoint_url,
                             storage_options=storage_options, report=report,
                             report_format="json" if json_output else "markdown", on_bytes=advance,
-                            command=argv, lock_wait=wait, to_key_file=to_key_file, sign_key=sign_key)
+                            command=argv, lock_wait=wait, to_key_file=to_key_file, to_plain=to_plain,
+                            sign_key=sign_key)
         for g in result.generations:
             checks = sum(c.ok for c in g.checks)
             skipped = f", {human_bytes(g.bytes_skipped)} already there" if g.bytes_skipped else ""
@@ -105,3 +112,18 @@ def register(app: typer.Typer) -> None:
             out.say(f"recovery proof written to {report}")
         out.json(result.to_json())
         exit_with(result)
+
+
+def _open_source(repo: str, key_file, to_key_file, to_plain: bool, trust):
+    """The source repository and DEST's key: ``--key-file`` reads an encrypted source and, unless
+    ``--to-key-file`` or ``--to-plain``, is DEST's key too; for a plain source it is DEST's key alone (plain
+    to encrypted). docs/keys.md, "Export"."""
+    from ckpt_archive.format.crypto import KeyRefused
+
+    if key_file is None or to_key_file is not None or to_plain:
+        return open_cli_repo(repo, key_file=key_file, trust=trust), to_key_file
+    try:
+        source = open_cli_repo(repo, key_file=False, trust=trust)  # plain: the key is DEST's alone
+    except KeyRefused:
+        source = open_cli_repo(repo, key_file=key_file, trust=trust)  # encrypted: read with it, DEST keeps it
+    return source, key_file

@@ -241,11 +241,50 @@ def _check_destination(src, dest) -> None:
         raise UsageError(f"the destination must lie outside the source repository ({root})", where=text)
 
 
+def _open_destination(src, dest, to_key_file, to_plain: bool, sign_key, options: dict):
+    """DEST opened (created if absent) with its own key (docs/keys.md, "Export"): ``to_key_file``; else, for an
+    encrypted source, ``$CKPT_ARCHIVE_KEY_FILE`` unless ``to_plain``. An encrypted source is never copied
+    in the clear unasked, and a plain DEST is never given a key it would ignore.
+
+    Raises:
+        UsageError: ``to_plain`` with ``to_key_file``; an encrypted source with neither a key for DEST nor
+            ``to_plain``; a key for a DEST that exists unencrypted. KeyRefused: (exit 2) DEST is encrypted
+            and no key given for it, or the key does not open it.
+    """
+    from ckpt_archive.format.crypto import KeyRefused
+    from ckpt_archive.repo.keys import ENV_KEY_FILE
+    from ckpt_archive.repo.repository import Repository
+
+    if to_plain and to_key_file is not None:
+        raise UsageError("give --to-plain or --to-key-file, not both")
+    key = to_key_file
+    if key is None and not to_plain and getattr(src.store, "encrypted", False):
+        key = os.environ.get(ENV_KEY_FILE) or None
+        if key is None:
+            raise UsageError(f"{src.location} is encrypted: give the destination a key (--to-key-file PATH, "
+                             f"to_key_file=) or ask for a copy in the clear (--to-plain, to_plain=True)")
+    if key is not None:
+        try:
+            probe = Repository.open(dest, key_file=False, **options)
+        except (NotFound, KeyRefused):
+            pass  # absent (created below) or encrypted (opened with the key below)
+        else:
+            raise UsageError(f"the destination {probe.location} is not encrypted: pass --to-plain (to_plain=True) "
+                             f"to write these generations there in the clear, or export to a new destination")
+    try:
+        return Repository.open(dest, create=True, key_file=key if key is not None else False, sign_key=sign_key,
+                               **options)
+    except KeyRefused as exc:
+        why = "is encrypted" if key is None else f"refuses the key: {exc.message}"
+        raise KeyRefused(f"the destination {why}; give its key with --to-key-file PATH (to_key_file=)",
+                         where=exc.where) from None
+
+
 def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = None,
            storage_options: dict | None = None, report: str | os.PathLike | None = None,
            report_format: str = "markdown", on_bytes: Callable[[int], None] | None = None,
            on_generation: Callable[[int, int, int], None] | None = None, command: str | None = None,
-           lock_wait: float = 0, to_key_file: str | os.PathLike | None = None,
+           lock_wait: float = 0, to_key_file: str | os.PathLike | None = None, to_plain: bool = False,
            sign_key: str | os.PathLike | None = None) -> ExportResult:
     """Copy usable generations to ``dest``, verify the copy there, trial-reload it there, mark it usable.
 
@@ -264,9 +303,11 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
         command: the command line to record in the proof.
         lock_wait: seconds to wait for DEST's writer lock.
         to_key_file: DEST's key file: a new DEST is created encrypted with it, an encrypted one is opened
-            with it. None: DEST is plain (the source's key, given with ``repo``, is never used for DEST), so
-            an encrypted source can be exported to a plain DEST and the reverse (docs/FORMAT.md,
-            "Encrypted repositories").
+            with it (a plain source exported with it: an encrypted copy). None: a plain source gives a plain
+            DEST; an encrypted source gives a DEST encrypted with ``$CKPT_ARCHIVE_KEY_FILE``, and without
+            that variable is refused unless ``to_plain`` (docs/keys.md, "Export").
+        to_plain: write DEST in the clear from an encrypted source (asked for, never the default: a copy
+            for a bucket must not lose its encryption silently).
         sign_key: sign each generation published at DEST that carries no signature from the source (a
             source's signature covers content, not place: it travels unchanged). None:
             ``$CKPT_ARCHIVE_SIGN_KEY``.
@@ -305,8 +346,7 @@ def export(repo, dest, *, generations: Any = None, endpoint_url: str | None = No
         options["endpoint_url"] = endpoint_url
     if storage_options:
         options["storage_options"] = storage_options
-    dst = Repository.open(dest, create=True, key_file=to_key_file if to_key_file is not None else False,
-                          sign_key=sign_key, **options)
+    dst = _open_destination(src, dest, to_key_file, to_plain, sign_key, options)
     if dst.location == src.location:
         raise UsageError(f"source and destination are the same repository ({src.location})")
     done: list[ExportedGeneration] = []
