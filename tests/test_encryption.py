@@ -6,6 +6,7 @@ The format pieces on their own are in tests/test_crypto_format.py.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -262,3 +263,95 @@ def test_the_library_never_writes_an_encrypted_source_in_the_clear_unasked(tmp_p
     assert ckpt_archive.verify(tmp_path / "d2", deep=True).ok
     ckpt_archive.export(tmp_path / "enc", tmp_path / "d3", to_plain=True)
     assert "encryption" not in (tmp_path / "d3" / "repository.json").read_text()
+
+
+def _forms(secret: bytes) -> list[str]:
+    """Every way a secret's bytes could be printed: hex (both cases), base64 (padded or not, url-safe)."""
+    import base64
+
+    out = [secret.hex(), secret.hex().upper(), base64.b64encode(secret).decode(),
+           base64.b64encode(secret).decode().rstrip("="), base64.urlsafe_b64encode(secret).decode().rstrip("=")]
+    return [f for f in out if len(f) >= 16]
+
+
+def test_no_key_or_password_in_any_form_reaches_output_json_logs_reports_manifests_or_errors(tmp_path, keyfile, caplog,
+                                                                                              monkeypatch):
+    """Issue 28: keys and passwords never reach logs, --json, the proof report, the manifest or a traceback. Every
+    command, with --json and without, plus the Checkpointer's log, both proof reports, every stored file, and
+    the manifests and markers as a reader decrypts them, are searched for: the key file's line, a passphrase
+    key file, the 32 key bytes and the repository's data key (hex, base64), and the signing key's PEM lines
+    and raw private bytes."""
+    import base64
+    import logging
+
+    from cryptography.hazmat.primitives import serialization
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+    from ckpt_archive.format import signature
+
+    runner = CliRunner()
+    monkeypatch.setattr(crypto, "SCRYPT_N", 1 << 10)  # recorded in repository.json: each open derives in ~1 ms
+    passphrase = tmp_path / "pass.key"
+    passphrase.write_bytes(b"correct horse SECRETPASSPHRASE battery\n")
+    sign = tmp_path / "signer"
+    assert runner.invoke(app, ["key", "new", str(sign)]).exit_code == 0
+    new_key = tmp_path / "new.key"
+    outputs = [runner.invoke(app, ["key", "new", "--encryption", str(new_key)]).stdout]
+    src = tmp_path / "c.pt"
+    torch.save(_state(), src)
+    repo, dest, plain, proof_md, proof_json = (tmp_path / "r", tmp_path / "dest", tmp_path / "plain",
+                                               tmp_path / "proof.md", tmp_path / "proof.json")
+    k, p, s = ["--key-file", keyfile], ["--key-file", passphrase], ["--trust", f"{sign}.pub"]
+    cases = [(["pack", src, "--repo", repo, *k, "--sign-key", sign], 0),
+             (["pack", src, "--repo", repo, *k, "--sign-key", sign, "--json"], 0)]
+    for args in (["list", repo, *k, *s], ["verify", repo, *k, *s], ["verify", repo, "--deep", *k, *s],
+                 ["inspect", repo, *k], ["status", repo, *k],
+                 ["restore", repo, "--output", tmp_path / "o.pt", "--force", *k, *s]):
+        cases += [(args, 0), (args + ["--json"], 0)]
+    cases += [(["export", repo, "--to", dest, *k, "--to-key-file", passphrase, "--report", proof_md], 0),
+              (["export", repo, "--to", dest, *k, "--to-key-file", passphrase, "--report", proof_json, "--json"], 0),
+              (["export", repo, "--to", plain, *k, "--to-plain", "--json"], 0),
+              (["verify", dest, "--deep", *p, *s, "--json"], 0),
+              (["verify", repo, "--key-file", new_key], 2), (["verify", repo, "--key-file", new_key, "--json"], 2),
+              (["verify", repo], 2), (["verify", dest, *k, "--json"], 2),
+              (["key", "change", dest, "--key-file", new_key, "--new-key-file", keyfile], 2),
+              (["key", "change", dest, *p, "--new-key-file", new_key], 0)]
+    for args, code in cases:
+        res = runner.invoke(app, [str(a) for a in args])
+        outputs.append(res.stdout + (res.stderr or ""))
+        assert res.exit_code == code and "Traceback" not in outputs[-1], (args, outputs[-1])
+    # the Checkpointer (keys from the environment) and its log
+    env = {"CKPT_ARCHIVE_KEY_FILE": str(keyfile), "CKPT_ARCHIVE_SIGN_KEY": str(sign)}
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.DEBUG):
+        for name, value in env.items():
+            mp.setenv(name, value)
+        with ckpt_archive.Checkpointer(tmp_path / "ck") as ck:
+            ck.save(1, _state(), {"loss": 1.0}, block=True)
+    outputs.append(caplog.text)
+    # what is stored, raw and as a reader decrypts it
+    blobs = [_every_stored_byte(d) for d in (repo, dest, plain, tmp_path / "ck")]
+    blobs += [proof_md.read_bytes(), proof_json.read_bytes()]
+    for where, key in ((repo, keyfile), (dest, new_key), (tmp_path / "ck", keyfile)):
+        r = Repository.open(where, key_file=key)
+        for g in r.generations():
+            blobs += [r.store.read_bytes(f"{g.key}/manifest.json"), r.store.read_bytes(f"{g.key}/USABLE.json")]
+    cfg = json.loads((repo / "repository.json").read_text())
+    data_key, _ = crypto.unwrap_data_key(cfg["encryption"]["keys"], crypto.read_key_material(keyfile.read_bytes(), "k"),
+                                         cfg["id"])
+    key_line = keyfile.read_bytes().strip()
+    private = signature.load_private(sign.read_bytes(), "sign")
+    raw_private = private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                        serialization.NoEncryption())
+    materials = [key_line, new_key.read_bytes().strip(), passphrase.read_bytes().strip()]  # what a key file holds
+    needles = [key_line.decode(), new_key.read_bytes().strip().decode(), "SECRETPASSPHRASE",
+               *(f for m in materials for f in _forms(m)), *_forms(base64.b64decode(key_line)),
+               *_forms(base64.b64decode(materials[1])), *_forms(data_key), *_forms(raw_private),
+               *(line.decode() for line in sign.read_bytes().splitlines()[1:-1])]
+    binary = [key_line, b"SECRETPASSPHRASE", base64.b64decode(key_line), data_key, raw_private]
+    for text in outputs:
+        for needle in needles:
+            assert needle not in text, (needle, text[-400:])
+    for blob in blobs:
+        for needle in [n.encode() for n in needles] + binary:
+            assert needle not in blob, needle
