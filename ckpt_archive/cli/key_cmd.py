@@ -11,6 +11,7 @@ from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_hel
 def register(app: typer.Typer) -> None:
     key_app = typer.Typer(help="Keys: signing key pairs (--sign-key / --trust) and repository key files "
                                "(--key-file). docs/FORMAT.md, 'Signatures' and 'Encrypted repositories'.",
+                          short_help="Make signing key pairs and repository key files; change a key.",
                           no_args_is_help=True)
     app.add_typer(key_app, name="key")
 
