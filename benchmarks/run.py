@@ -618,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="paired A/B of this code tree against another checkout (e.g. a worktree of main)")
     ap.add_argument("--this-tree", default=str(HERE.parent), help="with --ab: the tree measured as 'this'")
     ap.add_argument("--ab-ops", default="pack,load", help="with --ab: operations (pack, load, verify, verify_deep)")
+    ap.add_argument("--crypto", action="store_true",
+                    help="what encryption costs: pack, restore, verify --deep into a plain vs an encrypted repository")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--repo", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--size-mib", type=int, default=0, help=argparse.SUPPRESS)
@@ -639,6 +641,13 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_ab(size_mib, a, log))
         info["loadavg_end"] = os.getloadavg()
         return _finish("ab", "-ab", ab_table, results, info, stamp, a, log)
+    if a.crypto:
+        from crypto_cost import crypto_table, run_crypto  # issue 28: plain vs encrypted, paired
+
+        for size_mib in [int(x) for x in a.sizes.split(",") if x]:
+            results.append(run_crypto(size_mib, a, log))
+        info["loadavg_end"] = os.getloadavg()
+        return _finish("crypto", "-crypto", crypto_table, results, info, stamp, a, log)
     if not a.unpaired and not a.vs_hand:
         from peers import main_peers, table as peers_table, versions  # restic / borg (issue 29)
 

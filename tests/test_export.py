@@ -104,9 +104,10 @@ def test_export_to_s3_is_usable_there_and_restores_bit_equal(source, s3_server, 
     assert gens[0].marker["location"] == s3_url
     assert gens[0].marker["trial_reload"]["where"] == s3_url
     assert gens[0].marker["exported_from"]["location"] == str(repo)
+    # the writer lock's released top ticket stays in the bucket (store/lease_lock.py: numbers only grow)
     assert _keys(s3_server, s3_url) == sorted(
         [f"generations/00000002/{m}" for m in ["CLAIM", "USABLE.json", "manifest.json", *MEMBERS]]
-        + ["repository.json"])
+        + ["locks/000000000001.json", "repository.json"])
     text = report.read_text()
     # the proof's own restore command, run as printed, on a "new machine" (a fresh folder) whose environment
     # does not name the endpoint: the proof must carry it (it came from AWS_ENDPOINT_URL here)

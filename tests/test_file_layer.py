@@ -45,6 +45,7 @@ READS = {
     "ckpt_archive/format/ordered_writes.py": "a restore target read back through /proc/self/fd of our own descriptor",
     "ckpt_archive/format/pt_pickle.py": "a source torch.save file (pack's torch-free reader)",
     "ckpt_archive/ops/meta.py": "the installed torch's version.py (environment facts without importing torch)",
+    "ckpt_archive/repo/keys.py": "a key or trust file the user names (bounded read; never a repository path)",
     "ckpt_archive/ops/restore.py": "/proc/self/status (the umask)",
     "ckpt_archive/ops/restore_torch.py": "the zip restore staged, read back through Entry.path",
 }
@@ -60,6 +61,8 @@ WRITES = {
         {"Path.mkdir"}, "check-resume's output folder, refused unless absent or empty"),
     ("ckpt_archive/resume/runner.py", "run_command"): (
         {"Path.mkdir", "open(write)"}, "a run's log files in a folder check-resume creates (exist_ok=False)"),
+    ("ckpt_archive/ops/keys.py", "_create_private"): (
+        {"os.open(write)"}, "a new key file at a path the user names: O_EXCL|O_NOFOLLOW, never a repository file"),
     ("ckpt_archive/resume/check.py", "check_resume"): (
         {"Path.mkdir"}, "a folder check-resume creates (exist_ok=False) in its own output folder"),
     ("ckpt_archive/resume/check.py", "_run_controls"): (

@@ -26,8 +26,9 @@ from ckpt_archive.cli.app import app
 from ckpt_archive.errors import InsufficientSpace, NotUsable, StoreError, UnsafePath
 from ckpt_archive.repo.repository import Repository
 
-from hostile_archive import (edit_manifest, edit_manifest_text, folder_source, forget_notes, gen_dir, member,
-                             put_member_bytes, read_manifest, reseal, run_cli, set_tree, snapshot)
+from hostile_archive import (MODES, edit_manifest, is_encrypted, edit_manifest_text, folder_source, forget_notes, gen_dir,
+                             make_keys, member, put_member_bytes, read_manifest, read_plain, reseal, run_cli,
+                             set_tree, snapshot, use_mode, write_plain)
 
 runner = CliRunner()
 
@@ -39,20 +40,42 @@ def cli(*args):
     return res
 
 
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory) -> dict:
+    return make_keys(tmp_path_factory.mktemp("keys"))
+
+
+@pytest.fixture(params=MODES)
+def mode(request, keys, monkeypatch) -> str:
+    """[issue 28] Each attack on a plain, an encrypted and a signed repository: every command and library
+    call reads the key file (or the signing key and --trust) from the environment, and the attack is
+    crafted *with* the key (tests/hostile_archive.py), so the checks behind decryption and the signature
+    are what refuse it."""
+    return use_mode(monkeypatch, request.param, keys)
+
+
 @pytest.fixture()
-def folder_repo(tmp_path):
+def folder_repo(tmp_path, mode):
     src = folder_source(tmp_path)
     repo = tmp_path / "repo"
     assert cli("pack", src, "--repo", repo).exit_code == 0
-    return repo
+    return _checked_mode(repo, mode)
 
 
 @pytest.fixture()
-def file_repo(tmp_path):
+def file_repo(tmp_path, mode):
     p = tmp_path / "ck.pt"
     torch.save({"model": {"w": torch.randn(32, 32)}, "step": 3}, p)
     repo = tmp_path / "repo"
     assert cli("pack", p, "--repo", repo).exit_code == 0
+    return _checked_mode(repo, mode)
+
+
+def _checked_mode(repo: Path, mode: str) -> Path:
+    """The repository really is what its mode says (so an attack on it is tried where it claims to be)."""
+    assert is_encrypted(repo) == (mode == "encrypted")
+    signed = "signature" in json.loads(read_plain(gen_dir(repo) / "USABLE.json"))
+    assert signed == (mode == "signed")
     return repo
 
 
@@ -268,7 +291,7 @@ def _declare_raw(repo: Path, raw_bytes: int, chunks: int) -> None:
     def edit(m):
         rec = member(m, "tree")
         data = os.urandom(64 << 10)
-        (gen_dir(repo) / rec["stored_path"]).write_bytes(data)
+        write_plain(gen_dir(repo) / rec["stored_path"], data)
         per_raw, per_stored = raw_bytes // chunks, len(data) // chunks
         rec["chunks"] = [{"raw_offset": i * per_raw, "raw_bytes": per_raw, "stored_offset": i * per_stored,
                           "stored_bytes": per_stored, "codec": "zstd",
@@ -276,10 +299,12 @@ def _declare_raw(repo: Path, raw_bytes: int, chunks: int) -> None:
                          for i in range(chunks)]
         rec.update(raw_bytes=per_raw * chunks, stored_bytes=per_stored * chunks, chunk_codecs=["zstd"],
                    stored_sha256=hashlib.sha256(data[:per_stored * chunks]).hexdigest())
-        (gen_dir(repo) / rec["stored_path"]).write_bytes(data[:per_stored * chunks])
+        write_plain(gen_dir(repo) / rec["stored_path"], data[:per_stored * chunks])
     edit_manifest(repo, edit)
 
 
+@pytest.mark.parametrize("mode", ["plain", *(pytest.param(m, marks=pytest.mark.slow) for m in MODES[1:])],
+                         indirect=True)  # three CLI processes each: the keyed repositories in the slow suite
 @pytest.mark.parametrize("chunks", [1, 32])
 def test_a_64_KB_member_declaring_2_GiB_raw_is_refused_with_bounded_memory(file_repo, chunks):
     _declare_raw(file_repo, 2 << 30, chunks)
@@ -499,7 +524,8 @@ def test_a_code_version_that_is_not_text_breaks_the_schema_and_inspect_says_so(t
 
 
 # --- partial and damaged generations are not restored unchecked --------------------------------------
-def test_restore_refuses_a_partial_generation_unless_restore_unverified(tmp_path, file_repo):
+def test_restore_refuses_a_partial_generation_unless_restore_unverified(tmp_path, file_repo, mode):
+    """With --trust (signed), the override is refused too: an unpublished generation carries no signature."""
     (gen_dir(file_repo) / "USABLE.json").unlink()
     out = tmp_path / "out.pt"
     res = cli("restore", f"{file_repo}@1", "-o", out)
@@ -508,20 +534,26 @@ def test_restore_refuses_a_partial_generation_unless_restore_unverified(tmp_path
     assert not out.exists()
     assert cli("verify", f"{file_repo}@1").exit_code == 1
     res = cli("restore", f"{file_repo}@1", "-o", out, "--restore-unverified")
+    if mode == "signed":
+        assert res.exit_code == 1 and "not signed" in res.stderr and not out.exists(), res.stderr
+        return
     assert res.exit_code == 0 and "UNVERIFIED" in res.stderr + res.stdout
     assert torch.load(out, weights_only=True)["step"] == 3
 
 
-def test_restore_refuses_a_damaged_generation_and_the_override_still_checks_every_byte(tmp_path, file_repo):
+def test_restore_refuses_a_damaged_generation_and_the_override_still_checks_every_byte(tmp_path, file_repo, mode):
     # the manifest changed after publish (marker not recomputed): damaged
     def edit(m):
         m["tags"] = ["tampered"]
     m = read_manifest(file_repo)
     edit(m)
-    (gen_dir(file_repo) / "manifest.json").write_text(json.dumps(m, indent=1))
+    write_plain(gen_dir(file_repo) / "manifest.json", json.dumps(m, indent=1).encode())
     out = tmp_path / "out.pt"
     res = cli("restore", f"{file_repo}@1", "-o", out)
-    assert res.exit_code == 2 and "damaged" in res.stderr
+    assert res.exit_code == 2 and "damaged" in res.stderr and "sha256 differs" in res.stderr, res.stderr
+    if mode == "signed":  # --trust: the override is refused, the changed manifest is vouched for by no signature
+        res = cli("restore", f"{file_repo}@1", "-o", out, "--restore-unverified")
+        assert res.exit_code == 1 and "no signature vouches" in res.stderr and not out.exists(), res.stderr
     # flip a member byte as well: the override restores nothing wrong
     rec = member(m, "tensors")
     p = gen_dir(file_repo) / rec["stored_path"]
@@ -532,10 +564,14 @@ def test_restore_refuses_a_damaged_generation_and_the_override_still_checks_ever
     assert res.exit_code == 1 and not out.exists()
 
 
-def test_load_refuses_a_partial_generation_unless_unverified(file_repo):
+def test_load_refuses_a_partial_generation_unless_unverified(file_repo, mode):
     (gen_dir(file_repo) / "USABLE.json").unlink()
     with pytest.raises(NotUsable, match="partial"):
         ckpt_archive.load(file_repo, 1)
+    if mode == "signed":  # trusted keys required: an unpublished generation is never handed out
+        with pytest.raises(ckpt_archive.errors.CheckFailed, match="not signed"):
+            ckpt_archive.load(file_repo, 1, unverified=True)
+        return
     with pytest.warns(UserWarning, match="UNVERIFIED"):
         assert ckpt_archive.load(file_repo, 1, unverified=True)["step"] == 3
 
@@ -966,7 +1002,7 @@ def test_duplicate_keys_in_a_manifest_are_refused(file_repo):
 
 
 def test_a_marker_with_duplicate_keys_or_nesting_makes_the_generation_damaged_not_an_error(file_repo):
-    (gen_dir(file_repo) / "USABLE.json").write_text('{"a": 1, "a": 2}')
+    write_plain(gen_dir(file_repo) / "USABLE.json", b'{"a": 1, "a": 2}')
     res = runner.invoke(app, ["list", str(file_repo), "--all", "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["generations"][0]["status"] == "damaged"
 

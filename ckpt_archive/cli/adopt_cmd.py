@@ -1,9 +1,12 @@
 """``ckpt-archive adopt REPO``: make every copied generation of a moved repository usable at its new place."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes, KEY_FILE_OPTION, SIGN_KEY_OPTION, open_cli_repo)
 from ckpt_archive.cli.prune_cmd import WAIT
 
 
@@ -22,13 +25,15 @@ def register(app: typer.Typer) -> None:
         repo: str = typer.Argument(..., metavar="REPO", help="The repository at its new place (path or URL)."),
         jobs: int = typer.Option(None, "--jobs", "-j", help="Decoder threads (default: all cores)."),
         wait: float = WAIT,
+        key_file: Optional[Path] = KEY_FILE_OPTION,
+        sign_key: Optional[Path] = SIGN_KEY_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.ops.verify import adopt
 
         out = Output(json_output)
         with out.progress(None, "adopt") as bar:
-            report = adopt(repo, jobs=jobs, wait=wait, on_bytes=bar)
+            report = adopt(open_cli_repo(repo, key_file=key_file, sign_key=sign_key), jobs=jobs, wait=wait, on_bytes=bar)
         for n, problems in report.failed.items():
             out.error(f"generation {n}: {len(problems)} problem(s); it stays copied")
             for p in problems:

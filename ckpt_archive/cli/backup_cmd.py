@@ -1,11 +1,12 @@
 """``ckpt-archive backup SOURCE --repo REPO``: one idempotent backup run, for cron and systemd timers."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, seconds_callback
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, exit_with, seconds_callback, KEY_FILE_OPTION, SIGN_KEY_OPTION, open_cli_repo)
 from ckpt_archive.cli.prune_cmd import (BEST_BY, KEEP_BEST, KEEP_DAILY, KEEP_HOURLY, KEEP_LAST, KEEP_MONTHLY, KEEP_TAG, KEEP_WEEKLY,
                     KEEP_WITHIN, WAIT, policy_from_flags)
 
@@ -57,6 +58,8 @@ def register(app: typer.Typer) -> None:
                                              "(timm, torchvision reference scripts): stored and restored as the same "
                                              "class; only classes whose state is a plain __dict__, never code."),
         wait: float = WAIT,
+        key_file: Optional[Path] = KEY_FILE_OPTION,
+        sign_key: Optional[Path] = SIGN_KEY_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.ops.backup import backup
@@ -64,7 +67,7 @@ def register(app: typer.Typer) -> None:
         out = Output(json_output)
         policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
                                    keep_tag, keep_best, best_by)
-        result = backup(source, repo, retention=policy, settle=settle, wait=wait, tags=tag, stale_after=stale_after,
+        result = backup(source, open_cli_repo(repo, create=True, key_file=key_file, sign_key=sign_key), retention=policy, settle=settle, wait=wait, tags=tag, stale_after=stale_after,
                         allow=allow)
         for w in result.warnings:
             out.warn(w)

@@ -7,7 +7,7 @@ error is never a silently missing command).
 COMMAND_MODULES = (
     "pack", "verify", "restore", "list", "inspect", "demo", "check_resume",
     "forget", "gc", "prune", "backup", "export",
-    "adopt", "status",
+    "adopt", "status", "key",
 )
 
 

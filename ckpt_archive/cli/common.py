@@ -369,7 +369,7 @@ def make_progress(total: int | None, description: str, enabled: bool):
     return _RichProgress(total, description) if enabled else _NoProgress()
 
 
-__all__ = ["JSON_OPTION", "QUIET_OPTION", "Output", "command", "exit_code_for", "exit_codes_help",
+__all__ = ["JSON_OPTION", "KEY_FILE_OPTION", "TRUST_OPTION", "SIGN_KEY_OPTION", "open_cli_repo", "QUIET_OPTION", "Output", "command", "exit_code_for", "exit_codes_help",
            "exit_with", "human_bytes", "make_progress", "split_repo_spec"]
 
 
@@ -541,7 +541,6 @@ def seconds_callback(name: str, *, allow_zero: bool = True):
     def check(value):
         if value is None:
             return None
-        from ckpt_archive.errors import UsageError
         from ckpt_archive.format.durations import check_seconds
 
         try:
@@ -553,3 +552,29 @@ def seconds_callback(name: str, *, allow_zero: bool = True):
 
 
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout and nothing else there.")
+
+
+#: ``--key-file``: an encrypted repository's key (docs/FORMAT.md, "Encrypted repositories").
+KEY_FILE_OPTION = typer.Option(
+    None, "--key-file", metavar="PATH",
+    help="Key file of an encrypted repository (default: $CKPT_ARCHIVE_KEY_FILE); a repository created with one "
+         "is encrypted. Without it an encrypted repository is refused (exit 2).")
+#: ``--trust``: public keys a generation must be signed by (docs/FORMAT.md, "Signatures").
+TRUST_OPTION = typer.Option(
+    None, "--trust", metavar="PUBKEY",
+    help="Require a signature by this public key (PATH.pub; repeatable; default: $CKPT_ARCHIVE_TRUST, paths "
+         "separated by ':'): an unsigned or foreign-signed generation is refused (exit 1).")
+#: ``--sign-key``: sign every generation published (docs/FORMAT.md, "Signatures").
+SIGN_KEY_OPTION = typer.Option(
+    None, "--sign-key", metavar="PATH",
+    help="Sign each generation published with this Ed25519 private key (ckpt-archive key new; default: "
+         "$CKPT_ARCHIVE_SIGN_KEY).")
+
+
+def open_cli_repo(repo: str, *, create: bool = False, key_file=None, trust=None, sign_key=None):
+    """The repository a command works on, opened with the key options it was given (None: the environment
+    default, :mod:`ckpt_archive.repo.keys`). Key material never reaches output or errors."""
+    from ckpt_archive.repo.repository import Repository
+
+    return Repository.open(repo, create=create, key_file=key_file, trust=list(trust) if trust else None,
+                           sign_key=sign_key)

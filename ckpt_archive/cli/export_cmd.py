@@ -5,11 +5,11 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes, split_repo_spec, seconds_callback
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes, split_repo_spec, seconds_callback, KEY_FILE_OPTION, TRUST_OPTION, SIGN_KEY_OPTION, open_cli_repo)
 
 
 def register(app: typer.Typer) -> None:
@@ -45,11 +45,23 @@ def register(app: typer.Typer) -> None:
         report: Optional[Path] = typer.Option(None, "--report", metavar="FILE", help="Write the recovery proof "
                                               "here: Markdown, or JSON with --json."),
         wait: float = typer.Option(0.0, "--wait", metavar="SECONDS", callback=seconds_callback("--wait"), help="Wait this long for DEST's writer lock."),
+        key_file: Optional[Path] = typer.Option(
+            None, "--key-file", metavar="PATH",
+            help="The key file of the encrypted side (default: $CKPT_ARCHIVE_KEY_FILE for an encrypted source). "
+                 "An encrypted source is read with it and DEST is encrypted with it too (unless --to-key-file or "
+                 "--to-plain); a plain source is copied to a DEST encrypted with it."),
+        trust: Optional[List[Path]] = TRUST_OPTION,
+        to_key_file: Optional[Path] = typer.Option(
+            None, "--to-key-file", metavar="PATH",
+            help="DEST's key file when it is not --key-file's: an encrypted source copied under another key (a "
+                 "new DEST is created encrypted with it; an encrypted DEST is opened with it)."),
+        to_plain: bool = typer.Option(False, "--to-plain", help="Write DEST in the clear from an encrypted "
+                                      "source (never the default: a copy keeps its encryption unless asked)."),
+        sign_key: Optional[Path] = SIGN_KEY_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.errors import UsageError
         from ckpt_archive.ops.export import export, select_generations
-        from ckpt_archive.repo.repository import Repository
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
@@ -59,7 +71,7 @@ def register(app: typer.Typer) -> None:
         selection = "all" if all_usable else f"latest:{latest}" if latest is not None else gen
         storage_options = _sse_options(to, sse, sse_kms_key_id)
 
-        source = Repository.open(repo)
+        source, to_key_file = _open_source(repo, key_file, to_key_file, to_plain, trust)
         picked = select_generations(source, selection)
         from ckpt_archive.ops.export_copy import unique_stored_bytes
 
@@ -72,7 +84,8 @@ def register(app: typer.Typer) -> None:
                             if v}
             result = export(source, to, generations=[g.number for g in picked], report=report,
                             report_format="json" if json_output else "markdown", on_bytes=advance,
-                            command=argv, wait=wait, dest_store_options=dest_options)
+                            command=argv, wait=wait, dest_store_options=dest_options, to_key_file=to_key_file,
+                            to_plain=to_plain, sign_key=sign_key)
         _say_result(out, result, report)
         out.json(result.to_json())
         exit_with(result)
@@ -118,6 +131,21 @@ def _say_result(out: Output, result, report: Optional[Path]) -> None:
     out.say(f"restore on a new machine: {result.restore_command}")
     if report is not None:
         out.say(f"recovery proof written to {report}")
+
+
+def _open_source(repo: str, key_file, to_key_file, to_plain: bool, trust):
+    """The source repository and DEST's key: ``--key-file`` reads an encrypted source and, unless
+    ``--to-key-file`` or ``--to-plain``, is DEST's key too; for a plain source it is DEST's key alone (plain
+    to encrypted). docs/keys.md, "Export"."""
+    from ckpt_archive.format.crypto import KeyRefused
+
+    if key_file is None or to_key_file is not None or to_plain:
+        return open_cli_repo(repo, key_file=key_file, trust=trust), to_key_file
+    try:
+        source = open_cli_repo(repo, key_file=False, trust=trust)  # plain: the key is DEST's alone
+    except KeyRefused:
+        source = open_cli_repo(repo, key_file=key_file, trust=trust)  # encrypted: read with it, DEST keeps it
+    return source, key_file
 
 
 __all__ = ["register"]

@@ -3,9 +3,12 @@
 The removal itself is :func:`ckpt_archive.ops.forget.forget`; this module parses options and renders."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, split_repo_spec
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, split_repo_spec, KEY_FILE_OPTION, open_cli_repo)
 from ckpt_archive.cli.prune_cmd import WAIT
 
 
@@ -27,13 +30,14 @@ def register(app: typer.Typer) -> None:
                                    "tag:NAME (REPO alone means latest)."),
         force: bool = typer.Option(False, "--force", help="Also remove the newest usable generation."),
         wait: float = WAIT,
+        key_file: Optional[Path] = KEY_FILE_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.ops.forget import forget
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
-        result = forget(repo, gen, force=force, wait=wait)
+        result = forget(open_cli_repo(repo, key_file=key_file), gen, force=force, wait=wait)
         newest = result.newest_usable
         out.say(f"forgot generation {result.generation} (was {result.status}); newest usable now: "
                 f"{newest if newest is not None else 'none'}")

@@ -3,9 +3,12 @@
 The collection itself is :func:`ckpt_archive.ops.gc.gc`; this module parses options and renders."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help
+from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, KEY_FILE_OPTION, open_cli_repo
 from ckpt_archive.cli.prune_cmd import WAIT
 
 
@@ -22,12 +25,13 @@ def register(app: typer.Typer) -> None:
         repo: str = typer.Argument(..., metavar="REPO", help="Repository path or URL."),
         dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List what would be removed; remove nothing."),
         wait: float = WAIT,
+        key_file: Optional[Path] = KEY_FILE_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.ops.gc import gc
 
         out = Output(json_output)
-        result = gc(repo, dry_run=dry_run, wait=wait)
+        result = gc(open_cli_repo(repo, key_file=key_file), dry_run=dry_run, wait=wait)
         verb = "would remove" if dry_run else "removed"
         for item in result.removed:
             out.say(f"{verb} generation {item['generation']}: partial ({item['reason']})")

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from pathlib import Path
+from typing import List, Optional
+
 import typer
 
-from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, exit_with, human_bytes,
-                                     split_repo_spec)
+from ckpt_archive.cli.common import (JSON_OPTION, KEY_FILE_OPTION, TRUST_OPTION, Output, command, exit_codes_help,
+                                     exit_with, human_bytes, open_cli_repo, split_repo_spec)
 from ckpt_archive.cli.tables import Col, fit
 
 if TYPE_CHECKING:
@@ -57,13 +60,15 @@ def register(app: typer.Typer) -> None:
     @command
     def inspect_cmd(
         spec: str = typer.Argument(..., metavar="REPO[@GEN]"),
+        key_file: Optional[Path] = KEY_FILE_OPTION,
+        trust: Optional[List[Path]] = TRUST_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
-        info = ckpt_archive.inspect(repo, gen)
+        info = ckpt_archive.inspect(open_cli_repo(repo, key_file=key_file, trust=trust), gen)
         m = info.manifest
         out.say(f"generation {info.generation} ({info.status}) of {info.location}", style="bold")
         out.say(f"  created {m['created']}  source {m['source']['format']} ({m['source']['layout']})  "

@@ -1,9 +1,12 @@
 """``ckpt-archive list``: the generations of a repository."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import List, Optional
+
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, human_bytes
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, human_bytes, KEY_FILE_OPTION, TRUST_OPTION, open_cli_repo)
 from ckpt_archive.cli.tables import Col, date_forms, fit
 
 
@@ -17,12 +20,12 @@ def register(app: typer.Typer) -> None:
     def list_cmd(
         repo: str = typer.Argument(..., metavar="REPO"),
         all_: bool = typer.Option(False, "--all", help="Also list generations that are not usable."),
+        key_file: Optional[Path] = KEY_FILE_OPTION,
+        trust: Optional[List[Path]] = TRUST_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         out = Output(json_output)
-        from ckpt_archive.repo.repository import Repository
-
-        r = Repository.open(repo)
+        r = open_cli_repo(repo, key_file=key_file, trust=trust)
         every = r.generations()
         gens = every if all_ else [g for g in every if g.usable]
         from ckpt_archive.ops.list import generation_row

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, human_bytes, seconds_callback
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, human_bytes, seconds_callback, KEY_FILE_OPTION, SIGN_KEY_OPTION, open_cli_repo)
 from ckpt_archive.cli.prune_cmd import (BEST_BY, KEEP_BEST, KEEP_DAILY, KEEP_HOURLY, KEEP_LAST, KEEP_MONTHLY, KEEP_TAG, KEEP_WEEKLY,
                     KEEP_WITHIN, policy_from_flags)
 
@@ -58,6 +58,8 @@ def register(app: typer.Typer) -> None:
         keep_monthly: Optional[int] = KEEP_MONTHLY, keep_within: Optional[str] = KEEP_WITHIN,
         keep_tag: Optional[List[str]] = KEEP_TAG, keep_best: Optional[int] = KEEP_BEST,
         best_by: Optional[str] = BEST_BY,
+        key_file: Optional[Path] = KEY_FILE_OPTION,
+        sign_key: Optional[Path] = SIGN_KEY_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
@@ -75,7 +77,7 @@ def register(app: typer.Typer) -> None:
         # phases, each with its bytes: read and hash the source, write, verify, trial reload
         with out.progress(_source_bytes(source), "pack: read") as bar:
             res = ckpt_archive.pack(
-                source, repo,
+                source, open_cli_repo(repo, create=True, key_file=key_file, sign_key=sign_key),
                 PackOptions(level=level, jobs=jobs, wait=wait, source_format=fmt, allow_numpy=allow_numpy,
                             allow=tuple(allow), share_min_bytes=0 if no_share else DEFAULT_SHARE_MIN_BYTES),
                 Annotations(config=config, metrics=metrics, data_ids=data_ids, tags=tuple(tag),

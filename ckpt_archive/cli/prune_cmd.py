@@ -6,11 +6,12 @@ and renders the decision (:func:`decision_table`).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_code_for, human_bytes, seconds_callback
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, exit_code_for, human_bytes, seconds_callback, KEY_FILE_OPTION, open_cli_repo)
 
 KEEP_LAST = typer.Option(None, "--keep-last", min=0, metavar="N", help="Keep the N newest usable generations.",
                          rich_help_panel="Retention policy")
@@ -124,6 +125,7 @@ def register(app: typer.Typer) -> None:
         save_default: bool = typer.Option(False, "--save-default", help="Also store this policy as the "
                                           "repository's default (used by pack, backup and prune without flags)."),
         wait: float = WAIT,
+        key_file: Optional[Path] = KEY_FILE_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.ops.prune import prune
@@ -131,7 +133,7 @@ def register(app: typer.Typer) -> None:
         out = Output(json_output)
         policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
                                    keep_tag, keep_best, best_by)
-        result = prune(repo, policy, dry_run=dry_run, wait=wait, save_default=save_default)
+        result = prune(open_cli_repo(repo, key_file=key_file), policy, dry_run=dry_run, wait=wait, save_default=save_default)
         decision, check = result.decision, result.check
         if not json_output:
             verb = "would remove" if dry_run else "removed"

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, human_bytes, split_repo_spec
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, human_bytes, split_repo_spec, KEY_FILE_OPTION, TRUST_OPTION, open_cli_repo)
 
 
 def register(app: typer.Typer) -> None:
@@ -70,6 +70,8 @@ def register(app: typer.Typer) -> None:
         restore_unverified: bool = typer.Option(
             False, "--restore-unverified", help="Restore a partial or damaged generation anyway (refused otherwise, "
                                                 "exit 2); every byte is still checked against its manifest."),
+        key_file: Optional[Path] = KEY_FILE_OPTION,
+        trust: Optional[List[Path]] = TRUST_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
@@ -77,6 +79,7 @@ def register(app: typer.Typer) -> None:
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
+        repo = open_cli_repo(repo, key_file=key_file, trust=trust)  # one repository for the audit and the restore
         transform, policy_json = cli_restore_prepare(repo, gen, session_config=session_config,
                                                      expect_lr=expect_lr, policy=policy, out=out)
         with out.progress(None, "restore") as bar:  # the restore tells the bar each phase and its total

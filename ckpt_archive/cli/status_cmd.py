@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, exit_with, KEY_FILE_OPTION, TRUST_OPTION, open_cli_repo)
 
 
 def register(app: typer.Typer) -> None:
@@ -29,12 +29,14 @@ def register(app: typer.Typer) -> None:
         state: Optional[Path] = typer.Option(None, "--state", metavar="FILE",
                                              help="Where the last check is remembered (for the step check)."),
         no_record: bool = typer.Option(False, "--no-record", help="Do not remember this check."),
+        key_file: Optional[Path] = KEY_FILE_OPTION,
+        trust: Optional[List[Path]] = TRUST_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.ops.status import status
 
         out = Output(json_output)
-        report = status(repo, max_age=max_age, state=state, record=not no_record)
+        report = status(open_cli_repo(repo, key_file=key_file, trust=trust), max_age=max_age, state=state, record=not no_record)
         if report.ok:
             from ckpt_archive.ops.common import human_seconds
 

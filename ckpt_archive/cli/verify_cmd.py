@@ -1,9 +1,12 @@
 """``ckpt-archive verify``: check a generation (sizes + sha256; ``--deep``: the full trial reload)."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import List, Optional
+
 import typer
 
-from ckpt_archive.cli.common import JSON_OPTION, Output, command, exit_codes_help, exit_with, split_repo_spec
+from ckpt_archive.cli.common import (JSON_OPTION, Output, command, exit_codes_help, exit_with, split_repo_spec, KEY_FILE_OPTION, TRUST_OPTION, open_cli_repo)
 
 
 def register(app: typer.Typer) -> None:
@@ -24,6 +27,8 @@ def register(app: typer.Typer) -> None:
                                       help="If @latest fails, verify the newest generation that passes instead."),
         strict: bool = typer.Option(False, "--strict", help="Completeness warnings fail the check (exit 1)."),
         jobs: int = typer.Option(None, "--jobs", "-j", help="Decoder threads (default: all cores)."),
+        key_file: Optional[Path] = KEY_FILE_OPTION,
+        trust: Optional[List[Path]] = TRUST_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
@@ -31,7 +36,7 @@ def register(app: typer.Typer) -> None:
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
         with out.progress(None, "verify") as bar:  # each check tells the bar its phase and total
-            report = ckpt_archive.verify(repo, gen, deep=deep, jobs=jobs, fallback=fallback, strict=strict,
+            report = ckpt_archive.verify(open_cli_repo(repo, key_file=key_file, trust=trust), gen, deep=deep, jobs=jobs, fallback=fallback, strict=strict,
                                          on_bytes=bar)
         _extend_report(report, out)
         for w in report.warnings:

@@ -245,7 +245,9 @@ class ArchiveCheckpointIO(CheckpointIO):
             except NotFound:  # nothing saved yet (its save may still be queued): every removal waits
                 keep = pending
                 return
-            usable = Repository.open(location).usable()
+            # the repository object itself where one was given: it holds the key (key_file=) a path would lose
+            repo = self.repo if isinstance(self.repo, Repository) else location
+            usable = (repo if isinstance(repo, Repository) else Repository.open(repo)).usable()
             newest = usable[-1].number if usable else None
             for i, (name, limit) in enumerate(pending):
                 numbers = [g.number for g in usable if name in g.tags and (limit is None or g.number <= limit)]
@@ -259,7 +261,7 @@ class ArchiveCheckpointIO(CheckpointIO):
                         keep.append((name, limit))
                         continue
                     try:
-                        forget(location, n, wait=wait)
+                        forget(repo, n, wait=wait)
                     except NotFound:  # gone already (retention, another forget)
                         continue
                     except LockError:  # another writer: retried after the next save, never waited for here

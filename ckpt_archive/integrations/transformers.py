@@ -131,7 +131,10 @@ class ArchiveCallback(TrainerCallback):
 
             stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
             report = Path(args.output_dir) / f"recovery-proof-{stamp}.md"
-        self.export_result = export(self._publisher.location, self.export_to, generations=self.export_generations,
+        # the repository object itself where one was given (it holds the key a path would lose); an encrypted
+        # one is exported encrypted (export_options to_key_file= / to_plain=, or $CKPT_ARCHIVE_KEY_FILE)
+        source = self.repo if not isinstance(self.repo, (str, os.PathLike)) else self._publisher.location
+        self.export_result = export(source, self.export_to, generations=self.export_generations,
                                     report=report, **self.export_options)
         exported = ", ".join(str(g.generation) for g in self.export_result.generations)
         _LOG.info("exported generation(s) %s to %s, verified and trial-reloaded there; proof: %s; restore there "

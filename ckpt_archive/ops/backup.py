@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping
 from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, CheckFailed, NotFound, SourceChanged, SourceError
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.shard import file_problem
-from ckpt_archive.ops.common import human_seconds, leftover_note
+from ckpt_archive.ops.common import RepoLike, human_seconds, leftover_note, open_repo
 
 #: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
 #: the default is ``max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * settle)``.
@@ -556,7 +556,7 @@ def _lower_step_note(candidates: list[Path], steps: dict, before, chosen: Path, 
     return []
 
 
-def backup(source: str | os.PathLike, repo: str, *, retention: Any = None, settle: float = 10.0,
+def backup(source: str | os.PathLike, repo: RepoLike, *, retention: Any = None, settle: float = 10.0,
            wait: float = 0.0, tags: tuple[str, ...] | list[str] = (), now: datetime | None = None,
            sleep: Callable[[float], None] = time.sleep, on_bytes: Callable[[int], None] | None = None,
            stale_after: float | None = None, allow=()) -> BackupResult:
@@ -620,13 +620,11 @@ class _BackupRun:
         NotFound: SOURCE missing (before the repository is created for nothing).
     """
 
-    def __init__(self, src: Path, repo: str, wait: float):
-        from ckpt_archive.repo.repository import Repository
-
+    def __init__(self, src: Path, repo: RepoLike, wait: float):
         self.key, self.wait = str(src), wait
         if not src.exists():  # before the repository is created for nothing
             raise NotFound("no such file or folder", where=self.key)
-        self.rep = Repository.open(repo, create=True)
+        self.rep = open_repo(repo, create=True)  # an open Repository keeps its keys (issue 28)
         self.state = read_state(self.rep.store)
         self.entry = self.state["sources"].get(self.key) or {}
         steps = dict(self.entry["steps"]) if isinstance(self.entry.get("steps"), dict) else {}

@@ -104,7 +104,38 @@ def require_readable(r: Repository, gen: Generation, *, allow_noted: bool = Fals
         if gen.error is not None:
             raise gen.error
         raise NoUsableGeneration(f"generation {gen.number} is {gen.status}: {gen.reason}", where=r.location)
+    check_trust(r, gen)
     return gen
+
+
+def check_trust(r: Repository, gen: Generation) -> None:
+    """A bad signature always refuses the generation; with trusted keys (``--trust``), so does a missing
+    signature or one by another key (docs/FORMAT.md, "Signatures").
+
+    Raises:
+        SignatureProblem: (exit 1) naming the generation and, where there is one, the signer's fingerprint.
+    """
+    from ckpt_archive.format.signature import SignatureProblem
+
+    if isinstance(gen.error, SignatureProblem):
+        raise SignatureProblem(f"generation {gen.number}: {gen.error.message}", where=gen.error.where)
+    if r.trust is None:
+        return
+    if gen.signer is None and gen.manifest is None:
+        return  # its manifest cannot be read: nothing of it can be handed out, and its damage says why
+    if gen.signer is None and gen.status == "damaged":  # the signature was never checked: say why, not "unsigned"
+        raise SignatureProblem(f"generation {gen.number} is damaged ({gen.reason}), so no signature vouches for "
+                               f"it, and --trust requires one by {_names(r.trust)}", where=r.location)
+    if gen.signer is None:
+        raise SignatureProblem(f"generation {gen.number} is not signed, and --trust requires a signature by "
+                               f"{_names(r.trust)}", where=r.location)
+    if gen.signer not in r.trust:
+        raise SignatureProblem(f"generation {gen.number} is signed by {gen.signer}, not by a trusted key "
+                               f"({_names(r.trust)})", where=r.location)
+
+
+def _names(trust: dict) -> str:
+    return ", ".join(sorted(trust)) if len(trust) <= 3 else f"one of {len(trust)} trusted keys"
 
 
 def copied_note(r: Repository, gen: Generation) -> str | None:
@@ -255,17 +286,24 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
         IntegrityError: (exit 1) a check of it failed before and was recorded (``CHECK-FAILED.json``, by
             ``adopt`` or any reader) and no override: names the recorded failure (docs/FORMAT.md, "One status
             rule").
+        SignatureProblem: (exit 1) a bad signature, or (with trusted keys) none or a foreign one: even
+            with ``unverified``.
     """
+    from ckpt_archive.format.signature import SignatureProblem
+
+    if gen.status not in ("partial", "damaged") or isinstance(gen.error, SignatureProblem):
+        check_trust(r, gen)  # a bad or untrusted signature is never overridden (exit 1, nothing read)
     if gen.status not in ("partial", "damaged"):
         return None
     spec = f"{r.location}@{gen.number}"
     if gen.check_failed is not None and not unverified:  # a check found it wrong: exit 1, as that check did
         require_readable(r, gen)
-    if not unverified:
+    if not unverified:  # partial or damaged says so first, --trust or not (the same exit 2 as without it)
         raise NotUsable(f"refusing to {action} generation {gen.number}: it is {gen.status} ({gen.reason}). Run "
                         f"`ckpt-archive verify {spec}` to see what is wrong (`ckpt-archive list {r.location}` shows "
                         f"the usable ones); pass {override} to {action} it anyway (every byte is still checked "
                         f"against its manifest)", where=r.location)
+    check_trust(r, gen)  # the override never reads past --trust: unpublished or damaged means no signature vouches
     return (f"{action.upper()} OF AN UNVERIFIED GENERATION: generation {gen.number} is {gen.status} ({gen.reason}); "
             f"every byte was checked against its manifest, but no published marker vouches for that manifest")
 

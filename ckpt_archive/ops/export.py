@@ -241,11 +241,51 @@ def _check_destination(src, dest) -> None:
         raise UsageError(f"the destination must lie outside the source repository ({root})", where=text)
 
 
+def _open_destination(src, dest, to_key_file, to_plain: bool, sign_key, options: dict):
+    """DEST opened (created if absent) with its own key (docs/keys.md, "Export"): ``to_key_file``; else, for an
+    encrypted source, ``$CKPT_ARCHIVE_KEY_FILE`` unless ``to_plain``. An encrypted source is never copied
+    in the clear unasked, and a plain DEST is never given a key it would ignore.
+
+    Raises:
+        UsageError: ``to_plain`` with ``to_key_file``; an encrypted source with neither a key for DEST nor
+            ``to_plain``; a key for a DEST that exists unencrypted. KeyRefused: (exit 2) DEST is encrypted
+            and no key given for it, or the key does not open it.
+    """
+    from ckpt_archive.format.crypto import KeyRefused
+    from ckpt_archive.repo.keys import ENV_KEY_FILE
+    from ckpt_archive.repo.repository import Repository
+
+    if to_plain and to_key_file is not None:
+        raise UsageError("give --to-plain or --to-key-file, not both")
+    key = to_key_file
+    if key is None and not to_plain and getattr(src.store, "encrypted", False):
+        key = os.environ.get(ENV_KEY_FILE) or None
+        if key is None:
+            raise UsageError(f"{src.location} is encrypted: give the destination a key (--to-key-file PATH, "
+                             f"to_key_file=) or ask for a copy in the clear (--to-plain, to_plain=True)")
+    if key is not None:
+        try:
+            probe = Repository.open(dest, key_file=False, **options)
+        except (NotFound, KeyRefused):
+            pass  # absent (created below) or encrypted (opened with the key below)
+        else:
+            raise UsageError(f"the destination {probe.location} is not encrypted: pass --to-plain (to_plain=True) "
+                             f"to write these generations there in the clear, or export to a new destination")
+    try:
+        return Repository.open(dest, create=True, key_file=key if key is not None else False, sign_key=sign_key,
+                               **options)
+    except KeyRefused as exc:
+        why = "is encrypted" if key is None else f"refuses the key: {exc.message}"
+        raise KeyRefused(f"the destination {why}; give its key with --to-key-file PATH (to_key_file=)",
+                         where=exc.where) from None
+
+
 def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | None = None,
            report_format: str = "markdown", on_bytes: Callable[[int], None] | None = None,
            on_generation: Callable[[int, int, int], None] | None = None, command: str | None = None,
            wait: float = 0, store_options: Mapping[str, Any] | None = None,
-           dest_store_options: Mapping[str, Any] | None = None) -> ExportResult:
+           dest_store_options: Mapping[str, Any] | None = None, to_key_file: str | os.PathLike | None = None,
+           to_plain: bool = False, sign_key: str | os.PathLike | None = None) -> ExportResult:
     """Copy usable generations to ``dest``, verify the copy there, trial-reload it there, mark it usable.
 
     Args:
@@ -264,6 +304,15 @@ def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | N
         dest_store_options: the same mapping for DEST: ``endpoint_url`` (an S3-compatible endpoint, overrides
             ``AWS_ENDPOINT_URL``; recorded in the proof) and ``storage_options`` (extra fsspec options, e.g.
             ``{"s3_additional_kwargs": {"ServerSideEncryption": "aws:kms"}}``).
+        to_key_file: DEST's key file: a new DEST is created encrypted with it, an encrypted one is opened
+            with it (a plain source exported with it: an encrypted copy). None: a plain source gives a plain
+            DEST; an encrypted source gives a DEST encrypted with ``$CKPT_ARCHIVE_KEY_FILE``, and without
+            that variable is refused unless ``to_plain`` (docs/keys.md, "Export").
+        to_plain: write DEST in the clear from an encrypted source (asked for, never the default: a copy
+            for a bucket must not lose its encryption silently).
+        sign_key: sign each generation published at DEST that carries no signature from the source (a
+            source's signature covers content, not place: it travels unchanged). None:
+            ``$CKPT_ARCHIVE_SIGN_KEY``.
 
     Returns:
         :class:`ExportResult`, the recovery proof.
@@ -296,7 +345,7 @@ def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | N
     src = open_repo(repo, store_options)
     picked = select_generations(src, generations)
     _check_destination(src, dest)
-    dst = open_repo(dest, dest_store_options, create=True)
+    dst = _open_destination(src, dest, to_key_file, to_plain, sign_key, dict(dest_store_options or {}))
     endpoint_url = (dest_store_options or {}).get("endpoint_url")
     if dst.location == src.location:
         raise UsageError(f"source and destination are the same repository ({src.location})")
@@ -322,12 +371,14 @@ def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | N
                                again)
                 raise
     endpoint, region = endpoint_for(dst.location, endpoint_url), region_for(dst.location)
+    encrypted = "encryption" in dst.config
     copied, skipped = run_totals(done)
     result = ExportResult(
         source=src.location, destination=dst.location, generations=done,
         bytes_copied=copied, bytes_skipped=skipped,
-        restore_command=restore_command(dst.location, picked[-1], endpoint, region),
-        verify_command=verify_command(dst.location, picked[-1].number, endpoint, region),
+        restore_command=restore_command(dst.location, picked[-1], endpoint, region, encrypted=encrypted),
+        verify_command=verify_command(dst.location, picked[-1].number, endpoint, region, encrypted=encrypted,
+                                      signer=picked[-1].signer),
         command=command, started=started, finished=_now(), endpoint_url=endpoint, region=region,
         install_commands=install_commands("://" in dst.location), resume_check=read_last_check(src))
     if report is not None:
@@ -591,9 +642,12 @@ class _ExportSteps:
     def record(self, dst, counts: dict) -> dict:
         from ckpt_archive.repo.repository import host_record
 
-        return {"trial_reload": {**host_record(dst.location), "result": "ok", "tensors": counts["tensors"],
-                                 "bytes": counts["bytes"]},
-                "exported_from": {"location": self.src.location, "generation": self.g.number, "when": _now()}}
+        rec = {"trial_reload": {**host_record(dst.location), "result": "ok", "tensors": counts["tensors"],
+                                "bytes": counts["bytes"]},
+               "exported_from": {"location": self.src.location, "generation": self.g.number, "when": _now()}}
+        if (self.g.marker or {}).get("signature") is not None:  # it covers content, not place: it travels
+            rec["signature"] = self.g.marker["signature"]
+        return rec
 
 
 def _already_usable(dst, existing, out: ExportedGeneration, key: str) -> ExportedGeneration:

@@ -55,8 +55,17 @@ def env_prefix(endpoint: str | None, region: str | None = None) -> str:
     return " ".join(parts) + (" " if parts else "")
 
 
-def restore_command(location: str, g, endpoint_url: str | None = None, region: str | None = None) -> str:
-    """The exact command that restores generation ``g`` from ``location`` on a new machine."""
+def key_args(encrypted: bool, signer: str | None) -> str:
+    """What the commands of the proof add for an encrypted or signed destination: placeholders that name the files
+    to bring (never a key: the proof is stored in the clear)."""
+    args = " --key-file REPOSITORY.key" if encrypted else ""
+    return args + (f" --trust SIGNER.pub  # signed by {signer}" if signer else "")
+
+
+def restore_command(location: str, g, endpoint_url: str | None = None, region: str | None = None, *,
+                    encrypted: bool = False) -> str:
+    """The exact command that restores generation ``g`` from ``location`` on a new machine (with
+    ``--key-file`` for an encrypted repository and ``--trust`` for a signed generation, as placeholders)."""
     source = (g.manifest or {}).get("source") or {}
     if source.get("layout") == "folder":
         out = Path(source.get("path") or "").name or f"checkpoint-step{g.step}"
@@ -65,13 +74,14 @@ def restore_command(location: str, g, endpoint_url: str | None = None, region: s
         out = name if name.endswith((".pt", ".pth")) else "checkpoint.pt"
     spec = f"{location}@{g.number}"
     return (f"{env_prefix(endpoint_for(location, endpoint_url), region)}ckpt-archive restore {shlex.quote(spec)} "
-            f"--output {shlex.quote(out)}")
+            f"--output {shlex.quote(out)}{key_args(encrypted, getattr(g, 'signer', None))}")
 
 
-def verify_command(location: str, number: int, endpoint_url: str | None = None, region: str | None = None) -> str:
+def verify_command(location: str, number: int, endpoint_url: str | None = None, region: str | None = None, *,
+                   encrypted: bool = False, signer: str | None = None) -> str:
     """The exact command that re-proves generation ``number`` at ``location``."""
     return (f"{env_prefix(endpoint_for(location, endpoint_url), region)}ckpt-archive verify "
-            f"{shlex.quote(f'{location}@{number}')} --deep")
+            f"{shlex.quote(f'{location}@{number}')} --deep{key_args(encrypted, signer)}")
 
 
 def _git(root: Path, *args: str) -> str | None:

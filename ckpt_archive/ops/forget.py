@@ -1,7 +1,7 @@
 """Forget: remove one generation, marker first, under the repository lock, never leaving nothing restorable."""
 from __future__ import annotations
 
-import os
+from ckpt_archive.ops.common import RepoLike
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +63,7 @@ class ForgetResult:
                 "warnings": self.warnings}
 
 
-def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = False,
+def forget(repo: RepoLike, generation: str | int, *, force: bool = False,
            wait: float = 0.0) -> ForgetResult:
     """Remove one generation (any status) in reverse publish order, holding the lock.
 
@@ -106,9 +106,9 @@ def forget(repo: str | os.PathLike, generation: str | int, *, force: bool = Fals
     """
     from ckpt_archive.errors import IntegrityError, LinkInRepository, UnsafePath, UsageError
     from ckpt_archive.ops.prune import check_restorable
-    from ckpt_archive.repo.repository import Repository
+    from ckpt_archive.ops.common import open_repo
 
-    r = Repository.open(repo)
+    r = open_repo(repo)
     with r.lock(wait=wait):
         gen = r.resolve(str(generation))
         usable = [g.number for g in r.usable()]

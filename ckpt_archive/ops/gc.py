@@ -1,13 +1,13 @@
 """Garbage collection: remove what interrupted writes left behind, holding the repository lock."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 #: A temporary file left by an interrupted atomic write (the file layer's ``.NAME.tmp-PID-<hex>``, and
 #: ``.NAME.tmp-PID`` of earlier versions): :data:`ckpt_archive.store.fs.TEMP_FILE`, the one definition.
 from ckpt_archive.store.fs import TEMP_FILE as TMP_NAME
+from ckpt_archive.ops.common import RepoLike
 
 __all__ = ["GcResult", "gc", "TMP_NAME"]
 
@@ -61,7 +61,7 @@ class GcResult:
                 "skipped_keys": list(self.skipped_keys)}
 
 
-def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> GcResult:
+def gc(repo: RepoLike, *, dry_run: bool = False, wait: float = 0.0) -> GcResult:
     """Remove what interrupted writes left behind.
 
     Leftovers are ``partial`` generations (claimed but never published, or half-removed by an
@@ -96,9 +96,10 @@ def gc(repo: str | os.PathLike, *, dry_run: bool = False, wait: float = 0.0) -> 
     """
     from ckpt_archive.errors import UnsafePath
     from ckpt_archive.repo.objects import all_objects, sweep
-    from ckpt_archive.repo.repository import Repository, gen_key
+    from ckpt_archive.repo.repository import gen_key
+    from ckpt_archive.ops.common import open_repo
 
-    r = Repository.open(repo)
+    r = open_repo(repo)
     removed, removed_files, kept = [], [], []
     with r.lock(wait=wait):
         for g in r.generations():

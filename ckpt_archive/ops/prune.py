@@ -25,13 +25,13 @@ one forgotten as the only candidate).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Iterable, Mapping
 
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, UsageError
 from ckpt_archive.retention.policy import Decision, GenerationFacts, RetentionPolicy, apply_policy
+from ckpt_archive.ops.common import RepoLike
 
 __all__ = ["KeptCheck", "PruneResult", "prune", "check_kept", "check_restorable", "refuse_unless_verified",
            "execute_prune", "apply_after_pack"]
@@ -379,7 +379,7 @@ class PruneResult:
                 "objects": self.objects.to_json() if self.objects is not None else None}
 
 
-def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry_run: bool = False,
+def prune(repo: RepoLike, policy: RetentionPolicy | None = None, *, dry_run: bool = False,
           wait: float = 0.0, now: datetime | None = None, save_default: bool = False) -> PruneResult:
     """Apply ``policy`` (or the repository's default when ``None``) to the repository.
 
@@ -417,9 +417,9 @@ def prune(repo: str | os.PathLike, policy: RetentionPolicy | None = None, *, dry
         >>> ckpt_archive.prune(repo, RetentionPolicy(keep_last=1)).removed
         [1, 2]
     """
-    from ckpt_archive.repo.repository import Repository
+    from ckpt_archive.ops.common import open_repo
 
-    r = Repository.open(repo)
+    r = open_repo(repo)
     if policy is None:
         if save_default:
             raise UsageError("--save-default needs policy flags (the policy to store)")

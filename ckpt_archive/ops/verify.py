@@ -76,6 +76,14 @@ def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | Non
         problems.append(Problem(gen.reason or "damaged", member="USABLE.json"))
     elif gen.status == "partial":
         problems.append(Problem(f"not usable: {gen.reason}", member="USABLE.json"))
+    if r.trust is not None and gen.status != "damaged":  # a bad signature is already the damage named above
+        from ckpt_archive.format.signature import SignatureProblem
+        from ckpt_archive.ops.common import check_trust
+
+        try:
+            check_trust(r, gen)
+        except SignatureProblem as exc:
+            problems.append(Problem(exc.message, member="USABLE.json"))
     from ckpt_archive.repo.publish import phase
 
     reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)

@@ -700,6 +700,8 @@ def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = Fals
             continue
         if not dry_run:
             repo.faults.point("object-delete")
+            if repo.locked:
+                repo.check_lock()  # fencing: a writer that lost its lease deletes nothing
             try:
                 repo.store.remove(key)
             except IsADirectoryError:  # a folder where an object belongs: not ours to delete; named, left alone

@@ -408,6 +408,8 @@ def adopt(repo: Repository, number: int, check: Callable[[Generation], tuple[lis
         trial = {**host_record(repo.location), "result": "ok", **(counts or {})}
         record = {"verified": {"when": iso(utcnow()), "result": "ok"}, "trial_reload": trial,
                   "copied_from": (gen.marker or {}).get("location")}
+        if (gen.marker or {}).get("signature") is not None:  # a signature covers content, not place: kept
+            record["signature"] = gen.marker["signature"]
         commit(Candidate(repo, number, gen.manifest, gen.manifest_sha256, counts or {}), record, before_publish)
     return gen, problems, counts, True
 

@@ -182,6 +182,9 @@ class ArchiveReader:
         except UnsafePath as exc:  # a folder, a FIFO, a device where the file must be: never read
             item["problems"].append(Problem(f"not a file of this repository: {exc.message}", member=rec["path"]))
             return item
+        except IntegrityError as exc:  # an encrypted file whose header or size fails its check
+            item["problems"].append(Problem(exc.message, member=rec["path"]))
+            return item
         item["sized"] = True
         item["fh_cm"], item["fh"] = cm, fh
         fd = fileno_of(fh)
@@ -221,6 +224,12 @@ class ArchiveReader:
             return
         if fast:
             return
+        try:
+            self._rehash_file(rec, key, problems, on_bytes, fast)
+        except IntegrityError as exc:  # a store that authenticates (encrypted) names the damage itself
+            problems.append(Problem(exc.message, member=rec["path"]))
+
+    def _rehash_file(self, rec: dict, key: str, problems: list[Problem], on_bytes, fast) -> None:
         if "stored_fp" in rec:  # format 2: the chunks are the fingerprint; name the first bad one
             check = StoredStream(rec, rec["path"])
             with self.store.open_read(key) as fh:

@@ -234,6 +234,8 @@ class Generation:
     #: ``damaged`` only by a recorded failed check, and its marker names this place (it was usable here):
     #: ``@latest`` still stops at it, and readers refuse it naming the newest that verifies (--fallback)
     found_damaged_here: bool = False
+    #: fingerprint (``SHA256:...``) of the key whose valid signature the marker carries, or None (unsigned)
+    signer: str | None = None
 
     def __repr__(self) -> str:
         return (f"Generation({self.number}, {self.status!r}, step={self.step!r}, "
@@ -287,7 +289,7 @@ class Generation:
                 "created": iso(created) if created else None, "raw_bytes": self.raw_bytes,
                 "stored_bytes": self.stored_bytes, "tags": self.tags, "metrics": self.metrics,
                 "archive_id": (self.manifest or {}).get("archive_id"),
-                "source_format": (self.manifest or {}).get("source", {}).get("format")}
+                "source_format": (self.manifest or {}).get("source", {}).get("format"), "signed_by": self.signer}
 
 
 class Repository:
@@ -299,10 +301,15 @@ class Repository:
         faults: the fault-injection hook the lifecycle calls at each step (:data:`NO_FAULTS`: none).
     """
 
-    def __init__(self, store: Store, config: dict, faults: Faults = NO_FAULTS):
+    def __init__(self, store: Store, config: dict, faults: Faults = NO_FAULTS, *, trust: dict | None = None,
+                 sign_key=None):
         self.store = store
         self.config = config
         self.faults = faults
+        #: ``{fingerprint: public key}`` a generation must be signed by to be read (None: no requirement)
+        self.trust = trust
+        self._sign_key = sign_key  # a path, a loaded key, or None (then $CKPT_ARCHIVE_SIGN_KEY, read when signing)
+        self._signer = None
         #: store keys met while listing for a cleanup (gc, prune, forget) whose path breaks the path rule
         #: (``generations/00000002/../x`` on an object store), each with why: skipped, never read or deleted
         self.unsafe_keys: list[str] = []
@@ -312,6 +319,7 @@ class Repository:
     # -- opening -------------------------------------------------------------------------------------
     @classmethod
     def open(cls, url: str | os.PathLike, *, create: bool = False, faults: Faults | None = None,
+             key_file: str | os.PathLike | None = None, trust=None, sign_key=None,
              **store_options) -> "Repository":
         """Open (or with ``create=True``, create) a repository.
 
@@ -320,6 +328,12 @@ class Repository:
             create: create ``repository.json`` when absent.
             faults: the fault-injection hook; ``None`` reads the plan from ``CKPT_ARCHIVE_INJECT`` (once,
                 here: this is the entry point every operation opens a repository through).
+            key_file: the key file of an encrypted repository (None: ``$CKPT_ARCHIVE_KEY_FILE``); with
+                ``create`` and no repository there yet, the new repository is encrypted with it.
+            trust: public key files (or keys) a generation must be signed by to be read (None:
+                ``$CKPT_ARCHIVE_TRUST``; neither: no signature required, a present one is still checked).
+            sign_key: the Ed25519 private key file every generation published through this object is
+                signed with (None: ``$CKPT_ARCHIVE_SIGN_KEY``).
             **store_options: for URL stores (``endpoint_url=``, ``storage_options=``).
 
         Returns:
@@ -331,12 +345,20 @@ class Repository:
                 repository (a generation given to a command that takes a repository: the message names it).
             NewerFormatError: the repository was written by a newer format.
             StoreError: the store refused access.
+            KeyRefused: (exit 2) encrypted and no key given, or the key does not open it.
+            UsageError: a key or trust file is missing or malformed; ``key_file`` for a plain repository.
         """
+        from ckpt_archive.repo import keys
+
         store = open_store(url, **store_options)
         if faults is None:
             faults = Faults.from_env()
+        material, explicit = keys.key_material(key_file)
+        trusted = keys.load_trust(trust)
         if store.exists(REPO_FILE):
-            return cls(store, cls._read_config(store), faults)
+            config = cls._read_config(store)
+            return cls(keys.open_encrypted(store, config, material, explicit), config, faults, trust=trusted,
+                       sign_key=sign_key)
         if not create:
             if store.exists(GEN_DIR):
                 raise NotFound("repository.json is missing (a damaged or foreign repository?)", where=store.location)
@@ -344,6 +366,8 @@ class Repository:
             raise NotFound("not a ckpt-archive repository (no repository.json)", where=store.location)
         config = {"format": "ckpt-archive-repository", "format_version": REPO_FORMAT_VERSION,
                   "id": uuid.uuid4().hex, "created": iso(utcnow()), "retention": None}
+        if material is not None:
+            config["encryption"] = keys.new_encryption(material, config["id"])
         try:
             # atomic like every other write (a temporary file, then linked to its name): a full disk or a
             # kill leaves no repository.json or a whole one, never a 0-byte or half file
@@ -353,7 +377,9 @@ class Repository:
             if not store.exists(REPO_FILE):
                 raise  # not a concurrent creator: the store refused (no such bucket, access denied)
             # created concurrently by another writer: read theirs
-        return cls(store, cls._read_config(store), faults)
+        config = cls._read_config(store)
+        return cls(keys.open_encrypted(store, config, material, explicit), config, faults, trust=trusted,
+                   sign_key=sign_key)
 
     @staticmethod
     def _read_config(store: Store) -> dict:
@@ -406,6 +432,8 @@ class Repository:
             return Generation(number, "partial", "manifest vanished (being deleted?)")
         except ImplausibleSize as exc:  # larger than any manifest a reader accepts: read no further
             return Generation(number, "damaged", str(exc), error=exc)
+        except IntegrityError as exc:  # an encrypted manifest that fails its authentication
+            return Generation(number, "damaged", f"manifest.json: {exc.message}", error=exc)
         sha = hashlib.sha256(raw).hexdigest()
         try:
             manifest = parse_manifest(raw, where=f"{key}/{MANIFEST}")
@@ -428,11 +456,24 @@ class Repository:
             return Generation(number, "partial", "marker removed (being deleted?)", manifest, None, sha)
         except ImplausibleSize as exc:
             return Generation(number, "damaged", f"USABLE marker is not read: {exc.message}", manifest, None, sha)
+        except IntegrityError as exc:  # an encrypted marker that fails its authentication
+            return Generation(number, "damaged", f"USABLE marker: {exc.message}", manifest, None, sha, error=exc)
         except (UnicodeDecodeError, ValueError):
             return Generation(number, "damaged", "USABLE marker is not valid JSON", manifest, None, sha)
         if not isinstance(marker, dict) or marker.get("manifest_sha256") != sha:
             return Generation(number, "damaged", "manifest.json changed after it was published (sha256 differs "
                               "from the marker's)", manifest, marker if isinstance(marker, dict) else None, sha)
+        signer = None
+        if "signature" in marker:  # a present signature is always checked, trusted keys or not
+            from ckpt_archive.format import signature
+
+            try:
+                signer = signature.check(marker["signature"], manifest_sha256=sha,
+                                         archive_id=manifest.get("archive_id"), generation=number)
+            except signature.SignatureProblem as exc:
+                exc.where = f"{key}/{MARKER}"
+                return Generation(number, "damaged", f"its signature is bad: {exc.message}", manifest, marker, sha,
+                                  error=exc)
         if CHECK_FAILED in names:
             note = self._check_failed(key, sha)
             if note is not None:
@@ -447,8 +488,8 @@ class Repository:
         if not self.place.holds(marker):
             return Generation(number, "copied", f"trial-reloaded at {marker.get('location')}, not here (restore "
                               f"reads it, checking every byte; ckpt-archive adopt makes it usable here)",
-                              manifest, marker, sha)
-        return Generation(number, "usable", None, manifest, marker, sha)
+                              manifest, marker, sha, signer=signer)
+        return Generation(number, "usable", None, manifest, marker, sha, signer=signer)
 
     def _check_failed(self, key: str, sha: str) -> dict | None:
         """The failed-check note of this manifest (an unreadable note counts: the check did fail), or None."""
@@ -645,10 +686,26 @@ class Repository:
             except OSError:
                 pass
             self._lock_depth = 1
+            self._held_lock = lock
             yield
         finally:
             self._lock_depth = 0
+            self._held_lock = None
             lock.release()
+
+    def check_lock(self) -> None:
+        """Fencing: before a commit or a deletion, make sure this writer still holds the lock (a lease lock
+        of an object store can be lost when its holder stalls past the lease; an OS lock cannot).
+
+        Raises:
+            LockError: (exit 2) the lock is not held or was lost; the step must not be carried out.
+        """
+        held = getattr(self, "_held_lock", None)
+        if held is None:
+            raise LockError("the repository lock is not held", where=self.location)
+        check = getattr(held, "check", None)
+        if check is not None:
+            check()
 
     # -- writing ---------------------------------------------------------------------------------------
     def claim_next(self) -> int:
@@ -676,6 +733,20 @@ class Repository:
             n += 1
         raise StoreError("could not claim a generation number", where=self.location)
 
+    def signer(self):
+        """The Ed25519 private key generations published here are signed with, or None (loaded once, when
+        first needed: readers never read a signing key).
+
+        Raises:
+            UsageError: the key file is missing or not an Ed25519 private key.
+        """
+        if self._signer is None and (self._sign_key is not None or os.environ.get("CKPT_ARCHIVE_SIGN_KEY")):
+            from ckpt_archive.repo import keys
+
+            self._signer = (keys.load_signer(self._sign_key) if isinstance(self._sign_key, (str, os.PathLike))
+                            or self._sign_key is None else self._sign_key)
+        return self._signer
+
     @property
     def locked(self) -> bool:
         """True while this object holds the writer lock."""
@@ -692,10 +763,18 @@ class Repository:
             raise RuntimeError("write_marker needs the repository lock (use ckpt_archive.repo.publish)")
         marker = {"manifest_sha256": manifest_sha256, "archive_id": archive_id, "generation": number,
                   "location": self.location, **record}
+        if "signature" not in marker:  # a carried signature (export, adopt) covers content, not place: kept
+            signer = self.signer()
+            if signer is not None:
+                from ckpt_archive.format import signature
+
+                marker["signature"] = signature.sign(signer, signature.statement(
+                    manifest_sha256, archive_id, number, marker.get("trial_reload") or {}))
         identity = self.place.identity()
         if identity:
             marker["identity"] = identity
         self.faults.point("publish")
+        self.check_lock()
         self.store.replace_bytes(f"{gen_key(number)}/{MARKER}", jsonio.dumps(marker, indent=1, ensure_ascii=True))
         return marker
 
@@ -757,6 +836,8 @@ class Repository:
     def _remove_generation(self, number: int) -> None:
         key = gen_key(number)
         self.faults.point("prune-before-marker-removal")
+        if self.locked:
+            self.check_lock()
         self.store.remove(f"{key}/{MARKER}")
         self.store.fsync_dir(key)  # durable where that means anything (a no-op on object stores)
         self.faults.point("prune-after-marker-removal")

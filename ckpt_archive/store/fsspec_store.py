@@ -332,9 +332,10 @@ class FsspecStore:
         return folder / name
 
     def writer_lock(self):
-        """The writer lock on :meth:`lock_file`, through the file layer (:class:`ckpt_archive.store.fs.WriterLock`:
-        opened ``O_NOFOLLOW`` relative to the cache folder, created if absent; a link planted at the lock
-        or owner file is refused, never followed)."""
+        """The writer lock: the machine's lock on :meth:`lock_file`, through the file layer
+        (:class:`ckpt_archive.store.fs.WriterLock`: opened ``O_NOFOLLOW`` relative to the cache folder, created
+        if absent; a link planted at the lock or owner file is refused, never followed), then the lease lock
+        in the repository itself (:class:`ckpt_archive.store.lease_lock.StoreWriterLock`)."""
         from ckpt_archive.errors import LockError
         from ckpt_archive.store import fs
 
@@ -342,8 +343,12 @@ class FsspecStore:
             return LockError(f"{rel} is a symbolic link; the writer lock is never taken or recorded through one "
                              f"(remove the link by hand if it is yours)", where=root)
 
+        from ckpt_archive.store.lease_lock import StoreWriterLock
+
         folder, name = self._lock_place()
-        return fs.WriterLock(folder, name, create_folder=True, refuse=refuse)
+        # the machine's lock first (cheap, freed by the kernel when a holder dies), then the repository's own
+        # lease lock, so that two machines never both hold it (docs/FORMAT.md, "The writer lock")
+        return StoreWriterLock(fs.WriterLock(folder, name, create_folder=True, refuse=refuse), self)
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.location!r})"
