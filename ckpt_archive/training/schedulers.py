@@ -46,7 +46,7 @@ def scheduler_kind(sd: dict) -> str:
     """
     k = set(sd)
     if "_schedulers" in k:
-        return "SequentialLR" if "milestones" in k else "ChainedScheduler"
+        return "SequentialLR" if "_milestones" in k else "ChainedScheduler"
     return next((name for name, keys in _KINDS if keys <= k), "unknown")
 
 
@@ -139,7 +139,7 @@ _NOT_DERIVABLE = {
 
 def _sequential(sd: dict, e: Any, groups: list[dict] | None) -> tuple[str, list[float] | None, str]:
     """SequentialLR: the sub-scheduler ``bisect_right(milestones, e)`` at its own ``last_epoch``."""
-    ms = [int(as_number(m)) for m in sd.get("milestones") or []]
+    ms = [int(as_number(m)) for m in sd.get("_milestones") or []]
     subs = sd.get("_schedulers") or []
     idx = bisect.bisect_right(ms, int(e))
     if idx >= len(subs):
@@ -199,7 +199,7 @@ def primary_base_lrs(sd: dict) -> list:
     if not subs:
         return []
     idx = 0
-    ms, le = sd.get("milestones"), as_number(sd.get("last_epoch"))
+    ms, le = sd.get("_milestones"), as_number(sd.get("last_epoch"))
     if isinstance(ms, (list, tuple)) and le is not None:
         import bisect
 

@@ -121,7 +121,7 @@ _CONSTRUCTORS: dict[str, Callable] = {
                                               max_lr=[float(as_float(m)) for m in sd["max_lrs"]], cycle_momentum=False),
     "ReduceLROnPlateau": lambda c, sd, o: c.L.ReduceLROnPlateau(o),
     "SequentialLR": lambda c, sd, o: c.L.SequentialLR(o, schedulers=_subs(c, sd, o),
-                                                      milestones=[int(as_number(m)) for m in sd["milestones"]]),
+                                                      milestones=[int(as_number(m)) for m in sd["_milestones"]]),
     "ChainedScheduler": lambda c, sd, o: c.L.ChainedScheduler(_subs(c, sd, o), optimizer=o),
 }
 
