@@ -57,3 +57,6 @@ def register(app: typer.Typer) -> None:
         res = change_repository_key(repo, key_file, new_key_file, wait=wait)
         out.say(f"{res['location']}: now opens with {new_key_file} (not with {key_file})", style="green")
         out.json(res)
+
+
+__all__ = ["register"]

@@ -231,7 +231,6 @@ class ArchiveCheckpointIO(CheckpointIO):
     def _forget_pending(self, *, wait: float) -> None:
         """Forget the usable generations of every pending tag that can be forgotten now; keep the rest pending."""
         from ckpt_archive.errors import NotFound
-        from ckpt_archive.ops.forget import forget
         from ckpt_archive.repo.repository import Repository
 
         with self._mutex:
@@ -248,29 +247,10 @@ class ArchiveCheckpointIO(CheckpointIO):
             # the repository object itself where one was given: it holds the key (key_file=) a path would lose
             repo = self.repo if isinstance(self.repo, Repository) else location
             usable = (repo if isinstance(repo, Repository) else Repository.open(repo)).usable()
-            newest = usable[-1].number if usable else None
             for i, (name, limit) in enumerate(pending):
-                numbers = [g.number for g in usable if name in g.tags and (limit is None or g.number <= limit)]
-                if not numbers:
-                    if limit is None:  # its save is still queued (AsyncCheckpointIO): applied once it lands
-                        keep.append((name, None))
-                    continue
-                limit = max(numbers)  # from now on a later save of the same name is never touched
-                for n in numbers:
-                    if n == newest:  # never the newest usable one: kept until a newer generation is usable
-                        keep.append((name, limit))
-                        continue
-                    try:
-                        forget(repo, n, wait=wait)
-                    except NotFound:  # gone already (retention, another forget)
-                        continue
-                    except LockError:  # another writer: retried after the next save, never waited for here
-                        keep.extend([(name, limit)] + pending[i + 1:])
-                        return
-                    self.forgotten.append(n)
-                    written = self._pointers.get(name)
-                    if written is not None:  # written by a save that landed after its removal (async)
-                        _remove_pointer(written[0], generation=n, identity=written[1])
+                if not self._forget_tag(repo, usable, name, limit, keep, wait=wait):
+                    keep.extend(pending[i + 1:])  # another writer holds the lock: retried after the next save
+                    return
         except BaseException:
             keep = pending  # nothing is dropped: retried after the next save
             raise
@@ -278,6 +258,36 @@ class ArchiveCheckpointIO(CheckpointIO):
             if keep:
                 with self._mutex:
                     self._to_forget[:0] = [t for t in dict.fromkeys(keep) if t not in self._to_forget]
+
+    def _forget_tag(self, repo: Any, usable: list, name: str, limit: int | None, keep: list, *, wait: float) -> bool:
+        """Forget the usable generations tagged ``name`` (up to generation ``limit``) but the newest usable one;
+        what must wait goes to ``keep``. Returns False when another writer holds the lock (this tag is kept)."""
+        from ckpt_archive.errors import NotFound
+        from ckpt_archive.ops.forget import forget
+
+        newest = usable[-1].number if usable else None
+        numbers = [g.number for g in usable if name in g.tags and (limit is None or g.number <= limit)]
+        if not numbers:
+            if limit is None:  # its save is still queued (AsyncCheckpointIO): applied once it lands
+                keep.append((name, None))
+            return True
+        limit = max(numbers)  # from now on a later save of the same name is never touched
+        for n in numbers:
+            if n == newest:  # never the newest usable one: kept until a newer generation is usable
+                keep.append((name, limit))
+                continue
+            try:
+                forget(repo, n, wait=wait)
+            except NotFound:  # gone already (retention, another forget)
+                continue
+            except LockError:  # another writer: retried after the next save, never waited for here
+                keep.append((name, limit))
+                return False
+            self.forgotten.append(n)
+            written = self._pointers.get(name)
+            if written is not None:  # written by a save that landed after its removal (async)
+                _remove_pointer(written[0], generation=n, identity=written[1])
+        return True
 
     def _resolve(self, path: Any) -> tuple[Any, str]:
         """(repository, generation) that ``path`` names (see :meth:`load_checkpoint`)."""

@@ -21,6 +21,21 @@ RepoLike = Union[str, os.PathLike, Repository]
 STORE_OPTION_KEYS = ("endpoint_url", "storage_options")
 
 
+def checked_store_options(store_options: Mapping[str, Any] | None) -> dict:
+    """``store_options`` as a dict, every key one of :data:`STORE_OPTION_KEYS`.
+
+    Raises:
+        TypeError: a key that is not a store option (a misspelt one would otherwise be dropped, and the store
+            reached without it).
+    """
+    options = dict(store_options or {})
+    unknown = sorted(set(options) - set(STORE_OPTION_KEYS))
+    if unknown:
+        raise TypeError(f"unknown store option(s) {', '.join(map(repr, unknown))}; store_options takes "
+                        f"{' and '.join(STORE_OPTION_KEYS)}")
+    return options
+
+
 def open_repo(repo: RepoLike, store_options: Mapping[str, Any] | None = None, *, create: bool = False) -> Repository:
     """The open repository for a path, URL or Repository (returned as is).
 
@@ -37,11 +52,7 @@ def open_repo(repo: RepoLike, store_options: Mapping[str, Any] | None = None, *,
         UsageError: ``store_options`` given with an open Repository (its store is open already).
         NotFound: not a repository (and ``create`` is false). StoreError: the store refused access.
     """
-    options = dict(store_options or {})
-    unknown = sorted(set(options) - set(STORE_OPTION_KEYS))
-    if unknown:
-        raise TypeError(f"unknown store option(s) {', '.join(map(repr, unknown))}; store_options takes "
-                        f"{' and '.join(STORE_OPTION_KEYS)}")
+    options = checked_store_options(store_options)
     if isinstance(repo, Repository):
         if options:
             raise UsageError("store_options apply to a repository path or URL; this Repository is open already "
@@ -320,7 +331,7 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-__all__ = ["RepoLike", "STORE_OPTION_KEYS", "open_repo", "pick", "check_present", "copied_note", "refuse_unusable",
+__all__ = ["RepoLike", "STORE_OPTION_KEYS", "open_repo", "checked_store_options", "pick", "check_present", "copied_note", "refuse_unusable",
            "human_seconds", "is_damage", "fails_generation", "note_damage", "vouch"]
 
 

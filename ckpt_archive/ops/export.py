@@ -340,36 +340,17 @@ def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | N
         from ckpt_archive.ops.common import refuse_special_output
 
         refuse_special_output(report, option="--report")
-    from ckpt_archive.ops.common import open_repo
+    from ckpt_archive.ops.common import checked_store_options, open_repo
 
     src = open_repo(repo, store_options)
     picked = select_generations(src, generations)
     _check_destination(src, dest)
-    dst = _open_destination(src, dest, to_key_file, to_plain, sign_key, dict(dest_store_options or {}))
+    dst = _open_destination(src, dest, to_key_file, to_plain, sign_key, checked_store_options(dest_store_options))
     endpoint_url = (dest_store_options or {}).get("endpoint_url")
     if dst.location == src.location:
         raise UsageError(f"source and destination are the same repository ({src.location})")
-    done: list[ExportedGeneration] = []
-    from ckpt_archive.repo.publish import note_interrupt
-
-    again = f"run the same export again to resume (it cleans what it left), or `ckpt-archive gc {dst.location}`"
-    shared = SharedCopies()
     with dst.lock(wait=wait):
-        for i, g in enumerate(picked):
-            if on_generation:
-                on_generation(g.number, i, len(picked))
-            try:
-                done.append(_export_one(src, dst, g, on_bytes=on_bytes, cleanup=again, shared=shared))
-            except CheckFailed as exc:
-                _raise_if_source_moved_on(src, g, exc, dst.location, again)
-                raise
-            except NotFound as exc:
-                _raise_if_source_moved_on(src, g, exc, dst.location, again)
-                raise
-            except KeyboardInterrupt as exc:
-                note_interrupt(exc, f"generation {g.number} at {dst.location} left partial (no reader lists it)",
-                               again)
-                raise
+        done = _export_all(src, dst, picked, on_bytes, on_generation)
     endpoint, region = endpoint_for(dst.location, endpoint_url), region_for(dst.location)
     encrypted = "encryption" in dst.config
     copied, skipped = run_totals(done)
@@ -384,6 +365,33 @@ def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | N
     if report is not None:
         write_report(result, report, report_format)
     return result
+
+
+def _export_all(src, dst, picked: list, on_bytes, on_generation) -> list[ExportedGeneration]:
+    """Export each of ``picked`` in order under DEST's lock (held by the caller), objects shared between them
+    copied once. A failure that comes from the source having moved on (a generation forgotten or rewritten
+    meanwhile) is said so; an interrupt notes the partial generation left at DEST.
+
+    Raises:
+        CheckFailed / NotFound: as :func:`_export_one`. KeyboardInterrupt: noted, re-raised.
+    """
+    from ckpt_archive.repo.publish import note_interrupt
+
+    again = f"run the same export again to resume (it cleans what it left), or `ckpt-archive gc {dst.location}`"
+    shared = SharedCopies()
+    done: list[ExportedGeneration] = []
+    for i, g in enumerate(picked):
+        if on_generation:
+            on_generation(g.number, i, len(picked))
+        try:
+            done.append(_export_one(src, dst, g, on_bytes=on_bytes, cleanup=again, shared=shared))
+        except (CheckFailed, NotFound) as exc:
+            _raise_if_source_moved_on(src, g, exc, dst.location, again)
+            raise
+        except KeyboardInterrupt as exc:
+            note_interrupt(exc, f"generation {g.number} at {dst.location} left partial (no reader lists it)", again)
+            raise
+    return done
 
 
 def run_totals(done: list[ExportedGeneration]) -> tuple[int, int]:
