@@ -243,12 +243,12 @@ def _check_mapped_storages(state, path) -> None:
 
     st = os.stat(path)
     maps = []  # (low address, high address, file offset) of this file's mappings
-    with open(_MAPS) as fh:
+    inode, dev = str(st.st_ino).encode(), f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}".encode()
+    with open(_MAPS, "rb") as fh:  # bytes: a mapped file's name need not be UTF-8
         for line in fh:
             parts = line.split()
-            if len(parts) >= 6 and parts[4] == str(st.st_ino) and \
-                    parts[3] == f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}":
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if len(parts) >= 6 and parts[4] == inode and parts[3] == dev:
+                lo, hi = (int(x, 16) for x in parts[0].split(b"-"))
                 maps.append((lo, hi, int(parts[2], 16)))
     records = {start: length for start, length, _, name, stored in zip_records(Path(path))
                if stored and "/data/" in name}
