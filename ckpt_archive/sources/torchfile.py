@@ -241,13 +241,13 @@ def _check_mapped_storages(state, path) -> None:
 def _file_mappings(path) -> list[tuple[int, int, int]]:
     """This process's mappings of ``path`` (``/proc/self/maps``): (low address, high address, file offset)."""
     st = os.stat(path)
-    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
     maps = []
-    with open(_MAPS) as fh:
+    inode, dev = str(st.st_ino).encode(), f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}".encode()
+    with open(_MAPS, "rb") as fh:  # bytes: a mapped file's name need not be UTF-8
         for line in fh:
             parts = line.split()
-            if len(parts) >= 6 and parts[4] == str(st.st_ino) and parts[3] == dev:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if len(parts) >= 6 and parts[4] == inode and parts[3] == dev:
+                lo, hi = (int(x, 16) for x in parts[0].split(b"-"))
                 maps.append((lo, hi, int(parts[2], 16)))
     return maps
 
