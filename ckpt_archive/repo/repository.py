@@ -36,6 +36,7 @@ from ckpt_archive.format import jsonio
 from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_DOC_BYTES
 from ckpt_archive.format.manifest import parse as parse_manifest
 from ckpt_archive.format.metrics import read_metrics
+from ckpt_archive.store.fs import pid_alive
 from ckpt_archive.store.base import Store, open_store
 from ckpt_archive.store.faults import NO_FAULTS, Faults
 
@@ -670,7 +671,7 @@ class Repository:
                 info = jsonio.loads(raw, where=str(lock.path) + ".owner", max_bytes=1 << 16)
                 if not isinstance(info, dict):
                     raise ValueError("not an object")
-                alive = _pid_alive(info.get("pid")) if info.get("host") == socket.gethostname() else None
+                alive = pid_alive(info.get("pid")) if info.get("host") == socket.gethostname() else None
                 holder = (f" by pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
                           + ("" if alive is not False else " (that process is gone: the OS lock is held by "
                              "another process, or the file system does not release locks; if no writer "
@@ -864,17 +865,6 @@ def _ranges(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
-def _pid_alive(pid) -> bool | None:
-    if not isinstance(pid, int):
-        return None
-    try:
-        os.kill(pid, 0)
-    except (OverflowError, ValueError):  # not a pid at all (a hand-edited owner file)
-        return None
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

@@ -22,7 +22,7 @@ import io
 import os
 import secrets
 import threading
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format import crypto
@@ -116,19 +116,17 @@ class EncryptedStore:
         w.finish()
         return out.getvalue()
 
-    @contextlib.contextmanager
-    def write_once(self, key: str) -> Iterator[BinaryIO]:
-        with self.inner.write_once(self._key(key)) as fh:
-            if _plain(key):
-                yield fh
-                return
-            w = _SealingWriter(fh, self.keys)
-            yield w
-            w.finish()
+    def write_once(self, key: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self._sealing(self.inner.write_once, key)
+
+    def write_new(self, key: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self._sealing(self.inner.write_new, key)
 
     @contextlib.contextmanager
-    def write_new(self, key: str) -> Iterator[BinaryIO]:
-        with self.inner.write_new(self._key(key)) as fh:
+    def _sealing(self, open_inner: Callable, key: str) -> Iterator[BinaryIO]:
+        """A writer of ``key`` through the inner store's ``open_inner`` (write_once / write_new): sealed
+        (encrypted, authenticated segments) unless the key is one kept in the clear (``repository.json``)."""
+        with open_inner(self._key(key)) as fh:
             if _plain(key):
                 yield fh
                 return

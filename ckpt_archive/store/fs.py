@@ -523,14 +523,21 @@ def write_file_atomic(path: str | os.PathLike, data: bytes) -> None:
         d.write_atomic(p.name, data)
 
 
-def _pid_gone(pid: int) -> bool:
+def pid_alive(pid) -> bool | None:
+    """Whether process ``pid`` of this machine is alive (``kill(pid, 0)``): True, False (no such process), or
+    None when ``pid`` is not a process id at all (not a positive int: a hand-edited owner or lease record).
+    A process of another user counts as alive (the kill is refused, not answered "no such process")."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
     try:
         os.kill(pid, 0)
+    except (OverflowError, ValueError):
+        return None
     except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError, ValueError):
         return False
-    return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Staging:
@@ -577,7 +584,7 @@ class Staging:
         for name in self.parent.listdir():
             m = TEMP_NAME.match(name)
             if m and m.group("name") == self.name and int(m.group("pid")) != os.getpid() \
-                    and _pid_gone(int(m.group("pid"))):
+                    and pid_alive(int(m.group("pid"))) is False:
                 with contextlib.suppress(OSError):
                     self.parent.remove_tree(name)
 
@@ -770,5 +777,5 @@ class WriterLock:
             self._dir, self._fd = None, -1
 
 
-__all__ = ["Dir", "Entry", "Staging", "WriterLock", "TEMP_NAME", "TEMP_FILE", "temp_name", "is_temp_name",
+__all__ = ["Dir", "pid_alive", "Entry", "Staging", "WriterLock", "TEMP_NAME", "TEMP_FILE", "temp_name", "is_temp_name",
            "refuse_link", "write_file_atomic", "staged_file"]

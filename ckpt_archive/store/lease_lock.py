@@ -35,6 +35,7 @@ import threading
 import time
 
 from ckpt_archive.errors import LockError, NotFound, StoreError
+from ckpt_archive.store.fs import pid_alive
 
 LOCK_DIR = "locks"
 _TICKET = re.compile(r"^(\d{12})\.json$")
@@ -50,17 +51,6 @@ def _lease_seconds() -> float:
     return v if 1.0 <= v <= 86400.0 else DEFAULT_LEASE
 
 
-def _pid_alive(pid) -> bool | None:
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return None
-    try:
-        os.kill(pid, 0)
-    except (OverflowError, ValueError):
-        return None
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -128,7 +118,7 @@ class LeaseLock:
         refreshed = info.get("refreshed")
         if not isinstance(refreshed, (int, float)) or isinstance(refreshed, bool):
             return "stale", f"an unreadable lock ticket ({who})"
-        if info.get("host") == socket.gethostname() and _pid_alive(info.get("pid")) is False:
+        if info.get("host") == socket.gethostname() and pid_alive(info.get("pid")) is False:
             return "stale", f"{who}: that process is gone"
         # the holder's own lease (it refreshes every lease / 4): a reader configured with a shorter one must not
         # call a live holder stale; a value out of range falls back to this reader's
