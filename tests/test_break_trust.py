@@ -226,3 +226,31 @@ def test_a_record_shorter_than_its_storage_is_refused_on_the_mmap_path(tmp_path)
     torch.save({"p": torch.nn.Parameter(torch.arange(6.0)), "v": torch.arange(10)[2:5], "e": torch.empty(0)}, good)
     state = torchfile.load_torch_file(good)  # Parameter: not read without torch; mapped and checked
     assert torch.equal(state["v"], torch.arange(2, 5))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_full_disk_during_restore_is_insufficient_space_and_leaves_nothing(tmp_path, monkeypatch, exact):
+    """Fault (break test): a disk filling up while restore wrote its output raised a bare ``OSError(ENOSPC)``
+    from the library (its docstring promises InsufficientSpace, exit 2); the staging folder must go too."""
+    import errno
+
+    import torch
+
+    from ckpt_archive.errors import InsufficientSpace
+
+    src = tmp_path / "ck.pt"
+    torch.save({"w": torch.ones(64)}, src)
+    repo = tmp_path / "repo"
+    ckpt_archive.pack(src if exact else {"w": torch.ones(64)}, repo)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if exact:
+        monkeypatch.setattr("ckpt_archive.format.exact_bytes.rebuild", full)
+    else:
+        monkeypatch.setattr("torch.save", full)
+    out = tmp_path / "out" / "back.pt"
+    with pytest.raises(InsufficientSpace, match="disk full"):
+        ckpt_archive.restore(repo, "latest", out)
+    assert not out.exists() and list(out.parent.iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -165,12 +166,18 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     passed: list[str] = []  # latest passing over newer damaged generations, a fallback taken
     from ckpt_archive.format.allowlist import allowing
 
-    with job.stage:  # on any exception the staging folder is removed; the output is untouched
-        with allowing(opts.allow):
-            gen, nbytes = with_fallback(r, generation, opts.fallback, job.write, unverified=opts.unverified,
-                                        action="restore", override="--restore-unverified", notes=notes,
-                                        warnings=passed, jobs=opts.jobs)
-        job.commit(gen)
+    try:
+        with job.stage:  # on any exception the staging folder is removed; the output is untouched
+            with allowing(opts.allow):
+                gen, nbytes = with_fallback(r, generation, opts.fallback, job.write, unverified=opts.unverified,
+                                            action="restore", override="--restore-unverified", notes=notes,
+                                            warnings=passed, jobs=opts.jobs)
+            job.commit(gen)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+            raise
+        raise InsufficientSpace(f"disk full while restoring to {out} ({exc.strerror}); nothing was written there: "
+                                f"free space or restore elsewhere", where=str(out)) from None
     return _result(job, gen, nbytes, plan, notes, passed)
 
 
