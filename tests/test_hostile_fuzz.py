@@ -239,3 +239,24 @@ def test_fuzzed_archives_end_in_documented_exit_codes_without_tracebacks_or_esca
 @pytest.mark.slow
 def test_fuzzed_archives_long_run(pristine, tmp_path, monkeypatch):
     _fuzz(pristine, tmp_path, FUZZ_SLOW, monkeypatch)
+
+
+def test_a_chunk_that_declares_more_raw_bytes_fails_a_shallow_verify_in_every_mode(pristine, tmp_path, monkeypatch):
+    """Fault (CI, seed 17 case 106): on an encrypted repository a resealed manifest whose chunk declared 1 MiB
+    more raw bytes than its zstandard frame holds passed a shallow ``verify`` (exit 0): the frame headers were
+    compared with the declared sizes only for local plain files. Every store now says the same (exit 1)."""
+    src, mode, keys = pristine
+    use_mode(monkeypatch, mode, keys)  # the helpers read and seal the plaintext with the key
+    repo = tmp_path / "repo"
+    shutil.copytree(src, repo)
+    m = json.loads(read_plain(gen_dir(repo) / "manifest.json"))
+    rec, i = next((r, j) for r in m["members"] for j, c in enumerate(r.get("chunks") or [])
+                  if c.get("codec") != "store" and c["raw_bytes"])
+    rec["chunks"][i]["raw_bytes"] += 1 << 20
+    for c in rec["chunks"][i + 1:]:
+        c["raw_offset"] += 1 << 20
+    rec["raw_bytes"] += 1 << 20
+    reseal(repo, manifest_bytes=json.dumps(m, indent=1).encode())
+    res = runner.invoke(app, ["verify", f"{repo}@1"] + _key_args(mode, keys))
+    assert res.exit_code == 1, res.stdout + (res.stderr or "")
+    assert "frame holds" in res.stdout + (res.stderr or "") and rec["path"] in res.stdout + (res.stderr or "")

@@ -41,7 +41,8 @@ __all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_CHUNK_STORED_BYTES", "MAX_ZSTD_RATIO", "M
            "MAX_DATA_IDS_BYTES", "MAX_DATA_IDS_COST", "MAX_TREE_BYTES", "MAX_TREE_COST", "MAX_HEADER_BYTES", "MAX_HEADER_COST", "MAX_MEMBER_HEADER_BYTES", "WHOLE_READ_LIMITS",
            "MAX_MANIFEST_BYTES", "MAX_SOURCE_PICKLE_BYTES", "MAX_MANIFEST_COST", "MAX_SMALL_DOC_BYTES", "MAX_SMALL_DOC_COST", "IN_FLIGHT_RAW_BYTES",
            "stored_bound", "check_member_sizes", "check_manifest_sizes", "check_whole_read", "read_bounded",
-           "memory_available", "check_allocation", "view_size_problem", "lazy_buffer", "frame_size_problem"]
+           "memory_available", "check_allocation", "view_size_problem", "lazy_buffer", "frame_size_problem", "frame_header_problem",
+           "FRAME_HEADER_MAX"]
 
 #: The largest raw size of one chunk a reader accepts (bytes). ``pack --chunk-bytes`` is bounded by it.
 MAX_CHUNK_RAW_BYTES = 64 << 20
@@ -397,16 +398,35 @@ def frame_size_problem(fh, rec: dict) -> str | None:
             return None
     except (AttributeError, OSError, ValueError):
         return None
-    import zstandard
-
     for i, c in enumerate(rec.get("chunks") or []):
         if c.get("codec") == "store" or not c.get("raw_bytes"):
             continue
-        head = os.pread(fd, min(18, c["stored_bytes"]), c["stored_offset"])
-        try:
-            size = zstandard.get_frame_parameters(head).content_size
-        except zstandard.ZstdError:
-            return f"chunk {i} does not start with a zstandard frame header"
-        if size != zstandard.CONTENTSIZE_UNKNOWN and size != c["raw_bytes"]:
-            return f"chunk {i}'s zstandard frame holds {size} bytes, the manifest declares {c['raw_bytes']}"
+        lie = frame_header_problem(os.pread(fd, min(FRAME_HEADER_MAX, c["stored_bytes"]), c["stored_offset"]), c, i)
+        if lie:
+            return lie
+    return None
+
+
+#: the most bytes a zstandard frame header takes (magic, descriptor, window, dictionary id, content size)
+FRAME_HEADER_MAX = 18
+
+
+def frame_header_problem(head: bytes, chunk: dict, i: int) -> str | None:
+    """Whether the first bytes of stored chunk ``i`` (at most :data:`FRAME_HEADER_MAX`) begin a zstandard frame
+    whose declared content size is the raw size ``chunk`` (its manifest record) declares; None for a ``store``
+    chunk, an empty one, or a frame that does not declare its size.
+
+    Returns:
+        one line naming the chunk and both sizes, or None.
+    """
+    if chunk.get("codec") == "store" or not chunk.get("raw_bytes"):
+        return None
+    import zstandard
+
+    try:
+        size = zstandard.get_frame_parameters(bytes(head)).content_size
+    except zstandard.ZstdError:
+        return f"chunk {i} does not start with a zstandard frame header"
+    if size != zstandard.CONTENTSIZE_UNKNOWN and size != chunk["raw_bytes"]:
+        return f"chunk {i}'s zstandard frame holds {size} bytes, the manifest declares {chunk['raw_bytes']}"
     return None
