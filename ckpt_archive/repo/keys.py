@@ -15,6 +15,7 @@ Key material is never logged, never put in ``--json``, a report, a manifest or a
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from ckpt_archive.errors import NewerFormatError, UsageError
@@ -29,12 +30,22 @@ def _read_small(path: str | os.PathLike, what: str, limit: int = 1 << 16) -> byt
     """A user's key file (outside any repository: read with a plain open, bounded)."""
     p = Path(path).expanduser()
     try:
-        with open(p, "rb") as fh:  # a key file the user named, never a repository path
-            data = fh.read(limit + 1)
+        # a key file the user named, never a repository path. O_NONBLOCK: opening a FIFO (or a device)
+        # must not wait for a writer forever; anything but a regular file is refused before it is read
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
         raise UsageError(f"{what} {p} does not exist") from None
     except OSError as exc:
         raise UsageError(f"{what} {p} cannot be read: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"{what} {p} is not a regular file (a directory, FIFO, socket or device)")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise UsageError(f"{what} {p} cannot be read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     if len(data) > limit:
         raise UsageError(f"{what} {p} is larger than {limit} bytes: not a key file")
     return data
