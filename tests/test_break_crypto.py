@@ -54,3 +54,24 @@ def test_a_key_file_that_is_a_fifo_is_refused_not_waited_on_forever(tmp_path, ke
     assert isinstance(box.get("exc"), UsageError) and "not a regular file" in box["exc"].message
     with pytest.raises(UsageError, match="not a regular file"):
         Repository.open(tmp_path / "r", key_file=tmp_path)  # a directory: the same refusal
+
+
+@pytest.mark.parametrize("shape", ["p16 at n=2**20", "many records"])
+def test_hostile_key_records_cannot_hold_a_reader_deriving_for_minutes(monkeypatch, shape):
+    """Each record's n, r, p were bounded (memory) but not their work n*r*p, nor the number of records:
+    a repository.json with records of n = 2**20, r = 8, p = 16 (~50 s each here), or thousands of records,
+    held every reader in scrypt for hours. Now refused before any key is derived."""
+    calls = []
+    real = crypto._kek
+    monkeypatch.setattr(crypto, "_kek", lambda *a: calls.append(a[2:]) or real(*a))
+    rec = crypto.wrap_data_key(crypto.new_data_key(), b"k", "r")
+    calls.clear()
+    if shape == "many records":
+        records = [dict(rec, id=str(i)) for i in range(crypto.MAX_KEY_RECORDS + 1)]
+    else:
+        records = [dict(rec, kdf=dict(rec["kdf"], n=1 << 20, r=8, p=16)) for _ in range(3)]
+    with pytest.raises(crypto.KeyRefused, match="repository.json"):
+        crypto.unwrap_data_key(records, b"wrong key", "r")
+    assert calls == [], "a key was derived before the records were refused"
+    # the writer's own record still opens (and one record at the documented ceiling is still read)
+    assert crypto.unwrap_data_key([rec], b"k", "r")[1] == rec["id"]
