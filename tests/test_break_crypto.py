@@ -75,3 +75,41 @@ def test_hostile_key_records_cannot_hold_a_reader_deriving_for_minutes(monkeypat
     assert calls == [], "a key was derived before the records were refused"
     # the writer's own record still opens (and one record at the documented ceiling is still read)
     assert crypto.unwrap_data_key([rec], b"k", "r")[1] == rec["id"]
+
+
+def _downgrade(root: Path) -> None:
+    """What an attacker who can write the bucket does: drop "encryption" and plant plaintext generations."""
+    cfg = json.loads((root / "repository.json").read_text())
+    del cfg["encryption"]
+    planted = root.parent / "planted"
+    ckpt_archive.pack(_state(666), planted)
+    for p in (root / "generations").iterdir():
+        import shutil
+        shutil.rmtree(p)
+    import shutil
+    shutil.copytree(planted / "generations" / "00000001", root / "generations" / "00000001")
+    pcfg = json.loads((planted / "repository.json").read_text())
+    (root / "repository.json").write_text(json.dumps({**pcfg, "id": cfg["id"]}))
+
+
+def test_a_downgraded_repository_is_not_read_or_written_in_the_clear_with_the_key_from_the_environment(
+        tmp_path, keyfile, monkeypatch):
+    """Removing "encryption" from repository.json made every reader with $CKPT_ARCHIVE_KEY_FILE (the
+    Checkpointer, integrations, any command without --key-file) silently load the attacker's plaintext
+    generations as the repository's, and the next pack write the weights into the bucket in the clear."""
+    root = tmp_path / "r"
+    ckpt_archive.pack(_state(1), Repository.open(root, create=True, key_file=keyfile))
+    _downgrade(root)
+    monkeypatch.setenv("CKPT_ARCHIVE_KEY_FILE", str(keyfile))
+    for attempt in (lambda: ckpt_archive.load(root, "latest"),
+                    lambda: ckpt_archive.pack(_state(2), root)):
+        with pytest.raises(UsageError, match="not encrypted, but CKPT_ARCHIVE_KEY_FILE is set"):
+            attempt()
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+    res = CliRunner().invoke(app, ["restore", f"{root}@latest", "--output", str(tmp_path / "o.pt")])
+    assert res.exit_code == 2 and not (tmp_path / "o.pt").exists(), res.output
+    assert len(list((root / "generations").iterdir())) == 1  # nothing written in the clear
+    monkeypatch.delenv("CKPT_ARCHIVE_KEY_FILE")
+    assert ckpt_archive.load(tmp_path / "planted", "latest")["progress"]["step"] == 666  # plain ones still open

@@ -95,6 +95,14 @@ def open_encrypted(store, config: dict, material: bytes | None, explicit: bool):
             raise UsageError(f"{store.location} is not encrypted (it was created without --key-file); "
                              f"drop --key-file, or export it to a new encrypted repository with "
                              f"`ckpt-archive export {store.location} --to NEW --to-key-file KEY`")
+        if material is not None:
+            # a key from the environment says "my repositories are encrypted": a plain repository.json where
+            # one is expected may be a downgrade (someone who can write the bucket removed "encryption" and
+            # planted plaintext generations, or waits for the next pack to write in the clear). Refuse
+            # rather than read or write it as if it were the user's.
+            raise UsageError(f"{store.location} is not encrypted, but {ENV_KEY_FILE} is set: if this repository "
+                             f"should be encrypted, its repository.json was replaced (do not trust its "
+                             f"generations); to use a plain repository, unset {ENV_KEY_FILE}")
         return store
     if not isinstance(enc, dict):
         raise crypto.KeyRefused("repository.json: encryption is not an object", where=store.location)
