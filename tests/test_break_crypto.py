@@ -113,3 +113,56 @@ def test_a_downgraded_repository_is_not_read_or_written_in_the_clear_with_the_ke
     assert len(list((root / "generations").iterdir())) == 1  # nothing written in the clear
     monkeypatch.delenv("CKPT_ARCHIVE_KEY_FILE")
     assert ckpt_archive.load(tmp_path / "planted", "latest")["progress"]["step"] == 666  # plain ones still open
+
+
+def _signed_elsewhere(tmp_path, *, copied: bool) -> tuple[Path, Path]:
+    """A generation signed by key A (``copied``: exported, so it is ``copied`` at the path given), and the
+    public key B of another signer."""
+    from ckpt_archive.ops.keys import new_key
+
+    a, b = new_key(tmp_path / "a"), new_key(tmp_path / "b")
+    r = Repository.open(tmp_path / "r", create=True, sign_key=a.path)
+    ckpt_archive.pack(_state(), r)
+    root = tmp_path / "r"
+    if copied:
+        import shutil
+        shutil.copytree(root, tmp_path / "moved")
+        root = tmp_path / "moved"
+    return root, Path(str(b.path) + ".pub")
+
+
+@pytest.mark.parametrize("deep", [False, True])
+@pytest.mark.parametrize("copied", [False, True])
+def test_verify_trust_with_another_key_does_not_mark_a_good_generation_damaged_for_everyone(tmp_path, deep, copied):
+    """`verify --trust B.pub` of a generation signed by A (a reader with the wrong, or someone else's, trust
+    file) wrote CHECK-FAILED.json into the repository: the good generation became damaged for every reader,
+    with or without --trust. Refusing to vouch is this reader's verdict (exit 1), not damage to record."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+    root, other = _signed_elsewhere(tmp_path, copied=copied)
+    args = ["verify", f"{root}@1", "--trust", str(other)] + (["--deep"] if deep else [])
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 1 and "not by a trusted key" in res.output, res.output
+    assert not (root / "generations" / "00000001" / "CHECK-FAILED.json").exists()
+    assert ckpt_archive.verify(root, "1").ok  # every other reader still finds it as it is
+    assert ckpt_archive.load(root, "1")["progress"]["step"] == 1
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_export_with_trust_refuses_an_unsigned_or_foreign_generation_and_writes_nothing(tmp_path, signed):
+    """`export SRC --to DEST --trust A.pub` copied (exit 0) a generation that was unsigned or signed by another
+    key, and proved it usable at DEST: --trust was read and then never checked on export."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+    if signed:
+        root, other = _signed_elsewhere(tmp_path, copied=False)
+    else:
+        from ckpt_archive.ops.keys import new_key
+        ckpt_archive.pack(_state(), tmp_path / "r")
+        root, other = tmp_path / "r", Path(str(new_key(tmp_path / "b").path) + ".pub")
+    res = CliRunner().invoke(app, ["export", str(root), "--to", str(tmp_path / "dest"), "--trust", str(other)])
+    assert res.exit_code == 1, res.output
+    assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").rglob("USABLE.json"))
+    assert not (tmp_path / "dest").exists(), "DEST was created before the refusal"
