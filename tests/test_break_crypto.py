@@ -166,3 +166,51 @@ def test_export_with_trust_refuses_an_unsigned_or_foreign_generation_and_writes_
     assert res.exit_code == 1, res.output
     assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").rglob("USABLE.json"))
     assert not (tmp_path / "dest").exists(), "DEST was created before the refusal"
+
+
+def _memory_store():
+    import itertools
+    from ckpt_archive.store.fsspec_store import FsspecStore
+
+    _memory_store.n = getattr(_memory_store, "n", itertools.count())
+    return FsspecStore(f"memory://breakcrypto-{os.getpid()}-{next(_memory_store.n)}")
+
+
+def test_a_ticket_at_the_last_twelve_digit_number_does_not_let_two_writers_hold_the_lock():
+    """A ticket locks/999999999999.json (planted, or reached) made the next writer create
+    1000000000000.json, a name the 12-digit listing never saw, and remove the old one: the next writer found
+    no ticket, took 000000000001, and both held the repository's lock at once."""
+    from ckpt_archive.errors import LockError
+    from ckpt_archive.store import lease_lock
+    from ckpt_archive.store.lease_lock import LeaseLock
+
+    for top in (999_999_999_999, getattr(lease_lock, "MAX_SEQ", 10 ** 18 - 1)):
+        store = _memory_store()
+        store.write_bytes_once(f"locks/{top:012d}.json", json.dumps({"released": True}).encode())
+        a, b = LeaseLock(store, lease=60), LeaseLock(store, lease=60)
+        try:
+            a.acquire()
+        except LockError as exc:  # the ceiling: refused, naming the ticket, never a lock nobody sees
+            assert top > 999_999_999_999 and "last a writer can take" in exc.message
+            continue
+        try:
+            assert a.seq == top + 1 and a.seq in a._tickets()
+            with pytest.raises(LockError, match="locked by another writer"):
+                b.acquire()
+        finally:
+            a.release()
+            b.release()
+
+
+def test_a_ticket_refreshed_far_in_the_future_does_not_hold_the_lock_forever():
+    """A ticket whose "refreshed" lies years ahead (hostile, or a writer whose clock ran wild) was "held"
+    until that time came: no writer could take the repository's lock again."""
+    from ckpt_archive.store.lease_lock import LeaseLock
+
+    store = _memory_store()
+    store.write_bytes_once("locks/000000000001.json", json.dumps(
+        {"released": False, "refreshed": 1e15, "host": "elsewhere", "pid": 1, "lease": 60}).encode())
+    c = LeaseLock(store, lease=60)
+    notes = c.acquire()
+    c.release()
+    assert notes and "in the future" in notes[0]

@@ -37,7 +37,10 @@ import time
 from ckpt_archive.errors import LockError, NotFound, StoreError
 
 LOCK_DIR = "locks"
-_TICKET = re.compile(r"^(\d{12})\.json$")
+_TICKET = re.compile(r"^(\d{12,18})\.json$")
+#: The highest ticket a writer takes: every ticket it creates must be one :meth:`LeaseLock._tickets` lists
+#: (a ticket it cannot see is a lock nobody else can see either).
+MAX_SEQ = 10 ** 18 - 1
 #: Seconds a ticket stays valid without a refresh (env ``CKPT_ARCHIVE_LOCK_LEASE`` overrides, for tests).
 DEFAULT_LEASE = 600.0
 
@@ -136,6 +139,8 @@ class LeaseLock:
         if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not 1.0 <= lease <= 86400.0:
             lease = self.lease
         age = self.clock() - refreshed
+        if -age > lease:  # refreshed further ahead than any clock skew the lease allows: nobody's lease
+            return "stale", f"{who}: refreshed {-age:.0f} s in the future (lease {lease:.0f} s)"
         if age > lease:
             return "stale", f"{who}: not refreshed for {age:.0f} s (lease {lease:.0f} s)"
         return "held", f"{who}, refreshed {max(age, 0):.0f} s ago (lease {lease:.0f} s)"
@@ -164,6 +169,10 @@ class LeaseLock:
                 time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
                 continue
             seq = top + 1
+            if seq > MAX_SEQ:
+                raise LockError(f"lock ticket {top} is the last a writer can take (it was not written by "
+                                f"ckpt-archive's sequence); once no writer runs, remove the folder {LOCK_DIR}/",
+                                where=f"{self.store.location}/{self._key(top)}")
             self._since = self.clock()
             try:
                 self.store.write_bytes_once(self._key(seq), self._record())
