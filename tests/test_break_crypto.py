@@ -214,3 +214,15 @@ def test_a_ticket_refreshed_far_in_the_future_does_not_hold_the_lock_forever():
     notes = c.acquire()
     c.release()
     assert notes and "in the future" in notes[0]
+
+
+def test_a_huge_planted_lock_ticket_is_not_read_whole(monkeypatch):
+    """A ticket was read whole before its size was checked: a planted locks/<seq>.json of gigabytes made
+    every writer allocate it. It is now judged by its size first (an unreadable ticket: stale)."""
+    from ckpt_archive.store.lease_lock import LeaseLock
+
+    store = _memory_store()
+    store.write_bytes_once("locks/000000000001.json", b" " * ((1 << 16) + 1))
+    monkeypatch.setattr(type(store), "read_bytes", lambda *a, **k: pytest.fail("the oversized ticket was read"))
+    c = LeaseLock(store, lease=60)
+    assert c._read(1) == {}
