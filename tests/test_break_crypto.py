@@ -226,3 +226,20 @@ def test_a_huge_planted_lock_ticket_is_not_read_whole(monkeypatch):
     monkeypatch.setattr(type(store), "read_bytes", lambda *a, **k: pytest.fail("the oversized ticket was read"))
     c = LeaseLock(store, lease=60)
     assert c._read(1) == {}
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_a_bad_signing_key_is_refused_before_a_generation_is_written(tmp_path, monkeypatch, how):
+    """pack --sign-key NOT-A-KEY packed and wrote the whole generation, then failed at the marker: every
+    attempt left a partial generation behind (and spent the whole pack). It is refused before the claim."""
+    bad = tmp_path / "not-a-key"
+    bad.write_text("-----BEGIN PRIVATE KEY-----\nnope\n-----END PRIVATE KEY-----\n")
+    kw = {}
+    if how == "environment":
+        monkeypatch.setenv("CKPT_ARCHIVE_SIGN_KEY", str(bad))
+    else:
+        kw["sign_key"] = bad
+    with pytest.raises(UsageError, match="signing key"):
+        ckpt_archive.pack(_state(), Repository.open(tmp_path / "r", create=True, **kw))
+    gens = tmp_path / "r" / "generations"
+    assert not gens.exists() or not any(gens.iterdir()), list(gens.iterdir())

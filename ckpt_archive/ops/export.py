@@ -353,6 +353,7 @@ def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | N
     endpoint_url = (dest_store_options or {}).get("endpoint_url")
     if dst.location == src.location:
         raise UsageError(f"source and destination are the same repository ({src.location})")
+    dst.signer()  # a bad --sign-key is refused before any generation is copied (UsageError)
     with dst.lock(wait=wait):
         done = _export_all(src, dst, picked, on_bytes, on_generation)
     endpoint, region = endpoint_for(dst.location, endpoint_url), region_for(dst.location)

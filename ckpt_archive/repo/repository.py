@@ -715,7 +715,12 @@ class Repository:
         highest number ever about to be claimed is kept in ``repository.json`` (``highest_generation``),
         written before the claim, so a number always names one archive (exports and reports can rely on
         it). Call with the lock held.
+
+        Raises:
+            UsageError: the signing key (``sign_key``, ``$CKPT_ARCHIVE_SIGN_KEY``) is missing or not an Ed25519
+                private key: checked before anything is claimed, so a bad key leaves no partial generation.
         """
+        self.signer()
         try:
             self.config = self._read_config(self.store)
         except CkptArchiveError:
