@@ -243,3 +243,17 @@ def test_a_bad_signing_key_is_refused_before_a_generation_is_written(tmp_path, m
         ckpt_archive.pack(_state(), Repository.open(tmp_path / "r", create=True, **kw))
     gens = tmp_path / "r" / "generations"
     assert not gens.exists() or not any(gens.iterdir()), list(gens.iterdir())
+
+
+def test_key_change_to_the_same_key_is_refused_not_reported_as_a_change(tmp_path, keyfile):
+    """`key change --key-file K --new-key-file K` (or a copy of K) said "now opens with K (not with K)" and
+    K still opened the repository: a user rotating a leaked key believed it was rotated."""
+    from ckpt_archive.ops.keys import change_repository_key
+
+    ckpt_archive.pack(_state(), Repository.open(tmp_path / "r", create=True, key_file=keyfile))
+    copy = tmp_path / "copy.key"
+    copy.write_bytes(keyfile.read_bytes().rstrip(b"\n"))  # the same secret, spelt without the newline
+    before = (tmp_path / "r" / "repository.json").read_bytes()
+    with pytest.raises(UsageError, match="same key"):
+        change_repository_key(tmp_path / "r", keyfile, copy)
+    assert (tmp_path / "r" / "repository.json").read_bytes() == before
