@@ -257,3 +257,28 @@ def test_key_change_to_the_same_key_is_refused_not_reported_as_a_change(tmp_path
     with pytest.raises(UsageError, match="same key"):
         change_repository_key(tmp_path / "r", keyfile, copy)
     assert (tmp_path / "r" / "repository.json").read_bytes() == before
+
+
+def test_a_holder_fences_itself_well_before_another_writer_may_take_over():
+    """check() let a holder whose refreshes had failed commit until the very second its lease ran out, the
+    same second another writer may take the lock over: a commit or a sweep that then took seconds ran
+    alongside the other writer's. The holder now stops after half its lease, while the others still wait."""
+    from ckpt_archive.errors import LockError
+    from ckpt_archive.store.lease_lock import LeaseLock
+
+    class Clock:
+        t = 1_000_000.0
+
+        def __call__(self):
+            return self.t
+
+    store, clock = _memory_store(), Clock()
+    a, b = LeaseLock(store, lease=60, clock=clock), LeaseLock(store, lease=60, clock=clock)
+    a.acquire()
+    a._stop.set()  # its refreshes fail from now on
+    clock.t += 45
+    with pytest.raises(LockError, match="could not refresh"):
+        a.check()
+    with pytest.raises(LockError, match="locked by another writer"):
+        b.acquire()  # while the others still see a's lease as held
+    a.release()
