@@ -282,3 +282,24 @@ def test_a_holder_fences_itself_well_before_another_writer_may_take_over():
     with pytest.raises(LockError, match="locked by another writer"):
         b.acquire()  # while the others still see a's lease as held
     a.release()
+
+
+def test_saving_a_default_retention_does_not_undo_a_key_change_made_since_the_repository_was_opened(
+        tmp_path, keyfile):
+    """set_default_retention (prune --save-default) wrote back the repository.json read when its Repository was
+    opened: a `key change` made meanwhile (another process, while this one waited for the lock) was undone, the
+    old key opened the repository again and the new one no longer did -- a user who destroyed the old key
+    file after rotating lost the repository."""
+    from ckpt_archive.ops.keys import change_repository_key
+
+    ckpt_archive.pack(_state(), Repository.open(tmp_path / "r", create=True, key_file=keyfile))
+    opened_early = Repository.open(tmp_path / "r", key_file=keyfile)
+    new = tmp_path / "new.key"
+    new.write_bytes(crypto.new_key_file_text())
+    change_repository_key(tmp_path / "r", keyfile, new)
+    with opened_early.lock():
+        opened_early.set_default_retention({"keep_last": 3})
+    r = Repository.open(tmp_path / "r", key_file=new)  # the rotation holds
+    assert r.config["retention"] == {"keep_last": 3}
+    with pytest.raises(crypto.KeyRefused):
+        Repository.open(tmp_path / "r", key_file=keyfile)

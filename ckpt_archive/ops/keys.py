@@ -100,6 +100,7 @@ def change_repository_key(repo: RepoLike, old_key_file: str | os.PathLike, new_k
         raise UsageError("the new key file holds the same key as the old one: nothing would change (give a "
                          "new key: `ckpt-archive key new --encryption PATH`)")
     with r.lock(wait):
+        r.check_lock()  # fencing: a writer whose lease lapsed must not write an old repository.json back
         config = keys.change_key(r._read_config(r.store), old, new)
         r.store.replace_bytes(REPO_FILE, jsonio.dumps(config, indent=1, ensure_ascii=True))
         r.config = config

@@ -401,7 +401,18 @@ class Repository:
         return self.place.location
 
     def set_default_retention(self, policy: dict | None) -> None:
-        """Store a default retention policy in ``repository.json`` (atomic replace; hold the lock)."""
+        """Store a default retention policy in ``repository.json`` (atomic replace; hold the lock).
+
+        ``repository.json`` is read again under the lock first: the copy read when this object was opened
+        may predate another writer's change (a ``key change``: writing the old copy back would undo the
+        rotation, and a user who then destroys the old key file could no longer open the repository).
+
+        Raises:
+            LockError: the lock was lost (fencing).
+        """
+        if self.locked:
+            self.check_lock()
+        self.config = self._read_config(self.store)
         self.config["retention"] = policy
         self.store.replace_bytes(REPO_FILE, jsonio.dumps(self.config, indent=1, ensure_ascii=True))
 
@@ -721,6 +732,8 @@ class Repository:
                 private key: checked before anything is claimed, so a bad key leaves no partial generation.
         """
         self.signer()
+        if self.locked:  # fencing: repository.json is rewritten below (a lapsed writer must not clobber it)
+            self.check_lock()
         try:
             self.config = self._read_config(self.store)
         except CkptArchiveError:
