@@ -303,3 +303,25 @@ def test_saving_a_default_retention_does_not_undo_a_key_change_made_since_the_re
     assert r.config["retention"] == {"keep_last": 3}
     with pytest.raises(crypto.KeyRefused):
         Repository.open(tmp_path / "r", key_file=keyfile)
+
+
+def test_list_and_status_with_trust_do_not_call_an_untrusted_generation_usable_or_healthy(tmp_path):
+    """docs/keys.md: --trust on list and status requires a signature by a trusted key; `status --trust`
+    answered "ok: newest usable generation 1" (exit 0) and `list --trust` showed it "usable" when the
+    generation was signed by another key or not at all: a watchdog gave a clean bill to what --trust refuses."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+    root, other = _signed_elsewhere(tmp_path, copied=False)
+    state = tmp_path / "status.json"
+    res = CliRunner().invoke(app, ["status", str(root), "--trust", str(other), "--state", str(state), "--json"])
+    assert res.exit_code == 1, res.output
+    assert "not by a trusted key" in res.output
+    res = CliRunner().invoke(app, ["list", str(root), "--trust", str(other), "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["generations"]
+    assert [r["status"] for r in rows] == ["untrusted"] and "not by a trusted key" in rows[0]["reason"]
+    # trusting the signer: usable and healthy as before
+    signer = Path(str(tmp_path / "a") + ".pub")
+    res = CliRunner().invoke(app, ["status", str(root), "--trust", str(signer), "--state", str(state)])
+    assert res.exit_code == 0, res.output

@@ -279,17 +279,14 @@ MAX_KEY_RECORDS = 16
 MAX_SCRYPT_WORK = 1 << 24
 
 
-def unwrap_data_key(records, material: bytes, repo_id: str) -> tuple[bytes, str]:
-    """The data key the user's key material opens, and the id of the record that opened it.
+def _checked_kdf_params(records: list) -> list[tuple[int, int, int]]:
+    """Every key record's scrypt ``(n, r, p)``, all checked before any key is derived (docs/FORMAT.md,
+    "Encrypted repositories").
 
     Raises:
-        KeyRefused: (exit 2) no record opens with this key, or a record is malformed.
+        KeyRefused: too many records, a record without scrypt parameters, parameters out of range, or
+            more work in all than :data:`MAX_SCRYPT_WORK`.
     """
-    from cryptography.exceptions import InvalidTag
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-    if not isinstance(records, list) or not records:
-        raise KeyRefused("repository.json: encryption.keys is missing or empty")
     if len(records) > MAX_KEY_RECORDS:
         raise KeyRefused(f"repository.json: {len(records)} encryption key records (at most {MAX_KEY_RECORDS})")
     params = []
@@ -311,6 +308,21 @@ def unwrap_data_key(records, material: bytes, repo_id: str) -> tuple[bytes, str]
         raise KeyRefused(f"repository.json: the key records' scrypt work (n*r*p summed, "
                          f"{sum(n * r * p for n, r, p in params)}) exceeds {MAX_SCRYPT_WORK} "
                          f"(64 times the writer's own cost)")
+    return params
+
+
+def unwrap_data_key(records, material: bytes, repo_id: str) -> tuple[bytes, str]:
+    """The data key the user's key material opens, and the id of the record that opened it.
+
+    Raises:
+        KeyRefused: (exit 2) no record opens with this key, or a record is malformed.
+    """
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    if not isinstance(records, list) or not records:
+        raise KeyRefused("repository.json: encryption.keys is missing or empty")
+    params = _checked_kdf_params(records)
     for rec, (n, r, p) in zip(records, params):
         kdf = rec["kdf"]
         kek = _kek(material, _unb64(kdf.get("salt"), "salt"), n, r, p)
