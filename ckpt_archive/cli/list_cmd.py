@@ -28,9 +28,14 @@ def register(app: typer.Typer) -> None:
         r = open_cli_repo(repo, key_file=key_file, trust=trust)
         every = r.generations()
         gens = every if all_ else [g for g in every if g.usable]
+        from ckpt_archive.ops.common import untrusted_reason
         from ckpt_archive.ops.list import generation_row
 
         rows = [generation_row(g) for g in gens]
+        for g, row in zip(gens, rows):  # --trust: a generation no trusted key signed is shown as such
+            why = untrusted_reason(r, g)
+            if why is not None:
+                row.update(status="untrusted", reason=why)
         if rows:
             if not out.json_mode:  # --json prints the rows: no table (nor rich) is built
                 table = list_table(rows, repo, out.width)

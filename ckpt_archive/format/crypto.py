@@ -271,6 +271,46 @@ def wrap_data_key(data_key: bytes, material: bytes, repo_id: str) -> dict:
             "nonce": _b64(nonce), "wrapped": _b64(wrapped)}
 
 
+#: At most this many ``encryption.keys`` records are read (``key change`` keeps one; a handful is generous).
+MAX_KEY_RECORDS = 16
+#: The most scrypt work (``n * r * p``, summed over the records) a reader spends opening a repository:
+#: 64 times this writer's parameters (2**15 * 8 * 1), so a repository.json cannot make a reader derive for
+#: minutes.
+MAX_SCRYPT_WORK = 1 << 24
+
+
+def _checked_kdf_params(records: list) -> list[tuple[int, int, int]]:
+    """Every key record's scrypt ``(n, r, p)``, all checked before any key is derived (docs/FORMAT.md,
+    "Encrypted repositories").
+
+    Raises:
+        KeyRefused: too many records, a record without scrypt parameters, parameters out of range, or
+            more work in all than :data:`MAX_SCRYPT_WORK`.
+    """
+    if len(records) > MAX_KEY_RECORDS:
+        raise KeyRefused(f"repository.json: {len(records)} encryption key records (at most {MAX_KEY_RECORDS})")
+    params = []
+    for rec in records:  # every record's parameters are checked before any key is derived
+        kdf = rec.get("kdf") if isinstance(rec, dict) else None
+        if not isinstance(kdf, dict) or kdf.get("name") != "scrypt":
+            raise KeyRefused("repository.json: an encryption key record has no scrypt parameters")
+        n, r, p = kdf.get("n"), kdf.get("r"), kdf.get("p")
+        # bounded before use: hostile parameters must not make scrypt allocate gigabytes (128*n*r bytes)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (n, r, p)) \
+                or not (2 <= n <= 1 << 20 and n & (n - 1) == 0 and 1 <= r <= 32 and 1 <= p <= 16) \
+                or 128 * n * r > 1 << 30:
+            raise KeyRefused("repository.json: scrypt parameters out of range (n a power of two <= 2**20, "
+                             "r <= 32, p <= 16, at most 1 GiB of memory)")
+        params.append((n, r, p))
+    # ... and their time is bounded too: scrypt's work is n*r*p, and a record count times p = 16 at
+    # n = 2**20 would hold a reader for hours (not hang, refuse)
+    if sum(n * r * p for n, r, p in params) > MAX_SCRYPT_WORK:
+        raise KeyRefused(f"repository.json: the key records' scrypt work (n*r*p summed, "
+                         f"{sum(n * r * p for n, r, p in params)}) exceeds {MAX_SCRYPT_WORK} "
+                         f"(64 times the writer's own cost)")
+    return params
+
+
 def unwrap_data_key(records, material: bytes, repo_id: str) -> tuple[bytes, str]:
     """The data key the user's key material opens, and the id of the record that opened it.
 
@@ -282,17 +322,9 @@ def unwrap_data_key(records, material: bytes, repo_id: str) -> tuple[bytes, str]
 
     if not isinstance(records, list) or not records:
         raise KeyRefused("repository.json: encryption.keys is missing or empty")
-    for rec in records:
-        kdf = rec.get("kdf") if isinstance(rec, dict) else None
-        if not isinstance(kdf, dict) or kdf.get("name") != "scrypt":
-            raise KeyRefused("repository.json: an encryption key record has no scrypt parameters")
-        n, r, p = kdf.get("n"), kdf.get("r"), kdf.get("p")
-        # bounded before use: hostile parameters must not make scrypt allocate gigabytes (128*n*r bytes)
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (n, r, p)) \
-                or not (2 <= n <= 1 << 20 and n & (n - 1) == 0 and 1 <= r <= 32 and 1 <= p <= 16) \
-                or 128 * n * r > 1 << 30:
-            raise KeyRefused("repository.json: scrypt parameters out of range (n a power of two <= 2**20, "
-                             "r <= 32, p <= 16, at most 1 GiB of memory)")
+    params = _checked_kdf_params(records)
+    for rec, (n, r, p) in zip(records, params):
+        kdf = rec["kdf"]
         kek = _kek(material, _unb64(kdf.get("salt"), "salt"), n, r, p)
         try:
             key = AESGCM(kek).decrypt(_unb64(rec.get("nonce"), "nonce"), _unb64(rec.get("wrapped"), "key"),

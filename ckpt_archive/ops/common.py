@@ -145,6 +145,20 @@ def check_trust(r: Repository, gen: Generation) -> None:
                                f"({_names(r.trust)})", where=r.location)
 
 
+def untrusted_reason(r: Repository, gen: Generation) -> str | None:
+    """Why ``--trust`` refuses ``gen`` (a usable or copied one, unsigned or signed by another key), or None:
+    the verdict ``list`` and ``status`` show beside the generation's own status (docs/keys.md)."""
+    from ckpt_archive.format.signature import SignatureProblem
+
+    if r.trust is None or gen.status not in ("usable", "copied"):
+        return None
+    try:
+        check_trust(r, gen)
+    except SignatureProblem as exc:
+        return exc.message
+    return None
+
+
 def _names(trust: dict) -> str:
     return ", ".join(sorted(trust)) if len(trust) <= 3 else f"one of {len(trust)} trusted keys"
 
@@ -332,7 +346,7 @@ def human_seconds(seconds: float) -> str:
 
 
 __all__ = ["RepoLike", "STORE_OPTION_KEYS", "open_repo", "checked_store_options", "pick", "check_present", "copied_note", "refuse_unusable",
-           "human_seconds", "is_damage", "fails_generation", "note_damage", "vouch"]
+           "human_seconds", "is_damage", "fails_generation", "note_damage", "vouch", "check_trust", "untrusted_reason"]
 
 
 def leftover_note(line: str) -> str:

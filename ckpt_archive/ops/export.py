@@ -344,11 +344,16 @@ def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | N
 
     src = open_repo(repo, store_options)
     picked = select_generations(src, generations)
+    from ckpt_archive.ops.common import check_trust
+
+    for g in picked:  # --trust: an unsigned or foreign-signed generation is refused before DEST is touched
+        check_trust(src, g)
     _check_destination(src, dest)
     dst = _open_destination(src, dest, to_key_file, to_plain, sign_key, checked_store_options(dest_store_options))
     endpoint_url = (dest_store_options or {}).get("endpoint_url")
     if dst.location == src.location:
         raise UsageError(f"source and destination are the same repository ({src.location})")
+    dst.signer()  # a bad --sign-key is refused before any generation is copied (UsageError)
     with dst.lock(wait=wait):
         done = _export_all(src, dst, picked, on_bytes, on_generation)
     endpoint, region = endpoint_for(dst.location, endpoint_url), region_for(dst.location)

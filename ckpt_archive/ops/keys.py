@@ -8,6 +8,7 @@ repositories"): nothing but ``repository.json`` is rewritten.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import os
 from pathlib import Path
 
@@ -95,7 +96,11 @@ def change_repository_key(repo: RepoLike, old_key_file: str | os.PathLike, new_k
     r = repo if isinstance(repo, Repository) else Repository.open(repo, key_file=old_key_file, **store_options)
     old, _ = keys.key_material(old_key_file)
     new, _ = keys.key_material(new_key_file)
+    if hmac.compare_digest(old, new):  # "now opens with K (not with K)" was reported, and K still opened it
+        raise UsageError("the new key file holds the same key as the old one: nothing would change (give a "
+                         "new key: `ckpt-archive key new --encryption PATH`)")
     with r.lock(wait):
+        r.check_lock()  # fencing: a writer whose lease lapsed must not write an old repository.json back
         config = keys.change_key(r._read_config(r.store), old, new)
         r.store.replace_bytes(REPO_FILE, jsonio.dumps(config, indent=1, ensure_ascii=True))
         r.config = config

@@ -151,8 +151,7 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
     counts: dict[str, int] = {}
     for g in gens:
         counts[g.status] = counts.get(g.status, 0) + 1
-    usable = [g for g in gens if g.usable]
-    newest = usable[-1] if usable else None
+    newest, untrusted = _newest_trusted(r, gens)
     state_path = Path(state) if state is not None else default_state_file(r.location)
     from ckpt_archive.ops.common import refuse_special_output
 
@@ -161,6 +160,8 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
     created = newest.created if newest else None
     age = (now - created).total_seconds() if created else None
     problems = _problems(r.location, newest, counts, age, limit, previous)
+    problems += [f"generation {n}: {why}" for n, why in sorted(untrusted.items())
+                 if newest is None or n > newest.number]
     report = StatusReport(r.location, not problems, problems, newest.number if newest else None,
                           newest.step if newest else None, iso(created) if created else None,
                           round(age, 3) if age is not None else None, limit, previous,
@@ -170,6 +171,16 @@ def status(repo: RepoLike, *, max_age: str | float | None = None, state: str | o
         _remember(state_path, r.location, {"generation": newest.number, "step": newest.step,
                                            "checked": iso(now)})
     return report
+
+
+def _newest_trusted(r, gens: list) -> tuple[Any, dict[int, str]]:
+    """The newest usable generation and, with ``--trust``, ``{number: why}`` of the usable ones no trusted
+    key signed: those are not one this watchdog may call healthy."""
+    from ckpt_archive.ops.common import untrusted_reason
+
+    untrusted = {g.number: why for g in gens if (why := untrusted_reason(r, g)) is not None}
+    usable = [g for g in gens if g.usable and g.number not in untrusted]
+    return (usable[-1] if usable else None), untrusted
 
 
 def _problems(location: str, newest: Any, counts: dict, age: float | None, limit: float | None,

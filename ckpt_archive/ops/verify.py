@@ -83,7 +83,9 @@ def check_generation(r: Repository, gen: Generation, deep: bool, jobs: int | Non
         try:
             check_trust(r, gen)
         except SignatureProblem as exc:
-            problems.append(Problem(exc.message, member="USABLE.json"))
+            # the reader's trust, not the generation's damage: reported (exit 1), never recorded as a failed
+            # check (a CHECK-FAILED note would make a good generation damaged for every other reader)
+            problems.append(Problem(exc.message, member="USABLE.json", local=True))
     from ckpt_archive.repo.publish import phase
 
     reader = ArchiveReader(r.store, gen.key, gen.manifest, jobs=jobs)

@@ -15,6 +15,7 @@ Key material is never logged, never put in ``--json``, a report, a manifest or a
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from ckpt_archive.errors import NewerFormatError, UsageError
@@ -29,12 +30,22 @@ def _read_small(path: str | os.PathLike, what: str, limit: int = 1 << 16) -> byt
     """A user's key file (outside any repository: read with a plain open, bounded)."""
     p = Path(path).expanduser()
     try:
-        with open(p, "rb") as fh:  # a key file the user named, never a repository path
-            data = fh.read(limit + 1)
+        # a key file the user named, never a repository path. O_NONBLOCK: opening a FIFO (or a device)
+        # must not wait for a writer forever; anything but a regular file is refused before it is read
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
         raise UsageError(f"{what} {p} does not exist") from None
     except OSError as exc:
         raise UsageError(f"{what} {p} cannot be read: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"{what} {p} is not a regular file (a directory, FIFO, socket or device)")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise UsageError(f"{what} {p} cannot be read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     if len(data) > limit:
         raise UsageError(f"{what} {p} is larger than {limit} bytes: not a key file")
     return data
@@ -84,6 +95,14 @@ def open_encrypted(store, config: dict, material: bytes | None, explicit: bool):
             raise UsageError(f"{store.location} is not encrypted (it was created without --key-file); "
                              f"drop --key-file, or export it to a new encrypted repository with "
                              f"`ckpt-archive export {store.location} --to NEW --to-key-file KEY`")
+        if material is not None:
+            # a key from the environment says "my repositories are encrypted": a plain repository.json where
+            # one is expected may be a downgrade (someone who can write the bucket removed "encryption" and
+            # planted plaintext generations, or waits for the next pack to write in the clear). Refuse
+            # rather than read or write it as if it were the user's.
+            raise UsageError(f"{store.location} is not encrypted, but {ENV_KEY_FILE} is set: if this repository "
+                             f"should be encrypted, its repository.json was replaced (do not trust its "
+                             f"generations); to use a plain repository, unset {ENV_KEY_FILE}")
         return store
     if not isinstance(enc, dict):
         raise crypto.KeyRefused("repository.json: encryption is not an object", where=store.location)

@@ -392,13 +392,16 @@ def adopt(repo: Repository, number: int, check: Callable[[Generation], tuple[lis
         if gen.status != "copied" and not was_failed:
             return gen, problems, counts, False
         note = f"{gen.key}/{CHECK_FAILED}"
+        if problems and all(getattr(p, "local", False) for p in problems):
+            return gen, problems, counts, False  # this machine's or this reader's (--trust): nothing to record
         if problems:
+            recorded = [p for p in problems if not getattr(p, "local", False)]
             # Recorded beside the marker, never in it: list and @latest see the failure at once; only a
             # passing check here (this path, under the lock) removes the note.
             repo.store.replace_bytes(note, jsonio.dumps(
                 {"generation": number, "manifest_sha256": gen.manifest_sha256, "location": repo.location,
-                 **host_record(repo.location), "problems": [p.to_json() for p in problems[:20]],
-                 "problem_count": len(problems)}, indent=1, ensure_ascii=True))
+                 **host_record(repo.location), "problems": [p.to_json() for p in recorded[:20]],
+                 "problem_count": len(recorded)}, indent=1, ensure_ascii=True))
             return repo.generation(number), problems, counts, False
         if was_failed:
             repo.store.remove(note)

@@ -39,8 +39,9 @@ class Problem:
     reason: str
     member: str | None = None
     field: str | None = None
-    #: True when what failed is this machine, not the generation (a buffer larger than its memory:
-    #: :class:`~ckpt_archive.errors.TooLargeHere`): reported, but never recorded as a failed check.
+    #: True when what failed is this machine or this reader, not the generation (a buffer larger than its
+    #: memory: :class:`~ckpt_archive.errors.TooLargeHere`; a signer not among this reader's ``--trust``
+    #: keys): reported, but never recorded as a failed check.
     local: bool = False
 
     def to_json(self) -> dict:

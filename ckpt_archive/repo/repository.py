@@ -402,7 +402,18 @@ class Repository:
         return self.place.location
 
     def set_default_retention(self, policy: dict | None) -> None:
-        """Store a default retention policy in ``repository.json`` (atomic replace; hold the lock)."""
+        """Store a default retention policy in ``repository.json`` (atomic replace; hold the lock).
+
+        ``repository.json`` is read again under the lock first: the copy read when this object was opened
+        may predate another writer's change (a ``key change``: writing the old copy back would undo the
+        rotation, and a user who then destroys the old key file could no longer open the repository).
+
+        Raises:
+            LockError: the lock was lost (fencing).
+        """
+        if self.locked:
+            self.check_lock()
+        self.config = self._read_config(self.store)
         self.config["retention"] = policy
         self.store.replace_bytes(REPO_FILE, jsonio.dumps(self.config, indent=1, ensure_ascii=True))
 
@@ -716,7 +727,14 @@ class Repository:
         highest number ever about to be claimed is kept in ``repository.json`` (``highest_generation``),
         written before the claim, so a number always names one archive (exports and reports can rely on
         it). Call with the lock held.
+
+        Raises:
+            UsageError: the signing key (``sign_key``, ``$CKPT_ARCHIVE_SIGN_KEY``) is missing or not an Ed25519
+                private key: checked before anything is claimed, so a bad key leaves no partial generation.
         """
+        self.signer()
+        if self.locked:  # fencing: repository.json is rewritten below (a lapsed writer must not clobber it)
+            self.check_lock()
         try:
             self.config = self._read_config(self.store)
         except CkptArchiveError:

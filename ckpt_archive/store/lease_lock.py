@@ -17,7 +17,8 @@ and that is enough for a ticket lock with fencing:
 * **Fencing.** A holder whose lease lapsed (a stopped VM, a hung network) may still believe it holds the
   lock after another writer took ticket ``top + 1``. So before every step that commits or deletes
   (writing a marker, removing a generation, sweeping objects) the holder calls :meth:`LeaseLock.check`:
-  it fails when a newer ticket exists or the holder's own refreshes lapsed, and the step is not done.
+  it fails when a newer ticket exists or the holder's own refreshes lapsed for half the lease (a margin of
+  lease / 2 before another writer may take over), and the step is not done.
 * Release marks the ticket ``released``. Tickets older than the one just taken are removed by its taker;
   the top ticket is never removed, so sequence numbers only grow.
 
@@ -38,7 +39,10 @@ from ckpt_archive.errors import LockError, NotFound, StoreError
 from ckpt_archive.store.fs import pid_alive
 
 LOCK_DIR = "locks"
-_TICKET = re.compile(r"^(\d{12})\.json$")
+_TICKET = re.compile(r"^(\d{12,18})\.json$")
+#: The highest ticket a writer takes: every ticket it creates must be one :meth:`LeaseLock._tickets` lists
+#: (a ticket it cannot see is a lock nobody else can see either).
+MAX_SEQ = 10 ** 18 - 1
 #: Seconds a ticket stays valid without a refresh (env ``CKPT_ARCHIVE_LOCK_LEASE`` overrides, for tests).
 DEFAULT_LEASE = 600.0
 
@@ -93,6 +97,8 @@ class LeaseLock:
 
     def _read(self, seq: int) -> dict | None:
         try:
+            if self.store.size(self._key(seq)) > 1 << 16:
+                return {}  # not a lock record (and never read whole: a planted ticket of gigabytes)
             raw = self.store.read_bytes(self._key(seq))
         except NotFound:
             return None
@@ -104,8 +110,8 @@ class LeaseLock:
             return {}
         return info if isinstance(info, dict) else {}
 
-    def _record(self, *, released: bool = False) -> bytes:
-        now = self.clock()
+    def _record(self, *, released: bool = False, now: float | None = None) -> bytes:
+        now = self.clock() if now is None else now
         return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
                            "since": _iso(self._since or now), "refreshed": now, "refreshed_at": _iso(now),
                            "lease": self.lease, "released": released}, indent=1).encode()
@@ -126,6 +132,8 @@ class LeaseLock:
         if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not 1.0 <= lease <= 86400.0:
             lease = self.lease
         age = self.clock() - refreshed
+        if -age > lease:  # refreshed further ahead than any clock skew the lease allows: nobody's lease
+            return "stale", f"{who}: refreshed {-age:.0f} s in the future (lease {lease:.0f} s)"
         if age > lease:
             return "stale", f"{who}: not refreshed for {age:.0f} s (lease {lease:.0f} s)"
         return "held", f"{who}, refreshed {max(age, 0):.0f} s ago (lease {lease:.0f} s)"
@@ -154,9 +162,13 @@ class LeaseLock:
                 time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
                 continue
             seq = top + 1
-            self._since = self.clock()
+            if seq > MAX_SEQ:
+                raise LockError(f"lock ticket {top} is the last a writer can take (it was not written by "
+                                f"ckpt-archive's sequence); once no writer runs, remove the folder {LOCK_DIR}/",
+                                where=f"{self.store.location}/{self._key(top)}")
+            self._since = written = self.clock()
             try:
-                self.store.write_bytes_once(self._key(seq), self._record())
+                self.store.write_bytes_once(self._key(seq), self._record(now=written))
             except StoreError:
                 if self.store.exists(self._key(seq)):
                     continue  # another writer took this ticket first: look again
@@ -164,7 +176,7 @@ class LeaseLock:
             if state == "stale":
                 notes.append(f"took over a stale lock ({who})")
             self.seq = seq
-            self._last_ok = self.clock()
+            self._last_ok = written  # what the others judge by: the time in the ticket, not when the write returned
             for old in tickets:  # never the top one: sequence numbers only grow
                 if old < seq:
                     try:
@@ -197,8 +209,9 @@ class LeaseLock:
             self._lost = (f"another writer took the lock (ticket {newer[-1]}) after this writer's lease of "
                           f"{self.lease:.0f} s lapsed")
             return
-        self.store.replace_bytes(self._key(self.seq), self._record())
-        self._last_ok = self.clock()
+        written = self.clock()
+        self.store.replace_bytes(self._key(self.seq), self._record(now=written))
+        self._last_ok = written  # the ticket's time (a slow write must not lengthen this holder's view of its lease)
 
     def check(self) -> None:
         """Fencing: fail unless this writer still holds the lock (call before a commit or a deletion).
@@ -210,8 +223,12 @@ class LeaseLock:
         if self.seq is None:
             raise LockError("the repository lock is not held", where=self.store.location)
         if self._lost is None:
-            if self.clock() - self._last_ok > self.lease:
-                self._lost = f"this writer could not refresh its lease for {self.lease:.0f} s"
+            # half the lease, not all of it: another writer may take over once a full lease has passed since the
+            # ticket's last refresh, so a holder that checks at the last instant and then spends seconds
+            # committing (a marker, a sweep) would overlap it. The margin is lease / 2 (minus clock skew).
+            if self.clock() - self._last_ok > self.lease / 2:
+                self._lost = (f"this writer could not refresh its lease for {self.clock() - self._last_ok:.0f} s "
+                              f"(half its lease of {self.lease:.0f} s)")
             elif any(s > self.seq for s in self._tickets()):
                 self._lost = "another writer took the lock after this writer's lease lapsed"
         if self._lost:
@@ -226,7 +243,7 @@ class LeaseLock:
         if self.seq is None:
             return
         try:
-            if not self._lost and not any(s > self.seq for s in self._tickets()):
+            if not any(s > self.seq for s in self._tickets()):  # (also after fencing itself: nobody took over)
                 self.store.replace_bytes(self._key(self.seq), self._record(released=True))
         except StoreError:
             pass  # the lease runs out on its own
