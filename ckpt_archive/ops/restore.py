@@ -559,19 +559,20 @@ def _restore_exact(reader: ArchiveReader, f: dict, target: Entry, on_bytes=None)
     if skeleton is None:
         raise IntegrityError(f"manifest lists no member {f['exact']['member']!r}", where="manifest.json")
 
-    # [issue 29] chunk by chunk (memory does not grow with a tensor's size), and every byte is checked once,
-    # end to end: the rebuilt file's sha256 against the source's, taken as it is written. The stored chunks'
-    # sha256 and the entries' fingerprints would check the same bytes again (~0.5 ns/B); a mismatch removes
-    # the output and `verify --deep` names the damaged chunk.
+    # [issue 29] chunk by chunk (memory does not grow with a tensor's size). Every raw byte is checked once,
+    # end to end: the rebuilt file's sha256 against the source's, taken as it is written (the entries' own
+    # fingerprints would check the same bytes again). The stored chunks' sha256 is taken on the decoder pool
+    # in this same read: vouch() must check every stored byte of the generation before the output is handed
+    # out, and without it would read and hash these members a second time (check_unread).
     def entry_pieces(wanted: set):
         for m in reader.manifest["members"]:
             mine = wanted & set(m.get("entries") or ()) if m["role"] == "tensors" else set()
             if mine:
                 for key, _, offset, piece in reader.iter_entry_pieces(m, wanted=mine, on_bytes=on_bytes,
-                                                                      checked_by_caller=True):
+                                                                      checked_by_caller=True, verify_stored=True):
                     yield key, offset, piece
 
-    skeleton_chunks = reader.iter_member(skeleton, on_bytes=on_bytes, check_whole=False, verify_chunks=False)
+    skeleton_chunks = reader.iter_member(skeleton, on_bytes=on_bytes, check_whole=False, verify_chunks=True)
     return exact_bytes.rebuild(target, f, (chunk for _, chunk in skeleton_chunks), entry_pieces)
 
 

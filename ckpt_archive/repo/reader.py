@@ -497,7 +497,8 @@ class ArchiveReader:
             raise IntegrityError(f"tensor bytes fingerprint mismatch: expected {want}, got {alg}:{h.hexdigest()}",
                                  where=f"{rec['path']}:{key}")
 
-    def iter_entry_pieces(self, rec: dict, *, wanted: set[str], on_bytes=None, checked_by_caller: bool = False
+    def iter_entry_pieces(self, rec: dict, *, wanted: set[str], on_bytes=None, checked_by_caller: bool = False,
+                          verify_stored: bool | None = None
                           ) -> Iterator[tuple[str, dict, int, Any]]:
         """[issue 29] Yield ``(entry key, entry record, offset in the entry, piece)`` for the ``wanted``
         entries of a tensors shard, one decoded chunk's part at a time: nothing larger than a chunk is held,
@@ -510,7 +511,10 @@ class ArchiveReader:
         bytes-like views of decoded chunks (each chunk its own buffer, never reused).
         ``checked_by_caller``: neither the chunks' stored sha256 nor the entries' raw fingerprints are taken
         here -- only for a caller that checks every byte it receives end to end itself (an exact-bytes
-        restore checks the whole rebuilt file's sha256 against the source's).
+        restore checks the whole rebuilt file's sha256 against the source's). ``verify_stored``: check every
+        chunk's stored sha256 all the same (default: unless ``checked_by_caller``), as :meth:`iter_entries`
+        does: a reader that vouches for the whole generation afterwards then checks them in this one read, not
+        in a second one (:meth:`check_unread` skips the files checked here).
 
         Raises:
             IntegrityError: a chunk, the header or an entry fails its check; names the member.
@@ -520,8 +524,9 @@ class ArchiveReader:
         order = [(k, e) for k, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]) if k in wanted]
         header = bytearray()
         i = 0
+        verify = not checked_by_caller if verify_stored is None else verify_stored
         for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
-                                           verify_chunks=not checked_by_caller):
+                                           verify_chunks=verify):
             mv = memoryview(chunk).cast("B")
             end = off + len(mv)
             if len(header) < base:
