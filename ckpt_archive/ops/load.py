@@ -168,7 +168,7 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
     from ckpt_archive.format.allowlist import allowing
 
     if only is not None:
-        from ckpt_archive.repo.reader import check_only
+        from ckpt_archive.format.tree_paths import check_only
 
         check_only(only)  # "" or "model//w" would select the whole state, or another place than written
     r = open_repo(repo, store_options)

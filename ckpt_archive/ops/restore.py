@@ -201,7 +201,7 @@ def _check_output(output: str | os.PathLike | None, opts: RestoreOptions) -> Pat
     if output is None:
         raise UsageError("restore needs an output path (--output)")
     if opts.only is not None:
-        from ckpt_archive.repo.reader import check_only
+        from ckpt_archive.format.tree_paths import check_only
 
         check_only(opts.only)  # "" or "model//w" would select the whole state, or another place than written
     out = Path(output).expanduser().absolute()
@@ -325,7 +325,7 @@ class _Job:
         """A ``torch.save`` file written in one pass from the decoded chunks (:mod:`ops.restore_torch`); None
         when that writer declines the state."""
         from ckpt_archive.ops.restore_torch import write_torch_file
-        from ckpt_archive.repo.reader import subtree
+        from ckpt_archive.format.tree_paths import subtree
 
         tree = reader.tree()
         only = self.opts.only
