@@ -96,6 +96,7 @@ class ArchiveReader:
         #: the others, so a reader that used only part of a generation still vouches for all of it.
         self.verified_keys: set[str] = set()
         self._tree: Any = None  # the parsed state tree, once read (:meth:`tree`)
+        self._parts: dict[str, tuple] = {}  # member path -> (its record, parts(record)): entry_pieces' files
 
     def key(self, rec: dict) -> str:
         return f"{self.gen_key}/{rec['stored_path']}"
@@ -263,7 +264,7 @@ class ArchiveReader:
     # -- decoding ----------------------------------------------------------------------------------
     def iter_member(self, rec: dict, *, check_whole: bool = True, on_bytes=None,
                     verify_chunks: bool = True, into=None,
-                    skip_objects: frozenset = frozenset()) -> Iterator[tuple[int, bytes]]:
+                    skip_objects: frozenset = frozenset(), tap=None) -> Iterator[tuple[int, bytes]]:
         """Decoded chunks of a member; checks chunk and whole-member sha256 (stored and raw).
 
         Chunks are bytes-like (``bytes`` or ``memoryview``); the consumer must not modify them.
@@ -273,6 +274,10 @@ class ArchiveReader:
         yields one :class:`ProvenRange` (its raw offset, size and fingerprint) in place of its chunks, and
         the member's raw check takes that fingerprint for its entry (format 2 tensors members with the
         raw check on only; otherwise everything is decoded).
+        ``tap``: called ``tap(raw offset, chunk)`` with every decoded chunk, in order, on a thread of its own
+        (beside the raw fingerprint's: ``verify --deep`` takes an exact-bytes file's sha256 there,
+        :mod:`ckpt_archive.repo.exact_stream`); it must not raise, and must not keep the chunk past its call
+        unless it copies it. Proven shared objects (never decoded) are not given to it.
         """
         # The member's stored fingerprint is not recomputed here: iter_decoded checks every chunk's
         # stored sha256 and that the chunk table tiles the file (and derives format 2's), which implies
@@ -284,34 +289,25 @@ class ArchiveReader:
             fh = open_member(self.store, self.gen_key, rec)  # format 3: through its shared objects
         except NotFound:
             raise IntegrityError(f"missing: {rec['stored_path']} is not in the generation", where=rec["path"]) from None
-        hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-rawhash")
-        pending: collections.deque = collections.deque()
+        hashers = _ChunkHashers(raw_check, tap, 2 * self.jobs)
         try:
             with fh:
                 chunks, skip, crcs = self._decoded_chunks(fh, rec, raw_check, verify_chunks, into, skip_objects)
-                hashing = 0  # raw bytes queued for the raw fingerprint (bounded: IN_FLIGHT_RAW_BYTES)
                 for off, chunk in chunks:
                     if isinstance(chunk, ProvenRange):
-                        pending.append((0, hasher.submit(_skip_or_fail, raw_check, chunk, rec["path"])))
+                        hashers.skip(chunk, rec["path"])
                         if on_bytes:
                             on_bytes(chunk.nbytes)
                         yield off, chunk
                         continue
-                    if raw_check is not None:
-                        pending.append((len(chunk), hasher.submit(raw_check.update, chunk)))
-                        hashing += len(chunk)
-                        while len(pending) > 2 * self.jobs or (len(pending) > 1 and hashing > IN_FLIGHT_RAW_BYTES):
-                            n, fut = pending.popleft()
-                            fut.result()
-                            hashing -= n
+                    hashers.submit(off, chunk)
                     total += len(chunk)
                     if on_bytes:
                         on_bytes(len(chunk))
                     yield off, chunk
-            while pending:
-                pending.popleft()[1].result()
+            hashers.drain()
         finally:
-            hasher.shutdown(wait=True, cancel_futures=True)
+            hashers.shutdown()
         if raw_check is not None:
             bad = raw_check.problem()
             if bad is not None:
@@ -381,7 +377,7 @@ class ArchiveReader:
     def iter_entries(self, rec: dict, *, wanted: set[str] | None = None, on_bytes=None,
                      checked_by_caller: bool = False, verify_stored: bool | None = None, into=None,
                      transient: bool = False, sizes_only: set[str] | frozenset = frozenset(),
-                     skip_objects: frozenset = frozenset()) -> Iterator[tuple[str, dict, Any]]:
+                     skip_objects: frozenset = frozenset(), tap=None) -> Iterator[tuple[str, dict, Any]]:
         """Yield ``(entry key, entry record, raw bytes)`` of a tensors shard, one tensor at a time.
 
         Checks the shard's safetensors header against the manifest. With ``wanted``, other entries
@@ -402,11 +398,14 @@ class ArchiveReader:
         so entries spanning chunks are assembled in one reused buffer (no fresh pages per tensor).
         ``skip_objects``: shared objects among :attr:`proven_objects` whose entry is in ``sizes_only``
         are not read or decoded at all (:meth:`iter_member`); their entry comes as a :class:`ProvenSize`.
+        ``tap``: given every decoded chunk on a thread of its own (:meth:`iter_member`; not with ``into``).
         [codec/benchmarks helper: rewritten for zero copies; same checks and order]
         """
         verify = not checked_by_caller if verify_stored is None else verify_stored
         order = sorted(rec["entries"].items(), key=lambda kv: kv[1]["data_offsets"][0])
         if into is not None:
+            if tap is not None:
+                raise ValueError("iter_entries: tap is not taken with into")
             yield from self._entries_into(rec, order, wanted, on_bytes, checked_by_caller, verify, into)
             return
         skip = frozenset()
@@ -415,7 +414,7 @@ class ArchiveReader:
                              if oid in skip_objects and key in sizes_only)
         cutter = _EntryCutter(rec, order, wanted, sizes_only, transient)
         for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
-                                           verify_chunks=verify, skip_objects=skip):
+                                           verify_chunks=verify, skip_objects=skip, tap=tap):
             if isinstance(chunk, ProvenRange):
                 yield from cutter.proven(off, chunk)
             else:
@@ -469,7 +468,7 @@ class ArchiveReader:
         alg = fingerprint.split(want)[0] if want else None
         h = fingerprint.new(alg) if alg else None
         chunks = rec["chunks"]
-        for part in parts(rec) if hi > lo else ():
+        for part in self._parts_of(rec) if hi > lo else ():
             local = [(i, c) for i, c in zip(part.index, part.record["chunks"])
                      if chunks[i]["raw_offset"] < hi and chunks[i]["raw_offset"] + chunks[i]["raw_bytes"] > lo]
             if not local:
@@ -497,6 +496,14 @@ class ArchiveReader:
         if h is not None and f"{alg}:{h.hexdigest()}" != want:
             raise IntegrityError(f"tensor bytes fingerprint mismatch: expected {want}, got {alg}:{h.hexdigest()}",
                                  where=f"{rec['path']}:{key}")
+
+    def _parts_of(self, rec: dict) -> list:
+        """``parts(rec)``, worked out once per member (a member of many shared objects costs milliseconds each
+        time; a rebuild reading each segment's entry asks once per entry)."""
+        cached = self._parts.get(rec["path"])
+        if cached is None or cached[0] is not rec:
+            cached = self._parts[rec["path"]] = (rec, parts(rec))
+        return cached[1]
 
     def iter_entry_pieces(self, rec: dict, *, wanted: set[str], on_bytes=None, checked_by_caller: bool = False,
                           verify_stored: bool | None = None
@@ -833,6 +840,51 @@ class _Window:
         data = self.fh.read(n) or b""
         self._pos += len(data)
         return data
+
+
+class _ChunkHashers:
+    """:meth:`ArchiveReader.iter_member`'s hashing beside the consumer: the member's raw fingerprint on one
+    thread, an optional ``tap`` on another (both in chunk order; hashlib and BLAKE3 release the GIL, so they
+    run side by side), at most ``window`` chunks and :data:`IN_FLIGHT_RAW_BYTES` (but one chunk) queued."""
+
+    def __init__(self, raw_check, tap, window: int):
+        self.raw_check, self.tap, self.window = raw_check, tap, window
+        self.raw_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-rawhash")
+        self.tap_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-filehash") if tap is not None else None
+        self.pending: collections.deque = collections.deque()  # (raw bytes, futures)
+        self.queued = 0
+
+    def skip(self, proven: "ProvenRange", member: str) -> None:
+        """A proven shared object's fingerprint for the raw check, in stream order."""
+        self.pending.append((0, (self.raw_pool.submit(_skip_or_fail, self.raw_check, proven, member),)))
+
+    def submit(self, off: int, chunk) -> None:
+        futs = []
+        if self.raw_check is not None:
+            futs.append(self.raw_pool.submit(self.raw_check.update, chunk))
+        if self.tap_pool is not None:
+            futs.append(self.tap_pool.submit(self.tap, off, chunk))
+        if not futs:
+            return
+        self.pending.append((len(chunk), futs))
+        self.queued += len(chunk)
+        while len(self.pending) > self.window or (len(self.pending) > 1 and self.queued > IN_FLIGHT_RAW_BYTES):
+            self._collect()
+
+    def _collect(self) -> None:
+        n, futs = self.pending.popleft()
+        for fut in futs:
+            fut.result()
+        self.queued -= n
+
+    def drain(self) -> None:
+        while self.pending:
+            self._collect()
+
+    def shutdown(self) -> None:
+        for pool in (self.raw_pool, self.tap_pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
 
 class ProvenSize(SizeOnly):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, StoreError, TooLargeHere
 from ckpt_archive.format import fingerprint
+from ckpt_archive.repo import exact_stream
 # the leaf checks are format's (every reader runs them); they are named here too, where the trial reload uses them
 from ckpt_archive.format.leaf_checks import (TORCH_ITEMSIZE, check_leaf_bytes, check_leaf_fp,  # noqa: F401
                                              check_leaf_geometry, check_tree_kinds)
@@ -61,9 +62,12 @@ def _reload(reader: ArchiveReader, problems: list[Problem], on_bytes) -> dict:
     checked = 0
     decoded = 0
     proven = 0  # raw bytes of proven shared objects, checked by their stored bytes' hash, not decoded again
+    # [issue 24 item 8, issue 29] the exact-bytes files' sha256, taken in this one read where it can be
+    taps, read_whole = exact_stream.plan(reader, on_bytes) if not reader.written_crc else ({}, set())
+    file_sha256: dict[int, str] = {}
     for rec in reader.manifest["members"]:
         if rec["role"] == "tensors":
-            fast, fast_counts = _tensors_member(reader, rec, by_entry, on_bytes)
+            fast, fast_counts = _tensors_member(reader, rec, by_entry, on_bytes, taps.get(rec["path"]), file_sha256)
             if fast is not None:
                 problems.extend(fast)
                 checked, decoded, proven = (x + y for x, y in zip((checked, decoded, proven), fast_counts))
@@ -77,6 +81,8 @@ def _reload(reader: ArchiveReader, problems: list[Problem], on_bytes) -> dict:
                 continue  # read whole below (reader.tree(): its declared size checked before any byte is read)
             elif rec["role"] == "data-ids":  # read whole and parsed as `restore --data-ids` reads them
                 decoded += len(data_ids(reader, rec, on_bytes))
+            elif rec["path"] in read_whole:  # a skeleton the plan read whole: chunks and raw fingerprint checked
+                decoded += rec["raw_bytes"]
             else:
                 for _, chunk in reader.iter_member(rec, on_bytes=on_bytes):
                     decoded += len(chunk)
@@ -98,17 +104,20 @@ def _reload(reader: ArchiveReader, problems: list[Problem], on_bytes) -> dict:
         # the leaves were checked against their bytes above: the index checks here need no geometry pass
         problems.extend(index_problems(reader, tree, geometry=False))
     if not reader.written_crc:  # [issue 24] bytes this process did not just write from the source itself
-        problems.extend(exact_sha256_problems(reader, on_bytes=on_bytes))
+        problems.extend(exact_sha256_problems(reader, on_bytes=on_bytes, known=file_sha256))
     counts = {"tensors": checked, "bytes": decoded, "members": len(reader.manifest["members"])}
     if proven:
         counts["proven_bytes"] = proven
     return counts
 
 
-def _tensors_member(reader: ArchiveReader, rec: dict, by_entry: dict, on_bytes) -> tuple[list | None, tuple]:
+def _tensors_member(reader: ArchiveReader, rec: dict, by_entry: dict, on_bytes, tap=None,
+                    file_sha256: dict | None = None) -> tuple[list | None, tuple]:
     """One tensors member in one read: chunks checked and decoded in parallel, the member's raw fingerprint
     (format 2: every entry's) taken on the way by ``iter_member``. Leaves are checked against their entry's
-    bytes; only views (their own bytes) are hashed again.
+    bytes; only views (their own bytes) are hashed again. ``tap``: a
+    :class:`~ckpt_archive.repo.exact_stream.FileOrderHasher` fed the same decoded chunks; when the member's
+    read completes, the sha256 of the files it gives go into ``file_sha256`` (index in ``source.files``).
 
     Returns:
         ``(problems, (tensors checked, bytes decoded, proven bytes))``; problems None when a format-1 member's
@@ -129,13 +138,16 @@ def _tensors_member(reader: ArchiveReader, rec: dict, by_entry: dict, on_bytes) 
         # proved (reader.proven_objects): an entry no view reads needs only its fingerprint, which is
         # the object's -- not decoded again (docs/FORMAT.md, "Write order", step 5)
         for key, erec, buf in reader.iter_entries(rec, on_bytes=on_bytes, transient=True,
-                                                  sizes_only=plain, skip_objects=reader.proven_objects):
+                                                  sizes_only=plain, skip_objects=reader.proven_objects,
+                                                  tap=None if tap is None else tap.feed):
             if isinstance(buf, ProvenSize):
                 proven += len(buf)
             else:
                 decoded += len(buf)
             checked += check_entry_leaves(tensors, rec, erec, buf, by_entry.get(key, []),
                                           fingerprint.raw_fp(erec), fast)
+        if tap is not None:  # the read completed: every chunk's stored sha256 and every entry's fingerprint held
+            file_sha256.update(tap.finish())
     except StoreError:
         raise
     except CkptArchiveError as exc:
@@ -238,14 +250,16 @@ def index_problems(reader: ArchiveReader, tree, *, geometry: bool = True) -> lis
     return problems
 
 
-def exact_sha256_problems(reader: ArchiveReader, on_bytes=None) -> list[Problem]:
+def exact_sha256_problems(reader: ArchiveReader, on_bytes=None, known: dict | None = None) -> list[Problem]:
     """[issue 24, item 8] What ``restore`` checks of a source file kept as exact bytes, checked here: the
     sha256 of the file its skeleton and segments rebuild (in file order) is ``source.files[].sha256``.
 
     The file is rebuilt as a stream, never held: its skeleton member is decoded chunk by chunk into the gaps
     between segments, and each segment's entry is decoded from its own chunks (a chunk never holds bytes of
     two entries; a hostile table that does is sliced), every chunk's stored sha256 and the entry's raw
-    fingerprint checked. Memory: one chunk of each at a time.
+    fingerprint checked. Memory: one chunk of each at a time. ``known``: ``{index in source.files: sha256
+    hex}`` already taken from a completed read of the same checked bytes (the trial reload's,
+    :mod:`ckpt_archive.repo.exact_stream`): those files are not rebuilt again.
 
     Returns:
         one problem per source file whose rebuilt sha256 differs (or that cannot be rebuilt).
@@ -255,12 +269,13 @@ def exact_sha256_problems(reader: ArchiveReader, on_bytes=None) -> list[Problem]
     problems: list[Problem] = []
     if exact_problems(reader.manifest):
         return problems  # the records do not fit: already reported by index_problems
-    for f in (reader.manifest.get("source") or {}).get("files") or []:
+    known = known or {}
+    for i, f in enumerate((reader.manifest.get("source") or {}).get("files") or []):
         if not f.get("exact") or f.get("hardlink_of"):
             continue
         name = f["relpath"] or "file"
         try:
-            got = rebuilt_sha256(reader, f, on_bytes)
+            got = known[i] if i in known else rebuilt_sha256(reader, f, on_bytes)
         except StoreError:
             raise
         except CkptArchiveError as exc:
