@@ -391,6 +391,7 @@ class ArchiveReader:
         sha256 of every entry it receives (and receives every entry it returns data from).
         ``into``: a writable buffer of the member's raw size; chunks are decoded straight into it and
         every entry is a view of it (no copy at all; for loading a whole member into memory).
+        ``tap``: given every decoded chunk on a thread of its own (:meth:`iter_member`; not with ``into``).
         ``sizes_only``: entry keys whose bytes the caller does not need (it checks only their length; the
         raw fingerprint is still checked on the way by the member's raw check): an entry spanning chunks
         is then not assembled and a :class:`SizeOnly` is yielded in place of its bytes.
@@ -398,7 +399,6 @@ class ArchiveReader:
         so entries spanning chunks are assembled in one reused buffer (no fresh pages per tensor).
         ``skip_objects``: shared objects among :attr:`proven_objects` whose entry is in ``sizes_only``
         are not read or decoded at all (:meth:`iter_member`); their entry comes as a :class:`ProvenSize`.
-        ``tap``: given every decoded chunk on a thread of its own (:meth:`iter_member`; not with ``into``).
         [codec/benchmarks helper: rewritten for zero copies; same checks and order]
         """
         verify = not checked_by_caller if verify_stored is None else verify_stored
@@ -842,6 +842,21 @@ class _Window:
         return data
 
 
+class ProvenSize(SizeOnly):
+    """An entry's bytes that were not decoded at all: a shared object whose stored bytes were hashed now,
+    under a chunk table a usable generation's trial reload proved (:attr:`ArchiveReader.proven_objects`);
+    the entry's raw fingerprint is the object's."""
+
+    __slots__ = ()
+
+
+def _skip_or_fail(raw_check, proven: ProvenRange, member: str) -> None:
+    """Give the member's raw check a proven object's fingerprint for its entry (on the raw-hash thread, in
+    stream order); a range that is not exactly one entry is a problem of the member."""
+    if not raw_check.skip(proven.nbytes, proven.fp):
+        raise IntegrityError(f"shared object {proven.oid} is not one entry of its member", where=member)
+
+
 class _ChunkHashers:
     """:meth:`ArchiveReader.iter_member`'s hashing beside the consumer: the member's raw fingerprint on one
     thread, an optional ``tap`` on another (both in chunk order; hashlib and BLAKE3 release the GIL, so they
@@ -885,21 +900,6 @@ class _ChunkHashers:
         for pool in (self.raw_pool, self.tap_pool):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-
-
-class ProvenSize(SizeOnly):
-    """An entry's bytes that were not decoded at all: a shared object whose stored bytes were hashed now,
-    under a chunk table a usable generation's trial reload proved (:attr:`ArchiveReader.proven_objects`);
-    the entry's raw fingerprint is the object's."""
-
-    __slots__ = ()
-
-
-def _skip_or_fail(raw_check, proven: ProvenRange, member: str) -> None:
-    """Give the member's raw check a proven object's fingerprint for its entry (on the raw-hash thread, in
-    stream order); a range that is not exactly one entry is a problem of the member."""
-    if not raw_check.skip(proven.nbytes, proven.fp):
-        raise IntegrityError(f"shared object {proven.oid} is not one entry of its member", where=member)
 
 
 def _spill_member(reader: "ArchiveReader", rec: dict, spill_dir, on_bytes=None):
