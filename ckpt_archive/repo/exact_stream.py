@@ -25,9 +25,9 @@ from ckpt_archive.errors import CkptArchiveError, FormatError, StoreError
 from ckpt_archive.format.fingerprint import entries_in_order
 
 #: The largest skeleton member held whole to fill a streamed file's gaps (raw bytes; a larger one: rebuilt).
-SKELETON_WHOLE_BYTES = 64 << 20
+SKELETON_WHOLE_BYTES = 32 << 20
 #: The most raw bytes of entries kept for a later segment, per tensors member (more: the file is rebuilt).
-KEPT_BYTES = 64 << 20
+KEPT_BYTES = 32 << 20
 
 
 class _Incomplete(Exception):
