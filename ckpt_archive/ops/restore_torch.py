@@ -36,7 +36,8 @@ from typing import Any
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format.exact_bytes import crc32, pwrite_all, zip_records
 from ckpt_archive.format.ordered_writes import ParallelWrites
-from ckpt_archive.repo.reader import ArchiveReader, leaf_from_base, tensor_refs
+from ckpt_archive.format.leaves import leaf_from_base
+from ckpt_archive.repo.reader import ArchiveReader, tensor_refs
 from ckpt_archive.store.fs import Entry
 
 _CD_MAGIC = b"PK\x01\x02"

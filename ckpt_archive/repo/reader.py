@@ -25,7 +25,8 @@ from ckpt_archive.format.leaf_checks import SizeOnly, check_leaf_bytes, check_tr
 from ckpt_archive.format.limits import (IN_FLIGHT_RAW_BYTES, MAX_TREE_BYTES, MAX_TREE_COST, check_allocation,
                                        check_whole_read, frame_size_problem, lazy_buffer)
 from ckpt_archive.format.shard import check_header as _check_header
-from ckpt_archive.format.state_tree import apply_view_bits, decode, torch_dtype
+from ckpt_archive.format.leaves import entry_tensor, fp_words, leaf_from_base
+from ckpt_archive.format.state_tree import decode
 from ckpt_archive.format.tree_paths import check_only, subtree  # noqa: F401 - part selection, named here too
 
 
@@ -629,7 +630,7 @@ class ArchiveReader:
             for path, key, erec, fut in checks:
                 got = fut.result()
                 if got != fingerprint.raw_fp(erec):
-                    raise IntegrityError(f"tensor bytes {_fp_words(got)} mismatch: expected {fingerprint.raw_fp(erec)}, "
+                    raise IntegrityError(f"tensor bytes {fp_words(got)} mismatch: expected {fingerprint.raw_fp(erec)}, "
                                          f"got {got} (`ckpt-archive verify` names damaged chunks)",
                                          where=f"{path}:{key}")
         finally:
@@ -887,76 +888,6 @@ def tensor_refs(tree) -> list[str]:
     return list(walk_refs(tree))
 
 
-def entry_tensor(buf: bytearray, erec: dict, lrec: dict):
-    """The stored entry as a tensor/ndarray (flat for shared storages)."""
-    import numpy as np
-
-    if lrec["kind"] == "numpy":
-        return np.frombuffer(buf, dtype=np.dtype(lrec["dtype"])).reshape(lrec["shape"]) if buf else \
-            np.zeros(lrec["shape"], dtype=np.dtype(lrec["dtype"]))
-    import torch
-
-    view = lrec.get("view")
-    dname = view.get("entry_dtype", lrec["dtype"]) if view and "entry_dtype" in view else lrec["dtype"]
-    dt = torch_dtype(dname)
-    if len(buf) == 0:
-        return torch.empty(erec["shape"], dtype=dt)
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
-    # A safetensors entry starts wherever the previous one ended: a flat byte entry viewed as complex128
-    # (or any entry of a wider dtype) may be misaligned, and torch kernels then crash (SIGSEGV on
-    # clone). Such an entry is copied into an aligned buffer first.
-    align = 16 if dt.itemsize == 1 and lrec["dtype"] != dname else dt.itemsize
-    if raw.data_ptr() % align:
-        raw = raw.clone()
-    if dt.is_complex:
-        real = raw.view(torch.float32 if dt == torch.complex64 else torch.float64)
-        return torch.view_as_complex(real.reshape(-1, 2)).reshape(erec["shape"])
-    return raw.view(dt).reshape(erec["shape"])
-
-
-def leaf_from_base(base, lrec: dict):
-    view = lrec.get("view")
-    if lrec["kind"] == "numpy" or not view:
-        t = base
-    else:
-        from ckpt_archive.format.state_tree import empty_tensor
-
-        dt = torch_dtype(lrec["dtype"])
-        t = empty_tensor(dt).set_(base.untyped_storage(), view["storage_offset"], lrec["shape"], view["stride"])
-    if lrec.get("bits") and lrec["kind"] == "torch":  # an unresolved conj / neg view: the bytes are physical, the bits come back
-        t = apply_view_bits(t, lrec["bits"])
-    if lrec.get("parameter"):
-        import torch
-
-        t = torch.nn.Parameter(t, requires_grad=bool(lrec.get("requires_grad")))
-    elif lrec.get("requires_grad"):
-        t.requires_grad_(True)
-    return t
-
-
-def check_leaf(t, lrec: dict, leaf: str, known_sha: str | None = None) -> None:
-    from ckpt_archive.format.state_tree import tensor_u8
-
-    shape = list(t.shape)
-    if shape != list(lrec["shape"]):
-        raise IntegrityError(f"shape {shape} != manifest {lrec['shape']}", where=leaf)
-    if lrec["kind"] == "numpy":
-        got_dtype, data = t.dtype.str, memoryview(t.tobytes())
-    else:
-        got_dtype, data = str(t.dtype).replace("torch.", ""), tensor_u8(t)
-    if got_dtype != lrec["dtype"]:
-        raise IntegrityError(f"dtype {got_dtype} != manifest {lrec['dtype']}", where=leaf)
-    want = fingerprint.raw_fp(lrec)
-    got = known_sha or fingerprint.digest_like(data, want)
-    if got != want:
-        raise IntegrityError(f"raw {_fp_words(want)} mismatch: expected {want}, got {got}", where=leaf)
-
-
-def _fp_words(fp: str) -> str:
-    """``"sha256"`` (format 1's wording, which callers key on) or ``"fingerprint"``."""
-    return "sha256" if fp.startswith("sha256:") else "fingerprint"
-
-
 def _locate_bad_chunk(store, key: str, rec: dict) -> str:
     """Name the first chunk whose stored sha256 fails (for a precise report)."""
     try:
@@ -970,5 +901,4 @@ def _locate_bad_chunk(store, key: str, rec: dict) -> str:
     return ""
 
 
-__all__ = ["FILES_IN_FLIGHT", "Problem", "ArchiveReader", "SizeOnly", "ProvenSize", "tensor_refs", "entry_tensor",
-           "leaf_from_base", "check_leaf", "subtree", "check_only"]
+__all__ = ["FILES_IN_FLIGHT", "Problem", "ArchiveReader", "SizeOnly", "ProvenSize", "tensor_refs", "subtree", "check_only"]
