@@ -36,6 +36,7 @@ from ckpt_archive.format import jsonio
 from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_DOC_BYTES
 from ckpt_archive.format.manifest import parse as parse_manifest
 from ckpt_archive.format.metrics import read_metrics
+from ckpt_archive.format.times import iso, parse_time, utcnow
 from ckpt_archive.store.fs import pid_alive
 from ckpt_archive.store.base import Store, open_store
 from ckpt_archive.store.faults import NO_FAULTS, Faults
@@ -49,39 +50,6 @@ CLAIM = "CLAIM"
 CHECK_FAILED = "CHECK-FAILED.json"
 REPO_FORMAT_VERSION = 1
 _GEN_RE = re.compile(r"^\d{8}$")
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
-
-
-def iso(t: dt.datetime) -> str:
-    return t.astimezone(dt.timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})$")
-
-
-def parse_time(text: str | None) -> dt.datetime | None:
-    """THE parser of a timestamp read from an archive (a manifest's ``created``, a marker's times):
-    RFC 3339 (``T``/``t`` or a space between date and time, ``Z``/``z`` or an offset), returned in UTC.
-    Anything else, including a time without an offset, is None ("unknown"), never a crash.
-
-    Example:
-        >>> parse_time("2026-12-01t10:00:00z") == parse_time("2026-12-01T11:00:00+01:00")
-        True
-        >>> parse_time("2026-12-01T10:00:00") is None
-        True
-    """
-    if not text or not isinstance(text, str) or not _RFC3339.match(text):
-        return None
-    norm = text[:10] + "T" + text[11:]
-    if norm[-1] in "Zz":
-        norm = norm[:-1] + "+00:00"
-    try:
-        return dt.datetime.fromisoformat(norm).astimezone(dt.timezone.utc)
-    except (ValueError, OverflowError):  # a hostile manifest's "created" is shown as unknown, never a crash
-        return None
 
 
 def gen_key(number: int) -> str:
