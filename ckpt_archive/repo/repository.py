@@ -1,8 +1,9 @@
 """A repository: numbered generations, one writer lock, and the publish protocol.
 
-Why one module slightly over the ~600-line guide: the status rules (usable / copied / partial /
-damaged), the lock and the claim are the repository's one invariant and read best side by side; the
-lifecycle itself lives in :mod:`ckpt_archive.repo.publish`.
+The status rules (usable / copied / partial / damaged), the claim, the marker and the delete order are the
+repository's one invariant and read best side by side here; how the writer lock is held (re-entrant, its
+holder named, fencing) is :mod:`ckpt_archive.repo.lock`, and the lifecycle itself lives in
+:mod:`ckpt_archive.repo.publish`.
 
 Layout and ordering rules: docs/FORMAT.md. In short, a generation is written where no reader lists
 it as usable (its number claimed by exclusive create), sealed (manifest), verified, trial-reloaded,
@@ -16,20 +17,18 @@ a remote one its normalised URL. ``repository.json`` itself is replaced atomical
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
-import json
 import os
 import re
 import socket
 import uuid
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 from ckpt_archive import __version__
 
-from ckpt_archive.errors import (CheckFailed, CkptArchiveError, FormatError, ImplausibleSize, IntegrityError, LockError,
+from ckpt_archive.errors import (CheckFailed, CkptArchiveError, FormatError, ImplausibleSize, IntegrityError,
                                 ManifestInvalid, NewerFormatError, NoUsableGeneration, NotFound, StoreError, UnsafePath,
                                 UsageError)
 from ckpt_archive.format import jsonio
@@ -37,7 +36,7 @@ from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_DOC_BYTES
 from ckpt_archive.format.manifest import parse as parse_manifest
 from ckpt_archive.format.metrics import read_metrics
 from ckpt_archive.format.times import iso, parse_time, utcnow
-from ckpt_archive.store.fs import pid_alive
+from ckpt_archive.repo.lock import RepositoryLock
 from ckpt_archive.store.base import Store, open_store
 from ckpt_archive.store.faults import NO_FAULTS, Faults
 
@@ -283,7 +282,7 @@ class Repository:
         #: (``generations/00000002/../x`` on an object store), each with why: skipped, never read or deleted
         self.unsafe_keys: list[str] = []
         self.place = Place.of(store)
-        self._lock_depth = 0
+        self._writer = RepositoryLock(store, self.place.location)
 
     # -- opening -------------------------------------------------------------------------------------
     @classmethod
@@ -608,9 +607,8 @@ class Repository:
                      f"`ckpt-archive adopt {self.location}` makes them usable here")
         return text
 
-    # -- writer lock -----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def lock(self, wait: float = 0) -> Iterator[None]:
+    # -- writer lock (ckpt_archive.repo.lock) -------------------------------------------------------------
+    def lock(self, wait: float = 0) -> ContextManager[None]:
         """Hold the repository's single-writer lock (re-entrant for this object).
 
         The store gives the lock (:meth:`~ckpt_archive.store.base.Store.writer_lock`, through the file
@@ -630,48 +628,7 @@ class Repository:
             ReadOnlyRepository: (a LockError) the repository is read-only here: the lock cannot be taken.
             LinkInRepository: ``.lock`` is a symbolic link (exit 2; nothing was written through it).
         """
-        from ckpt_archive.format.durations import check_seconds
-
-        wait = check_seconds(wait, "--wait")  # a negative wait would mean "forever" to some lock libraries
-        if self._lock_depth:
-            self._lock_depth += 1
-            try:
-                yield
-            finally:
-                self._lock_depth -= 1
-            return
-        lock = self.store.writer_lock()
-        if not lock.acquire(timeout=wait):
-            holder = ""
-            try:
-                raw = lock.read_owner()
-                if raw is None:
-                    raise ValueError("no owner file")
-                info = jsonio.loads(raw, where=str(lock.path) + ".owner", max_bytes=1 << 16)
-                if not isinstance(info, dict):
-                    raise ValueError("not an object")
-                alive = pid_alive(info.get("pid")) if info.get("host") == socket.gethostname() else None
-                holder = (f" by pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
-                          + ("" if alive is not False else " (that process is gone: the OS lock is held by "
-                             "another process, or the file system does not release locks; if no writer "
-                             f"runs, remove {lock.path})"))
-            except (OSError, ValueError):
-                pass
-            raise LockError(f"the repository is locked by another writer{holder}; retry later or pass "
-                            f"--wait SECONDS", where=self.location) from None
-        try:
-            try:
-                lock.write_owner(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                             "since": iso(utcnow())}).encode())
-            except OSError:
-                pass
-            self._lock_depth = 1
-            self._held_lock = lock
-            yield
-        finally:
-            self._lock_depth = 0
-            self._held_lock = None
-            lock.release()
+        return self._writer.hold(wait)
 
     def check_lock(self) -> None:
         """Fencing: before a commit or a deletion, make sure this writer still holds the lock (a lease lock
@@ -680,12 +637,7 @@ class Repository:
         Raises:
             LockError: (exit 2) the lock is not held or was lost; the step must not be carried out.
         """
-        held = getattr(self, "_held_lock", None)
-        if held is None:
-            raise LockError("the repository lock is not held", where=self.location)
-        check = getattr(held, "check", None)
-        if check is not None:
-            check()
+        self._writer.check()
 
     # -- writing ---------------------------------------------------------------------------------------
     def claim_next(self) -> int:
@@ -737,7 +689,7 @@ class Repository:
     @property
     def locked(self) -> bool:
         """True while this object holds the writer lock."""
-        return self._lock_depth > 0
+        return self._writer.locked
 
     def write_marker(self, number: int, manifest_sha256: str, archive_id: str, record: dict) -> dict:
         """Publish: write ``USABLE.json`` (the commit point). Only :mod:`ckpt_archive.repo.publish`
