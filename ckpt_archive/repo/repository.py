@@ -716,9 +716,6 @@ def _ranges(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
-    return True
-
-
 def host_record(location: str) -> dict:
     return {"where": location, "host": socket.gethostname(), "when": iso(utcnow()), "tool_version": __version__}
 
