@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format import fingerprint
-from ckpt_archive.format.state_tree import apply_view_bits, empty_tensor, tensor_u8, torch_dtype
+from ckpt_archive.format.tensor_bytes import apply_view_bits, empty_tensor, tensor_u8, torch_dtype
 
 
 def entry_tensor(buf: bytearray, erec: dict, lrec: dict):

@@ -161,7 +161,7 @@ def _fake_leaves(tensors: dict, torch_leaves: list[str], entry_rec: dict) -> tup
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ckpt_archive.format import fingerprint
-    from ckpt_archive.format.state_tree import torch_dtype
+    from ckpt_archive.format.tensor_bytes import torch_dtype
     from ckpt_archive.repo.trial_reload import check_leaf_fp, check_leaf_geometry
 
     part_views: dict[str, list] = {}
