@@ -95,6 +95,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ckpt_archive.errors import UsageError
 from ckpt_archive.training.background import WAIT_SLICE, Done, run_jobs, wait_done
 from ckpt_archive.ops.common import RepoLike
+from ckpt_archive.training.generation_restore import restore_generation
 from ckpt_archive.training.restore import Restored
 
 if TYPE_CHECKING:
@@ -634,9 +635,6 @@ class Checkpointer:
                 self._active = None
 
     def _restore(self, model, optimizer, scheduler, scaler, policy, generation, rng, session_lr, keys):
-        from ckpt_archive.errors import NoUsableGeneration
-        from ckpt_archive.training.restore import restore_training_state
-
         self._wait()
         if optimizer is None and policy == "session":
             if scheduler is not None:
@@ -648,31 +646,9 @@ class Checkpointer:
         if self._dist is not None:
             return self._dist.restore(generation, model=model, optimizer=optimizer, scheduler=scheduler,
                                       scaler=scaler, policy=policy, rng=rng, session_lr=session_lr)
-        from ckpt_archive.ops.common import open_reader, pick
-
-        try:
-            gen = pick(self.repo, generation)
-        except NoUsableGeneration:
-            if str(generation) == "latest" and not self.repo.usable():
-                return None
-            raise
-        reader = open_reader(self.repo, gen, jobs=self.options.jobs)
-        tree = reader.tree()
-        from ckpt_archive.ops.dist_pack import is_distributed_tree
-
-        if is_distributed_tree(tree):  # written by several ranks: consolidated here (saved rank 0's RNG)
-            from ckpt_archive.training.dist_restore import apply_state, load_view
-
-            state = load_view(reader, tree, 0)
-            notes = [f"generation {gen.number} was saved by {len(tree['ranks'])} ranks and is restored on one "
-                     f"process: sharded tensors consolidated; per-rank values (RNG states) are saved rank 0's"]
-            report = apply_state(state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                 policy=policy, rng=rng, session_lr=session_lr, notes=notes)
-            return Restored(gen.number, (gen.manifest.get("progress") or {}).get("step"), state, report)
-        state = reader.load_node(tree)
-        report = restore_training_state(state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                        rng=rng, policy=policy, session_lr=session_lr, keys=keys)
-        return Restored(gen.number, (gen.manifest.get("progress") or {}).get("step"), state, report)
+        return restore_generation(self.repo, generation, jobs=self.options.jobs, model=model, optimizer=optimizer,
+                                  scheduler=scheduler, scaler=scaler, policy=policy, rng=rng, session_lr=session_lr,
+                                  keys=keys)
 
     # -- lifetime --------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
