@@ -23,7 +23,8 @@ from ckpt_archive.format.text import shown
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, default_jobs
 from ckpt_archive.format.member_writer import MemberWriter
 from ckpt_archive.format.shard import encode_header
-from ckpt_archive.format.state_tree import FLOAT_ST, TensorTable, encode
+from ckpt_archive.format.state_tree import TensorTable, encode
+from ckpt_archive.format.tensor_bytes import FLOAT_ST
 from ckpt_archive.store.faults import NO_FAULTS, Faults
 
 SHARD_BYTES = 4 << 30          # split tensors into shards of at most this many raw bytes
