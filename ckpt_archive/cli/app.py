@@ -153,11 +153,17 @@ def build_app(modules=COMMAND_MODULES) -> typer.Typer:
     return new
 
 
+def _every_command() -> typer.Typer:
+    """:data:`app`, built once."""
+    global app
+    if "app" not in globals():
+        app = build_app()
+    return app
+
+
 def __getattr__(name: str):
     if name == "app":  # every command: the top-level --help, tests, ``typer.testing``
-        global app
-        app = build_app()
-        return app
+        return _every_command()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -168,7 +174,7 @@ def app_for(args: list[str]) -> typer.Typer:
     [issue 29] A command's parsing, help and errors involve no other command, and building all fifteen
     (importing their modules, Typer reading every function's parameters) was ~0.05 s of every start-up."""
     module = COMMAND_NAMES.get(args[0]) if args else None
-    return build_app((module,)) if module is not None else __getattr__("app")
+    return build_app((module,)) if module is not None else _every_command()
 
 
 def _usage_error_json(exc: Exception) -> int:
