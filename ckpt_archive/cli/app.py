@@ -1,6 +1,7 @@
 """The ``ckpt-archive`` command line: a thin Typer shell over the library.
 
-Commands live one per module in :mod:`ckpt_archive.cli.commands`; each maps library errors to exit codes
+Commands live one per module in :mod:`ckpt_archive.cli.commands` (``main`` builds only the one a command line
+names: :func:`app_for`); each maps library errors to exit codes
 through :func:`ckpt_archive.cli.common.command`. Results go to stdout, notes, warnings, errors and
 progress to stderr; ``--json`` prints one object on stdout (:class:`ckpt_archive.cli.common.Output`).
 """
