@@ -988,3 +988,13 @@ def test_gc_prune_and_forget_skip_a_stray_unsafe_key_on_an_object_store_and_go_o
     repo.store.fs.invalidate_cache()
     assert repo.store.fs.exists(stray)  # never deleted
     assert [g.number for g in Repository.open(s3_url).usable()] == [5]
+
+
+def test_a_path_holding_an_emoji_code_is_printed_as_it_is(tmp_path):
+    """Guards against rich's emoji codes rewriting what the tool prints: a repository at ``run:x:1`` (a
+    plausible name) was listed and reported as ``run❌1``, a place that does not exist."""
+    repo = make_repo(tmp_path / "run:x:1:100:", losses=[0.5])
+    for args in (["list", repo], ["status", repo, "--no-record"]):
+        res = cli(*args)
+        assert res.exit_code == 0, res.output
+        assert "run:x:1:100:" in res.output and "❌" not in res.output and "💯" not in res.output, res.output
