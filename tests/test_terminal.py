@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import typer
 from typer.testing import CliRunner
 
 import ckpt_archive as ca
@@ -584,3 +585,23 @@ def test_ctrl_c_before_restore_put_its_output_in_place_still_exits_130(tmp_path,
     with pytest.raises(KeyboardInterrupt) as info:
         ca.restore(repo, output=out)
     assert not getattr(info.value, "ckpt_complete", None) and not out.exists()
+
+
+def test_help_at_60_columns_is_wrapped_not_cut():
+    """Fault: below about 76 columns Typer's boxed option tables cut option names and words with an
+    ellipsis ("--instructio…", "(JSON/YAML/TO…"): `COLUMNS=60 ckpt-archive pack --help` could not be read.
+    Narrow help is Click's plain layout, wrapped to the width: every line fits, nothing is cut, and every
+    option of every command is named in full."""
+    from ckpt_archive.cli.app import app
+
+    group = typer.main.get_command(app)
+    for name in ["", *group.commands]:
+        res = cli(*([name] if name else []), "--help", env={"COLUMNS": "60"})
+        assert res.exit_code == 0, res.output
+        assert "…" not in res.output, (name, res.output)
+        assert max(map(len, res.output.splitlines())) <= 60, (name, res.output)
+        if name:
+            for param in group.commands[name].params:
+                for opt in param.opts:
+                    if opt.startswith("--"):
+                        assert opt in res.output, (name, opt)
