@@ -124,3 +124,18 @@ def test_a_lease_is_broken_by_a_truncation_and_released_with_the_map(tmp_path):
     del view, f
     child.wait(timeout=60)
     assert src.stat().st_size == 0
+
+
+@pytest.mark.parametrize("parameter", [False, True], ids=["read-without-torch", "torch.load-mmap"])
+def test_a_pack_in_a_training_process_lets_go_of_its_source_when_it_returns(tmp_path, parameter):
+    """The lease's own risk: held past the pack (a map kept alive), it would make the trainer's next save
+    over the same file wait up to the kernel's lease-break-time (45 s). Once pack returns it is gone."""
+    import ckpt_archive
+    from ckpt_archive.format import read_lease
+
+    src = _source(tmp_path / "ck.pt", parameter=parameter)
+    assert ckpt_archive.pack(str(src), tmp_path / "r").status == "usable"
+    assert not list(read_lease._ACTIVE)
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", f"import os; os.truncate({str(src)!r}, 0)"], timeout=60, check=True)
+    assert time.monotonic() - t0 < 10, "the trainer's rewrite of the packed file waited for pack's lease"
