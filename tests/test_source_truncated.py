@@ -139,3 +139,23 @@ def test_a_pack_in_a_training_process_lets_go_of_its_source_when_it_returns(tmp_
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-c", f"import os; os.truncate({str(src)!r}, 0)"], timeout=60, check=True)
     assert time.monotonic() - t0 < 10, "the trainer's rewrite of the packed file waited for pack's lease"
+
+
+def test_a_safetensors_source_without_a_lease_is_read_not_mapped_and_loads_the_same(tmp_path):
+    """safe_open maps the file too: without a lease (here: the file is open for writing elsewhere) its bytes
+    are read instead -- the same tensors, in the file's order, and the same header metadata."""
+    from safetensors.torch import save_file
+
+    from ckpt_archive.sources.files import load_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"z": torch.randn(300, generator=g), "a": torch.arange(7, dtype=torch.int16),
+               "m": torch.randn(3, 4, generator=g).to(torch.bfloat16)}
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt", "note": "x"})
+    mapped, meta = load_safetensors(path)
+    with open(path, "r+b"):  # a writer holds it open: no read lease can be had
+        read, meta_read = load_safetensors(path)
+    assert list(read) == list(mapped) and meta_read == meta == {"format": "pt", "note": "x"}
+    for k in mapped:
+        assert torch.equal(read[k], mapped[k]) and read[k].dtype == mapped[k].dtype
