@@ -73,12 +73,48 @@ def _plain_usage(pieces: list[str]) -> list[str]:
     return [re.sub(r"^\[(.+\.\.\.)\]\.\.\.$", r"[\1]", piece) for piece in pieces]  # [-- CMD...]... -> [-- CMD...]
 
 
+#: Below this many columns Typer's boxed option tables cut names and words ("--instructio…",
+#: "(JSON/YAML/TO…"): help is then Click's plain layout, wrapped to the terminal's width.
+RICH_HELP_MIN_COLUMNS = 80
+
+
+def help_columns() -> int:
+    """The help's width in columns: ``TERMINAL_WIDTH`` (Typer's own override), else ``COLUMNS``, else the
+    terminal's; 80 when none is known."""
+    import os
+    import shutil
+
+    width = os.environ.get("TERMINAL_WIDTH")
+    return int(width) if width and width.isdigit() else shutil.get_terminal_size((80, 24)).columns
+
+
+def narrow_terminal() -> bool:
+    """:func:`help_columns` is below :data:`RICH_HELP_MIN_COLUMNS`."""
+    return help_columns() < RICH_HELP_MIN_COLUMNS
+
+
+def _plain_help(command, format_help, ctx, formatter) -> None:
+    """Typer's help of ``command`` without rich (its ``rich_markup_mode`` None meanwhile: Click's layout)."""
+    mode = command.rich_markup_mode
+    command.rich_markup_mode = None
+    formatter.width = max(min(formatter.width, help_columns() - 2), 40)  # Click's own rule, whatever forced 80
+    try:
+        format_help(ctx, formatter)
+    finally:
+        command.rich_markup_mode = mode
+
+
 class _Command(TyperCommand):
     def get_params(self, ctx):
         return _tidy_params(super().get_params(ctx))
 
     def collect_usage_pieces(self, ctx):
         return _plain_usage(super().collect_usage_pieces(ctx))
+
+    def format_help(self, ctx, formatter):
+        if narrow_terminal():  # [break] readable at 60 columns, not cut
+            return _plain_help(self, super().format_help, ctx, formatter)
+        return super().format_help(ctx, formatter)
 
 
 class _Group(TyperGroup):
@@ -87,6 +123,11 @@ class _Group(TyperGroup):
 
     def collect_usage_pieces(self, ctx):
         return _plain_usage(super().collect_usage_pieces(ctx))
+
+    def format_help(self, ctx, formatter):
+        if narrow_terminal():
+            return _plain_help(self, super().format_help, ctx, formatter)
+        return super().format_help(ctx, formatter)
 
 
 #: The Typer app with every command: built on first use (module ``__getattr__``, :func:`build_app`); ``main``
@@ -265,7 +306,8 @@ def main() -> None:
     sys.exit(code)
 
 
-__all__ = ["app", "app_for", "build_app", "COMMAND_NAMES", "SHORT_HELP", "keep_freed_buffers", "main"]
+__all__ = ["app", "app_for", "build_app", "COMMAND_NAMES", "SHORT_HELP", "RICH_HELP_MIN_COLUMNS", "help_columns",
+           "keep_freed_buffers", "main", "narrow_terminal"]
 
 
 if __name__ == "__main__":

@@ -492,11 +492,13 @@ def _run_body(fn: Callable, args: tuple, kwargs: dict, out: Output, published: l
         raise typer.Exit(code)
     except KeyboardInterrupt as exc:
         text, left, cleanup = interrupted_text(exc)
-        if published:  # the interrupt came after the commit point: the work it was asked for is done
-            text = published_text(published, getattr(exc, "ckpt_left", None))
+        complete = getattr(exc, "ckpt_complete", None)  # e.g. restore's output renamed into place
+        if published or complete:  # the interrupt came after the commit point: the work it was asked for is done
+            text = (published_text(published, getattr(exc, "ckpt_left", None)) if published
+                    else f"interrupted after the work was done: {complete}")
             out.warn(text)
             out.json({"ok": True, "interrupted": True, "published": [n for _, n in published],
-                      "reason": text, "left": left, "cleanup": cleanup, "exit_code": 0})
+                      "complete": complete, "reason": text, "left": left, "cleanup": cleanup, "exit_code": 0})
             return
         code = exit_code_for(exc)
         out.error(text)

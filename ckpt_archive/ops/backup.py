@@ -172,11 +172,22 @@ def _read_step(path: Path) -> int | None:
         import torch
 
         from ckpt_archive.format.progress import find_progress
+        from ckpt_archive.format.read_lease import ReadLease
         from ckpt_archive.sources.torchfile import numpy_safe_globals
 
-        with torch.serialization.safe_globals(numpy_safe_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-        step = find_progress(state).get("step")
+        # [break] mapped only under a read lease (a trainer truncating the file under the map would end
+        # this process with SIGBUS); without one torch reads the file
+        lease = ReadLease(path)
+        try:
+            with torch.serialization.safe_globals(numpy_safe_globals()):
+                state = torch.load(path, map_location="cpu", weights_only=True,
+                                   mmap=zipfile.is_zipfile(path) and lease.held)
+            step = find_progress(state).get("step")
+            del state
+            if lease.broken():
+                return None  # being rewritten: ordered by mtime, read again on the next run
+        finally:
+            lease.close()
         return step if type(step) is int else None
     except Exception:  # noqa: BLE001 - unreadable now (being written, refused): ordered by mtime instead
         return None

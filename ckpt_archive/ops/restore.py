@@ -15,7 +15,7 @@ from ckpt_archive.format.tree_walk import folder_file_node
 from ckpt_archive.ops.common import (RepoLike, copied_note, open_repo, refuse_special_output, refuse_unusable,
                                      require_readable)
 from ckpt_archive.ops.load import with_fallback
-from ckpt_archive.repo.publish import phase
+from ckpt_archive.repo.publish import note_complete, note_interrupt, phase
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
 from ckpt_archive.store.fs import Dir, Entry
@@ -173,12 +173,25 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
                                             action="restore", override="--restore-unverified", notes=notes,
                                             warnings=passed, jobs=opts.jobs)
             job.commit(gen)
+    except KeyboardInterrupt as exc:
+        if job.placed:  # [break] the rename was done: the output is complete, not interrupted
+            note_complete(exc, f"{out} is restored and complete (generation {gen.number})")
+        raise
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
             raise
         raise InsufficientSpace(f"disk full while restoring to {out} ({exc.strerror}); nothing was written there: "
                                 f"free space or restore elsewhere", where=str(out)) from None
-    return _result(job, gen, nbytes, plan, notes, passed)
+    try:
+        return _result(job, gen, nbytes, plan, notes, passed)
+    except KeyboardInterrupt as exc:
+        if plan.consolidate is None:
+            note_complete(exc, f"{out} is restored and complete (generation {gen.number})")
+        else:
+            note_interrupt(exc, f"{out} is restored and complete (generation {gen.number}), but the consolidated "
+                                f"file {plan.consolidate} was not written",
+                           "restore again with --force to write it")
+        raise
 
 
 @dataclasses.dataclass
@@ -280,6 +293,8 @@ class _Job:
         self.stage = stage
         self.staged = stage.entry  # the output being written, in the private staging folder
         self.rewritten: dict = {}
+        #: the output was renamed into place, complete (a Ctrl-C after this is not a failure)
+        self.placed = False
 
     @property
     def writes_folder(self) -> bool:
@@ -373,6 +388,11 @@ class _Job:
         except FileExistsError:  # put there while we wrote: never replaced without --force
             raise OutputExists("appeared while restoring; pass --force to replace it (nothing was written)",
                                where=str(self.out)) from None
+        except KeyboardInterrupt:
+            self.placed = stage.placed
+            raise
+        self.placed = True
+        self.r.faults.point("restore-placed")
 
 
 def _result(job: _Job, gen: Generation, nbytes: int, plan: _Plan, notes: list[str],
