@@ -188,7 +188,7 @@ def worker(op: str, a: argparse.Namespace) -> dict:
     elif op in ("verify", "verify_deep"):
         import ckpt_archive
         t0 = time.perf_counter()
-        rep = ckpt_archive.verify(str(a.repo), deep=(op == "verify_deep"))
+        rep = ckpt_archive.verify(str(a.repo), options=ckpt_archive.VerifyOptions(deep=(op == "verify_deep")))
         dt = time.perf_counter() - t0
         if not rep.ok:
             raise SystemExit(f"verify found problems: {rep.to_json()}")

@@ -115,7 +115,7 @@ def test_hardlinked_files_in_a_folder_come_back_as_hardlinks_and_are_stored_once
     assert os.stat(out / "log.txt").st_ino == os.stat(out / "log_copy.txt").st_ino
     m = ckpt_archive.inspect(tmp_path / "r").manifest
     assert m["summary"]["tensor_count"] == 1 and not any("model_best" in x["path"] for x in m["members"])
-    assert ckpt_archive.verify(tmp_path / "r", deep=True).ok
+    assert ckpt_archive.verify(tmp_path / "r", options=ckpt_archive.VerifyOptions(deep=True)).ok
 
 
 def test_a_rebuilt_file_whose_sha256_differs_is_removed_not_returned(tmp_path):

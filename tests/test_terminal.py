@@ -78,7 +78,7 @@ def test_export_reports_copy_reread_and_trial_reload_phases_with_totals(tmp_path
 def test_verify_deep_reports_its_total(tmp_path):
     ca.pack(_state(), tmp_path / "repo")
     rec = Recorder()
-    ca.verify(tmp_path / "repo", deep=True, on_bytes=rec)
+    ca.verify(tmp_path / "repo", options=ca.VerifyOptions(deep=True), on_bytes=rec)
     (name, total, done), = rec.phases[1:]
     raw = Repository.open(tmp_path / "repo").generation(1).manifest["summary"]["raw_bytes"]
     assert name.startswith("trial reload") and total == raw and done == raw

@@ -418,7 +418,7 @@ def default_instructions(source_format: str, layout: str, top_keys: list[str], n
     """
     keys = ", ".join(repr(k) for k in top_keys[:12]) or "(none)"
     extra = [a for a in (allowed or []) if a != "argparse.Namespace"]
-    load_args = f", allow={extra!r}" if extra else ""
+    load_args = f", options=ckpt_archive.LoadOptions(allow={extra!r})" if extra else ""
     api = (f"import ckpt_archive\n"
            f"state = ckpt_archive.load('REPO', generation='latest'{load_args})  # the exact state; nothing unpickled\n")
     if layout == "folder":

@@ -13,7 +13,7 @@ from ckpt_archive.errors import (CannotCheck, InsufficientSpace, IntegrityError,
 from ckpt_archive.format.paths import check_relpath
 from ckpt_archive.format.tree_walk import folder_file_node
 from ckpt_archive.ops.common import (RepoLike, copied_note, open_repo, refuse_special_output, refuse_unusable,
-                                     require_readable)
+                                     require_readable, take_options)
 from ckpt_archive.ops.load import with_fallback
 from ckpt_archive.repo.publish import note_complete, note_interrupt, phase
 from ckpt_archive.repo.reader import ArchiveReader
@@ -143,7 +143,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         NotUsable (exit 2): a partial or damaged generation without ``unverified``.
         UnsafePath (exit 1): a path of the manifest resolves outside the output folder.
         TypeError: an unknown keyword argument or store option (every option of the restore itself is a field
-            of :class:`RestoreOptions`).
+            of :class:`RestoreOptions`: ``restore(repo, gen, out, force=True)`` is refused); ``options`` that is
+            not a :class:`RestoreOptions`.
 
     Example:
         >>> import os, torch, ckpt_archive, tempfile
@@ -153,9 +154,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         >>> r.generation, torch.load(out, weights_only=True)["step"]
         (1, 1)
     """
-    opts = options if options is not None else RestoreOptions()
-    if not isinstance(opts, RestoreOptions):
-        raise TypeError(f"restore's options must be a RestoreOptions, not {type(opts).__name__}")
+    opts = take_options(options, RestoreOptions, "restore", generation=generation)
     out = _check_output(output, opts)
     r = open_repo(repo, store_options)
     plan = _plan(r, generation, out, opts)
