@@ -55,7 +55,7 @@ def test_an_object_moved_to_another_folder_is_collected_once_nothing_references_
     res = ckpt_archive.gc(r)  # all referenced: left alone and named
     assert all(s.exists() for s in strays.values())
     assert sum("outside its folder" in s for s in res.objects_skipped) == 3, res.objects_skipped
-    assert ckpt_archive.verify(r, "1", deep=True).ok
+    assert ckpt_archive.verify(r, "1", options=ckpt_archive.VerifyOptions(deep=True)).ok
     ckpt_archive.forget(r, "1")  # generation 1's "w" is referenced no more: swept from its place
     res = ckpt_archive.gc(r)
     gone = [v for v in victims if not v.exists()]
@@ -65,7 +65,7 @@ def test_an_object_moved_to_another_folder_is_collected_once_nothing_references_
     for v in victims:
         if v.exists():  # still generation 2's: its stray copy is kept (referenced), the object untouched
             assert strays[v].exists()
-    assert ckpt_archive.verify(r, "2", deep=True).ok
+    assert ckpt_archive.verify(r, "2", options=ckpt_archive.VerifyOptions(deep=True)).ok
 
 
 @pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "encrypted"])
@@ -82,4 +82,4 @@ def test_an_object_moved_out_of_its_folder_is_never_deleted_while_a_generation_n
     assert stray.exists() and any("outside its folder" in s for s in res.objects_skipped), res.objects_skipped
     stray.rename(victim)
     for g in ("1", "2"):
-        assert ckpt_archive.verify(r, g, deep=True).ok
+        assert ckpt_archive.verify(r, g, options=ckpt_archive.VerifyOptions(deep=True)).ok

@@ -19,12 +19,19 @@ user, a file some process holds open for writing, SIGIO taken by someone else's 
 does not map the file: it reads what it needs with ``pread`` (a short read of a file that shrank is the
 same SourceChanged), or lets ``torch.load`` read instead of map.
 
+A lease is given back when pack returns, not when the garbage collector gets to the last map made from
+it: :func:`lease_scope` (entered by :func:`ckpt_archive.ops.pack.pack`) keeps every lease taken inside it
+and, when the last scope of the process ends, removes each one (``F_UNLCK``) and closes its descriptor.
+Otherwise a map kept alive by a reference cycle held the lease on, and a trainer's next save over the same
+file waited up to the kernel's lease-break-time (45 s) in its own training loop.
+
 The lease signal (SIGIO, whose default action ends the process) is ignored: the lease is polled, never
 signalled. It is set so only while its disposition is the default and only from the main thread;
 otherwise a lease is not taken.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -36,6 +43,10 @@ from pathlib import Path
 _ACTIVE: "weakref.WeakSet[ReadLease]" = weakref.WeakSet()
 _F_SETLEASE = getattr(fcntl, "F_SETLEASE", None)
 _F_GETLEASE = getattr(fcntl, "F_GETLEASE", None)
+#: Scopes open in this process (:func:`lease_scope`) and the leases taken while any was open.
+_SCOPE_LOCK = threading.Lock()
+_SCOPES = [0]
+_SCOPED: "list[ReadLease]" = []
 
 
 def _sigio_quiet() -> bool:
@@ -74,6 +85,9 @@ class ReadLease:
                 fcntl.fcntl(self.fd, _F_SETLEASE, fcntl.F_RDLCK)
                 self.held = True
                 _ACTIVE.add(self)
+                with _SCOPE_LOCK:
+                    if _SCOPES[0]:
+                        _SCOPED.append(self)
             except OSError:  # EAGAIN (open for writing somewhere), EACCES (not ours), EINVAL (NFS, ...)
                 self.held = False
 
@@ -98,6 +112,17 @@ class ReadLease:
             os.close(self.fd)
             self.fd = -1
 
+    def release(self) -> None:
+        """Give the lease back now (``F_UNLCK`` on the open file every map made from this descriptor shares)
+        and close the descriptor: a writer no longer waits, even while a map made from it lives on (which
+        nobody may read any more)."""
+        if self.fd >= 0 and self.held:
+            try:
+                fcntl.fcntl(self.fd, _F_SETLEASE, fcntl.F_UNLCK)
+            except OSError:
+                pass  # already broken and gone: nothing left to give back
+        self.close()
+
     def keep_until_gone(self, *objects) -> None:
         """Hold this lease (and its descriptor) until every one of ``objects`` is garbage: for maps made
         by someone else (``torch.load(mmap=True)``'s tensors), whose pages must not vanish while read."""
@@ -118,6 +143,25 @@ class ReadLease:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release to
             pass
+
+
+@contextlib.contextmanager
+def lease_scope():
+    """Hold every lease taken inside this block until it ends, then give each back (:meth:`ReadLease.release`)
+    once no other scope of this process is open (two packs in two threads: the first to end leaves the
+    other's leases alone). Reentrant and thread-safe."""
+    with _SCOPE_LOCK:
+        _SCOPES[0] += 1
+    try:
+        yield
+    finally:
+        with _SCOPE_LOCK:
+            _SCOPES[0] -= 1
+            done = list(_SCOPED) if _SCOPES[0] == 0 else []
+            if _SCOPES[0] == 0:
+                _SCOPED.clear()
+        for lease in done:
+            lease.release()
 
 
 def changed(path: Path, how: str):
@@ -153,4 +197,4 @@ def pread_exact(fd: int, buf, offset: int, path: Path) -> None:
         done += n
 
 
-__all__ = ["ReadLease", "check_leases", "changed", "pread_exact"]
+__all__ = ["ReadLease", "check_leases", "changed", "lease_scope", "pread_exact"]

@@ -20,6 +20,7 @@ from ckpt_archive import __version__
 from ckpt_archive.errors import CkptArchiveError, SourceChanged, SourceError, StoreError, UsageError
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from ckpt_archive.format.exact_bytes import early_scan
+from ckpt_archive.format.read_lease import lease_scope
 from ckpt_archive.format.manifest import FORMAT, seal_bytes, version_for
 from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
 from ckpt_archive.format.metrics import metrics_to_json
@@ -481,7 +482,9 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
     annotations = Annotations() if annotations is None else annotations
     if not isinstance(annotations, Annotations):
         raise TypeError(f"pack's annotations must be an Annotations, not {type(annotations).__name__}")
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-scan") as scan_pool:
+    # [break] the source's read leases go back when pack returns (a trainer's next save over the file must
+    # not wait for the garbage collector): format/read_lease.py
+    with lease_scope(), ThreadPoolExecutor(1, thread_name_prefix="ckpt-scan") as scan_pool:
         # [issue 14] a source file's own reads (its sha256, its tensor ranges' fingerprints and, for a zip
         # torch.save file, every record's CRC-32) start now, beside `import torch` and torch.load
         scan = early_scan(source, scan_pool) if isinstance(source, (str, os.PathLike)) else None
