@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab", default=None, metavar="TREE",
                     help="paired A/B of this code tree against another checkout (e.g. a worktree of main)")
     ap.add_argument("--this-tree", default=str(HERE.parent), help="with --ab: the tree measured as 'this'")
-    ap.add_argument("--ab-ops", default="pack,load", help="with --ab: operations (pack, load, verify, verify_deep)")
+    ap.add_argument("--ab-ops", default="pack,load", help="with --ab: operations (pack, load, verify, verify_deep, restore)")
     ap.add_argument("--crypto", action="store_true",
                     help="what encryption costs: pack, restore, verify --deep into a plain vs an encrypted repository")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
