@@ -612,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="peers: sizes (MiB) of random fp32 states whose peak memory alone is measured (ours only)")
     ap.add_argument("--no-load", action="store_true", help="peers: skip load vs torch.load")
     ap.add_argument("--no-cli-small", action="store_true", help="peers: skip the small repository's CLI timings")
+    ap.add_argument("--peer-ops", default="pack,restore,verify_deep",
+                    help="peers: the rounds to time (without pack, one untimed pack per tool makes the repositories)")
     ap.add_argument("--unpaired", action="store_true",
                     help="the older report: every operation per repetition, medians per operation (not paired)")
     ap.add_argument("--ab", default=None, metavar="TREE",
