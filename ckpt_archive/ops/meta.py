@@ -277,7 +277,10 @@ def _plain_without_torch(path: str | os.PathLike) -> bool:
     except pt_pickle.NotSimple:
         return False
     if hasattr(file.map, "close"):
-        file.map.close()
+        try:
+            file.map.close()
+        except BufferError:  # a view of it still held: the map goes with its last view
+            pass
     return True
 
 
