@@ -621,12 +621,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="peers: sizes (MiB) of random fp32 states whose peak memory alone is measured (ours only)")
     ap.add_argument("--no-load", action="store_true", help="peers: skip load vs torch.load")
     ap.add_argument("--no-cli-small", action="store_true", help="peers: skip the small repository's CLI timings")
+    ap.add_argument("--peer-ops", default="pack,restore,verify_deep",
+                    help="peers: the rounds to time (without pack, one untimed pack per tool makes the repositories)")
     ap.add_argument("--unpaired", action="store_true",
                     help="the older report: every operation per repetition, medians per operation (not paired)")
     ap.add_argument("--ab", default=None, metavar="TREE",
                     help="paired A/B of this code tree against another checkout (e.g. a worktree of main)")
     ap.add_argument("--this-tree", default=str(HERE.parent), help="with --ab: the tree measured as 'this'")
-    ap.add_argument("--ab-ops", default="pack,load", help="with --ab: operations (pack, load, verify, verify_deep)")
+    ap.add_argument("--ab-ops", default="pack,load", help="with --ab: operations (pack, load, verify, verify_deep, restore)")
     ap.add_argument("--crypto", action="store_true",
                     help="what encryption costs: pack, restore, verify --deep into a plain vs an encrypted repository")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)

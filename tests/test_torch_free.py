@@ -408,3 +408,28 @@ def test_loading_needs_of_a_plain_state_are_told_without_torch_as_torch_tells_th
     assert fast["torch_free"] == fast["loaded"] == meta.needs_by_part(loaded) == {"allow": [], "plain_parts": []}
     assert fast_others == [meta.unsafe_globals_of_state(s) for s in others]
     assert fast_others[0], "the NumPy state needs its globals allowed"
+
+
+def test_restore_of_a_plain_checkpoint_does_not_import_torch_and_tells_what_torch_tells(tmp_path, monkeypatch):
+    """Guards against restore importing torch (2-3 s of CPU on the benchmark box, issue 29) to tell how the
+    file it wrote loads (issue 26's ``extra["loading"]``): a ``.pt`` kept as exact bytes whose pickle the
+    torch-free reader accepts is answered without torch, in a fresh interpreter, with the very answer torch's
+    own scan gives that file; a file holding another global (NumPy) is still left to torch's scan."""
+    import numpy as np
+
+    from ckpt_archive.ops import meta
+
+    src = _save(tmp_path, "ckpt", _model_and_adam())
+    ckpt_archive.pack(src, tmp_path / "r")
+    code = ("import sys, ckpt_archive; r = ckpt_archive.restore(sys.argv[1], output=sys.argv[2]); "
+            "print('torch' in sys.modules, r.extra['loading']['allow'])")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r"), str(tmp_path / "out.pt")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False []"
+    numpy_file = _save(tmp_path, "np", {"w": torch.ones(2), "a": np.arange(3)})
+    fast = [meta.restored_file_loading(tmp_path / "out.pt"), meta.restored_file_loading(numpy_file)]
+    assert fast[1]["allow"], "a NumPy array needs its globals allowed"
+    monkeypatch.setattr(meta, "_plain_without_torch", lambda path: False)  # torch's scan alone
+    assert fast == [meta.restored_file_loading(tmp_path / "out.pt"), meta.restored_file_loading(numpy_file)]
