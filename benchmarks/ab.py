@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -22,7 +23,7 @@ def run_ab(size_mib: int, a: argparse.Namespace, log) -> dict:
     against ``--ab TREE`` (e.g. a worktree of main), same state, interleaved A,B,B,A..., whole processes.
 
     Operations (``--ab-ops``): ``pack`` (CLI, into a fresh repository each run), ``verify`` (CLI, shallow), ``load`` (Python worker,
-    in-process time also kept) and ``verify_deep`` (CLI). Each tree reads the repository it packed itself.
+    in-process time also kept), ``verify_deep`` (CLI) and ``restore`` (CLI, ``--force`` over a removed output, fsynced). Each tree reads the repository it packed itself.
     Ratios are the other tree's time / this tree's, per pair, then min/median/max (> 1: this tree faster).
     Also reports each tree's stored bytes and stored / ``zstd -3``, for the full state and the bf16 weights.
     """
@@ -44,12 +45,22 @@ def run_ab(size_mib: int, a: argparse.Namespace, log) -> dict:
             c, py = _cli(["verify", str(repo), "--json"]), False
         elif op == "verify_deep":
             c, py = _cli(["verify", "--deep", str(repo), "--json"]), False
+        elif op == "restore":
+            restored = wd / f"restored_ab_{side}.pt"
+            restored.unlink(missing_ok=True)
+            subprocess.run(["sync"], check=True)
+            c, py = _cli(["restore", str(repo), "--output", str(restored), "--force", "--json"]), False
         else:
             c, py = _py(op, a, wd, repo), True
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         r = memwatch.run_sampled(c, env=envs[side], cwd=str(wd))  # cwd: `python -c` puts it first on sys.path
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if r["rc"] != 0:
             raise SystemExit(f"{op} ({side} tree) failed: {(r['stderr'] or r['stdout']).strip()[-800:]}")
-        out = {"wall_s": r["wall_s"], "peak_anon_bytes": r["peak_anon_bytes"]}
+        out = {"wall_s": r["wall_s"], "peak_anon_bytes": r["peak_anon_bytes"],
+               "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)}
+        if op == "restore":
+            (wd / f"restored_ab_{side}.pt").unlink(missing_ok=True)
         if py:
             out["seconds"] = json.loads(r["stdout"].strip().splitlines()[-1])["seconds"]
         return out
@@ -67,14 +78,18 @@ def run_ab(size_mib: int, a: argparse.Namespace, log) -> dict:
                 runs[side].append(run(op, side))
         wall = {k: [r["wall_s"] for r in v] for k, v in runs.items()}
         ratios = [o / t for t, o in zip(wall["this"], wall["other"])]
+        cpu = {k: [r["cpu_s"] for r in v] for k, v in runs.items()}
         row = {"op": op, "wall_s": wall, "ratios_other_over_this": ratios,
-               "loadavg": [min(loads), statistics.median(loads), max(loads)]}
+               "loadavg": [min(loads), statistics.median(loads), max(loads)], "cpu_s": cpu,
+               "cpu_ratios_other_over_this": [o / t for t, o in zip(cpu["this"], cpu["other"])],
+               "peak_anon_bytes": {k: [r["peak_anon_bytes"] for r in v] for k, v in runs.items()}}
         if "seconds" in runs["this"][0]:
             row["inprocess_s"] = {k: [r["seconds"] for r in v] for k, v in runs.items()}
             row["inprocess_ratios"] = [o / t for t, o in zip(row["inprocess_s"]["this"], row["inprocess_s"]["other"])]
         rows.append(row)
         log(f"[{size_mib} MiB] {op}: this {_stats(wall['this'])} s, other {_stats(wall['other'])} s, "
-            f"other/this {_stats(ratios)} (load {_stats(loads)})")
+            f"other/this {_stats(ratios)}, CPU this {_stats(cpu['this'])} s, other {_stats(cpu['other'])} s, "
+            f"other/this {_stats(row['cpu_ratios_other_over_this'])} (load {_stats(loads)})")
     wsizes = {}
     for side in trees:
         wrepo = wd / f"repo_ab_weights_{side}"
@@ -101,6 +116,8 @@ def ab_table(results: list[dict]) -> str:
             extra = ""
             if "inprocess_ratios" in r:
                 extra = f"; in-process {_stats(r['inprocess_ratios'])}"
+            if "cpu_ratios_other_over_this" in r:
+                extra += f"; CPU {_stats(r['cpu_ratios_other_over_this'])}"
             lines.append(f"| {res['size_mib']} MiB | `{r['op']}` | {_stats(r['wall_s']['this'])} | "
                          f"{_stats(r['wall_s']['other'])} | {_stats(r['ratios_other_over_this'])}{extra} | "
                          f"{_stats(r['loadavg'])} |")

@@ -281,20 +281,24 @@ def _summary(label: str, op: str, runs: dict[str, list[dict]], loads: list[float
     return row
 
 
-def compare(state: str, src: Path, tools: list, reps: int, log, *, with_restore: bool = True) -> list[dict]:
-    """Pack, restore and deep-check rounds of one state file; returns table rows (also stored bytes)."""
+def compare(state: str, src: Path, tools: list, reps: int, log, *, with_restore: bool = True,
+            ops: tuple = ("pack", "restore", "verify_deep")) -> list[dict]:
+    """Pack, restore and deep-check rounds of one state file; returns table rows (also stored bytes).
+    ``ops`` without ``"pack"``: one untimed pack per tool makes the repositories the other rounds read."""
     rows = []
     # pack: each tool into a fresh repository every round; the last round's repositories are then read
     runs: dict[str, list[dict]] = {t.name: [] for t in tools}
     loads = []
-    for rep in range(reps):
+    for rep in range(reps if "pack" in ops else 1):
         for t in _rotated(tools, rep):
             t.fresh()
             loads.append(os.getloadavg()[0])
             runs[t.name].append(run(t.backup(src), getattr(t, "env", None)))
-    rows.append(_summary(f"{state}: pack / backup / create", "pack", runs, loads))
-    rows[-1]["stored_bytes"] = {t.name: t.stored() for t in tools}
-    log(_line(rows[-1]))
+    if "pack" in ops:
+        rows.append(_summary(f"{state}: pack / backup / create", "pack", runs, loads))
+        rows[-1]["stored_bytes"] = {t.name: t.stored() for t in tools}
+        log(_line(rows[-1]))
+    with_restore = with_restore and "restore" in ops
     readers = [t for t in tools if hasattr(t, "restore")]
     if with_restore:
         runs, loads = {t.name: [] for t in readers}, []
@@ -311,6 +315,8 @@ def compare(state: str, src: Path, tools: list, reps: int, log, *, with_restore:
         rows.append(_summary(f"{state}: restore / restore + fsync / extract + fsync", "restore",
                              {**runs, **nofsync}, loads))
         log(_line(rows[-1]))
+    if "verify_deep" not in ops:
+        return rows
     runs, loads = {t.name: [] for t in tools}, []
     for rep in range(reps):
         for t in _rotated(tools, rep):
@@ -325,8 +331,7 @@ def compare(state: str, src: Path, tools: list, reps: int, log, *, with_restore:
 def memory(state: str, rows: list[dict], ours: "Ours", work: Path, log) -> dict:
     """Peak anonymous memory (MiB) of our pack, restore and verify --deep (the worst of the rounds just run)
     and of one export of the repository they left."""
-    out = {op: next(r for r in rows if r["op"] == op)["peak_anon_mib"]["ours"]
-           for op in ("pack", "restore", "verify_deep")}
+    out = {r["op"]: r["peak_anon_mib"]["ours"] for r in rows if r["op"] in ("pack", "restore", "verify_deep")}
     dest = work / "ours-export"
     shutil.rmtree(dest, ignore_errors=True)
     out["export"] = run(_cli(["export", str(ours.repo), "--to", str(dest), "--json"]))["peak_anon_mib"]
@@ -514,7 +519,8 @@ def table(doc: dict) -> str:
     for state, mem in doc.get("memory", {}).items():
         worst = max(mem.values())
         lines.append(f"| {state}: peak anonymous MiB, pack / restore / verify --deep / export | "
-                     + " / ".join(f"{mem[k]:.0f}" for k in ("pack", "restore", "verify_deep", "export"))
+                     + " / ".join(f"{mem[k]:.0f}" if k in mem else "-"
+                                  for k in ("pack", "restore", "verify_deep", "export"))
                      + f" | | | | | <= 512 {'met' if worst <= 512 else '**missed**'} | |")
     for cmd, v in (doc.get("cli_small") or {}).items():
         if "above_interpreter_s" in v:
@@ -543,7 +549,7 @@ def main_peers(a: argparse.Namespace, log) -> dict:
         wd, meta = ensure_state(size, a, log)
         label = f"{size} MiB state ({meta['raw_bytes'] / MiB:.0f} MiB of tensors)"
         log(f"[{label}] rounds, load avg {os.getloadavg()[0]:.2f}")
-        rows = compare(label, wd / "ckpt.pt", tools, a.reps, log)
+        rows = compare(label, wd / "ckpt.pt", tools, a.reps, log, ops=tuple(a.peer_ops.split(",")))
         doc["rows"] += rows
         if not a.no_load:
             doc["rows"].append(load_rounds(label, wd, tools[0].repo, a, log))
@@ -555,7 +561,7 @@ def main_peers(a: argparse.Namespace, log) -> dict:
             build_rand(src, size)
         label = f"{size} MiB random fp32"
         log(f"[{label}] rounds, load avg {os.getloadavg()[0]:.2f}")
-        rows = compare(label, src, tools, a.reps, log)
+        rows = compare(label, src, tools, a.reps, log, ops=tuple(a.peer_ops.split(",")))
         doc["rows"] += rows
         doc["memory"][label] = memory(label, rows, tools[0], work, log)
     for size in [int(x) for x in (a.memory_sizes or "").split(",") if x]:

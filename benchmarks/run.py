@@ -129,10 +129,12 @@ def worker(op: str, a: argparse.Namespace) -> dict:
         import ckpt_archive.format.manifest  # noqa: F401
         import ckpt_archive.sources  # noqa: F401
     before = _self_anon()
+    cpu0 = os.times()
     if op == "torch_load":
         t0 = time.perf_counter()
         obj = torch.load(wd / "ckpt.pt", weights_only=True, map_location="cpu")
         dt = time.perf_counter() - t0
+        res["cpu_s"] = _cpu_since(cpu0)  # user + sys of the call, all threads (issue 29: where the time goes)
         del obj
     elif op == "torch_resave":  # what restore replaces: torch.load + torch.save of the same state
         out = wd / "resaved.pt"
@@ -186,7 +188,7 @@ def worker(op: str, a: argparse.Namespace) -> dict:
     elif op in ("verify", "verify_deep"):
         import ckpt_archive
         t0 = time.perf_counter()
-        rep = ckpt_archive.verify(str(a.repo), deep=(op == "verify_deep"))
+        rep = ckpt_archive.verify(str(a.repo), options=ckpt_archive.VerifyOptions(deep=(op == "verify_deep")))
         dt = time.perf_counter() - t0
         if not rep.ok:
             raise SystemExit(f"verify found problems: {rep.to_json()}")
@@ -202,11 +204,18 @@ def worker(op: str, a: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         obj = ckpt_archive.load(str(a.repo))
         dt = time.perf_counter() - t0
+        res["cpu_s"] = _cpu_since(cpu0)
         del obj
     else:
         raise SystemExit(f"unknown op {op}")
     res.update({"seconds": dt, "anon_before": before})
     return res
+
+
+def _cpu_since(t0: os.times_result) -> float:
+    """User + system CPU seconds of this process (all its threads) since ``t0`` (``os.times()``)."""
+    t1 = os.times()
+    return (t1.user - t0.user) + (t1.system - t0.system)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -612,12 +621,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="peers: sizes (MiB) of random fp32 states whose peak memory alone is measured (ours only)")
     ap.add_argument("--no-load", action="store_true", help="peers: skip load vs torch.load")
     ap.add_argument("--no-cli-small", action="store_true", help="peers: skip the small repository's CLI timings")
+    ap.add_argument("--peer-ops", default="pack,restore,verify_deep",
+                    help="peers: the rounds to time (without pack, one untimed pack per tool makes the repositories)")
     ap.add_argument("--unpaired", action="store_true",
                     help="the older report: every operation per repetition, medians per operation (not paired)")
     ap.add_argument("--ab", default=None, metavar="TREE",
                     help="paired A/B of this code tree against another checkout (e.g. a worktree of main)")
     ap.add_argument("--this-tree", default=str(HERE.parent), help="with --ab: the tree measured as 'this'")
-    ap.add_argument("--ab-ops", default="pack,load", help="with --ab: operations (pack, load, verify, verify_deep)")
+    ap.add_argument("--ab-ops", default="pack,load", help="with --ab: operations (pack, load, verify, verify_deep, restore)")
     ap.add_argument("--crypto", action="store_true",
                     help="what encryption costs: pack, restore, verify --deep into a plain vs an encrypted repository")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)

@@ -20,7 +20,8 @@ package's sources again: ~0.1-0.15 s of CPU that no installed copy pays (``--no-
 
 Each tree lists, once per command, which heavy modules the command imported (``torch``, ``numpy``,
 ``jsonschema``, ``pydantic``, ``rich.markdown``), read from ``sys.modules`` at exit by a wrapper.
-Each tree reads a repository it packed itself. The JSON goes to ``results/<UTC>-startup.json``.
+``--instructions`` also counts, once per command and tree, the instructions the process executes (valgrind's
+callgrind): a figure the box's load hardly moves. Each tree reads a repository it packed itself. The JSON goes to ``results/<UTC>-startup.json``.
 """
 from __future__ import annotations
 
@@ -57,6 +58,19 @@ def timed(cmd: list[str], env: dict, cwd: Path) -> tuple[float, float]:
     return ru.ru_utime + ru.ru_stime, wall
 
 
+def instructions(cmd: list[str], env: dict, cwd: Path) -> int | None:
+    """Instructions one whole process executes (valgrind's callgrind ``Collected``; ``PYTHONHASHSEED=0``), or
+    None without valgrind. Unlike CPU seconds, this count hardly moves with the box's load: on a shared box it
+    is the figure that compares two trees' start-up (a run takes ~30x the process's CPU time)."""
+    if shutil.which("valgrind") is None:
+        return None
+    p = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *cmd],
+                       env={**env, "PYTHONHASHSEED": "0"}, cwd=cwd, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True)
+    found = [ln for ln in p.stderr.splitlines() if "Collected :" in ln]
+    return int(found[-1].rsplit(":", 1)[1]) if found and p.returncode == 0 else None
+
+
 def _stats(xs: list[float]) -> str:
     return f"{min(xs):.3f} / {statistics.median(xs):.3f} / {max(xs):.3f}"
 
@@ -69,6 +83,8 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="scratch directory (default: a fresh temporary one)")
     ap.add_argument("--commands", default="bare,help,list,verify,status,pack")
     ap.add_argument("--json", action="store_true", help="run list / verify / status with --json")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also count each command's instructions once per tree under valgrind (load-independent)")
     ap.add_argument("--no-bytecode", action="store_true",
                     help="compile the package's sources on every run (PYTHONDONTWRITEBYTECODE=1)")
     a = ap.parse_args()
@@ -133,10 +149,14 @@ def main() -> None:
                     raise SystemExit(f"{side}: the probe imported another tree's ckpt_archive:\n{out.stderr[-800:]}")
                 line = [ln for ln in out.stderr.splitlines() if ln.startswith("MODULES")][-1]
                 row["imports"][side] = [m for m in line.split(" ", 1)[1].split(",") if m]
+        if a.instructions:
+            row["instructions"] = {side: instructions(argv(cmd, side), envs[side], work) for side in trees}
         doc["commands"][cmd] = row
         print(f"{cmd:7s} CPU s this {_stats(cpu['this'])} | base {_stats(cpu['base'])} | median paired diff "
               f"{row['cpu_this_minus_base_s']:+.3f}; wall this {_stats(wall['this'])} | base {_stats(wall['base'])}"
-              + (f"; imports this {row['imports']['this']} base {row['imports']['base']}" if "imports" in row else ""),
+              + (f"; imports this {row['imports']['this']} base {row['imports']['base']}" if "imports" in row else "")
+              + (f"; instructions this {row['instructions']['this']} base {row['instructions']['base']}"
+                 if "instructions" in row else ""),
               flush=True)
     if "bare" in doc["commands"] and "pack" in doc["commands"]:
         for side in trees:

@@ -4,8 +4,8 @@ Public API (plain functions; the CLI is a thin shell over them)::
 
     pack(source, repo, PackOptions(...), Annotations(...), retention=RetentionPolicy(...))
                                             -> PackResult   (generation, status "usable", ...)
-    load(repo, generation="latest")         -> the nested state (dict/list/tuple/tensors/values)
-    verify(repo, generation="latest", deep) -> VerifyReport (ok, problems)
+    load(repo, generation="latest", LoadOptions(...))     -> the nested state (dict/list/tuple/tensors/values)
+    verify(repo, generation="latest", VerifyOptions(...)) -> VerifyReport (ok, problems)
     restore(repo, generation, output, RestoreOptions(...)) -> RestoreResult
     inspect(repo, generation="latest")      -> InspectResult (manifest, marker, summary, policy audit)
     list_generations(repo, all=False)       -> list[Generation]
@@ -15,7 +15,7 @@ Public API (plain functions; the CLI is a thin shell over them)::
     prune(repo, policy=None, dry_run=False) -> PruneResult  (retention; never leaves nothing restorable)
     forget(repo, generation, force=False)   -> ForgetResult (one generation, marker first, under the lock)
     gc(repo, dry_run=False)                 -> GcResult     (leftovers of interrupted writes)
-    backup(source, repo, ...)               -> BackupResult (one idempotent run, for cron; exit_code 75 = retry)
+    backup(source, repo, BackupOptions(...)) -> BackupResult (one idempotent run, for cron; exit_code 75 = retry)
     restore_training_state(state, model=, optimizer=, scheduler=, ...) -> RestoreReport
     check_resume(...)                       -> resume check of a training command (see docs/check-resume.md)
     Checkpointer(repo, retention=, config=, data_ids=)  -> save(step, state) from the training loop, in the
@@ -25,8 +25,9 @@ Trainer integrations (optional extras, imported only when their module is): ``ck
 (``ArchiveCallback``, ``restore_checkpoint``), ``ckpt_archive.integrations.lightning`` (``ArchiveCheckpointIO``),
 ``ckpt_archive.integrations.folder`` (``FolderPublisher``, the Accelerate recipe); docs/integrations-*.md.
 
-Every operation takes the same names (``store_options``, ``wait``, ``on_bytes``, ``jobs``), refuses keyword
-arguments it does not know, and returns a typed result with ``to_json()``: docs/api.md.
+Every operation takes the same names (``store_options``, ``wait``, ``on_bytes``, ``jobs``); pack, load, verify,
+restore and backup take their options as one frozen options object, never as loose keywords. Each refuses
+keyword arguments it does not know, and returns a typed result with ``to_json()``: docs/api.md.
 
 Heavy imports (torch, safetensors) happen inside the functions, so ``import ckpt_archive`` is cheap.
 """
@@ -37,9 +38,11 @@ __version__ = "0.1.0"
 _API = {
     # operations (plain functions) and the options objects they take
     "pack": "ops.pack", "PackOptions": "ops.pack", "Annotations": "ops.pack",
-    "load": "ops.load", "verify": "ops.verify", "restore": "ops.restore", "RestoreOptions": "ops.restore",
+    "load": "ops.load", "LoadOptions": "ops.load", "verify": "ops.verify", "VerifyOptions": "ops.verify",
+    "restore": "ops.restore", "RestoreOptions": "ops.restore",
     "inspect": "ops.inspect", "list_generations": "ops.list", "adopt": "ops.verify", "status": "ops.status",
     "export": "ops.export", "prune": "ops.prune", "forget": "ops.forget", "gc": "ops.gc", "backup": "ops.backup",
+    "BackupOptions": "ops.backup",
     "restore_training_state": "training.restore", "check_resume": "resume.check",
     # their typed results (each with to_json())
     "PackResult": "ops.pack", "VerifyReport": "ops.verify", "RestoreResult": "ops.restore",

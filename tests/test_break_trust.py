@@ -70,11 +70,11 @@ def test_an_expanded_view_packs_and_verifies_in_pieces_with_the_fingerprint_of_i
     want = torch.load(src, weights_only=True)["w"]
     assert want.stride() == (0,)
     ckpt_archive.pack(src, tmp_path / "r")
-    assert ckpt_archive.verify(tmp_path / "r", deep=True).ok
+    assert ckpt_archive.verify(tmp_path / "r", options=ckpt_archive.VerifyOptions(deep=True)).ok
     assert torch.equal(ckpt_archive.load(tmp_path / "r")["w"], want)
     torch.save({"w": torch.arange(6.0).reshape(2, 3).t().expand(2, 3, 2)}, tmp_path / "t.pt")  # torch path
     ckpt_archive.pack(tmp_path / "t.pt", tmp_path / "r2")
-    assert ckpt_archive.verify(tmp_path / "r2", deep=True).ok
+    assert ckpt_archive.verify(tmp_path / "r2", options=ckpt_archive.VerifyOptions(deep=True)).ok
 
 
 def test_a_view_declaring_more_bytes_than_memory_is_refused_not_allocated(tmp_path):

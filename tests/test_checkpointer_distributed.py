@@ -95,7 +95,7 @@ def test_ddp_two_ranks_write_one_generation_that_restores_exactly(tmp_path):
     assert [r["generation"] for r in saved] == [2, 2]
     gens = ckpt_archive.list_generations(repo)
     assert [g.number for g in gens] == [1, 2]
-    assert ckpt_archive.verify(repo, 2, deep=True).ok
+    assert ckpt_archive.verify(repo, 2, options=ckpt_archive.VerifyOptions(deep=True)).ok
     manifest = gens[-1].manifest
     paths = [m["path"] for m in manifest["members"]]
     assert any(p.startswith("rank00000/") for p in paths) and any(p.startswith("rank00001/") for p in paths)

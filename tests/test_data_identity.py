@@ -105,7 +105,7 @@ def test_old_archive_with_unsorted_data_ids_member_still_verifies_and_compares(t
     with mock.patch.object(di, "canonical_bytes",
                            lambda v: json.dumps(v, allow_nan=False, ensure_ascii=False).encode("utf-8")):
         repo = _packed(tmp_path, unsorted)
-    assert ckpt_archive.verify(str(repo), deep=True).ok
+    assert ckpt_archive.verify(str(repo), options=ckpt_archive.VerifyOptions(deep=True)).ok
     res = ckpt_archive.restore(str(repo), output=str(tmp_path / "o.pt"),
                                options=ckpt_archive.RestoreOptions(data_ids={"a": 2, "z": 1}))
     assert res.extra["data_ids"]["same"]

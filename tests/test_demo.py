@@ -96,7 +96,7 @@ def test_demo_checkpoint_went_through_a_usable_verified_archive_generation(repor
 
     a = report["archive"]
     assert a["verified"] and a["round_trip_exact"] and a["generation"] == 1
-    assert ckpt_archive.verify(a["repository"], a["generation"], deep=True).ok
+    assert ckpt_archive.verify(a["repository"], a["generation"], options=ckpt_archive.VerifyOptions(deep=True)).ok
     state = ckpt_archive.load(a["repository"], a["generation"])
     assert set(state) >= {"model", "optimizer", "scheduler", "rng", "data", "progress", "config"}
     assert state["progress"]["step"] == 5 and state["data"]["cursor"] == 20

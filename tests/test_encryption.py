@@ -84,7 +84,7 @@ def test_restore_with_the_key_is_byte_identical_and_without_it_exits_2(tmp_path,
 def test_the_key_comes_from_the_environment_too(tmp_path, keyfile, monkeypatch):
     monkeypatch.setenv("CKPT_ARCHIVE_KEY_FILE", str(keyfile))
     _pack(tmp_path / "r", None, _state())
-    assert ckpt_archive.verify(tmp_path / "r", deep=True).ok
+    assert ckpt_archive.verify(tmp_path / "r", options=ckpt_archive.VerifyOptions(deep=True)).ok
     assert "encryption" in (tmp_path / "r" / "repository.json").read_text()
 
 
@@ -102,7 +102,7 @@ def test_a_tampered_ciphertext_is_damage_naming_the_member(tmp_path, keyfile, vi
         g = r.generation(1)
         assert g.status == "damaged" and "authentication tag" in g.reason
         return
-    rep = ckpt_archive.verify(r, "1", deep=True)
+    rep = ckpt_archive.verify(r, "1", options=ckpt_archive.VerifyOptions(deep=True))
     assert not rep.ok
     text = " ".join(f"{p.member or p.field}: {p.reason}" for p in rep.problems)
     assert "authentication tag" in text or "sha256" in text, text
@@ -122,7 +122,7 @@ def test_dedup_verify_deep_and_retention_keep_working_with_the_key(tmp_path, key
     # "frozen" is the same in every generation: one object for it, plus one "w" per kept generation
     assert len(objects) == 3, objects
     for g in (2, 3):
-        assert ckpt_archive.verify(r, str(g), deep=True).ok
+        assert ckpt_archive.verify(r, str(g), options=ckpt_archive.VerifyOptions(deep=True)).ok
         assert_same(_state(g - 1), ckpt_archive.load(r, str(g)))
 
 
@@ -135,7 +135,8 @@ def test_changing_the_key_rewraps_the_data_key_and_re_encrypts_nothing(tmp_path,
     new.write_bytes(crypto.new_key_file_text())
     change_repository_key(tmp_path / "r", keyfile, new)
     assert {p: p.read_bytes() for p in before} == before
-    assert ckpt_archive.verify(Repository.open(tmp_path / "r", key_file=new), deep=True).ok
+    assert ckpt_archive.verify(Repository.open(tmp_path / "r", key_file=new),
+                               options=ckpt_archive.VerifyOptions(deep=True)).ok
     with pytest.raises(crypto.KeyRefused):
         Repository.open(tmp_path / "r", key_file=keyfile)
 
@@ -195,7 +196,7 @@ def _cli_ok(*args, code: int = 0):
 
 def _plain_dest_holds_the_state(dest: Path, src: Path) -> None:
     assert "encryption" not in (dest / "repository.json").read_text()
-    assert ckpt_archive.verify(dest, deep=True).ok
+    assert ckpt_archive.verify(dest, options=ckpt_archive.VerifyOptions(deep=True)).ok
     out = dest.parent / "back.pt"
     ckpt_archive.restore(dest, "latest", out)
     assert out.read_bytes() == src.read_bytes()
@@ -214,7 +215,7 @@ def test_export_key_file_encrypts_the_copy_of_a_plain_source(tmp_path, keyfile, 
     with pytest.raises(crypto.KeyRefused):
         Repository.open(tmp_path / "enc")
     r = Repository.open(tmp_path / "enc", key_file=keyfile)
-    assert ckpt_archive.verify(r, deep=True).ok
+    assert ckpt_archive.verify(r, options=ckpt_archive.VerifyOptions(deep=True)).ok
     ckpt_archive.restore(r, "latest", tmp_path / "back.pt")
     assert (tmp_path / "back.pt").read_bytes() == src.read_bytes()
 
@@ -228,12 +229,14 @@ def test_export_of_an_encrypted_source_stays_encrypted_unless_to_plain(tmp_path,
     torch.save(_state(), src)
     ckpt_archive.pack(src, Repository.open(tmp_path / "enc", create=True, key_file=keyfile))
     _cli_ok("export", tmp_path / "enc", "--to", tmp_path / "same", "--key-file", keyfile)
-    assert ckpt_archive.verify(Repository.open(tmp_path / "same", key_file=keyfile), deep=True).ok
+    assert ckpt_archive.verify(Repository.open(tmp_path / "same", key_file=keyfile),
+                               options=ckpt_archive.VerifyOptions(deep=True)).ok
     assert _every_stored_byte(tmp_path / "same").find(b"SECRETSTRING-in-state") < 0
     other = tmp_path / "other.key"
     other.write_bytes(crypto.new_key_file_text())
     _cli_ok("export", tmp_path / "enc", "--to", tmp_path / "other", "--key-file", keyfile, "--to-key-file", other)
-    assert ckpt_archive.verify(Repository.open(tmp_path / "other", key_file=other), deep=True).ok
+    assert ckpt_archive.verify(Repository.open(tmp_path / "other", key_file=other),
+                               options=ckpt_archive.VerifyOptions(deep=True)).ok
     with pytest.raises(crypto.KeyRefused):
         Repository.open(tmp_path / "other", key_file=keyfile)
     _cli_ok("export", tmp_path / "enc", "--to", tmp_path / "plain", "--key-file", keyfile, "--to-plain")
@@ -260,7 +263,7 @@ def test_the_library_never_writes_an_encrypted_source_in_the_clear_unasked(tmp_p
     monkeypatch.setenv("CKPT_ARCHIVE_KEY_FILE", str(keyfile))
     ckpt_archive.export(tmp_path / "enc", tmp_path / "d2")
     assert "encryption" in (tmp_path / "d2" / "repository.json").read_text()
-    assert ckpt_archive.verify(tmp_path / "d2", deep=True).ok
+    assert ckpt_archive.verify(tmp_path / "d2", options=ckpt_archive.VerifyOptions(deep=True)).ok
     ckpt_archive.export(tmp_path / "enc", tmp_path / "d3", to_plain=True)
     assert "encryption" not in (tmp_path / "d3" / "repository.json").read_text()
 

@@ -340,13 +340,13 @@ def test_one_tensor_or_array_under_two_names_comes_back_as_one_object_from_load_
     out["n1"][0] = 7
     assert out["n2"][0] == 7
     # a part that holds only the second name still restores whole
-    only = ckpt_archive.load(tmp_path / "r", only="named")
+    only = ckpt_archive.load(tmp_path / "r", options=ckpt_archive.LoadOptions(only="named"))
     assert torch.equal(only["p"], p) and type(only["p"]) is torch.nn.Parameter
     # the other mutable values torch.load's memo keeps as one object: a bytearray, an admitted object
     ns, ba = argparse.Namespace(lr=0.1, w=t), bytearray(b"ab")
     ckpt_archive.pack({"args": ns, "hparams": ns, "ba": [ba, ba]}, tmp_path / "r2",
                       PackOptions(allow=["argparse.Namespace"]))
-    back2 = ckpt_archive.load(tmp_path / "r2", allow=["argparse.Namespace"])
+    back2 = ckpt_archive.load(tmp_path / "r2", options=ckpt_archive.LoadOptions(allow=["argparse.Namespace"]))
     assert back2["args"] is back2["hparams"] and back2["ba"][0] is back2["ba"][1]
 
 
@@ -536,7 +536,7 @@ def test_a_user_named_plain_class_round_trips_and_a_class_with_code_hooks_is_ref
 
     with pytest.raises(FormatError, match=f"--allow {name}"):
         ckpt_archive.load(tmp_path / "r")  # a reader never imports a class it did not ask for
-    back = ckpt_archive.load(tmp_path / "r", allow=[PlainConfig])
+    back = ckpt_archive.load(tmp_path / "r", options=ckpt_archive.LoadOptions(allow=[PlainConfig]))
     assert type(back["cfg"]) is PlainConfig and back["cfg"].lr == 0.3
     from ckpt_archive.errors import UsageError
 

@@ -123,7 +123,7 @@ def template(tmp_path_factory):
     gc_repo = root / "gc-repo"
     shutil.copytree(repo, gc_repo)
     for n in range(1, BASE_GENERATIONS + 1):  # usable here, so the partial one references their objects
-        assert ckpt_archive.verify(gc_repo, n, deep=True).marked_usable
+        assert ckpt_archive.verify(gc_repo, n, options=ckpt_archive.VerifyOptions(deep=True)).marked_usable
     saved = os.environ.get("CKPT_ARCHIVE_INJECT")
     os.environ["CKPT_ARCHIVE_INJECT"] = "after-seal=raise"
     try:
@@ -162,7 +162,7 @@ def prepare(template, workdir: Path, command: str = "pack") -> tuple[Path, list[
     repo = workdir / "repo"
     shutil.copytree(template[2] if command == "gc" else template[0], repo)
     for n in range(1, BASE_GENERATIONS + 1):
-        assert ckpt_archive.verify(repo, n, deep=True).marked_usable
+        assert ckpt_archive.verify(repo, n, options=ckpt_archive.VerifyOptions(deep=True)).marked_usable
     before = [g.number for g in Repository.open(repo).usable()]
     assert before == list(range(1, BASE_GENERATIONS + 1))
     return repo, before
@@ -258,7 +258,7 @@ def check_repository(case, run) -> None:
     # every generation listed as usable verifies, deeply
     for n, g in gens.items():
         if g.status == "usable":
-            report = ckpt_archive.verify(repo, n, deep=True)
+            report = ckpt_archive.verify(repo, n, options=ckpt_archive.VerifyOptions(deep=True))
             assert report.ok, f"{case_id(case)}: generation {n} is listed usable but fails: {report.problems}"
     new = max(before) + 1
     # the generations the interrupted command removes, in order; a deletion point fires while removing the
@@ -297,7 +297,8 @@ def check_recovery(case, run) -> None:
     repo = run["repo"]
     partial = [g.number for g in Repository.open(repo).generations() if g.status == "partial"]
     res = ckpt_archive.pack(state(99), repo)
-    assert res.status == "usable" and ckpt_archive.verify(repo, res.generation, deep=True).ok
+    assert res.status == "usable"
+    assert ckpt_archive.verify(repo, res.generation, options=ckpt_archive.VerifyOptions(deep=True)).ok
     if partial:
         assert res.leftovers, f"{case_id(case)}: pack did not report leftovers {partial}"
     removed = [x["generation"] for x in collect_garbage(str(repo)).removed]
@@ -316,7 +317,8 @@ def check_recovery(case, run) -> None:
         assert 1 not in {g.number for g in Repository.open(repo).generations()}
     assert_no_unreferenced_objects(case, repo)
     for g in Repository.open(repo).usable():
-        assert ckpt_archive.verify(repo, g.number, deep=True).ok, f"{case_id(case)}: #{g.number} after recovery"
+        assert ckpt_archive.verify(repo, g.number, options=ckpt_archive.VerifyOptions(deep=True)).ok, \
+            f"{case_id(case)}: #{g.number} after recovery"
 
 
 def assert_no_unreferenced_objects(case, repo: Path) -> None:
@@ -389,7 +391,7 @@ def test_two_concurrent_packs_never_write_the_same_generation(template, tmp_path
     r = Repository.open(repo)
     assert [g.status for g in r.generations()] == ["usable"] * (BASE_GENERATIONS + len(gens))
     for n in gens:
-        assert ckpt_archive.verify(repo, n, deep=True).ok
+        assert ckpt_archive.verify(repo, n, options=ckpt_archive.VerifyOptions(deep=True)).ok
 
 
 def test_two_concurrent_backups_of_one_source_store_it_once(template, tmp_path):

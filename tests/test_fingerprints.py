@@ -77,7 +77,7 @@ def test_a_tampered_chunk_is_caught_once_and_named(tmp_path):
     data[c["stored_offset"] + 5] ^= 0x10
     path.write_bytes(bytes(data))
     for deep in (False, True):
-        rep = ckpt_archive.verify(tmp_path / "repo", "1", deep=deep)
+        rep = ckpt_archive.verify(tmp_path / "repo", "1", options=ckpt_archive.VerifyOptions(deep=deep))
         assert not rep.ok
         mine = [p for p in rep.problems if p.member == shard["path"]]
         assert len(mine) == 1, (deep, rep.problems)  # one report, not one per pass over the bytes
@@ -105,7 +105,7 @@ def test_a_changed_entry_fingerprint_names_the_tensor(tmp_path):
 def test_format_1_archives_still_verify_and_load(tmp_path, name):
     repo = tmp_path / name
     shutil.copytree(FIXTURES / name, repo)
-    rep = ckpt_archive.verify(repo, "1", deep=True)
+    rep = ckpt_archive.verify(repo, "1", options=ckpt_archive.VerifyOptions(deep=True))
     assert rep.ok, rep.problems
     assert ckpt_archive.verify(repo, "1").ok
     state = ckpt_archive.load(repo, "1")
@@ -186,10 +186,10 @@ def test_pack_takes_each_stored_chunks_sha256_once(tmp_path, monkeypatch):
     _, m, _ = _pack(tmp_path)
     chunks = sum(len(rec["chunks"]) for rec in m["members"])
     assert chunks > 4 and counting.calls == chunks
-    from ckpt_archive.ops.verify import verify
+    from ckpt_archive.ops.verify import VerifyOptions, verify
 
     counting.calls = 0
-    verify(tmp_path / "repo", "1", deep=True)
+    verify(tmp_path / "repo", "1", options=VerifyOptions(deep=True))
     assert counting.calls >= chunks  # a check of bytes already published hashes every chunk
 
 

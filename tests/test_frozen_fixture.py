@@ -52,7 +52,7 @@ def _manifest(name: str, gen: int = 1) -> dict:
 def test_frozen_v1_archive_loads_exactly(tmp_path):
     repo = _copy(tmp_path, "v1-basic")
     # Copied to a new place: listed as copied until a deep verify proves it here.
-    rep = ckpt_archive.verify(repo, "1", deep=True)
+    rep = ckpt_archive.verify(repo, "1", options=ckpt_archive.VerifyOptions(deep=True))
     assert rep.ok, rep.problems
     assert rep.marked_usable
     assert_same(fixture_state(), ckpt_archive.load(repo, "latest"))
@@ -82,7 +82,7 @@ def test_frozen_v2_archive_verifies_deep_and_loads_exactly(tmp_path):
     PCG64 ints past 2**53, nan/inf, bytes, tuples, NumPy arrays and scalars, int dict keys)."""
     repo = _copy(tmp_path, "v2-basic-e1d84bb")
     assert [g.status for g in ckpt_archive.list_generations(repo, all=True)] == ["copied"]
-    rep = ckpt_archive.verify(repo, "1", deep=True)
+    rep = ckpt_archive.verify(repo, "1", options=ckpt_archive.VerifyOptions(deep=True))
     assert rep.ok, rep.problems
     assert rep.marked_usable
     assert [g.status for g in ckpt_archive.list_generations(repo, all=True)] == ["usable"]
@@ -99,7 +99,7 @@ def test_frozen_v2_archive_verifies_deep_and_loads_exactly(tmp_path):
 def test_frozen_v2_exact_bytes_restore_byte_for_byte(tmp_path):
     """A format-2 file source restores to the exact bytes of the .pt it was packed from."""
     repo = _copy(tmp_path, "v2-exact-e1d84bb")
-    assert ckpt_archive.verify(repo, "1", deep=True).ok
+    assert ckpt_archive.verify(repo, "1", options=ckpt_archive.VerifyOptions(deep=True)).ok
     out = tmp_path / "restored.pt"
     ckpt_archive.restore(repo, "1", out)
     assert hashlib.sha256(out.read_bytes()).hexdigest() == V2_EXACT_SHA256
@@ -118,7 +118,7 @@ def test_frozen_v3_shared_objects_load_in_both_generations(tmp_path):
             for g in (1, 2)]
     assert refs[0] and refs[0] == refs[1]  # the second generation reuses the first one's objects
     for gen, step in ((1, 10), (2, 20)):
-        rep = ckpt_archive.verify(repo, str(gen), deep=True)
+        rep = ckpt_archive.verify(repo, str(gen), options=ckpt_archive.VerifyOptions(deep=True))
         assert rep.ok, rep.problems
         assert_same(_v3_state(step), ckpt_archive.load(repo, str(gen)))
     assert_same(_v3_state(10), ckpt_archive.load(repo, "tag:s10"))

@@ -120,7 +120,7 @@ def _refused_everywhere(tmp_path, repo, words: str) -> None:
     res = cli("restore", f"{repo}@1", "-o", out, "--restore-unverified")
     assert res.exit_code == 1 and words in res.stderr and not out.exists(), res.stderr
     with pytest.raises(ckpt_archive.errors.CheckFailed):
-        ckpt_archive.load(repo, 1, unverified=True)
+        ckpt_archive.load(repo, 1, options=ckpt_archive.LoadOptions(unverified=True))
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
 
 
@@ -222,7 +222,7 @@ def test_a_stored_path_with_dotdot_is_never_read_by_the_local_store(tmp_path, fo
         res = cli(*args)
         assert res.exit_code == 1 and "stored_path" in res.stdout + res.stderr, res.stdout + res.stderr
     with pytest.raises(UnsafePath):
-        ckpt_archive.load(folder_repo, 1, unverified=True)
+        ckpt_archive.load(folder_repo, 1, options=ckpt_archive.LoadOptions(unverified=True))
 
 
 def test_export_never_writes_beside_the_destination(tmp_path, folder_repo):
@@ -570,10 +570,10 @@ def test_load_refuses_a_partial_generation_unless_unverified(file_repo, mode):
         ckpt_archive.load(file_repo, 1)
     if mode == "signed":  # trusted keys required: an unpublished generation is never handed out
         with pytest.raises(ckpt_archive.errors.CheckFailed, match="not signed"):
-            ckpt_archive.load(file_repo, 1, unverified=True)
+            ckpt_archive.load(file_repo, 1, options=ckpt_archive.LoadOptions(unverified=True))
         return
     with pytest.warns(UserWarning, match="UNVERIFIED"):
-        assert ckpt_archive.load(file_repo, 1, unverified=True)["step"] == 3
+        assert ckpt_archive.load(file_repo, 1, options=ckpt_archive.LoadOptions(unverified=True))["step"] == 3
 
 
 def test_export_refuses_a_partial_generation(tmp_path, file_repo):
@@ -779,9 +779,9 @@ def test_backup_reports_a_checkpoint_that_changes_while_packed_as_busy(tmp_path,
     old = os.stat(p).st_mtime - 3600
     os.utime(p, (old, old))
     _touch_after_load(monkeypatch, p)
-    from ckpt_archive.ops.backup import backup
+    from ckpt_archive.ops.backup import BackupOptions, backup
 
-    result = backup(src, str(tmp_path / "r"), settle=0.0, sleep=lambda s: None)
+    result = backup(src, str(tmp_path / "r"), options=BackupOptions(settle=0.0), sleep=lambda s: None)
     assert result.action == "busy" and result.exit_code == 75, result
     assert not list(Repository.open(str(tmp_path / "r")).usable())
 
@@ -1051,7 +1051,7 @@ def test_a_store_that_fails_mid_read_is_could_not_check_not_found_wrong(file_rep
 
     monkeypatch.setattr(LocalStore, "open_read", down)
     with pytest.raises(StoreError):
-        ckpt_archive.verify(file_repo, deep=True)
+        ckpt_archive.verify(file_repo, options=ckpt_archive.VerifyOptions(deep=True))
     res = cli("verify", file_repo, "--deep")
     assert res.exit_code == 2
 
@@ -1175,7 +1175,7 @@ def test_a_forged_chunk_inside_a_tensor_spanning_chunks_fails_the_trial_reload(t
 
     edit_manifest(repo, forge)
     assert ckpt_archive.verify(repo, "1").ok  # the forgery holds against the stored checks
-    rep = ckpt_archive.verify(repo, "1", deep=True)
+    rep = ckpt_archive.verify(repo, "1", options=ckpt_archive.VerifyOptions(deep=True))
     assert not rep.ok and any("raw fingerprint mismatch in entry w:" in p.reason for p in rep.problems)
 
 

@@ -395,7 +395,7 @@ _INPUT_JSON = {
     ("ckpt_archive/ops/backup.py", "busy-source check of a source folder's .json (at most 16 MiB, read only when that small)"),
     ("ckpt_archive/ops/status.py", "the user's own status state file"),
     ("ckpt_archive/format/manifest.py", "the tool's schemas; a manifest just sealed (its cost checked first)"),
-    ("ckpt_archive/repo/repository.py", "the lock owner file (64 KiB limit; the file layer's)"),
+    ("ckpt_archive/repo/lock.py", "the lock owner file (64 KiB limit; the file layer's)"),
 }
 
 

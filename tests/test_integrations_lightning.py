@@ -105,7 +105,7 @@ def test_each_checkpoint_is_a_generation_tagged_with_its_file_name_and_topk_remo
     assert (root / "full" / "ckpts" / "last.ckpt").stat().st_size < 1024
     g = ckpt_archive.list_generations(root / "repo")[-1]
     assert set(g.manifest["metrics"]) == {"train_loss"} and g.manifest["progress"]["epoch"] == 3
-    assert ckpt_archive.verify(root / "repo", deep=True).ok
+    assert ckpt_archive.verify(root / "repo", options=ckpt_archive.VerifyOptions(deep=True)).ok
 
 
 def test_fit_resumes_from_repo_at_latest_bitwise_params_optimizer_and_lr(l_run, tmp_path):

@@ -114,7 +114,7 @@ def test_checkpoint_deleted_by_save_total_limit_while_packed_is_still_archived_w
     files = {f["relpath"] for f in gens[0].manifest["source"]["files"]}
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
             "training_args.bin", "config.json"} <= files
-    assert ckpt_archive.verify(root / "repo", 1, deep=True).ok
+    assert ckpt_archive.verify(root / "repo", 1, options=ckpt_archive.VerifyOptions(deep=True)).ok
     # the staging snapshots are gone, the Trainer's folder is what it left
     assert sorted(p.name for p in (root / "run").iterdir() if p.is_dir()) == ["checkpoint-4"]
 
@@ -208,13 +208,13 @@ def test_train_end_exports_the_usable_generations_and_writes_the_proof(hf_archiv
     assert (root / "proof.md").is_file() and "checkpoint" in (root / "proof.md").read_text()
     dest = ckpt_archive.list_generations(root / "offsite")
     assert [(g.number, g.status) for g in dest] == [(1, "usable"), (2, "usable")]
-    assert ckpt_archive.verify(root / "offsite", deep=True).ok
+    assert ckpt_archive.verify(root / "offsite", options=ckpt_archive.VerifyOptions(deep=True)).ok
 
 
 def test_end_of_rental_backup_of_the_trainer_folder_adds_no_duplicate(hf_archived):
     """scripts/end-of-rental.sh runs `backup` on the output folder: what the callback archived is recognised."""
     root, _, _, _ = hf_archived
-    res = ckpt_archive.backup(root / "run", str(root / "repo"), settle=0)
+    res = ckpt_archive.backup(root / "run", str(root / "repo"), options=ckpt_archive.BackupOptions(settle=0))
     assert res.action == "unchanged" and res.generation == 2, res
 
 

@@ -41,7 +41,7 @@ def _encrypted_and_signed(repo: Path, keys, n: int = 1) -> Repository:
     r = Repository.open(repo, key_file=keys.key_file, trust=keys.trust)
     gens = r.usable()
     assert len(gens) == n and all(g.signer == keys.fingerprint for g in gens)
-    assert ckpt_archive.verify(r, deep=True).ok
+    assert ckpt_archive.verify(r, options=ckpt_archive.VerifyOptions(deep=True)).ok
     return r
 
 

@@ -80,7 +80,7 @@ def test_a_copied_repository_is_copied_until_deep_verify_marks_it_usable_here(tm
     assert ckpt_archive.list_generations(dst) == []
     shallow = ckpt_archive.verify(dst, "1")
     assert not shallow.marked_usable
-    deep = ckpt_archive.verify(dst, "1", deep=True)
+    deep = ckpt_archive.verify(dst, "1", options=ckpt_archive.VerifyOptions(deep=True))
     assert deep.ok and deep.marked_usable
     assert Repository.open(dst).generation(1).status == "usable"
 
@@ -94,7 +94,7 @@ def test_latest_that_no_longer_verifies_names_the_newest_that_does_and_fallback_
     assert not rep.ok and rep.fallback == 1
     with pytest.raises(IntegrityError, match="newest generation that verifies is 1"):
         ckpt_archive.load(r)
-    assert ckpt_archive.load(r, fallback=True)["step"] == 1
+    assert ckpt_archive.load(r, options=ckpt_archive.LoadOptions(fallback=True))["step"] == 1
     res = runner.invoke(app, ["restore", str(r), "-o", str(tmp_path / "x.pt")])
     assert res.exit_code == 1 and "--fallback" in res.stderr and not (tmp_path / "x.pt").exists()
     res = runner.invoke(app, ["restore", str(r), "-o", str(tmp_path / "x.pt"), "--fallback"])
@@ -219,9 +219,9 @@ def test_marking_a_copied_generation_usable_waits_for_the_repository_lock(tmp_pa
     shutil.copytree(src, dst)
     with Repository.open(dst).lock():
         with pytest.raises(LockError):
-            ckpt_archive.verify(dst, "1", deep=True)
+            ckpt_archive.verify(dst, "1", options=ckpt_archive.VerifyOptions(deep=True))
     assert Repository.open(dst).generation(1).status == "copied"
-    assert ckpt_archive.verify(dst, "1", deep=True).marked_usable
+    assert ckpt_archive.verify(dst, "1", options=ckpt_archive.VerifyOptions(deep=True)).marked_usable
 
 
 def test_the_marker_is_never_written_without_the_lock(tmp_path):

@@ -77,6 +77,6 @@ def test_a_source_files_tensor_bytes_are_hashed_once_in_its_scan(tmp_path, monke
     res = ckpt_archive.pack(src, tmp_path / "r")
     assert [n for n in hashed if n >= 1000] == [], "tensor bytes hashed again by the writer"
     assert res.status == "usable"
-    assert ckpt_archive.verify(tmp_path / "r", deep=True).ok
+    assert ckpt_archive.verify(tmp_path / "r", options=ckpt_archive.VerifyOptions(deep=True)).ok
     back = ckpt_archive.load(tmp_path / "r")
     assert torch.equal(back["a"], state["a"]) and torch.equal(back["b"], state["b"])

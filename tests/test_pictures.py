@@ -72,6 +72,29 @@ def test_a_resume_that_diverges_by_1e_9_is_named_on_the_picture(tmp_path):
     assert "the resume diverges here: update 8 (loss)" in svg and "the resume DIVERGES at update 8" in svg
 
 
+def test_an_lr_only_divergence_is_marked_on_the_lr_panel_not_the_loss_distance(tmp_path):
+    """Fault: a run whose first divergence is its LR (loss identical) got its cross on the loss-distance
+    panel, at 0 -- the line that means "identical" -- and nothing on the LR panel, where it diverges."""
+    pytest.importorskip("matplotlib")
+    from ckpt_archive.resume.picture import divergence_marks
+
+    report, trajectories, controls = _check()
+    trajectories["resumed"] = _traj(range(1, 11), [1.0 / s for s in range(1, 11)],
+                                    [0.03] * 3 + [0.015] * 3 + [0.015] + [0.0075] * 3)  # LR stale at update 7
+    report["positive"] = False
+    report["positive_comparison"] = {"matched": False, "first_divergence": {"step": 7, "field": "lr[0]"}}
+    lines = run_lines(report, trajectories, controls)
+    base = dict(zip(lines[0]["steps"], lines[0]["loss"]))
+    marks = {m["name"]: m for m in divergence_marks(lines, base)}
+    assert marks["resumed"]["panel"] == "lr" and marks["resumed"]["step"] == 7
+    assert marks["resumed"]["value"] == 0.015                # on the resumed run's own LR line
+    assert marks["scheduler-stale"]["panel"] == "lr"         # a control's LR divergence too
+    assert marks["numpy-rng"]["panel"] == "distance"         # a data-order divergence shows in the loss
+    svg = write_picture(report, lines, tmp_path).read_text()
+    assert "the resume&#39;s LR diverges here: update 7 (lr[0])" in svg or \
+        "the resume's LR diverges here: update 7 (lr[0])" in svg
+
+
 def test_without_matplotlib_no_picture_is_written_and_the_check_says_so_once(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     report, trajectories, controls = _check()

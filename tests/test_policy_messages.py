@@ -100,7 +100,7 @@ def test_strict_verify_fails_an_accelerate_folder_whose_manifest_has_the_step(tm
     repo = tmp_path / "repo"
     res = ckpt_archive.pack(_accelerate_folder(tmp_path / "acc"), repo)
     assert res.manifest["progress"]["step"] == 3
-    rep = ckpt_archive.verify(repo, strict=True)
+    rep = ckpt_archive.verify(repo, options=ckpt_archive.VerifyOptions(strict=True))
     assert rep.ok, [p.reason for p in rep.problems]
     (data,) = [f for f in rep.policy.completeness if f.field == "data"]
     assert data.severity == "info" and "step/epoch counters" in data.message

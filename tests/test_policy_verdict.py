@@ -33,7 +33,7 @@ def no_optimizer_repo(tmp_path_factory):
 
 
 def test_library_verify_strict_gives_the_clis_verdict(no_optimizer_repo):
-    lib = ckpt_archive.verify(no_optimizer_repo, strict=True)
+    lib = ckpt_archive.verify(no_optimizer_repo, options=ckpt_archive.VerifyOptions(strict=True))
     cli = _cli("verify", no_optimizer_repo, "--strict", "--json")
     assert cli.exit_code == 1, cli.output
     assert lib.ok is False
@@ -50,6 +50,8 @@ def test_library_verify_strict_gives_the_clis_verdict(no_optimizer_repo):
 def test_verify_refuses_unknown_keyword_arguments(no_optimizer_repo):
     with pytest.raises(TypeError):
         ckpt_archive.verify(no_optimizer_repo, strcit=True)
+    with pytest.raises(TypeError, match="strict"):  # an option is a field of VerifyOptions, never a keyword
+        ckpt_archive.verify(no_optimizer_repo, strict=True)
     with pytest.raises(TypeError):
         ckpt_archive.inspect(no_optimizer_repo, endpoint_url="http://x")
     # store options go in one explicit mapping
@@ -66,7 +68,7 @@ def test_library_inspect_carries_the_audit_the_cli_prints(no_optimizer_repo):
 
 
 def test_verify_without_policy_checks_bytes_only(no_optimizer_repo):
-    rep = ckpt_archive.verify(no_optimizer_repo, strict=True, policy=False)
+    rep = ckpt_archive.verify(no_optimizer_repo, options=ckpt_archive.VerifyOptions(strict=True, policy=False))
     assert rep.ok and rep.policy is None and "policy" not in rep.to_json()
 
 

@@ -48,13 +48,16 @@ def test_no_public_operation_swallows_unknown_keyword_arguments(name):
         fn(*_positional_dummies(fn), definitely_not_an_option=1)
 
 
+OPTIONS = ("PackOptions", "Annotations", "RestoreOptions", "LoadOptions", "VerifyOptions", "BackupOptions")
+
+
 def test_every_public_result_and_options_type_is_exported():
     """``ExportResult`` (and ``InspectResult``, ``RestoreOptions``) had to be imported from ``ckpt_archive.ops.*``."""
-    for name in ("PackOptions", "Annotations", "RestoreOptions", "PackResult", "VerifyReport", "RestoreResult",
+    for name in (*OPTIONS, "PackResult", "VerifyReport", "RestoreResult",
                  "InspectResult", "AdoptReport", "StatusReport", "ExportResult", "PruneResult", "ForgetResult",
                  "GcResult", "BackupResult", "RestoreReport", "PolicyVerdict"):
         assert name in ckpt_archive.__all__ and inspect.isclass(getattr(ckpt_archive, name)), name
-    for name in ("PackOptions", "Annotations", "RestoreOptions"):
+    for name in OPTIONS:
         assert getattr(ckpt_archive, name).__dataclass_params__.frozen, name
 
 
@@ -62,7 +65,7 @@ def test_store_options_and_wait_have_one_name_in_every_operation():
     """``export`` said ``lock_wait`` and ``storage_options``; ``restore`` and ``load`` took store options as
     loose keywords. Every operation that opens a repository by path takes ``store_options``, every one that
     takes a writer lock ``wait``."""
-    for name in ("load", "verify", "restore", "inspect", "list_generations", "adopt", "status", "export"):
+    for name in ("load", "verify", "restore", "inspect", "list_generations", "adopt", "status", "export", "backup"):
         assert "store_options" in inspect.signature(getattr(ckpt_archive, name)).parameters, name
     for name in ("verify", "adopt", "prune", "forget", "gc", "backup", "export"):
         assert "wait" in inspect.signature(getattr(ckpt_archive, name)).parameters, name
@@ -89,6 +92,97 @@ def test_restore_takes_one_options_object_naming_the_cli_options(tmp_path):
     assert res.only == "model" and set(torch.load(out, weights_only=True)) == {"w"}
     res = ckpt_archive.restore(repo, "latest", out, ckpt_archive.RestoreOptions(force=True))
     assert torch.load(out, weights_only=True)["step"] == 3
+
+
+#: The one shape (docs/api.md): an operation's inputs, then its options object, then only these keywords, each
+#: meaning the same wherever it appears. Everything else an operation can be asked is a field of its options object.
+INPUTS = {"source", "repo", "generation", "output", "options", "annotations"}
+SHARED_KEYWORDS = {
+    "wait",            # seconds for the writer lock
+    "on_bytes",        # progress callback
+    "store_options",   # how to reach a URL repository
+    "retention",       # the RetentionPolicy run after publishing (pack, backup): prune's own options object
+    "before_publish",  # pack's hook under the lock
+    "now", "sleep",    # the clock (backup; prune and status take now too): tests pass fakes
+}
+OPERATIONS = {"pack": "PackOptions", "load": "LoadOptions", "verify": "VerifyOptions", "restore": "RestoreOptions",
+              "backup": "BackupOptions"}
+
+
+@pytest.mark.parametrize("name", sorted(OPERATIONS))
+def test_no_operation_grows_keyword_options_again(name):
+    """``load``, ``verify`` and ``backup`` took 6-10 options as keyword arguments, each its own way
+    (``verify(repo, deep=True, strict=True, record=False)``); a new option added as a keyword brings that back."""
+    params = inspect.signature(getattr(ckpt_archive, name)).parameters
+    cls = getattr(ckpt_archive, OPERATIONS[name])
+    positional = [p for p, v in params.items() if v.kind is v.POSITIONAL_OR_KEYWORD]
+    keywords = [p for p, v in params.items() if v.kind is v.KEYWORD_ONLY]
+    assert set(positional) <= INPUTS, f"{name} takes {set(positional) - INPUTS} positionally: make it a field of {cls}"
+    assert set(keywords) <= SHARED_KEYWORDS, (f"{name} grew the keyword(s) {set(keywords) - SHARED_KEYWORDS}: "
+                                              f"make each a field of {cls.__name__}")
+    assert "options" in positional and params["options"].default is None, name
+    assert not {f.name for f in dataclasses.fields(cls)} & set(params), f"an option of {cls.__name__} is a keyword"
+
+
+def test_an_option_means_the_same_in_every_options_object():
+    """``jobs``, ``fallback``, ``allow``, ``unverified``, ``only`` and ``map_location`` are one option each: the same
+    name and default in LoadOptions as in RestoreOptions, and ``jobs``/``allow`` as in PackOptions."""
+    def defaults(cls):
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    load, restore = defaults(ckpt_archive.LoadOptions), defaults(ckpt_archive.RestoreOptions)
+    assert set(load) == {"only", "fallback", "unverified", "map_location", "jobs", "allow"}
+    assert {k: restore[k] for k in load} == load, "LoadOptions and RestoreOptions disagree on a shared option"
+    assert set(defaults(ckpt_archive.VerifyOptions)) == {"deep", "strict", "fallback", "jobs", "policy", "record"}
+    assert set(defaults(ckpt_archive.BackupOptions)) == {"settle", "stale_after", "tags", "allow"}
+    for cls in (ckpt_archive.VerifyOptions, ckpt_archive.PackOptions):
+        assert defaults(cls)["jobs"] is None and defaults(cls).get("fallback", False) is False, cls
+    for cls in (ckpt_archive.PackOptions, ckpt_archive.BackupOptions):
+        assert tuple(defaults(cls)["allow"]) == (), cls
+
+
+def test_load_verify_and_backup_take_their_options_object_and_refuse_the_old_keywords(tmp_path):
+    """The old keyword forms (``load(repo, only=...)``, ``verify(repo, deep=True)``, ``backup(src, repo, settle=0)``)
+    are refused with TypeError, never dropped; a dict, or an options object in the generation's place, is refused
+    naming the form to use; the options object gives what the keywords gave."""
+    repo = tmp_path / "r"
+    ckpt_archive.pack({"model": {"w": torch.ones(2)}, "step": 3}, repo)
+    for call in (lambda: ckpt_archive.load(repo, only="model"), lambda: ckpt_archive.verify(repo, deep=True),
+                 lambda: ckpt_archive.backup(tmp_path, repo, settle=0)):
+        with pytest.raises(TypeError, match="only|deep|settle"):
+            call()
+    with pytest.raises(TypeError, match=r"LoadOptions\(\*\*options\)"):
+        ckpt_archive.load(repo, "latest", {"only": "model"})
+    with pytest.raises(TypeError, match="VerifyOptions"):
+        ckpt_archive.verify(repo, "latest", ckpt_archive.LoadOptions())
+    with pytest.raises(TypeError, match=r"where the generation goes: pass it as options=VerifyOptions"):
+        ckpt_archive.verify(repo, ckpt_archive.VerifyOptions(strict=True))
+    with pytest.raises(TypeError, match="BackupOptions"):
+        ckpt_archive.backup(tmp_path, repo, {"settle": 0})
+    with pytest.raises(TypeError, match="RestoreOptions"):
+        ckpt_archive.restore(repo, ckpt_archive.RestoreOptions(force=True), tmp_path / "o.pt")
+    with pytest.raises(TypeError, match="PackOptions"):  # was: AttributeError from deep inside pack
+        ckpt_archive.pack({"w": torch.ones(2)}, repo, {"level": 3})
+    assert [g.number for g in ckpt_archive.list_generations(repo)] == [1]
+    assert set(ckpt_archive.load(repo, "latest", ckpt_archive.LoadOptions(only="model"))) == {"w"}
+    report = ckpt_archive.verify(repo, options=ckpt_archive.VerifyOptions(deep=True, policy=False))
+    assert report.ok and report.deep and report.policy is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ckpt_archive.VerifyOptions().deep = True
+
+
+def test_backup_takes_a_single_tag_as_one_tag_and_store_options_as_every_operation(tmp_path):
+    """``tags="nightly"`` became the tags n, i, g, h, t, l, y (``tuple(tags)``); and backup alone took no
+    ``store_options``."""
+    src = tmp_path / "run" / "ckpt.pt"
+    src.parent.mkdir()
+    torch.save({"w": torch.ones(2), "step": 1}, src)
+    with pytest.raises(TypeError, match="endpoint"):
+        ckpt_archive.backup(src, tmp_path / "r", store_options={"endpoint": "http://minio:9000"})
+    res = ckpt_archive.backup(src, tmp_path / "r", ckpt_archive.BackupOptions(settle=0, tags="nightly"),
+                              sleep=lambda s: None, store_options={})
+    assert res.action == "packed"
+    assert ckpt_archive.list_generations(tmp_path / "r")[-1].manifest["tags"] == ["nightly"]
 
 
 def test_a_misspelt_store_option_is_refused_not_dropped(tmp_path):

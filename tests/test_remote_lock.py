@@ -119,4 +119,4 @@ def test_concurrent_packs_prunes_and_gc_from_two_machines_leave_a_consistent_rep
     gens = ckpt_archive.list_generations(s3_url, all=True)
     assert [g.status for g in gens] == ["usable"] * 4
     for g in gens:
-        assert ckpt_archive.verify(s3_url, str(g.number), deep=True).ok
+        assert ckpt_archive.verify(s3_url, str(g.number), options=ckpt_archive.VerifyOptions(deep=True)).ok

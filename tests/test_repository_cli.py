@@ -80,7 +80,7 @@ def test_prune_keep_last_and_best_keeps_the_best_and_the_newest(repo5):
     assert [k["generation"] for k in out["keep"]] == [5, 2]
     assert not gen_dir(repo5, 1).exists() and not gen_dir(repo5, 3).exists()
     for n in (2, 5):
-        assert ckpt_archive.verify(repo5, n, deep=True).ok
+        assert ckpt_archive.verify(repo5, n, options=ckpt_archive.VerifyOptions(deep=True)).ok
 
 
 def test_prune_when_newest_is_best_only_it_stays(tmp_path):
@@ -647,7 +647,8 @@ def test_backup_skips_a_file_that_changes_within_the_settle_window(tmp_path):
         with open(src, "ab") as fh:
             fh.write(b"more")
 
-    result = backup_mod.backup(src, str(tmp_path / "repo"), settle=5, sleep=trainer_still_writing)
+    result = backup_mod.backup(src, str(tmp_path / "repo"), backup_mod.BackupOptions(settle=5),
+                               sleep=trainer_still_writing)
     assert result.action == "busy" and result.exit_code == 75
     assert "still being written" in result.reason
 
@@ -655,7 +656,7 @@ def test_backup_skips_a_file_that_changes_within_the_settle_window(tmp_path):
 def test_backup_waits_the_settle_window_before_packing(tmp_path):
     src = save_pt(tmp_path / "run" / "last.pt", 1)
     slept = []
-    result = backup_mod.backup(src, str(tmp_path / "repo"), settle=7.5, sleep=slept.append)
+    result = backup_mod.backup(src, str(tmp_path / "repo"), backup_mod.BackupOptions(settle=7.5), sleep=slept.append)
     assert result.action == "packed" and slept == [7.5]
 
 
@@ -988,3 +989,13 @@ def test_gc_prune_and_forget_skip_a_stray_unsafe_key_on_an_object_store_and_go_o
     repo.store.fs.invalidate_cache()
     assert repo.store.fs.exists(stray)  # never deleted
     assert [g.number for g in Repository.open(s3_url).usable()] == [5]
+
+
+def test_a_path_holding_an_emoji_code_is_printed_as_it_is(tmp_path):
+    """Guards against rich's emoji codes rewriting what the tool prints: a repository at ``run:x:1`` (a
+    plausible name) was listed and reported as ``run❌1``, a place that does not exist."""
+    repo = make_repo(tmp_path / "run:x:1:100:", losses=[0.5])
+    for args in (["list", repo], ["status", repo, "--no-record"]):
+        res = cli(*args)
+        assert res.exit_code == 0, res.output
+        assert "run:x:1:100:" in res.output and "❌" not in res.output and "💯" not in res.output, res.output

@@ -21,9 +21,10 @@ CHUNK = 4096
 
 @contextlib.contextmanager
 def no_entry_buffers(monkeypatch):
-    """Fail any entry buffer larger than two chunks that the reader asks for (an entry assembled whole)."""
+    """Fail any entry buffer larger than two chunks that the reader asks for (an entry assembled whole; entries
+    are assembled by the reader's :class:`~ckpt_archive.repo.entries.EntryCutter`)."""
     from ckpt_archive.format import limits
-    from ckpt_archive.repo import reader
+    from ckpt_archive.repo import entries
 
     def guard(real):
         def wrapped(nbytes, *a, **k):
@@ -32,7 +33,7 @@ def no_entry_buffers(monkeypatch):
         return wrapped
 
     with monkeypatch.context() as m:
-        m.setattr(reader, "lazy_buffer", guard(limits.lazy_buffer))
+        m.setattr(entries, "lazy_buffer", guard(limits.lazy_buffer))
         yield
 
 

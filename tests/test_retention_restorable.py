@@ -89,7 +89,8 @@ def rotted(tmp_path):
     good = rot(repo, oid)
     # The rot is not yet discovered (the case): the setup checks record nothing, so 2 and 3 are still
     # listed usable and each command below must find the rot itself.
-    assert [ckpt_archive.verify(repo, n, record=False).ok for n in (1, 2, 3)] == [True, False, False]
+    unrecorded = ckpt_archive.VerifyOptions(record=False)
+    assert [ckpt_archive.verify(repo, n, unrecorded).ok for n in (1, 2, 3)] == [True, False, False]
     assert usable(repo) == [1, 2, 3]
     return repo, src, oid, good
 

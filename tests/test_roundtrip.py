@@ -217,7 +217,7 @@ def test_only_with_a_missing_key_lists_the_keys_that_are_there(tmp_path):
     repo = tmp_path / "r"
     ckpt_archive.pack({"model.safetensors": {"w": torch.zeros(1)}, "optimizer.pt": {"state": {}}}, repo)
     with pytest.raises(NotFound) as info:
-        ckpt_archive.load(repo, only="model")
+        ckpt_archive.load(repo, options=ckpt_archive.LoadOptions(only="model"))
     assert "no key 'model'" in str(info.value) and "keys there: model.safetensors, optimizer.pt" in str(info.value)
 
 

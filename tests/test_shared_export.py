@@ -121,7 +121,7 @@ def test_second_export_of_a_lora_run_moves_only_the_changed_bytes(lora, kind, tm
         assert dst.store.size(object_key(fp)) == size
     for n in (1, 2):  # bit-exact from the destination, each generation through the same objects
         _assert_bit_equal(states[n], ca.load(dest, str(n)))
-        assert ca.verify(dest, str(n), deep=True).ok
+        assert ca.verify(dest, str(n), options=ca.VerifyOptions(deep=True)).ok
 
 
 def test_export_cli_json_reports_bytes_copied_and_skipped(lora, tmp_path):
@@ -293,7 +293,7 @@ def test_same_tensor_encoded_otherwise_at_destination_lives_beside_it_never_over
     assert res.exit_code == 0, res.output
     assert {o: (dest / object_key(o)).read_bytes() for o in refs(theirs)} == before   # never overwritten
     for n in (1, 2, 3, 4):
-        assert ca.verify(dest, str(n), deep=True).ok
+        assert ca.verify(dest, str(n), options=ca.VerifyOptions(deep=True)).ok
 
 
 # --- list and inspect -------------------------------------------------------------------------------

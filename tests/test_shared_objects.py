@@ -144,7 +144,7 @@ def test_a_hostile_objects_table_is_refused_before_any_read(tmp_path, attack):
     assert res.returncode == 1, res.stderr
     assert "Traceback" not in res.stderr
     with pytest.raises(CheckFailed):
-        ckpt_archive.load(repo, 1, unverified=True)
+        ckpt_archive.load(repo, 1, options=ckpt_archive.LoadOptions(unverified=True))
 
 
 def test_a_damaged_shared_object_fails_every_generation_that_uses_it_naming_the_object(tmp_path):
@@ -426,7 +426,7 @@ def test_a_reused_object_is_hashed_not_decoded_again_by_the_trial_reload(tmp_pat
     # chunk of 1 MiB per object) is
     assert sum(seen) >= raw - base and (1 << 20) not in seen, seen
     seen.clear()
-    report = ckpt_archive.verify(repo, 2, deep=True)
+    report = ckpt_archive.verify(repo, 2, options=ckpt_archive.VerifyOptions(deep=True))
     assert report.ok and seen.count(1 << 20) == 3 and sum(seen) >= raw
 
 

@@ -93,7 +93,7 @@ def test_forget_of_first_sharing_generation_keeps_objects_the_second_needs(two_s
     assert committed_objects(repo) == objs
     assert res.objects.removed == [] and all(v == [2] for v in res.objects.in_use.values())
     assert len(res.objects.in_use) == 2 and res.to_json()["objects"]["freed_bytes"] == 0
-    assert ckpt_archive.verify(repo, 2, deep=True).ok
+    assert ckpt_archive.verify(repo, 2, options=ckpt_archive.VerifyOptions(deep=True)).ok
     assert_bit_exact(ckpt_archive.load(repo, 2), st)
 
 
@@ -210,7 +210,7 @@ def test_later_pack_replaces_an_orphan_object_rather_than_trusting_it(tmp_path):
     res = ckpt_archive.pack(st, repo)
     assert res.status == "usable"
     assert {object_key(fp) for fp in manifest_fps(repo, res.generation)} == set(orphans)
-    assert ckpt_archive.verify(repo, res.generation, deep=True).ok
+    assert ckpt_archive.verify(repo, res.generation, options=ckpt_archive.VerifyOptions(deep=True)).ok
     assert_bit_exact(ckpt_archive.load(repo, res.generation), st)
 
 
@@ -233,7 +233,7 @@ def test_partial_generation_protects_its_objects_and_a_new_pack_checks_them_in_f
     # it names them (same bytes, same names) and its own trial reload checks every chunk of them
     new = ckpt_archive.pack(st, repo)
     assert manifest_fps(repo, new.generation) == manifest_fps(repo, 2)
-    assert ckpt_archive.verify(repo, new.generation, deep=True).ok
+    assert ckpt_archive.verify(repo, new.generation, options=ckpt_archive.VerifyOptions(deep=True)).ok
     g = gc(str(repo))
     assert [x["generation"] for x in g.removed] == [2] and g.removed_objects == []
     assert committed_objects(repo) == objs

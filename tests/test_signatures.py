@@ -59,7 +59,7 @@ def test_a_signed_generation_verifies_with_its_key_trusted_and_shows_the_signer(
     r = Repository.open(repo, trust=keypair.public_path)
     g = r.generation(1)
     assert g.status == "usable" and g.signer == keypair.fingerprint
-    assert ckpt_archive.verify(r, deep=True).ok
+    assert ckpt_archive.verify(r, options=ckpt_archive.VerifyOptions(deep=True)).ok
     assert ckpt_archive.load(r)["progress"]["step"] == 3
     assert ckpt_archive.list_generations(repo)[0].to_json()["signed_by"] == keypair.fingerprint
 
@@ -93,7 +93,8 @@ def test_a_foreign_signer_is_refused_with_trust(tmp_path, keypair):
     other = new_key(tmp_path / "other")
     with pytest.raises(SignatureProblem, match="not by a trusted key"):
         ckpt_archive.load(Repository.open(repo, trust=other.public_path))
-    rep = ckpt_archive.verify(Repository.open(repo, trust=other.public_path), deep=True)
+    rep = ckpt_archive.verify(Repository.open(repo, trust=other.public_path),
+                              options=ckpt_archive.VerifyOptions(deep=True))
     assert not rep.ok and "not by a trusted key" in rep.problems[0].reason
 
 
@@ -110,8 +111,8 @@ def test_export_and_adopt_carry_the_signature(tmp_path, keypair):
     ckpt_archive.export(repo, tmp_path / "dest")
     r = Repository.open(tmp_path / "dest", trust=keypair.public_path)
     assert r.generation(1).signer == keypair.fingerprint
-    assert ckpt_archive.verify(r, deep=True).ok
+    assert ckpt_archive.verify(r, options=ckpt_archive.VerifyOptions(deep=True)).ok
     shutil.copytree(tmp_path / "dest", tmp_path / "moved")
-    rep = ckpt_archive.verify(tmp_path / "moved", "1", deep=True)  # adopts the copy here
+    rep = ckpt_archive.verify(tmp_path / "moved", "1", ckpt_archive.VerifyOptions(deep=True))  # adopts the copy here
     assert rep.ok and rep.marked_usable
     assert Repository.open(tmp_path / "moved").generation(1).signer == keypair.fingerprint

@@ -91,7 +91,7 @@ def test_accelerate_folder_restores_and_load_state_resumes_bitwise(acc_run, tmp_
     repo = tmp_path / "repo"
     res = ckpt_archive.pack(state_dir, repo)
     assert res.manifest["progress"]["step"] == 3
-    assert ckpt_archive.verify(repo, deep=True).ok
+    assert ckpt_archive.verify(repo, options=ckpt_archive.VerifyOptions(deep=True)).ok
     out = tmp_path / "restored"
     ckpt_archive.restore(repo, output=out)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in state_dir.iterdir())

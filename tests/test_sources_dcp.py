@@ -140,7 +140,7 @@ def test_dcp_packs_restores_byte_identical_and_dcp_load_reads_it(dcp_dir, tmp_pa
     repo = tmp_path / "repo"
     res = ckpt_archive.pack(dcp_dir, repo)
     assert res.manifest["source"]["format"] == "dcp" and res.manifest["progress"]["step"] == 7
-    report = ckpt_archive.verify(repo, deep=True)
+    report = ckpt_archive.verify(repo, options=ckpt_archive.VerifyOptions(deep=True))
     assert report.ok, report.problems
     assert sorted(ckpt_archive.inspect(repo).opaque_members) == [".metadata", "__0_0.distcp"]
     out = tmp_path / "restored"

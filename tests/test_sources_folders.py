@@ -137,7 +137,7 @@ def test_generic_folder_gives_each_file_its_kind_and_restores_it(tmp_path):
     assert any(w.startswith("plain.pkl: kept opaque") for w in s.warnings)
     repo = tmp_path / "repo"
     ckpt_archive.pack(d, repo)
-    assert ckpt_archive.verify(repo, deep=True).ok
+    assert ckpt_archive.verify(repo, options=ckpt_archive.VerifyOptions(deep=True)).ok
     out = tmp_path / "out"
     ckpt_archive.restore(repo, output=out)
     for rel in (".hidden.json", "blob.dat", "cut.zip", "logs.zip", "notes.md", "plain.pkl"):

@@ -118,7 +118,7 @@ def test_trainer_folder_packs_restores_byte_identical_and_resumes_bitwise(hf_run
     res = ckpt_archive.pack(hf_run / "checkpoint-2", repo)
     assert res.status == "usable" and res.manifest["progress"]["step"] == 2
     assert res.manifest["source"]["format"] == "hf-trainer"
-    report = ckpt_archive.verify(repo, deep=True)
+    report = ckpt_archive.verify(repo, options=ckpt_archive.VerifyOptions(deep=True))
     assert report.ok, report.problems
     assert ckpt_archive.inspect(repo).opaque_members == ["training_args.bin"]
 
@@ -164,7 +164,7 @@ def test_foreign_pickle_in_trainer_folder_is_carried_but_never_executed(hf_run, 
     kinds = {f["relpath"]: f["kind"] for f in res.manifest["source"]["files"]}
     assert kinds["training_args.bin"] == "opaque" and kinds["extra_callback_state.pt"] == "opaque"
     assert any("extra_callback_state.pt" in w and "references io.open" in w for w in res.warnings), res.warnings
-    assert ckpt_archive.verify(repo, deep=True).ok
+    assert ckpt_archive.verify(repo, options=ckpt_archive.VerifyOptions(deep=True)).ok
     out = tmp_path / "out"
     ckpt_archive.restore(repo, output=out)
     for name in ("training_args.bin", "extra_callback_state.pt"):

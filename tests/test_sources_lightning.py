@@ -74,7 +74,7 @@ def test_lightning_ckpt_restores_and_fit_resumes_bitwise(l_run, tmp_path):
     repo = tmp_path / "repo"
     res = ckpt_archive.pack(ckpt, repo)
     assert res.manifest["progress"]["step"] == 4 and res.manifest["progress"]["epoch"] == 1
-    assert ckpt_archive.verify(repo, deep=True).ok
+    assert ckpt_archive.verify(repo, options=ckpt_archive.VerifyOptions(deep=True)).ok
     out = tmp_path / "restored.ckpt"
     ckpt_archive.restore(repo, output=out)
     a = torch.load(ckpt, weights_only=True)

@@ -134,13 +134,15 @@ def test_only_refuses_empty_components_and_reaches_keys_holding_a_slash(tmp_path
                        "a/b": torch.full((1,), 1.0), "a": {"b": torch.full((1,), 2.0)}}, str(repo))
     for bad in ("", "/", "//", "model//weight", "model/"):
         with pytest.raises(UsageError, match="empty path component"):
-            ckpt_archive.load(str(repo), only=bad)
+            ckpt_archive.load(str(repo), options=ckpt_archive.LoadOptions(only=bad))
         res = CliRunner().invoke(app, ["restore", f"{repo}@latest", "--output", str(tmp_path / "o.pt"), "--only", bad])
         assert res.exit_code == 2 and not (tmp_path / "o.pt").exists(), res.output
-    assert torch.equal(ckpt_archive.load(str(repo), only="g/x.pt/module"), torch.zeros(3))
-    assert torch.equal(ckpt_archive.load(str(repo), only="model/weight"), torch.ones(2))
+    assert torch.equal(ckpt_archive.load(str(repo), "latest", ckpt_archive.LoadOptions(only="g/x.pt/module")),
+                       torch.zeros(3))
+    assert torch.equal(ckpt_archive.load(str(repo), "latest", ckpt_archive.LoadOptions(only="model/weight")),
+                       torch.ones(2))
     with pytest.raises(UsageError, match="ambiguous"):
-        ckpt_archive.load(str(repo), only="a/b")
+        ckpt_archive.load(str(repo), options=ckpt_archive.LoadOptions(only="a/b"))
     res = CliRunner().invoke(app, ["restore", f"{repo}@latest", "--output", str(tmp_path / "o.pt"), "--only", "a/b"])
     assert res.exit_code == 2 and "ambiguous" in res.output
 
@@ -163,7 +165,7 @@ def test_only_matches_keys_by_their_text_refusing_two_that_read_alike_and_loose_
                        "c": collections.Counter({"x": 3, 5: 2}), "l": list(range(20))}, str(tmp_path / "r"))
 
     def only(sel):
-        return ckpt_archive.load(str(tmp_path / "r"), only=sel)
+        return ckpt_archive.load(str(tmp_path / "r"), options=ckpt_archive.LoadOptions(only=sel))
 
     for sel in ("d/1", "f/True"):
         with pytest.raises(UsageError, match="ambiguous"):

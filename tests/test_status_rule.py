@@ -115,7 +115,7 @@ def test_load_of_one_part_refuses_a_generation_whose_other_member_is_damaged(exa
     skeleton = gen_dir(exact_repo) / member(m, m["source"]["files"][0]["exact"]["member"])["stored_path"]
     _flip(skeleton)
     with pytest.raises(IntegrityError, match="exact"):
-        ckpt_archive.load(exact_repo, 1, only="model")
+        ckpt_archive.load(exact_repo, 1, options=ckpt_archive.LoadOptions(only="model"))
     assert _status(exact_repo) == "damaged"
 
 
@@ -235,7 +235,7 @@ def test_fallback_passes_over_an_object_that_is_a_folder_or_a_fifo_to_the_older_
     assert res.generation == 1 and torch.load(tmp_path / "y.pt", weights_only=True)["step"] == 1
     forget_notes(repo)
     with pytest.warns(UserWarning, match="generation 1, the newest that verifies"):
-        assert ckpt_archive.load(repo, fallback=True)["step"] == 1
+        assert ckpt_archive.load(repo, options=ckpt_archive.LoadOptions(fallback=True))["step"] == 1
     forget_notes(repo)
     res = cli("restore", f"{repo}@latest", "-o", tmp_path / "z.pt", "--fallback")
     assert res.exit_code == 0 and "generation 1" in res.stderr, res.stderr
@@ -267,7 +267,7 @@ def test_the_rebuilt_sha256_matches_for_every_source_layout_the_writer_makes(tmp
     repo = tmp_path / "repo"
     ckpt_archive.pack(str(src), repo)
     assert any(f.get("exact") for f in read_manifest(repo)["source"]["files"])
-    report = ckpt_archive.verify(repo, 1, deep=True)
+    report = ckpt_archive.verify(repo, 1, options=ckpt_archive.VerifyOptions(deep=True))
     assert report.ok, report.problems
 
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import typer
 from typer.testing import CliRunner
 
 import ckpt_archive as ca
@@ -77,7 +78,7 @@ def test_export_reports_copy_reread_and_trial_reload_phases_with_totals(tmp_path
 def test_verify_deep_reports_its_total(tmp_path):
     ca.pack(_state(), tmp_path / "repo")
     rec = Recorder()
-    ca.verify(tmp_path / "repo", deep=True, on_bytes=rec)
+    ca.verify(tmp_path / "repo", options=ca.VerifyOptions(deep=True), on_bytes=rec)
     (name, total, done), = rec.phases[1:]
     raw = Repository.open(tmp_path / "repo").generation(1).manifest["summary"]["raw_bytes"]
     assert name.startswith("trial reload") and total == raw and done == raw
@@ -548,3 +549,59 @@ def test_a_generation_given_where_a_repository_is_taken_names_the_repository(tmp
         assert f"give {repo}" in res.stderr and "not a ckpt-archive repository" not in res.stderr, res.stderr
     res = cli(command[0], tmp_path / "nothere@latest", *command[1:])         # no repository under the head either
     assert res.exit_code == 2 and "this command takes a repository" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("json_mode", [False, True], ids=["text", "json"])
+def test_ctrl_c_after_restore_put_its_output_in_place_exits_0_and_says_it_is_complete(tmp_path, json_mode):
+    """Fault: a Ctrl-C landing after restore renamed its output into place exited 130 ("interrupted;
+    nothing is known to be left half-written") although the file was complete, so a script re-ran or
+    deleted a good restore. The output is complete: exit 0, and the warning says so."""
+    repo = tmp_path / "repo"
+    ca.pack(_state(), repo)
+    out = tmp_path / "out.pt"
+    args = ["restore", f"{repo}@latest", "-o", out] + (["--json"] if json_mode else [])
+    proc = _cli_subprocess(*args, inject="restore-placed=sigint")
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert torch.load(out, weights_only=True)["step"] == _state()["step"]
+    if json_mode:
+        doc = json.loads(proc.stdout)
+        assert doc["ok"] is True and doc["interrupted"] is True and str(out) in doc["complete"]
+    else:
+        assert f"{out} is restored and complete" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_ctrl_c_before_restore_put_its_output_in_place_still_exits_130(tmp_path, monkeypatch):
+    """The other side of the line: an interrupt before the rename leaves no output and is a failure (130)."""
+    from ckpt_archive.ops import restore as restore_mod
+
+    repo = tmp_path / "repo"
+    ca.pack(_state(), repo)
+    out = tmp_path / "out.pt"
+
+    def interrupted(self, gen):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(restore_mod._Job, "commit", interrupted)
+    with pytest.raises(KeyboardInterrupt) as info:
+        ca.restore(repo, output=out)
+    assert not getattr(info.value, "ckpt_complete", None) and not out.exists()
+
+
+def test_help_at_60_columns_is_wrapped_not_cut():
+    """Fault: below about 76 columns Typer's boxed option tables cut option names and words with an
+    ellipsis ("--instructio…", "(JSON/YAML/TO…"): `COLUMNS=60 ckpt-archive pack --help` could not be read.
+    Narrow help is Click's plain layout, wrapped to the width: every line fits, nothing is cut, and every
+    option of every command is named in full."""
+    from ckpt_archive.cli.app import app
+
+    group = typer.main.get_command(app)
+    for name in ["", *group.commands]:
+        res = cli(*([name] if name else []), "--help", env={"COLUMNS": "60"})
+        assert res.exit_code == 0, res.output
+        assert "…" not in res.output, (name, res.output)
+        assert max(map(len, res.output.splitlines())) <= 60, (name, res.output)
+        if name:
+            for param in group.commands[name].params:
+                for opt in param.opts:
+                    if opt.startswith("--"):
+                        assert opt in res.output, (name, opt)

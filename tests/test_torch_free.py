@@ -334,13 +334,17 @@ def test_read_only_commands_do_not_import_torch(tmp_path, state):
     (about a second of CPU) to read what needs no tensor: a model-only state (whose biases the policy audit
     decodes as small tensors) and model + Adam (step counters); nor NumPy (~0.1 s: the small chunks need
     none), nor jsonschema (~0.1 s: the manifests' verdicts were remembered when pack wrote them, docs/FORMAT.md
-    "Manifest"); and with ``--json``, which prints no table, not rich either (issue 29: <= 0.3 s). Each
-    command runs in a fresh interpreter; ``sys.modules`` is read after it."""
+    "Manifest"); nor Pydantic (~0.1 s: Typer converts option values through it, ckpt_archive.cli.app's
+    ``_PlainCoercion`` spares the values it would pass through unchanged), nor ``importlib.metadata`` (~0.03 s:
+    the email package), nor another command's module (``main`` builds only the command run); and with
+    ``--json``, which prints no table, not rich either (issue 29: <= 0.3 s). Each command runs in a fresh
+    interpreter; ``sys.modules`` is read after it."""
     st = _model_and_adam() if state == "model_and_adam" else _adam_state()["model"]
     src = _save(tmp_path, state, st)
     repo = tmp_path / "r"
     ckpt_archive.pack(src, repo)
-    heavy = ("torch", "numpy", "jsonschema", "rich")
+    heavy = ("torch", "numpy", "jsonschema", "rich", "pydantic", "importlib.metadata", "ckpt_archive.cli.pack_cmd",
+             "ckpt_archive.cli.prune_cmd")
     code = ("import sys\nsys.argv = ['ckpt-archive'] + sys.argv[1:]\ntry:\n    from ckpt_archive.cli.app import main\n"
             "    main()\nexcept SystemExit as exc:\n    code = exc.code\nprint('IMPORTED', [m for m in %r if m in "
             "sys.modules], 'EXIT', code, file=sys.stderr)" % (heavy,))
@@ -404,3 +408,28 @@ def test_loading_needs_of_a_plain_state_are_told_without_torch_as_torch_tells_th
     assert fast["torch_free"] == fast["loaded"] == meta.needs_by_part(loaded) == {"allow": [], "plain_parts": []}
     assert fast_others == [meta.unsafe_globals_of_state(s) for s in others]
     assert fast_others[0], "the NumPy state needs its globals allowed"
+
+
+def test_restore_of_a_plain_checkpoint_does_not_import_torch_and_tells_what_torch_tells(tmp_path, monkeypatch):
+    """Guards against restore importing torch (2-3 s of CPU on the benchmark box, issue 29) to tell how the
+    file it wrote loads (issue 26's ``extra["loading"]``): a ``.pt`` kept as exact bytes whose pickle the
+    torch-free reader accepts is answered without torch, in a fresh interpreter, with the very answer torch's
+    own scan gives that file; a file holding another global (NumPy) is still left to torch's scan."""
+    import numpy as np
+
+    from ckpt_archive.ops import meta
+
+    src = _save(tmp_path, "ckpt", _model_and_adam())
+    ckpt_archive.pack(src, tmp_path / "r")
+    code = ("import sys, ckpt_archive; r = ckpt_archive.restore(sys.argv[1], output=sys.argv[2]); "
+            "print('torch' in sys.modules, r.extra['loading']['allow'])")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r"), str(tmp_path / "out.pt")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False []"
+    numpy_file = _save(tmp_path, "np", {"w": torch.ones(2), "a": np.arange(3)})
+    fast = [meta.restored_file_loading(tmp_path / "out.pt"), meta.restored_file_loading(numpy_file)]
+    assert fast[1]["allow"], "a NumPy array needs its globals allowed"
+    monkeypatch.setattr(meta, "_plain_without_torch", lambda path: False)  # torch's scan alone
+    assert fast == [meta.restored_file_loading(tmp_path / "out.pt"), meta.restored_file_loading(numpy_file)]

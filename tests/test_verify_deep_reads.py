@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ckpt_archive
+from ckpt_archive import VerifyOptions
 from ckpt_archive.repo import exact_stream, trial_reload
 
 from hostile_archive import edit_manifest, forget_notes, read_manifest
@@ -147,7 +148,7 @@ def test_verify_deep_reads_and_hashes_each_stored_byte_once(packed, monkeypatch)
     src, repo = packed
     stored, raw, file_bytes = _sizes(repo, src)
     counts = _install(monkeypatch)
-    report = ckpt_archive.verify(repo, 1, deep=True)
+    report = ckpt_archive.verify(repo, 1, VerifyOptions(deep=True))
     assert report.ok, report.problems
     n = counts.n
     assert stored <= n["read"] <= stored + SLACK, n
@@ -163,7 +164,7 @@ def test_the_exact_files_sha256_comes_from_the_trial_reloads_read(packed, monkey
         raise AssertionError("the exact-bytes file was rebuilt by a second read")
 
     monkeypatch.setattr(trial_reload, "rebuilt_sha256", no_rebuild)
-    report = ckpt_archive.verify(repo, 1, deep=True)
+    report = ckpt_archive.verify(repo, 1, VerifyOptions(deep=True))
     assert report.ok, report.problems
 
 
@@ -184,11 +185,11 @@ def test_a_resealed_source_sha256_fails_verify_deep_on_either_path(packed, tmp_p
     calls = []
     real = trial_reload.rebuilt_sha256
     monkeypatch.setattr(trial_reload, "rebuilt_sha256", lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert ckpt_archive.verify(copy, 1, deep=True).ok
+    assert ckpt_archive.verify(copy, 1, VerifyOptions(deep=True)).ok
     assert bool(calls) == (path != "stream")
     forget_notes(copy)
     edit_manifest(copy, lambda m: m["source"]["files"][0].update(sha256="0" * 64))
-    report = ckpt_archive.verify(copy, 1, deep=True, record=False)
+    report = ckpt_archive.verify(copy, 1, VerifyOptions(deep=True, record=False))
     assert not report.ok
     assert any(p.field == "source.files" and "restore would refuse it" in p.reason for p in report.problems), \
         report.problems
@@ -210,7 +211,7 @@ def test_a_damaged_chunk_falls_back_to_the_rebuild_that_names_it(packed, tmp_pat
     data = bytearray(obj.read_bytes())
     data[len(data) // 2] ^= 0x01
     obj.write_bytes(bytes(data))
-    report = ckpt_archive.verify(copy, 1, deep=True, record=False)
+    report = ckpt_archive.verify(copy, 1, VerifyOptions(deep=True, record=False))
     assert not report.ok
     assert any(p.member == rec["path"] and "sha256" in p.reason for p in report.problems), report.problems
     assert any(p.field == "source.files" and "cannot be rebuilt" in p.reason for p in report.problems), \
@@ -231,9 +232,9 @@ def test_files_of_a_folder_whose_segments_come_in_another_order_than_the_entries
     m = read_manifest(repo)
     exact = [i for i, f in enumerate(m["source"]["files"]) if f.get("exact")]
     assert len(exact) == 2
-    report = ckpt_archive.verify(repo, 1, deep=True)
+    report = ckpt_archive.verify(repo, 1, VerifyOptions(deep=True))
     assert report.ok, report.problems
     edit_manifest(repo, lambda m: m["source"]["files"][exact[1]].update(sha256="0" * 64))
-    report = ckpt_archive.verify(repo, 1, deep=True, record=False)
+    report = ckpt_archive.verify(repo, 1, VerifyOptions(deep=True, record=False))
     assert [p.reason.split(":")[0] for p in report.problems if p.field == "source.files"] == \
         [m["source"]["files"][exact[1]]["relpath"]]

@@ -1,6 +1,7 @@
 """The ``ckpt-archive`` command line: a thin Typer shell over the library.
 
-Commands live one per module in :mod:`ckpt_archive.cli.commands`; each maps library errors to exit codes
+Commands live one per module in :mod:`ckpt_archive.cli.commands` (``main`` builds only the one a command line
+names: :func:`app_for`); each maps library errors to exit codes
 through :func:`ckpt_archive.cli.common.command`. Results go to stdout, notes, warnings, errors and
 progress to stderr; ``--json`` prints one object on stdout (:class:`ckpt_archive.cli.common.Output`).
 """
@@ -25,7 +26,42 @@ def _tidy_params(params: list) -> list:
             p.metavar = (p.name or "value").upper()
         elif getattr(p, "param_type_name", "") == "argument" and getattr(p, "nargs", 1) != 1:
             p.display_type_rich = lambda ctx: None  # the metavar says it all (Typer would add <list[str]>)
+        _coerce_plain_values_without_pydantic(p)
     return params
+
+
+class _PlainCoercion:
+    """[issue 29] The values Typer needs no conversion for, without Pydantic; anything else goes to Typer's own.
+
+    Typer (>= 0.26) converts every parameter's value that is not a boolean through a Pydantic ``TypeAdapter``
+    it builds on first use, even an absent option's ``None``: importing Pydantic and building the adapters
+    was ~0.1 s of CPU of every ``list``, ``verify`` and ``status`` (a third of their run). This gives, for
+    the two cases where that conversion is the identity, the very value Typer would: an absent value
+    (``None``; ``()`` for a repeatable option or a variadic argument) and a ``str`` given to a ``str``
+    parameter. Any other value (a number, a path, a choice, a list given) makes the parameter drop this
+    object and convert through Typer's own, with Typer's checks and messages.
+    """
+
+    def __init__(self, annotation):
+        self.annotation = annotation
+
+    def coerce(self, value, param, ctx):
+        multi = bool(getattr(param, "multiple", False)) or getattr(param, "nargs", 1) == -1
+        if value is None:
+            return () if multi else None
+        if self.annotation is str and type(value) is str and not multi:
+            return value
+        param._runtime_param = None  # Typer's own conversion, built now (it imports Pydantic) and kept
+        return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+
+
+def _coerce_plain_values_without_pydantic(p) -> None:
+    """Give a Typer parameter :class:`_PlainCoercion` until a value needs Typer's conversion. Only where
+    Typer's parameter has the lazily built conversion this replaces (its ``get_runtime_param``, unbuilt);
+    other Typer versions (before 0.26 none imports Pydantic) are left as they are."""
+    if getattr(p, "_runtime_param", False) is None and callable(getattr(p, "get_runtime_param", None)):
+        descriptor = getattr(p, "type_descriptor", None)
+        p._runtime_param = _PlainCoercion(getattr(descriptor, "annotation", None))
 
 
 def _plain_usage(pieces: list[str]) -> list[str]:
@@ -37,12 +73,48 @@ def _plain_usage(pieces: list[str]) -> list[str]:
     return [re.sub(r"^\[(.+\.\.\.)\]\.\.\.$", r"[\1]", piece) for piece in pieces]  # [-- CMD...]... -> [-- CMD...]
 
 
+#: Below this many columns Typer's boxed option tables cut names and words ("--instructio…",
+#: "(JSON/YAML/TO…"): help is then Click's plain layout, wrapped to the terminal's width.
+RICH_HELP_MIN_COLUMNS = 80
+
+
+def help_columns() -> int:
+    """The help's width in columns: ``TERMINAL_WIDTH`` (Typer's own override), else ``COLUMNS``, else the
+    terminal's; 80 when none is known."""
+    import os
+    import shutil
+
+    width = os.environ.get("TERMINAL_WIDTH")
+    return int(width) if width and width.isdigit() else shutil.get_terminal_size((80, 24)).columns
+
+
+def narrow_terminal() -> bool:
+    """:func:`help_columns` is below :data:`RICH_HELP_MIN_COLUMNS`."""
+    return help_columns() < RICH_HELP_MIN_COLUMNS
+
+
+def _plain_help(command, format_help, ctx, formatter) -> None:
+    """Typer's help of ``command`` without rich (its ``rich_markup_mode`` None meanwhile: Click's layout)."""
+    mode = command.rich_markup_mode
+    command.rich_markup_mode = None
+    formatter.width = max(min(formatter.width, help_columns() - 2), 40)  # Click's own rule, whatever forced 80
+    try:
+        format_help(ctx, formatter)
+    finally:
+        command.rich_markup_mode = mode
+
+
 class _Command(TyperCommand):
     def get_params(self, ctx):
         return _tidy_params(super().get_params(ctx))
 
     def collect_usage_pieces(self, ctx):
         return _plain_usage(super().collect_usage_pieces(ctx))
+
+    def format_help(self, ctx, formatter):
+        if narrow_terminal():  # [break] readable at 60 columns, not cut
+            return _plain_help(self, super().format_help, ctx, formatter)
+        return super().format_help(ctx, formatter)
 
 
 class _Group(TyperGroup):
@@ -52,17 +124,15 @@ class _Group(TyperGroup):
     def collect_usage_pieces(self, ctx):
         return _plain_usage(super().collect_usage_pieces(ctx))
 
+    def format_help(self, ctx, formatter):
+        if narrow_terminal():
+            return _plain_help(self, super().format_help, ctx, formatter)
+        return super().format_help(ctx, formatter)
 
-app = typer.Typer(
-    name="ckpt-archive",
-    cls=_Group,
-    help="Pack a training checkpoint (a resume point) into a verified, trial-reloaded archive; "
-         "verify, restore, rotate and export it. Each command's --help lists its options and exit codes "
-         "(0 ok, 1 something was found wrong, 2 could not be carried out, 130 interrupted).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+
+#: The Typer app with every command: built on first use (module ``__getattr__``, :func:`build_app`); ``main``
+#: builds only the command a command line names (:func:`app_for`).
+app: typer.Typer
 
 
 def _version(value: bool) -> None:
@@ -73,7 +143,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the version and exit.")) -> None:
     """Pack a training checkpoint (a resume point) into a verified, trial-reloaded archive."""
@@ -97,18 +166,57 @@ SHORT_HELP = {
     "status": "Watchdog: exit 1 when backups are missing, too old or not advancing.",
 }
 
+#: ``{command name: its module in COMMAND_MODULES}``: each module registers the command spelt as its name
+#: with ``-`` for ``_`` (``check_resume`` -> ``check-resume``; ``key`` is the group of ``key new``, ``key change``).
+COMMAND_NAMES = {name.replace("_", "-"): name for name in COMMAND_MODULES}
 
-def _register_all() -> None:
-    for name in COMMAND_MODULES:
-        importlib.import_module(f"ckpt_archive.cli.{name}_cmd").register(app)
-    for info in app.registered_commands:
+
+def build_app(modules=COMMAND_MODULES) -> typer.Typer:
+    """A ``ckpt-archive`` Typer app with the commands of ``modules`` (names in :data:`COMMAND_MODULES`;
+    default: all), each with this CLI's usage and metavar conventions and its one-line top-level help."""
+    new = typer.Typer(
+        name="ckpt-archive",
+        cls=_Group,
+        help="Pack a training checkpoint (a resume point) into a verified, trial-reloaded archive; "
+             "verify, restore, rotate and export it. Each command's --help lists its options and exit codes "
+             "(0 ok, 1 something was found wrong, 2 could not be carried out, 130 interrupted).",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+    new.callback()(_root)
+    for name in modules:
+        importlib.import_module(f"ckpt_archive.cli.{name}_cmd").register(new)
+    for info in new.registered_commands:
         if info.cls in (None, TyperCommand):
             info.cls = _Command
         if info.short_help is None:
             info.short_help = SHORT_HELP.get(info.name or "")
+    return new
 
 
-_register_all()
+def _every_command() -> typer.Typer:
+    """:data:`app`, built once."""
+    global app
+    if "app" not in globals():
+        app = build_app()
+    return app
+
+
+def __getattr__(name: str):
+    if name == "app":  # every command: the top-level --help, tests, ``typer.testing``
+        return _every_command()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def app_for(args: list[str]) -> typer.Typer:
+    """The app a command line needs: only the command ``args[0]`` names, when it names one; else every command
+    (``--help``, ``--version``, a mistyped command, which Typer answers with the names it knows).
+
+    [issue 29] A command's parsing, help and errors involve no other command, and building all fifteen
+    (importing their modules, Typer reading every function's parameters) was ~0.05 s of every start-up."""
+    module = COMMAND_NAMES.get(args[0]) if args else None
+    return build_app((module,)) if module is not None else _every_command()
 
 
 def _usage_error_json(exc: Exception) -> int:
@@ -127,10 +235,10 @@ def _usage_error_json(exc: Exception) -> int:
     return code
 
 
-def _run_json() -> int:
+def _run_json(cli: typer.Typer) -> int:
     """Run with ``--json`` somewhere in argv: usage errors too become the one JSON object on stdout."""
     try:
-        rv = app(standalone_mode=False)
+        rv = cli(standalone_mode=False)
     except typer.Abort:
         from ckpt_archive.cli.common import Output
 
@@ -184,12 +292,12 @@ def main() -> None:
     from ckpt_archive.cli.common import FINISHED
 
     keep_freed_buffers()
-
+    cli = app_for(sys.argv[1:])
     if "--json" in sys.argv[1:]:
-        code = _run_json()
+        code = _run_json(cli)
     else:
         try:
-            app()
+            cli()
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -198,7 +306,8 @@ def main() -> None:
     sys.exit(code)
 
 
-__all__ = ["app", "SHORT_HELP", "keep_freed_buffers", "main"]
+__all__ = ["app", "app_for", "build_app", "COMMAND_NAMES", "SHORT_HELP", "RICH_HELP_MIN_COLUMNS", "help_columns",
+           "keep_freed_buffers", "main", "narrow_terminal"]
 
 
 if __name__ == "__main__":

@@ -62,13 +62,14 @@ def register(app: typer.Typer) -> None:
         sign_key: Optional[Path] = SIGN_KEY_OPTION,
         json_output: bool = JSON_OPTION,
     ) -> None:
-        from ckpt_archive.ops.backup import backup
+        from ckpt_archive.ops.backup import BackupOptions, backup
 
         out = Output(json_output)
         policy = policy_from_flags(keep_last, keep_hourly, keep_daily, keep_weekly, keep_monthly, keep_within,
                                    keep_tag, keep_best, best_by)
-        result = backup(source, open_cli_repo(repo, create=True, key_file=key_file, sign_key=sign_key), retention=policy, settle=settle, wait=wait, tags=tag, stale_after=stale_after,
-                        allow=allow)
+        result = backup(source, open_cli_repo(repo, create=True, key_file=key_file, sign_key=sign_key),
+                        BackupOptions(settle=settle, stale_after=stale_after, tags=tuple(tag), allow=tuple(allow)),
+                        retention=policy, wait=wait)
         for w in result.warnings:
             out.warn(w)
         if result.action == "busy":

@@ -104,7 +104,9 @@ def _console(stream: str):
 
     from rich.console import Console
 
-    console = Console(file=_Readable(stream), stderr=stream == "stderr", highlight=False, soft_wrap=True)
+    # emoji=False: rich would print a path or reason holding ``:x:`` or ``:100:`` with an emoji in its place
+    console = Console(file=_Readable(stream), stderr=stream == "stderr", highlight=False, soft_wrap=True,
+                      emoji=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = 200  # logs and pipes: do not cut paths and reasons at 80 columns
     return console
@@ -340,7 +342,7 @@ class _RichProgress:
         from rich.console import Console
 
         # no redirection of stdout: results printed meanwhile go to stdout, not into the bar's stream
-        self._p = _line_progress_class()(console=Console(stderr=True), transient=True, redirect_stdout=False,
+        self._p = _line_progress_class()(console=Console(stderr=True, emoji=False), transient=True, redirect_stdout=False,
                                          redirect_stderr=False)
         self._total = total
         self._desc = description
@@ -490,11 +492,13 @@ def _run_body(fn: Callable, args: tuple, kwargs: dict, out: Output, published: l
         raise typer.Exit(code)
     except KeyboardInterrupt as exc:
         text, left, cleanup = interrupted_text(exc)
-        if published:  # the interrupt came after the commit point: the work it was asked for is done
-            text = published_text(published, getattr(exc, "ckpt_left", None))
+        complete = getattr(exc, "ckpt_complete", None)  # e.g. restore's output renamed into place
+        if published or complete:  # the interrupt came after the commit point: the work it was asked for is done
+            text = (published_text(published, getattr(exc, "ckpt_left", None)) if published
+                    else f"interrupted after the work was done: {complete}")
             out.warn(text)
             out.json({"ok": True, "interrupted": True, "published": [n for _, n in published],
-                      "reason": text, "left": left, "cleanup": cleanup, "exit_code": 0})
+                      "complete": complete, "reason": text, "left": left, "cleanup": cleanup, "exit_code": 0})
             return
         code = exit_code_for(exc)
         out.error(text)

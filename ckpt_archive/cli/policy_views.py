@@ -75,7 +75,7 @@ def _measure(a: PolicyAudit, rows: list[dict], cols: list[str]) -> int:
     from rich.console import Console
     from rich.measure import Measurement
 
-    console = Console(width=10_000)
+    console = Console(width=10_000, emoji=False)  # as the consoles the table goes to (cli/common.py)
     return Measurement.get(console, console.options, _table(a, rows, cols)).maximum
 
 

@@ -75,35 +75,50 @@ def register(app: typer.Typer) -> None:
         json_output: bool = JSON_OPTION,
     ) -> None:
         import ckpt_archive
-        from ckpt_archive.cli.policy_views import cli_restore_finish, cli_restore_prepare
+        from ckpt_archive.cli.policy_views import cli_restore_prepare
+        from ckpt_archive.repo.publish import note_complete
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
         repo = open_cli_repo(repo, key_file=key_file, trust=trust)  # one repository for the audit and the restore
         transform, policy_json = cli_restore_prepare(repo, gen, session_config=session_config,
                                                      expect_lr=expect_lr, policy=policy, out=out)
-        with out.progress(None, "restore") as bar:  # the restore tells the bar each phase and its total
-            options = ckpt_archive.RestoreOptions(
-                force=force, only=only, fallback=fallback, unverified=restore_unverified, map_location=map_location,
-                jobs=jobs, allow=allow, transform=transform, folder_rewrite=policy_json.pop("_folder_rewrite", None),
-                consolidate=consolidate, data_ids=data_ids, allow_data_change=allow_data_change)
-            res = ckpt_archive.restore(repo, gen, output, options, on_bytes=bar)
-        res.extra.update(cli_restore_finish(policy_json, out, res.extra.pop("folder_rewrite", None)))
-        for w in res.warnings:
-            out.warn(w)
-        what = f" ({only})" if only else ""
-        out.say(f"restored generation {res.generation}{what} to {res.output} ({human_bytes(res.bytes_written)})",
-                style="green")
-        loading = res.extra.get("loading")
-        if loading and loading.get("allow"):  # the file needs more than weights_only's defaults: say exactly what
-            out.say(f"it {loading['text']}:")
-            for line in loading["snippet"].splitlines():
-                out.say(f"    {line}")
-        elif loading:
-            out.say(f"it {loading['text']}")
-        if res.extra.get("consolidated"):
-            out.say(f"consolidated the DCP state into {res.extra['consolidated']}", style="green")
-        out.json(res.to_json())
+        res = None
+        try:
+            with out.progress(None, "restore") as bar:  # the restore tells the bar each phase and its total
+                options = ckpt_archive.RestoreOptions(
+                    force=force, only=only, fallback=fallback, unverified=restore_unverified,
+                    map_location=map_location, jobs=jobs, allow=allow, transform=transform,
+                    folder_rewrite=policy_json.pop("_folder_rewrite", None), consolidate=consolidate,
+                    data_ids=data_ids, allow_data_change=allow_data_change)
+                res = ckpt_archive.restore(repo, gen, output, options, on_bytes=bar)
+            _report(res, policy_json, out, only)
+        except KeyboardInterrupt as exc:
+            if res is not None:  # [break] the output is in place and complete: not a failure (exit 0, said)
+                note_complete(exc, f"{res.output} is restored and complete (generation {res.generation})")
+            raise
+
+
+def _report(res, policy_json: dict, out: Output, only: str | None) -> None:
+    """Say what the restore did (its output is in place by now)."""
+    from ckpt_archive.cli.policy_views import cli_restore_finish
+
+    res.extra.update(cli_restore_finish(policy_json, out, res.extra.pop("folder_rewrite", None)))
+    for w in res.warnings:
+        out.warn(w)
+    what = f" ({only})" if only else ""
+    out.say(f"restored generation {res.generation}{what} to {res.output} ({human_bytes(res.bytes_written)})",
+            style="green")
+    loading = res.extra.get("loading")
+    if loading and loading.get("allow"):  # the file needs more than weights_only's defaults: say exactly what
+        out.say(f"it {loading['text']}:")
+        for line in loading["snippet"].splitlines():
+            out.say(f"    {line}")
+    elif loading:
+        out.say(f"it {loading['text']}")
+    if res.extra.get("consolidated"):
+        out.say(f"consolidated the DCP state into {res.extra['consolidated']}", style="green")
+    out.json(res.to_json())
 
 
 __all__ = ["register"]

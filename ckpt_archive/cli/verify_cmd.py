@@ -36,8 +36,9 @@ def register(app: typer.Typer) -> None:
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
         with out.progress(None, "verify") as bar:  # each check tells the bar its phase and total
-            report = ckpt_archive.verify(open_cli_repo(repo, key_file=key_file, trust=trust), gen, deep=deep, jobs=jobs, fallback=fallback, strict=strict,
-                                         on_bytes=bar)
+            report = ckpt_archive.verify(open_cli_repo(repo, key_file=key_file, trust=trust), gen,
+                                         ckpt_archive.VerifyOptions(deep=deep, strict=strict, fallback=fallback,
+                                                                    jobs=jobs), on_bytes=bar)
         _extend_report(report, out)
         for w in report.warnings:
             if is_info(w):  # what could not be checked, a guess: not a warning (cron would mail it every run)

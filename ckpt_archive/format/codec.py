@@ -40,7 +40,7 @@ from typing import BinaryIO, Callable, Iterator
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format.crc import crc32
 from ckpt_archive.format.limits import FRAME_HEADER_MAX, IN_FLIGHT_RAW_BYTES, check_chunk_table, frame_header_problem
-from ckpt_archive.format.planes import SMALL_PLANES_BYTES, byte_group, byte_ungroup, scratch
+from ckpt_archive.format.planes import SMALL_PLANES_BYTES, byte_group, byte_ungroup, populate, scratch
 
 #: Raw bytes per chunk. 4 MiB: ratio within 0.3 % of 16 MiB chunks (benchmarks/proto_codec.py), enough
 #: chunks to keep every core busy on a 1 GiB member, and 2 * jobs chunks in flight stay small.
@@ -340,6 +340,10 @@ def submit_chunk_checks(fd: int, record: dict, *, member: str, pool: ThreadPoolE
     return [(c["stored_bytes"], pool.submit(_stored_chunk_ok, fd, c)) for c in record["chunks"]]
 
 
+#: Chunks submitted ahead of the consumer when they are decoded into the caller's buffer by workers that read
+#: them themselves (:func:`iter_decoded` with ``into`` on a local file); 32 default chunks are
+#: :data:`~ckpt_archive.format.limits.IN_FLIGHT_RAW_BYTES`, which bounds them too.
+INTO_AHEAD = 32
 #: A shallow check reads a stored chunk in pieces of at most this many bytes (one reused buffer per thread).
 _CHECK_PIECE_BYTES = 16 << 20
 
@@ -428,6 +432,24 @@ def _check_stored_size(fh, record: dict, member: str) -> None:
                                  f"{c['stored_bytes']} stored bytes", where=member)
 
 
+def _dest_of(into, chunk: dict) -> memoryview:
+    """Where chunk ``chunk`` is decoded in ``into`` (the member's raw bytes); [issue 29] its pages are taken
+    in one call first (:func:`~ckpt_archive.format.planes.populate`), not by a fault per 4 KiB page."""
+    populate(into, chunk["raw_offset"], chunk["raw_bytes"])
+    return memoryview(into).cast("B")[chunk["raw_offset"]:chunk["raw_offset"] + chunk["raw_bytes"]]
+
+
+def _chunks_ahead(jobs: int, into_by_workers: bool) -> int:
+    """:func:`iter_decoded`'s bound on the chunks submitted and not yet consumed (their declared raw sizes
+    add up to at most :data:`~ckpt_archive.format.limits.IN_FLIGHT_RAW_BYTES` as well, but one chunk):
+    ``2 * jobs``. [issue 29] Decoded straight into the caller's buffer by workers that read their own chunk
+    (``into_by_workers``), up to :data:`INTO_AHEAD`: the workers then do not wait on the consumer, which on
+    a busy machine is often not scheduled for many milliseconds; a waiting chunk's result is a view of that
+    buffer, so the memory held is the same.
+    """
+    return max(2 * jobs, INTO_AHEAD) if into_by_workers else 2 * jobs
+
+
 def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = None,
                  stored_hasher=None, verify_chunks: bool = True, into=None,
                  skip_sha: frozenset = frozenset(), written_crc=None) -> Iterator[tuple[int, bytes]]:
@@ -477,9 +499,7 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
             if len(stored) != chunk["stored_bytes"]:
                 raise IntegrityError(f"truncated: chunk {i} has {len(stored)} of {chunk['stored_bytes']} "
                                      f"stored bytes", where=member)
-        dest = None
-        if into is not None:
-            dest = memoryview(into).cast("B")[chunk["raw_offset"]:chunk["raw_offset"] + chunk["raw_bytes"]]
+        dest = None if into is None else _dest_of(into, chunk)
         want_crc = written_crc[i] if written_crc is not None and verify_chunks and i not in skip_sha else None
         if want_crc is not None:
             if crc32(stored) != want_crc:
@@ -502,11 +522,13 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
         except IntegrityError as exc:
             raise IntegrityError(f"chunk {i}: {exc.message}", where=member) from None
 
-    with ThreadPoolExecutor(jobs, thread_name_prefix="ckpt-dec") as pool:
+    ahead = _chunks_ahead(jobs, into is not None and fd is not None)
+    pool = ThreadPoolExecutor(jobs, thread_name_prefix="ckpt-dec")
+    try:
         pending: collections.deque = collections.deque()  # (raw offset, declared raw bytes, future)
         in_flight = 0  # declared raw bytes submitted and not yet yielded: at most IN_FLIGHT_RAW_BYTES (but one chunk)
         for i, chunk in enumerate(chunks):
-            while pending and (len(pending) >= 2 * jobs or in_flight + chunk["raw_bytes"] > IN_FLIGHT_RAW_BYTES):
+            while pending and (len(pending) >= ahead or in_flight + chunk["raw_bytes"] > IN_FLIGHT_RAW_BYTES):
                 off, n, fut = pending.popleft()
                 in_flight -= n
                 yield off, fut.result()
@@ -525,8 +547,10 @@ def iter_decoded(fh: BinaryIO, record: dict, *, member: str, jobs: int | None = 
             yield off, fut.result()
         if fd is None and fh.read(1):
             raise IntegrityError("stored file is longer than its chunks", where=member)
+    finally:  # a failed chunk or a consumer that stops early: the chunks not started are not decoded at all
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_LEVEL", "STORE_BELOW_SAVING", "CODEC_NAME", "ROTATE_SIZES", "default_jobs",
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_LEVEL", "INTO_AHEAD", "STORE_BELOW_SAVING", "CODEC_NAME", "ROTATE_SIZES", "default_jobs",
            "float_params", "encode_chunk", "decode_chunk", "check_chunk_table", "StoredStream", "chunks_match",
            "submit_chunk_checks", "iter_decoded"]

@@ -15,7 +15,7 @@ import math
 from ckpt_archive.errors import IntegrityError, TooLargeHere
 from ckpt_archive.format import fingerprint
 from ckpt_archive.format.limits import view_size_problem
-from ckpt_archive.format.state_tree import NUMPY_TO_ST, TORCH_TO_ST
+from ckpt_archive.format.tensor_bytes import NUMPY_TO_ST, TORCH_TO_ST
 
 #: Element size of every torch dtype by name, so tensors are checked without importing torch.
 TORCH_ITEMSIZE = {
@@ -47,7 +47,7 @@ def _itemsize(dtype: str, kind: str) -> int:
         return np.dtype(dtype).itemsize
     size = TORCH_ITEMSIZE.get(dtype)
     if size is None:  # a dtype newer than this table: ask torch (the only path that imports it)
-        from ckpt_archive.format.state_tree import torch_dtype
+        from ckpt_archive.format.tensor_bytes import torch_dtype
 
         size = torch_dtype(dtype).itemsize
     return size

@@ -126,19 +126,46 @@ def _schema_key(schema_name: str) -> str:
     """The schema's bytes, this tool's version, and what decides a verdict in the validator: jsonschema's
     version and whether its ``date-time`` checker can run (it needs ``rfc3339-validator``) -- looked up
     without importing jsonschema, which a remembered verdict saves."""
-    import importlib.metadata
     import importlib.util
 
     from ckpt_archive import __version__
 
-    try:
-        validator = importlib.metadata.version("jsonschema")
-    except importlib.metadata.PackageNotFoundError:
-        validator = "?"
+    validator = _installed_version("jsonschema")
     checker = importlib.util.find_spec("rfc3339_validator") is not None
     raw = resources.files("ckpt_archive").joinpath("schemas", schema_name).read_bytes()
     return hashlib.sha256(b"\0".join([raw, __version__.encode(), validator.encode(), str(checker).encode(),
                                       _VALIDATION_RULES])).hexdigest()[:16]
+
+
+def _installed_version(name: str) -> str:
+    """The installed version of distribution ``name`` (a plain name: ``jsonschema``), "?" when none is found.
+
+    Read from the name of the ``NAME-VERSION.dist-info`` folder beside the package (the wheel layout
+    every installer writes) when exactly one is there: ``importlib.metadata`` imports the ``email`` package
+    to parse metadata, ~0.03 s of every read-only command's start-up [issue 29]. Any other layout asks
+    ``importlib.metadata``. The package itself is not imported."""
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    places = list(spec.submodule_search_locations or ()) if spec is not None else []
+    for place in places:
+        try:
+            found = [e for e in os.listdir(os.path.dirname(place))
+                     if e.startswith(name + "-") and e.endswith(".dist-info")]
+        except OSError:
+            continue
+        if len(found) == 1:
+            return found[0][len(name) + 1:-len(".dist-info")]
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
 
 def _validated_before(digest: bytes, schema_name: str) -> bool:

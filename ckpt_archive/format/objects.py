@@ -71,6 +71,15 @@ def oid_of_name(folder: str, name: str) -> str | None:
     return m.group(1)
 
 
+def misplaced_oid(folder: str, name: str) -> str | None:
+    """The object a file ``objects/<folder>/<name>`` is named after when that is not its folder (a shared
+    object moved out of ``objects/<oid[:2]>/``: no reader ever looks there), else None."""
+    m = _NAME_RE.match(name)
+    if m is None or m.group(1)[:2] == folder:
+        return None
+    return m.group(1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
     """One file holding part of a member's stored stream.
@@ -218,5 +227,5 @@ def refs(manifest: dict) -> dict[str, int]:
     return out
 
 
-__all__ = ["OBJECT_DIR", "DEFAULT_SHARE_MIN_BYTES", "check_fp", "object_id", "object_key", "raw_fp_of", "oid_of_name",
+__all__ = ["OBJECT_DIR", "DEFAULT_SHARE_MIN_BYTES", "check_fp", "object_id", "object_key", "raw_fp_of", "oid_of_name", "misplaced_oid",
            "Part", "own_stored_bytes", "check_objects", "rebase", "parts", "stored_files", "refs"]

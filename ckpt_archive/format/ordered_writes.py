@@ -131,10 +131,19 @@ class ParallelWrites:
     every write was its slowest stage. ``on_written(offset, piece)`` is called on the writer thread once a
     piece is written (the in-order hash). Errors surface in :meth:`write` or :meth:`drain`.
 
+    Every :data:`WRITEBACK_EVERY_BYTES` queued, writeback of what is written so far is started
+    (``fdatasync`` on a thread of its own, one at a time, as pack's member writer does): the disk works while
+    the CPUs decode, and the caller's final ``fsync`` finds little left ([issue 29]: that fsync was 0.45-0.55 s
+    of a 1 GiB restore's wall time, spent after everything else). It is a head start only: the caller still
+    fsyncs the whole file before handing it out.
+
     Args:
         fd: the file. threads: writer threads (default: the cores, at most 2). depth: writes in flight.
         on_written: optional callback.
     """
+
+    #: bytes queued between two writeback starts
+    WRITEBACK_EVERY_BYTES = 64 << 20
 
     def __init__(self, fd: int, *, threads: int | None = None, depth: int = 8, on_written=None):
         import collections
@@ -145,12 +154,29 @@ class ParallelWrites:
         self.fd, self.depth, self.on_written = fd, depth, on_written
         self.pool = ThreadPoolExecutor(threads or min(2, default_jobs()), thread_name_prefix="ckpt-pwrite")
         self.pending: collections.deque = collections.deque()
+        self.unsynced = 0
+        self.sync_pool: Any = None  # the one-thread executor of the writeback starts, made on first use
+        self.sync_fut: Any = None
 
     def write(self, piece, offset: int) -> None:
         """Queue ``piece`` (kept unchanged until written) for ``offset``; waits while ``depth`` are queued."""
         self.pending.append(self.pool.submit(self._job, piece, offset))
         while self.pending and (len(self.pending) > self.depth or self.pending[0].done()):
             self.pending.popleft().result()
+        self.unsynced += memoryview(piece).nbytes
+        if self.unsynced >= self.WRITEBACK_EVERY_BYTES and (self.sync_fut is None or self.sync_fut.done()):
+            self._start_writeback()
+
+    def _start_writeback(self) -> None:
+        """``fdatasync`` of what is written so far, on the sync thread; the previous one's error raised here."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self.sync_fut is not None:
+            self.sync_fut.result()  # an I/O error of the last writeback surfaces here, as OSError
+        if self.sync_pool is None:
+            self.sync_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-wsync")
+        self.sync_fut = self.sync_pool.submit(os.fdatasync, self.fd)
+        self.unsynced = 0
 
     def _job(self, piece, offset: int) -> None:
         pwrite_all(self.fd, piece, offset)
@@ -158,9 +184,12 @@ class ParallelWrites:
             self.on_written(offset, piece)
 
     def drain(self) -> None:
-        """Wait for every queued write (raising the first error)."""
+        """Wait for every queued write and the writeback in progress (raising the first error)."""
         while self.pending:
             self.pending.popleft().result()
+        if self.sync_fut is not None:
+            fut, self.sync_fut = self.sync_fut, None
+            fut.result()
 
     def close(self) -> None:
         """Stop: queued writes not yet started are dropped, running ones finish (errors ignored)."""
@@ -168,6 +197,8 @@ class ParallelWrites:
             fut.cancel()
         self.pending.clear()
         self.pool.shutdown(wait=True)
+        if self.sync_pool is not None:
+            self.sync_pool.shutdown(wait=True)
 
 
 __all__ = ["READ_BYTES", "pwrite_all", "InOrderSha256", "ParallelWrites"]

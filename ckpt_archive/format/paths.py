@@ -12,6 +12,7 @@ every path a manifest names with :func:`check_manifest_paths` (so a generation t
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,6 +28,9 @@ MAX_PATH_PARTS = 512
 #: Most parts of a source file's relpath that ``pack`` takes: its member's store key adds a few
 #: (``generations/<n>/files/...``) and must still pass :data:`MAX_PATH_PARTS`.
 MAX_SOURCE_PARTS = 500
+#: A NUL or other control character (C0 and DEL). One regular-expression scan, not a Python loop per
+#: character: every store key is checked at each open (a load of a 1 GiB state, ~1,100 keys: 34 ms -> 4 ms).
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 
 def _why_not_plain(path: Any) -> str | None:
@@ -38,7 +42,7 @@ def _why_not_plain(path: Any) -> str | None:
         return f"longer than {MAX_PATH_BYTES} bytes"
     if "\\" in path:
         return "holds a backslash"
-    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+    if _CONTROL.search(path):
         return "holds a NUL or control character"
     if path.startswith("/"):
         return "absolute"

@@ -23,7 +23,8 @@ import dataclasses
 from typing import Any
 
 from ckpt_archive.format.pt_pickle import ITEMSIZE, PtStorage, PtTensor
-from ckpt_archive.format.state_tree import TORCH_TO_ST, Encoder, Entry, TensorTable, c_strides, check_view_size
+from ckpt_archive.format.state_tree import Encoder, Entry, TensorTable
+from ckpt_archive.format.tensor_bytes import TORCH_TO_ST, c_strides, check_view_size
 
 
 @dataclasses.dataclass

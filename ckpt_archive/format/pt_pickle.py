@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import struct
 import sys
 import zipfile
@@ -74,34 +75,89 @@ _CPU = _Device()
 
 
 class PtFile:
-    """The source file, mapped read-only once (tensor bytes are read from the map, never copied whole)."""
+    """The source file, mapped read-only once (tensor bytes are read from the map, never copied whole).
+
+    [break] Mapped only under a read lease (:class:`~ckpt_archive.format.read_lease.ReadLease`): a file
+    truncated by another process while mapped would end this process with SIGBUS. Without a lease the
+    bytes are read with ``pread`` instead (:attr:`map` is None); either way a file cut short or opened for
+    writing under the read raises :class:`~ckpt_archive.errors.SourceChanged` naming it (exit 2).
+    """
 
     def __init__(self, path: Path):
         from ckpt_archive.format.exact_bytes import file_identity
+        from ckpt_archive.format.read_lease import ReadLease
 
         self.path = Path(path)
         #: the file as it was when mapped (:func:`~ckpt_archive.format.exact_bytes.file_identity`): the one a
         #: scan of the same identity read, whose range fingerprints are then the entries' (repo/writer.py)
         self.identity = file_identity(self.path)
-        with open(self.path, "rb") as fh:
-            size = fh.seek(0, 2)
-            self.map = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+        #: held for as long as this object (and, past it, as long as the map made from its descriptor)
+        self.lease = ReadLease(self.path)
+        #: the file's size when opened (bytes)
+        self.size = os.fstat(self.lease.fd).st_size
+        self.map = None
+        if not self.size:
+            self.map = b""
+        elif self.lease.held:
+            self.map = mmap.mmap(self.lease.fd, self.size, access=mmap.ACCESS_READ)
+
+    def _check(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"{nbytes} bytes at {offset} lie outside the file's {self.size}")
+        self.lease.check()
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` at ``offset``, copied (a scalar's few bytes).
+
+        Raises:
+            ValueError: the range lies outside the file as opened. SourceChanged: the file changed.
+        """
+        self._check(offset, nbytes)
+        if self.map is not None:
+            return bytes(self.map[offset:offset + nbytes])
+        from ckpt_archive.format.read_lease import pread_exact
+
+        buf = bytearray(nbytes)
+        pread_exact(self.lease.fd, buf, offset, self.path)
+        return bytes(buf)
+
+    def array(self, offset: int, nbytes: int):
+        """A read-only 1-D uint8 NumPy array of ``nbytes`` at ``offset``: a view of the map, or (no lease)
+        the bytes read into fresh memory.
+
+        Raises:
+            ValueError: the range lies outside the file as opened. SourceChanged: the file changed.
+        """
+        import numpy as np
+
+        self._check(offset, nbytes)
+        if nbytes == 0:
+            return np.zeros(0, dtype=np.uint8)
+        if self.map is not None:
+            return np.frombuffer(self.map, dtype=np.uint8, count=nbytes, offset=offset)
+        from ckpt_archive.format.read_lease import pread_exact
+
+        out = np.empty(nbytes, dtype=np.uint8)
+        pread_exact(self.lease.fd, out, offset, self.path)
+        out.flags.writeable = False
+        return out
 
     def view(self, offset: int, nbytes: int):
         """A read-only uint8 NumPy view of ``nbytes`` at ``offset`` (file pages, not anonymous memory); up to
         ``planes.SMALL_PLANES_BYTES`` a read-only 1-D ``memoryview`` (format ``B``) instead, so a pack of a
-        small state does not import NumPy (~0.1 s) to read it (the codec encodes such chunks without it)."""
+        small state does not import NumPy (~0.1 s) to read it (the codec encodes such chunks without it).
+
+        Raises:
+            ValueError: the range lies outside the file as opened. SourceChanged: the file changed.
+        """
         from ckpt_archive.format.planes import SMALL_PLANES_BYTES
 
         if nbytes <= SMALL_PLANES_BYTES:
-            if offset < 0 or offset + nbytes > len(self.map):
-                raise ValueError(f"{nbytes} bytes at {offset} lie outside the file's {len(self.map)}")
+            if self.map is None:
+                return memoryview(self.read(offset, nbytes))
+            self._check(offset, nbytes)
             return memoryview(self.map)[offset:offset + nbytes].toreadonly() if nbytes else memoryview(b"")
-        import numpy as np
-
-        if nbytes == 0:
-            return np.zeros(0, dtype=np.uint8)
-        return np.frombuffer(self.map, dtype=np.uint8, count=nbytes, offset=offset)
+        return self.array(offset, nbytes)
 
 
 class PtStorage:
@@ -173,7 +229,7 @@ class PtTensor:
             raise ValueError("only one element tensors can be converted to Python scalars")
         size = ITEMSIZE[self.storage.dtype]
         at = self.storage.offset + self.offset * size
-        raw = bytes(self.storage.file.map[at:at + size])
+        raw = self.storage.file.read(at, size)
         d = self.storage.dtype
         if d == "bfloat16":
             return struct.unpack("<f", b"\0\0" + raw)[0]
@@ -195,7 +251,7 @@ class PtTensor:
             return np.zeros(0, dtype=np.uint8)
         if self.is_contiguous():
             return st.file.view(st.offset + self.offset * size, n * size)
-        elems = np.frombuffer(st.file.map, dtype=np.dtype((np.void, size)), count=st.numel, offset=st.offset)
+        elems = st.file.array(st.offset, st.numel * size).view(np.dtype((np.void, size)))
         view = np.lib.stride_tricks.as_strided(elems[self.offset:], shape=self.shape,
                                                strides=[s * size for s in self.stride], writeable=False)
         return np.ascontiguousarray(view).reshape(-1).view(np.uint8)
@@ -210,7 +266,7 @@ class PtTensor:
         st, size = self.storage, ITEMSIZE[self.storage.dtype]
         if self.numel() == 0 or self.is_contiguous():
             return iter((self.contiguous_bytes(),))
-        elems = np.frombuffer(st.file.map, dtype=np.dtype((np.void, size)), count=st.numel, offset=st.offset)
+        elems = st.file.array(st.offset, st.numel * size).view(np.dtype((np.void, size)))
         view = np.lib.stride_tricks.as_strided(elems[self.offset:], shape=self.shape,
                                                strides=[s * size for s in self.stride], writeable=False)
         return view_pieces(view, size, lambda a: np.ascontiguousarray(a).reshape(-1).view(np.uint8))

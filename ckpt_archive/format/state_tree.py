@@ -1,10 +1,11 @@
 """Nested training state <-> (strict-JSON tree, tensor table).
 
-Why one long module (~730 lines, over the ~600 guide): encode and decode are the two halves of one
-contract (docs/FORMAT.md "State tree") and must change together, tag by tag; splitting them apart made
-every new tag a two-file edit that could drift. Walking an encoded tree (nodes, tensor references,
-shared/ref aliasing) is the readers' concern and lives in :mod:`ckpt_archive.format.tree_walk`; the next
-split, when this grows again, is the view bits into a module of their own.
+Why one long module (over the ~600 guide): encode and decode are the two halves of one contract
+(docs/FORMAT.md "State tree") and must change together, tag by tag; splitting them apart made every new
+tag a two-file edit that could drift. What is not a tag of the tree lives apart: a tensor's bytes, dtype
+names and lazy view bits (:mod:`ckpt_archive.format.tensor_bytes`), walking an encoded tree (nodes, tensor
+references, shared/ref aliasing: :mod:`ckpt_archive.format.tree_walk`, the readers' concern), a rebuild
+node's torch function (:mod:`ckpt_archive.format.rebuild`).
 
 :func:`encode` walks a nested state (dict / OrderedDict / list / tuple, tensors, NumPy arrays and
 scalars, plain values) and returns a JSON-able tree whose tensor leaves point at keys of a
@@ -34,23 +35,10 @@ from ckpt_archive.format.text import shown, str_from_node, str_node, utf8_ok
 from ckpt_archive.format.allowlist import (class_name, current_allowed, decode_class, global_name,
                                            plain_class_problem, refusal, resolve_global)
 from ckpt_archive.format.rebuild import holds_stub, rebuild
+from ckpt_archive.format.tensor_bytes import (NUMPY_TO_ST, TORCH_TO_ST, c_strides, check_view_size, storage_u8,
+                                             tensor_u8, tensor_u8_pieces, view_bits)
 
 MAX_SAFE_INT = 2**53
-
-# torch dtype name -> safetensors dtype string (safetensors spec, "dtype" field).
-TORCH_TO_ST = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-    "uint16": "U16", "uint32": "U32", "uint64": "U64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
-}
-# numpy dtype.str (native little-endian forms) -> safetensors dtype string
-NUMPY_TO_ST = {
-    "<f8": "F64", "<f4": "F32", "<f2": "F16", "<i8": "I64", "<i4": "I32", "<i2": "I16", "|i1": "I8",
-    "|u1": "U8", "|b1": "BOOL", "<u2": "U16", "<u4": "U32", "<u8": "U64", "<c8": "C64",
-}
-FLOAT_ST = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "C64": 4}
-
 
 @dataclasses.dataclass
 class Entry:
@@ -101,124 +89,6 @@ def _torch():
 def _is_tensor(obj) -> bool:
     torch = _torch()
     return isinstance(obj, torch.Tensor)
-
-
-#: The lazy view bits ``torch.save`` keeps (``torch._utils.get_tensor_metadata``) and this format records.
-VIEW_BITS = ("conj", "neg")
-
-
-def view_bits(t) -> dict:
-    """The lazy view bits of a dense tensor that ``torch.save`` keeps: ``{"conj": True}`` for an unresolved
-    conjugate view, ``{"neg": True}`` for a negative view (``torch._utils.get_tensor_metadata``).
-
-    Raises:
-        SourceError: torch reports a bit this format does not know (a newer torch): refused, not dropped.
-    """
-    torch = _torch()
-    bits = {k: bool(v) for k, v in torch._utils.get_tensor_metadata(t).items() if v}
-    unknown = sorted(set(bits) - set(VIEW_BITS))
-    if unknown:
-        raise SourceError(f"tensor carries view metadata {unknown} that this format cannot record",
-                          hint="resolve it before saving (e.g. t.clone())")
-    return bits
-
-
-def empty_tensor(dtype, device=None):
-    """A 0-element tensor of ``dtype`` for ``.set_()`` that allocates and fills nothing.
-
-    ``torch.empty(0, dtype=...)`` runs the deterministic fill when a training script turned on
-    ``torch.use_deterministic_algorithms(True)``, and that fill has no kernel for ``uint1``-``uint7``,
-    ``int1``-``int7`` (``"fill_empty_deterministic_" not implemented for 'UInt4'``): a pack or restore in such
-    a process crashed. A view of an empty ``uint8`` tensor runs no kernel.
-    """
-    torch = _torch()
-    base = torch.empty(0, dtype=torch.uint8, device=device)
-    return base if dtype == torch.uint8 else base.view(dtype)
-
-
-def physical(t):
-    """``t`` without its lazy conj/neg bits: the same storage, offset, shape and strides, i.e. the bytes
-    as they lie in memory (what ``torch.save`` writes for such a view). ``t`` itself when it has none."""
-    torch = _torch()
-    if not (t.is_conj() or t.is_neg()):
-        return t
-    with torch.no_grad():
-        return empty_tensor(t.dtype, t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-
-
-def apply_view_bits(t, bits: dict):
-    """Put recorded conj/neg bits back on a tensor built from the physical bytes (a new alias of it, as
-    ``torch.load`` gives: ``is_conj()`` / ``is_neg()`` true, same storage).
-
-    Raises:
-        FormatError: a bit name this reader does not know (hostile or newer archive).
-    """
-    if not bits:
-        return t
-    if not isinstance(bits, dict) or any(k not in VIEW_BITS or v is not True for k, v in bits.items()):
-        raise FormatError(f"unknown tensor view bits {bits!r}")
-    torch = _torch()
-    t = t.detach()  # a new alias: the shared base tensor keeps no bits
-    torch._utils.set_tensor_metadata(t, dict(bits))
-    return t
-
-
-def _tensor_u8_pieces(t):
-    """:func:`tensor_u8`'s bytes as pieces of at most ``fingerprint.VIEW_PIECE_BYTES`` (a view never gathered
-    whole: a stride of 0 makes its logical bytes any multiple of its storage's)."""
-    from ckpt_archive.format.fingerprint import view_pieces
-
-    t = physical(t.detach())
-    return view_pieces(t, t.element_size(), tensor_u8)
-
-
-def check_view_size(key: str, logical: int, stored: int) -> None:
-    """[break] Refuse a source's view larger than its storage and than this machine's memory
-    (:func:`ckpt_archive.format.limits.view_size_problem`).
-
-    Raises:
-        SourceError: names the leaf.
-    """
-    from ckpt_archive.format.limits import view_size_problem
-
-    problem = view_size_problem(logical, stored)
-    if problem:
-        raise SourceError(f"{problem}: nothing could use it here", where=key)
-
-
-def tensor_u8(t):
-    """Contiguous CPU bytes of a tensor as a 1-D uint8 NumPy array (no copy when already contiguous).
-
-    A conj/neg view gives its physical bytes (:func:`physical`), as ``torch.save`` stores them.
-
-    Raises:
-        what torch raises copying a tensor off its device (a meta tensor has no bytes).
-    """
-    torch = _torch()
-    t = physical(t.detach())
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.numel() == 0:
-        import numpy as np
-
-        return np.zeros(0, dtype=np.uint8)
-    # [break] contiguous by torch's rule, a dim of size 1 may keep any stride (a (1, 1) slice of a transposed
-    # weight has strides (1, 7)), and view(uint8) needs a last stride of 1: its elements lie in C order at
-    # unit stride, so flatten it as such
-    t = t.as_strided((t.numel(),), (1,))
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _storage_u8(t):
-    """The whole untyped storage under ``t`` as a 1-D uint8 NumPy array (CPU)."""
-    torch = _torch()
-    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return flat.numpy()
 
 
 def _float(v: float):
@@ -573,7 +443,7 @@ class Encoder:
                    **_leaf_flags(t)}
             if i > 0:
                 rec["view"] = {"storage_offset": 0, "stride": [int(s) for s in t.stride()]}
-                self.table.leaf_bytes[key] = lambda t=t: _tensor_u8_pieces(t)
+                self.table.leaf_bytes[key] = lambda t=t: tensor_u8_pieces(t)
             self.table.leaves[key] = rec
 
     def _add_shared(self, views: list[tuple[str, Any]], n_shared: int) -> None:
@@ -590,7 +460,7 @@ class Encoder:
             fname, itemsize = "uint8", 1
         entry_key = f"storage/{n_shared}:{key0}"
         self.table.entries[entry_key] = Entry(entry_key, TORCH_TO_ST[fname], [nbytes_storage // itemsize],
-                                              lambda t=t0: _storage_u8(t), nbytes_storage)
+                                              lambda t=t0: storage_u8(t), nbytes_storage)
         for key, t in views:
             check_view_size(key, t.numel() * t.element_size(), nbytes_storage)
             rec = {"entry": entry_key, "kind": "torch", "dtype": str(t.dtype).replace("torch.", ""),
@@ -598,7 +468,7 @@ class Encoder:
                    "view": {"storage_offset": int(t.storage_offset()), "stride": [int(s) for s in t.stride()],
                             "entry_dtype": fname}, **_leaf_flags(t)}
             self.table.leaves[key] = rec
-            self.table.leaf_bytes[key] = lambda t=t: _tensor_u8_pieces(t)
+            self.table.leaf_bytes[key] = lambda t=t: tensor_u8_pieces(t)
 
 
 #: what an encoder stage returns for a value not of its kinds (None is a value: JSON null)
@@ -612,16 +482,6 @@ def _natural(t) -> bool:
     return (t.is_contiguous() and t.storage_offset() == 0
             and t.numel() * t.element_size() == t.untyped_storage().nbytes()
             and (t.numel() > 0 or list(t.stride()) == c_strides(t.shape)))
-
-
-def c_strides(shape) -> list[int]:
-    """The strides, in elements, of a C-contiguous tensor of ``shape`` (a sequence of ints; 0-sized
-    dimensions count as 1, as torch strides them). Never raises for a sequence of integers."""
-    out, acc = [], 1
-    for n in reversed([int(x) for x in shape]):
-        out.append(acc)
-        acc *= max(n, 1)
-    return out[::-1]
 
 
 def _leaf_flags(t) -> dict:
@@ -644,7 +504,7 @@ def _leaf_flags(t) -> dict:
 
 def _probe_bytes(t, where: str) -> None:
     """Fail now, before anything is written, if a dense tensor's bytes cannot be taken the way the writer
-    will take them: one element of it goes through the same path (:func:`tensor_u8`, :func:`_storage_u8`,
+    will take them: one element of it goes through the same path (:func:`tensor_u8`, :func:`~ckpt_archive.format.tensor_bytes.storage_u8`,
     :func:`view_bits`). A tensor kind the writer cannot read is refused at encode time, naming its path,
     instead of failing half-way through a generation."""
     torch = _torch()
@@ -654,7 +514,7 @@ def _probe_bytes(t, where: str) -> None:
             one = torch.as_strided(t.detach(), (1,), (1,), t.storage_offset())
             tensor_u8(one)
         if t.untyped_storage().nbytes() > 0 and t.device.type == "cpu":
-            _storage_u8(t)
+            storage_u8(t)
     except SourceError as exc:
         exc.where = where
         raise
@@ -913,14 +773,4 @@ def _hashable(k):
     return k
 
 
-def torch_dtype(name: str):
-    """torch dtype from its name (``"bfloat16"``)."""
-    torch = _torch()
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise FormatError(f"unknown torch dtype {name!r}")
-    return dt
-
-
-__all__ = ["MAX_SAFE_INT", "TORCH_TO_ST", "NUMPY_TO_ST", "FLOAT_ST", "Entry", "TensorTable", "VIEW_BITS", "view_bits",
-           "empty_tensor", "physical", "apply_view_bits", "encode", "encode_value", "decode", "torch_dtype"]
+__all__ = ["MAX_SAFE_INT", "Entry", "TensorTable", "Encoder", "encode", "encode_value", "decode"]

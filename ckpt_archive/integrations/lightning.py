@@ -168,13 +168,13 @@ class ArchiveCheckpointIO(CheckpointIO):
             pack the file first). NoUsableGeneration / NotFound / IntegrityError: as
             :func:`ckpt_archive.load`.
         """
-        from ckpt_archive.ops.load import load
+        from ckpt_archive.ops.load import LoadOptions, load
 
         repo, generation = self._resolve(path)
         import torch
 
         where = map_location if isinstance(map_location, (str, torch.device)) else None
-        state = load(repo, generation, map_location=where, jobs=self.options.jobs)
+        state = load(repo, generation, LoadOptions(map_location=where, jobs=self.options.jobs))
         if not isinstance(state, dict):
             raise UsageError(f"{os.fspath(path)} holds a {type(state).__name__}, not a Lightning checkpoint dict")
         return state

@@ -38,12 +38,12 @@ import time
 import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from ckpt_archive.errors import EX_TEMPFAIL, EXIT_OK, CheckFailed, NotFound, SourceChanged, SourceError
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.shard import file_problem
-from ckpt_archive.ops.common import RepoLike, human_seconds, leftover_note, open_repo
+from ckpt_archive.ops.common import RepoLike, human_seconds, leftover_note, open_repo, take_options
 
 #: An incomplete checkpoint unchanged for longer than this is broken, not being written (seconds);
 #: the default is ``max(STALE_AFTER_MIN, STALE_AFTER_SETTLES * settle)``.
@@ -172,11 +172,22 @@ def _read_step(path: Path) -> int | None:
         import torch
 
         from ckpt_archive.format.progress import find_progress
+        from ckpt_archive.format.read_lease import ReadLease
         from ckpt_archive.sources.torchfile import numpy_safe_globals
 
-        with torch.serialization.safe_globals(numpy_safe_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-        step = find_progress(state).get("step")
+        # [break] mapped only under a read lease (a trainer truncating the file under the map would end
+        # this process with SIGBUS); without one torch reads the file
+        lease = ReadLease(path)
+        try:
+            with torch.serialization.safe_globals(numpy_safe_globals()):
+                state = torch.load(path, map_location="cpu", weights_only=True,
+                                   mmap=zipfile.is_zipfile(path) and lease.held)
+            step = find_progress(state).get("step")
+            del state
+            if lease.broken():
+                return None  # being rewritten: ordered by mtime, read again on the next run
+        finally:
+            lease.close()
         return step if type(step) is int else None
     except Exception:  # noqa: BLE001 - unreadable now (being written, refused): ordered by mtime instead
         return None
@@ -556,33 +567,56 @@ def _lower_step_note(candidates: list[Path], steps: dict, before, chosen: Path, 
     return []
 
 
-def backup(source: str | os.PathLike, repo: RepoLike, *, retention: Any = None, settle: float = 10.0,
-           wait: float = 0.0, tags: tuple[str, ...] | list[str] = (), now: datetime | None = None,
-           sleep: Callable[[float], None] = time.sleep, on_bytes: Callable[[int], None] | None = None,
-           stale_after: float | None = None, allow=()) -> BackupResult:
+@dataclasses.dataclass(frozen=True)
+class BackupOptions:
+    """How :func:`backup` judges and packs a checkpoint (``ckpt-archive backup``'s options, one name each).
+
+    Attributes:
+        settle: seconds the checkpoint must stay unchanged (size, mtime_ns, inode, entries) before it is
+            packed (``--settle``; >= 0, default 10).
+        stale_after: seconds (by the newest mtime of its files) after which an incomplete checkpoint counts as
+            broken rather than being written (``--stale-after``; > 0); ``None``: ``max(600, 10 * settle)``.
+        tags: tags for a new generation (``--tag``); a str is one tag.
+        allow: plain-data classes to admit when packing (``"argparse.Namespace"``; ``--allow``; see
+            :class:`~ckpt_archive.ops.pack.PackOptions`); a str is one name.
+
+    Example:
+        >>> BackupOptions(settle=0, tags="nightly").settle
+        0
+    """
+
+    settle: float = 10.0
+    stale_after: float | None = None
+    tags: Sequence[str] | str = ()
+    allow: Sequence[Any] | str = ()
+
+
+def backup(source: str | os.PathLike, repo: RepoLike, options: BackupOptions | None = None, *,
+           retention: Any = None, wait: float = 0.0, on_bytes: Callable[[int], None] | None = None,
+           store_options: Mapping[str, Any] | None = None, now: datetime | None = None,
+           sleep: Callable[[float], None] = time.sleep) -> BackupResult:
     """Back up the newest complete checkpoint in SOURCE to REPO, if it changed.
 
     The newest checkpoint is examined first. Changed within ``settle`` seconds, or incomplete and
     changed within ``stale_after`` seconds: it is being written and not packed (exit 75); the older ones
     are examined for the newest complete one, packed when no usable generation holds it (``action``
-    packed, ``busy`` naming the newer one), else the run is ``busy``. Incomplete and unchanged for longer than ``stale_after``: it is broken (a save that was
-    killed); it is skipped with a warning and the next newest checkpoint is examined the same way.
+    packed, ``busy`` naming the newer one), else the run is ``busy``. Incomplete and unchanged for longer
+    than ``stale_after``: it is broken (a save that was killed); it is skipped with a warning and the next
+    newest checkpoint is examined the same way.
 
     Args:
         source: a checkpoint file or folder, or a training output folder (see :func:`checkpoint_candidates`).
-        repo: repository path or URL (created if absent).
+        repo: repository path or URL (created if absent), or an open Repository.
+        options: :class:`BackupOptions` (default: 10 s settle window, no tags).
         retention: a retention policy (dict or :class:`~ckpt_archive.retention.policy.RetentionPolicy`) to
-            apply after a new generation is usable; ``None`` uses the repository's default policy.
-        settle: seconds the checkpoint must stay unchanged (size, mtime_ns, inode, entries) before it
-            is packed.
+            apply after a new generation is usable, as ``pack(..., retention=)``; ``None`` uses the
+            repository's default policy.
         wait: seconds to wait for the repository lock (0: fail at once with :class:`LockError`).
-        tags: tags for a new generation.
-        now: decision time for retention (default now, UTC).
-        sleep: the sleep function (tests pass a fake).
         on_bytes: progress callback, called with a byte count while hashing.
-        stale_after: seconds (by the newest mtime of its files) after which an incomplete checkpoint
-            counts as broken rather than being written; ``None``: ``max(600, 10 * settle)``.
-        allow: plain-data classes to admit when packing (``"argparse.Namespace"``; see ``pack``).
+        store_options: for URL repositories, one mapping (``{"endpoint_url": ..., "storage_options": {...}}``;
+            :func:`~ckpt_archive.ops.common.open_repo`).
+        now: decision time for retention (default now, UTC), as ``prune(now=)``.
+        sleep: the sleep function of the settle window (tests pass a fake).
 
     Returns:
         A :class:`BackupResult`; ``exit_code`` is 75 when the newest checkpoint was still being written.
@@ -590,25 +624,32 @@ def backup(source: str | os.PathLike, repo: RepoLike, *, retention: Any = None, 
     Raises:
         NotFound, SourceError: SOURCE missing or holding no checkpoint, or holding no complete one
             (every checkpoint in it is broken; exit 2, naming each and why).
-        LockError: another writer holds the repository lock longer than ``wait``.
+        LockError: another writer holds the repository lock longer than ``wait`` (exit 2).
         UsageError: a malformed retention policy, a negative ``settle`` or a non-positive ``stale_after``.
         CheckFailed: the new generation failed verification or trial reload (nothing published).
+        TypeError: an unknown keyword argument or store option; ``options`` that is not a
+            :class:`BackupOptions` (``backup(src, repo, settle=0)`` is refused).
     """
     from ckpt_archive.format.durations import check_seconds
     from ckpt_archive.retention.policy import RetentionPolicy
 
-    settle = check_seconds(settle, "--settle")
-    if stale_after is None:
-        stale_after = default_stale_after(settle)
+    opts = take_options(options, BackupOptions, "backup")
+    settle = check_seconds(opts.settle, "--settle")
+    stale_after = default_stale_after(settle) if opts.stale_after is None else opts.stale_after
     stale_after = check_seconds(stale_after, "--stale-after", allow_zero=False)
     policy = None if retention is None else RetentionPolicy.from_dict(retention)
-    run = _BackupRun(Path(source).absolute(), repo, wait)
+    run = _BackupRun(Path(source).absolute(), repo, wait, store_options)
     done = run.pick(settle=settle, stale_after=stale_after, sleep=sleep, on_bytes=on_bytes)
     if done is None:
         done = run.unchanged()
     if done is None:
-        done = run.pack(policy, tags=tags, allow=allow, now=now)
+        done = run.pack(policy, tags=_names(opts.tags), allow=_names(opts.allow), now=now)
     return done
+
+
+def _names(value: Sequence[Any] | str) -> tuple:
+    """``tags`` / ``allow`` as a tuple; a str is one name (never its characters)."""
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 class _BackupRun:
@@ -620,11 +661,11 @@ class _BackupRun:
         NotFound: SOURCE missing (before the repository is created for nothing).
     """
 
-    def __init__(self, src: Path, repo: RepoLike, wait: float):
+    def __init__(self, src: Path, repo: RepoLike, wait: float, store_options: Mapping[str, Any] | None = None):
         self.key, self.wait = str(src), wait
         if not src.exists():  # before the repository is created for nothing
             raise NotFound("no such file or folder", where=self.key)
-        self.rep = open_repo(repo, create=True)  # an open Repository keeps its keys (issue 28)
+        self.rep = open_repo(repo, store_options, create=True)  # an open Repository keeps its keys (issue 28)
         self.state = read_state(self.rep.store)
         self.entry = self.state["sources"].get(self.key) or {}
         steps = dict(self.entry["steps"]) if isinstance(self.entry.get("steps"), dict) else {}
@@ -758,7 +799,7 @@ class _BackupRun:
 
         withdrawn_as: dict[str, int] = {}
         try:
-            result = pack_op.pack(str(self.checkpoint), self.rep, PackOptions(wait=self.wait, allow=tuple(allow)),
+            result = pack_op.pack(str(self.checkpoint), self.rep, PackOptions(wait=self.wait, allow=allow),
                                   Annotations(tags=tuple(tags)), retention=RetentionPolicy(),
                                   before_publish=lambda candidate: self.before_publish(candidate, withdrawn_as))
         except SourceChanged as exc:  # pack's own check of the file it read (withdrawn, nothing kept)
@@ -796,4 +837,4 @@ class _BackupRun:
 __all__ = ["STALE_AFTER_MIN", "STALE_AFTER_SETTLES", "STATE_KEY", "STATE_VERSION", "checkpoint_candidates",
            "file_steps", "find_checkpoint", "stat_snapshot", "completeness_problem", "resume_part_files",
            "sibling_problem", "hash_files", "manifest_source_hashes", "read_state", "write_state", "BackupResult",
-           "default_stale_after", "unchanged_for", "backup"]
+           "default_stale_after", "unchanged_for", "backup", "BackupOptions"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, TypeVar, Union
 
 from ckpt_archive.errors import CheckFailed, IntegrityError, NotUsable, NoUsableGeneration, UsageError
 from ckpt_archive.repo.repository import Generation, Repository
@@ -33,6 +33,31 @@ def checked_store_options(store_options: Mapping[str, Any] | None) -> dict:
     if unknown:
         raise TypeError(f"unknown store option(s) {', '.join(map(repr, unknown))}; store_options takes "
                         f"{' and '.join(STORE_OPTION_KEYS)}")
+    return options
+
+
+_O = TypeVar("_O")
+
+
+def take_options(options: Any, cls: type[_O], op: str, *, generation: Any = None) -> _O:
+    """An operation's options object: ``options`` itself, or ``cls()`` (every option off) for None.
+
+    Every operation with options takes them as one frozen object (``PackOptions``, ``LoadOptions``,
+    ``VerifyOptions``, ``RestoreOptions``, ``BackupOptions``; docs/api.md); this refuses anything else rather
+    than guess (a dict's misspelt key would otherwise be an option silently left off).
+
+    Raises:
+        TypeError: ``options`` is not a ``cls`` (a dict of option names included: ``cls(**d)`` builds one), or
+            the options object was passed where the generation goes (``verify(repo, VerifyOptions(...))``).
+    """
+    if isinstance(generation, cls):
+        raise TypeError(f"{op}() got a {cls.__name__} where the generation goes: pass it as "
+                        f"options={cls.__name__}(...) (the generation, \"latest\" by default, comes first)")
+    if options is None:
+        return cls()
+    if not isinstance(options, cls):
+        hint = f" (a mapping of option names: {cls.__name__}(**options))" if isinstance(options, Mapping) else ""
+        raise TypeError(f"{op}'s options must be a {cls.__name__}, not {type(options).__name__}{hint}")
     return options
 
 
@@ -345,7 +370,8 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-__all__ = ["RepoLike", "STORE_OPTION_KEYS", "open_repo", "checked_store_options", "pick", "check_present", "copied_note", "refuse_unusable",
+__all__ = ["RepoLike", "STORE_OPTION_KEYS", "take_options", "open_repo", "checked_store_options", "pick", "check_present",
+           "copied_note", "refuse_unusable",
            "human_seconds", "is_damage", "fails_generation", "note_damage", "vouch", "check_trust", "untrusted_reason"]
 
 

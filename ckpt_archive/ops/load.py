@@ -2,11 +2,12 @@
 ``latest``-falls-back rule that ``load`` and ``restore`` share."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, TypeVar
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, Unreadable, first_line
 from ckpt_archive.ops.common import (RepoLike, check_present, fails_generation, is_damage, note_damage, open_repo,
-                                     refuse_unusable, require_readable, vouch)
+                                     refuse_unusable, require_readable, take_options, vouch)
 from ckpt_archive.ops.verify import find_fallback
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
@@ -16,8 +17,8 @@ T = TypeVar("T")
 
 def with_fallback(r: Repository, generation: str | int, fallback: bool,
                   fn: Callable[[Generation, ArchiveReader], T], *, unverified: bool = False, action: str = "load",
-                  override: str = "unverified=True", notes: list | None = None, warnings: list | None = None,
-                  jobs: int | None = None) -> tuple[Generation, T]:
+                  override: str = "LoadOptions(unverified=True)", notes: list | None = None,
+                  warnings: list | None = None, jobs: int | None = None) -> tuple[Generation, T]:
     """Run ``fn`` on the picked generation and vouch for the rest of it; when ``latest`` fails its checks,
     name (or with ``fallback`` use) the newest older generation that verifies.
 
@@ -125,27 +126,50 @@ def _add_hint(exc: BaseException, line: str | None) -> None:
         exc.hint = f"{exc.hint}; {line}" if exc.hint else line
 
 
-def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None = None, fallback: bool = False,
-         map_location=None, jobs: int | None = None, allow=(), unverified: bool = False,
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How :func:`load` rebuilds a generation in memory (the names :class:`~ckpt_archive.ops.restore.RestoreOptions`
+    gives the same options).
+
+    Attributes:
+        only: a ``/``-separated path into the state (``"model"``) to load just that part.
+        fallback: when ``latest`` fails its checks, use the newest older generation that verifies (a
+            ``UserWarning`` names both).
+        unverified: load a ``partial`` or ``damaged`` generation anyway (refused otherwise, exit 2); every byte
+            is still checked against its manifest, and a ``UserWarning`` says loudly what was loaded.
+        map_location: move torch tensors there (default: CPU).
+        jobs: decoder threads (default: cores).
+        allow: plain-data classes to rebuild (``"module.Class"`` names or classes); ``argparse.Namespace``
+            needs none (see :mod:`ckpt_archive.format.allowlist`).
+
+    Example:
+        >>> LoadOptions(only="model", map_location="cpu").only
+        'model'
+    """
+
+    only: str | None = None
+    fallback: bool = False
+    unverified: bool = False
+    map_location: Any = None
+    jobs: int | None = None
+    allow: Sequence[Any] = ()
+
+
+def load(repo: RepoLike, generation: str | int = "latest", options: LoadOptions | None = None, *,
          store_options: Mapping[str, Any] | None = None) -> Any:
     """Rebuild the archived state in memory, checking every chunk and tensor on the way.
 
     Args:
         repo: repository path/URL or Repository.
         generation: ``"latest"``, a number, or ``"tag:NAME"``.
-        only: a ``/``-separated path into the state (``"model"``) to load just that part.
-        fallback: when ``latest`` fails its checks, use the newest older generation that verifies.
-        map_location: move torch tensors there (default: CPU).
-        jobs: decoder threads (default: cores).
-        allow: plain-data classes to rebuild (``"module.Class"`` names or classes); ``argparse.Namespace``
-            needs none (see :mod:`ckpt_archive.format.allowlist`).
-        unverified: load a ``partial`` or ``damaged`` generation anyway (refused otherwise, exit 2);
-            every byte is still checked against its manifest, and a ``UserWarning`` says so loudly.
+        options: :class:`LoadOptions` (default: the whole state, on the CPU, no fallback, usable generations
+            only).
         store_options: for URL repositories, one mapping (``{"endpoint_url": ..., "storage_options": {...}}``;
             :func:`~ckpt_archive.ops.common.open_repo`).
 
     Returns:
-        the nested state, equal to what was packed in structure, types, dtypes, shapes and bits.
+        the nested state, equal to what was packed in structure, types, dtypes, shapes and bits (with
+        ``options.only``: the part under that path).
 
     Whatever part is loaded, the rest of the generation is checked before the state is returned (stored
     bytes of every member and object not decoded, the tensor index: docs/FORMAT.md, "One status rule"); a
@@ -155,7 +179,9 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
         IntegrityError (exit 1) -- never returns wrong data; also for a generation whose failed check a
             reader recorded. ImplausibleSize (exit 1): a size no reader accepts. NotFound /
             NoUsableGeneration (exit 2); NotUsable (exit 2): a partial or damaged generation without
-            ``unverified``. TypeError: an unknown keyword argument or store option.
+            ``unverified``. UsageError (exit 2): an ``only`` path that selects no single place.
+        TypeError: an unknown keyword argument or store option; ``options`` that is not a :class:`LoadOptions`
+            (every option of the load itself is one of its fields: ``load(repo, only=...)`` is refused).
 
     Example:
         >>> import torch, ckpt_archive, tempfile
@@ -164,20 +190,23 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
         >>> state = ckpt_archive.load(repo)
         >>> state["step"], state["model"]["w"].tolist()
         (7, [0.0, 1.0, 2.0])
+        >>> ckpt_archive.load(repo, "latest", LoadOptions(only="model/w")).tolist()
+        [0.0, 1.0, 2.0]
     """
     from ckpt_archive.format.allowlist import allowing
 
-    if only is not None:
+    opts = take_options(options, LoadOptions, "load", generation=generation)
+    if opts.only is not None:
         from ckpt_archive.format.tree_paths import check_only
 
-        check_only(only)  # "" or "model//w" would select the whole state, or another place than written
+        check_only(opts.only)  # "" or "model//w" would select the whole state, or another place than written
     r = open_repo(repo, store_options)
     notes: list[str] = []
     lines: list[str] = []
-    with allowing(allow):
-        _, state = with_fallback(r, generation, fallback,
-                                 lambda g, reader: reader.load(only, map_location=map_location),
-                                 unverified=unverified, notes=notes, warnings=lines, jobs=jobs)
+    with allowing(opts.allow):
+        _, state = with_fallback(r, generation, opts.fallback,
+                                 lambda g, reader: reader.load(opts.only, map_location=opts.map_location),
+                                 unverified=opts.unverified, notes=notes, warnings=lines, jobs=opts.jobs)
     import warnings
 
     for line in notes + lines:
@@ -185,4 +214,4 @@ def load(repo: RepoLike, generation: str | int = "latest", *, only: str | None =
     return state
 
 
-__all__ = ["load", "with_fallback", "passed_over"]
+__all__ = ["load", "LoadOptions", "with_fallback", "passed_over"]

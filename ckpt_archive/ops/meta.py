@@ -247,7 +247,13 @@ def _pickles_plain(state: Any) -> bool:
 def unsafe_globals_of_file(path: str | os.PathLike) -> list[str] | None:
     """The globals of a ``torch.save`` file that ``torch.load(weights_only=True)`` refuses unless allowed
     (:func:`_unsafe_globals`, read from the file's pickle, nothing unpickled); None when it cannot be told
-    (a legacy, non-zip file; torch < 2.5)."""
+    (a legacy, non-zip file; torch < 2.5).
+
+    A file the torch-free reader accepts (:func:`ckpt_archive.format.pt_pickle.read`: only
+    ``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2`` and the classic storage classes, all of
+    which plain ``weights_only=True`` allows) is answered ``[]`` without importing torch ([issue 29]: ``import
+    torch`` was 2-3 s of restore's CPU on the benchmark box, for the answer torch's scan gives such a file);
+    anything else is left to torch's scan."""
     import zipfile
 
     try:
@@ -255,7 +261,27 @@ def unsafe_globals_of_file(path: str | os.PathLike) -> list[str] | None:
             return None
     except OSError:
         return None
+    if _plain_without_torch(path):
+        return []
     return _unsafe_globals(os.fspath(path))
+
+
+def _plain_without_torch(path: str | os.PathLike) -> bool:
+    """Whether :func:`ckpt_archive.format.pt_pickle.read` accepts the ``torch.save`` file ``path`` (then plain
+    ``torch.load(weights_only=True)`` loads it, nothing to allow). Reads the zip's records and its pickle; no
+    tensor byte is touched (the file's map is closed unread)."""
+    from ckpt_archive.format import pt_pickle
+
+    try:
+        _, file = pt_pickle.read(path)
+    except pt_pickle.NotSimple:
+        return False
+    if hasattr(file.map, "close"):
+        try:
+            file.map.close()
+        except BufferError:  # a view of it still held: the map goes with its last view
+            pass
+    return True
 
 
 def _read_without_torch(state: Any) -> bool:
@@ -418,7 +444,7 @@ def default_instructions(source_format: str, layout: str, top_keys: list[str], n
     """
     keys = ", ".join(repr(k) for k in top_keys[:12]) or "(none)"
     extra = [a for a in (allowed or []) if a != "argparse.Namespace"]
-    load_args = f", allow={extra!r}" if extra else ""
+    load_args = f", options=ckpt_archive.LoadOptions(allow={extra!r})" if extra else ""
     api = (f"import ckpt_archive\n"
            f"state = ckpt_archive.load('REPO', generation='latest'{load_args})  # the exact state; nothing unpickled\n")
     if layout == "folder":

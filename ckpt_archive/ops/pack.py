@@ -20,10 +20,11 @@ from ckpt_archive import __version__
 from ckpt_archive.errors import CkptArchiveError, SourceChanged, SourceError, StoreError, UsageError
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from ckpt_archive.format.exact_bytes import early_scan
+from ckpt_archive.format.read_lease import lease_scope
 from ckpt_archive.format.manifest import FORMAT, seal_bytes, version_for
 from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
 from ckpt_archive.format.metrics import metrics_to_json
-from ckpt_archive.ops.common import RepoLike, open_repo
+from ckpt_archive.ops.common import RepoLike, open_repo, take_options
 from ckpt_archive.ops.meta import (code_identity, default_instructions, environment, find_metrics, find_progress,
                                    needs_by_part, value_or_file)
 from ckpt_archive.repo.publish import PACK_POINTS, BeforePublish, Lifecycle, Withdrawn
@@ -463,7 +464,8 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
 
     Raises:
         SourceError / RefusedPickle: unreadable or refused input (exit 2). UsageError: bad options, or a
-        ``retention`` that is not a RetentionPolicy (exit 2). LockError: another writer.
+        ``retention`` that is not a RetentionPolicy (exit 2). TypeError: ``options`` that is not a
+        :class:`PackOptions` or ``annotations`` that is not an :class:`Annotations`; an unknown keyword argument. LockError: another writer.
         IntegrityError: the new generation failed verify or trial reload (exit 1; left partial).
         StoreError: the store failed (disk full, read-only, permissions) (exit 2; left partial).
         Withdrawn: ``before_publish`` withdrew the generation (removed; exit 2).
@@ -476,9 +478,13 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
         >>> r.status, r.manifest["progress"]["step"], r.manifest["metrics"]
         ('usable', 3, {'val_loss': 0.25})
     """
-    options = options or PackOptions()
-    annotations = annotations or Annotations()
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-scan") as scan_pool:
+    options = take_options(options, PackOptions, "pack")
+    annotations = Annotations() if annotations is None else annotations
+    if not isinstance(annotations, Annotations):
+        raise TypeError(f"pack's annotations must be an Annotations, not {type(annotations).__name__}")
+    # [break] the source's read leases go back when pack returns (a trainer's next save over the file must
+    # not wait for the garbage collector): format/read_lease.py
+    with lease_scope(), ThreadPoolExecutor(1, thread_name_prefix="ckpt-scan") as scan_pool:
         # [issue 14] a source file's own reads (its sha256, its tensor ranges' fingerprints and, for a zip
         # torch.save file, every record's CRC-32) start now, beside `import torch` and torch.load
         scan = early_scan(source, scan_pool) if isinstance(source, (str, os.PathLike)) else None

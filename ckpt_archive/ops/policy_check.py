@@ -3,8 +3,8 @@
 ``verify`` and ``inspect`` read the generation's state tree (small tensors only:
 :func:`~ckpt_archive.ops.audit_read.state_for_audit`) and run the pure analysis of
 :mod:`ckpt_archive.training` (:func:`~ckpt_archive.training.completeness.policy_section`). This module
-turns the findings into a verdict, the one the CLI renders and ``ckpt_archive.verify(..., strict=True)``
-returns alike (docs/policy.md, "Completeness lint and ``--strict``"):
+turns the findings into a verdict, the one the CLI renders and
+``ckpt_archive.verify(..., options=VerifyOptions(strict=True))`` returns alike (docs/policy.md, "Completeness lint and ``--strict``"):
 
 * audit findings of severity ``error`` (the state cannot be resumed as saved) are problems;
 * audit warnings and info, and completeness findings, are warnings;

@@ -112,7 +112,8 @@ def _verify_problems(repo: Any, number: int) -> list[str]:
     from ckpt_archive.ops import verify as verify_op  # looked up at call time: tests replace verify_op.verify
 
     try:
-        report = verify_op.verify(repo, str(number), policy=False, record=False)  # stored bytes; nothing recorded
+        # stored bytes only; nothing recorded (the refusal to prune reports it)
+        report = verify_op.verify(repo, str(number), options=verify_op.VerifyOptions(policy=False, record=False))
     except (CkptArchiveError, OSError) as exc:
         return [f"could not be verified: {exc}"]
     lines = []

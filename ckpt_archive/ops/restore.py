@@ -13,9 +13,9 @@ from ckpt_archive.errors import (CannotCheck, InsufficientSpace, IntegrityError,
 from ckpt_archive.format.paths import check_relpath
 from ckpt_archive.format.tree_walk import folder_file_node
 from ckpt_archive.ops.common import (RepoLike, copied_note, open_repo, refuse_special_output, refuse_unusable,
-                                     require_readable)
+                                     require_readable, take_options)
 from ckpt_archive.ops.load import with_fallback
-from ckpt_archive.repo.publish import phase
+from ckpt_archive.repo.publish import note_complete, note_interrupt, phase
 from ckpt_archive.repo.reader import ArchiveReader
 from ckpt_archive.repo.repository import Generation, Repository
 from ckpt_archive.store.fs import Dir, Entry
@@ -143,7 +143,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         NotUsable (exit 2): a partial or damaged generation without ``unverified``.
         UnsafePath (exit 1): a path of the manifest resolves outside the output folder.
         TypeError: an unknown keyword argument or store option (every option of the restore itself is a field
-            of :class:`RestoreOptions`).
+            of :class:`RestoreOptions`: ``restore(repo, gen, out, force=True)`` is refused); ``options`` that is
+            not a :class:`RestoreOptions`.
 
     Example:
         >>> import os, torch, ckpt_archive, tempfile
@@ -153,9 +154,7 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
         >>> r.generation, torch.load(out, weights_only=True)["step"]
         (1, 1)
     """
-    opts = options if options is not None else RestoreOptions()
-    if not isinstance(opts, RestoreOptions):
-        raise TypeError(f"restore's options must be a RestoreOptions, not {type(opts).__name__}")
+    opts = take_options(options, RestoreOptions, "restore", generation=generation)
     out = _check_output(output, opts)
     r = open_repo(repo, store_options)
     plan = _plan(r, generation, out, opts)
@@ -173,12 +172,25 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
                                             action="restore", override="--restore-unverified", notes=notes,
                                             warnings=passed, jobs=opts.jobs)
             job.commit(gen)
+    except KeyboardInterrupt as exc:
+        if job.placed:  # [break] the rename was done: the output is complete, not interrupted
+            note_complete(exc, f"{out} is restored and complete (generation {gen.number})")
+        raise
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
             raise
         raise InsufficientSpace(f"disk full while restoring to {out} ({exc.strerror}); nothing was written there: "
                                 f"free space or restore elsewhere", where=str(out)) from None
-    return _result(job, gen, nbytes, plan, notes, passed)
+    try:
+        return _result(job, gen, nbytes, plan, notes, passed)
+    except KeyboardInterrupt as exc:
+        if plan.consolidate is None:
+            note_complete(exc, f"{out} is restored and complete (generation {gen.number})")
+        else:
+            note_interrupt(exc, f"{out} is restored and complete (generation {gen.number}), but the consolidated "
+                                f"file {plan.consolidate} was not written",
+                           "restore again with --force to write it")
+        raise
 
 
 @dataclasses.dataclass
@@ -280,6 +292,8 @@ class _Job:
         self.stage = stage
         self.staged = stage.entry  # the output being written, in the private staging folder
         self.rewritten: dict = {}
+        #: the output was renamed into place, complete (a Ctrl-C after this is not a failure)
+        self.placed = False
 
     @property
     def writes_folder(self) -> bool:
@@ -373,6 +387,11 @@ class _Job:
         except FileExistsError:  # put there while we wrote: never replaced without --force
             raise OutputExists("appeared while restoring; pass --force to replace it (nothing was written)",
                                where=str(self.out)) from None
+        except KeyboardInterrupt:
+            self.placed = stage.placed
+            raise
+        self.placed = True
+        self.r.faults.point("restore-placed")
 
 
 def _result(job: _Job, gen: Generation, nbytes: int, plan: _Plan, notes: list[str],

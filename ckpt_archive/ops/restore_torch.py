@@ -36,7 +36,8 @@ from typing import Any
 from ckpt_archive.errors import IntegrityError
 from ckpt_archive.format.exact_bytes import crc32, pwrite_all, zip_records
 from ckpt_archive.format.ordered_writes import ParallelWrites
-from ckpt_archive.repo.reader import ArchiveReader, leaf_from_base, tensor_refs
+from ckpt_archive.format.leaves import leaf_from_base
+from ckpt_archive.repo.reader import ArchiveReader, tensor_refs
 from ckpt_archive.store.fs import Entry
 
 _CD_MAGIC = b"PK\x01\x02"
@@ -160,7 +161,7 @@ def _fake_leaves(tensors: dict, torch_leaves: list[str], entry_rec: dict) -> tup
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ckpt_archive.format import fingerprint
-    from ckpt_archive.format.state_tree import torch_dtype
+    from ckpt_archive.format.tensor_bytes import torch_dtype
     from ckpt_archive.repo.trial_reload import check_leaf_fp, check_leaf_geometry
 
     part_views: dict[str, list] = {}

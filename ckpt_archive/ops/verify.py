@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from ckpt_archive.errors import CannotCheck, CkptArchiveError, IntegrityError, ReadOnlyRepository
-from ckpt_archive.ops.common import RepoLike, open_repo
+from ckpt_archive.ops.common import RepoLike, open_repo, take_options
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import CHECK_FAILED, MANIFEST, Generation, Repository
 from ckpt_archive.repo.trial_reload import trial_reload
@@ -233,62 +233,95 @@ def record_failure(r: Repository, gen: Generation, problems: list[Problem], *, b
     return out
 
 
-def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = False, jobs: int | None = None,
-           on_bytes=None, fallback: bool = False, wait: float = 0.0, strict: bool = False, policy: bool = True,
-           record: bool = True, store_options: Mapping[str, Any] | None = None) -> VerifyReport:
+@dataclasses.dataclass(frozen=True)
+class VerifyOptions:
+    """What :func:`verify` checks (``ckpt-archive verify``'s options, one name each).
+
+    Attributes:
+        deep: decode everything (the trial reload: every chunk decoded, raw sha256 of every member and tensor,
+            dtype and shape, the tree rebuilt) rather than hash the stored bytes (``--deep``). A ``copied``
+            generation that passes is marked usable here.
+        strict: completeness warnings (what a resume from it loses: no optimizer state, no RNG, ...) fail the
+            check (``--strict``).
+        fallback: when ``latest`` fails, check and report the newest older generation that verifies instead
+            (``--fallback``).
+        jobs: decoder threads (default: cores; ``--jobs``).
+        policy: audit the LR policy and completeness (default, as the CLI does); False checks the stored
+            bytes only (``ok`` then says nothing about whether the state can be resumed).
+        record: record a failed check of a ``usable`` or ``copied`` generation (``CHECK-FAILED.json``, created
+            without the lock, never replacing anything: :func:`record_failure`), so that ``list``, ``@latest``,
+            restore and load treat it as damaged from then on (docs/FORMAT.md, "One status rule"). A shared
+            object's damage is recorded on every generation that references it. ``prune`` and retention pass
+            False (their own refusal reports it).
+
+    Example:
+        >>> VerifyOptions(deep=True, strict=True).deep
+        True
+    """
+
+    deep: bool = False
+    strict: bool = False
+    fallback: bool = False
+    jobs: int | None = None
+    policy: bool = True
+    record: bool = True
+
+
+def verify(repo: RepoLike, generation: str | int = "latest", options: VerifyOptions | None = None, *,
+           wait: float = 0.0, on_bytes=None, store_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Check a generation.
 
     Shallow: manifest (schema, version), marker, every stored member's size and sha256. Deep
-    (``deep=True``): the trial reload as well -- every chunk decoded, raw sha256 of every member and
-    tensor, dtype and shape, the tree rebuilt and every tensor reference resolved. A ``copied``
+    (``VerifyOptions(deep=True)``): the trial reload as well -- every chunk decoded, raw sha256 of every member
+    and tensor, dtype and shape, the tree rebuilt and every tensor reference resolved. A ``copied``
     generation that passes a deep check is marked usable at this location: that check and the marker
     run under the repository lock, through the publish lifecycle (:func:`ckpt_archive.repo.publish.adopt`).
 
     When ``generation`` is ``"latest"`` and it fails, the report names the newest older generation
-    that verifies (``fallback``); with ``fallback=True`` that one is checked and reported instead.
+    that verifies (``report.fallback``); with ``fallback=True`` that one is checked and reported instead.
 
     A generation that passes its byte checks is then audited (``policy=True``, as ``ckpt-archive verify``
     does; :mod:`ckpt_archive.ops.policy_check`, docs/policy.md): its state tree and small tensors are read,
     audit findings of severity ``error`` (the state cannot be resumed as saved) and a state tree that cannot
     be read are problems; audit and completeness warnings are warnings, and with ``strict=True`` the
-    completeness warnings (what a resume from it loses: no optimizer state, no RNG, ...) are problems too.
-    The verdict is the CLI's: ``verify(repo, strict=True).ok`` is False exactly where ``ckpt-archive verify
+    completeness warnings are problems too. The verdict is the CLI's:
+    ``verify(repo, options=VerifyOptions(strict=True)).ok`` is False exactly where ``ckpt-archive verify
     --strict`` exits 1.
 
     Args:
         repo: repository path/URL or Repository.
         generation: ``"latest"``, a number, or ``"tag:NAME"``.
-        deep: decode everything (trial reload) rather than hash the stored bytes.
-        jobs: decoder threads. on_bytes: progress callback (bytes read or decoded).
-        fallback: report the newest older generation that verifies instead of a failing ``latest``.
-        wait: seconds to wait for the writer lock when a ``copied`` generation is to be marked usable.
-        strict: completeness warnings fail the check (``--strict``).
-        policy: audit the LR policy and completeness (default); False checks the stored bytes only.
-        store_options: for URL repositories (``{"endpoint_url": ..., "storage_options": {...}}``).
-        record: record a failed check of a ``usable`` or ``copied`` generation (``CHECK-FAILED.json``, created
-            without the lock, never replacing anything: :func:`record_failure`), so that ``list``, ``@latest``,
-            restore and load treat it as damaged from then on (docs/FORMAT.md, "One status rule"). A
-            shared object's damage is recorded on every generation that references it. ``prune`` and
-            retention pass False (their own refusal reports it).
+        options: :class:`VerifyOptions` (default: shallow, not strict, no fallback, policy audit on, a failed
+            check recorded).
+        wait: seconds to wait for the writer lock when a ``copied`` generation is to be marked usable (0: fail
+            at once with LockError).
+        on_bytes: progress callback, called with bytes re-read (shallow) or decoded (deep); one with a
+            ``phase(name, total)`` method is told each phase, with the stored or raw size as total.
+        store_options: for URL repositories, one mapping (``{"endpoint_url": ..., "storage_options": {...}}``;
+            :func:`~ckpt_archive.ops.common.open_repo`).
 
     Returns:
         :class:`VerifyReport` (``ok`` False: exit 1).
 
     Raises:
         NotFound / NoUsableGeneration / NewerFormatError: could not check (exit 2).
-        LockError: marking a copied generation usable, another writer held the lock (exit 2). A
-            read-only repository is no error: the generation is checked, ``marked_usable`` stays False and
-            a warning (and ``extra["not_marked"]``) says it could not be marked here.
-        TypeError: an unknown keyword argument (store options go in ``store_options``).
+        LockError: marking a copied generation usable, another writer held the lock longer than ``wait``
+            (exit 2). A read-only repository is no error: the generation is checked, ``marked_usable`` stays
+            False and a warning (and ``extra["not_marked"]``) says it could not be marked here.
+        TypeError: an unknown keyword argument or store option; ``options`` that is not a
+            :class:`VerifyOptions` (every option of the check is one of its fields: ``verify(repo, deep=True)``
+            is refused).
 
     Example:
         >>> import torch, ckpt_archive, tempfile
         >>> repo = tempfile.mkdtemp()
         >>> _ = ckpt_archive.pack({"w": torch.ones(2)}, repo)
-        >>> report = ckpt_archive.verify(repo, deep=True)
+        >>> report = ckpt_archive.verify(repo, options=VerifyOptions(deep=True))
         >>> report.ok, report.generation, report.problems
         (True, 1, [])
     """
+    opts = take_options(options, VerifyOptions, "verify", generation=generation)
+    deep, jobs, fallback = opts.deep, opts.jobs, opts.fallback
     r = open_repo(repo, store_options)
     gen = r.resolve(generation)
     marked = False
@@ -311,7 +344,7 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
     if not_marked is not None:
         report.warnings.append(not_marked)
         report.extra["not_marked"] = not_marked
-    if record and problems and gen.status in ("usable", "copied") and gen.check_failed is None:
+    if opts.record and problems and gen.status in ("usable", "copied") and gen.check_failed is None:
         # [issue 24] damaged for every reader from now on: list, @latest, restore and load say so
         report.warnings.extend(record_failure(r, gen, problems, by="verify --deep" if deep else "verify"))
     if problems and str(generation) == "latest":
@@ -326,8 +359,8 @@ def verify(repo: RepoLike, generation: str | int = "latest", *, deep: bool = Fal
                 report = VerifyReport(not fb_problems, fb, fb_gen.status, deep, fb_problems,
                                       warnings=report.warnings, fallback=fb, stats=fb_stats,
                                       extra={"shared_objects": shared_object_report(r, fb, fb_problems)})
-    if policy:
-        _add_policy(report, r, strict)
+    if opts.policy:
+        _add_policy(report, r, opts.strict)
     return report
 
 
@@ -439,5 +472,5 @@ def adopt(repo: RepoLike, *, jobs: int | None = None, wait: float = 0.0, on_byte
     return report
 
 
-__all__ = ["verify", "VerifyReport", "adopt", "AdoptReport", "check_generation", "find_fallback", "record_failure",
-           "source_layout_problems", "name_shared_object_users", "shared_object_report"]
+__all__ = ["verify", "VerifyOptions", "VerifyReport", "adopt", "AdoptReport", "check_generation", "find_fallback",
+           "record_failure", "source_layout_problems", "name_shared_object_users", "shared_object_report"]

@@ -21,7 +21,8 @@ from typing import Iterable
 
 from ckpt_archive.errors import CkptArchiveError, IntegrityError, NotFound
 from ckpt_archive.format.member_writer import ChunkSink
-from ckpt_archive.format.objects import OBJECT_DIR, check_fp, object_id, object_key, oid_of_name, parts, rebase
+from ckpt_archive.format.objects import (OBJECT_DIR, check_fp, misplaced_oid, object_id, object_key, oid_of_name,
+                                         parts, rebase)
 from ckpt_archive.format.objects import refs as manifest_refs
 from ckpt_archive.store.fs import TEMP_FILE as _TMP_NAME  # the file layer's temporary names
 
@@ -616,9 +617,11 @@ def refs_of(repo, number: int) -> set[str] | None:
     return set(manifest_refs(g.manifest))
 
 
-def all_objects(store, skipped: list[str] | None = None) -> tuple[list[str], list[str]]:
+def all_objects(store, skipped: list[str] | None = None,
+                misplaced: list[tuple[str, str]] | None = None) -> tuple[list[str], list[str]]:
     """``(object names (oids), leftover temporary keys)`` stored under ``objects/``. A folder that cannot
-    be listed without following a symbolic link is left out (and named in ``skipped`` when given)."""
+    be listed without following a symbolic link is left out (and named in ``skipped`` when given); a file
+    named after an object that belongs to another folder is appended to ``misplaced`` as ``(key, oid)``."""
     from ckpt_archive.errors import UnsafePath
 
     fps, tmps = [], []
@@ -645,6 +648,8 @@ def all_objects(store, skipped: list[str] | None = None) -> tuple[list[str], lis
                 fps.append(oid)
             elif _TMP_NAME.match(name):
                 tmps.append(f"{OBJECT_DIR}/{folder}/{name}")
+            elif misplaced is not None and misplaced_oid(folder, name) is not None:
+                misplaced.append((f"{OBJECT_DIR}/{folder}/{name}", misplaced_oid(folder, name)))
     return fps, tmps
 
 
@@ -681,8 +686,10 @@ def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = Fals
 
     explicit = candidates is not None
     out = SweepResult()
+    misplaced: list[tuple[str, str]] = []
     if candidates is None:
-        candidates = all_objects(repo.store, out.skipped)[0]
+        candidates = all_objects(repo.store, out.skipped, misplaced)[0]
+        _sweep_misplaced(repo, index, misplaced, out, dry_run)
     for fp in sorted(set(candidates)):
         if fp in index.users:
             if explicit:
@@ -710,6 +717,33 @@ def sweep(repo, candidates: Iterable[str] | None = None, *, dry_run: bool = Fals
         out.removed.append(key)
         out.freed_bytes += size
     return out
+
+
+def _sweep_misplaced(repo, index: ObjectIndex, misplaced: list[tuple[str, str]], out: SweepResult,
+                     dry_run: bool) -> None:
+    """[break] Files named after a shared object but lying in another folder (moved there: no reader ever
+    looks for them there). One whose object no manifest references is deleted like any unreferenced object
+    (by its own key: the object in its right place, if any, is another file); one whose object a generation
+    references is left alone and named -- it may be the only copy of that object (put it back in
+    ``objects/<oid[:2]>/``)."""
+    for key, oid in misplaced:
+        if oid in index.users:
+            gens = ", ".join(map(str, sorted(index.users[oid])))
+            out.skipped.append(f"{key} is shared object {oid[:16]}... outside its folder {OBJECT_DIR}/{oid[:2]}/, "
+                               f"and generation(s) {gens} reference that object: left alone (move it back if "
+                               f"{object_key(oid)} is missing)")
+            continue
+        try:
+            size = repo.store.size(key)
+        except (NotFound, IntegrityError):
+            size = 0
+        if not dry_run:
+            repo.faults.point("object-delete")
+            if repo.locked:
+                repo.check_lock()  # fencing: a writer that lost its lease deletes nothing
+            repo.store.remove(key)
+        out.removed.append(key)
+        out.freed_bytes += size
 
 
 def users_of(repo) -> dict[str, list[int]]:

@@ -107,6 +107,13 @@ def note_interrupt(exc: BaseException, left: str, cleanup: str | None) -> None:
         exc.ckpt_cleanup = cleanup  # type: ignore[attr-defined]
 
 
+def note_complete(exc: BaseException, text: str) -> None:
+    """Attach to a ``KeyboardInterrupt`` that the work asked for was done before it landed (``ckpt_complete``:
+    e.g. restore's output renamed into place, complete): the CLI says so and exits 0, not 130."""
+    if not getattr(exc, "ckpt_complete", None):
+        exc.ckpt_complete = text  # type: ignore[attr-defined]
+
+
 #: Where :func:`commit` records each generation it publishes, when a caller asked (:func:`record_publishes`).
 _PUBLISH_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("ckpt_archive_publish_log", default=None)
 
@@ -417,5 +424,5 @@ def adopt(repo: Repository, number: int, check: Callable[[Generation], tuple[lis
     return gen, problems, counts, True
 
 
-__all__ = ["publish", "adopt", "commit", "phase", "note_interrupt", "record_publishes", "Lifecycle", "Steps", "Points", "PACK_POINTS", "EXPORT_POINTS",
+__all__ = ["publish", "adopt", "commit", "phase", "note_interrupt", "note_complete", "record_publishes", "Lifecycle", "Steps", "Points", "PACK_POINTS", "EXPORT_POINTS",
            "Candidate", "BeforePublish", "Withdrawn", "Published"]

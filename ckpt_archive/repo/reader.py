@@ -23,9 +23,11 @@ from ckpt_archive.format.objects import parts, stored_files
 from ckpt_archive.repo.objects import ProvenRange, decode_around, object_entries, open_member
 from ckpt_archive.format.leaf_checks import SizeOnly, check_leaf_bytes, check_tree_kinds
 from ckpt_archive.format.limits import (IN_FLIGHT_RAW_BYTES, MAX_TREE_BYTES, MAX_TREE_COST, check_allocation,
-                                       check_whole_read, frame_size_problem, lazy_buffer)
+                                       check_whole_read, frame_size_problem)
 from ckpt_archive.format.shard import check_header as _check_header
-from ckpt_archive.format.state_tree import apply_view_bits, decode, torch_dtype
+from ckpt_archive.repo.entries import EntryCutter
+from ckpt_archive.format.leaves import entry_tensor, fp_words, leaf_from_base
+from ckpt_archive.format.state_tree import decode
 from ckpt_archive.format.tree_paths import check_only, subtree  # noqa: F401 - part selection, named here too
 
 
@@ -398,7 +400,8 @@ class ArchiveReader:
         ``transient``: the caller drops each entry's bytes before asking for the next (trial reload),
         so entries spanning chunks are assembled in one reused buffer (no fresh pages per tensor).
         ``skip_objects``: shared objects among :attr:`proven_objects` whose entry is in ``sizes_only``
-        are not read or decoded at all (:meth:`iter_member`); their entry comes as a :class:`ProvenSize`.
+        are not read or decoded at all (:meth:`iter_member`); their entry comes as a
+        :class:`~ckpt_archive.repo.entries.ProvenSize`.
         [codec/benchmarks helper: rewritten for zero copies; same checks and order]
         """
         verify = not checked_by_caller if verify_stored is None else verify_stored
@@ -412,7 +415,7 @@ class ArchiveReader:
         if skip_objects and not checked_by_caller and rec.get("objects"):
             skip = frozenset(oid for oid, key in object_entries(rec).items()
                              if oid in skip_objects and key in sizes_only)
-        cutter = _EntryCutter(rec, order, wanted, sizes_only, transient)
+        cutter = EntryCutter(rec, order, wanted, sizes_only, transient)
         for off, chunk in self.iter_member(rec, on_bytes=on_bytes, check_whole=not checked_by_caller,
                                            verify_chunks=verify, skip_objects=skip, tap=tap):
             if isinstance(chunk, ProvenRange):
@@ -636,7 +639,7 @@ class ArchiveReader:
             for path, key, erec, fut in checks:
                 got = fut.result()
                 if got != fingerprint.raw_fp(erec):
-                    raise IntegrityError(f"tensor bytes {_fp_words(got)} mismatch: expected {fingerprint.raw_fp(erec)}, "
+                    raise IntegrityError(f"tensor bytes {fp_words(got)} mismatch: expected {fingerprint.raw_fp(erec)}, "
                                          f"got {got} (`ckpt-archive verify` names damaged chunks)",
                                          where=f"{path}:{key}")
         finally:
@@ -688,130 +691,6 @@ class ArchiveReader:
 
 
 
-class _EntryCutter:
-    """Cuts a tensors member's decoded stream into its entries, in data order (:meth:`ArchiveReader.iter_entries`
-    without ``into``): the safetensors header checked first; an entry inside one chunk that fills most of it
-    is a view, else it is assembled in a buffer taken lazily (one reused buffer when ``transient``; none for an
-    entry not wanted or in ``sizes_only``, which comes as a :class:`SizeOnly`); a proven shared object
-    (:class:`~ckpt_archive.repo.objects.ProvenRange`) must be exactly the next entry."""
-
-    def __init__(self, rec: dict, order: list, wanted, sizes_only, transient: bool):
-        self.rec, self.order, self.wanted, self.sizes_only, self.transient = rec, order, wanted, sizes_only, transient
-        self.base = rec["header_bytes"]
-        self.idx = 0
-        self.cur = None       # bytearray being filled for an entry spanning chunks (None when skipped)
-        self.filled = 0
-        self.scratch = bytearray()
-        self.header_buf = bytearray()
-        self.header_checked = False
-
-    def _empty_entries(self, upto: int | None = None) -> Iterator[tuple[str, dict, Any]]:
-        """The empty entries next in order (those starting at or before raw byte ``upto``, when given)."""
-        order = self.order
-        while self.idx < len(order) and order[self.idx][1]["data_offsets"][0] == order[self.idx][1]["data_offsets"][1] \
-                and (upto is None or self.base + order[self.idx][1]["data_offsets"][0] <= upto):
-            k, e = order[self.idx]
-            self.idx += 1
-            if self.wanted is None or k in self.wanted:
-                yield k, e, bytearray()
-
-    def proven(self, off: int, chunk) -> Iterator[tuple[str, dict, Any]]:
-        """An entry held whole by a proven shared object (never decoded here): it starts where the stream
-        stands, at an entry boundary, and is exactly that entry.
-
-        Raises:
-            IntegrityError: it is not.
-        """
-        yield from self._empty_entries(off)
-        k, e = self.order[self.idx] if self.idx < len(self.order) else (None, None)
-        if (not self.header_checked or self.filled or e is None or self.base + e["data_offsets"][0] != off
-                or e["data_offsets"][1] - e["data_offsets"][0] != chunk.nbytes):
-            raise IntegrityError(f"shared object {chunk.oid} is not one entry of its member at raw byte {off}",
-                                 where=self.rec["path"])
-        self.idx += 1
-        if self.wanted is None or k in self.wanted:
-            yield k, e, ProvenSize(chunk.nbytes)
-
-    def _header(self, mv) -> int | None:
-        """Take the header's bytes from ``mv``; the position after them, or None while the header is incomplete.
-
-        Raises:
-            IntegrityError: the header does not match the manifest's entries.
-        """
-        need = self.base - len(self.header_buf)
-        self.header_buf += mv[:need]
-        if len(self.header_buf) < self.base:
-            return None
-        _check_header(bytes(self.header_buf), self.rec["entries"], self.rec["path"])
-        self.header_checked = True
-        return min(len(mv), need)
-
-    def _buffer_for(self, k: str, size: int, want: bool):
-        """Where an entry spanning chunks is assembled (None: not kept)."""
-        if not want or k in self.sizes_only:
-            return None
-        if self.transient:
-            if len(self.scratch) < size:
-                self.scratch = lazy_buffer(size, self.rec["path"])  # pages taken as bytes arrive
-            return memoryview(self.scratch)[:size]
-        return lazy_buffer(size, self.rec["path"])
-
-    def feed(self, chunk) -> Iterator[tuple[str, dict, Any]]:
-        """The entries that end in this decoded chunk (and the empty ones before the next)."""
-        mv = memoryview(chunk).cast("B") if memoryview(chunk).format != "B" else memoryview(chunk)
-        pos = 0
-        if not self.header_checked:
-            pos = self._header(mv)
-            if pos is None:
-                return
-        order = self.order
-        while self.idx < len(order):
-            k, e = order[self.idx]
-            start, end = e["data_offsets"]
-            size = end - start
-            want = self.wanted is None or k in self.wanted
-            if size == 0:
-                self.idx += 1
-                if want:
-                    yield k, e, bytearray()
-                continue
-            if pos >= len(mv):
-                break
-            # the whole entry is in this chunk and fills most of it: a view (a small entry would
-            # keep its whole chunk alive, so it is copied)
-            if self.filled == 0 and pos + size <= len(mv) and 2 * size >= len(mv):
-                piece = mv[pos:pos + size]
-                pos += size
-                self.idx += 1
-                if want:
-                    yield k, e, (bytearray(piece) if piece.readonly else piece)
-                continue
-            if self.filled == 0:
-                self.cur = self._buffer_for(k, size, want)
-            take = min(size - self.filled, len(mv) - pos)
-            if self.cur is not None:
-                self.cur[self.filled:self.filled + take] = mv[pos:pos + take]
-            self.filled += take
-            pos += take
-            if self.filled == size:
-                self.idx += 1
-                done, self.cur, self.filled = self.cur, None, 0
-                if want:
-                    yield k, e, (SizeOnly(size) if done is None else done)
-
-    def finish(self) -> Iterator[tuple[str, dict, Any]]:
-        """Empty entries at the very end (after a proven object); then every entry must have come.
-
-        Raises:
-            IntegrityError: the member ends inside its header or before an entry.
-        """
-        yield from self._empty_entries()
-        if not self.header_checked and self.base:
-            raise IntegrityError("shard ends inside its safetensors header", where=self.rec["path"])
-        if self.idx != len(self.order):
-            raise IntegrityError(f"shard ends before entry {self.order[self.idx][0]}", where=self.rec["path"])
-
-
 class _Window:
     """A contiguous range ``[base, base + length)`` of an open stored file, read as a file of its own:
     positional reads on the decoder pool when the file is local (``pread``/``size``, as
@@ -840,14 +719,6 @@ class _Window:
         data = self.fh.read(n) or b""
         self._pos += len(data)
         return data
-
-
-class ProvenSize(SizeOnly):
-    """An entry's bytes that were not decoded at all: a shared object whose stored bytes were hashed now,
-    under a chunk table a usable generation's trial reload proved (:attr:`ArchiveReader.proven_objects`);
-    the entry's raw fingerprint is the object's."""
-
-    __slots__ = ()
 
 
 def _skip_or_fail(raw_check, proven: ProvenRange, member: str) -> None:
@@ -939,76 +810,6 @@ def tensor_refs(tree) -> list[str]:
     return list(walk_refs(tree))
 
 
-def entry_tensor(buf: bytearray, erec: dict, lrec: dict):
-    """The stored entry as a tensor/ndarray (flat for shared storages)."""
-    import numpy as np
-
-    if lrec["kind"] == "numpy":
-        return np.frombuffer(buf, dtype=np.dtype(lrec["dtype"])).reshape(lrec["shape"]) if buf else \
-            np.zeros(lrec["shape"], dtype=np.dtype(lrec["dtype"]))
-    import torch
-
-    view = lrec.get("view")
-    dname = view.get("entry_dtype", lrec["dtype"]) if view and "entry_dtype" in view else lrec["dtype"]
-    dt = torch_dtype(dname)
-    if len(buf) == 0:
-        return torch.empty(erec["shape"], dtype=dt)
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
-    # A safetensors entry starts wherever the previous one ended: a flat byte entry viewed as complex128
-    # (or any entry of a wider dtype) may be misaligned, and torch kernels then crash (SIGSEGV on
-    # clone). Such an entry is copied into an aligned buffer first.
-    align = 16 if dt.itemsize == 1 and lrec["dtype"] != dname else dt.itemsize
-    if raw.data_ptr() % align:
-        raw = raw.clone()
-    if dt.is_complex:
-        real = raw.view(torch.float32 if dt == torch.complex64 else torch.float64)
-        return torch.view_as_complex(real.reshape(-1, 2)).reshape(erec["shape"])
-    return raw.view(dt).reshape(erec["shape"])
-
-
-def leaf_from_base(base, lrec: dict):
-    view = lrec.get("view")
-    if lrec["kind"] == "numpy" or not view:
-        t = base
-    else:
-        from ckpt_archive.format.state_tree import empty_tensor
-
-        dt = torch_dtype(lrec["dtype"])
-        t = empty_tensor(dt).set_(base.untyped_storage(), view["storage_offset"], lrec["shape"], view["stride"])
-    if lrec.get("bits") and lrec["kind"] == "torch":  # an unresolved conj / neg view: the bytes are physical, the bits come back
-        t = apply_view_bits(t, lrec["bits"])
-    if lrec.get("parameter"):
-        import torch
-
-        t = torch.nn.Parameter(t, requires_grad=bool(lrec.get("requires_grad")))
-    elif lrec.get("requires_grad"):
-        t.requires_grad_(True)
-    return t
-
-
-def check_leaf(t, lrec: dict, leaf: str, known_sha: str | None = None) -> None:
-    from ckpt_archive.format.state_tree import tensor_u8
-
-    shape = list(t.shape)
-    if shape != list(lrec["shape"]):
-        raise IntegrityError(f"shape {shape} != manifest {lrec['shape']}", where=leaf)
-    if lrec["kind"] == "numpy":
-        got_dtype, data = t.dtype.str, memoryview(t.tobytes())
-    else:
-        got_dtype, data = str(t.dtype).replace("torch.", ""), tensor_u8(t)
-    if got_dtype != lrec["dtype"]:
-        raise IntegrityError(f"dtype {got_dtype} != manifest {lrec['dtype']}", where=leaf)
-    want = fingerprint.raw_fp(lrec)
-    got = known_sha or fingerprint.digest_like(data, want)
-    if got != want:
-        raise IntegrityError(f"raw {_fp_words(want)} mismatch: expected {want}, got {got}", where=leaf)
-
-
-def _fp_words(fp: str) -> str:
-    """``"sha256"`` (format 1's wording, which callers key on) or ``"fingerprint"``."""
-    return "sha256" if fp.startswith("sha256:") else "fingerprint"
-
-
 def _locate_bad_chunk(store, key: str, rec: dict) -> str:
     """Name the first chunk whose stored sha256 fails (for a precise report)."""
     try:
@@ -1022,5 +823,4 @@ def _locate_bad_chunk(store, key: str, rec: dict) -> str:
     return ""
 
 
-__all__ = ["FILES_IN_FLIGHT", "Problem", "ArchiveReader", "SizeOnly", "ProvenSize", "tensor_refs", "entry_tensor",
-           "leaf_from_base", "check_leaf", "subtree", "check_only"]
+__all__ = ["FILES_IN_FLIGHT", "Problem", "ArchiveReader", "SizeOnly", "tensor_refs", "subtree", "check_only"]

@@ -1,42 +1,40 @@
 """A repository: numbered generations, one writer lock, and the publish protocol.
 
-Why one module slightly over the ~600-line guide: the status rules (usable / copied / partial /
-damaged), the lock and the claim are the repository's one invariant and read best side by side; the
-lifecycle itself lives in :mod:`ckpt_archive.repo.publish`.
+The status rules (usable / copied / partial / damaged), the claim, the marker and the delete order are the
+repository's one invariant and read best side by side here; how the writer lock is held (re-entrant, its
+holder named, fencing) is :mod:`ckpt_archive.repo.lock`, and the lifecycle itself lives in
+:mod:`ckpt_archive.repo.publish`.
 
 Layout and ordering rules: docs/FORMAT.md. In short, a generation is written where no reader lists
 it as usable (its number claimed by exclusive create), sealed (manifest), verified, trial-reloaded,
 and only then published by writing ``USABLE.json`` last. Readers need no lock and list a generation
 as usable only when its marker matches its manifest and names this location.
 
-"This location" is compared by identity, not by spelling (:class:`Place`): a local repository is
-its resolved real path (symlinks and ``..`` resolved) plus the device and inode of its root folder;
-a remote one its normalised URL. ``repository.json`` itself is replaced atomically on every claim
-(a new inode each time), so the root folder's inode is the stable one.
+"This location" is compared by identity, not by spelling (:class:`~ckpt_archive.repo.place.Place`).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
-import json
 import os
 import re
 import socket
 import uuid
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 from ckpt_archive import __version__
 
-from ckpt_archive.errors import (CheckFailed, CkptArchiveError, FormatError, ImplausibleSize, IntegrityError, LockError,
+from ckpt_archive.errors import (CheckFailed, CkptArchiveError, FormatError, ImplausibleSize, IntegrityError,
                                 ManifestInvalid, NewerFormatError, NoUsableGeneration, NotFound, StoreError, UnsafePath,
                                 UsageError)
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_DOC_BYTES
 from ckpt_archive.format.manifest import parse as parse_manifest
 from ckpt_archive.format.metrics import read_metrics
-from ckpt_archive.store.fs import pid_alive
+from ckpt_archive.format.times import iso, parse_time, utcnow
+from ckpt_archive.repo.lock import RepositoryLock
+from ckpt_archive.repo.place import Place, canonical_url
 from ckpt_archive.store.base import Store, open_store
 from ckpt_archive.store.faults import NO_FAULTS, Faults
 
@@ -49,39 +47,6 @@ CLAIM = "CLAIM"
 CHECK_FAILED = "CHECK-FAILED.json"
 REPO_FORMAT_VERSION = 1
 _GEN_RE = re.compile(r"^\d{8}$")
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
-
-
-def iso(t: dt.datetime) -> str:
-    return t.astimezone(dt.timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})$")
-
-
-def parse_time(text: str | None) -> dt.datetime | None:
-    """THE parser of a timestamp read from an archive (a manifest's ``created``, a marker's times):
-    RFC 3339 (``T``/``t`` or a space between date and time, ``Z``/``z`` or an offset), returned in UTC.
-    Anything else, including a time without an offset, is None ("unknown"), never a crash.
-
-    Example:
-        >>> parse_time("2026-12-01t10:00:00z") == parse_time("2026-12-01T11:00:00+01:00")
-        True
-        >>> parse_time("2026-12-01T10:00:00") is None
-        True
-    """
-    if not text or not isinstance(text, str) or not _RFC3339.match(text):
-        return None
-    norm = text[:10] + "T" + text[11:]
-    if norm[-1] in "Zz":
-        norm = norm[:-1] + "+00:00"
-    try:
-        return dt.datetime.fromisoformat(norm).astimezone(dt.timezone.utc)
-    except (ValueError, OverflowError):  # a hostile manifest's "created" is shown as unknown, never a crash
-        return None
 
 
 def gen_key(number: int) -> str:
@@ -121,91 +86,6 @@ def read_json(store: Store, key: str, limit: int, *, where: str | None = None) -
 
     return jsonio.loads(read_small(store, key, limit), where=where or key, max_bytes=limit,
                         max_cost=MAX_SMALL_DOC_COST)
-
-
-def canonical_url(url: str) -> str:
-    """A remote location in one spelling: lower-case scheme (``s3a`` read as ``s3``), no repeated or
-    trailing slashes. ``S3://b//p/`` and ``s3://b/p`` are the same place.
-
-    Example:
-        >>> canonical_url("S3A://bucket//runs/a/")
-        's3://bucket/runs/a'
-    """
-    scheme, sep, rest = str(url).partition("://")
-    if not sep:
-        return str(url)
-    scheme = scheme.lower()
-    if scheme == "s3a":
-        scheme = "s3"
-    rest = re.sub(r"/{2,}", "/", rest).rstrip("/")
-    return f"{scheme}://{rest}"
-
-
-@dataclasses.dataclass
-class Place:
-    """Where a repository is, by identity (what a marker's ``location``/``identity`` are compared with).
-
-    Attributes:
-        location: a local repository's resolved real path, or a remote one's :func:`canonical_url`.
-        local: True for a folder on this machine's file system.
-    """
-
-    location: str
-    local: bool
-    _stat: tuple[int, int] | None = None
-
-    @classmethod
-    def of(cls, store: Store) -> "Place":
-        """The place of a store's root (:meth:`Store.local_path` decides local or remote)."""
-        root = store.local_path("")
-        if root is None:
-            return cls(canonical_url(store.location), False)
-        return cls(os.path.realpath(os.fspath(root)), True)
-
-    def dev_ino(self) -> tuple[int, int] | None:
-        """``(st_dev, st_ino)`` of the root folder; None for a remote place or a folder not there yet."""
-        if not self.local:
-            return None
-        if self._stat is None:
-            try:
-                st = os.stat(self.location)
-            except OSError:
-                return None
-            self._stat = (st.st_dev, st.st_ino)
-        return self._stat
-
-    def identity(self) -> dict:
-        """What a marker records besides ``location``: ``{"dev", "ino"}`` of a local root, else ``{}``."""
-        di = self.dev_ino()
-        return {"dev": di[0], "ino": di[1]} if di else {}
-
-    def holds(self, marker: dict) -> bool:
-        """Whether a marker's ``location`` (and ``identity``) name this place.
-
-        Remote: the normalised URLs are equal. Local: the marker's path, resolved here today, is this
-        real path (a symlink, a ``..`` path, or a marker written before locations were resolved), or
-        the marker's root folder has this device and inode (the folder was moved with ``mv``). A marker
-        whose recorded inode differs from this root's names another copy even at the same path (a
-        ``cp -a`` put in place of the original), unless the device changed too (a remount): copies
-        are told by inode, not by path.
-        """
-        loc = marker.get("location")
-        if not isinstance(loc, str) or not loc:
-            return False
-        if not self.local:
-            return canonical_url(loc) == self.location
-        if "://" in loc and not loc.startswith("file://"):
-            return False
-        path = loc[len("file://"):] if loc.startswith("file://") else loc
-        ident = marker.get("identity") if isinstance(marker.get("identity"), dict) else {}
-        ours = self.dev_ino()
-        theirs = (ident.get("dev"), ident.get("ino"))
-        same_path = os.path.realpath(path) == self.location
-        if ours is None or not all(isinstance(x, int) for x in theirs):
-            return same_path
-        if theirs == ours:
-            return True
-        return same_path and theirs[1] == ours[1]
 
 
 @dataclasses.dataclass
@@ -315,7 +195,7 @@ class Repository:
         #: (``generations/00000002/../x`` on an object store), each with why: skipped, never read or deleted
         self.unsafe_keys: list[str] = []
         self.place = Place.of(store)
-        self._lock_depth = 0
+        self._writer = RepositoryLock(store, self.place.location)
 
     # -- opening -------------------------------------------------------------------------------------
     @classmethod
@@ -640,9 +520,8 @@ class Repository:
                      f"`ckpt-archive adopt {self.location}` makes them usable here")
         return text
 
-    # -- writer lock -----------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def lock(self, wait: float = 0) -> Iterator[None]:
+    # -- writer lock (ckpt_archive.repo.lock) -------------------------------------------------------------
+    def lock(self, wait: float = 0) -> ContextManager[None]:
         """Hold the repository's single-writer lock (re-entrant for this object).
 
         The store gives the lock (:meth:`~ckpt_archive.store.base.Store.writer_lock`, through the file
@@ -662,48 +541,7 @@ class Repository:
             ReadOnlyRepository: (a LockError) the repository is read-only here: the lock cannot be taken.
             LinkInRepository: ``.lock`` is a symbolic link (exit 2; nothing was written through it).
         """
-        from ckpt_archive.format.durations import check_seconds
-
-        wait = check_seconds(wait, "--wait")  # a negative wait would mean "forever" to some lock libraries
-        if self._lock_depth:
-            self._lock_depth += 1
-            try:
-                yield
-            finally:
-                self._lock_depth -= 1
-            return
-        lock = self.store.writer_lock()
-        if not lock.acquire(timeout=wait):
-            holder = ""
-            try:
-                raw = lock.read_owner()
-                if raw is None:
-                    raise ValueError("no owner file")
-                info = jsonio.loads(raw, where=str(lock.path) + ".owner", max_bytes=1 << 16)
-                if not isinstance(info, dict):
-                    raise ValueError("not an object")
-                alive = pid_alive(info.get("pid")) if info.get("host") == socket.gethostname() else None
-                holder = (f" by pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
-                          + ("" if alive is not False else " (that process is gone: the OS lock is held by "
-                             "another process, or the file system does not release locks; if no writer "
-                             f"runs, remove {lock.path})"))
-            except (OSError, ValueError):
-                pass
-            raise LockError(f"the repository is locked by another writer{holder}; retry later or pass "
-                            f"--wait SECONDS", where=self.location) from None
-        try:
-            try:
-                lock.write_owner(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                             "since": iso(utcnow())}).encode())
-            except OSError:
-                pass
-            self._lock_depth = 1
-            self._held_lock = lock
-            yield
-        finally:
-            self._lock_depth = 0
-            self._held_lock = None
-            lock.release()
+        return self._writer.hold(wait)
 
     def check_lock(self) -> None:
         """Fencing: before a commit or a deletion, make sure this writer still holds the lock (a lease lock
@@ -712,12 +550,7 @@ class Repository:
         Raises:
             LockError: (exit 2) the lock is not held or was lost; the step must not be carried out.
         """
-        held = getattr(self, "_held_lock", None)
-        if held is None:
-            raise LockError("the repository lock is not held", where=self.location)
-        check = getattr(held, "check", None)
-        if check is not None:
-            check()
+        self._writer.check()
 
     # -- writing ---------------------------------------------------------------------------------------
     def claim_next(self) -> int:
@@ -769,7 +602,7 @@ class Repository:
     @property
     def locked(self) -> bool:
         """True while this object holds the writer lock."""
-        return self._lock_depth > 0
+        return self._writer.locked
 
     def write_marker(self, number: int, manifest_sha256: str, archive_id: str, record: dict) -> dict:
         """Publish: write ``USABLE.json`` (the commit point). Only :mod:`ckpt_archive.repo.publish`
@@ -881,9 +714,6 @@ def _ranges(numbers: list[int]) -> str:
         else:
             out.append([n, n])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
-
-
-    return True
 
 
 def host_record(location: str) -> dict:

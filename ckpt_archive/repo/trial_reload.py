@@ -24,7 +24,8 @@ from ckpt_archive.format.leaf_checks import (TORCH_ITEMSIZE, check_leaf_bytes, c
                                              check_leaf_geometry, check_tree_kinds)
 from ckpt_archive.format.limits import MAX_DATA_IDS_BYTES, check_whole_read
 from ckpt_archive.format.state_tree import decode
-from ckpt_archive.repo.reader import ArchiveReader, Problem, ProvenSize, tensor_refs
+from ckpt_archive.repo.entries import ProvenSize
+from ckpt_archive.repo.reader import ArchiveReader, Problem, tensor_refs
 
 def trial_reload(reader: ArchiveReader, problems: list[Problem], on_bytes=None) -> dict:
     """Decode every member of the generation ``reader`` reads; check every tensor's raw fingerprint,

@@ -20,10 +20,12 @@ from ckpt_archive.format import fingerprint
 from ckpt_archive.format.fingerprint import BLAKE3, SHA256
 from ckpt_archive.format.objects import own_stored_bytes
 from ckpt_archive.format.text import shown
+from ckpt_archive.format.read_lease import check_leases
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL, default_jobs
 from ckpt_archive.format.member_writer import MemberWriter
 from ckpt_archive.format.shard import encode_header
-from ckpt_archive.format.state_tree import FLOAT_ST, TensorTable, encode
+from ckpt_archive.format.state_tree import TensorTable, encode
+from ckpt_archive.format.tensor_bytes import FLOAT_ST
 from ckpt_archive.store.faults import NO_FAULTS, Faults
 
 SHARD_BYTES = 4 << 30          # split tensors into shards of at most this many raw bytes
@@ -327,6 +329,7 @@ def _shared_pieces(w: GenerationWriter, entries, entry_sha: dict, shared) -> Ite
                 done = True
                 break
             data = e.source()
+            check_leases()  # [break] a mapped source someone truncates: SourceChanged, never SIGBUS
             if len(data) != e.nbytes:
                 raise FormatError(f"tensor changed size while packing ({len(data)} != {e.nbytes} bytes)",
                                   where=e.key)

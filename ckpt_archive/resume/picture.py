@@ -6,7 +6,7 @@ Three panels share the update axis: the loss, the LR (param group 0), and each r
 continuous run, ``|loss - continuous loss|`` on a symmetric-log axis whose bottom is exactly 0. An exact
 resume lies on that bottom line from end to end; a control that diverges leaves it at its first divergent
 update, marked with a cross and its name: the divergence is visible at a glance, even where a loss curve
-changes by 1e-6.
+changes by 1e-6. A divergence of the LR itself is marked on the LR panel, on the run's LR line.
 
 matplotlib is an optional extra (``pip install 'ckpt-archive[plot]'``); without it no picture is written
 and the check says so once (:data:`NO_MATPLOTLIB`). The picture is SVG with its text kept as text (the run
@@ -141,7 +141,7 @@ def write_picture(report: dict, lines: list[dict], folder: Path, *, name: str = 
             ax_loss.annotate(f"interrupted after update {p}\n(archived, verified, restored)", xy=(p + 0.5, 1.0),
                              xycoords=("data", "axes fraction"), xytext=(4, -4), textcoords="offset points",
                              va="top", ha="left", fontsize=8)
-        _annotate_divergences(ax_dev, lines, base, colours)
+        _annotate_divergences({"distance": ax_dev, "lr": ax_lr}, lines, base, colours)
         steps = report.get("steps") or max(cont["steps"] or [1])
         ax_dev.set_xlim(0.5, steps + 0.5)
         ax_dev.set_xticks(range(1, steps + 1, max(1, steps // 20)))
@@ -178,24 +178,53 @@ def _linthresh(lines: list[dict], base: dict) -> float:
     return max(smallest / 10, 1e-300)
 
 
-def _annotate_divergences(ax, lines: list[dict], base: dict, colours: dict) -> None:
-    """A cross at each run's first divergent update (the legend names the run, the update and the field);
-    a resume that diverges is also named on the panel itself, in its colour: it is the failure the check
-    exists to show."""
+def is_lr_field(field: str | None) -> bool:
+    """A divergent field that is the LR (``lr``, ``lr[<group>]``): drawn on the LR panel, where it shows."""
+    return isinstance(field, str) and (field == "lr" or field.startswith("lr["))
+
+
+def divergence_marks(lines: list[dict], base: dict) -> list[dict]:
+    """Where each run's first divergence is marked: ``[{"name", "kind", "panel", "step", "value"}]``.
+
+    ``panel`` is ``"lr"`` for an LR field (:func:`is_lr_field`; ``value``: the run's LR at that update, param
+    group 0) and ``"distance"`` for anything else (``value``: ``|loss - continuous loss|`` there, 0 when not
+    known). [break] An LR-only divergence was marked on the distance-of-loss panel, at 0, where nothing
+    diverges."""
+    marks = []
     for x in lines:
         s = x.get("first_divergent_step")
         if s is None or x["kind"] == "continuous":
             continue
-        colour = _RESUMED_DIVERGED if x["kind"] == "resumed" else colours[x["name"]]
-        v = next((abs(v - base[t]) for t, v in zip(x["steps"], x["loss"]) if t == s and t in base), 0.0)
-        v = 0.0 if math.isnan(v) else v
+        if is_lr_field(x.get("field")):
+            panel = "lr"
+            v = next((lr for t, lr in zip(x["steps"], x["lr"]) if t == s), math.nan)
+        else:
+            panel = "distance"
+            v = next((abs(v - base[t]) for t, v in zip(x["steps"], x["loss"]) if t == s and t in base), 0.0)
+            v = 0.0 if math.isnan(v) else v
+        marks.append({"name": x["name"], "kind": x["kind"], "panel": panel, "step": s, "value": v,
+                      "field": x.get("field")})
+    return marks
+
+
+def _annotate_divergences(axes: dict, lines: list[dict], base: dict, colours: dict) -> None:
+    """A cross at each run's first divergent update, on the panel where that field shows (``axes``: panel ->
+    Axes, :func:`divergence_marks`; the legend names the run, the update and the field); a resume that
+    diverges is also named on the panel itself, in its colour: it is the failure the check exists to show."""
+    for m in divergence_marks(lines, base):
+        ax, s, v = axes[m["panel"]], m["step"], m["value"]
+        colour = _RESUMED_DIVERGED if m["kind"] == "resumed" else colours[m["name"]]
+        if math.isnan(v):
+            continue  # no LR recorded at that update: the legend still names it
         ax.plot([s], [v], marker="X", markersize=10, color=colour, zorder=6, markeredgecolor="black",
                 markeredgewidth=0.6, linestyle="none", clip_on=False)
-        if x["kind"] == "resumed":
-            ax.annotate(f"the resume diverges here: update {s} ({x.get('field')})", xy=(s, v), xytext=(16, -28),
+        if m["kind"] == "resumed":
+            what = "the resume's LR diverges here" if m["panel"] == "lr" else "the resume diverges here"
+            ax.annotate(f"{what}: update {s} ({m['field']})", xy=(s, v), xytext=(16, -28),
                         textcoords="offset points", fontsize=9, fontweight="bold", color=colour, va="top",
                         bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85},
                         arrowprops={"arrowstyle": "->", "color": colour, "linewidth": 1.0})
+    ax = axes["distance"]
     resumed = next((x for x in lines if x["kind"] == "resumed"), None)
     if resumed is not None and resumed.get("first_divergent_step") is None:
         ax.annotate("resume: 0 at every update (identical)", xy=(0.01, 0.0), xycoords="axes fraction",
@@ -228,4 +257,4 @@ def _title(report: dict, lines: list[dict]) -> str:
     return f"{kind}: {report['steps']} updates, interrupted after update {points}\n{verdict}{tail}"
 
 
-__all__ = ["PICTURE_FILE", "NO_MATPLOTLIB", "run_lines", "write_picture"]
+__all__ = ["PICTURE_FILE", "NO_MATPLOTLIB", "run_lines", "write_picture", "divergence_marks", "is_lr_field"]

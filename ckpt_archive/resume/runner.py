@@ -150,7 +150,7 @@ class ArchiveLoop:
         res = ckpt_archive.pack(str(checkpoint), self.repo, annotations=Annotations(
             tags=("check-resume",), progress={"step": step} if step is not None else None, data_ids=data_ids))
         self.generation = int(res.generation)
-        rep = ckpt_archive.verify(self.repo, str(self.generation), deep=True)
+        rep = ckpt_archive.verify(self.repo, str(self.generation), ckpt_archive.VerifyOptions(deep=True))
         if not rep.ok:
             reasons = "; ".join(f"{p.member or ''} {p.field or ''}: {p.reason}".strip() for p in rep.problems)
             raise IntegrityError(f"the archived interruption checkpoint failed verification: {reasons}",

@@ -146,7 +146,15 @@ def load_safetensors(path: Path) -> tuple[dict, dict[str, str]]:
     """
     from safetensors import safe_open
 
+    from ckpt_archive.format.read_lease import ReadLease
+
+    lease = None
     try:
+        # [break] safe_open maps the file: mapped only under a read lease (a file truncated under the map
+        # would end the process with SIGBUS); without one its bytes are read (a short read: SourceChanged)
+        lease = ReadLease(path)
+        if not lease.held:
+            return _safetensors_from_bytes(path, lease)
         tensors = {}
         with library_path(path) as name, safe_open(name, framework="pt", device="cpu") as fh:
             metadata = dict(fh.metadata() or {})
@@ -154,10 +162,35 @@ def load_safetensors(path: Path) -> tuple[dict, dict[str, str]]:
             keys = fh.offset_keys() if hasattr(fh, "offset_keys") else fh.keys()
             for key in keys:
                 tensors[key] = fh.get_tensor(key)
+        lease.check()  # the tensors are copies: once read, the map is gone and the file may change
+    except SourceError:
+        raise
     except Exception as exc:  # safetensors raises SafetensorError/OSError/...: one line naming the file
         raise SourceError(f"unreadable safetensors file: {first_line(exc)}",
                           where=str(path)) from None
+    finally:
+        if lease is not None:
+            lease.close()
     return tensors, metadata
+
+
+def _safetensors_from_bytes(path: Path, lease) -> tuple[dict, dict[str, str]]:
+    """:func:`load_safetensors` from the file's bytes read through ``lease``'s descriptor (no map), in
+    the file's order, with its header metadata."""
+    import json
+
+    from safetensors.torch import load
+
+    from ckpt_archive.format.read_lease import pread_exact
+
+    buf = bytearray(os.fstat(lease.fd).st_size)
+    pread_exact(lease.fd, buf, 0, Path(path))
+    tensors = load(bytes(buf))
+    n = int.from_bytes(buf[:8], "little") if len(buf) >= 8 else 0
+    header = json.loads(bytes(buf[8:8 + n])) if 0 < n <= len(buf) - 8 else {}
+    metadata = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
+    order = sorted((k for k in header if k in tensors), key=lambda k: header[k]["data_offsets"][0])
+    return {k: tensors[k] for k in order}, metadata
 
 
 def classify_file(root: Path, rel: str, *, allow_numpy: bool = False, opaque: bool = False,

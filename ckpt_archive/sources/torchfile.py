@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ckpt_archive.errors import RefusedPickle, SourceError
 from ckpt_archive.format.exact_bytes import ZIP_ERRORS, check_zip_records
+from ckpt_archive.format.read_lease import ReadLease
 from ckpt_archive.sources.base import SourceCheckpoint, SourceFile, library_path, register
 
 _PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl"}
@@ -188,17 +189,32 @@ def load_torch_file(path: Path, *, allow_numpy: bool = False, mmap: bool = True,
     use_mmap = mmap and zipfile.is_zipfile(path) and _all_stored(path) and os.path.exists(_MAPS)
     if check_crc and (use_mmap or zipfile.is_zipfile(path)):
         check_zip_records(path)  # torch.load does not check CRCs: a flipped byte would load silently
+    # [break] a map only under a read lease, held while the tensors live: a file truncated under the map
+    # would end the process with SIGBUS; without a lease torch reads the file instead
+    lease = None
+    if use_mmap:
+        try:
+            lease = ReadLease(path)
+        except OSError:
+            pass  # torch.load's own open gives the reason
+    use_mmap = use_mmap and lease is not None and lease.held
     try:
         with ctx:
             with library_path(path) as name:
                 state = torch.load(name, map_location="cpu", weights_only=True, mmap=use_mmap)
                 if use_mmap:
                     _check_mapped_storages(state, name)
+                    lease.check()
+                    lease.keep_until_gone(*_tensors_in(state, torch))
+                    lease = None
                 return state
     except SourceError:
         raise
     except Exception as exc:  # torch raises RuntimeError/UnpicklingError/EOFError/...: diagnose them all
         raise diagnose_unreadable(path, exc) from None
+    finally:
+        if lease is not None:
+            lease.close()
 
 
 _MAPS = "/proc/self/maps"

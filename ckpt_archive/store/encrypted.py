@@ -72,9 +72,11 @@ class EncryptedStore:
             out = []
             for n in names:
                 back = self.keys.names.name_back(n)
-                if back is not None and back[:2] == key.split("/")[1]:
+                if back is not None:
+                    # [break] also one sealed for another folder (moved here): its plain name says where it
+                    # belongs (gc collects it by that name, which seals back to this file's; it was dropped)
                     out.append(back)
-                elif back is None:
+                else:
                     out.append(n)  # a leftover temporary file or a foreign name: listed as it is (gc's rules)
             return sorted(out)
         return names

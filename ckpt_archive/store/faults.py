@@ -22,7 +22,8 @@ Points (every one is exercised by tests/test_faults.py, tests/test_lifecycle.py,
 tests/test_shared_export.py):
 pack: ``claim``, ``member-write``, ``object-write`` (a shared object fully written under its temporary
 name, not yet linked), ``object-commit`` (linked to its final name), ``after-members``, ``after-seal``,
-``after-verify``, ``after-trial-reload``, ``publish``, ``after-publish``, ``retention``; deletion:
+``after-verify``, ``after-trial-reload``, ``publish``, ``after-publish``, ``retention``; restore:
+``restore-placed`` (the output renamed into place, complete); deletion:
 ``prune-before-marker-removal``, ``prune-after-marker-removal``, ``prune-mid-delete``, ``object-delete``
 (before each shared object's deletion in the sweep that follows forget, prune and gc); export:
 ``export-claim``, ``export-after-manifest``, ``export-member-write``, ``export-after-member``,

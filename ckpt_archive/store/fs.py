@@ -574,6 +574,8 @@ class Staging:
             raise
         self.entry = self.dir.entry(self.name)
         self._done = False
+        #: the staged entry was renamed to the target's name (complete there; the folder fsync may not be done)
+        self.placed = False
 
     @property
     def path(self) -> str:
@@ -627,10 +629,12 @@ class Staging:
             except BaseException:
                 self.parent.rename(old, self.name)  # the old target back under its name
                 raise
+            self.placed = True
             with contextlib.suppress(OSError):
                 self.parent.remove_tree(old)
         else:
             self.dir.rename(self.name, self.name, self.parent)
+        self.placed = True
         self.parent.fsync()
         self._done = True
         self.close()

@@ -20,7 +20,10 @@ and that is enough for a ticket lock with fencing:
   it fails when a newer ticket exists or the holder's own refreshes lapsed for half the lease (a margin of
   lease / 2 before another writer may take over), and the step is not done.
 * Release marks the ticket ``released``. Tickets older than the one just taken are removed by its taker;
-  the top ticket is never removed, so sequence numbers only grow.
+  the top ticket is never removed, so sequence numbers only grow -- except a free or stale one at
+  :data:`MAX_SEQ` (planted or corrupt: no writer counts that far), which would otherwise block every
+  writer forever: the next writer removes it and takes the lock below it (a holder that ever wrote it has
+  lapsed, and :meth:`LeaseLock.refresh` never writes a lapsed holder's ticket again).
 
 Clocks: staleness compares another machine's ``refreshed`` time with this machine's clock, so the lease
 (default :data:`DEFAULT_LEASE` = 10 minutes) must exceed any clock skew between writers.
@@ -163,9 +166,14 @@ class LeaseLock:
                 continue
             seq = top + 1
             if seq > MAX_SEQ:
-                raise LockError(f"lock ticket {top} is the last a writer can take (it was not written by "
-                                f"ckpt-archive's sequence); once no writer runs, remove the folder {LOCK_DIR}/",
-                                where=f"{self.store.location}/{self._key(top)}")
+                # [break] a ticket at the ceiling (planted or corrupt: no writer counts that far) is free or stale,
+                # so nobody holds the lock: remove it and look again, instead of refusing every writer forever.
+                # Safe: its holder, if one ever wrote it, lapsed and is fenced (refresh() and check() stop a
+                # holder whose lease lapsed), and the ticket taken next is still one exclusive create.
+                self._remove_ceiling_ticket(top, who)
+                notes.append(f"removed lock ticket {self._key(top)}: past the last ticket a writer takes "
+                             f"(planted or corrupt){', ' + who if who else ''}")
+                continue
             self._since = written = self.clock()
             try:
                 self.store.write_bytes_once(self._key(seq), self._record(now=written))
@@ -188,6 +196,21 @@ class LeaseLock:
             self._thread.start()
             return notes
 
+    def _remove_ceiling_ticket(self, top: int, who: str) -> None:
+        """Remove the free or stale ticket ``top`` at :data:`MAX_SEQ` (see :meth:`acquire`).
+
+        Raises:
+            LockError: (exit 2) the store refused the removal; says which file to remove by hand.
+        """
+        try:
+            self.store.remove(self._key(top))
+        except NotFound:
+            pass  # another writer removed it first
+        except StoreError as exc:
+            raise LockError(f"lock ticket {top} is past the last a writer can take (planted or corrupt; {who or 'free'}) "
+                            f"and could not be removed ({exc}); once no writer runs, remove {self._key(top)}",
+                            where=f"{self.store.location}/{self._key(top)}") from None
+
     def _refresh_loop(self) -> None:
         period = max(0.2, self.lease / 4)
         while not self._stop.wait(period):
@@ -203,6 +226,13 @@ class LeaseLock:
             StoreError: the store refused the write.
         """
         if self.seq is None or self._lost:
+            return
+        lapsed = self.clock() - self._last_ok
+        if lapsed > self.lease * 3 / 4:  # stopped near its lease's end (a paused VM; a refresh is due every lease / 4):
+            # another writer may judge the ticket stale (clocks skewed by less than lease / 4) and hold the lock
+            # now, and may have removed this ticket (acquire(), at the ceiling): never write it again
+            self._lost = (f"this writer could not refresh its lease for {lapsed:.0f} s (three quarters of its "
+                          f"lease of {self.lease:.0f} s)")
             return
         newer = [s for s in self._tickets() if s > self.seq]
         if newer:

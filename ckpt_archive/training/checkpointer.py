@@ -19,7 +19,8 @@ per-step scheduler's ``last_epoch`` keep (so ``verify``/``inspect`` find the cou
 What blocks the training thread (:meth:`Checkpointer.save`): waiting for the previous save (if still in
 flight), then a copy of the state (:class:`~ckpt_archive.training.snapshot.Snapshotter`: tensor storages
 copied into buffers reused from save to save, device -> host into pinned buffers for GPU tensors). From
-then on the live state may change. Everything else runs in one background thread: encoding, writing,
+then on the live state may change. Everything else runs in one background thread
+(:mod:`ckpt_archive.training.background`): encoding, writing,
 verify, trial reload, publish and retention, through :func:`ckpt_archive.ops.pack.pack`, the very path
 ``ckpt-archive pack`` takes (one process), or through
 :mod:`ckpt_archive.training.distributed` (many processes, one generation, the same publish lifecycle).
@@ -48,7 +49,8 @@ from which the next call continues correctly:
 * while ``save``/``wait``/``close`` waits for the save in flight: nothing changes; the save stays in
   flight, owns its buffers, and the next call waits for it again and raises its error if it fails (a
   ``TimeoutError`` raised there is the caller's, never taken for the wait's own; the waits run no Python
-  code of ``threading``, whose locks an interrupt there could leave taken: see :class:`_Done`);
+  code of ``threading``, whose locks an interrupt there could leave taken:
+  :class:`~ckpt_archive.training.background.Done`);
 * during the copy (``copying``): that ``save`` raises; its copy is abandoned (never published), and the
   buffers go back to the Checkpointer, which no write was reading;
 * after the copy was handed over: the save publishes as if ``save`` had returned (``wait`` tells);
@@ -91,7 +93,9 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from ckpt_archive.errors import UsageError
+from ckpt_archive.training.background import WAIT_SLICE, Done, run_jobs, wait_done
 from ckpt_archive.ops.common import RepoLike
+from ckpt_archive.training.generation_restore import restore_generation
 from ckpt_archive.training.restore import Restored
 
 if TYPE_CHECKING:
@@ -104,10 +108,6 @@ _LOG = logging.getLogger("ckpt_archive.checkpointer")
 
 #: How long a background save may wait for another writer's repository lock, seconds.
 DEFAULT_LOCK_WAIT = 60.0
-
-#: Seconds between checks while the caller waits for the save in flight (the wait ends as soon as the save
-#: does; this only bounds how long a check of :data:`_HOOK` may be late).
-_WAIT_SLICE = 0.1
 
 #: Test seam: called with the name of each point the caller's thread passes in :class:`Checkpointer` (see
 #: ``_at``); tests raise exceptions from it to interrupt every state and every blocking call. None in use.
@@ -130,49 +130,6 @@ class SaveState(str, enum.Enum):
     CLOSED = "closed"
 
 
-class _Done:
-    """A completion flag that the caller's thread can wait on whatever interrupts it.
-
-    ``threading.Event``, ``Condition`` and ``concurrent.futures.Future`` run Python code around their locks
-    (``Condition.__enter__``, ``Condition.wait``): a signal handler's exception raised in there leaves a lock
-    taken or released twice, and the next wait deadlocks with the background thread or raises
-    ``RuntimeError: release unlocked lock`` instead of the handler's exception. Here the caller's side is one
-    C-level ``Lock.acquire`` with a timeout (an interrupt there takes nothing) and a plain attribute: the
-    lock is held from creation until :meth:`set` releases it, after ``flag`` is True, so a caller interrupted
-    right after its acquire succeeded leaves it taken but ``flag`` already says done, and nobody waits on the
-    lock again.
-    """
-
-    __slots__ = ("flag", "_lock")
-
-    def __init__(self):
-        self.flag = False
-        self._lock = threading.Lock()
-        self._lock.acquire()
-
-    def set(self) -> None:
-        """Done (called once, by the background thread)."""
-        self.flag = True
-        self._lock.release()
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds; returns ``flag``."""
-        if not self.flag and self._lock.acquire(timeout=timeout):
-            self._lock.release()
-        return self.flag
-
-
-def _wait_done(done: _Done, timeout: float | None = None) -> bool:
-    """Wait for ``done`` (forever when ``timeout`` is None), in slices; returns ``done.flag``."""
-    end = None if timeout is None else time.monotonic() + timeout
-    while not done.flag:
-        left = _WAIT_SLICE if end is None else min(_WAIT_SLICE, end - time.monotonic())
-        if left <= 0:
-            break
-        done.wait(left)
-    return done.flag
-
-
 class _Save:
     """The one owner of a save in flight: its step, its outcome, its snapshot (and, through the Snapshotter,
     the buffers it holds). ``phase`` goes ``copying -> queued -> publishing`` and ends ``done`` or
@@ -185,7 +142,7 @@ class _Save:
         self.seq = seq
         self.lock = threading.Lock()
         self.phase = "copying"
-        self.over = _Done()   # set by the background thread once result/error is final
+        self.over = Done()   # set by the background thread once result/error is final
         self.result: "PackResult | None" = None
         self.error: BaseException | None = None
         self.writes = -1  # the Snapshotter's write count right after this save's copy (see intact())
@@ -230,7 +187,7 @@ class SaveHandle:
             raises it too: it owns the error); TimeoutError after ``timeout`` s (the save goes on).
         """
         rec = self._rec
-        if not _wait_done(rec.over, timeout):
+        if not wait_done(rec.over, timeout):
             raise TimeoutError(f"the save of step {rec.step} was still in flight after {timeout} s")
         if rec.error is not None:
             raise rec.error
@@ -301,8 +258,8 @@ class Checkpointer:
         # a daemon, so an unclosed Checkpointer never keeps the interpreter alive (at exit, the save in
         # flight is finished first: _finish_all_at_exit)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker_done = _Done()
-        self._worker = threading.Thread(target=_work, args=(self._jobs, self._worker_done), daemon=True,
+        self._worker_done = Done()
+        self._worker = threading.Thread(target=run_jobs, args=(self._jobs, self._worker_done), daemon=True,
                                         name="ckpt-checkpointer")
         self._worker.start()
         # the publish path's modules, imported by the background thread now (a first save would otherwise
@@ -323,7 +280,7 @@ class Checkpointer:
         self._sent = 0                             # save calls whose exchanges were handed to the background
         self._unsent: dict[int, tuple] = {}        # seq -> (step, why its copy was not handed over)
         self._bg_seq = 0                           # (background thread) the last save call it took part in
-        self._skips: list[_Done] = []
+        self._skips: list[Done] = []
         _LIVE.add(self)
 
     @property
@@ -506,7 +463,7 @@ class Checkpointer:
             rec.phase = "done"
             rec.over.set()
 
-    def _run_skip(self, seq: int, step: Any, why: str, done: _Done | None = None) -> None:
+    def _run_skip(self, seq: int, step: Any, why: str, done: Done | None = None) -> None:
         """The background thread, for a save call of this rank that handed no copy over: take part in that
         save's exchanges with the other ranks, saying so (they then publish nothing for it). Once per call."""
         try:
@@ -527,7 +484,7 @@ class Checkpointer:
         while self._sent < self._seq:
             seq = self._sent + 1
             step, why = self._unsent.get(seq, (None, "it raised before its copy was handed over"))
-            done = _Done()
+            done = Done()
             self._skips.append(done)
             self._jobs.put((self._run_skip, (seq, step, why, done)))
             self._unsent.pop(seq, None)
@@ -569,10 +526,10 @@ class Checkpointer:
             if not wait:
                 return
             _at("waiting")
-            # a _Done, not Future.exception(timeout=): that one's TimeoutError is the builtin one (3.11+), so
+            # a Done, not Future.exception(timeout=): that one's TimeoutError is the builtin one (3.11+), so
             # a signal handler's own TimeoutError raised in the wait was caught as "not done yet" and lost;
             # and Future/Event run Python code around their locks, which an interrupt can leave taken
-            rec.over.wait(_WAIT_SLICE)
+            rec.over.wait(WAIT_SLICE)
         _at("settle")
         exc = rec.error
         if exc is not None:
@@ -627,7 +584,7 @@ class Checkpointer:
             done = self._skips[0]
             while not done.flag:
                 _at("waiting")
-                done.wait(_WAIT_SLICE)
+                done.wait(WAIT_SLICE)
             self._skips.pop(0)
 
     # -- reading ---------------------------------------------------------------------------------------------
@@ -678,9 +635,6 @@ class Checkpointer:
                 self._active = None
 
     def _restore(self, model, optimizer, scheduler, scaler, policy, generation, rng, session_lr, keys):
-        from ckpt_archive.errors import NoUsableGeneration
-        from ckpt_archive.training.restore import restore_training_state
-
         self._wait()
         if optimizer is None and policy == "session":
             if scheduler is not None:
@@ -692,31 +646,9 @@ class Checkpointer:
         if self._dist is not None:
             return self._dist.restore(generation, model=model, optimizer=optimizer, scheduler=scheduler,
                                       scaler=scaler, policy=policy, rng=rng, session_lr=session_lr)
-        from ckpt_archive.ops.common import open_reader, pick
-
-        try:
-            gen = pick(self.repo, generation)
-        except NoUsableGeneration:
-            if str(generation) == "latest" and not self.repo.usable():
-                return None
-            raise
-        reader = open_reader(self.repo, gen, jobs=self.options.jobs)
-        tree = reader.tree()
-        from ckpt_archive.ops.dist_pack import is_distributed_tree
-
-        if is_distributed_tree(tree):  # written by several ranks: consolidated here (saved rank 0's RNG)
-            from ckpt_archive.training.dist_restore import apply_state, load_view
-
-            state = load_view(reader, tree, 0)
-            notes = [f"generation {gen.number} was saved by {len(tree['ranks'])} ranks and is restored on one "
-                     f"process: sharded tensors consolidated; per-rank values (RNG states) are saved rank 0's"]
-            report = apply_state(state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                 policy=policy, rng=rng, session_lr=session_lr, notes=notes)
-            return Restored(gen.number, (gen.manifest.get("progress") or {}).get("step"), state, report)
-        state = reader.load_node(tree)
-        report = restore_training_state(state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                        rng=rng, policy=policy, session_lr=session_lr, keys=keys)
-        return Restored(gen.number, (gen.manifest.get("progress") or {}).get("step"), state, report)
+        return restore_generation(self.repo, generation, jobs=self.options.jobs, model=model, optimizer=optimizer,
+                                  scheduler=scheduler, scaler=scaler, policy=policy, rng=rng, session_lr=session_lr,
+                                  keys=keys)
 
     # -- lifetime --------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -756,7 +688,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._jobs.put(None)  # the background thread ends once the jobs before it are done
-            _wait_done(self._worker_done)
+            wait_done(self._worker_done)
             if self._dist is not None:
                 self._dist.close()
         return self._last
@@ -787,7 +719,7 @@ class Checkpointer:
         if rec is not None and rec.phase in ("queued", "publishing"):
             _LOG.info("the interpreter is exiting: finishing the save of step %s in flight (close() was not called)",
                       rec.step)
-            _wait_done(rec.over)
+            wait_done(rec.over)
         self._settle(wait=False)
         err = self._error
         if err is not None:
@@ -823,24 +755,6 @@ class Checkpointer:
                 raise  # interrupted while waiting (a second Ctrl-C): not the save's failure
             exc.add_note(f"also, the background save failed: {type(bg).__name__}: {bg}")
             _LOG.error("background save failed while the training loop was failing: %s", bg)
-
-
-def _work(jobs: "queue.SimpleQueue", done: _Done) -> None:
-    """The background thread: run ``(fn, args)`` jobs in order until ``None``. Holds no reference to the
-    Checkpointer between jobs (so an unreferenced one is collected, and its ``__del__`` ends this thread)."""
-    try:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            fn, args = job
-            try:
-                fn(*args)
-            except BaseException:  # noqa: BLE001 - the jobs record their own failures; never kill the thread
-                _LOG.exception("Checkpointer background job failed")
-            del job, fn, args
-    finally:
-        done.set()
 
 
 #: Every Checkpointer of this process not yet garbage-collected (for :func:`_finish_all_at_exit`).

@@ -46,7 +46,7 @@ def assemble(rec: dict, pieces: dict, offsets: list[int], sizes: list[int]):
     """
     import torch
 
-    from ckpt_archive.format.state_tree import torch_dtype
+    from ckpt_archive.format.tensor_bytes import torch_dtype
 
     out = torch.empty(sizes, dtype=torch_dtype(rec["dtype"]))
     covered = torch.zeros(sizes, dtype=torch.bool)

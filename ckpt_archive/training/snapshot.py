@@ -242,7 +242,7 @@ class Snapshotter:
         with ``src``'s dtype, shape, strides and offset; a device's copy is queued on its current stream."""
         import torch
 
-        from ckpt_archive.format.state_tree import empty_tensor
+        from ckpt_archive.format.tensor_bytes import empty_tensor
 
         st = src.untyped_storage()
         nbytes = st.nbytes()

@@ -1,0 +1,113 @@
+"""Issue 29, start-up: what the CLI does before a command runs, without timing anything.
+
+``main`` builds only the command its command line names (:func:`ckpt_archive.cli.app.app_for`), and the
+values Typer would pass through unchanged are given without Typer's Pydantic conversion
+(``_PlainCoercion``). These tests guard that neither changes what a command receives or prints. The import
+budget of a whole run (no torch, NumPy, jsonschema, Pydantic) is guarded in tests/test_torch_free.py.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+import typer
+import typer.main
+from typer.testing import CliRunner
+
+from ckpt_archive.cli import app as app_module
+from ckpt_archive.cli.app import COMMAND_NAMES, app, app_for, build_app
+from ckpt_archive.cli.commands import COMMAND_MODULES
+
+
+def _names(a: typer.Typer) -> set[str]:
+    return {c.name for c in a.registered_commands} | {g.name for g in a.registered_groups}
+
+
+def test_each_command_module_registers_the_command_named_after_it():
+    """Guards against ``app_for`` building the wrong command (or none) for a command line: the name -> module
+    map is derived from the module names, so a module that registers another name must fail here."""
+    assert set(COMMAND_NAMES.values()) == set(COMMAND_MODULES)
+    for name, module in COMMAND_NAMES.items():
+        assert _names(build_app((module,))) == {name}, module
+    assert _names(app) == set(COMMAND_NAMES)
+
+
+def test_a_command_line_builds_only_its_command_and_anything_else_builds_all():
+    assert _names(app_for(["list", "REPO"])) == {"list"}
+    assert _names(app_for(["check-resume", "--help"])) == {"check-resume"}
+    for args in ([], ["--help"], ["--version"], ["lsit", "REPO"], ["check_resume"]):
+        assert app_for(args) is app, args
+
+
+@pytest.mark.parametrize("name", sorted(COMMAND_NAMES))
+def test_a_command_built_alone_has_the_help_it_has_among_all(name):
+    """Guards against a command's ``--help`` (usage line, options, metavars, exit codes) changing when only
+    that command is built, as ``main`` builds it."""
+    runner = CliRunner()
+    alone = runner.invoke(app_for([name]), [name, "--help"], env={"COLUMNS": "100"})
+    among_all = runner.invoke(app, [name, "--help"], env={"COLUMNS": "100"})
+    assert alone.exit_code == among_all.exit_code == 0
+    assert alone.output == among_all.output
+    assert f"ckpt-archive {name}" in alone.output
+
+
+def _typer_params():
+    """Every parameter of every command (and sub-command) as Typer builds it: ``(command path, parameter)``."""
+    def walk(cmd, path):
+        for p in cmd.params:
+            yield path, p
+        for sub_name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, f"{path} {sub_name}")
+
+    return list(walk(typer.main.get_command(app), "ckpt-archive"))
+
+
+def test_values_given_without_pydantic_are_the_values_typer_gives():
+    """Guards against a command receiving another value than Typer's own conversion gives: for every parameter
+    of every command, an absent value (None) and a text value are converted by ``_PlainCoercion`` and by
+    Typer's Pydantic adapter, and must come out equal, of the same type (or fail alike)."""
+    ctx = typer.Context(typer.main.get_command(app))
+    checked = 0
+    for path, p in _typer_params():
+        if not hasattr(p, "get_runtime_param"):
+            pytest.skip("this Typer converts without Pydantic (before 0.26)")
+        annotation = p.type_descriptor.annotation
+        for value in (None, "x\udcff y", "7"):
+            fast = app_module._PlainCoercion(annotation)
+            outcomes = []
+            for conv in ("fast", "typer"):
+                p._runtime_param = fast if conv == "fast" else None
+                try:
+                    outcomes.append(("ok", p.get_runtime_param().coerce(value, param=p, ctx=ctx)))
+                except Exception as exc:  # noqa: BLE001 - Typer's BadParameter and kin: compared, not judged
+                    outcomes.append(("error", type(exc).__name__, str(exc)))
+            got, want = outcomes
+            assert got == want and type(got[-1]) is type(want[-1]), (path, p.name, value, got, want)
+            checked += 1
+    assert checked > 100
+
+
+def test_a_value_typer_must_convert_is_still_converted_and_checked(monkeypatch):
+    """Guards against ``_PlainCoercion`` passing a value through that Typer converts or refuses: a number
+    option given text is refused with Typer's message (exit 2); numbers, paths and repeated options reach the
+    command exactly as Typer alone gives them (the same command with the plain coercion switched off)."""
+    install = app_module._coerce_plain_values_without_pydantic
+
+    def run_with(args: list[str], plain: bool):
+        monkeypatch.setattr(app_module, "_coerce_plain_values_without_pydantic", install if plain else (lambda p: None))
+        seen = {}
+        probe = typer.Typer()
+
+        @probe.command(cls=app_module._Command)
+        def run(n: int = typer.Option(None, "--n"), p: Optional[Path] = typer.Option(None, "--p"),
+                s: str = typer.Option("dflt", "--s"), q: Optional[List[Path]] = typer.Option(None, "--q")) -> None:
+            seen.update(n=n, p=p, s=s, q=q)
+
+        result = CliRunner().invoke(probe, args)
+        return result.exit_code, result.output, {k: (type(v), v) for k, v in seen.items()}
+
+    for args in (["--n", "x"], ["--n", "3", "--p", "a/b", "--s", "t", "--q", "c", "--q", "d"], [], ["--s", ""]):
+        assert run_with(args, plain=True) == run_with(args, plain=False), args
+    code, output, _ = run_with(["--n", "x"], plain=True)
+    assert code == 2 and "--n" in output
