@@ -43,7 +43,7 @@ READS = {
     "ckpt_archive/format/shard.py": "a source safetensors file's header",
     "ckpt_archive/format/limits.py": "/proc/meminfo",
     "ckpt_archive/format/ordered_writes.py": "a restore target read back through /proc/self/fd of our own descriptor",
-    "ckpt_archive/format/pt_pickle.py": "a source torch.save file (pack's torch-free reader)",
+    "ckpt_archive/format/read_lease.py": "a source file opened read-only under a read lease (pack's readers map or pread it)",
     "ckpt_archive/ops/meta.py": "the installed torch's version.py (environment facts without importing torch)",
     "ckpt_archive/repo/keys.py": "a key or trust file the user names (bounded read; never a repository path)",
     "ckpt_archive/ops/restore.py": "/proc/self/status (the umask)",

@@ -100,3 +100,20 @@ def test_the_ceiling_ticket_is_named_on_this_host_when_its_pid_is_gone():
            lease=60, since="then")
     notes = LeaseLock(store, lease=60, clock=Clock()).acquire()
     assert any("that process is gone" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("refreshed", ["NaN", "Infinity", "-Infinity"])
+def test_a_ticket_refreshed_at_a_non_finite_time_is_stale_not_held_forever(refreshed):
+    """Fault: json reads NaN and Infinity; a NaN refresh time compared False both ways, so the ticket was
+    'held' at every clock and no writer ever took the lock (Infinity: held until the end of time). A ticket
+    that cannot be read as a lock record is stale (docs/FORMAT.md)."""
+    store = _store()
+    store.write_bytes_once("locks/000000000005.json", (
+        '{"released": false, "refreshed": %s, "host": "elsewhere", "pid": 1, "lease": 60, "since": "x"}'
+        % refreshed).encode())
+    clock = Clock()
+    lock = LeaseLock(store, lease=60, clock=clock)
+    info = json.loads(store.read_bytes("locks/000000000005.json"))
+    assert lock.holder_state(info)[0] == "stale"
+    lock.acquire(wait=0)  # taken over at once, as any stale ticket is
+    lock.release()

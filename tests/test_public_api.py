@@ -270,3 +270,59 @@ def test_every_module_declares_all_with_names_it_binds(path):
         assert len(listed) == len(set(listed)), f"{_module_name(path)}: __all__ lists a name twice"
         missing = sorted(set(listed) - _top_level_names(tree.body))
     assert not missing, f"{_module_name(path)}: __all__ lists names it does not bind: {missing}"
+
+
+def _small_repo(tmp_path):
+    repo = tmp_path / "r"
+    ckpt_archive.pack({"model": {"w": torch.ones(3)}, "step": 3}, repo)
+    return repo
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda r: ckpt_archive.load(r, options=ckpt_archive.LoadOptions(jobs="2")), "jobs"),
+    (lambda r: ckpt_archive.load(r, options=ckpt_archive.LoadOptions(only=["model"])), "only"),
+    (lambda r: ckpt_archive.verify(r, options=ckpt_archive.VerifyOptions(deep="no")), "deep"),
+    (lambda r: ckpt_archive.verify(r, options=ckpt_archive.VerifyOptions(strict=1)), "strict"),
+])
+def test_an_option_of_the_wrong_type_is_named_not_blamed_on_the_archive(tmp_path, call, field):
+    """Fault: ``LoadOptions(jobs="2")`` ended as 'generation 1 does not verify: the manifest is malformed'
+    (the archive was sound), and ``VerifyOptions(deep="no")`` ran a deep check. The field is named, nothing is
+    read and nothing is recorded against the generation."""
+    repo = _small_repo(tmp_path)
+    with pytest.raises(TypeError, match=rf"\.{field} must be"):
+        call(repo)
+    assert not list(repo.rglob("CHECK-FAILED*"))
+    assert ckpt_archive.verify(repo).ok
+
+
+@pytest.mark.parametrize("jobs", [0, -1])
+def test_jobs_below_one_is_a_usage_error_everywhere_not_an_internal_one(tmp_path, jobs):
+    """Fault: ``verify --jobs -1`` / ``restore --jobs -1`` ended in 'internal error (ValueError): max_workers
+    must be greater than 0. This is a bug', and ``--jobs 0`` passed verify and restore while pack refused it."""
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    repo = _small_repo(tmp_path)
+    for opts in (ckpt_archive.LoadOptions(jobs=jobs), ckpt_archive.RestoreOptions(jobs=jobs)):
+        with pytest.raises(UsageError, match="--jobs must be at least 1"):
+            (ckpt_archive.load(repo, options=opts) if isinstance(opts, ckpt_archive.LoadOptions)
+             else ckpt_archive.restore(repo, output=tmp_path / "o.pt", options=opts))
+    for args in (["verify", str(repo), "--jobs", str(jobs)],
+                 ["restore", str(repo), "-o", str(tmp_path / "o.pt"), "--jobs", str(jobs)]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert "--jobs must be at least 1" in res.output and "internal error" not in res.output, res.output
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_a_map_location_this_machine_lacks_is_a_usage_error_naming_it(tmp_path):
+    """Fault: ``restore --map-location bogus`` (and ``cuda:9`` on a CPU machine) ended in 'internal error
+    (RuntimeError/AssertionError) ... This is a bug in ckpt-archive', after the generation had been read."""
+    repo = _small_repo(tmp_path)
+    with pytest.raises(UsageError, match="'bogus' is not a device torch knows"):
+        ckpt_archive.restore(repo, output=tmp_path / "o.pt", options=ckpt_archive.RestoreOptions(map_location="bogus"))
+    missing = f"cuda:{torch.cuda.device_count() + 8}"
+    with pytest.raises(UsageError, match=f"map_location '{missing}'"):
+        ckpt_archive.load(repo, options=ckpt_archive.LoadOptions(map_location=missing))
+    assert not (tmp_path / "o.pt").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -204,8 +205,10 @@ def _cli_subprocess(*args, inject=None):
     env.pop("CKPT_ARCHIVE_INJECT", None)
     if inject:
         env["CKPT_ARCHIVE_INJECT"] = inject
+    # a shell's background job starts with SIGINT ignored and a child inherits that: Python then installs no
+    # KeyboardInterrupt handler and the injected Ctrl-C does nothing (every test below passed as a no-op run)
     return subprocess.run([sys.executable, "-m", "ckpt_archive", *map(str, args)], env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_ctrl_c_during_pack_says_what_was_left_and_how_to_clean_it_exit_130(tmp_path):

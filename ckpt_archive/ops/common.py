@@ -58,7 +58,79 @@ def take_options(options: Any, cls: type[_O], op: str, *, generation: Any = None
     if not isinstance(options, cls):
         hint = f" (a mapping of option names: {cls.__name__}(**options))" if isinstance(options, Mapping) else ""
         raise TypeError(f"{op}'s options must be a {cls.__name__}, not {type(options).__name__}{hint}")
+    check_option_values(options)
     return options
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_option_values(options: Any) -> None:
+    """Refuse an options object whose shared fields hold what no run can use, naming the field, before any work
+    (``LoadOptions(jobs="2")`` was reported as a malformed manifest; ``jobs=-1`` as an internal error).
+
+    Checked by field name, across every options class: a field whose default is a bool holds a bool; ``jobs``
+    is None or an int >= 1 (threads); ``only`` is None or a str; ``wait``, ``settle`` and ``stale_after``
+    (seconds) are finite numbers >= 0 (``stale_after`` may be None); ``map_location``: :func:`check_map_location`.
+
+    Raises:
+        TypeError: a field of the wrong type. UsageError (exit 2): a value out of range.
+    """
+    import dataclasses
+    import math
+
+    cls = type(options).__name__
+    for f in dataclasses.fields(options):
+        v = getattr(options, f.name)
+        if isinstance(f.default, bool) and not isinstance(v, bool):
+            raise TypeError(f"{cls}.{f.name} must be True or False, not {v!r}")
+        if f.name == "jobs" and v is not None:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{cls}.jobs must be an int (threads) or None, not {v!r}")
+            if v < 1:
+                raise UsageError(f"--jobs must be at least 1, not {v}")
+        if f.name == "only" and v is not None and not isinstance(v, str):
+            raise TypeError(f"{cls}.only must be a '/'-separated path into the state (str) or None, not {v!r}")
+        if f.name in ("wait", "settle", "stale_after") and not (v is None and f.name == "stale_after"):
+            if not _is_number(v):
+                raise TypeError(f"{cls}.{f.name} must be a number of seconds, not {v!r}")
+            if not math.isfinite(v) or v < 0:
+                raise UsageError(f"--{f.name.replace('_', '-')} must be a finite number of seconds >= 0, not {v}")
+        if f.name == "map_location":
+            check_map_location(v)
+
+
+def check_map_location(where: Any) -> None:
+    """Refuse a ``map_location`` torch cannot move tensors to on this machine, before anything is read: a
+    name torch does not know (``"bogus"``), or a device this machine lacks (``"cuda:0"`` without CUDA,
+    ``"cuda:9"`` with two GPUs). None, ``"cpu"``, callables and mappings pass (torch.load's forms).
+
+    Raises:
+        UsageError (exit 2): naming the value and what this machine has.
+    """
+    if where is None or callable(where) or isinstance(where, Mapping) or str(where) == "cpu":
+        return
+    import torch
+
+    try:
+        dev = torch.device(where)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"map_location {where!r} is not a device torch knows ({first}); use 'cpu', 'cuda', "
+                         f"'cuda:N' or another device of this machine") from None
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if dev.type in ("cpu", "meta") or available is None:
+        return
+    if not available():
+        raise UsageError(f"map_location {where!r}: this machine has no {dev.type} device (torch "
+                         f"{torch.__version__}); use 'cpu', or restore on a machine that has one")
+    count = getattr(backend, "device_count", None)
+    n = count() if callable(count) else None
+    if dev.index is not None and n is not None and dev.index >= n:
+        raise UsageError(f"map_location {where!r}: this machine has {n} {dev.type} device(s), "
+                         f"{dev.type}:0 to {dev.type}:{n - 1}")
 
 
 def open_repo(repo: RepoLike, store_options: Mapping[str, Any] | None = None, *, create: bool = False) -> Repository:
@@ -370,7 +442,7 @@ def human_seconds(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-__all__ = ["RepoLike", "STORE_OPTION_KEYS", "take_options", "open_repo", "checked_store_options", "pick", "check_present",
+__all__ = ["check_map_location", "check_option_values", "RepoLike", "STORE_OPTION_KEYS", "take_options", "open_repo", "checked_store_options", "pick", "check_present",
            "copied_note", "refuse_unusable",
            "human_seconds", "is_damage", "fails_generation", "note_damage", "vouch", "check_trust", "untrusted_reason"]
 

@@ -522,8 +522,10 @@ def restored_file_loading(path: str | os.PathLike, *, plain_parts: list[str] | N
                     "snippet": f"from safetensors.torch import load_file\nstate = load_file({p!r})\n"}
     allow = unsafe_globals_of_file(p)
     if allow is None:
-        text = ("a legacy (non-zip) torch.save file: torch.load(path, weights_only=True) names any type it "
-                "refuses; allow it with torch.serialization.safe_globals")
+        text = ("is a legacy (non-zip) torch.save file, whose needs are not read without loading it: "
+                "`ckpt-archive inspect REPO@GEN` names what the packed state needs allowed, and "
+                "torch.load(path, weights_only=True) names any type it refuses (allow it with "
+                "torch.serialization.safe_globals)")
         return {"format": "torch", "allow": None, "text": text, "snippet": torch_load_snippet([], p)}
     if not allow:
         return {"format": "torch", "allow": [], "text": "loads with torch.load(path, weights_only=True)",

@@ -31,6 +31,7 @@ Clocks: staleness compares another machine's ``refreshed`` time with this machin
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -125,7 +126,8 @@ class LeaseLock:
             return "free", ""
         who = f"pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
         refreshed = info.get("refreshed")
-        if not isinstance(refreshed, (int, float)) or isinstance(refreshed, bool):
+        # [break] json reads NaN and Infinity: a NaN time compares False both ways and held the lock forever
+        if not isinstance(refreshed, (int, float)) or isinstance(refreshed, bool) or not math.isfinite(refreshed):
             return "stale", f"an unreadable lock ticket ({who})"
         if info.get("host") == socket.gethostname() and pid_alive(info.get("pid")) is False:
             return "stale", f"{who}: that process is gone"
