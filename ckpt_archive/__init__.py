@@ -11,7 +11,7 @@ Public API (plain functions; the CLI is a thin shell over them)::
     list_generations(repo, all=False)       -> list[Generation]
     adopt(repo)                             -> AdoptReport  (every copied generation proven and marked usable here)
     status(repo, max_age=...)               -> StatusReport (watchdog: newest usable generation fresh and advancing?)
-    export(repo, dest, ...)                 -> ExportResult (copied, re-read and trial-reloaded at dest)
+    export(repo, dest, ExportOptions(...))  -> ExportResult (copied, re-read and trial-reloaded at dest)
     prune(repo, policy=None, dry_run=False) -> PruneResult  (retention; never leaves nothing restorable)
     forget(repo, generation, force=False)   -> ForgetResult (one generation, marker first, under the lock)
     gc(repo, dry_run=False)                 -> GcResult     (leftovers of interrupted writes)
@@ -41,7 +41,7 @@ _API = {
     "load": "ops.load", "LoadOptions": "ops.load", "verify": "ops.verify", "VerifyOptions": "ops.verify",
     "restore": "ops.restore", "RestoreOptions": "ops.restore",
     "inspect": "ops.inspect", "list_generations": "ops.list", "adopt": "ops.verify", "status": "ops.status",
-    "export": "ops.export", "prune": "ops.prune", "forget": "ops.forget", "gc": "ops.gc", "backup": "ops.backup",
+    "export": "ops.export", "ExportOptions": "ops.export", "prune": "ops.prune", "forget": "ops.forget", "gc": "ops.gc", "backup": "ops.backup",
     "BackupOptions": "ops.backup",
     "restore_training_state": "training.restore", "check_resume": "resume.check",
     # their typed results (each with to_json())

@@ -264,7 +264,7 @@ def test_the_library_never_writes_an_encrypted_source_in_the_clear_unasked(tmp_p
     ckpt_archive.export(tmp_path / "enc", tmp_path / "d2")
     assert "encryption" in (tmp_path / "d2" / "repository.json").read_text()
     assert ckpt_archive.verify(tmp_path / "d2", options=ckpt_archive.VerifyOptions(deep=True)).ok
-    ckpt_archive.export(tmp_path / "enc", tmp_path / "d3", to_plain=True)
+    ckpt_archive.export(tmp_path / "enc", tmp_path / "d3", ckpt_archive.ExportOptions(to_plain=True))
     assert "encryption" not in (tmp_path / "d3" / "repository.json").read_text()
 
 

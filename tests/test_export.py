@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import ckpt_archive as ca
 from ckpt_archive.cli.app import app
 from ckpt_archive.errors import NoUsableGeneration
-from ckpt_archive.ops.export import export
+from ckpt_archive.ops.export import ExportOptions, export
 from ckpt_archive.repo.repository import Repository
 from s3server import s3_env, s3_server, s3_url  # noqa: F401  (pytest fixtures)
 
@@ -161,9 +161,9 @@ def test_export_json_proof_lists_objects_checks_and_restore_command(source, s3_s
 
 def test_export_all_usable_then_rerun_copies_nothing(source, s3_url):
     repo, _ = source
-    first = export(repo, s3_url, generations="all")
+    first = export(repo, s3_url, ExportOptions(generations="all"))
     assert [g.generation for g in first.generations] == [1, 2] and first.bytes_copied > 0
-    again = export(repo, s3_url, generations="all")
+    again = export(repo, s3_url, ExportOptions(generations="all"))
     assert [g.status for g in again.generations] == ["already-usable", "already-usable"]
     assert again.bytes_copied == 0
     assert [g.number for g in Repository.open(s3_url).usable()] == [1, 2]
@@ -191,7 +191,7 @@ def test_export_to_a_local_path_restores_bit_equal(source, tmp_path):
 def test_export_from_an_s3_repository_to_a_local_path(source, s3_url, tmp_path):
     """The way back: a new machine pulls the archive down and proves it usable on its own disk."""
     repo, states = source
-    export(repo, s3_url, generations="all")
+    export(repo, s3_url, ExportOptions(generations="all"))
     back = tmp_path / "pulled"
     res = cli("export", s3_url, "--latest", "2", "--to", str(back), "--json")
     assert res.exit_code == 0, res.output
@@ -346,7 +346,7 @@ def test_endpoint_url_option_beats_a_wrong_environment(source, s3_server, s3_url
 # --- the other commands on an s3 repository -------------------------------------------------------------------
 def test_list_inspect_verify_restore_work_on_an_s3_repository(source, s3_url, tmp_path):
     repo, states = source
-    export(repo, s3_url, generations="all")
+    export(repo, s3_url, ExportOptions(generations="all"))
     res = cli("list", s3_url, "--json")
     assert res.exit_code == 0, res.output
     assert "102" in res.stdout
@@ -376,7 +376,7 @@ def test_generation_copied_by_another_tool_is_copied_until_verify_deep_there(sou
     assert res.exit_code == 0, res.output
     assert [g.status for g in Repository.open(s3_url).generations()] == ["copied", "usable"]
     # export recognises the copied generation 1 as the same archive: nothing to copy, proven and marked here
-    result = export(repo, s3_url, generations="all")
+    result = export(repo, s3_url, ExportOptions(generations="all"))
     assert [g.status for g in result.generations] == ["resumed", "already-usable"]
     assert result.bytes_copied == 0
     assert [g.status for g in Repository.open(s3_url).generations()] == ["usable", "usable"]

@@ -96,7 +96,7 @@ def test_restore_takes_one_options_object_naming_the_cli_options(tmp_path):
 
 #: The one shape (docs/api.md): an operation's inputs, then its options object, then only these keywords, each
 #: meaning the same wherever it appears. Everything else an operation can be asked is a field of its options object.
-INPUTS = {"source", "repo", "generation", "output", "options", "annotations"}
+INPUTS = {"source", "repo", "dest", "generation", "output", "options", "annotations"}
 SHARED_KEYWORDS = {
     "wait",            # seconds for the writer lock
     "on_bytes",        # progress callback
@@ -104,9 +104,11 @@ SHARED_KEYWORDS = {
     "retention",       # the RetentionPolicy run after publishing (pack, backup): prune's own options object
     "before_publish",  # pack's hook under the lock
     "now", "sleep",    # the clock (backup; prune and status take now too): tests pass fakes
+    "on_generation",   # export's per-generation callback
+    "dest_store_options",  # how to reach export's DEST: store_options' twin for the second repository
 }
 OPERATIONS = {"pack": "PackOptions", "load": "LoadOptions", "verify": "VerifyOptions", "restore": "RestoreOptions",
-              "backup": "BackupOptions"}
+              "backup": "BackupOptions", "export": "ExportOptions"}
 
 
 @pytest.mark.parametrize("name", sorted(OPERATIONS))

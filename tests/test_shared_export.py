@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import ckpt_archive as ca
 from ckpt_archive.cli.app import app
 from ckpt_archive.format.objects import object_key, own_stored_bytes, refs
-from ckpt_archive.ops.export import export
+from ckpt_archive.ops.export import ExportOptions, export
 from ckpt_archive.repo.repository import Repository
 from s3server import s3_env, s3_server, s3_url  # noqa: F401  (pytest fixtures)
 from helpers import assert_same as _assert_bit_equal
@@ -101,12 +101,12 @@ def test_second_export_of_a_lora_run_moves_only_the_changed_bytes(lora, kind, tm
     shared = sum(refs(m1).values())
 
     first_meter = CopyMeter()
-    first = export(repo, dest, generations="1", on_bytes=first_meter)
+    first = export(repo, dest, ExportOptions(generations="1"), on_bytes=first_meter)
     assert first.ok and first.bytes_copied == _own_bytes(m1) + shared == first_meter.copied
     assert first.bytes_skipped == 0
 
     meter = CopyMeter()
-    second = export(repo, dest, generations="2", on_bytes=meter)
+    second = export(repo, dest, ExportOptions(generations="2"), on_bytes=meter)
     assert second.ok and [(g.generation, g.status) for g in second.generations] == [(2, "exported")]
     # only generation 2's own files moved: the frozen base's objects were already there
     assert meter.copied == second.bytes_copied == _own_bytes(m2)
@@ -147,7 +147,7 @@ def test_one_run_copies_each_shared_object_once(lora, tmp_path):
     src = Repository.open(repo)
     manifests = [src.generation(n).manifest for n in (1, 2, 3)]
     meter = CopyMeter()
-    res = export(repo, tmp_path / "dst", generations="all", on_bytes=meter)
+    res = export(repo, tmp_path / "dst", ExportOptions(generations="all"), on_bytes=meter)
     shared = sum(refs(manifests[0]).values())
     assert res.ok and meter.copied == res.bytes_copied == sum(map(_own_bytes, manifests)) + shared
     assert res.bytes_skipped == 0                           # nothing was at DEST before this run (issue 26)
@@ -187,7 +187,7 @@ def test_object_left_damaged_at_destination_by_an_interrupted_export_is_replaced
     # an interrupted export: the manifest and one object are there, no marker
     monkeypatch.setenv("CKPT_ARCHIVE_INJECT", "export-after-object=raise")
     with pytest.raises(RuntimeError):
-        export(repo, dest, generations="2")
+        export(repo, dest, ExportOptions(generations="2"))
     monkeypatch.delenv("CKPT_ARCHIVE_INJECT")
     dst = Repository.open(dest)
     assert dst.generation(2).status == "partial"
@@ -198,7 +198,7 @@ def test_object_left_damaged_at_destination_by_an_interrupted_export_is_replaced
     path.write_bytes(data[: len(data) // 3] if damage == "truncated"
                      else data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
 
-    res = export(repo, dest, generations="2")
+    res = export(repo, dest, ExportOptions(generations="2"))
     (g,) = res.generations
     assert g.status == "resumed"
     actions = {o["key"]: o["action"] for o in g.members if o["object"]}

@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         json_output: bool = JSON_OPTION,
     ) -> None:
         from ckpt_archive.errors import UsageError
-        from ckpt_archive.ops.export import export, select_generations
+        from ckpt_archive.ops.export import ExportOptions, export, select_generations
 
         out = Output(json_output)
         repo, gen = split_repo_spec(spec)
@@ -82,10 +82,10 @@ def register(app: typer.Typer) -> None:
         with out.progress(total, "export") as advance:  # phases: copy, re-read, trial reload (per generation)
             dest_options = {k: v for k, v in (("endpoint_url", endpoint_url), ("storage_options", storage_options))
                             if v}
-            result = export(source, to, generations=[g.number for g in picked], report=report,
-                            report_format="json" if json_output else "markdown", on_bytes=advance,
-                            command=argv, wait=wait, dest_store_options=dest_options, to_key_file=to_key_file,
-                            to_plain=to_plain, sign_key=sign_key)
+            options = ExportOptions(generations=[g.number for g in picked], report=report,
+                                    report_format="json" if json_output else "markdown", command=argv,
+                                    to_key_file=to_key_file, to_plain=to_plain, sign_key=sign_key)
+            result = export(source, to, options, on_bytes=advance, wait=wait, dest_store_options=dest_options)
         _say_result(out, result, report)
         out.json(result.to_json())
         exit_with(result)

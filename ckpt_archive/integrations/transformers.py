@@ -60,7 +60,7 @@ class ArchiveCallback(TrainerCallback):
         export_generations: which usable generations to export (``"all"``, ``"latest"``, ``"latest:N"``, ...;
             :func:`ckpt_archive.ops.export.select_generations`). Default ``"all"``.
         report: where the recovery proof goes (Markdown); default ``<output_dir>/recovery-proof-<UTC time>.md``.
-        export_options: keyword arguments for :func:`ckpt_archive.export` (``dest_store_options``,
+        export_options: for :func:`ckpt_archive.export`: :class:`~ckpt_archive.ops.export.ExportOptions` fields (``to_key_file``, ``to_plain``, ...) and its keywords (``dest_store_options``,
             ``wait``).
         config: the experiment's parameters to record (dict or path); default the ``TrainingArguments`` as
             ``TrainingArguments.to_json_string`` writes them (tokens masked by transformers).
@@ -123,7 +123,9 @@ class ArchiveCallback(TrainerCallback):
         self.last = self._publisher.wait()
         if self.export_to is None:
             return
-        from ckpt_archive.ops.export import export
+        import dataclasses
+
+        from ckpt_archive.ops.export import ExportOptions, export
 
         report = self.report
         if report is None:
@@ -134,8 +136,11 @@ class ArchiveCallback(TrainerCallback):
         # the repository object itself where one was given (it holds the key a path would lose); an encrypted
         # one is exported encrypted (export_options to_key_file= / to_plain=, or $CKPT_ARCHIVE_KEY_FILE)
         source = self.repo if not isinstance(self.repo, (str, os.PathLike)) else self._publisher.location
-        self.export_result = export(source, self.export_to, generations=self.export_generations,
-                                    report=report, **self.export_options)
+        fields = {f.name for f in dataclasses.fields(ExportOptions)}  # the rest are export()'s keywords (wait, ...)
+        options = ExportOptions(generations=self.export_generations, report=report,
+                                **{k: v for k, v in self.export_options.items() if k in fields})
+        self.export_result = export(source, self.export_to, options,
+                                    **{k: v for k, v in self.export_options.items() if k not in fields})
         exported = ", ".join(str(g.generation) for g in self.export_result.generations)
         _LOG.info("exported generation(s) %s to %s, verified and trial-reloaded there; proof: %s; restore there "
                   "with: %s", exported, self.export_result.destination, report, self.export_result.restore_command)

@@ -280,30 +280,15 @@ def _open_destination(src, dest, to_key_file, to_plain: bool, sign_key, options:
                          where=exc.where) from None
 
 
-def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | None = None,
-           report_format: str = "markdown", on_bytes: Callable[[int], None] | None = None,
-           on_generation: Callable[[int, int, int], None] | None = None, command: str | None = None,
-           wait: float = 0, store_options: Mapping[str, Any] | None = None,
-           dest_store_options: Mapping[str, Any] | None = None, to_key_file: str | os.PathLike | None = None,
-           to_plain: bool = False, sign_key: str | os.PathLike | None = None) -> ExportResult:
-    """Copy usable generations to ``dest``, verify the copy there, trial-reload it there, mark it usable.
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """What :func:`export` copies and how DEST is written (``ckpt-archive export``'s options, one name each).
 
-    Args:
-        repo: the source repository (path, URL, or an open :class:`~ckpt_archive.repo.repository.Repository`).
-        dest: the destination: a local path or an fsspec URL (``s3://bucket/prefix``). Its
-            ``repository.json`` is created if absent.
+    Attributes:
         generations: which usable generations (see :func:`select_generations`); default the newest.
         report: write the recovery proof to this file (Markdown, or JSON with ``report_format="json"``).
-        on_bytes: progress callback, called with stored bytes copied to DEST, then re-read, then raw bytes
-            decoded by the trial reload; one with ``phase(name, total)`` is told each phase.
-        on_generation: called ``(generation, index, count)`` when a generation starts.
+        report_format: ``"markdown"`` or ``"json"``.
         command: the command line to record in the proof.
-        wait: seconds to wait for DEST's writer lock (as ``wait=`` of every operation that writes).
-        store_options: for a URL source repository, as in every operation
-            (``{"endpoint_url": ..., "storage_options": {...}}``; :func:`~ckpt_archive.ops.common.open_repo`).
-        dest_store_options: the same mapping for DEST: ``endpoint_url`` (an S3-compatible endpoint, overrides
-            ``AWS_ENDPOINT_URL``; recorded in the proof) and ``storage_options`` (extra fsspec options, e.g.
-            ``{"s3_additional_kwargs": {"ServerSideEncryption": "aws:kms"}}``).
         to_key_file: DEST's key file: a new DEST is created encrypted with it, an encrypted one is opened
             with it (a plain source exported with it: an encrypted copy). None: a plain source gives a plain
             DEST; an encrypted source gives a DEST encrypted with ``$CKPT_ARCHIVE_KEY_FILE``, and without
@@ -313,6 +298,41 @@ def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | N
         sign_key: sign each generation published at DEST that carries no signature from the source (a
             source's signature covers content, not place: it travels unchanged). None:
             ``$CKPT_ARCHIVE_SIGN_KEY``.
+
+    Example:
+        >>> ExportOptions(generations="all", to_plain=True).generations
+        'all'
+    """
+
+    generations: Any = None
+    report: str | os.PathLike | None = None
+    report_format: str = "markdown"
+    command: str | None = None
+    to_key_file: str | os.PathLike | None = None
+    to_plain: bool = False
+    sign_key: str | os.PathLike | None = None
+
+
+def export(repo, dest, options: ExportOptions | None = None, *, wait: float = 0,
+           on_bytes: Callable[[int], None] | None = None, on_generation: Callable[[int, int, int], None] | None = None,
+           store_options: Mapping[str, Any] | None = None,
+           dest_store_options: Mapping[str, Any] | None = None) -> ExportResult:
+    """Copy usable generations to ``dest``, verify the copy there, trial-reload it there, mark it usable.
+
+    Args:
+        repo: the source repository (path, URL, or an open :class:`~ckpt_archive.repo.repository.Repository`).
+        dest: the destination: a local path or an fsspec URL (``s3://bucket/prefix``). Its
+            ``repository.json`` is created if absent.
+        options: :class:`ExportOptions`: which generations, the proof's file, DEST's key and signing key.
+        wait: seconds to wait for DEST's writer lock (as ``wait=`` of every operation that writes).
+        on_bytes: progress callback, called with stored bytes copied to DEST, then re-read, then raw bytes
+            decoded by the trial reload; one with ``phase(name, total)`` is told each phase.
+        on_generation: called ``(generation, index, count)`` when a generation starts.
+        store_options: for a URL source repository, as in every operation
+            (``{"endpoint_url": ..., "storage_options": {...}}``; :func:`~ckpt_archive.ops.common.open_repo`).
+        dest_store_options: the same mapping for DEST: ``endpoint_url`` (an S3-compatible endpoint, overrides
+            ``AWS_ENDPOINT_URL``; recorded in the proof) and ``storage_options`` (extra fsspec options, e.g.
+            ``{"s3_additional_kwargs": {"ServerSideEncryption": "aws:kms"}}``).
 
     Returns:
         :class:`ExportResult`, the recovery proof.
@@ -325,16 +345,22 @@ def export(repo, dest, *, generations: Any = None, report: str | os.PathLike | N
         StoreError: DEST refused access (credentials, permissions, network).
         LockError: another writer holds DEST.
         TypeError: an unknown keyword argument or store option (``lock_wait`` is ``wait``; ``endpoint_url`` and
-            ``storage_options`` go in ``dest_store_options``).
+            ``storage_options`` go in ``dest_store_options``; ``generations=`` and the other options go in
+            :class:`ExportOptions`), or an options field of the wrong type.
 
     Example:
         >>> import os, torch, ckpt_archive, tempfile
         >>> src, dest = tempfile.mkdtemp(), os.path.join(tempfile.mkdtemp(), "offsite")
         >>> _ = ckpt_archive.pack({"w": torch.ones(2)}, src)
-        >>> proof = ckpt_archive.export(src, dest)
+        >>> proof = ckpt_archive.export(src, dest, ckpt_archive.ExportOptions(generations="all"))
         >>> proof.ok, [(g.generation, g.status) for g in proof.generations]
         (True, [(1, 'exported')])
     """
+    from ckpt_archive.ops.common import take_options
+
+    o = take_options(options, ExportOptions, "export")
+    generations, report, report_format, command = o.generations, o.report, o.report_format, o.command
+    to_key_file, to_plain, sign_key = o.to_key_file, o.to_plain, o.sign_key
     started = _now()
     if report is not None:  # before any copy, not after it: a FIFO or device there is not ours to replace
         from ckpt_archive.ops.common import refuse_special_output
@@ -721,5 +747,5 @@ def _archive_id_of(raw: bytes) -> str | None:
     return doc.get("archive_id") if isinstance(doc, dict) else None
 
 
-__all__ = ["export", "ExportResult", "ExportedGeneration", "Check", "select_generations", "restore_command",
+__all__ = ["export", "ExportOptions", "ExportResult", "ExportedGeneration", "Check", "select_generations", "restore_command",
            "write_report", "render_markdown"]  # the last three live in ops/export_proof.py
