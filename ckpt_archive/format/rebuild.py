@@ -1,7 +1,8 @@
 """A state tree's ``rebuild`` node: torch's own allowlisted rebuild function (sparse, quantized, nested and
 meta tensors) applied to its decoded arguments, as ``torch.load(weights_only=True)`` does, after the checks
 a hostile archive calls for (docs/FORMAT.md "Reading hostile archives"). Used by
-:func:`ckpt_archive.format.state_tree.decode`; split from it to keep that module under its size limit.
+:func:`ckpt_archive.format.state_tree.decode`. Its own module because it is the one place where archive data
+reaches a torch function that builds something (the allowlisted rebuild functions), so its checks sit together.
 """
 from __future__ import annotations
 
