@@ -46,3 +46,13 @@ def assert_same(a, b, path="state"):
         assert math.isnan(b), f"{path}: nan != {b!r}"
         return
     assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+class Clock:
+    """A settable clock for lease-lock tests: ``clock()`` is ``clock.t`` (seconds)."""
+
+    def __init__(self, t: float = 1_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t

@@ -13,15 +13,9 @@ import pytest
 from ckpt_archive.errors import LockError
 from ckpt_archive.store.lease_lock import LeaseLock
 
+from tests.helpers import Clock
+
 _n = itertools.count()
-
-
-class Clock:
-    def __init__(self, t: float = 1_000_000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture()

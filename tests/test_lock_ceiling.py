@@ -15,15 +15,9 @@ import pytest
 from ckpt_archive.errors import LockError
 from ckpt_archive.store.lease_lock import MAX_SEQ, LeaseLock
 
+from tests.helpers import Clock
+
 _n = itertools.count()
-
-
-class Clock:
-    def __init__(self, t: float = 1_000_000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _store():
