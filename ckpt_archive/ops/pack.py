@@ -24,7 +24,7 @@ from ckpt_archive.format.read_lease import lease_scope
 from ckpt_archive.format.manifest import FORMAT, seal_bytes, version_for
 from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
 from ckpt_archive.format.metrics import metrics_to_json
-from ckpt_archive.ops.common import RepoLike, open_repo, take_options
+from ckpt_archive.ops.common import RepoLike, check_option_values, open_repo, take_options
 from ckpt_archive.ops.meta import (code_identity, default_instructions, environment, find_metrics, find_progress,
                                    needs_by_part, value_or_file)
 from ckpt_archive.repo.publish import PACK_POINTS, BeforePublish, Lifecycle, Withdrawn
@@ -243,7 +243,8 @@ def _read_and_encode(source_or_path: Any, options: PackOptions, encoder: Callabl
 
 
 def _check_numbers(options: PackOptions) -> None:
-    """Refuse a chunk size readers refuse, a zstd level out of range, fewer than one job (UsageError)."""
+    """Refuse a chunk size readers refuse, a zstd level out of range, fewer than one job (UsageError); also on the
+    distributed path, which reaches :func:`prepare` without :func:`pack`."""
     from ckpt_archive.format.limits import MAX_CHUNK_RAW_BYTES
 
     if options.chunk_bytes is not None and not 1 <= int(options.chunk_bytes) <= MAX_CHUNK_RAW_BYTES:
@@ -251,8 +252,7 @@ def _check_numbers(options: PackOptions) -> None:
                          f"not {options.chunk_bytes}")
     if options.level is not None and not -7 <= int(options.level) <= 22:
         raise UsageError(f"zstd level must be between -7 and 22, not {options.level}")
-    if options.jobs is not None and int(options.jobs) < 1:
-        raise UsageError(f"--jobs must be at least 1, not {options.jobs}")
+    check_option_values(options)  # jobs, wait, allow_numpy: the rule every options object follows (ops/common.py)
 
 
 def _progress_of(source: Any, notes: Annotations) -> dict:

@@ -22,9 +22,10 @@ from ckpt_archive.format.codec import StoredStream, fileno_of, default_jobs, ite
 from ckpt_archive.format.objects import parts, stored_files
 from ckpt_archive.repo.objects import ProvenRange, decode_around, object_entries, open_member
 from ckpt_archive.format.leaf_checks import SizeOnly, check_leaf_bytes, check_tree_kinds
-from ckpt_archive.format.limits import (IN_FLIGHT_RAW_BYTES, MAX_TREE_BYTES, MAX_TREE_COST, check_allocation,
+from ckpt_archive.format.limits import (MAX_TREE_BYTES, MAX_TREE_COST, check_allocation,
                                        check_whole_read, frame_size_problem)
 from ckpt_archive.format.shard import check_header as _check_header
+from ckpt_archive.repo.chunk_hashers import ChunkHashers
 from ckpt_archive.repo.entries import EntryCutter
 from ckpt_archive.format.leaves import entry_tensor, fp_words, leaf_from_base
 from ckpt_archive.format.state_tree import decode
@@ -291,7 +292,7 @@ class ArchiveReader:
             fh = open_member(self.store, self.gen_key, rec)  # format 3: through its shared objects
         except NotFound:
             raise IntegrityError(f"missing: {rec['stored_path']} is not in the generation", where=rec["path"]) from None
-        hashers = _ChunkHashers(raw_check, tap, 2 * self.jobs)
+        hashers = ChunkHashers(raw_check, tap, 2 * self.jobs)
         try:
             with fh:
                 chunks, skip, crcs = self._decoded_chunks(fh, rec, raw_check, verify_chunks, into, skip_objects)
@@ -719,58 +720,6 @@ class _Window:
         data = self.fh.read(n) or b""
         self._pos += len(data)
         return data
-
-
-def _skip_or_fail(raw_check, proven: ProvenRange, member: str) -> None:
-    """Give the member's raw check a proven object's fingerprint for its entry (on the raw-hash thread, in
-    stream order); a range that is not exactly one entry is a problem of the member."""
-    if not raw_check.skip(proven.nbytes, proven.fp):
-        raise IntegrityError(f"shared object {proven.oid} is not one entry of its member", where=member)
-
-
-class _ChunkHashers:
-    """:meth:`ArchiveReader.iter_member`'s hashing beside the consumer: the member's raw fingerprint on one
-    thread, an optional ``tap`` on another (both in chunk order; hashlib and BLAKE3 release the GIL, so they
-    run side by side), at most ``window`` chunks and :data:`IN_FLIGHT_RAW_BYTES` (but one chunk) queued."""
-
-    def __init__(self, raw_check, tap, window: int):
-        self.raw_check, self.tap, self.window = raw_check, tap, window
-        self.raw_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-rawhash")
-        self.tap_pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-filehash") if tap is not None else None
-        self.pending: collections.deque = collections.deque()  # (raw bytes, futures)
-        self.queued = 0
-
-    def skip(self, proven: "ProvenRange", member: str) -> None:
-        """A proven shared object's fingerprint for the raw check, in stream order."""
-        self.pending.append((0, (self.raw_pool.submit(_skip_or_fail, self.raw_check, proven, member),)))
-
-    def submit(self, off: int, chunk) -> None:
-        futs = []
-        if self.raw_check is not None:
-            futs.append(self.raw_pool.submit(self.raw_check.update, chunk))
-        if self.tap_pool is not None:
-            futs.append(self.tap_pool.submit(self.tap, off, chunk))
-        if not futs:
-            return
-        self.pending.append((len(chunk), futs))
-        self.queued += len(chunk)
-        while len(self.pending) > self.window or (len(self.pending) > 1 and self.queued > IN_FLIGHT_RAW_BYTES):
-            self._collect()
-
-    def _collect(self) -> None:
-        n, futs = self.pending.popleft()
-        for fut in futs:
-            fut.result()
-        self.queued -= n
-
-    def drain(self) -> None:
-        while self.pending:
-            self._collect()
-
-    def shutdown(self) -> None:
-        for pool in (self.raw_pool, self.tap_pool):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _spill_member(reader: "ArchiveReader", rec: dict, spill_dir, on_bytes=None):
