@@ -105,6 +105,7 @@ def test_backup_picks_the_highest_step_not_a_stray_older_step_file_written_later
 
 def test_backup_orders_files_by_their_step_and_remembers_it(tmp_path, monkeypatch):
     from ckpt_archive.ops import backup as backup_mod
+    from ckpt_archive.ops import checkpoint_pick
 
     out = tmp_path / "out"
     _save(out / "z-early.pt", 10, 0)
@@ -116,7 +117,7 @@ def test_backup_orders_files_by_their_step_and_remembers_it(tmp_path, monkeypatc
     def no_reading(path):
         raise AssertionError(f"{path} was read again")
 
-    monkeypatch.setattr(backup_mod, "_read_step", no_reading)  # unchanged files: from the remembered steps
+    monkeypatch.setattr(checkpoint_pick, "_read_step", no_reading)  # unchanged files: from the remembered steps
     assert [p.name for p in backup_mod.checkpoint_candidates(out, steps)] == ["a-late.pt", "m-mid.pt", "z-early.pt"]
 
 
