@@ -226,7 +226,7 @@ class Checkpointer:
                  distributed: bool | None = None, timeout: float = 600.0):
         from ckpt_archive.format.metrics import metrics_to_json  # what save() runs in the caller's thread
         from ckpt_archive.ops.pack import PackOptions
-        from ckpt_archive.training.snapshot import Snapshotter
+        from ckpt_archive.training.snapshot import Snapshotter, warm_up
 
         if retention is not None:
             from ckpt_archive.retention.policy import RetentionPolicy
@@ -253,6 +253,7 @@ class Checkpointer:
 
             self.repo = open_repo(repo, create=True)
         self._snap = Snapshotter(pin_memory=pin_memory)
+        warm_up()  # the copy's torch operations run once here, so the first save costs what later ones do
         # the background thread: one, fed through a SimpleQueue (its put is one C call: no Python-level lock
         # a signal handler's exception could leave taken, as ThreadPoolExecutor.submit's semaphore could);
         # a daemon, so an unclosed Checkpointer never keeps the interpreter alive (at exit, the save in
