@@ -8,11 +8,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 
 import pytest
 
 from ckpt_archive.errors import LockError
+from ckpt_archive.store.fs import host_name
 from ckpt_archive.store.lease_lock import MAX_SEQ, LeaseLock
 
 from tests.helpers import Clock
@@ -90,7 +90,7 @@ def test_a_holder_whose_ticket_was_removed_after_its_lease_lapsed_never_writes_i
 def test_the_ceiling_ticket_is_named_on_this_host_when_its_pid_is_gone():
     """A ticket at the ceiling naming this host and a dead pid is stale at once: removed, and said so."""
     store = _store()
-    _plant(store, MAX_SEQ, released=False, refreshed=1_000_000.0, host=socket.gethostname(), pid=2 ** 22 + 7,
+    _plant(store, MAX_SEQ, released=False, refreshed=1_000_000.0, host=host_name(), pid=2 ** 22 + 7,
            lease=60, since="then")
     notes = LeaseLock(store, lease=60, clock=Clock()).acquire()
     assert any("that process is gone" in n for n in notes), notes

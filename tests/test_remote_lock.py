@@ -26,6 +26,8 @@ HOLDER = textwrap.dedent("""
     host = sys.argv[4]
     if host:
         socket.gethostname = lambda: host          # another machine, as far as the lock can tell
+        real = os.uname()
+        os.uname = lambda: type(real)((real.sysname, host) + tuple(real)[2:])  # (what host_name() reads)
     from ckpt_archive.repo.repository import Repository
     url, log, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
     r = Repository.open(url, create=True)

@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 from typing import Iterator
 
 from ckpt_archive.errors import LockError
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.times import iso, utcnow
 from ckpt_archive.store.base import Store
-from ckpt_archive.store.fs import pid_alive
+from ckpt_archive.store.fs import host_name, pid_alive
 
 
 class RepositoryLock:
@@ -65,7 +64,7 @@ class RepositoryLock:
                             f"--wait SECONDS", where=self.location) from None
         try:
             try:
-                lock.write_owner(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                lock.write_owner(json.dumps({"pid": os.getpid(), "host": host_name(),
                                              "since": iso(utcnow())}).encode())
             except OSError:
                 pass
@@ -102,7 +101,7 @@ def holder_text(lock) -> str:
         info = jsonio.loads(raw, where=str(lock.path) + ".owner", max_bytes=1 << 16)
         if not isinstance(info, dict):
             raise ValueError("not an object")
-        alive = pid_alive(info.get("pid")) if info.get("host") == socket.gethostname() else None
+        alive = pid_alive(info.get("pid")) if info.get("host") == host_name() else None
         return (f" by pid {info.get('pid')} on {info.get('host')} since {info.get('since')}"
                 + ("" if alive is not False else " (that process is gone: the OS lock is held by "
                    "another process, or the file system does not release locks; if no writer "

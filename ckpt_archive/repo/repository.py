@@ -19,7 +19,6 @@ import datetime as dt
 import hashlib
 import os
 import re
-import socket
 import uuid
 from typing import Any, ContextManager
 
@@ -37,6 +36,7 @@ from ckpt_archive.repo.lock import RepositoryLock
 from ckpt_archive.repo.place import Place, canonical_url
 from ckpt_archive.store.base import Store, open_store
 from ckpt_archive.store.faults import NO_FAULTS, Faults
+from ckpt_archive.store.fs import host_name
 
 REPO_FILE = "repository.json"
 GEN_DIR = "generations"
@@ -717,7 +717,7 @@ def _ranges(numbers: list[int]) -> str:
 
 
 def host_record(location: str) -> dict:
-    return {"where": location, "host": socket.gethostname(), "when": iso(utcnow()), "tool_version": __version__}
+    return {"where": location, "host": host_name(), "when": iso(utcnow()), "tool_version": __version__}
 
 
 def raise_if_problems(step: str, problems: list, number: int) -> None:

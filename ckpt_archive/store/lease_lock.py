@@ -35,12 +35,11 @@ import math
 import os
 import re
 import secrets
-import socket
 import threading
 import time
 
 from ckpt_archive.errors import LockError, NotFound, StoreError
-from ckpt_archive.store.fs import pid_alive
+from ckpt_archive.store.fs import host_name, pid_alive
 
 LOCK_DIR = "locks"
 _TICKET = re.compile(r"^(\d{12,18})\.json$")
@@ -116,7 +115,7 @@ class LeaseLock:
 
     def _record(self, *, released: bool = False, now: float | None = None) -> bytes:
         now = self.clock() if now is None else now
-        return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
+        return json.dumps({"owner": self.owner, "host": host_name(), "pid": os.getpid(),
                            "since": _iso(self._since or now), "refreshed": now, "refreshed_at": _iso(now),
                            "lease": self.lease, "released": released}, indent=1).encode()
 
@@ -129,7 +128,7 @@ class LeaseLock:
         # [break] json reads NaN and Infinity: a NaN time compares False both ways and held the lock forever
         if not isinstance(refreshed, (int, float)) or isinstance(refreshed, bool) or not math.isfinite(refreshed):
             return "stale", f"an unreadable lock ticket ({who})"
-        if info.get("host") == socket.gethostname() and pid_alive(info.get("pid")) is False:
+        if info.get("host") == host_name() and pid_alive(info.get("pid")) is False:
             return "stale", f"{who}: that process is gone"
         # the holder's own lease (it refreshes every lease / 4): a reader configured with a shorter one must not
         # call a live holder stale; a value out of range falls back to this reader's
