@@ -52,3 +52,33 @@ def _restore_torch_deterministic_mode():
         torch.use_deterministic_algorithms(before)
     elif torch is not None and before is None and torch.are_deterministic_algorithms_enabled():
         torch.use_deterministic_algorithms(False)
+
+
+# --- the CLI in-process: each Typer app's click command built once ------------------------------------
+# typer.testing.CliRunner.invoke converts the Typer app into a click command on every call: for the full app
+# (fifteen commands) that is Typer reading every command function's signature and type hints, 25-40 ms per
+# invocation, and the suite invokes the CLI in-process thousands of times (the fuzz tests alone 4,500). The
+# command is built once per app object and rebuilt when the app's registrations change; what a command does
+# is looked up when it runs, so monkeypatched operations are still seen. The product's own main() builds
+# the one command its command line names, once per process, and is not affected.
+def _command_built_once():
+    import weakref
+
+    import typer.testing
+
+    real = typer.testing._get_command
+    built: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def get_command(app):
+        key = (tuple(map(id, app.registered_commands)), tuple(map(id, app.registered_groups)),
+               id(app.registered_callback))
+        hit = built.get(app)
+        if hit is None or hit[0] != key:
+            hit = built[app] = (key, real(app))
+        return hit[1]
+
+    typer.testing._get_command = get_command
+
+
+_command_built_once()
+# --- end the CLI in-process -----------------------------------------------------------------------------

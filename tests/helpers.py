@@ -56,3 +56,35 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def without_read_leases(monkeypatch) -> None:
+    """Sources are read as where no Linux read lease can be had (NFS, a file open for writing elsewhere):
+    never mapped, read with ``pread``, a change caught by the stat and ctime checks alone.
+
+    For tests whose simulated trainer rewrites the source in pack's own thread: under a lease that write
+    waits for the kernel's lease-break-time (45 s) before it proceeds, since the thread that would give
+    the lease back is the one waiting (a trainer in another process waits only until pack notices)."""
+    from ckpt_archive.format import read_lease
+
+    monkeypatch.setattr(read_lease, "_F_SETLEASE", None)
+
+
+def cli_in_process(*args) -> "subprocess.CompletedProcess":
+    """``ckpt-archive ARGS`` run in this process (Typer's CliRunner), answered as ``subprocess.run`` would:
+    ``returncode``, ``stdout``, ``stderr``.
+
+    For tests about what a command says and does, not about the process (start-up, imports, signals,
+    a new interpreter reading what another wrote): a subprocess costs 1.5-2 s of interpreter and torch start
+    per call. An exception that escaped the command (which a user would see as a traceback) is raised here
+    rather than turned into an exit code."""
+    import subprocess
+
+    from typer.testing import CliRunner
+
+    from ckpt_archive.cli.app import app
+
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    return subprocess.CompletedProcess(["ckpt-archive", *map(str, args)], res.exit_code, res.stdout, res.stderr)

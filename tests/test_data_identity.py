@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,9 +10,11 @@ import ckpt_archive
 from ckpt_archive.format.data_ids import fingerprint
 from ckpt_archive.ops.data_identity import DataIdentityMismatch, compare_data_ids
 
+from tests.helpers import cli_in_process
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_archive", *args], capture_output=True, text=True, timeout=120)
+
+def _cli(*args):
+    return cli_in_process(*args)  # what the commands say; the process boundary is not what these tests are about
 
 
 def _packed(tmp_path, ids):

@@ -21,6 +21,8 @@ from ckpt_archive.format import fingerprint
 import torch
 from typer.testing import CliRunner
 
+from tests.helpers import without_read_leases
+
 import ckpt_archive
 from ckpt_archive.cli.app import app
 from ckpt_archive.errors import InsufficientSpace, NotUsable, StoreError, UnsafePath
@@ -713,9 +715,12 @@ def test_pack_refuses_a_source_that_changes_while_it_is_packed(tmp_path, monkeyp
 
 def test_pack_refuses_a_source_rewritten_in_place_with_its_mtime_put_back(tmp_path, monkeypatch):
     """rsync --inplace -t rewrites bytes and restores the mtime: inode, size and mtime all match, and a
-    generation mixing the two versions was once published. The ctime gives it away."""
+    generation mixing the two versions was once published. The ctime gives it away. (Without a read lease,
+    as on NFS: with one, the rewrite waits until pack gives the lease back, or here, in pack's own thread,
+    for the kernel's 45 s lease-break-time; tests/test_source_truncated.py covers the lease.)"""
     import time
 
+    without_read_leases(monkeypatch)
     p = tmp_path / "ck.pt"
     torch.save({"w": torch.arange(50_000, dtype=torch.float32)}, p)
 

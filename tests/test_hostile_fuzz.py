@@ -10,7 +10,8 @@ what refuses them is the checks behind decryption and the signature; a flipped b
 of an encrypted member and must be damage naming that member (exit 1), never 0 or 2.
 
 The fast suite runs FUZZ_FAST cases on a plain repository and one of each kind of mutation on each of the
-others (a few seconds each); ``-m slow`` runs FUZZ_SLOW more on each. Set ``CKPT_FUZZ_SEED`` to replay a seed; a failure
+others (a few seconds each); ``-m slow`` runs FUZZ_SLOW more on each (``CKPT_FUZZ_SLOW``, default 300). Set
+``CKPT_FUZZ_SEED`` to replay a seed; a failure
 names its seed, mode and mutation.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ from hostile_archive import (MODES, bomb_member, folder_source, gen_dir, is_encr
                              cheap_kdf, mode_env, put_member_bytes, read_plain, reseal, use_mode, write_plain)
 
 FUZZ_FAST = 12
-FUZZ_SLOW = 300
+FUZZ_SLOW = int(os.environ.get("CKPT_FUZZ_SLOW", "300"))
 SEED = int(os.environ.get("CKPT_FUZZ_SEED", "17"))
 ESCAPE = "ckpt-fuzz-escape"
 runner = CliRunner()

@@ -10,8 +10,6 @@ import copy
 import io
 import json
 import math
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -23,6 +21,8 @@ from ckpt_archive.training.audit import audit
 from ckpt_archive.training.completeness import lint_completeness, policy_section
 from ckpt_archive.training.restore import restore_training_state
 from ckpt_archive.training.session import apply_session_policy, compare_with_session
+
+from tests.helpers import cli_in_process
 
 
 def _rt(state):
@@ -46,7 +46,7 @@ def _train(opt, sched, n, plateau=False):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "ckpt_archive", *args], capture_output=True, text=True, timeout=180)
+    return cli_in_process(*args)  # what the commands say; the process boundary is not what these tests are about
 
 
 # ---- the next optimizer step and the next scheduler.step(), checked against real torch ----------------

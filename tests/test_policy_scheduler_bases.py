@@ -17,8 +17,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -28,6 +26,8 @@ from torch.optim import lr_scheduler as L
 from ckpt_archive.training.completeness import config_disagreements
 from ckpt_archive.training.restore import restore_training_state
 from ckpt_archive.training.session import apply_session_policy, compare_with_session
+
+from tests.helpers import cli_in_process
 
 TRAINED, NEXT = 5, 4
 
@@ -174,7 +174,7 @@ def test_plateau_policy_session_refuses_when_the_archived_base_is_unknown():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "ckpt_archive", *args], capture_output=True, text=True, timeout=180)
+    return cli_in_process(*args)  # what the commands say; the process boundary is not what these tests are about
 
 
 @pytest.mark.parametrize("name", ["CyclicLR", "ReduceLROnPlateau"])

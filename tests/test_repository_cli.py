@@ -23,6 +23,8 @@ from ckpt_archive.errors import LockError
 from ckpt_archive.repo.repository import Repository
 from s3server import s3_env, s3_server, s3_url  # noqa: F401  (pytest fixtures)
 
+from tests.helpers import without_read_leases
+
 torch = pytest.importorskip("torch")
 
 runner = CliRunner()
@@ -661,6 +663,7 @@ def test_backup_waits_the_settle_window_before_packing(tmp_path):
 
 
 def test_backup_forgets_a_generation_whose_source_changed_while_packing(tmp_path, monkeypatch):
+    without_read_leases(monkeypatch)  # the rewrite below runs in pack's thread: a lease would make it wait 45 s
     src = save_pt(tmp_path / "run" / "last.pt", 1)
     repo = tmp_path / "repo"
     real_pack = ckpt_archive.ops.pack.pack
@@ -842,7 +845,7 @@ def test_backup_with_only_a_stale_broken_checkpoint_exits_2_not_75(tmp_path):
         assert str(z.absolute()) in out["reason"] and "broken" in out["reason"] and "Traceback" not in res.stderr
 
 
-def test_backup_stale_after_sets_when_an_incomplete_checkpoint_counts_as_broken(tmp_path):
+def test_backup_stale_after_sets_when_an_incomplete_checkpoint_counts_as_broken(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     age(save_pt(runs / "a.pt", 1), 3700)
     age(truncate(save_pt(runs / "z.pt", 2)), 120)
@@ -851,8 +854,11 @@ def test_backup_stale_after_sets_when_an_incomplete_checkpoint_counts_as_broken(
     res, out = backup_cli(runs, tmp_path / "repo1", "--stale-after", 60)
     assert res.exit_code == 0 and out["action"] == "packed" and out["checkpoint"].endswith("a.pt"), res.stderr
     assert out["skipped"] and out["busy"] is None
+    slept = []  # the 20 s settle window is observed with a fake sleep (the file does not change meanwhile)
+    real_settled = backup_mod._settled
+    monkeypatch.setattr(backup_mod, "_settled", lambda c, settle, sleep: real_settled(c, settle, slept.append))
     res, out = cli_json("backup", runs, "--repo", tmp_path / "repo2", "--settle", 20)  # default 600 s
-    assert res.exit_code == 75
+    assert res.exit_code == 75 and slept and set(slept) == {20.0}, (res.stderr, slept)
     assert backup_mod.default_stale_after(10) == 600 and backup_mod.default_stale_after(120) == 1200
 
 
