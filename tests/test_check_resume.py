@@ -26,12 +26,15 @@ from ckpt_archive.resume.runner import prepare_output
 from ckpt_archive.resume.template import check_template, expand_command
 from ckpt_archive.training.parts import rng_streams
 
+from tests.helpers import cli_in_process
+
 SCRIPTS = Path(__file__).parent / "resume_scripts"
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_archive", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """``ckpt-archive ARGS`` in this process: check-resume starts its training runs as processes of their own
+    (the boundary these tests are about); a second interpreter around it added only ~2 s of start-up."""
+    return cli_in_process(*args)
 
 
 def template(script: str, *extra: str) -> list[str]:
