@@ -3,8 +3,12 @@ nothing that goes wrong in the background is lost."""
 from __future__ import annotations
 
 import collections
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,8 @@ from ckpt_archive.repo.repository import Repository
 from ckpt_archive.store.faults import Faults
 from ckpt_archive.training.checkpointer import Checkpointer
 from ckpt_archive.training.snapshot import DEVICE_ATTR, Snapshotter
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _trained(seed=0):
@@ -398,3 +404,55 @@ def test_the_first_save_runs_no_torch_operation_the_construction_did_not_warm_up
         assert ckpt._snap.writes == 0 and not ckpt._snap._buffers  # the warm-up used a throwaway snapshotter
     finally:
         ckpt.close()
+
+
+def test_a_torch_import_still_running_in_another_thread_is_neither_warmed_up_nor_walked(monkeypatch):
+    """Break test: ``Checkpointer(..., distributed=False)`` built while another thread was still importing torch
+    (a second Checkpointer's background thread, a user's loader thread) ran the warm-up's ``torch.zeros`` on the
+    half-imported module: ``AttributeError: partially initialized module 'torch'``, or SIGSEGV. A module whose
+    import has not finished counts as absent (no tensor can have been made from it): no operation runs."""
+    from torch.overrides import TorchFunctionMode
+
+    from ckpt_archive.training.snapshot import loaded, warm_up
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    assert loaded("torch") is torch
+    monkeypatch.setattr(torch.__spec__, "_initializing", True, raising=False)  # as importlib marks it meanwhile
+    assert loaded("torch") is None
+    with Calls() as calls:
+        warm_up()
+        copy = Snapshotter(pin_memory=False).take({"step": 3, "config": {"lr": 1e-4}})
+    assert calls.n == 0 and copy == {"step": 3, "config": {"lr": 1e-4}}
+
+
+def test_a_checkpointer_built_while_a_thread_imports_torch_saves_and_restores(tmp_path):
+    """The break test's reproduction, end to end in a fresh interpreter (it crashed 4 of 4 times with SIGSEGV
+    before the fix): a thread imports torch; meanwhile a Checkpointer is built and saves a state of plain values,
+    the state later saved with tensors, and every generation loads back as saved."""
+    script = r"""
+import sys, threading, time
+threading.Thread(target=__import__, args=("torch",)).start()
+time.sleep(float(sys.argv[2]))
+from ckpt_archive.training.checkpointer import Checkpointer
+ckpt = Checkpointer(sys.argv[1], distributed=False)
+ckpt.save(1, {"step": 1, "config": {"lr": 1e-4}})
+import torch
+ckpt.save(2, {"model": {"w": torch.arange(6.0)}, "step": 2})
+ckpt.close()
+print("OK")
+"""
+    for delay in ("0.05", "0.3"):
+        repo = tmp_path / f"repo-{delay}"
+        proc = subprocess.run([sys.executable, "-c", script, str(repo), delay], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0 and "OK" in proc.stdout, (delay, proc.returncode, proc.stderr[-3000:])
+        assert ckpt_archive.load(repo, generation=1) == {"step": 1, "config": {"lr": 1e-4}}
+        assert torch.equal(ckpt_archive.load(repo, generation=2)["model"]["w"], torch.arange(6.0))

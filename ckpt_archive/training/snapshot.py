@@ -59,15 +59,30 @@ class SnapshotStats:
     storages: int = 0
 
 
-def _walk_tensors(obj: Any, out: list, seen: set) -> None:
-    """Every tensor and NumPy array reachable through dict/list/tuple/OrderedDict attributes, in order."""
-    import numpy as np
-    import torch
+def loaded(name: str) -> Any:
+    """Module ``name`` when it is imported and its import has finished, else None -- never importing it.
 
+    A state can only hold a ``torch.Tensor`` or a ``numpy.ndarray`` once their module is imported, so a
+    snapshot needs neither import otherwise (``import torch`` is ~2 s: a first save of a state of plain values
+    paid it in the training thread). A module another thread is still importing counts as absent: its
+    attributes may not exist yet, and running its operations then crashed the process (SIGSEGV in
+    :func:`warm_up`, found by a break test); nothing can have been built from it yet either.
+    """
+    mod = sys.modules.get(name)
+    if mod is None or getattr(getattr(mod, "__spec__", None), "_initializing", False):
+        return None
+    return mod
+
+
+def _walk_tensors(obj: Any, out: list, seen: set, kinds: tuple) -> None:
+    """Every object of ``kinds`` (tensors, NumPy arrays) reachable through dict/list/tuple/OrderedDict
+    attributes, in order."""
+    if not kinds:
+        return
     stack = [obj]
     while stack:
         node = stack.pop()
-        if isinstance(node, (torch.Tensor, np.ndarray)):
+        if isinstance(node, kinds):
             if id(node) not in seen:
                 seen.add(id(node))
                 out.append(node)
@@ -181,20 +196,19 @@ class Snapshotter:
             BuffersBusy: the buffers are held by another owner (checked before any byte is written).
             TypeError: a DTensor without ``on_dtensor`` (use the distributed checkpointer).
         """
-        import numpy as np
-        import torch
-
         if self._holder is not owner:
             raise BuffersBusy(f"the snapshot buffers are held by {self._holder!r}, not by {owner!r}: its snapshot "
                               f"may still be read, so they are not overwritten")
         on_dtensor = on_dtensor or self.on_dtensor
+        torch, np = loaded("torch"), loaded("numpy")  # neither imported here (see loaded)
         found: list = []
-        _walk_tensors(state, found, set())
+        _walk_tensors(state, found, set(), tuple(m for m, ok in ((getattr(torch, "Tensor", None), torch),
+                                                                 (getattr(np, "ndarray", None), np)) if ok))
         memo: dict[int, Any] = {}
         run = _Take()
         stats = run.stats
         for obj in found:
-            if isinstance(obj, np.ndarray):
+            if np is not None and isinstance(obj, np.ndarray):
                 memo[id(obj)] = self._copy_ndarray(obj, run)
                 continue
             stats.tensors += 1
@@ -274,10 +288,11 @@ def warm_up() -> None:
     argument parser and dispatcher set up per operation), ~0.5-0.7 ms over the seven operations: for a small
     state, several times a ``clone()``. The Checkpointer calls this at construction, so its first ``save``
     costs what later saves cost (issue 29: a first save <= 2x a ``clone()`` of the state). A no-op when torch
-    is not imported yet (a state without tensors needs none of it; importing torch here would cost seconds).
+    is not imported, or not yet completely (:func:`loaded`): a state without tensors needs none of it, and
+    importing torch here would cost seconds.
     """
-    torch = sys.modules.get("torch")
-    if torch is None:
+    torch = loaded("torch")
+    if torch is None:  # not imported, or another thread is still importing it: nothing to warm up
         return
     probe = torch.zeros(2)
     Snapshotter(pin_memory=False).take({"w": probe, "view": probe[1:], "param": torch.nn.Parameter(torch.zeros(1))})
@@ -345,9 +360,9 @@ def is_dtensor_instance(t: Any) -> bool:
     A DTensor's class lives in that package, so no DTensor exists while the package is not loaded; when it is,
     the check is an ordinary ``isinstance``.
     """
-    mod = sys.modules.get("torch.distributed.tensor")
+    mod = loaded("torch.distributed.tensor")
     cls = getattr(mod, "DTensor", None) if mod is not None else None
     return cls is not None and isinstance(t, cls)
 
 
-__all__ = ["Snapshotter", "SnapshotStats", "BuffersBusy", "DEVICE_ATTR", "is_dtensor_instance", "warm_up"]
+__all__ = ["Snapshotter", "SnapshotStats", "BuffersBusy", "DEVICE_ATTR", "is_dtensor_instance", "warm_up", "loaded"]
