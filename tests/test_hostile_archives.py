@@ -97,8 +97,8 @@ def test_restore_refuses_a_folder_member_whose_relpath_leaves_the_target(tmp_pat
     out = tmp_path / "deep" / "er" / "out"
     res = cli("restore", folder_repo, "-o", out)  # latest: nothing usable
     assert res.exit_code == 2 and "damaged: 1" in res.stderr, res.stderr
-    res = cli("restore", f"{folder_repo}@1", "-o", out)
-    assert res.exit_code == 2 and "is damaged" in res.stderr and "path" in res.stderr, res.stderr
+    res = cli("restore", f"{folder_repo}@1", "-o", out)  # found wrong: exit 1, as verify says (it was 2: break test)
+    assert res.exit_code == 1 and "is damaged" in res.stderr and "path" in res.stderr, res.stderr
     assert snapshot(tmp_path, skip=folder_repo) == before  # nothing written anywhere
     assert not Path("/tmp/ckpt-archive-escaped.txt").exists()
     # even the explicit override never writes outside: the manifest is refused before any write
@@ -111,14 +111,14 @@ def test_restore_refuses_a_folder_member_whose_relpath_leaves_the_target(tmp_pat
 
 
 def _refused_everywhere(tmp_path, repo, words: str) -> None:
-    """verify, verify --deep: damaged (1); restore: refused as damaged (2), and the explicit override finds
+    """verify, verify --deep: damaged (1); restore: refused as damaged (1), and the explicit override finds
     the manifest wrong (1); load too; nothing written."""
     for args in (("verify", f"{repo}@1"), ("verify", f"{repo}@1", "--deep")):
         res = cli(*args)
         assert res.exit_code == 1 and words in res.stdout + res.stderr, res.stdout + res.stderr
     out = tmp_path / "out"
     res = cli("restore", f"{repo}@1", "-o", out)
-    assert res.exit_code == 2 and "is damaged" in res.stderr and words in res.stderr, res.stderr
+    assert res.exit_code == 1 and "is damaged" in res.stderr and words in res.stderr, res.stderr
     res = cli("restore", f"{repo}@1", "-o", out, "--restore-unverified")
     assert res.exit_code == 1 and words in res.stderr and not out.exists(), res.stderr
     with pytest.raises(ckpt_archive.errors.CheckFailed):
@@ -552,7 +552,7 @@ def test_restore_refuses_a_damaged_generation_and_the_override_still_checks_ever
     write_plain(gen_dir(file_repo) / "manifest.json", json.dumps(m, indent=1).encode())
     out = tmp_path / "out.pt"
     res = cli("restore", f"{file_repo}@1", "-o", out)
-    assert res.exit_code == 2 and "damaged" in res.stderr and "sha256 differs" in res.stderr, res.stderr
+    assert res.exit_code == 1 and "damaged" in res.stderr and "sha256 differs" in res.stderr, res.stderr
     if mode == "signed":  # --trust: the override is refused, the changed manifest is vouched for by no signature
         res = cli("restore", f"{file_repo}@1", "-o", out, "--restore-unverified")
         assert res.exit_code == 1 and "no signature vouches" in res.stderr and not out.exists(), res.stderr
@@ -1003,7 +1003,7 @@ def test_duplicate_keys_in_a_manifest_are_refused(file_repo):
     res = cli("verify", f"{file_repo}@1")
     assert res.exit_code == 1 and "duplicate key 'tags'" in res.stdout + res.stderr
     res = cli("restore", f"{file_repo}@1", "-o", file_repo.parent / "o.pt")
-    assert res.exit_code == 2 and "damaged" in res.stderr
+    assert res.exit_code == 1 and "damaged" in res.stderr  # found wrong, as verify says
 
 
 def test_a_marker_with_duplicate_keys_or_nesting_makes_the_generation_damaged_not_an_error(file_repo):

@@ -10,7 +10,8 @@ import os
 import re
 from typing import Any, Mapping, TypeVar, Union
 
-from ckpt_archive.errors import CheckFailed, IntegrityError, NotUsable, NoUsableGeneration, UsageError
+from ckpt_archive.errors import (EXIT_CHECK_FAILED, CheckFailed, IntegrityError, NotUsable, NoUsableGeneration,
+                                 UsageError)
 from ckpt_archive.repo.repository import Generation, Repository
 
 #: A repository argument: a local path, a URL (``s3://bucket/prefix``) or an open Repository.
@@ -404,7 +405,10 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
         what is being read, for the caller to show.
 
     Raises:
-        NotUsable: (exit 2) partial or damaged and no override: says why and what to run.
+        NotUsable: (exit 2) partial, or damaged in a way this reader cannot judge (a newer format), and no
+            override: says why and what to run.
+        IntegrityError: (exit 1) damaged -- its manifest or marker was read and found wrong, as ``verify``
+            reports it -- and no override.
         IntegrityError: (exit 1) a check of it failed before and was recorded (``CHECK-FAILED.json``, by
             ``adopt`` or any reader) and no override: names the recorded failure (docs/FORMAT.md, "One status
             rule").
@@ -420,11 +424,16 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
     spec = f"{r.location}@{gen.number}"
     if gen.check_failed is not None and not unverified:  # a check found it wrong: exit 1, as that check did
         require_readable(r, gen)
-    if not unverified:  # partial or damaged says so first, --trust or not (the same exit 2 as without it)
-        raise NotUsable(f"refusing to {action} generation {gen.number}: it is {gen.status} ({gen.reason}). Run "
-                        f"`ckpt-archive verify {spec}` to see what is wrong (`ckpt-archive list {r.location}` shows "
-                        f"the usable ones); pass {override} to {action} it anyway (every byte is still checked "
-                        f"against its manifest)", where=r.location)
+    if not unverified:  # partial or damaged says so first, --trust or not
+        why = (f"refusing to {action} generation {gen.number}: it is {gen.status} ({gen.reason}). Run "
+               f"`ckpt-archive verify {spec}` to see what is wrong (`ckpt-archive list {r.location}` shows the "
+               f"usable ones); pass {override} to {action} it anyway (every byte is still checked against its "
+               f"manifest)")
+        if gen.status == "damaged" and getattr(gen.error, "exit_code", EXIT_CHECK_FAILED) == EXIT_CHECK_FAILED:
+            # its manifest or marker was read and found wrong: exit 1, as `verify` of it says (a newer format
+            # or a manifest this machine cannot read stays exit 2: nothing was found wrong)
+            raise IntegrityError(why, where=r.location)
+        raise NotUsable(why, where=r.location)
     check_trust(r, gen)  # the override never reads past --trust: unpublished or damaged means no signature vouches
     return (f"{action.upper()} OF AN UNVERIFIED GENERATION: generation {gen.number} is {gen.status} ({gen.reason}); "
             f"every byte was checked against its manifest, but no published marker vouches for that manifest")

@@ -40,7 +40,8 @@ def with_fallback(r: Repository, generation: str | int, fallback: bool,
     Raises:
         IntegrityError (or the generation's own error): the generation fails (and, for ``latest``, says which
             older one verifies).
-        NotUsable: partial or damaged without ``unverified`` (exit 2).
+        NotUsable: partial (or a newer format) without ``unverified`` (exit 2); IntegrityError: damaged (its
+            manifest or marker found wrong) without it (exit 1).
     """
     gen = r.resolve(generation, copied=True)  # parses (and validates) the manifests once
     recorded = None  # a failed check recorded earlier: for latest, the fallback rule below, as a new finding
@@ -178,8 +179,8 @@ def load(repo: RepoLike, generation: str | int = "latest", options: LoadOptions 
     Raises:
         IntegrityError (exit 1) -- never returns wrong data; also for a generation whose failed check a
             reader recorded. ImplausibleSize (exit 1): a size no reader accepts. NotFound /
-            NoUsableGeneration (exit 2); NotUsable (exit 2): a partial or damaged generation without
-            ``unverified``. UsageError (exit 2): an ``only`` path that selects no single place.
+            NoUsableGeneration (exit 2); NotUsable (exit 2): a partial generation (or a newer format)
+            without ``unverified``; a damaged one is IntegrityError. UsageError (exit 2): an ``only`` path that selects no single place.
         TypeError: an unknown keyword argument or store option; ``options`` that is not a :class:`LoadOptions`
             (every option of the load itself is one of its fields: ``load(repo, only=...)`` is refused).
 

@@ -140,7 +140,8 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
             ``folder_rewrite`` for a generation that does not restore to a folder.
         DataIdentityMismatch (exit 1): ``data_ids`` differ from the archived ones (changed, added and removed
             entries listed) and ``allow_data_change`` is False; nothing is written.
-        NotUsable (exit 2): a partial or damaged generation without ``unverified``.
+        NotUsable (exit 2): a partial generation (or one in a newer format) without ``unverified``;
+        IntegrityError (exit 1): a damaged one (its manifest or marker found wrong) without it.
         UnsafePath (exit 1): a path of the manifest resolves outside the output folder.
         TypeError: an unknown keyword argument or store option (every option of the restore itself is a field
             of :class:`RestoreOptions`: ``restore(repo, gen, out, force=True)`` is refused); ``options`` that is
