@@ -588,6 +588,12 @@ def test_ctrl_c_before_restore_put_its_output_in_place_still_exits_130(tmp_path,
     with pytest.raises(KeyboardInterrupt) as info:
         ca.restore(repo, output=out)
     assert not getattr(info.value, "ckpt_complete", None) and not out.exists()
+    # what the CLI says: that nothing was written -- not pack's "list --all shows any partial generation, gc
+    # removes it", which a restore never leaves (break test)
+    from ckpt_archive.cli.common import interrupted_text
+
+    text, left, cleanup = interrupted_text(info.value)
+    assert "nothing was written to" in text and "gc" not in text and "partial" not in text, text
 
 
 def test_help_at_60_columns_is_wrapped_not_cut():

@@ -176,6 +176,9 @@ def restore(repo: RepoLike, generation: str | int = "latest", output: str | os.P
     except KeyboardInterrupt as exc:
         if job.placed:  # [break] the rename was done: the output is complete, not interrupted
             note_complete(exc, f"{out} is restored and complete (generation {gen.number})")
+        else:  # [break] not the pack's words about partial generations: a restore only reads the repository
+            note_interrupt(exc, f"nothing was written to {out} (its temporary copy was removed); the repository "
+                                f"was only read", None)
         raise
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
