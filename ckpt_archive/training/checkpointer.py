@@ -253,7 +253,6 @@ class Checkpointer:
 
             self.repo = open_repo(repo, create=True)
         self._snap = Snapshotter(pin_memory=pin_memory)
-        warm_up()  # the copy's torch operations run once here, so the first save costs what later ones do
         # the background thread: one, fed through a SimpleQueue (its put is one C call: no Python-level lock
         # a signal handler's exception could leave taken, as ThreadPoolExecutor.submit's semaphore could);
         # a daemon, so an unclosed Checkpointer never keeps the interpreter alive (at exit, the save in
@@ -262,10 +261,15 @@ class Checkpointer:
         self._worker_done = Done()
         self._worker = threading.Thread(target=run_jobs, args=(self._jobs, self._worker_done), daemon=True,
                                         name="ckpt-checkpointer")
+        # the publish path's modules, imported here, in the caller's thread, once (0.2-1 s per process): imported
+        # by the background thread instead, they held the GIL while a save made right after construction
+        # copied, and every torch call of that copy waited its turn (a first save of 64 MiB blocked 8x a
+        # clone() on a quiet box: benchmarks/README.md, "Checkpointer"); a save made later never met them
+        _import_publish_path(self._dist is not None, retention is not None)
+        # then the copy's torch operations, run once (after those imports, which register torch operations
+        # of their own: warmed before them, a first save of a 4x4 state still took 0.4 ms against 0.1 later)
+        warm_up()
         self._worker.start()
-        # the publish path's modules, imported by the background thread now (a first save would otherwise
-        # wait for them, or import them in the caller's thread)
-        self._jobs.put((_import_publish_path, (self._dist is not None, retention is not None)))
         self._current: _Save | None = None       # the one save in flight (copying or publishing)
         self._error: BaseException | None = None  # a failed save's error, not yet raised (state "failed")
         self._raised: BaseException | None = None  # the last background error raised (for __exit__)
@@ -795,7 +799,7 @@ def _failure_note(rec: _Save) -> str:
 
 
 def _import_publish_path(distributed: bool, retention: bool) -> None:
-    """Import what the background write needs (run by the background thread at construction)."""
+    """Import what the background write needs (at construction, so that no save imports or waits for it)."""
     import importlib
 
     names = ["ckpt_archive.ops.pack", "ckpt_archive.format.state_tree", "ckpt_archive.sources",

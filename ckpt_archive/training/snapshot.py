@@ -124,6 +124,7 @@ class Snapshotter:
         self.pin_memory = pin_memory
         self.on_dtensor = on_dtensor
         self._buffers: dict[tuple, Any] = {}  # (slot, kind, nbytes) -> uint8 tensor / ndarray
+        self._slot_key: dict[int, tuple] = {}  # slot -> its key in _buffers (one buffer per slot)
         self.last = SnapshotStats()
         self._holder: Any = None
         self._holder_lock = threading.Lock()
@@ -173,9 +174,11 @@ class Snapshotter:
                 pin = kind == "pinned"
                 buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
             # drop any buffer this slot held at another size/kind (the state changed shape)
-            for old in [k for k in self._buffers if k[0] == slot]:
+            old = self._slot_key.get(slot)  # (a lookup, not a scan of every slot: O(tensors^2) per save)
+            if old is not None:
                 del self._buffers[old]
             self._buffers[key] = buf
+            self._slot_key[slot] = key
             stats.allocated_bytes += nbytes
         return buf
 
