@@ -456,3 +456,51 @@ print("OK")
         assert proc.returncode == 0 and "OK" in proc.stdout, (delay, proc.returncode, proc.stderr[-3000:])
         assert ckpt_archive.load(repo, generation=1) == {"step": 1, "config": {"lr": 1e-4}}
         assert torch.equal(ckpt_archive.load(repo, generation=2)["model"]["w"], torch.arange(6.0))
+
+
+def test_a_meta_default_device_never_turns_saved_or_loaded_data_into_meta_tensors(tmp_path):
+    """Break test (silent wrong result): under ``torch.set_default_device("meta")`` -- how large models are
+    built before their weights are loaded -- a Checkpointer's save copied CPU tensors into *meta* tensors
+    (its buffers were made on the default device), archived them, and verify passed. Every tensor the
+    snapshot, ``load`` and ``restore`` build is now made on the CPU, whatever the default device."""
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(3, dtype=torch.int64)},
+             "view": torch.arange(6.0)[2:], "step": 5}
+    with torch.device("meta"):
+        ckpt = Checkpointer(tmp_path / "repo", distributed=False)
+        ckpt.save(5, state, block=True)
+        ckpt.close()
+        loaded = ckpt_archive.load(tmp_path / "repo")
+        ckpt_archive.restore(tmp_path / "repo", "latest", tmp_path / "out.pt")
+    for got in (loaded, torch.load(tmp_path / "out.pt", weights_only=True)):
+        for key in ("w", "b"):
+            assert got["model"][key].device.type == "cpu" and torch.equal(got["model"][key], state["model"][key])
+        assert torch.equal(got["view"], state["view"]) and got["step"] == 5
+
+
+def test_building_a_checkpointer_in_a_process_without_torch_does_not_import_it_in_the_callers_thread(tmp_path):
+    """Break test: construction imported the publish path in the caller's thread, and with it torch
+    (safetensors.torch): 1.5 s for a plain-value state, and a Ctrl-C in the middle of torch's import left torch
+    unimportable for the rest of the process. Without torch imported, the background thread imports it."""
+    script = r"""
+import sys, threading
+main = threading.main_thread()
+seen = []
+class Spy:
+    def find_spec(self, name, path=None, target=None):
+        if threading.current_thread() is main:
+            seen.append(name)
+        return None
+from ckpt_archive.training.checkpointer import Checkpointer
+sys.meta_path.insert(0, Spy())
+for distributed in (False, None):
+    ckpt = Checkpointer(sys.argv[1] + str(distributed), distributed=distributed)
+    ckpt.save(1, {"step": 1, "lr": 1e-4})
+    ckpt.close()
+print("TORCH_IN_CALLER", any(n == "torch" or n.startswith("torch.") for n in seen))
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "repo")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TORCH_IN_CALLER False" in proc.stdout, proc.stdout
+    for distributed in ("False", "None"):
+        assert ckpt_archive.load(tmp_path / f"repo{distributed}") == {"step": 1, "lr": 1e-4}

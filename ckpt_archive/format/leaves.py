@@ -42,7 +42,7 @@ def entry_tensor(buf: bytearray, erec: dict, lrec: dict):
     dname = view.get("entry_dtype", lrec["dtype"]) if view and "entry_dtype" in view else lrec["dtype"]
     dt = torch_dtype(dname)
     if len(buf) == 0:
-        return torch.empty(erec["shape"], dtype=dt)
+        return torch.empty(erec["shape"], dtype=dt, device="cpu")
     raw = torch.frombuffer(buf, dtype=torch.uint8)
     # A safetensors entry starts wherever the previous one ended: a flat byte entry viewed as complex128
     # (or any entry of a wider dtype) may be misaligned, and torch kernels then crash (SIGSEGV on

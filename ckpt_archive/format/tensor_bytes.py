@@ -59,13 +59,15 @@ def view_bits(t) -> dict:
     return bits
 
 
-def empty_tensor(dtype, device=None):
+def empty_tensor(dtype, device="cpu"):
     """A 0-element tensor of ``dtype`` for ``.set_()`` that allocates and fills nothing.
 
     ``torch.empty(0, dtype=...)`` runs the deterministic fill when a training script turned on
     ``torch.use_deterministic_algorithms(True)``, and that fill has no kernel for ``uint1``-``uint7``,
     ``int1``-``int7`` (``"fill_empty_deterministic_" not implemented for 'UInt4'``): a pack or restore in such
-    a process crashed. A view of an empty ``uint8`` tensor runs no kernel.
+    a process crashed. A view of an empty ``uint8`` tensor runs no kernel. On the CPU unless ``device`` says
+    otherwise, whatever default device the caller set (``torch.set_default_device("meta")`` made the copies of
+    a Checkpointer's save meta tensors, which verify passed: break test).
     """
     torch = _torch()
     base = torch.empty(0, dtype=torch.uint8, device=device)

@@ -183,7 +183,7 @@ def _fake_leaves(tensors: dict, torch_leaves: list[str], entry_rec: dict) -> tup
             if key not in bases:
                 view = lrec.get("view")
                 dname = view["entry_dtype"] if view and "entry_dtype" in view else lrec["dtype"]
-                base = torch.empty(erec["shape"], dtype=torch_dtype(dname))
+                base = torch.empty(erec["shape"], dtype=torch_dtype(dname), device="cpu")
                 if base.untyped_storage().nbytes() != end - start:
                     return None  # an entry whose bytes are not one whole storage of its dtype
                 bases[key] = base
@@ -323,7 +323,7 @@ def _fill(reader: ArchiveReader, target: Entry, plan: list, member_of: dict, on_
             pwrite_all(fd, packed, cd_at + 16)
 
         for name, storage in real:  # small: their bytes from memory
-            data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy() if storage.nbytes() else b""
+            data = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage).numpy() if storage.nbytes() else b""
             pwrite_all(fd, data, records[name][0])
             seal(name, crc32(memoryview(data).cast("B")), len(memoryview(data).cast("B")))
         members: dict[str, set] = {}

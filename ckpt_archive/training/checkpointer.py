@@ -226,7 +226,7 @@ class Checkpointer:
                  distributed: bool | None = None, timeout: float = 600.0):
         from ckpt_archive.format.metrics import metrics_to_json  # what save() runs in the caller's thread
         from ckpt_archive.ops.pack import PackOptions
-        from ckpt_archive.training.snapshot import Snapshotter, warm_up
+        from ckpt_archive.training.snapshot import Snapshotter, loaded, warm_up
 
         if retention is not None:
             from ckpt_archive.retention.policy import RetentionPolicy
@@ -261,15 +261,24 @@ class Checkpointer:
         self._worker_done = Done()
         self._worker = threading.Thread(target=run_jobs, args=(self._jobs, self._worker_done), daemon=True,
                                         name="ckpt-checkpointer")
-        # the publish path's modules, imported here, in the caller's thread, once (0.2-1 s per process): imported
-        # by the background thread instead, they held the GIL while a save made right after construction
-        # copied, and every torch call of that copy waited its turn (a first save of 64 MiB blocked 8x a
-        # clone() on a quiet box: benchmarks/README.md, "Checkpointer"); a save made later never met them
-        _import_publish_path(self._dist is not None, retention is not None)
-        # then the copy's torch operations, run once (after those imports, which register torch operations
-        # of their own: warmed before them, a first save of a 4x4 state still took 0.4 ms against 0.1 later)
-        warm_up()
+        publish_path = (_import_publish_path, (self._dist is not None, retention is not None))
+        if loaded("torch") is not None:
+            # the publish path's modules, imported here, in the caller's thread, once (~0.15 s): imported by
+            # the background thread instead, they held the GIL while a save made right after construction
+            # copied, and every torch call of that copy waited its turn (a first save of 64 MiB blocked 8x a
+            # clone() on a quiet box: benchmarks/README.md, "Checkpointer"); then the copy's torch operations,
+            # run once (after those imports, which register torch operations of their own: warmed before
+            # them, a first save of a 4x4 state still took 0.4 ms against 0.1 later)
+            publish_path[0](*publish_path[1])
+            warm_up()
+            publish_path = None
         self._worker.start()
+        if publish_path is not None:
+            # torch not imported (yet): the publish path imports it (safetensors.torch), ~1.5 s, so the background
+            # thread does, as before -- in the caller's thread it cost a plain-value state's construction
+            # 1.5 s, and a Ctrl-C in the middle of torch's import left torch unimportable in the process
+            # (break test); there is no tensor copy for it to slow down
+            self._jobs.put(publish_path)
         self._current: _Save | None = None       # the one save in flight (copying or publishing)
         self._error: BaseException | None = None  # a failed save's error, not yet raised (state "failed")
         self._raised: BaseException | None = None  # the last background error raised (for __exit__)
@@ -819,6 +828,14 @@ def _import_publish_path(distributed: bool, retention: bool) -> None:
 def _use_distributed(distributed: bool | None, group: Any) -> bool:
     if distributed is False:
         return False
+    if distributed is None:
+        from ckpt_archive.training.snapshot import loaded
+
+        if loaded("torch") is None:
+            # torch not imported, or still being imported by another thread: no process group can be
+            # initialised yet, and importing torch.distributed from a half-imported torch aborted the
+            # process ("terminate called after throwing an instance of 'python_error'": break test)
+            return False
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover

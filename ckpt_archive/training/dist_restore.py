@@ -48,8 +48,8 @@ def assemble(rec: dict, pieces: dict, offsets: list[int], sizes: list[int]):
 
     from ckpt_archive.format.tensor_bytes import torch_dtype
 
-    out = torch.empty(sizes, dtype=torch_dtype(rec["dtype"]))
-    covered = torch.zeros(sizes, dtype=torch.bool)
+    out = torch.empty(sizes, dtype=torch_dtype(rec["dtype"]), device="cpu")
+    covered = torch.zeros(sizes, dtype=torch.bool, device="cpu")
     for p in rec["pieces"]:
         lo = [max(a, b) for a, b in zip(offsets, p["offsets"])]
         hi = [min(a + s, b + t) for a, s, b, t in zip(offsets, sizes, p["offsets"], p["sizes"])]

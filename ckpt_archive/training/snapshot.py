@@ -172,7 +172,7 @@ class Snapshotter:
                 buf = np.empty(nbytes, dtype=np.uint8)
             else:
                 pin = kind == "pinned"
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin, device="cpu")
             # drop any buffer this slot held at another size/kind (the state changed shape)
             old = self._slot_key.get(slot)  # (a lookup, not a scan of every slot: O(tensors^2) per save)
             if old is not None:
@@ -264,7 +264,7 @@ class Snapshotter:
         st = src.untyped_storage()
         nbytes = st.nbytes()
         if nbytes == 0:
-            return torch.empty_strided(src.shape, src.stride(), dtype=src.dtype)
+            return torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu")
         sid = (str(src.device), st.data_ptr(), nbytes)
         base = run.storages.get(sid)
         if base is None:
@@ -297,8 +297,8 @@ def warm_up() -> None:
     torch = loaded("torch")
     if torch is None:  # not imported, or another thread is still importing it: nothing to warm up
         return
-    probe = torch.zeros(2)
-    Snapshotter(pin_memory=False).take({"w": probe, "view": probe[1:], "param": torch.nn.Parameter(torch.zeros(1))})
+    probe = torch.zeros(2, device="cpu")
+    Snapshotter(pin_memory=False).take({"w": probe, "view": probe[1:], "param": torch.nn.Parameter(torch.zeros(1, device="cpu"))})
 
 
 class _Take:
