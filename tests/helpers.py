@@ -77,14 +77,17 @@ def cli_in_process(*args) -> "subprocess.CompletedProcess":
     For tests about what a command says and does, not about the process (start-up, imports, signals,
     a new interpreter reading what another wrote): a subprocess costs 1.5-2 s of interpreter and torch start
     per call. An exception that escaped the command (which a user would see as a traceback) is raised here
-    rather than turned into an exit code."""
+    rather than turned into an exit code. Not covered here (the subprocess tests of tests/test_cli_startup.py and
+    tests/test_terminal.py are): what ``main`` adds around the command -- ``--json`` usage errors as JSON, the
+    exit code of a Ctrl-C after the command finished, the allocator settings, the frozen exit."""
     import subprocess
 
     from typer.testing import CliRunner
 
-    from ckpt_archive.cli.app import app
+    from ckpt_archive.cli.app import app_for
 
-    res = CliRunner().invoke(app, [str(a) for a in args])
+    argv = [str(a) for a in args]
+    res = CliRunner().invoke(app_for(argv), argv)  # the app main() builds for this command line
     if res.exception is not None and not isinstance(res.exception, SystemExit):
         raise res.exception
     return subprocess.CompletedProcess(["ckpt-archive", *map(str, args)], res.exit_code, res.stdout, res.stderr)

@@ -594,6 +594,11 @@ def test_ctrl_c_before_restore_put_its_output_in_place_still_exits_130(tmp_path,
 
     text, left, cleanup = interrupted_text(info.value)
     assert "nothing was written to" in text and "gc" not in text and "partial" not in text, text
+    # and a Ctrl-C before the restore began (no note attached yet): what a command that only reads can leave
+    for command in ("restore", "verify", "list", "status", "inspect"):
+        text, _, _ = interrupted_text(KeyboardInterrupt(), command)
+        assert "only read" in text and "gc" not in text and "partial" not in text, (command, text)
+    assert "gc" in interrupted_text(KeyboardInterrupt(), "pack")[0]
 
 
 def test_help_at_60_columns_is_wrapped_not_cut():

@@ -389,9 +389,14 @@ QUIET_OPTION = typer.Option(False, "--quiet", "-q", help="Only warnings and erro
                                                          "(for cron).")
 
 
-def interrupted_text(exc: BaseException) -> tuple[str, str | None, str | None]:
+#: Commands that never write to a repository (a failed-check note aside): a Ctrl-C leaves nothing there to clean.
+READS_ONLY = frozenset({"verify", "list", "status", "inspect", "restore"})
+
+
+def interrupted_text(exc: BaseException, command: str | None = None) -> tuple[str, str | None, str | None]:
     """What a Ctrl-C left behind, from the notes the library attached to the ``KeyboardInterrupt``
-    (``ckpt_left``: what was left, ``ckpt_cleanup``: the command that cleans it).
+    (``ckpt_left``: what was left, ``ckpt_cleanup``: the command that cleans it); without a note, what a
+    command of ``command``'s kind can have left (:data:`READS_ONLY`: nothing in the repository).
 
     Returns:
         ``(message, left, cleanup)``.
@@ -402,6 +407,8 @@ def interrupted_text(exc: BaseException) -> tuple[str, str | None, str | None]:
         text = f"interrupted: {left}"
         if cleanup:
             text += f"; {cleanup}"
+    elif command in READS_ONLY:  # [break] not pack's words about partial generations: nothing was written
+        text = "interrupted before anything was written; the repository was only read"
     else:
         text = ("interrupted; nothing is known to be left half-written (`ckpt-archive list --all REPO` shows "
                 "any partial generation, `ckpt-archive gc REPO` removes it)")
@@ -491,7 +498,7 @@ def _run_body(fn: Callable, args: tuple, kwargs: dict, out: Output, published: l
         out.json({"ok": False, **exc.to_json(), "exit_code": code})
         raise typer.Exit(code)
     except KeyboardInterrupt as exc:
-        text, left, cleanup = interrupted_text(exc)
+        text, left, cleanup = interrupted_text(exc, fn.__name__.removesuffix("_cmd").replace("_", "-"))
         complete = getattr(exc, "ckpt_complete", None)  # e.g. restore's output renamed into place
         if published or complete:  # the interrupt came after the commit point: the work it was asked for is done
             text = (published_text(published, getattr(exc, "ckpt_left", None)) if published
