@@ -113,11 +113,12 @@ def test_a_value_typer_must_convert_is_still_converted_and_checked(monkeypatch):
     assert code == 2 and "--n" in output
 
 
-def test_read_only_commands_leave_their_one_write_whole_after_the_frozen_exit(tmp_path):
-    """``main`` leaves the objects of ``verify``/``list``/``status``/``inspect`` out of the exit's garbage
-    collections (gc.freeze: 20-30 ms of a 0.3 s verify). Their one write -- the failed-check note a verify that
-    finds damage records -- must still be complete on disk when the process has exited: this fails if a command
-    that writes more joins READ_ONLY_COMMANDS with a file left for the collector to flush."""
+def test_commands_with_a_frozen_exit_leave_what_they_write_whole(tmp_path):
+    """``main`` leaves the objects of ``verify``/``list``/``status``/``inspect``/``restore`` out of the exit's
+    garbage collections (gc.freeze: 20-30 ms of a 0.3 s verify, 0.9 s after a 288 MiB restore said it was
+    done). What they write -- the failed-check note a verify that finds damage records, a restore's output --
+    must be complete on disk once the process has exited: this fails if a command joins FROZEN_EXIT_COMMANDS
+    with a file left for the collector to flush."""
     import json
     import os
     import subprocess
@@ -126,25 +127,32 @@ def test_read_only_commands_leave_their_one_write_whole_after_the_frozen_exit(tm
     import torch
 
     import ckpt_archive
-    from ckpt_archive.cli.app import READ_ONLY_COMMANDS
+    from ckpt_archive.cli.app import FROZEN_EXIT_COMMANDS
 
-    assert READ_ONLY_COMMANDS <= set(COMMAND_NAMES)
+    assert FROZEN_EXIT_COMMANDS <= set(COMMAND_NAMES)
     repo = tmp_path / "repo"
-    ckpt_archive.pack({"model": {"w": torch.arange(4096.0)}, "step": 1}, repo)
+    state = {"model": {"w": torch.arange(4096.0)}, "step": 1}
+    ckpt_archive.pack(state, repo)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = tmp_path / "out.pt"
+    proc = subprocess.run([sys.executable, "-m", "ckpt_archive", "restore", str(repo), "-o", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = torch.load(out, weights_only=True)
+    assert torch.equal(got["model"]["w"], state["model"]["w"]) and got["step"] == 1
     gen = next((repo / "generations").iterdir())
     member = max((p for p in gen.rglob("*") if p.is_file() and p.name.startswith("tensors")),
                  key=lambda p: p.stat().st_size)
     data = bytearray(member.read_bytes())
     data[len(data) // 2] ^= 0xFF
     member.write_bytes(bytes(data))
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, "-m", "ckpt_archive", "verify", str(repo)], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     note = json.loads((gen / "CHECK-FAILED.json").read_text())  # whole JSON: written and closed before exit
     assert note["by"] == "verify", note
-    for cmd in sorted(READ_ONLY_COMMANDS - {"verify"}):
+    for cmd in sorted(FROZEN_EXIT_COMMANDS - {"verify", "restore"}):
         proc = subprocess.run([sys.executable, "-m", "ckpt_archive", cmd, str(repo)], capture_output=True,
                               text=True, env=env, timeout=300)
         assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, (cmd, proc.stderr[-2000:])
