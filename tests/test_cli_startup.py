@@ -117,7 +117,7 @@ def test_commands_with_a_frozen_exit_leave_what_they_write_whole(tmp_path):
     """``main`` leaves the objects of ``verify``/``list``/``status``/``inspect``/``restore`` out of the exit's
     garbage collections (gc.freeze: 20-30 ms of a 0.3 s verify, 0.9 s after a 288 MiB restore said it was
     done). What they write -- the failed-check note a verify that finds damage records, a restore's output --
-    must be complete on disk once the process has exited: this fails if a command joins FROZEN_EXIT_COMMANDS
+    must be complete on disk once the process has exited: this fails if a command joins READ_ONLY_COMMANDS
     with a file left for the collector to flush."""
     import json
     import os
@@ -127,9 +127,9 @@ def test_commands_with_a_frozen_exit_leave_what_they_write_whole(tmp_path):
     import torch
 
     import ckpt_archive
-    from ckpt_archive.cli.app import FROZEN_EXIT_COMMANDS
+    from ckpt_archive.cli.common import READ_ONLY_COMMANDS
 
-    assert FROZEN_EXIT_COMMANDS <= set(COMMAND_NAMES)
+    assert READ_ONLY_COMMANDS <= set(COMMAND_NAMES)
     repo = tmp_path / "repo"
     state = {"model": {"w": torch.arange(4096.0)}, "step": 1}
     ckpt_archive.pack(state, repo)
@@ -152,7 +152,7 @@ def test_commands_with_a_frozen_exit_leave_what_they_write_whole(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     note = json.loads((gen / "CHECK-FAILED.json").read_text())  # whole JSON: written and closed before exit
     assert note["by"] == "verify", note
-    for cmd in sorted(FROZEN_EXIT_COMMANDS - {"verify", "restore"}):
+    for cmd in sorted(READ_ONLY_COMMANDS - {"verify", "restore"}):
         proc = subprocess.run([sys.executable, "-m", "ckpt_archive", cmd, str(repo)], capture_output=True,
                               text=True, env=env, timeout=300)
         assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, (cmd, proc.stderr[-2000:])

@@ -281,12 +281,6 @@ def keep_freed_buffers() -> bool:
     return ok
 
 
-#: Commands whose objects ``main`` leaves out of the exit's garbage collections: they only read a repository
-#: (and write, at most, a failed-check note), or write one output that is complete, closed and renamed into
-#: place before they return (restore).
-FROZEN_EXIT_COMMANDS = frozenset({"verify", "list", "status", "inspect", "restore"})
-
-
 def main() -> None:
     """Console-script entry point.
 
@@ -295,7 +289,7 @@ def main() -> None:
     """
     import sys
 
-    from ckpt_archive.cli.common import FINISHED
+    from ckpt_archive.cli.common import FINISHED, READ_ONLY_COMMANDS
 
     keep_freed_buffers()
     cli = app_for(sys.argv[1:])
@@ -309,7 +303,7 @@ def main() -> None:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     if code == 130 and FINISHED:
         code = FINISHED[-1]
-    if sys.argv[1:2] and sys.argv[1] in FROZEN_EXIT_COMMANDS:
+    if sys.argv[1:2] and sys.argv[1] in READ_ONLY_COMMANDS:
         import gc
 
         # [issue 29] the interpreter's exit runs garbage collections over every object the command made:
@@ -321,7 +315,7 @@ def main() -> None:
     sys.exit(code)
 
 
-__all__ = ["app", "app_for", "build_app", "COMMAND_NAMES", "FROZEN_EXIT_COMMANDS", "SHORT_HELP", "RICH_HELP_MIN_COLUMNS", "help_columns",
+__all__ = ["app", "app_for", "build_app", "COMMAND_NAMES", "SHORT_HELP", "RICH_HELP_MIN_COLUMNS", "help_columns",
            "keep_freed_buffers", "main", "narrow_terminal"]
 
 

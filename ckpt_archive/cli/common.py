@@ -389,14 +389,17 @@ QUIET_OPTION = typer.Option(False, "--quiet", "-q", help="Only warnings and erro
                                                          "(for cron).")
 
 
-#: Commands that never write to a repository (a failed-check note aside): a Ctrl-C leaves nothing there to clean.
-READS_ONLY = frozenset({"verify", "list", "status", "inspect", "restore"})
+#: Commands that only read a repository (a failed-check note aside) and write, at most, one output that is
+#: complete, closed and renamed into place before they return (restore): a Ctrl-C leaves nothing in the
+#: repository to clean (:func:`interrupted_text`), and nothing they made waits for a garbage collection at
+#: exit (``cli/app.py: main`` leaves their objects out of it).
+READ_ONLY_COMMANDS = frozenset({"verify", "list", "status", "inspect", "restore"})
 
 
 def interrupted_text(exc: BaseException, command: str | None = None) -> tuple[str, str | None, str | None]:
     """What a Ctrl-C left behind, from the notes the library attached to the ``KeyboardInterrupt``
     (``ckpt_left``: what was left, ``ckpt_cleanup``: the command that cleans it); without a note, what a
-    command of ``command``'s kind can have left (:data:`READS_ONLY`: nothing in the repository).
+    command of ``command``'s kind can have left (:data:`READ_ONLY_COMMANDS`: nothing in the repository).
 
     Returns:
         ``(message, left, cleanup)``.
@@ -407,7 +410,7 @@ def interrupted_text(exc: BaseException, command: str | None = None) -> tuple[st
         text = f"interrupted: {left}"
         if cleanup:
             text += f"; {cleanup}"
-    elif command in READS_ONLY:  # [break] not pack's words about partial generations: nothing was written
+    elif command in READ_ONLY_COMMANDS:  # [break] not pack's words about partial generations: nothing was written
         text = "interrupted before anything was written; the repository was only read"
     else:
         text = ("interrupted; nothing is known to be left half-written (`ckpt-archive list --all REPO` shows "

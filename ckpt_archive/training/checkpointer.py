@@ -226,7 +226,8 @@ class Checkpointer:
                  distributed: bool | None = None, timeout: float = 600.0):
         from ckpt_archive.format.metrics import metrics_to_json  # what save() runs in the caller's thread
         from ckpt_archive.ops.pack import PackOptions
-        from ckpt_archive.training.snapshot import Snapshotter, loaded, warm_up
+        from ckpt_archive.training.preload import prepare, use_distributed
+        from ckpt_archive.training.snapshot import Snapshotter
 
         if retention is not None:
             from ckpt_archive.retention.policy import RetentionPolicy
@@ -243,7 +244,7 @@ class Checkpointer:
         self.options = options
         self._metrics_to_json = metrics_to_json
         self._dist = None
-        if _use_distributed(distributed, process_group):
+        if use_distributed(distributed, process_group):
             from ckpt_archive.training.distributed import DistributedWriter
 
             self._dist = DistributedWriter(repo, process_group, timeout=timeout)
@@ -261,24 +262,9 @@ class Checkpointer:
         self._worker_done = Done()
         self._worker = threading.Thread(target=run_jobs, args=(self._jobs, self._worker_done), daemon=True,
                                         name="ckpt-checkpointer")
-        publish_path = (_import_publish_path, (self._dist is not None, retention is not None))
-        if loaded("torch") is not None:
-            # the publish path's modules, imported here, in the caller's thread, once (~0.15 s): imported by
-            # the background thread instead, they held the GIL while a save made right after construction
-            # copied, and every torch call of that copy waited its turn (a first save of 64 MiB blocked 8x a
-            # clone() on a quiet box: benchmarks/README.md, "Checkpointer"); then the copy's torch operations,
-            # run once (after those imports, which register torch operations of their own: warmed before
-            # them, a first save of a 4x4 state still took 0.4 ms against 0.1 later)
-            publish_path[0](*publish_path[1])
-            warm_up()
-            publish_path = None
+        # once per Checkpointer: the write's modules and the copy's first torch calls (training/preload.py)
+        prepare(self._jobs, distributed=self._dist is not None, retention=retention is not None)
         self._worker.start()
-        if publish_path is not None:
-            # torch not imported (yet): the publish path imports it (safetensors.torch), ~1.5 s, so the background
-            # thread does, as before -- in the caller's thread it cost a plain-value state's construction
-            # 1.5 s, and a Ctrl-C in the middle of torch's import left torch unimportable in the process
-            # (break test); there is no tensor copy for it to slow down
-            self._jobs.put(publish_path)
         self._current: _Save | None = None       # the one save in flight (copying or publishing)
         self._error: BaseException | None = None  # a failed save's error, not yet raised (state "failed")
         self._raised: BaseException | None = None  # the last background error raised (for __exit__)
@@ -805,47 +791,6 @@ def _failure_note(rec: _Save) -> str:
         return (f"(raised by the background save of step {rec.step} after generation {numbers} was published: "
                 f"that generation is usable and holds step {rec.step}; what failed came after it)")
     return f"(raised by the background save of step {rec.step}; that step was not archived)"
-
-
-def _import_publish_path(distributed: bool, retention: bool) -> None:
-    """Import what the background write needs (at construction, so that no save imports or waits for it)."""
-    import importlib
-
-    names = ["ckpt_archive.ops.pack", "ckpt_archive.format.state_tree", "ckpt_archive.sources",
-             "ckpt_archive.repo.writer", "ckpt_archive.repo.trial_reload", "ckpt_archive.repo.objects",
-             "ckpt_archive.format.codec", "safetensors", "safetensors.torch", "zstandard"]
-    if distributed:
-        names += ["ckpt_archive.training.distributed", "ckpt_archive.ops.dist_pack"]
-    if retention:
-        names += ["ckpt_archive.ops.prune"]
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # the write reports it, with its context
-            pass
-
-
-def _use_distributed(distributed: bool | None, group: Any) -> bool:
-    if distributed is False:
-        return False
-    if distributed is None:
-        from ckpt_archive.training.snapshot import loaded
-
-        if loaded("torch") is None:
-            # torch not imported, or still being imported by another thread: no process group can be
-            # initialised yet, and importing torch.distributed from a half-imported torch aborted the
-            # process ("terminate called after throwing an instance of 'python_error'": break test)
-            return False
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        dist = None
-    ready = dist is not None and dist.is_available() and dist.is_initialized()
-    if distributed and not ready:
-        raise UsageError("distributed=True needs an initialised torch.distributed process group "
-                         "(torch.distributed.init_process_group)")
-    # an initialised group of one rank takes the same path (its live DTensors need the resharding restore)
-    return ready
 
 
 __all__ = ["Checkpointer", "SaveHandle", "SaveState", "Restored", "DEFAULT_LOCK_WAIT"]

@@ -205,8 +205,7 @@ class Snapshotter:
         on_dtensor = on_dtensor or self.on_dtensor
         torch, np = loaded("torch"), loaded("numpy")  # neither imported here (see loaded)
         found: list = []
-        _walk_tensors(state, found, set(), tuple(m for m, ok in ((getattr(torch, "Tensor", None), torch),
-                                                                 (getattr(np, "ndarray", None), np)) if ok))
+        _walk_tensors(state, found, set(), tuple(k for k in (torch and torch.Tensor, np and np.ndarray) if k))
         memo: dict[int, Any] = {}
         run = _Take()
         stats = run.stats
