@@ -156,6 +156,16 @@ class NoUsableGeneration(CannotCheck):
     """The repository holds no usable generation matching the request."""
 
 
+class AllGenerationsDamaged(NoUsableGeneration):
+    """No generation is usable because every one that could have been picked (every published one: a
+    ``partial`` generation never is) was examined and found damaged (exit 1, as ``verify``/``restore`` of each
+    of them say). An empty repository, only partial generations, or one that cannot be judged here (a newer
+    format, a ``copied`` generation not yet adopted) stays :class:`NoUsableGeneration` (exit 2). A
+    :class:`NoUsableGeneration`, so callers that treat "nothing usable" as one case keep doing so."""
+
+    exit_code = EXIT_CHECK_FAILED
+
+
 class LockError(CannotCheck):
     """The repository's writer lock could not be obtained (another writer, or a stale lock)."""
 
@@ -251,5 +261,5 @@ __all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_CANNOT_CHECK", "EX_TEMPFAIL", "
            "CkptArchiveError", "CheckFailed", "IntegrityError", "ManifestInvalid", "InvalidJSON", "UnsafePath",
            "LinkInRepository", "ImplausibleSize", "TooLargeHere", "IncoherentState", "ResumeDivergence", "CannotCheck",
            "SourceError", "SourceChanged", "RefusedPickle", "FormatError", "MalformedTree", "NewerFormatError",
-           "NotFound", "NotUsable", "NoUsableGeneration", "LockError", "ReadOnlyRepository", "OutputExists",
+           "NotFound", "NotUsable", "NoUsableGeneration", "AllGenerationsDamaged", "LockError", "ReadOnlyRepository", "OutputExists",
            "InsufficientSpace", "UsageError", "Unreadable", "StoreError", "first_line", "exit_code_for"]

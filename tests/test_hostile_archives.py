@@ -95,8 +95,8 @@ def test_restore_refuses_a_folder_member_whose_relpath_leaves_the_target(tmp_pat
     _relpath_attack(folder_repo, relpath)
     before = snapshot(tmp_path, skip=folder_repo)
     out = tmp_path / "deep" / "er" / "out"
-    res = cli("restore", folder_repo, "-o", out)  # latest: nothing usable
-    assert res.exit_code == 2 and "damaged: 1" in res.stderr, res.stderr
+    res = cli("restore", folder_repo, "-o", out)  # latest: nothing usable, the only generation found damaged
+    assert res.exit_code == 1 and "damaged: 1" in res.stderr, res.stderr  # as @1 (it was 2: break test)
     res = cli("restore", f"{folder_repo}@1", "-o", out)  # found wrong: exit 1, as verify says (it was 2: break test)
     assert res.exit_code == 1 and "is damaged" in res.stderr and "path" in res.stderr, res.stderr
     assert snapshot(tmp_path, skip=folder_repo) == before  # nothing written anywhere
@@ -233,7 +233,7 @@ def test_export_never_writes_beside_the_destination(tmp_path, folder_repo):
     edit_manifest(folder_repo, edit)
     dest = tmp_path / "dest" / "repo"
     res = cli("export", f"{folder_repo}@1", "--to", dest)
-    assert res.exit_code == 2 and "damaged" in res.stderr, res.stderr
+    assert res.exit_code == 1 and "damaged" in res.stderr, res.stderr  # as verify of it (was 2: break test)
     assert not list(tmp_path.rglob("beside.ckz"))
 
 
@@ -534,7 +534,7 @@ def test_restore_refuses_a_partial_generation_unless_restore_unverified(tmp_path
     assert res.exit_code == 2 and "partial" in res.stderr and "ckpt-archive verify" in res.stderr \
         and "--restore-unverified" in res.stderr, res.stderr
     assert not out.exists()
-    assert cli("verify", f"{file_repo}@1").exit_code == 1
+    assert cli("verify", f"{file_repo}@1").exit_code == 2  # partial: nothing found wrong, as restore says
     res = cli("restore", f"{file_repo}@1", "-o", out, "--restore-unverified")
     if mode == "signed":
         assert res.exit_code == 1 and "not signed" in res.stderr and not out.exists(), res.stderr

@@ -23,9 +23,11 @@ def register(app: typer.Typer) -> None:
                  "AWS_ENDPOINT_URL); the recovery proof records the endpoint and region it used."
                  + exit_codes_help({0: "every selected generation is usable at DEST",
                                     1: "a member at the source or at DEST does not match its manifest, or the "
-                                       "trial reload at DEST failed (named; DEST's marker not written)",
+                                       "trial reload at DEST failed (named; DEST's marker not written); a "
+                                       "selected generation is damaged at the source, or every one is",
                                     2: "could not be carried out (no such bucket, access denied, DEST holds "
-                                       "another archive at that number, lock held, bad arguments)"}))
+                                       "another archive at that number, lock held, bad arguments; a selected "
+                                       "generation partial or in a newer format at the source)"}))
     @command
     def export_cmd(
         spec: str = typer.Argument(..., metavar="REPO[@GEN]", help="Source repository and generation (number, "

@@ -25,9 +25,11 @@ def register(app: typer.Typer) -> None:
                                  "component ('', '/', 'a//b') is refused (exit 2)."
                  + exit_codes_help({0: "restored",
                                     1: "the generation failed its checks (a member corrupt, tampered or missing; "
-                                       "named); nothing was written",
+                                       "named), or is damaged, or without @GEN every published one is; nothing "
+                                       "was written",
                                     2: "could not be carried out (no such generation: the existing ones are "
-                                       "listed; output exists without --force; not enough space)"}))
+                                       "listed; a partial one or one in a newer format; output exists without "
+                                       "--force; not enough space)"}))
     @command
     def restore_cmd(
         spec: str = typer.Argument(..., metavar="REPO[@GEN]"),

@@ -16,9 +16,11 @@ def register(app: typer.Typer) -> None:
                                 "that for every copied generation at once)."
                  + exit_codes_help({0: "the generation checks out",
                                     1: "something was found wrong (corrupt, tampered or missing member; with "
-                                       "--strict an incomplete state); the problem names the member",
-                                    2: "could not check (no such generation, not a repository, newer format, "
-                                       "lock held while marking a copied generation)"}))
+                                       "--strict an incomplete state; without @GEN, every published generation "
+                                       "damaged); the problem names the member",
+                                    2: "could not check (no such generation, a partial one -- never published --, "
+                                       "not a repository, newer format, lock held while marking a copied "
+                                       "generation)"}))
     @command
     def verify_cmd(
         spec: str = typer.Argument(..., metavar="REPO[@GEN]", help="GEN: a number, 'latest' or 'tag:NAME'."),

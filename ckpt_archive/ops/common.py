@@ -10,8 +10,8 @@ import os
 import re
 from typing import Any, Mapping, TypeVar, Union
 
-from ckpt_archive.errors import (EXIT_CHECK_FAILED, CheckFailed, IntegrityError, NotUsable, NoUsableGeneration,
-                                 UsageError)
+from ckpt_archive.errors import (EXIT_CHECK_FAILED, CheckFailed, IntegrityError, NewerFormatError, NotUsable,
+                                 NoUsableGeneration, UsageError)
 from ckpt_archive.repo.repository import Generation, Repository
 
 #: A repository argument: a local path, a URL (``s3://bucket/prefix``) or an open Repository.
@@ -405,8 +405,9 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
         what is being read, for the caller to show.
 
     Raises:
-        NotUsable: (exit 2) partial, or damaged in a way this reader cannot judge (a newer format), and no
-            override: says why and what to run.
+        NotUsable: (exit 2) partial, or damaged in a way this reader cannot judge (a newer format, said as
+            such: upgrade ckpt-archive; the override cannot read it either), and no override: says why and what
+            to run.
         IntegrityError: (exit 1) damaged -- its manifest or marker was read and found wrong, as ``verify``
             reports it -- and no override.
         IntegrityError: (exit 1) a check of it failed before and was recorded (``CHECK-FAILED.json``, by
@@ -424,6 +425,11 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
     spec = f"{r.location}@{gen.number}"
     if gen.check_failed is not None and not unverified:  # a check found it wrong: exit 1, as that check did
         require_readable(r, gen)
+    if not unverified and isinstance(gen.error, NewerFormatError):  # [break] not "damaged": nothing is wrong
+        raise NotUsable(f"refusing to {action} generation {gen.number}: it is {status_words(gen)}; nothing was "
+                        f"found wrong with it, this ckpt-archive is older than the one that wrote it: upgrade "
+                        f"ckpt-archive (`python -m pip install -U ckpt-archive`) to {action} it "
+                        f"(`ckpt-archive list {r.location}` shows the usable ones)", where=r.location)
     if not unverified:  # partial or damaged says so first, --trust or not
         why = (f"refusing to {action} generation {gen.number}: it is {gen.status} ({gen.reason}). Run "
                f"`ckpt-archive verify {spec}` to see what is wrong (`ckpt-archive list {r.location}` shows the "
@@ -439,6 +445,15 @@ def refuse_unusable(r: Repository, gen: Generation, *, unverified: bool, action:
             f"every byte was checked against its manifest, but no published marker vouches for that manifest")
 
 
+def status_words(gen: Generation) -> str:
+    """What a generation that is not usable is, for messages: ``partial (why)``, ``damaged (why)``, or, for a
+    manifest in a newer format (listed as ``damaged``: nothing of it can be read here), ``in a newer format
+    than this ckpt-archive reads (written by format N, ...; upgrade ckpt-archive to read it)``."""
+    if isinstance(gen.error, NewerFormatError):
+        return f"in a newer format than this ckpt-archive reads ({gen.error.message})"
+    return f"{gen.status} ({gen.reason})"
+
+
 def human_seconds(seconds: float) -> str:
     """``90`` -> ``"90 s"``, ``5400`` -> ``"90 min"``, ``86400`` -> ``"24.0 h"``, longer in days (for messages)."""
     seconds = max(0.0, seconds)
@@ -452,7 +467,7 @@ def human_seconds(seconds: float) -> str:
 
 
 __all__ = ["check_map_location", "check_option_values", "RepoLike", "STORE_OPTION_KEYS", "take_options", "open_repo", "checked_store_options", "pick", "check_present",
-           "copied_note", "refuse_unusable",
+           "copied_note", "refuse_unusable", "status_words",
            "human_seconds", "is_damage", "fails_generation", "note_damage", "vouch", "check_trust", "untrusted_reason"]
 
 

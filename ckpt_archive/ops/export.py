@@ -179,7 +179,9 @@ def select_generations(repo, generations: Any = None) -> list:
         usable :class:`~ckpt_archive.repo.repository.Generation` objects, oldest first.
 
     Raises:
-        NoUsableGeneration: nothing usable matches, or a named generation is not usable at the source.
+        NoUsableGeneration: nothing usable matches, or a named generation is not usable at the source (exit 2;
+            AllGenerationsDamaged, exit 1: every published generation is damaged). IntegrityError: a named
+            generation is damaged (exit 1).
         NotFound: a named generation does not exist. UsageError: a malformed selection.
     """
     if generations is None:
@@ -191,7 +193,7 @@ def select_generations(repo, generations: Any = None) -> list:
     elif generations in ("all", "all-usable", "all_usable"):
         picked = repo.usable()
         if not picked:
-            raise NoUsableGeneration(repo._none_usable_reason(), where=repo.location)
+            raise repo.no_usable_error()
     elif isinstance(generations, str) and generations.startswith("latest:"):
         try:
             n = int(generations.split(":", 1)[1])
@@ -201,7 +203,7 @@ def select_generations(repo, generations: Any = None) -> list:
             raise UsageError(f"bad selection {generations!r}: use latest:N with N >= 1")
         usable = repo.usable()
         if not usable:
-            raise NoUsableGeneration(repo._none_usable_reason(), where=repo.location)
+            raise repo.no_usable_error()
         picked = usable[-n:]
     elif isinstance(generations, str):
         picked = [_usable_one(repo, generations)]
@@ -212,10 +214,17 @@ def select_generations(repo, generations: Any = None) -> list:
 
 
 def _usable_one(repo, spec: str):
+    """The usable generation ``spec`` names. Refused otherwise, with the verdict ``verify`` and ``restore`` of
+    it give: damaged (found wrong) exit 1; partial, in a newer format or copied (adopt it first) exit 2."""
     g = repo.resolve(spec)
     if not g.usable:
-        raise NoUsableGeneration(f"generation {g.number} is {g.status} at the source ({g.reason}); only usable "
-                                 f"generations are exported", where=repo.location)
+        from ckpt_archive.ops.common import status_words
+
+        why = f"generation {g.number} is {status_words(g)} at the source; only usable generations are exported"
+        if g.found_wrong:  # [break] exit 1 as verify/restore of the same damage, not 2
+            raise IntegrityError(f"{why} (`ckpt-archive verify {repo.location}@{g.number}` lists what is wrong)",
+                                 where=repo.location)
+        raise NoUsableGeneration(why, where=repo.location)
     return g
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from ckpt_archive.errors import CannotCheck, CkptArchiveError, IntegrityError, ReadOnlyRepository
+from ckpt_archive.errors import CannotCheck, CkptArchiveError, IntegrityError, NotUsable, ReadOnlyRepository
 from ckpt_archive.ops.common import RepoLike, open_repo, take_options
 from ckpt_archive.repo.reader import ArchiveReader, Problem
 from ckpt_archive.repo.repository import CHECK_FAILED, MANIFEST, Generation, Repository
@@ -304,7 +304,10 @@ def verify(repo: RepoLike, generation: str | int = "latest", options: VerifyOpti
         :class:`VerifyReport` (``ok`` False: exit 1).
 
     Raises:
-        NotFound / NoUsableGeneration / NewerFormatError: could not check (exit 2).
+        NotFound / NoUsableGeneration / NewerFormatError: could not check (exit 2). NotUsable: the generation
+            named is ``partial`` (never published: nothing to check as a generation; exit 2, as ``restore``,
+            ``load`` and ``export`` of it). AllGenerationsDamaged: ``latest`` when every published generation is
+            damaged (exit 1).
         LockError: marking a copied generation usable, another writer held the lock longer than ``wait``
             (exit 2). A read-only repository is no error: the generation is checked, ``marked_usable`` stays
             False and a warning (and ``extra["not_marked"]``) says it could not be marked here.
@@ -324,6 +327,11 @@ def verify(repo: RepoLike, generation: str | int = "latest", options: VerifyOpti
     deep, jobs, fallback = opts.deep, opts.jobs, opts.fallback
     r = open_repo(repo, store_options)
     gen = r.resolve(generation)
+    if gen.status == "partial":  # [break] exit 2 as restore/load/export of it: nothing was found wrong
+        raise NotUsable(f"generation {gen.number} is partial ({gen.reason}): it was never published, so it cannot "
+                        f"be checked as a generation and nothing was found wrong (an interrupted write, or one still "
+                        f"running or being deleted; `ckpt-archive gc {r.location}` removes what an interrupted write "
+                        f"left, `ckpt-archive list --all {r.location}` shows every generation)", where=r.location)
     marked = False
     not_marked = None
     if deep and (gen.status == "copied" or gen.check_failed is not None):

@@ -25,7 +25,7 @@ from typing import Any, ContextManager
 from ckpt_archive import __version__
 
 from ckpt_archive.errors import (CheckFailed, CkptArchiveError, FormatError, ImplausibleSize, IntegrityError,
-                                ManifestInvalid, NewerFormatError, NoUsableGeneration, NotFound, StoreError, UnsafePath,
+                                ManifestInvalid, NewerFormatError, NoUsableGeneration, AllGenerationsDamaged, NotFound, StoreError, UnsafePath,
                                 UsageError)
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_DOC_BYTES
@@ -139,6 +139,15 @@ class Generation:
     @property
     def tags(self) -> list[str]:
         return list((self.manifest or {}).get("tags", []))
+
+    @property
+    def found_wrong(self) -> bool:
+        """``damaged`` because something of it was read and found wrong (a manifest or marker that breaks its
+        rules, a changed manifest, a recorded failed check): what ``verify`` of it reports with exit 1. Not a
+        manifest this reader cannot judge (a newer format: exit 2, nothing was found wrong)."""
+        from ckpt_archive.errors import EXIT_CHECK_FAILED
+
+        return self.status == "damaged" and getattr(self.error, "exit_code", EXIT_CHECK_FAILED) == EXIT_CHECK_FAILED
 
     @property
     def metrics(self) -> dict:
@@ -484,14 +493,22 @@ class Repository:
             except NotFound:
                 raise NotFound(f"no generation {int(spec)}; {self.existing_summary()}", where=self.location) from None
         if spec == "latest":
-            picked = [g for g in self.generations() if want(g)]
+            gens = self.generations()
+            picked = [g for g in gens if want(g)]
             if not picked:
-                raise NoUsableGeneration(self._none_usable_reason(), where=self.location)
+                raise self.no_usable_error(gens)
             return picked[-1]
         if spec.startswith("tag:"):
             tag = spec[4:]
-            tagged = [g for g in self.generations() if want(g) and tag in g.tags]
+            gens = self.generations()
+            tagged = [g for g in gens if want(g) and tag in g.tags]
             if not tagged:
+                candidates = [g for g in gens if g.status != "partial" and tag in g.tags]
+                if candidates and all(g.found_wrong for g in candidates):  # [break] found wrong: exit 1
+                    raise AllGenerationsDamaged(f"no usable generation tagged {tag!r}: every generation so tagged "
+                                                f"is damaged ({_ranges([g.number for g in candidates])}; "
+                                                f"`ckpt-archive list --all {self.location}` says why)",
+                                                where=self.location)
                 raise NoUsableGeneration(f"no usable generation tagged {tag!r}", where=self.location)
             return tagged[-1]
         raise UsageError(f"bad generation {spec!r}: use a number, 'latest' or 'tag:NAME'")
@@ -510,8 +527,22 @@ class Repository:
                 parts.append(f"{status}: {_ranges(by[status])}")
         return "existing generations: " + "; ".join(parts)
 
-    def _none_usable_reason(self) -> str:
-        gens = self.generations()
+    def no_usable_error(self, gens: list[Generation] | None = None) -> NoUsableGeneration:
+        """The error for "no usable generation" (``@latest``, ``export --all-usable``), with its verdict: when
+        every generation that could have been picked -- every published one; a ``partial`` generation never is --
+        was found damaged (:attr:`Generation.found_wrong`), :class:`~ckpt_archive.errors.AllGenerationsDamaged`
+        (exit 1, as ``verify``/``restore`` of each say); otherwise (no generation at all, only partial ones, one
+        in a newer format, a ``copied`` one to adopt) :class:`~ckpt_archive.errors.NoUsableGeneration` (exit 2:
+        nothing was found wrong)."""
+        gens = self.generations() if gens is None else gens
+        candidates = [g for g in gens if g.status != "partial"]
+        if candidates and all(g.found_wrong for g in candidates):
+            return AllGenerationsDamaged(f"{self._none_usable_reason(gens)}: every published generation is damaged "
+                                         f"(`ckpt-archive list --all {self.location}` says why)", where=self.location)
+        return NoUsableGeneration(self._none_usable_reason(gens), where=self.location)
+
+    def _none_usable_reason(self, gens: list[Generation] | None = None) -> str:
+        gens = self.generations() if gens is None else gens
         if not gens:
             return "the repository holds no generation yet"
         text = f"no usable generation ({self.existing_summary(gens)})"
