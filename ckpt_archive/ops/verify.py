@@ -327,11 +327,7 @@ def verify(repo: RepoLike, generation: str | int = "latest", options: VerifyOpti
     deep, jobs, fallback = opts.deep, opts.jobs, opts.fallback
     r = open_repo(repo, store_options)
     gen = r.resolve(generation)
-    if gen.status == "partial":  # [break] exit 2 as restore/load/export of it: nothing was found wrong
-        raise NotUsable(f"generation {gen.number} is partial ({gen.reason}): it was never published, so it cannot "
-                        f"be checked as a generation and nothing was found wrong (an interrupted write, or one still "
-                        f"running or being deleted; `ckpt-archive gc {r.location}` removes what an interrupted write "
-                        f"left, `ckpt-archive list --all {r.location}` shows every generation)", where=r.location)
+    _refuse_partial(r, gen)
     marked = False
     not_marked = None
     if deep and (gen.status == "copied" or gen.check_failed is not None):
@@ -370,6 +366,20 @@ def verify(repo: RepoLike, generation: str | int = "latest", options: VerifyOpti
     if opts.policy:
         _add_policy(report, r, opts.strict)
     return report
+
+
+def _refuse_partial(r: Repository, gen: Generation) -> None:
+    """[break] A ``partial`` generation (never published) is not checked as a generation: exit 2, as ``restore``,
+    ``load`` and ``export`` of it (nothing was found wrong; ``verify`` exited 1 here before).
+
+    Raises:
+        NotUsable: ``gen`` is partial, naming why and what ``gc`` and ``list --all`` do.
+    """
+    if gen.status == "partial":
+        raise NotUsable(f"generation {gen.number} is partial ({gen.reason}): it was never published, so it cannot "
+                        f"be checked as a generation and nothing was found wrong (an interrupted write, or one still "
+                        f"running or being deleted; `ckpt-archive gc {r.location}` removes what an interrupted write "
+                        f"left, `ckpt-archive list --all {r.location}` shows every generation)", where=r.location)
 
 
 def _add_policy(report: VerifyReport, r: Repository, strict: bool) -> None:

@@ -503,13 +503,7 @@ class Repository:
             gens = self.generations()
             tagged = [g for g in gens if want(g) and tag in g.tags]
             if not tagged:
-                candidates = [g for g in gens if g.status != "partial" and tag in g.tags]
-                if candidates and all(g.found_wrong for g in candidates):  # [break] found wrong: exit 1
-                    raise AllGenerationsDamaged(f"no usable generation tagged {tag!r}: every generation so tagged "
-                                                f"is damaged ({_ranges([g.number for g in candidates])}; "
-                                                f"`ckpt-archive list --all {self.location}` says why)",
-                                                where=self.location)
-                raise NoUsableGeneration(f"no usable generation tagged {tag!r}", where=self.location)
+                raise self._no_tagged_error(gens, tag)
             return tagged[-1]
         raise UsageError(f"bad generation {spec!r}: use a number, 'latest' or 'tag:NAME'")
 
@@ -540,6 +534,16 @@ class Repository:
             return AllGenerationsDamaged(f"{self._none_usable_reason(gens)}: every published generation is damaged "
                                          f"(`ckpt-archive list --all {self.location}` says why)", where=self.location)
         return NoUsableGeneration(self._none_usable_reason(gens), where=self.location)
+
+    def _no_tagged_error(self, gens: list[Generation], tag: str) -> NoUsableGeneration:
+        """:meth:`no_usable_error` for ``tag:NAME``: exit 1 when every published generation so tagged was found
+        damaged, else exit 2 (none so tagged, or not judged here)."""
+        candidates = [g for g in gens if g.status != "partial" and tag in g.tags]
+        if candidates and all(g.found_wrong for g in candidates):  # [break] found wrong: exit 1
+            return AllGenerationsDamaged(f"no usable generation tagged {tag!r}: every generation so tagged is damaged "
+                                         f"({_ranges([g.number for g in candidates])}; `ckpt-archive list --all "
+                                         f"{self.location}` says why)", where=self.location)
+        return NoUsableGeneration(f"no usable generation tagged {tag!r}", where=self.location)
 
     def _none_usable_reason(self, gens: list[Generation] | None = None) -> str:
         gens = self.generations() if gens is None else gens
