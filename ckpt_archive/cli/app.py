@@ -7,12 +7,23 @@ progress to stderr; ``--json`` prints one object on stdout (:class:`ckpt_archive
 """
 from __future__ import annotations
 
-import importlib
+import gc
+import signal
+import sys
 
-import typer
-from typer.core import TyperCommand, TyperGroup
+from ckpt_archive.cli import process  # standard library only: answers a Ctrl-C during the imports below
 
-from ckpt_archive.cli.commands import COMMAND_MODULES
+try:
+    import importlib
+
+    import typer
+    from typer.core import TyperCommand, TyperGroup
+
+    from ckpt_archive.cli.commands import COMMAND_MODULES
+except KeyboardInterrupt:  # [break] a Ctrl-C in the first ~0.1 s (Typer's import) showed a traceback
+    if not process.is_cli_process():  # a program importing the CLI's modules keeps its own Ctrl-C
+        raise
+    sys.exit(process.interrupted_at_start())
 
 
 def _tidy_params(params: list) -> list:
@@ -285,15 +296,46 @@ def main() -> None:
     """Console-script entry point.
 
     Exit codes are the commands' own; a Ctrl-C that lands after a command finished (Typer would turn it
-    into a silent 130) keeps the code the command finished with.
+    into a silent 130) keeps the code the command finished with, and one that lands before the command's own
+    handler (start-up, parsing) is the one interrupted line and 130, never a traceback. A reader of stdout that
+    goes away (``| head``, a closed descriptor) drops the rest of the output but never changes the exit code;
+    any other failure to write the result makes an exit 0 a 2 (:mod:`ckpt_archive.cli.process`).
     """
-    import sys
+    json_mode = "--json" in sys.argv[1:]
+    try:
+        process.guard_std_streams()
+        code = _run(sys.argv[1:], json_mode)
+    except KeyboardInterrupt:
+        finished = getattr(sys.modules.get("ckpt_archive.cli.common"), "FINISHED", None)
+        code = finished[-1] if finished else _interrupted(json_mode)
+    try:
+        code = process.finish(code, json_mode=json_mode)
+        if sys.argv[1:2] and sys.argv[1] in _read_only_commands():
+            # [issue 29] the interpreter's exit runs garbage collections over every object the command made:
+            # 20-30 ms of a `verify`'s 0.3 s, and 0.9 s after a restore of 288 MiB had printed that it was done
+            # (where a Ctrl-C turned its exit 0 into 130); these commands leave nothing that waits for a
+            # collection (every file they write is closed, a restore's output renamed into place, before they
+            # return), so their objects are left out of it (gc.freeze)
+            gc.freeze()
+    except KeyboardInterrupt:
+        pass  # the verdict is decided: a Ctrl-C now keeps it
+    if process.is_cli_process():  # [break] one during the interpreter's own exit (its collections, its last
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # flush) keeps it too, and shows no traceback
+    sys.exit(code)
 
-    from ckpt_archive.cli.common import FINISHED, READ_ONLY_COMMANDS
+
+def _read_only_commands() -> frozenset:
+    common = sys.modules.get("ckpt_archive.cli.common")
+    return getattr(common, "READ_ONLY_COMMANDS", frozenset())
+
+
+def _run(args: list[str], json_mode: bool) -> int:
+    """Build the app ``args`` need and run it; its exit code."""
+    from ckpt_archive.cli.common import FINISHED
 
     keep_freed_buffers()
-    cli = app_for(sys.argv[1:])
-    if "--json" in sys.argv[1:]:
+    cli = app_for(args)
+    if json_mode:
         code = _run_json(cli)
     else:
         try:
@@ -303,16 +345,20 @@ def main() -> None:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     if code == 130 and FINISHED:
         code = FINISHED[-1]
-    if sys.argv[1:2] and sys.argv[1] in READ_ONLY_COMMANDS:
-        import gc
+    elif code == 130:  # Typer's own conversion of a Ctrl-C outside the command's body (parsing): said here
+        code = _interrupted(json_mode)
+    return code
 
-        # [issue 29] the interpreter's exit runs garbage collections over every object the command made:
-        # 20-30 ms of a `verify`'s 0.3 s, and 0.9 s after a restore of 288 MiB had printed that it was done
-        # (where a Ctrl-C turned its exit 0 into 130); these commands leave nothing that waits for a
-        # collection (every file they write is closed, a restore's output renamed into place, before they
-        # return), so their objects are left out of it (gc.freeze)
-        gc.freeze()
-    sys.exit(code)
+
+def _interrupted(json_mode: bool) -> int:
+    """Report a Ctrl-C that no command handler reported; 130. Before a command's body started (imports,
+    parsing): nothing was done. After (a second Ctrl-C while the first was being reported): what a command of
+    its kind can have left (:func:`ckpt_archive.cli.common.interrupted_text`), never "nothing was done"."""
+    common = sys.modules.get("ckpt_archive.cli.common")
+    started = getattr(common, "STARTED", None)
+    if started:
+        return process.interrupted_at_start(json_mode, common.interrupted_text(KeyboardInterrupt(), started[-1])[0])
+    return process.interrupted_at_start(json_mode)
 
 
 __all__ = ["app", "app_for", "build_app", "COMMAND_NAMES", "SHORT_HELP", "RICH_HELP_MIN_COLUMNS", "help_columns",

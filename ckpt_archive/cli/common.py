@@ -431,6 +431,7 @@ def command(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs) -> Any:
+        STARTED.append(fn.__name__.removesuffix("_cmd").replace("_", "-"))
         import warnings
 
         from ckpt_archive.repo.publish import record_publishes
@@ -456,6 +457,10 @@ def command(fn: Callable) -> Callable:
         wrapper.__signature__ = sig.replace(parameters=[*params, quiet_param])
     return wrapper
 
+
+#: Names of the commands whose body started in this process (a Ctrl-C that escapes a command's own handler, a
+#: second one while the first was reported, must not be told as "nothing was done": ``cli/app.py: main``).
+STARTED: list[str] = []
 
 #: Exit codes of the commands that finished in this process (a Ctrl-C landing after the command's body
 #: returned must not turn its result into 130: :func:`ckpt_archive.cli.app.main` reads this).
