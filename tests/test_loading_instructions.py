@@ -185,3 +185,31 @@ def test_inspect_prints_the_snippet_its_text_refers_to_and_it_runs_as_printed(tm
     exec(compile(code, "<inspect's snippet>", "exec"), namespace)  # noqa: S102 - the snippet under test
     assert namespace["state"]["data"] == {"cursor": 7}              # generation 1's file, loaded
     assert ca.load(repo, generation=1)["data"] == {"cursor": 7}
+
+
+class SnippetConfig:  # a user's plain-data class, admitted at pack with --allow
+    def __init__(self, lr):
+        self.lr = lr
+
+
+def test_the_snippet_older_archives_stored_still_loads(tmp_path):
+    """Archives written before the options objects carry `ckpt_archive.load('REPO', generation='latest',
+    allow=[...])` in their loading instructions (ops/meta.py wrote that form until commit 4757154). The fault: a
+    person restoring such an archive on a new machine ran its own instructions and got "load() got an unexpected
+    keyword argument 'allow'". That form still loads, with a DeprecationWarning naming today's form; any other
+    loose keyword is still refused, and the message names the LoadOptions field it belongs to."""
+    name = f"{SnippetConfig.__module__}.SnippetConfig"
+    repo = tmp_path / "r"
+    ca.pack({"cfg": SnippetConfig(0.25), "w": torch.ones(2)}, repo, options=ca.PackOptions(allow=(name,)))
+    old_snippet = ("import ckpt_archive\n"
+                   f"state = ckpt_archive.load('REPO', generation='latest', allow={[name]!r})"
+                   "  # the exact state; nothing unpickled\n")
+    with pytest.warns(DeprecationWarning, match=r"options=ckpt_archive.LoadOptions\(allow="):
+        state = _run(old_snippet, repo, tmp_path / "unused.pt")["state"]
+    assert type(state["cfg"]) is SnippetConfig and state["cfg"].lr == 0.25 and state["w"].tolist() == [1.0, 1.0]
+    with pytest.raises(TypeError, match=r"pass options=LoadOptions\(only=\.\.\.\)"):
+        ca.load(repo, only="w")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        ca.load(repo, colour="red")
+    with pytest.raises(TypeError, match="beside options"):
+        ca.load(repo, options=ca.LoadOptions(), allow=[name])

@@ -10,9 +10,7 @@ conj/neg bits, ``nn.Parameter`` and ``requires_grad`` (:func:`leaf_from_base`). 
 """
 from __future__ import annotations
 
-from ckpt_archive.errors import IntegrityError
-from ckpt_archive.format import fingerprint
-from ckpt_archive.format.tensor_bytes import apply_view_bits, empty_tensor, tensor_u8, torch_dtype
+from ckpt_archive.format.tensor_bytes import apply_view_bits, empty_tensor, torch_dtype
 
 
 def entry_tensor(buf: bytearray, erec: dict, lrec: dict):
@@ -82,28 +80,6 @@ def leaf_from_base(base, lrec: dict):
     return t
 
 
-def check_leaf(t, lrec: dict, leaf: str, known_sha: str | None = None) -> None:
-    """A built leaf (tensor or ndarray) against its record: shape, dtype, and its raw fingerprint (taken from
-    its bytes unless ``known_sha`` gives it).
-
-    Raises:
-        IntegrityError: the first that differs, naming ``leaf``.
-    """
-    shape = list(t.shape)
-    if shape != list(lrec["shape"]):
-        raise IntegrityError(f"shape {shape} != manifest {lrec['shape']}", where=leaf)
-    if lrec["kind"] == "numpy":
-        got_dtype, data = t.dtype.str, memoryview(t.tobytes())
-    else:
-        got_dtype, data = str(t.dtype).replace("torch.", ""), tensor_u8(t)
-    if got_dtype != lrec["dtype"]:
-        raise IntegrityError(f"dtype {got_dtype} != manifest {lrec['dtype']}", where=leaf)
-    want = fingerprint.raw_fp(lrec)
-    got = known_sha or fingerprint.digest_like(data, want)
-    if got != want:
-        raise IntegrityError(f"raw {fp_words(want)} mismatch: expected {want}, got {got}", where=leaf)
-
-
 def fp_words(fp: str) -> str:
     """How a mismatch of ``fp`` (``"<alg>:<hex>"``) is worded: ``"sha256"`` for format 1's fingerprints (the
     wording callers and tests key on), ``"fingerprint"`` for the others.
@@ -115,4 +91,4 @@ def fp_words(fp: str) -> str:
     return "sha256" if fp.startswith("sha256:") else "fingerprint"
 
 
-__all__ = ["entry_tensor", "leaf_from_base", "check_leaf", "fp_words"]
+__all__ = ["entry_tensor", "leaf_from_base", "fp_words"]

@@ -157,7 +157,7 @@ class LoadOptions:
 
 
 def load(repo: RepoLike, generation: str | int = "latest", options: LoadOptions | None = None, *,
-         store_options: Mapping[str, Any] | None = None) -> Any:
+         store_options: Mapping[str, Any] | None = None, **legacy: Any) -> Any:
     """Rebuild the archived state in memory, checking every chunk and tensor on the way.
 
     Args:
@@ -167,6 +167,9 @@ def load(repo: RepoLike, generation: str | int = "latest", options: LoadOptions 
             only).
         store_options: for URL repositories, one mapping (``{"endpoint_url": ..., "storage_options": {...}}``;
             :func:`~ckpt_archive.ops.common.open_repo`).
+        legacy: only ``allow=[...]``, with no ``options``: the loading snippet that archives written before the
+            options objects store in their manifest (``ckpt_archive.load('REPO', generation='latest',
+            allow=[...])``) still runs, with a DeprecationWarning naming today's form (:func:`legacy_options`).
 
     Returns:
         the nested state, equal to what was packed in structure, types, dtypes, shapes and bits (with
@@ -196,6 +199,8 @@ def load(repo: RepoLike, generation: str | int = "latest", options: LoadOptions 
     """
     from ckpt_archive.format.allowlist import allowing
 
+    if legacy:
+        options = legacy_options(options, legacy)
     opts = take_options(options, LoadOptions, "load", generation=generation)
     if opts.only is not None:
         from ckpt_archive.format.tree_paths import check_only
@@ -215,4 +220,28 @@ def load(repo: RepoLike, generation: str | int = "latest", options: LoadOptions 
     return state
 
 
-__all__ = ["load", "LoadOptions", "with_fallback", "passed_over"]
+def legacy_options(options: LoadOptions | None, legacy: Mapping[str, Any]) -> LoadOptions:
+    """The :class:`LoadOptions` of a call in the form archives' stored loading snippets used before the options
+    objects (``load(repo, generation='latest', allow=[...])``; ops/meta.py writes today's form).
+
+    Raises:
+        TypeError: any other keyword (every option of the load is a field of :class:`LoadOptions`, and the message
+            says so), or ``allow=`` together with ``options``.
+    """
+    extra = sorted(set(legacy) - {"allow"})
+    if extra:
+        k = extra[0]
+        field = k in {f.name for f in dataclasses.fields(LoadOptions)}
+        raise TypeError(f"load() got an unexpected keyword argument {k!r}"
+                        + (f": it is an option of the load, pass options=LoadOptions({k}=...)" if field else ""))
+    if options is not None:
+        raise TypeError("load() got allow= beside options: pass options=LoadOptions(..., allow=[...])")
+    allow = legacy["allow"]
+    import warnings
+
+    warnings.warn("load(..., allow=[...]) is the form of loading snippets stored by older archives; "
+                  "write load(..., options=ckpt_archive.LoadOptions(allow=[...]))", DeprecationWarning, stacklevel=3)
+    return LoadOptions(allow=tuple(allow) if isinstance(allow, (list, tuple)) else allow)
+
+
+__all__ = ["load", "LoadOptions", "with_fallback", "passed_over", "legacy_options"]

@@ -392,15 +392,17 @@ def _write_tensors(w: GenerationWriter, table: TensorTable, *, prefix: str = "",
         for e in entries:
             header[e.key] = {"dtype": e.st_dtype, "shape": e.shape, "data_offsets": [offset, offset + e.nbytes]}
             offset += e.nbytes
-        prefix = encode_header(header, {"format": "ckpt-archive"})
+        # the shard's safetensors header (not ``prefix``, the members' path prefix: reusing that name made every
+        # shard after the first a store key of header bytes, and a state over SHARD_BYTES could not be packed)
+        head = encode_header(header, {"format": "ckpt-archive"})
 
-        def pieces(entries=entries, prefix=prefix):
-            yield prefix, "zstd"
+        def pieces(entries=entries, head=head):
+            yield head, "zstd"
             yield from _shared_pieces(w, entries, entry_sha, shared)
 
-        rec = w.member(path, "tensors", pieces(), raw_alg=None, header_bytes=len(prefix),
+        rec = w.member(path, "tensors", pieces(), raw_alg=None, header_bytes=len(head),
                        entries={k: dict(v) for k, v in header.items()})
-        rec["header_fp"] = fingerprint.digest(prefix, BLAKE3)
+        rec["header_fp"] = fingerprint.digest(head, BLAKE3)
         for e in entries:
             entry_member[e.key] = path
     for key, fut in entry_sha.items():
