@@ -504,3 +504,36 @@ print("TORCH_IN_CALLER", any(n == "torch" or n.startswith("torch.") for n in see
     assert "TORCH_IN_CALLER False" in proc.stdout, proc.stdout
     for distributed in ("False", "None"):
         assert ckpt_archive.load(tmp_path / f"repo{distributed}") == {"step": 1, "lr": 1e-4}
+
+
+def test_a_resume_over_generations_all_damaged_is_refused_not_a_fresh_start(tmp_path):
+    """Fault (helper review): `restore()` answered None -- "nothing usable yet, start fresh" -- when every
+    published generation of the repository was found damaged, so a training script resumed from step 0 without a
+    word, its next saves beside generations that might still be recovered. Now AllGenerationsDamaged (exit 1)
+    with what to do; a repository with only a partial generation (a first save that never finished) is still a
+    fresh start."""
+    import json
+
+    from ckpt_archive.errors import AllGenerationsDamaged
+
+    model, opt, sched = _trained()
+    repo = tmp_path / "repo"
+    with Checkpointer(repo) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _state(model, opt, sched))
+            ckpt.wait()
+    for n in (1, 2):  # each manifest changed after it was published: found wrong by reading it
+        p = repo / "generations" / f"{n:08d}" / "manifest.json"
+        p.write_text(json.dumps(dict(json.loads(p.read_text()), code_version="edited")))
+    with Checkpointer(repo) as ckpt:
+        with pytest.raises(AllGenerationsDamaged, match="does not start fresh") as info:
+            ckpt.restore(model=model, optimizer=opt)
+    assert info.value.exit_code == 1 and "new repository" in info.value.hint
+
+    fresh = tmp_path / "fresh"
+    with Checkpointer(fresh) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)})
+        ckpt.wait()
+    (fresh / "generations" / "00000001" / "USABLE.json").unlink()  # only a partial generation left
+    with Checkpointer(fresh) as ckpt:
+        assert ckpt.restore(model=model, optimizer=opt) is None

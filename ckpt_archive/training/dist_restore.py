@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ckpt_archive.errors import IntegrityError, NoUsableGeneration
+from ckpt_archive.errors import AllGenerationsDamaged, IntegrityError, NoUsableGeneration
 from ckpt_archive.ops.dist_pack import is_distributed_tree
 
 
@@ -240,12 +240,14 @@ def _set_model_and_optimizer(model, optimizer, msd, osd) -> list[str]:
 
 def _pick_on_rank0(w, generation) -> dict:
     """Rank 0 picks the generation and tells every rank: ``{"number"}``, ``{"none": True}`` (nothing usable
-    yet, ``latest``) or ``{"error"}``. Raises CannotCheck when the group is broken."""
+    yet, ``latest``), ``{"damaged"}`` (every published generation found damaged: no fresh start) or ``{"error"}``. Raises CannotCheck when the group is broken."""
     choice = None
     if w.rank == 0:
         try:
             gen = w.repo.resolve(generation)
             choice = {"number": gen.number} if gen.usable else {"error": f"generation {gen.number} is {gen.status}"}
+        except AllGenerationsDamaged as exc:  # never a fresh start over them (generation_restore.fresh_start_refused)
+            choice = {"damaged": exc.message, "where": exc.where}
         except NoUsableGeneration as exc:
             choice = {"none": True} if str(generation) == "latest" and not w.repo.usable() else {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - sent to every rank, raised everywhere
@@ -289,6 +291,10 @@ def restore_distributed(w, generation, *, model=None, optimizer=None, scheduler=
     choice = _pick_on_rank0(w, generation)
     if choice.get("none"):
         return None
+    if "damaged" in choice:
+        from ckpt_archive.training.generation_restore import fresh_start_refused
+
+        raise fresh_start_refused(AllGenerationsDamaged(choice["damaged"], where=choice.get("where")))
     if "error" in choice:
         raise CannotCheck(f"restore: rank 0 could not pick generation {generation!r}: {choice['error']}")
     gen = w.repo.generation(choice["number"])
