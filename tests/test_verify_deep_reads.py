@@ -238,3 +238,75 @@ def test_files_of_a_folder_whose_segments_come_in_another_order_than_the_entries
     report = ckpt_archive.verify(repo, 1, VerifyOptions(deep=True, record=False))
     assert [p.reason.split(":")[0] for p in report.problems if p.field == "source.files"] == \
         [m["source"]["files"][exact[1]]["relpath"]]
+
+
+@pytest.fixture(scope="module")
+def packed_in_shards(tmp_path_factory):
+    """The same state packed with a 2 MiB shard size: its file's segments span several tensors members, as a
+    state over 4 GiB of tensors does (``repo/writer.py: SHARD_BYTES``)."""
+    from ckpt_archive.repo import writer
+
+    tmp = tmp_path_factory.mktemp("deepshards")
+    src = tmp / "ckpt.pt"
+    torch.save(_state(), src)
+    repo = tmp / "repo"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(writer, "SHARD_BYTES", 2 << 20)
+        ckpt_archive.pack(str(src), repo)
+    m = read_manifest(repo)
+    assert sum(rec["role"] == "tensors" for rec in m["members"]) >= 3
+    return src, repo
+
+
+def test_a_file_whose_segments_span_shards_is_hashed_in_the_one_read(packed_in_shards, monkeypatch):
+    """Fault: a file whose segments lay in more than one tensors member was always rebuilt by a second read, so
+    verify --deep of every state over 4 GiB of tensors (the ones that take longest) read, hashed and decoded
+    every stored byte twice. Now the members' streams feed the file in turn: each stored byte read and
+    sha256-hashed once, each raw byte BLAKE3-hashed once, no rebuild."""
+    src, repo = packed_in_shards
+    stored, raw, file_bytes = _sizes(repo, src)
+
+    def no_rebuild(*a, **k):
+        raise AssertionError("the exact-bytes file was rebuilt by a second read")
+
+    monkeypatch.setattr(trial_reload, "rebuilt_sha256", no_rebuild)
+    counts = _install(monkeypatch)
+    report = ckpt_archive.verify(repo, 1, VerifyOptions(deep=True))
+    assert report.ok, report.problems
+    n = counts.n
+    assert stored <= n["read"] <= stored + SLACK, n
+    assert stored + file_bytes <= n["sha256"] <= stored + file_bytes + SLACK, n
+    assert raw <= n["blake3"] <= raw + SLACK, n
+
+
+@pytest.mark.parametrize("damage", ["resealed sha256", "a chunk of the middle shard"])
+def test_a_file_spanning_shards_still_fails_what_the_rebuild_fails(packed_in_shards, tmp_path, damage):
+    """The streamed sha256 across shards checks what the rebuild checks: a resealed ``source.files[].sha256``
+    fails; a damaged chunk in a middle shard stops the stream and the file goes to the rebuild, which says it
+    cannot be rebuilt, and the chunk is named on its member."""
+    import shutil
+
+    _, repo = packed_in_shards
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    forget_notes(copy)
+    m = read_manifest(copy)
+    if damage == "resealed sha256":
+        edit_manifest(copy, lambda m: m["source"]["files"][0].update(sha256="0" * 64))
+        want = "restore would refuse it"
+    else:
+        from ckpt_archive.format.objects import object_key, parts
+
+        shards = [r for r in m["members"] if r["role"] == "tensors"]
+        rec = shards[len(shards) // 2]
+        oids = [p.oid for p in parts(rec) if p.oid]
+        path = copy / object_key(oids[0]) if oids else copy / "generations" / "00000001" / rec["stored_path"]
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        want = "cannot be rebuilt"
+    report = ckpt_archive.verify(copy, 1, VerifyOptions(deep=True, record=False))
+    assert not report.ok
+    assert any(p.field == "source.files" and want in p.reason for p in report.problems), report.problems
+    if damage != "resealed sha256":
+        assert any(p.member == rec["path"] and "sha256" in p.reason for p in report.problems), report.problems

@@ -10,9 +10,10 @@ from the tensors member's decoded chunks as the trial reload streams them (``Arc
 and the zip's headers), fills the gaps, and an entry the file needs again later, or before an entry that
 comes earlier in the member (a deduplicated storage), is kept until then.
 
-Which files can be hashed so is decided from the manifest alone (:func:`plan`): every segment's entry in one
-tensors member, the skeleton at most :data:`SKELETON_WHOLE_BYTES`, the entries kept at most
-:data:`KEPT_BYTES`. Any other file, and any file whose stream did not complete (a chunk or an entry failed,
+Which files can be hashed so is decided from the manifest alone (:func:`plan`): the skeleton at most
+:data:`SKELETON_WHOLE_BYTES`, the entries kept at most :data:`KEPT_BYTES`, each entry key in one tensors member.
+A file whose segments span several tensors members (the shards of a state over ``SHARD_BYTES``, 4 GiB) is fed
+by each in turn, in manifest order, the order the trial reload reads them. Any other file, and any file whose stream did not complete (a chunk or an entry failed,
 an entry skipped), is rebuilt the old way, which names what fails: this is a faster path to the same sha256,
 never a weaker check.
 """
@@ -59,29 +60,60 @@ class _File:
         return True
 
 
-class FileOrderHasher:
-    """The sha256 of the exact-bytes files whose segments all lie in one tensors member, fed with that member's
-    decoded chunks in stream order (:meth:`feed`, called on one thread, in order), then :meth:`finish`.
+class _Files:
+    """What the streams of one or more tensors members share: the files they feed (their sha256 so far), the
+    entries kept for a later segment, the entries arrived, and how far the members' streams got (in manifest
+    order: a file's segments may go on in the next member, the next shard of a state over ``SHARD_BYTES``)."""
 
-    Args:
-        rec: the tensors member's record. files: ``[(index in source.files, its record, its skeleton's raw
-            bytes)]``. kept: entry keys whose bytes a later segment needs again (from :func:`plan`).
-    """
-
-    def __init__(self, rec: dict, files: list, kept: set[str]):
-        self.rec = rec
-        self.base = rec["header_bytes"]
-        self.ranges = [(self.base + e["data_offsets"][0], self.base + e["data_offsets"][1], k)
-                       for k, e in entries_in_order(rec)]
+    def __init__(self, files: list, kept: set[str], n_members: int):
         self.files = [_File(i, [tuple(s) for s in f["exact"]["segments"]], skel, int(f["raw_bytes"]))
                       for i, f, skel in files]
         self.kept_keys = kept
         self.kept: dict[str, bytearray] = {}
         self.arrived: set[str] = set()
+        self.n_members = n_members
+        self.completed = 0   # members whose stream completed, in order
+        self.failed = False
+
+    def results(self) -> dict[int, str]:
+        """``{index in source.files: sha256 hex}`` of each file complete once every member's stream completed."""
+        if self.failed or self.completed != self.n_members:
+            return {}
+        out = {}
+        for f in self.files:
+            if f.next == len(f.segments) and f.gap_to(f.size) and f.skel == len(f.skeleton):
+                out[f.index] = f.h.hexdigest()
+        return out
+
+
+class FileOrderHasher:
+    """The sha256 of exact-bytes files fed with a tensors member's decoded chunks in stream order (:meth:`feed`,
+    called on one thread, in order), then :meth:`finish`. A file whose segments span several tensors members
+    (the shards of a state over ``SHARD_BYTES``) is fed by one of these per member, sharing ``group``, the members
+    read in manifest order; its sha256 comes from the last member's :meth:`finish`.
+
+    Args:
+        rec: the tensors member's record. files: ``[(index in source.files, its record, its skeleton's raw
+            bytes)]`` (with ``group`` None). kept: entry keys whose bytes a later segment needs again (from
+            :func:`plan`). group: the state shared with the other members' hashers (None: this member alone).
+            position: this member's place among the group's members (0-based, manifest order).
+    """
+
+    def __init__(self, rec: dict, files: list, kept: set[str], group: _Files | None = None, position: int = 0):
+        self.rec = rec
+        self.base = rec["header_bytes"]
+        self.ranges = [(self.base + e["data_offsets"][0], self.base + e["data_offsets"][1], k)
+                       for k, e in entries_in_order(rec)]
+        self.group = group if group is not None else _Files(files, kept, 1)
+        self.position = position
         self.total = 0
         self.ri = 0
         self.live: list[_File] = []
         self.failed = False
+
+    @property
+    def files(self) -> list:
+        return self.group.files
 
     def feed(self, off: int, chunk) -> None:
         """The member's decoded bytes at raw offset ``off`` (the next in order; a gap fails the stream)."""
@@ -93,7 +125,7 @@ class FileOrderHasher:
             self.failed = True
 
     def _feed(self, off: int, chunk) -> None:
-        if off != self.total:
+        if off != self.total or self.group.completed != self.position:  # a gap, or an earlier member unfinished
             self.failed = True
             return
         mv = memoryview(chunk).cast("B")
@@ -126,39 +158,40 @@ class FileOrderHasher:
                 if not f.gap_to(f.segments[f.next][0]):
                     raise _Incomplete("the skeleton is shorter than the file")
                 self.live.append(f)
-        if key in self.kept_keys:
-            self.kept[key] = bytearray(size)
+        if key in self.group.kept_keys:
+            self.group.kept[key] = bytearray(size)
 
     def _piece(self, key: str, piece, at: int) -> None:
         for f in self.live:
             f.h.update(piece)
-        if key in self.kept:
-            self.kept[key][at:at + len(piece)] = piece
+        if key in self.group.kept:
+            self.group.kept[key][at:at + len(piece)] = piece
 
     def _end(self, key: str, size: int) -> None:
         """An entry ends: the files fed it move past it, then through every segment whose entry has come."""
-        self.arrived.add(key)
+        kept = self.group.kept
+        self.group.arrived.add(key)
         for f in self.live:
             f.pos += size
             f.next += 1
-            while f.next < len(f.segments) and f.segments[f.next][2] in self.arrived:
+            while f.next < len(f.segments) and f.segments[f.next][2] in self.group.arrived:
                 start, length, k = f.segments[f.next]
-                if k not in self.kept or not f.gap_to(start):
+                if k not in kept or not f.gap_to(start):
                     raise _Incomplete("an entry needed again was not kept")
-                f.h.update(self.kept[k])
+                f.h.update(kept[k])
                 f.pos += length
                 f.next += 1
         self.live = []
 
     def finish(self) -> dict[int, str]:
-        """``{index in source.files: sha256 hex}`` of each file the stream completed (none when it did not)."""
-        if self.failed or self.total != self.rec["raw_bytes"]:
+        """This member's stream is complete: ``{index in source.files: sha256 hex}`` of each file the group's
+        streams completed, from the group's last member (none from the others, and none when a stream did not
+        complete: those files are rebuilt)."""
+        if self.failed or self.total != self.rec["raw_bytes"] or self.group.completed != self.position:
+            self.group.failed = True
             return {}
-        out = {}
-        for f in self.files:
-            if f.next == len(f.segments) and f.gap_to(f.size) and f.skel == len(f.skeleton):
-                out[f.index] = f.h.hexdigest()
-        return out
+        self.group.completed += 1
+        return self.group.results() if self.position == self.group.n_members - 1 else {}
 
 
 def _owners(manifest: dict) -> dict[str, dict]:
@@ -212,28 +245,58 @@ def plan(reader, on_bytes=None) -> tuple[dict[str, FileOrderHasher], set[str]]:
 
 def _plan(reader, on_bytes) -> tuple[dict[str, FileOrderHasher], set[str]]:
     """:func:`plan` on ``exact`` records that fit their entries and skeletons (``exact_problems`` found none)."""
-    by_member, skeletons = _streamable_files(reader, on_bytes)
-    hashers = {}
-    for path, files in by_member.items():
-        rec = reader.by_path[path]
+    files, skeletons = _streamable_files(reader, on_bytes)
+    hashers: dict[str, FileOrderHasher] = {}
+    for members, group_files in _groups(reader, files):
+        recs = [reader.by_path[path] for path in members]
         try:
-            order = [k for k, _ in entries_in_order(rec)]
+            orders = [[k for k, _ in entries_in_order(rec)] for rec in recs]
         except FormatError:
             continue
-        sizes = {k: e["data_offsets"][1] - e["data_offsets"][0] for k, e in rec["entries"].items()}
-        kept = _kept_entries(order, sizes, [[k for _, _, k in f["exact"]["segments"]] for _, f, _ in files])
-        if kept is not None:
-            hashers[path] = FileOrderHasher(rec, files, kept)
+        order = [k for keys in orders for k in keys]
+        if len(order) != len(set(order)):
+            continue  # an entry key in two members: which one a segment means is the rebuild's question
+        sizes = {k: e["data_offsets"][1] - e["data_offsets"][0] for rec in recs for k, e in rec["entries"].items()}
+        kept = _kept_entries(order, sizes, [[k for _, _, k in f["exact"]["segments"]] for _, f, _ in group_files])
+        if kept is None:
+            continue
+        shared = _Files(group_files, kept, len(recs))
+        for position, rec in enumerate(recs):
+            hashers[rec["path"]] = FileOrderHasher(rec, group_files, kept, shared, position)
     return hashers, set(skeletons)
 
 
-def _streamable_files(reader, on_bytes) -> tuple[dict[str, list], dict[str, bytearray]]:
-    """The exact-bytes files whose segments all lie in one tensors member and whose skeleton (a ``file``
-    member of at most :data:`SKELETON_WHOLE_BYTES`) reads whole and checks: ``({member path: [(index, file
-    record, skeleton bytes)]}, {skeleton path: its bytes})``."""
+def _groups(reader, files: list) -> list[tuple[list[str], list]]:
+    """The streamable files grouped by the tensors members their segments span: members that share a file are
+    one group (read one after the other, in manifest order). ``files``: ``[(member paths, (index, record,
+    skeleton))]``. Returns ``[(member paths in manifest order, [(index, record, skeleton)])]``."""
+    parent: dict[str, str] = {}
+
+    def root(m: str) -> str:
+        while parent.setdefault(m, m) != m:
+            m = parent[m]
+        return m
+
+    for members, _ in files:
+        first, *rest = sorted(members)
+        for m in rest:
+            parent[root(m)] = root(first)
+    position = {m["path"]: i for i, m in enumerate(reader.manifest["members"])}
+    groups: dict[str, tuple[set, list]] = {}
+    for members, item in files:
+        members_of, items = groups.setdefault(root(next(iter(members))), (set(), []))
+        members_of.update(members)
+        items.append(item)
+    return [(sorted(ms, key=position.__getitem__), items) for ms, items in groups.values()]
+
+
+def _streamable_files(reader, on_bytes) -> tuple[list, dict[str, bytearray]]:
+    """The exact-bytes files whose skeleton (a ``file`` member of at most :data:`SKELETON_WHOLE_BYTES`) reads
+    whole and checks: ``([(the tensors members its segments lie in, (index, file record, skeleton bytes))],
+    {skeleton path: its bytes})``."""
     manifest = reader.manifest
     owners = _owners(manifest)
-    by_member: dict[str, list] = {}
+    out: list = []
     skeletons: dict[str, bytearray] = {}
     for i, f in enumerate((manifest.get("source") or {}).get("files") or []):
         ex = f.get("exact")
@@ -241,8 +304,7 @@ def _streamable_files(reader, on_bytes) -> tuple[dict[str, list], dict[str, byte
             continue
         members = {owners[k]["path"] for _, _, k in ex["segments"]}
         skel = reader.by_path[ex["member"]]
-        if (len(members) != 1 or skel["role"] != "file"
-                or max(skel["raw_bytes"], skel["stored_bytes"]) > SKELETON_WHOLE_BYTES):
+        if skel["role"] != "file" or max(skel["raw_bytes"], skel["stored_bytes"]) > SKELETON_WHOLE_BYTES:
             continue
         if ex["member"] not in skeletons:
             data = _read_skeleton(reader, ex["member"])
@@ -251,8 +313,8 @@ def _streamable_files(reader, on_bytes) -> tuple[dict[str, list], dict[str, byte
             skeletons[ex["member"]] = data
             if on_bytes:
                 on_bytes(skel["raw_bytes"])
-        by_member.setdefault(members.pop(), []).append((i, f, skeletons[ex["member"]]))
-    return by_member, skeletons
+        out.append((members, (i, f, skeletons[ex["member"]])))
+    return out, skeletons
 
 
 def _read_skeleton(reader, path: str) -> bytearray | None:
