@@ -165,6 +165,15 @@ class AllGenerationsDamaged(NoUsableGeneration):
 
     exit_code = EXIT_CHECK_FAILED
 
+    def for_resume(self) -> "AllGenerationsDamaged":
+        """This error as a resume gives it instead of None ("nothing usable yet, start fresh": a training script
+        would restart from step 0 without a word, its next saves beside generations that might still be
+        recovered), with what to look at and how to start fresh on purpose."""
+        return AllGenerationsDamaged(f"{self.message}; a resume does not start fresh over them", where=self.where,
+                                     hint="see what is wrong with `ckpt-archive list --all` and `ckpt-archive "
+                                          "verify`; resume from an exported copy, or start fresh on purpose in a "
+                                          "new repository")
+
 
 class LockError(CannotCheck):
     """The repository's writer lock could not be obtained (another writer, or a stale lock)."""

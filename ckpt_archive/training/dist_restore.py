@@ -246,7 +246,7 @@ def _pick_on_rank0(w, generation) -> dict:
         try:
             gen = w.repo.resolve(generation)
             choice = {"number": gen.number} if gen.usable else {"error": f"generation {gen.number} is {gen.status}"}
-        except AllGenerationsDamaged as exc:  # never a fresh start over them (generation_restore.fresh_start_refused)
+        except AllGenerationsDamaged as exc:  # never a fresh start over them (its for_resume)
             choice = {"damaged": exc.message, "where": exc.where}
         except NoUsableGeneration as exc:
             choice = {"none": True} if str(generation) == "latest" and not w.repo.usable() else {"error": str(exc)}
@@ -292,9 +292,7 @@ def restore_distributed(w, generation, *, model=None, optimizer=None, scheduler=
     if choice.get("none"):
         return None
     if "damaged" in choice:
-        from ckpt_archive.training.generation_restore import fresh_start_refused
-
-        raise fresh_start_refused(AllGenerationsDamaged(choice["damaged"], where=choice.get("where")))
+        raise AllGenerationsDamaged(choice["damaged"], where=choice.get("where")).for_resume()
     if "error" in choice:
         raise CannotCheck(f"restore: rank 0 could not pick generation {generation!r}: {choice['error']}")
     gen = w.repo.generation(choice["number"])

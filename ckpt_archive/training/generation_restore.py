@@ -16,16 +16,6 @@ from ckpt_archive.errors import AllGenerationsDamaged, NoUsableGeneration
 from ckpt_archive.training.restore import Restored, restore_training_state
 
 
-def fresh_start_refused(exc: AllGenerationsDamaged) -> AllGenerationsDamaged:
-    """The error a resume gives when every published generation of its repository was found damaged, instead of
-    None ("nothing to resume, start fresh"): a training script would then restart from step 0 without a word,
-    its next saves beside generations that might still be recovered. Says what to look at and how to start fresh
-    on purpose."""
-    return AllGenerationsDamaged(f"{exc.message}; a resume does not start fresh over them", where=exc.where,
-                                 hint="see what is wrong with `ckpt-archive list --all` and `ckpt-archive verify`; "
-                                      "resume from an exported copy, or start fresh on purpose in a new repository")
-
-
 def restore_generation(repo, generation: str | int, *, jobs: int | None, model: Any, optimizer: Any, scheduler: Any,
                        scaler: Any, policy: str, rng: bool | dict, session_lr: Any, keys: dict | None) -> Restored | None:
     """Read ``generation`` of ``repo`` and restore it into the live objects (one process).
@@ -41,7 +31,7 @@ def restore_generation(repo, generation: str | int, *, jobs: int | None, model: 
         :class:`~ckpt_archive.training.restore.Restored`, or None when ``generation="latest"`` and nothing is
         usable yet (a fresh start): no generation, or only partial ones (a first save that never finished), or
         none this version can judge. Never when every published generation was found damaged: that is
-        :class:`~ckpt_archive.errors.AllGenerationsDamaged` (:func:`fresh_start_refused`).
+        :class:`~ckpt_archive.errors.AllGenerationsDamaged` (its ``for_resume``).
 
     Raises:
         AllGenerationsDamaged (exit 1): every published generation is damaged; a fresh start would silently
@@ -57,7 +47,7 @@ def restore_generation(repo, generation: str | int, *, jobs: int | None, model: 
     except NoUsableGeneration as exc:
         if str(generation) == "latest" and not repo.usable() and not isinstance(exc, AllGenerationsDamaged):
             return None
-        raise fresh_start_refused(exc) if isinstance(exc, AllGenerationsDamaged) else exc
+        raise exc.for_resume() if isinstance(exc, AllGenerationsDamaged) else exc
     reader = open_reader(repo, gen, jobs=jobs)
     tree = reader.tree()
     from ckpt_archive.ops.dist_pack import is_distributed_tree
