@@ -48,6 +48,11 @@ def test_a_state_over_one_shard_packs_loads_and_verifies(tmp_path, small_shards)
     back = ckpt_archive.load(repo)
     assert_same(back, state)
     assert back["tied"]["a"].untyped_storage().data_ptr() == back["tied"]["b"].untyped_storage().data_ptr()
+    out = tmp_path / "restored.pt"  # no source file: restore writes a torch.save file of the state, one pass
+    ckpt_archive.restore(repo, "latest", out)
+    assert_same(torch.load(out, weights_only=True), state)
+    part = ckpt_archive.load(repo, options=ckpt_archive.LoadOptions(only="model/layer3.weight"))
+    assert torch.equal(part, state["model"]["layer3.weight"])
 
 
 def test_a_torch_save_file_over_one_shard_restores_byte_exact(tmp_path, small_shards):
