@@ -156,3 +156,49 @@ def test_commands_with_a_frozen_exit_leave_what_they_write_whole(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "ckpt_archive", cmd, str(repo)], capture_output=True,
                               text=True, env=env, timeout=300)
         assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, (cmd, proc.stderr[-2000:])
+
+
+def _numpy_threads(env_extra: dict) -> int:
+    """Threads of a fresh interpreter after the CLI's start-up settings and ``import numpy``."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; from ckpt_archive.cli.app import quiet_blas_threads; quiet_blas_threads(); import numpy; "
+            "print(len(os.listdir('/proc/self/task')))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **env_extra}, capture_output=True, text=True,
+                         check=True)
+    return int(out.stdout.strip())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="threads counted in /proc")
+def test_numpy_starts_no_blas_threads_in_the_cli_unless_the_user_asked_for_them():
+    """Fault (issue 29, perf of verify --deep): NumPy's OpenBLAS started a thread per core at import, each
+    spinning before it slept: 70-100 ms of CPU at every import of NumPy, for a tool that does no linear algebra.
+    The CLI's process now asks for one thread (none started beside the main one); a thread count the user set is
+    left as it is."""
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: OpenBLAS starts no extra thread anyway")
+    quiet = _numpy_threads({})
+    assert quiet == 1, quiet
+    assert _numpy_threads({"OPENBLAS_NUM_THREADS": "2"}) > quiet
+
+
+def test_the_users_runs_do_not_inherit_the_clis_blas_setting(monkeypatch):
+    """check-resume starts the user's training runs: they get the environment the user gave, not the thread count
+    the CLI set for itself (a BLAS thread count can change a float reduction's order)."""
+    from ckpt_archive.resume.check import _run_environment
+
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.delenv(app_module.BLAS_MARK, raising=False)
+    monkeypatch.delitem(__import__("sys").modules, "numpy", raising=False)
+    assert app_module.quiet_blas_threads() is True
+    env = _run_environment(None)
+    assert "OPENBLAS_NUM_THREADS" not in env and app_module.BLAS_MARK not in env
+    monkeypatch.delenv(app_module.BLAS_MARK)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")  # the user's own setting goes through
+    assert app_module.quiet_blas_threads() is False
+    assert _run_environment(None)["OPENBLAS_NUM_THREADS"] == "4"

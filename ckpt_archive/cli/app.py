@@ -264,6 +264,33 @@ def _run_json(cli: typer.Typer) -> int:
     return rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
 
 
+#: Set in the environment beside ``OPENBLAS_NUM_THREADS`` when :func:`quiet_blas_threads` set it, so the processes
+#: this one starts for the user (check-resume's training runs) get the user's environment back.
+BLAS_MARK = "CKPT_ARCHIVE_SET_OPENBLAS_NUM_THREADS"
+
+
+def quiet_blas_threads() -> bool:
+    """[issue 29] One OpenBLAS thread for NumPy in the CLI's own process (``OPENBLAS_NUM_THREADS=1``), where the
+    user set no thread count and NumPy is not imported yet.
+
+    NumPy's wheel loads OpenBLAS at import, which starts a thread per core that spins before it sleeps: 70-100 ms
+    of CPU at every import of NumPy on the 2-core benchmark machine (`python -c "import numpy"`: 0.22-0.29 s of
+    CPU against 0.13-0.20 s with one thread), and 1.4 % of a `verify --deep`'s CPU in `blas_thread_server`. This
+    tool does no linear algebra. The variable goes out of the environment of the commands it runs for the user
+    (:data:`BLAS_MARK`; ``resume/check.py``). Returns whether it was set. Source: OpenBLAS's README
+    ("Setting the number of threads using environment variables").
+    """
+    import os
+    import sys
+
+    names = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
+    if "numpy" in sys.modules or any(n in os.environ for n in names):
+        return False
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    os.environ[BLAS_MARK] = "1"
+    return True
+
+
 def keep_freed_buffers() -> bool:
     """[issue 14] Ask glibc's allocator to keep freed multi-MiB buffers for reuse (``mallopt``).
 
@@ -334,6 +361,7 @@ def _run(args: list[str], json_mode: bool) -> int:
     from ckpt_archive.cli.common import FINISHED
 
     keep_freed_buffers()
+    quiet_blas_threads()
     cli = app_for(args)
     if json_mode:
         code = _run_json(cli)
@@ -362,7 +390,7 @@ def _interrupted(json_mode: bool) -> int:
 
 
 __all__ = ["app", "app_for", "build_app", "COMMAND_NAMES", "SHORT_HELP", "RICH_HELP_MIN_COLUMNS", "help_columns",
-           "keep_freed_buffers", "main", "narrow_terminal"]
+           "keep_freed_buffers", "quiet_blas_threads", "BLAS_MARK", "main", "narrow_terminal"]
 
 
 if __name__ == "__main__":

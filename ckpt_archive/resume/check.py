@@ -160,8 +160,12 @@ def check_resume(command: Sequence[str], *, steps: int, interrupt_at: int | Sequ
 
 
 def _run_environment(env: dict | None) -> dict:
-    """The runs' environment: ``env`` (default this process's), with ``PYTHONHASHSEED=0`` unless set."""
+    """The runs' environment: ``env`` (default this process's), with ``PYTHONHASHSEED=0`` unless set, and without
+    the ``OPENBLAS_NUM_THREADS`` the CLI set for its own process (``cli/app.py: quiet_blas_threads``): a training
+    run gets the thread count its user gave it, or none."""
     run_env = dict(os.environ if env is None else env)
+    if run_env.pop("CKPT_ARCHIVE_SET_OPENBLAS_NUM_THREADS", None) is not None:
+        run_env.pop("OPENBLAS_NUM_THREADS", None)
     run_env.setdefault("PYTHONHASHSEED", "0")
     return run_env
 
