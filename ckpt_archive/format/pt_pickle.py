@@ -81,6 +81,11 @@ class PtFile:
     truncated by another process while mapped would end this process with SIGBUS. Without a lease the
     bytes are read with ``pread`` instead (:attr:`map` is None); either way a file cut short or opened for
     writing under the read raises :class:`~ckpt_archive.errors.SourceChanged` naming it (exit 2).
+
+    When pack gives its leases back (:meth:`~ckpt_archive.format.read_lease.LeaseScope.give_back`, once it has
+    read the source) the map is dropped with the lease, and reading is refused until the scope takes the file
+    again (:meth:`~ckpt_archive.format.read_lease.LeaseScope.take_again`: the same file, proven by ``fstat``),
+    which maps it anew, or reads it with ``pread`` where no lease is granted now.
     """
 
     def __init__(self, path: Path):
@@ -96,14 +101,37 @@ class PtFile:
         #: the file's size when opened (bytes)
         self.size = os.fstat(self.lease.fd).st_size
         self.map = None
+        self._map_through(self.lease)
+
+    def _map_through(self, lease) -> None:
+        """Read through ``lease``: map the file where it is held, else (:attr:`map` None) ``pread`` its fd."""
+        self.lease = lease
+        lease.hold_for(self)
+        self.map = None
         if not self.size:
             self.map = b""
-        elif self.lease.held:
-            self.map = mmap.mmap(self.lease.fd, self.size, access=mmap.ACCESS_READ)
+        elif lease.held:
+            self.map = mmap.mmap(lease.fd, self.size, access=mmap.ACCESS_READ)
+
+    def _lease_given_back(self) -> None:
+        """The scope gives the lease back: drop the map first (views still made from it are never read again;
+        closing it then waits for them to go)."""
+        old, self.map = self.map, None
+        if isinstance(old, mmap.mmap):
+            try:
+                old.close()
+            except BufferError:  # a view of it is still referenced somewhere: it goes with the last one
+                pass
+
+    def _lease_taken_again(self, lease) -> None:
+        """The scope took the file again (proven the same by ``fstat``): read through the new lease."""
+        self._map_through(lease)
 
     def _check(self, offset: int, nbytes: int) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise ValueError(f"{nbytes} bytes at {offset} lie outside the file's {self.size}")
+        if self.lease.fd < 0:  # given back: nothing may read the file until it is taken again (and proven)
+            raise RuntimeError(f"{self.path}: read after its read lease was given back")
         self.lease.check()
 
     def read(self, offset: int, nbytes: int) -> bytes:

@@ -363,12 +363,17 @@ class _PackSteps:
         self.generations = None  # the repository's generations as pack read them under the lock, once
         self.scans: dict | None = None  # source files' reads started before parsing (exact_bytes.ScanJob)
         self.written_crc: dict = {}  # member path -> CRC-32 of each chunk as written (MemberWriter.written_crc)
+        self.leases = None  # this pack's read leases (format/read_lease.py LeaseScope), given back once read
+        self.first_read: dict | None = None  # the source's fingerprints as the first write read them
 
     def claim(self, repo: Repository) -> int:
         return repo.claim_next()
 
     def write_members(self, repo: Repository, number: int) -> None:
         p, o = self.prep, self.options
+        again = self.first_read is not None  # the retry (a damaged shared object): the source is read again
+        if again:
+            self._take_source_again()
         shared = None
         if o.share_min_bytes and o.share_min_bytes > 0:
             from ckpt_archive.repo.objects import ObjectIndex, SharedWriter
@@ -382,12 +387,22 @@ class _PackSteps:
 
         phase(self.on_bytes, "write", _raw_total(p))
         try:
-            body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
-                                 level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
-                                 chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
-                                 encoded=p.encoded, faults=repo.faults, shared=shared, scans=self.scans)
-            for scan in (self.scans or {}).values():
-                scan.checked()  # the CRC verdict, before the manifest is sealed, whether the writer used it or not
+            try:
+                body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
+                                     level=o.level or DEFAULT_LEVEL, jobs=o.jobs,
+                                     chunk_bytes=o.chunk_bytes or DEFAULT_CHUNK_BYTES, on_bytes=self.on_bytes,
+                                     encoded=p.encoded, faults=repo.faults, shared=shared, scans=self.scans,
+                                     expect=self.first_read["entries"] if again else None)
+                for scan in (self.scans or {}).values():
+                    scan.checked()  # the CRC verdict, before the manifest is sealed, whether the writer used it
+                    # or not; its read of the file (under the lease, which keeps writers out) is over too
+            finally:
+                # [break] the source's last read: the writer's threads have stopped, so its leases go back now
+                # (maps dropped) -- a trainer's in-place save over the file waits neither for the verify, trial
+                # reload, publish and retention below (up to the kernel's 45 s lease-break-time), nor, after a
+                # broken lease or another failure, for the claimed generation to be withdrawn
+                if self.leases is not None:
+                    self.leases.give_back()
         except (CkptArchiveError, OSError):
             # a file rewritten under the reads is the reason for what failed, not its symptom
             _raise_if_changed((self.scans or {}).values())
@@ -403,6 +418,28 @@ class _PackSteps:
         self.warnings = body.pop("warnings")
         self.written_crc = body.pop("written_crc")
         self.manifest = build_manifest(p, number, body)
+        read = _source_fingerprints(self.manifest)
+        if again:
+            _same_source(self.first_read, read, p.source)
+        else:
+            self.first_read = read
+
+    def _take_source_again(self) -> None:
+        """[break] Before the retry reads the source a second time (its leases went back after the first read):
+        fresh leases, and the same files as first read (``fstat`` of each leased file, and the stat identity of
+        each scanned one); the bytes are then checked against the first read's fingerprints as they are read.
+
+        Raises:
+            SourceChanged: naming the file that changed (the claimed generation is withdrawn).
+        """
+        try:
+            if self.leases is not None:
+                self.leases.take_again()
+            _raise_if_changed((self.scans or {}).values())
+        except BaseException:
+            if self.leases is not None:
+                self.leases.give_back()  # refused: a writer waiting on a lease taken again goes on now
+            raise
 
     def seal(self, repo: Repository, number: int) -> tuple[dict, bytes]:
         key = gen_key(number)
@@ -482,9 +519,9 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
     annotations = Annotations() if annotations is None else annotations
     if not isinstance(annotations, Annotations):
         raise TypeError(f"pack's annotations must be an Annotations, not {type(annotations).__name__}")
-    # [break] the source's read leases go back when pack returns (a trainer's next save over the file must
-    # not wait for the garbage collector): format/read_lease.py
-    with lease_scope(), ThreadPoolExecutor(1, thread_name_prefix="ckpt-scan") as scan_pool:
+    # [break] the source's read leases are this pack's (format/read_lease.py): given back once the members are
+    # written (the source's last read), and whatever is left when pack returns (never left to the collector)
+    with lease_scope() as leases, ThreadPoolExecutor(1, thread_name_prefix="ckpt-scan") as scan_pool:
         # [issue 14] a source file's own reads (its sha256, its tensor ranges' fingerprints and, for a zip
         # torch.save file, every record's CRC-32) start now, beside `import torch` and torch.load
         scan = early_scan(source, scan_pool) if isinstance(source, (str, os.PathLike)) else None
@@ -504,7 +541,7 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
             finally:
                 reading.stop()
             return _pack_prepared(prep, repo, options, on_bytes, before_publish, retention,
-                                  {scan.identity: scan} if scan is not None else None)
+                                  {scan.identity: scan} if scan is not None else None, leases)
         except BaseException:
             if scan is not None:
                 scan.cancel()
@@ -571,6 +608,35 @@ def _raw_total(p: "_Prepared") -> int | None:
         return None
 
 
+def _source_fingerprints(manifest: dict) -> dict:
+    """What a write read of the source, as fingerprints: every tensor entry's and leaf's raw fingerprint, every
+    member made of a source file's bytes (a raw file, a skeleton), every source file's size and sha256."""
+    members = manifest["members"]
+    return {"entries": {k: v.get("raw_fp") for m in members if m["role"] == "tensors"
+                        for k, v in (m.get("entries") or {}).items()},
+            "members": {m["path"]: (m.get("raw_bytes"), m.get("raw_fp")) for m in members if m["role"] == "file"},
+            "tensors": {leaf: rec.get("raw_fp") for leaf, rec in manifest["tensors"].items()},
+            "files": {f["relpath"]: (f.get("raw_bytes"), f.get("sha256"))
+                      for f in manifest["source"].get("files") or []}}
+
+
+def _same_source(first: dict, again: dict, source: Any) -> None:
+    """[break] The retry's read of the source must have given the bytes of the first: else SourceChanged, naming
+    the file, before the manifest is sealed (the generation is withdrawn: never old and new bytes in one)."""
+    from ckpt_archive.format.read_lease import changed
+
+    if first == again:
+        return
+    root = Path(source.root) if getattr(source, "root", None) else None
+    where = next((sf.path for sf in source.files if sf.path is not None and len(source.files) == 1), None)
+    for rel, fps in again["files"].items():
+        if first["files"].get(rel) != fps:
+            where = next((sf.path for sf in source.files if sf.relpath == rel and sf.path is not None), where)
+            break
+    raise changed(where or root or "the source", "it was rewritten after pack read it, before the retry read it "
+                                                  "again")
+
+
 def _raise_if_changed(scans) -> None:
     """SourceChanged when a source file the pack read (``scans``: ScanJobs) is no longer the file its read
     began on."""
@@ -595,11 +661,13 @@ def _crc_reason_first(scan) -> None:
 
 
 def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_bytes, before_publish, retention,
-                   scans: dict | None) -> PackResult:
-    """:func:`pack` once its input is read and checked: the lifecycle under the lock, then retention."""
+                   scans: dict | None, leases=None) -> PackResult:
+    """:func:`pack` once its input is read and checked: the lifecycle under the lock, then retention.
+    ``leases``: the pack's :class:`~ckpt_archive.format.read_lease.LeaseScope`, given back once written."""
     r = open_repo(repo, create=True)
     steps = _PackSteps(prep, options, on_bytes)
     steps.scans = scans
+    steps.leases = leases
     with r.lock(options.wait):
         gens = r.generations()  # read once under the lock: the leftovers here, the object index at write
         steps.generations = gens

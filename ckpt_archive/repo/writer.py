@@ -64,6 +64,11 @@ class GenerationWriter:
         self.written_crc: dict[str, list[int | None]] = {}
         #: source files' reads by file identity (exact_bytes.ScanJob), whose range fingerprints entries take
         self.scans: dict = {}
+        #: entry key -> the raw fingerprint its bytes had when the source was first read (a second read of it,
+        #: pack's retry, must give the same bytes: :func:`_checked_again`); None on a first read
+        self.expect: "Mapping[str, str] | None" = None
+        #: the source's path, named when a second read finds other bytes
+        self.source_path: Any = None
 
     def member(self, path: str, role: str, pieces: Iterator[tuple[Any, str]], *, raw_alg: str | None = BLAKE3,
                **extra) -> dict:
@@ -113,7 +118,8 @@ def _file_pieces(path):
 def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: int = DEFAULT_LEVEL,
                   jobs: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                   on_bytes: Callable[[int], None] | None = None, encoded: tuple | None = None,
-                  faults: Faults = NO_FAULTS, shared=None, scans: "Mapping[tuple, Any] | None" = None) -> dict:
+                  faults: Faults = NO_FAULTS, shared=None, scans: "Mapping[tuple, Any] | None" = None,
+                  expect: "Mapping[str, str] | None" = None) -> dict:
     """Write every member of a generation from a :class:`~ckpt_archive.sources.SourceCheckpoint`.
 
     ``encoded`` is ``state_tree.encode(source.state)`` when the caller already encoded it (pack does,
@@ -131,17 +137,23 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
             repository, docs/FORMAT.md "Shared objects"), or None to store every entry in the member.
         scans: reads of source files a caller started earlier (:class:`~ckpt_archive.format.exact_bytes.ScanJob`),
             by :func:`~ckpt_archive.format.exact_bytes.file_identity`; files not in it are read here.
+        expect: ``{entry key: raw fingerprint}`` the entries had when the source was read before (pack's retry
+            reads it a second time): each entry's bytes are hashed and compared before they are stored,
+            so bytes of a source changed since never reach a member or a shared object.
 
     Returns:
         the manifest's archive part: ``members``, ``tensors``, ``tree_member``, ``source``, ``data``,
         ``summary``, plus ``warnings`` (list of str, popped by the caller).
 
     Raises:
-        SourceError: a value that cannot be archived (names its path). OSError from the store.
+        SourceError: a value that cannot be archived (names its path). SourceChanged: with ``expect``, an
+            entry's bytes are no longer those first read. OSError from the store.
     """
     jobs = jobs or default_jobs()
     tree, table = encoded if encoded is not None else encode(source.state)
     w = GenerationWriter(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes, faults=faults)
+    w.expect = expect
+    w.source_path = source.files[0].path if len(source.files) == 1 and source.files[0].path else source.root
     scan_pools: list[ThreadPoolExecutor] = []
     try:
         jobs_by_file = _start_scans(source, scans, scan_pools)
@@ -333,6 +345,8 @@ def _shared_pieces(w: GenerationWriter, entries, entry_sha: dict, shared) -> Ite
             if len(data) != e.nbytes:
                 raise FormatError(f"tensor changed size while packing ({len(data)} != {e.nbytes} bytes)",
                                   where=e.key)
+            if w.expect is not None:
+                _checked_again(w, e, data)
             entry_sha[e.key] = _entry_fp(w, e, data)
             want = shared is not None and shared.wants(e.nbytes)
             window.append((e, data, want))
@@ -345,6 +359,24 @@ def _shared_pieces(w: GenerationWriter, entries, entry_sha: dict, shared) -> Ite
         if want:
             share = shared.sink(entry_sha[e.key].result(), e.nbytes)
         yield data, _hint(e.st_dtype), share
+
+
+def _checked_again(w: GenerationWriter, e, data) -> None:
+    """[break] A second read of the source (pack's retry, after its leases were given back): the entry's bytes
+    must be those the first read took, before anything stores them (a shared object written again is
+    referenced by other generations too); a source rewritten meanwhile is refused, never mixed in.
+
+    Raises:
+        SourceChanged: naming the source file.
+    """
+    from ckpt_archive.format.read_lease import changed
+
+    want = w.expect.get(e.key)
+    if want is None or fingerprint.digest(data, want.split(":", 1)[0]) != want:
+        scan = w.scans.get(getattr(e, "file_identity", None)) if getattr(e, "file_identity", None) else None
+        raise changed(scan.path if scan is not None else (w.source_path or e.key),
+                      f"entry {e.key} no longer holds the bytes pack read first: the file was rewritten after "
+                      f"pack read it, before the retry read it again")
 
 
 def _entry_fp(w: GenerationWriter, e, data):
