@@ -184,14 +184,21 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
                    "path": shown(str(source.root)) if source.root else None, "files": files_meta,
                    "info": source.info or {}},
         "data": data,
-        "summary": {"raw_bytes": sum(m["raw_bytes"] for m in members),
-                    "stored_bytes": sum(m["stored_bytes"] for m in members),
-                    "tensor_count": len(tensors), "member_count": len(members),
-                    **({"new_stored_bytes": sum(own_stored_bytes(m) for m in members) + shared.new_stored_bytes}
-                       if shared is not None and any(m.get("objects") for m in members) else {})},
+        "summary": _summary(members, tensors, shared),
         "warnings": list(table.warnings) + list(getattr(source, "warnings", []) or []),
         "written_crc": w.written_crc,
     }
+
+
+def _summary(members: list[dict], tensors: dict, shared) -> dict:
+    """The manifest's ``summary``: raw and stored bytes (``new_stored_bytes`` too where shared objects are used),
+    tensor and member counts."""
+    summary = {"raw_bytes": sum(m["raw_bytes"] for m in members),
+               "stored_bytes": sum(m["stored_bytes"] for m in members),
+               "tensor_count": len(tensors), "member_count": len(members)}
+    if shared is not None and any(m.get("objects") for m in members):
+        summary["new_stored_bytes"] = sum(own_stored_bytes(m) for m in members) + shared.new_stored_bytes
+    return summary
 
 
 def _start_scans(source, scans: "Mapping[tuple, Any] | None", pools: list) -> dict[int, Any]:
