@@ -52,6 +52,12 @@ READS = {
 
 #: Writes outside the store that touch no repository and no restore/export target, each with why.
 WRITES = {
+    ("ckpt_archive/cli/process.py", "GuardedStream._lose"): (
+        {"os.open(write)"}, "/dev/null, dup'ed over the CLI's own stdout once its reader went away"),
+    ("ckpt_archive/cli/process.py", "_reopen_closed_std_fds"): (
+        {"os.open(write)"}, "/dev/null on a standard descriptor 0-2 that was closed when the CLI started"),
+    ("ckpt_archive/cli/process.py", "guard_std_streams"): (
+        {"open(write)"}, "a text stream over descriptor 1 or 2 itself (open(fd, closefd=False)), never a path"),
     ("ckpt_archive/demo/train.py", "main"): (
         {"os.replace"}, "the demo's own training script saving its checkpoint in its scratch folder"),
     ("ckpt_archive/format/manifest.py", "_mark_validated"): (
