@@ -15,6 +15,7 @@ lease-break-time: "the writer finished before pack went on", never a 45 s sleep.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import subprocess
@@ -361,35 +362,45 @@ def test_a_scope_inside_another_gives_back_only_its_own_leases(tmp_path):
     assert not _held(outer)
 
 
+@contextlib.contextmanager
+def _other_packs_lease(path: Path):
+    """A read lease on ``path`` taken in a lease scope of another thread (another pack), held until the block
+    ends; yields that lease."""
+    from ckpt_archive.format.read_lease import ReadLease, lease_scope
+
+    taken, release, seen = threading.Event(), threading.Event(), {}
+
+    def other_pack():
+        with lease_scope():
+            seen["lease"] = ReadLease(path)
+            taken.set()
+            release.wait(60)
+
+    t = threading.Thread(target=other_pack)
+    t.start()
+    try:
+        assert taken.wait(30)
+        yield seen["lease"]
+    finally:
+        release.set()
+        t.join(30)
+
+
 def test_one_pack_giving_its_leases_back_leaves_another_threads_pack_alone(tmp_path):
     """Fault guarded: a Checkpointer's background pack and another pack in the training thread: one giving its
     leases back (done reading) must not drop the other's, which still maps its file."""
     from ckpt_archive.format.read_lease import ReadLease, lease_scope
 
     a, b = _two_files(tmp_path)
-    taken, release, seen = threading.Event(), threading.Event(), {}
-
-    def other_pack():
-        with lease_scope():
-            seen["lease"] = ReadLease(b)
-            taken.set()
-            release.wait(30)
-
-    t = threading.Thread(target=other_pack)
-    t.start()
-    try:
-        assert taken.wait(30)
+    with _other_packs_lease(b) as other:
         with lease_scope() as mine:
             own = ReadLease(a)
             if not own.held:
                 pytest.skip("this file system grants no read lease")
             mine.give_back()
             assert not _held(own)
-            assert _held(seen["lease"]), "giving one pack's leases back dropped another pack's"
-    finally:
-        release.set()
-        t.join(30)
-    assert not _held(seen["lease"])
+            assert _held(other), "giving one pack's leases back dropped another pack's"
+    assert not _held(other)
 
 
 def test_a_pack_does_not_report_another_packs_broken_lease_as_its_own_source_changing(tmp_path):
@@ -399,31 +410,19 @@ def test_a_pack_does_not_report_another_packs_broken_lease_as_its_own_source_cha
     from ckpt_archive.format.read_lease import ReadLease, check_leases, lease_scope
 
     a, b = _two_files(tmp_path)
-    taken, release, seen = threading.Event(), threading.Event(), {}
-
-    def other_pack():
-        with lease_scope():
-            seen["lease"] = ReadLease(a)
-            taken.set()
-            release.wait(60)
-
-    t = threading.Thread(target=other_pack)
-    t.start()
     opener = None
     try:
-        assert taken.wait(30)
-        if not seen["lease"].held:
-            pytest.skip("this file system grants no read lease")
-        opener = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'r+b').close()", str(a)])
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline and not seen["lease"].broken():
-            time.sleep(0.02)
-        assert seen["lease"].broken()
-        with lease_scope():
-            ReadLease(b)
-            check_leases()  # this pack's own file is untouched
+        with _other_packs_lease(a) as other:
+            if not other.held:
+                pytest.skip("this file system grants no read lease")
+            opener = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'r+b').close()", str(a)])
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline and not other.broken():
+                time.sleep(0.02)
+            assert other.broken()
+            with lease_scope():
+                ReadLease(b)
+                check_leases()  # this pack's own file is untouched
     finally:
-        release.set()
-        t.join(30)
         if opener is not None:
             opener.wait(60)

@@ -128,6 +128,19 @@ def _sizes(repo: Path, src: Path) -> tuple[int, int, int]:
     return stored, raw, src.stat().st_size
 
 
+def _assert_each_byte_once(repo: Path, src: Path, monkeypatch) -> None:
+    """verify --deep of generation 1 passes, having read and sha256-hashed each stored byte once, the source file's
+    bytes once more by its own sha256, and BLAKE3-hashed each raw byte once (plus :data:`SLACK`)."""
+    stored, raw, file_bytes = _sizes(repo, src)
+    counts = _install(monkeypatch)
+    report = ckpt_archive.verify(repo, 1, VerifyOptions(deep=True))
+    assert report.ok, report.problems
+    n = counts.n
+    assert stored <= n["read"] <= stored + SLACK, n
+    assert stored + file_bytes <= n["sha256"] <= stored + file_bytes + SLACK, n
+    assert raw <= n["blake3"] <= raw + SLACK, n
+
+
 def test_the_fixture_streams_every_layout_it_means_to(packed):
     """The state has what the counts must cover: exact bytes, a repeated segment, shared objects, a raw chunk."""
     _, repo = packed
@@ -146,14 +159,7 @@ def test_verify_deep_reads_and_hashes_each_stored_byte_once(packed, monkeypatch)
     At most: each stored byte read once and sha256-hashed once, plus the source file's one sha256 over its
     bytes; each raw byte BLAKE3-hashed once."""
     src, repo = packed
-    stored, raw, file_bytes = _sizes(repo, src)
-    counts = _install(monkeypatch)
-    report = ckpt_archive.verify(repo, 1, VerifyOptions(deep=True))
-    assert report.ok, report.problems
-    n = counts.n
-    assert stored <= n["read"] <= stored + SLACK, n
-    assert stored + file_bytes <= n["sha256"] <= stored + file_bytes + SLACK, n
-    assert raw <= n["blake3"] <= raw + SLACK, n
+    _assert_each_byte_once(repo, src, monkeypatch)
 
 
 def test_the_exact_files_sha256_comes_from_the_trial_reloads_read(packed, monkeypatch):
@@ -264,19 +270,12 @@ def test_a_file_whose_segments_span_shards_is_hashed_in_the_one_read(packed_in_s
     every stored byte twice. Now the members' streams feed the file in turn: each stored byte read and
     sha256-hashed once, each raw byte BLAKE3-hashed once, no rebuild."""
     src, repo = packed_in_shards
-    stored, raw, file_bytes = _sizes(repo, src)
 
     def no_rebuild(*a, **k):
         raise AssertionError("the exact-bytes file was rebuilt by a second read")
 
     monkeypatch.setattr(trial_reload, "rebuilt_sha256", no_rebuild)
-    counts = _install(monkeypatch)
-    report = ckpt_archive.verify(repo, 1, VerifyOptions(deep=True))
-    assert report.ok, report.problems
-    n = counts.n
-    assert stored <= n["read"] <= stored + SLACK, n
-    assert stored + file_bytes <= n["sha256"] <= stored + file_bytes + SLACK, n
-    assert raw <= n["blake3"] <= raw + SLACK, n
+    _assert_each_byte_once(repo, src, monkeypatch)
 
 
 @pytest.mark.parametrize("damage", ["resealed sha256", "a chunk of the middle shard"])
