@@ -9,6 +9,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 import zipfile
@@ -1028,6 +1029,46 @@ def test_generation_numbers_are_never_reused_after_gc_removed_a_failed_claim(tmp
     torch.save({"step": 5}, p)
     res = runner.invoke(app, ["pack", str(p), "--repo", str(file_repo), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["generation"] == 3
+
+
+def _set_high_water_mark(repo: Path, text: str) -> None:
+    cfg = (repo / "repository.json").read_text()
+    (repo / "repository.json").write_text(re.sub(r'"highest_generation": [^,\n}]*', f'"highest_generation": {text}', cfg))
+    assert f'"highest_generation": {text}' in (repo / "repository.json").read_text()
+
+
+def test_a_pack_past_the_8_digit_generation_folder_is_refused_exit_2_never_a_folder_readers_do_not_see(
+        tmp_path, file_repo):
+    """highest_generation 99999999: the next number (100000000) has 9 digits, a folder list/@latest/gc never
+    see (the old pack said "generation 100000000 usable", exit 0, and @latest still gave generation 1)."""
+    _set_high_water_mark(file_repo, "99999999")
+    p = tmp_path / "ck2.pt"
+    torch.save({"step": 5}, p)
+    res = cli("pack", p, "--repo", file_repo)
+    assert res.exit_code == 2 and "no generation number left" in res.stderr and "99999999" in res.stderr, res.stderr
+    assert sorted(os.listdir(file_repo / "generations")) == ["00000001"]
+    assert cli("list", file_repo).exit_code == 0
+
+
+@pytest.mark.parametrize("value", ["-5", "100000000", "1.5", "true", '"7"', "1e400"])
+def test_a_bad_high_water_mark_in_repository_json_is_exit_2_naming_the_file(tmp_path, file_repo, value):
+    """A negative, too large, non-integer or unparsable highest_generation (the old reader took -5 as 0
+    silently, and 1e400 made list/pack exit 1, "found wrong"): the repository could not be used (2)."""
+    _set_high_water_mark(file_repo, value)
+    p = tmp_path / "ck2.pt"
+    torch.save({"step": 5}, p)
+    for args in (("list", file_repo), ("pack", p, "--repo", file_repo)):
+        res = cli(*args)
+        assert res.exit_code == 2 and f"{file_repo}/repository.json" in res.stderr, (args, res.stderr)
+    assert sorted(os.listdir(file_repo / "generations")) == ["00000001"]
+
+
+def test_a_high_water_mark_below_the_highest_folder_never_reuses_a_number(tmp_path, file_repo):
+    _set_high_water_mark(file_repo, "0")
+    p = tmp_path / "ck2.pt"
+    torch.save({"step": 5}, p)
+    res = runner.invoke(app, ["pack", str(p), "--repo", str(file_repo), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["generation"] == 2
 
 
 def test_the_high_water_mark_is_written_before_the_claim(tmp_path, file_repo, monkeypatch):

@@ -26,7 +26,7 @@ from ckpt_archive import __version__
 
 from ckpt_archive.errors import (CheckFailed, CkptArchiveError, FormatError, ImplausibleSize, IntegrityError,
                                 ManifestInvalid, NewerFormatError, NoUsableGeneration, AllGenerationsDamaged, NotFound, StoreError, UnsafePath,
-                                UsageError)
+                                UsageError, CannotCheck)
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_DOC_BYTES
 from ckpt_archive.format.manifest import parse as parse_manifest
@@ -47,6 +47,9 @@ CLAIM = "CLAIM"
 CHECK_FAILED = "CHECK-FAILED.json"
 REPO_FORMAT_VERSION = 1
 _GEN_RE = re.compile(r"^\d{8}$")
+#: The highest generation number a folder can carry (``gen_key``: 8 digits; ``_GEN_RE``, so every reader,
+#: sees no other name). A claim that would need more is refused, never a 9-digit folder nobody lists.
+MAX_GENERATION = 99_999_999
 
 
 def gen_key(number: int) -> str:
@@ -275,10 +278,21 @@ class Repository:
     def _read_config(store: Store) -> dict:
         # InvalidJSON (a ManifestInvalid): "not valid JSON (...)", also for a duplicate key or NaN;
         # ImplausibleSize: larger than any repository.json (read no further)
+        # A repository.json that cannot be read as one is "could not be carried out" (exit 2, naming the
+        # file): nothing of the repository can be listed or written without it.
         where = f"{store.location}/{REPO_FILE}"
-        config = read_json(store, REPO_FILE, MAX_SMALL_DOC_BYTES, where=where)
+        try:
+            config = read_json(store, REPO_FILE, MAX_SMALL_DOC_BYTES, where=where)
+        except (ManifestInvalid, ImplausibleSize) as exc:  # not JSON, a duplicate key, 1e400, too large
+            raise CannotCheck(exc.message, where=where, hint=exc.hint) from exc
         if not isinstance(config, dict) or config.get("format") != "ckpt-archive-repository":
-            raise ManifestInvalid("not a ckpt-archive repository file", where=f"{store.location}/{REPO_FILE}")
+            raise CannotCheck("not a ckpt-archive repository file", where=where)
+        high = config.get("highest_generation")
+        if high is not None and (not isinstance(high, int) or isinstance(high, bool)
+                                 or not 0 <= high <= MAX_GENERATION):
+            raise CannotCheck(f"highest_generation {high!r} is not a generation number "
+                              f"(an integer from 0 to {MAX_GENERATION}); the file was damaged or edited",
+                              where=where)
         v = config.get("format_version")
         if isinstance(v, int) and v > REPO_FORMAT_VERSION:
             raise NewerFormatError(f"written by format {v}, this reader knows up to {REPO_FORMAT_VERSION}",
@@ -611,6 +625,10 @@ class Repository:
         high = high if isinstance(high, int) and not isinstance(high, bool) and high >= 0 else 0
         n = max((self.numbers() or [0])[-1], high) + 1
         for _ in range(1000):
+            if n > MAX_GENERATION:
+                raise CannotCheck(f"no generation number left: the next would be {n}, and a generation folder "
+                                  f"holds 8 digits (up to {MAX_GENERATION}); pack into a new repository",
+                                  where=self.location)
             # the high-water mark is written BEFORE the claim: a claim that then fails (and that gc
             # removes) can never hand its number out again
             self.config["highest_generation"] = n
