@@ -22,7 +22,7 @@ from ckpt_archive.format import fingerprint
 import torch
 from typer.testing import CliRunner
 
-from tests.helpers import without_read_leases
+from tests.helpers import cli_in_process, without_read_leases
 
 import ckpt_archive
 from ckpt_archive.cli.app import app
@@ -1029,6 +1029,50 @@ def test_generation_numbers_are_never_reused_after_gc_removed_a_failed_claim(tmp
     torch.save({"step": 5}, p)
     res = runner.invoke(app, ["pack", str(p), "--repo", str(file_repo), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["generation"] == 3
+
+
+# --- escape sequences read from an archive ------------------------------------------------------------
+SEQ = "\x1b]0;PWNED\x07\x1b[31mRED\x1b[0m\x9b2J"  # retitle the window, recolour, C1 CSI clear-screen
+
+
+def test_escape_sequences_in_an_archives_strings_never_reach_the_terminal(file_repo):
+    """A tag (and a code version, host name, environment, file name) edited into the manifest and marker
+    holding ESC/BEL sequences: list and inspect printed the tag raw (a terminal retitled, recoloured), to a
+    tty and to a pipe alike. Every command that shows an archive's text prints it with \\xNN escapes."""
+    def edit(m):
+        m["tags"] = [f"t{SEQ}"]
+        m["code"].update(version=f"v{SEQ}", git_commit=f"c{SEQ}")
+        m["environment"].update(python=f"3{SEQ}", platform=f"p{SEQ}", torch=f"t{SEQ}")
+        m["source"]["info"]["filename"] = f"f{SEQ}.pt"
+        m["instructions"]["text"] = f"i{SEQ}\nsecond line"
+
+    edit_manifest(file_repo, edit)
+    marker_path = gen_dir(file_repo) / "USABLE.json"
+    marker = json.loads(read_plain(marker_path))
+    marker["trial_reload"]["host"] = f"h{SEQ}"
+    write_plain(marker_path, json.dumps(marker, indent=1).encode())
+    reseal(file_repo)
+    for args in (("list", file_repo), ("list", file_repo, "--all"), ("inspect", f"{file_repo}@1"),
+                 ("status", file_repo), ("verify", f"{file_repo}@1"), ("list", file_repo, "--json")):
+        res = cli_in_process(*args)
+        for stream in (res.stdout, res.stderr):
+            assert not any(c in stream for c in "\x1b\x07\x9b"), (args, stream)
+        assert res.returncode in (0, 1), (args, res.stdout, res.stderr)
+    shown = cli_in_process("list", file_repo).stdout + cli_in_process("inspect", f"{file_repo}@1").stdout
+    assert "\\x1b]0;PWNED\\x07" in shown  # escaped, not dropped: the user sees what the archive holds
+
+
+@pytest.mark.parametrize("cmd", ["pack", "backup"])
+def test_a_tag_with_control_characters_is_refused_exit_2_naming_it_escaped(tmp_path, cmd):
+    """pack --tag $'\\e]0;TAGPWN\\a' was accepted and stored, to reach every later reader's terminal."""
+    src = tmp_path / "run"
+    src.mkdir()
+    torch.save({"step": 5}, src / "ckpt-5.pt")
+    what = src / "ckpt-5.pt" if cmd == "pack" else src
+    res = cli_in_process(cmd, what, "--repo", tmp_path / "r", "--tag", "\x1b]0;TAGPWN\x07")
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "\\x1b]0;TAGPWN\\x07" in res.stderr and "\x1b" not in res.stdout + res.stderr, res.stderr
+    assert not (tmp_path / "r" / "generations").exists() or not os.listdir(tmp_path / "r" / "generations")
 
 
 def _set_high_water_mark(repo: Path, text: str) -> None:

@@ -112,6 +112,44 @@ def _console(stream: str):
     return console
 
 
+def terminal_text(text):
+    """``text`` (a str or a :class:`rich.text.Text`) with every control character but newline and tab as a
+    ``\\xNN`` escape (:func:`ckpt_archive.format.text.printable`): every line the CLI prints goes through
+    here, so a tag, note, host name or path read from an archive never reaches a terminal (or a pipe) as an
+    escape sequence. Rich adds its own styling after this, never from the text."""
+    from ckpt_archive.format.text import has_control, printable
+
+    plain = getattr(text, "plain", text)
+    if not isinstance(plain, str) or not has_control(plain.replace("\n", "").replace("\t", "")):
+        return text
+    if plain is text:
+        return printable(text)
+    from rich.text import Text
+
+    return Text(printable(plain), style=text.style)  # a styled cell: the style kept, its spans given up
+
+
+def _terminal_renderable(obj):
+    """A table (or a group of them and lines) with :func:`terminal_text` applied to its title, caption,
+    headers and cells: a table built outside :func:`ckpt_archive.cli.tables.fit` (the LR-policy audit, whose
+    scheduler kind and group names come from the archive) is escaped here."""
+    from rich.console import Group
+    from rich.table import Table
+
+    if isinstance(obj, Group):
+        obj._renderables = [_terminal_renderable(r) for r in obj.renderables]
+    elif isinstance(obj, Table):
+        for name in ("title", "caption"):
+            if getattr(obj, name, None) is not None:
+                setattr(obj, name, terminal_text(getattr(obj, name)))
+        for col in obj.columns:
+            col.header = terminal_text(col.header)
+            col._cells = [_terminal_renderable(c) for c in col._cells]
+    else:
+        return terminal_text(obj)
+    return obj
+
+
 class Output:
     """The result on stdout, diagnostics on stderr (rich, no tracebacks); one JSON object on stdout in ``--json``
     mode.
@@ -151,28 +189,29 @@ class Output:
     def say(self, text: str = "", style: str | None = None, *, even_quiet: bool = False) -> None:
         """A line of the result, on stdout (not in ``--json`` mode; not with ``--quiet`` unless ``even_quiet``)."""
         if not self.json_mode and (even_quiet or not self.quiet):
-            self.out.print(text, style=style, markup=False)
+            self.out.print(terminal_text(text), style=style, markup=False)
 
     def note(self, text: str = "", style: str | None = None) -> None:
         """A diagnostic line on stderr: what is being done, a hint (not in ``--json`` or ``--quiet`` mode)."""
         if not (self.json_mode or self.quiet):
-            self.err.print(text, style=style, markup=False)
+            self.err.print(terminal_text(text), style=style, markup=False)
 
     def warn(self, text: str) -> None:
         """A warning on stderr (not in ``--json`` mode, where the JSON object carries it)."""
         if not self.json_mode:
-            self.err.print(f"warning: {text}", style="yellow", markup=False)
+            self.err.print(terminal_text(f"warning: {text}"), style="yellow", markup=False)
 
     def error(self, text: str) -> None:
         """An error line on stderr (not in ``--json`` mode, where the JSON object carries it)."""
         if not self.json_mode:
-            self.err.print(text, style="red", markup=False)
+            self.err.print(terminal_text(text), style="red", markup=False)
 
     def table(self, table) -> None:
         """A table of the result, on stdout (not in ``--json`` or ``--quiet`` mode). A table laid out by
         :func:`ckpt_archive.cli.tables.fit` that cannot fit even with its columns dropped is printed at the
         width it needs, never with a number cut."""
         if not (self.json_mode or self.quiet):
+            table = _terminal_renderable(table)
             need = getattr(table, "needed_width", None)
             if need and need > self.out.width:  # rich would shrink every column to its width, numbers too
                 width, self.out.width = self.out.width, need

@@ -93,10 +93,13 @@ class _Layout:
         return c.forms[self.form[c.name] - 1][0] if self.form[c.name] else c.header
 
     def cell(self, c: Col, row):
-        text = row[self.index[c.name]]
+        from ckpt_archive.cli.common import terminal_text
+
+        # control characters escaped (a tag read from an archive never reaches the terminal as a sequence)
+        text = terminal_text(row[self.index[c.name]])
         if hasattr(text, "cell_len"):  # a styled cell (rich Text) is shown as given
             return text
-        text = str(text)
+        text = terminal_text(str(text))
         for _, shorter in list(c.forms)[:self.form[c.name]]:
             text = shorter(text)
         return text
@@ -162,11 +165,11 @@ class _Layout:
         from rich import box
         from rich.table import Table
 
-        from ckpt_archive.cli.common import cut_text
+        from ckpt_archive.cli.common import terminal_text, cut_text
 
         shown = self.active()
         widths = self.widths(width)
-        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+        table = Table(title=title if title is None else terminal_text(title), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
                       padding=(0, 1, 0, 0))
         for c in shown:
             table.add_column(self.header(c), justify=c.justify, width=widths[c.name], no_wrap=c.kind != "prose",

@@ -5,6 +5,8 @@ POSIX names are bytes; Python hands a name that is not UTF-8 over as a ``str`` w
 
 * :func:`utf8_ok` tells it (every reader and writer of manifests, trees and file names asks here);
 * :func:`shown` writes it for people and for ``--json`` (the name's own bytes as ``\\xNN``);
+* :func:`printable` writes any text for a terminal: control characters (an archive's tag holding
+  ``ESC ]0;...BEL`` would retitle the window, recolour or rewrite the screen) as ``\\xNN`` escapes;
 * :func:`str_node` / :func:`str_from_node` store it exactly in a state tree (docs/FORMAT.md, "State
   tree": ``{"$t": "str", "b64": ...}``, base64 of its UTF-8 with surrogates passed).
 """
@@ -37,6 +39,26 @@ def shown(s: str) -> str:
         return os.fsencode(s).decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:  # surrogates that did not come from undecodable bytes
         return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _is_control(c: str) -> bool:
+    o = ord(c)
+    return o < 0x20 or 0x7f <= o <= 0x9f  # C0, DEL and C1 (0x9b is a one-character CSI on some terminals)
+
+
+def has_control(s: str) -> bool:
+    """Whether ``s`` holds a control character (C0, DEL, C1), newline and tab included."""
+    return any(_is_control(c) for c in s)
+
+
+def printable(s: str, *, keep: str = "\n\t") -> str:
+    """``s`` for a terminal: :func:`shown`, then every control character other than those in ``keep``
+    (newline and tab) written as ``\\xNN``, so nothing read from an archive (a tag, a note, a host name)
+    reaches a terminal as an escape sequence. Text without control characters comes back unchanged."""
+    s = shown(s)
+    if not has_control(s):
+        return s
+    return "".join(f"\\x{ord(c):02x}" if _is_control(c) and c not in keep else c for c in s)
 
 
 def first_not_utf8(value: Any) -> str | None:
@@ -72,4 +94,4 @@ def str_from_node(node: dict) -> str:
         raise FormatError(f"malformed str node: {exc}") from None
 
 
-__all__ = ["utf8_ok", "shown", "first_not_utf8", "str_node", "str_from_node"]
+__all__ = ["utf8_ok", "shown", "has_control", "printable", "first_not_utf8", "str_node", "str_from_node"]

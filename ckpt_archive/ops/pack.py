@@ -217,6 +217,14 @@ def prepare(source_or_path: Any, options: PackOptions, notes: Annotations, reten
         bad = first_not_utf8(value)
         if bad is not None:
             raise UsageError(f"{what} holds text that is not UTF-8: {shown(bad)!r}; give it as UTF-8 text")
+    # a tag is a one-line label that list/inspect print: an escape sequence in it (--tag $'\\e]0;...\\a')
+    # would be stored and then reach every reader's terminal, so it is refused, shown escaped
+    from ckpt_archive.format.text import has_control, printable
+
+    for tag in prepared.tags:
+        if has_control(tag):
+            raise UsageError(f"tag '{printable(tag, keep='')}' holds a control character (shown as \\xNN); "
+                             f"give a tag of printable characters")
     return prepared
 
 
