@@ -823,6 +823,27 @@ def test_backup_skips_a_stale_truncated_newest_checkpoint_and_backs_up_the_newes
     assert res.exit_code == 0 and f"warning: skipped {z.absolute()}" in text and "--stale-after 600 s" in text
 
 
+def test_backup_says_it_skipped_a_stale_truncated_newest_step_whose_mtime_is_older_than_the_complete_ones(tmp_path):
+    """ckpt-300.pt truncated (killed mid-save an hour ago) beside complete ckpt-100/200.pt written later: its
+    step cannot be read, so it ranked below them by mtime and backup packed ckpt-200 with skipped: [] and
+    no warning, exit 0 -- the newest save lost in silence. It is skipped with a warning, as documented."""
+    runs = tmp_path / "run"
+    save_pt(runs / "ckpt-100.pt", 1)
+    save_pt(runs / "ckpt-200.pt", 2)
+    z = age(truncate(save_pt(runs / "ckpt-300.pt", 3)), 3600)
+    repo = tmp_path / "B2"
+    res, out = backup_cli(runs, repo)
+    assert res.exit_code == 0, res.stderr
+    assert out["action"] == "packed" and out["checkpoint"] == str((runs / "ckpt-200.pt").absolute())
+    assert [x["checkpoint"] for x in out["skipped"]] == [str(z.absolute())]
+    assert "zip is not whole" in out["skipped"][0]["reason"] and "broken" in out["skipped"][0]["reason"]
+    assert any(w.startswith(f"skipped {z.absolute()}") for w in out["warnings"]), out["warnings"]
+    res, out = backup_cli(runs, repo)  # every tick says so, also when nothing is packed
+    assert res.exit_code == 0 and out["action"] == "unchanged" and out["skipped"], res.stderr
+    res = cli("backup", runs, "--repo", repo, "--settle", 0)  # in words too, without --json
+    assert res.exit_code == 0 and f"warning: skipped {z.absolute()}" in " ".join(res.stderr.split()), res.stderr
+
+
 def test_backup_still_exits_75_for_a_recent_incomplete_checkpoint_even_with_an_older_complete_one(tmp_path):
     runs = tmp_path / "runs"
     age(save_pt(runs / "a.pt", 1), 3700)

@@ -327,6 +327,12 @@ class _Examined:
     unchanged_s: float = 0.0
 
 
+def _broken_reason(problem: str, age: float, stale_after: float) -> str:
+    problem = problem.replace(": still being written?", "")
+    return (f"not complete ({problem}) and unchanged for {human_seconds(age)} "
+            f"(longer than --stale-after {stale_after:g} s): broken, not being written")
+
+
 def _examine(checkpoint: Path, entry: Mapping[str, Any], *, settle: float, stale_after: float,
              sleep: Callable[[float], None], on_bytes: Callable[[int], None] | None,
              reference: Path | None = None) -> _Examined:
@@ -361,10 +367,7 @@ def _examine(checkpoint: Path, entry: Mapping[str, Any], *, settle: float, stale
             # the stale threshold is broken, and must not block backups forever.
             age = unchanged_for(snap)
             if age > stale_after:
-                problem = problem.replace(": still being written?", "")
-                return _Examined("broken", f"not complete ({problem}) and unchanged for {human_seconds(age)} "
-                                 f"(longer than --stale-after {stale_after:g} s): broken, not being written",
-                                 unchanged_s=round(age, 3))
+                return _Examined("broken", _broken_reason(problem, age, stale_after), unchanged_s=round(age, 3))
             return _Examined("busy", f"not complete: {problem}")
         hashes = hash_files(checkpoint, count)
     except FileNotFoundError as exc:  # e.g. the trainer's rotation removed it meanwhile
@@ -563,6 +566,7 @@ class _BackupRun:
             if seen.kind == "ready":
                 self.seen, self.checkpoint = seen, checkpoint
                 self.read_bytes += seen.read_bytes
+                self._skip_broken_files_ranked_below(i, stale_after)
                 return self._prefer_newest_complete()
             if seen.kind == "broken":
                 self.skipped.append({"checkpoint": str(checkpoint), "reason": seen.reason,
@@ -577,6 +581,26 @@ class _BackupRun:
         names = "; ".join(f"{x['checkpoint']}: {x['reason']}" for x in self.skipped)
         raise SourceError(f"no complete checkpoint to back up: {names}", where=self.key,
                           hint="remove or repair the broken checkpoint(s); exit 75 is only for one still being written")
+
+    def _skip_broken_files_ranked_below(self, i: int, stale_after: float) -> None:
+        """A checkpoint file whose step cannot be read is ranked by mtime (``checkpoint_pick._by_step``): one
+        older than every file whose step is known comes after them, so :meth:`pick` stopped at a complete one
+        before reaching it. A truncated save of the newest step (``ckpt-300.pt``, killed mid-write an hour
+        ago, beside complete ``ckpt-100.pt`` and ``ckpt-200.pt``) was passed over in silence (``skipped: []``,
+        no warning); such a file, incomplete and unchanged for longer than ``stale_after``, is now skipped
+        with a warning like any broken checkpoint (docs/retention.md)."""
+        for checkpoint in self.candidates[i + 1:]:
+            try:
+                if not checkpoint.is_file() or (problem := completeness_problem(checkpoint)) is None:
+                    continue
+                snap = _snapshot_or_none(checkpoint)
+            except OSError:  # rotated away meanwhile, unreadable: nothing to say about it
+                continue
+            age = unchanged_for(snap) if snap is not None else 0.0
+            if age > stale_after:
+                reason = _broken_reason(problem, age, stale_after) + "; its step could not be read"
+                self.skipped.append({"checkpoint": str(checkpoint), "reason": reason, "unchanged_s": round(age, 3)})
+                self.warnings.append(f"skipped {checkpoint}: {reason}")
 
     def _prefer_newest_complete(self) -> BackupResult | None:
         """With a newer checkpoint being written (exit 75: the next tick takes it), the newest complete one is
