@@ -47,7 +47,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.slow
 
-PACK_POINTS = ["claim", "member-write", "object-write", "object-commit", "after-members", "after-seal",
+PACK_POINTS = ["claim", "member-write", "object-write", "object-commit", "after-members", "seal-write", "after-seal",
                "after-verify", "after-trial-reload", "publish", "after-publish"]
 PUBLISHED_BY = {"after-publish", "retention"}  # points reached after the marker was written
 PRUNE_POINTS = ["prune-before-marker-removal", "prune-after-marker-removal", "prune-mid-delete"]

@@ -42,7 +42,7 @@ __all__ = ["MAX_CHUNK_RAW_BYTES", "MAX_CHUNK_STORED_BYTES", "MAX_ZSTD_RATIO", "M
            "MAX_MANIFEST_BYTES", "MAX_SOURCE_PICKLE_BYTES", "MAX_MANIFEST_COST", "MAX_SMALL_DOC_BYTES", "MAX_SMALL_DOC_COST", "IN_FLIGHT_RAW_BYTES",
            "stored_bound", "check_member_sizes", "check_manifest_sizes", "check_whole_read", "read_bounded",
            "memory_available", "check_allocation", "view_size_problem", "lazy_buffer", "frame_size_problem", "frame_header_problem",
-           "FRAME_HEADER_MAX"]
+           "FRAME_HEADER_MAX", "tree_read_problem"]
 
 #: The largest raw size of one chunk a reader accepts (bytes). ``pack --chunk-bytes`` is bounded by it.
 MAX_CHUNK_RAW_BYTES = 64 << 20
@@ -97,6 +97,26 @@ IN_FLIGHT_RAW_BYTES = 128 << 20
 
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def tree_read_problem(raw: bytes) -> str | None:
+    """Why a reader would refuse a state tree of these raw JSON bytes, or None when it reads it.
+
+    The one rule for both sides: the reader (``ArchiveReader.tree``) reads at most :data:`MAX_TREE_BYTES`
+    and parses within :data:`MAX_TREE_COST` (``jsonio.parse_cost``); pack applies this function to the tree
+    it encoded *before* it claims a generation, so a tree no reader would read is refused (exit 2), never
+    published and then found unreadable by the trial reload. Both read the limits from this module when
+    called (tests patch them here).
+    """
+    from ckpt_archive.format.jsonio import parse_cost
+
+    if len(raw) > MAX_TREE_BYTES:
+        return f"its state tree would be {len(raw)} bytes of JSON, more than the {MAX_TREE_BYTES} a reader reads"
+    cost = parse_cost(raw)
+    if cost > MAX_TREE_COST:
+        return (f"its state tree would be {len(raw)} bytes of JSON taking about {cost} bytes of memory to parse, "
+                f"more than the {MAX_TREE_COST} a reader allows")
+    return None
 
 
 #: Members every reader holds whole, by role: their declared size is refused at parse above these (bytes).

@@ -154,7 +154,7 @@ class _DistSteps:
     def seal(self, repo, number: int):
         key = gen_key(number)
         raw = seal_bytes(self.manifest, where=f"{key}/{MANIFEST}")  # checked as read back; verdict remembered
-        repo.store.write_bytes_once(f"{key}/{MANIFEST}", raw)
+        repo.write_manifest(number, raw)  # atomic: a failure leaves no manifest.json, the generation partial
         return self.manifest, raw
 
     def verify(self, repo, number: int, reader) -> dict:

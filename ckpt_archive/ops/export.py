@@ -600,7 +600,7 @@ class _ExportSteps:
 
         key, names, out = gen_key(number), self.names, self.out
         if MANIFEST not in names:
-            dst.store.write_bytes_once(f"{key}/{MANIFEST}", self.raw_manifest)
+            dst.write_manifest(number, self.raw_manifest, point=None)  # atomic: never an empty or cut manifest
         out.members.append({"key": f"{key}/{MANIFEST}", "member": None, "bytes": len(self.raw_manifest),
                             "sha256": self.manifest_sha, "action": "present" if MANIFEST in names else "copied",
                             "object": None})

@@ -189,6 +189,13 @@ def prepare(source_or_path: Any, options: PackOptions, notes: Annotations, reten
             raise UsageError(f"retention must be a RetentionPolicy or None, not {type(retention).__name__} "
                              f"(RetentionPolicy.from_dict({retention!r}) reads a dict)")
     source, encoded, allowed = _read_and_encode(source_or_path, options, encoder, zip_crc_checked)
+    # a tree no reader would read back (limits.tree_read_problem) is refused here, before a generation is
+    # claimed, not by the trial reload after everything was written; its checked bytes go to the writer
+    from ckpt_archive.repo.writer import tree_json
+
+    tree_raw = tree_json(encoded[0])
+    if encoder is None:  # (the distributed checkpointer's writer checks the combined tree again)
+        encoded = (encoded[0], encoded[1], tree_raw)
     _note_numpy_values(source, encoded)
     from ckpt_archive.format.limits import MAX_ANNOTATION_BYTES, MAX_DATA_IDS_BYTES
 
@@ -452,7 +459,7 @@ class _PackSteps:
     def seal(self, repo: Repository, number: int) -> tuple[dict, bytes]:
         key = gen_key(number)
         raw = seal_bytes(self.manifest, where=f"{key}/{MANIFEST}")  # checked as read back; verdict remembered
-        repo.store.write_bytes_once(f"{key}/{MANIFEST}", raw)
+        repo.write_manifest(number, raw)  # atomic: a failure leaves no manifest.json, the generation partial
         return self.manifest, raw
 
     def verify(self, repo: Repository, number: int, reader: ArchiveReader) -> dict:

@@ -54,6 +54,8 @@ class ObjectIndex:
             if g.number in skip:
                 continue
             if g.manifest is None:
+                # a partial one (never published) whose manifest cannot be read blocks nothing: it can never be
+                # published, and gc removes it (repository.Repository._unreadable)
                 if g.status == "damaged" and g.error is not None:
                     unreadable.append((g.number, g.reason or "manifest cannot be read"))
                 continue

@@ -22,8 +22,8 @@ from ckpt_archive.format.codec import StoredStream, fileno_of, default_jobs, ite
 from ckpt_archive.format.objects import parts, stored_files
 from ckpt_archive.repo.objects import ProvenRange, decode_around, object_entries, open_member
 from ckpt_archive.format.leaf_checks import SizeOnly, check_leaf_bytes, check_tree_kinds
-from ckpt_archive.format.limits import (MAX_TREE_BYTES, MAX_TREE_COST, check_allocation,
-                                       check_whole_read, frame_size_problem)
+from ckpt_archive.format import limits as _limits
+from ckpt_archive.format.limits import check_allocation, check_whole_read, frame_size_problem
 from ckpt_archive.format.shard import check_header as _check_header
 from ckpt_archive.repo.chunk_hashers import ChunkHashers
 from ckpt_archive.repo.entries import EntryCutter
@@ -586,10 +586,12 @@ class ArchiveReader:
         """
         if self._tree is not None:
             return self._tree
-        data = self.read_member_bytes(self.manifest["tree_member"], limit=MAX_TREE_BYTES)
+        # the limits as format/limits.py holds them now: pack refuses by the same ones (limits.tree_read_problem)
+        max_bytes, max_cost = _limits.MAX_TREE_BYTES, _limits.MAX_TREE_COST
+        data = self.read_member_bytes(self.manifest["tree_member"], limit=max_bytes)
         try:  # the one strict reader: depth, duplicate keys, non-finite numbers, size, cost (format/jsonio.py)
-            self._tree = jsonio.loads(data, where=self.manifest["tree_member"], max_bytes=MAX_TREE_BYTES,
-                                      max_cost=MAX_TREE_COST)
+            self._tree = jsonio.loads(data, where=self.manifest["tree_member"], max_bytes=max_bytes,
+                                      max_cost=max_cost)
         except ValueError as exc:
             raise IntegrityError(f"state tree is not valid JSON ({getattr(exc, 'message', exc)})",
                                  where=self.manifest["tree_member"]) from None

@@ -346,19 +346,33 @@ class Repository:
         except NotFound:
             return Generation(number, "partial", "manifest vanished (being deleted?)")
         except ImplausibleSize as exc:  # larger than any manifest a reader accepts: read no further
-            return Generation(number, "damaged", str(exc), error=exc)
+            return self._unreadable(number, names, str(exc), exc)
         except IntegrityError as exc:  # an encrypted manifest that fails its authentication
-            return Generation(number, "damaged", f"manifest.json: {exc.message}", error=exc)
+            return self._unreadable(number, names, f"manifest.json: {exc.message}", exc)
         sha = hashlib.sha256(raw).hexdigest()
         try:
             manifest = parse_manifest(raw, where=f"{key}/{MANIFEST}")
-        except (CheckFailed, FormatError, NewerFormatError) as exc:  # incl. UnsafePath, ImplausibleSize
+        except NewerFormatError as exc:  # another version's: judged by that version, not removed by this one
             return Generation(number, "damaged", str(exc), manifest_sha256=sha, error=exc)
+        except (CheckFailed, FormatError) as exc:  # incl. UnsafePath, ImplausibleSize
+            what = "empty manifest" if not raw else str(exc)
+            return self._unreadable(number, names, what, exc, sha)
         if manifest.get("generation") != number:  # a folder copied or renamed under another number
             err = ManifestInvalid(f"the folder is generation {number} but its manifest says generation "
                                   f"{manifest.get('generation')!r}: a number always names one archive", where=key)
             return Generation(number, "damaged", str(err), manifest_sha256=sha, error=err)
         return self._published(number, key, names, manifest, sha)
+
+    @staticmethod
+    def _unreadable(number: int, names: set, why: str, exc: BaseException, sha: str | None = None) -> Generation:
+        """A generation whose manifest cannot be read: ``damaged`` once published (its USABLE marker is there:
+        evidence, kept), else ``partial`` -- never usable, a leftover of a pack or export that failed before
+        its marker (an older version's seal could leave an empty or cut ``manifest.json`` on a full disk),
+        which ``gc`` removes."""
+        if MARKER in names:
+            return Generation(number, "damaged", why, manifest_sha256=sha, error=exc)
+        return Generation(number, "partial", f"never published (no USABLE marker) and its manifest cannot be read "
+                          f"({why}): left by an interrupted write", manifest_sha256=sha, error=exc)
 
     def _published(self, number: int, key: str, names: set, manifest: dict, sha: str) -> Generation:
         """:meth:`generation`'s second half: a sealed manifest (sha256 ``sha``), judged by its marker and any
@@ -682,6 +696,24 @@ class Repository:
         self.check_lock()
         self.store.replace_bytes(f"{gen_key(number)}/{MARKER}", jsonio.dumps(marker, indent=1, ensure_ascii=True))
         return marker
+
+    def write_manifest(self, number: int, raw: bytes, *, point: str | None = "seal-write") -> None:
+        """Seal: put a generation's manifest in place atomically (``Store.write_new``: a fresh temporary name in
+        the generation folder, fsync, link to ``manifest.json``, temporary name removed, folder fsynced).
+
+        A failure part-way (a full disk) leaves no ``manifest.json`` at all, never an empty or cut one, so the
+        generation stays ``partial`` and ``gc`` removes it, as pack's message says. Fault point ``point``
+        (pack's ``seal-write``; export passes None) fires with half the bytes written.
+
+        Raises:
+            StoreError: a manifest is there already. InsufficientSpace: the disk is full. OSError.
+        """
+        half = len(raw) // 2
+        with self.store.write_new(f"{gen_key(number)}/{MANIFEST}") as fh:
+            fh.write(raw[:half])
+            if point is not None:
+                self.faults.point(point)
+            fh.write(raw[half:])
 
     def remove_generation(self, number: int, *, sweep: bool = True):
         """Delete a generation in reverse publish order: marker, members, manifest, claim, folder; then

@@ -15,7 +15,7 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping
 
-from ckpt_archive.errors import FormatError
+from ckpt_archive.errors import FormatError, SourceError
 from ckpt_archive.format import fingerprint
 from ckpt_archive.format.fingerprint import BLAKE3, SHA256
 from ckpt_archive.format.objects import own_stored_bytes
@@ -150,7 +150,9 @@ def write_members(store, gen_key: str, source, *, data_ids: Any = None, level: i
             entry's bytes are no longer those first read. OSError from the store.
     """
     jobs = jobs or default_jobs()
-    tree, table = encoded if encoded is not None else encode(source.state)
+    tree, table = encoded[:2] if encoded is not None else encode(source.state)
+    if encoded is not None and len(encoded) > 2:
+        tree = encoded[2]  # its bytes, already checked by pack before it claimed the generation
     w = GenerationWriter(store, gen_key, level=level, jobs=jobs, chunk_bytes=chunk_bytes, on_bytes=on_bytes, faults=faults)
     w.expect = expect
     w.source_path = source.files[0].path if len(source.files) == 1 and source.files[0].path else source.root
@@ -253,6 +255,44 @@ def _file_entry(w: GenerationWriter, sf, files_meta: list[dict], stored_entries,
     return entry
 
 
+def tree_json(tree: Any) -> bytes:
+    """The bytes of the state tree member, refused when no reader would read them back.
+
+    Pack calls it before claiming a generation (``ops/pack.py: prepare``), so the refusal leaves nothing
+    behind; :func:`write_tree_and_data_ids` calls it again for a tree it is given unencoded (the distributed
+    checkpointer's combined tree).
+
+    Raises:
+        SourceError: (exit 2) the tree is over the readers' limits (``limits.tree_read_problem``): names the
+            size, the largest list in it and what to do (store a long sequence as a tensor or NumPy array).
+    """
+    from ckpt_archive.format.limits import tree_read_problem
+
+    raw = json.dumps(tree, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    problem = tree_read_problem(raw)
+    if problem is not None:
+        path, n = _longest_list(tree)
+        where = f"; its longest list holds {n} items, at {path!r}" if n else ""
+        raise SourceError(f"this state cannot be archived: {problem}{where}. Store a long sequence (a data "
+                          f"permutation, a list of ids) as a tensor or NumPy array (torch.tensor(values)), "
+                          f"which the archive keeps as tensor bytes; nothing was written")
+    return raw
+
+
+def _longest_list(tree: Any) -> tuple[str, int]:
+    """``(path, length)`` of the longest JSON array in ``tree`` (``("", 0)`` when none), for the refusal."""
+    best, stack = ("", 0), [("", tree)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((f"{path}/{k}" if k not in ("$t", "v") else path, v) for k, v in node.items())
+        elif isinstance(node, list):
+            if len(node) > best[1]:
+                best = (path or "/", len(node))
+            stack.extend((f"{path}/{i}", v) for i, v in enumerate(node) if isinstance(v, (dict, list)))
+    return best
+
+
 def write_tree_and_data_ids(w: GenerationWriter, tree: Any, data_ids: Any) -> dict:
     """Write the state tree member and, when given, the data-ids member; shared by pack and the
     distributed checkpointer so both record them alike.
@@ -261,7 +301,7 @@ def write_tree_and_data_ids(w: GenerationWriter, tree: Any, data_ids: Any) -> di
         The manifest's ``data`` section: ``{}`` without data ids, else ``{"ids_member", "fingerprint"
         (sha256 hex of the canonical, sorted-key JSON), "count"}``.
     """
-    tree_bytes = json.dumps(tree, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    tree_bytes = tree if isinstance(tree, bytes) else tree_json(tree)
     w.member(TREE_MEMBER, "tree", iter([(tree_bytes, "zstd")]))
     if data_ids is None:
         return {}

@@ -21,7 +21,8 @@ default 1).
 Points (every one is exercised by tests/test_faults.py, tests/test_lifecycle.py, tests/test_export.py or
 tests/test_shared_export.py):
 pack: ``claim``, ``member-write``, ``object-write`` (a shared object fully written under its temporary
-name, not yet linked), ``object-commit`` (linked to its final name), ``after-members``, ``after-seal``,
+name, not yet linked), ``object-commit`` (linked to its final name), ``after-members``, ``seal-write`` (half
+the manifest written under its temporary name), ``after-seal``,
 ``after-verify``, ``after-trial-reload``, ``publish``, ``after-publish``, ``retention``; restore:
 ``restore-placed`` (the output renamed into place, complete); deletion:
 ``prune-before-marker-removal``, ``prune-after-marker-removal``, ``prune-mid-delete``, ``object-delete``
