@@ -324,7 +324,7 @@ def test_item_of_a_scalar_read_without_torch_is_torchs(tmp_path):
 
 def _model_and_adam():
     st = _adam_state()
-    del st["scheduler"]  # a scheduler's next LR is simulated with real torch (training/simulate.py)
+    del st["scheduler"]  # the Checkpointer states below hold schedulers (training/simulate_plain.py)
     return st
 
 
@@ -408,6 +408,9 @@ CHECKPOINTER_STATES = {
     "model_rng": {},
     "adam": {"optimizer": True},
     "adam_scaler": {"optimizer": True, "scaler": True},
+    "adam_steplr": {"optimizer": True, "scheduler": "StepLR"},
+    "adam_cosine": {"optimizer": True, "scheduler": "CosineAnnealingLR"},
+    "adam_onecycle_scaler": {"optimizer": True, "scheduler": "OneCycleLR", "scaler": True},
 }
 
 
