@@ -95,6 +95,19 @@ _KINDS: dict[str, tuple[Callable[[dict, list[dict]], bool], Callable]] = {
 }
 
 
+def _certain(kind: str, sd: dict, groups: list[dict]) -> bool:
+    """Whether ``kind`` restored from ``sd`` over ``groups`` is told here (every value it reads a plain number,
+    settings torch's constructor accepts, past its initial step)."""
+    entry = _KINDS.get(kind)
+    if entry is None or not groups or not all(_num(g.get("lr")) for g in groups):
+        return False
+    if not (_ints(sd, "last_epoch", "_step_count") and sd.get("_is_initial", False) is False and entry[0](sd, groups)):
+        return False
+    base = sd.get("base_lrs")
+    return kind != "CosineAnnealingLR" or (isinstance(base, list) and len(base) == len(groups)
+                                           and all(_num(b) for b in base))
+
+
 def plain_lrs(kind: str, sch_sd: dict, groups: list[dict], steps: int) -> list[list[float]] | None:
     """The LR of each of the next ``steps`` optimizer steps (``lrs[0]``: the restored groups' ``lr``), as the torch
     scheduler ``kind`` restored from ``sch_sd`` over optimizer groups holding ``groups``' fields gives them; None
@@ -108,21 +121,13 @@ def plain_lrs(kind: str, sch_sd: dict, groups: list[dict], steps: int) -> list[l
             ``optimizer.load_state_dict`` writes them into the live groups.
         steps: how many optimizer steps (>= 1).
     """
-    entry = _KINDS.get(kind)
-    if entry is None or not groups or not all(_num(g.get("lr")) for g in groups):
+    if not _certain(kind, sch_sd, groups):
         return None
-    ok, get_lr = entry
-    if not (_ints(sch_sd, "last_epoch", "_step_count") and sch_sd.get("_is_initial", False) is False and ok(sch_sd, groups)):
-        return None
-    base = sch_sd.get("base_lrs")
-    if kind == "CosineAnnealingLR" and not (isinstance(base, list) and len(base) == len(groups)
-                                            and all(_num(b) for b in base)):
-        return None
-    sd = dict(sch_sd)
+    sd, base, get_lr = dict(sch_sd), sch_sd.get("base_lrs"), _KINDS[kind][1]
     lrs = [[float(g["lr"]) for g in groups]]
     live = [dict(g) for g in groups]
     try:
-        for _ in range(steps - 1):
+        for _ in range(steps - 1):  # LRScheduler.step(): _step_count and last_epoch + 1, then get_lr()
             sd["_step_count"] += 1
             sd["last_epoch"] += 1
             now = [g["lr"] for g in live]
