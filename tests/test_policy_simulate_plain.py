@@ -1,5 +1,6 @@
-"""Issue 29: the policy audit tells the next LRs of StepLR, ExponentialLR, CosineAnnealingLR and OneCycleLR without
-``import torch`` (training/simulate_plain.py); the values must be the very floats the real torch scheduler gives.
+"""Issue 29: the policy audit tells the next LRs of StepLR, ExponentialLR, CosineAnnealingLR, OneCycleLR, LinearLR
+and ConstantLR without ``import torch`` (training/simulate_plain.py); the values must be the very floats the real
+torch scheduler gives.
 
 Each state below comes from a real torch run (two param groups, every position of the schedule, its end and past
 it, and the fields the audit perturbs to find what drives a step); ``simulate`` answers it in plain Python where
@@ -21,6 +22,9 @@ BUILDERS = {
     "ExponentialLR": lambda o: L.ExponentialLR(o, gamma=0.9),
     "CosineAnnealingLR": lambda o: L.CosineAnnealingLR(o, T_max=5, eta_min=1e-5),
     "OneCycleLR": lambda o: L.OneCycleLR(o, max_lr=[1e-2, 3e-3], total_steps=12),
+    "LinearLR": lambda o: L.LinearLR(o, start_factor=0.25, end_factor=1.0, total_iters=6),
+    "LinearLR_decay": lambda o: L.LinearLR(o, start_factor=1.0, end_factor=0.1, total_iters=4),
+    "ConstantLR": lambda o: L.ConstantLR(o, factor=0.5, total_iters=3),
     "OneCycleLR_linear_3phase": lambda o: L.OneCycleLR(o, max_lr=0.05, total_steps=9, anneal_strategy="linear",
                                                          three_phase=True),
 }

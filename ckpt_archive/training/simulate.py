@@ -13,7 +13,7 @@ optimizer with one scalar parameter per group, performs the restore as a resumin
   optimizer and its freshly built scheduler set, and ``scheduler.load_state_dict`` brings the archived
   ``base_lrs`` and position.
 
-[issue 29] StepLR, ExponentialLR, CosineAnnealingLR and OneCycleLR restored with their optimizer groups (the
+[issue 29] StepLR, ExponentialLR, CosineAnnealingLR, OneCycleLR, LinearLR and ConstantLR restored with their optimizer groups (the
 audit's case) are told without importing torch by :mod:`~ckpt_archive.training.simulate_plain`, which runs
 torch's own ``get_lr`` arithmetic; anything it is not certain of comes here as before.
 

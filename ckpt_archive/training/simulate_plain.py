@@ -1,7 +1,8 @@
 """[issue 29] The next LRs of the common schedulers in plain Python, without ``import torch`` (1-2 s of CPU).
 
 :func:`~ckpt_archive.training.simulate.simulate` rebuilds the torch scheduler from its state and steps it. For
-the schedulers a Checkpointer run saves most (StepLR, ExponentialLR, CosineAnnealingLR, OneCycleLR), restored with
+the schedulers a Checkpointer run saves most (StepLR, ExponentialLR, CosineAnnealingLR, OneCycleLR,
+LinearLR, ConstantLR), restored with
 the archived optimizer groups, what torch does is a few float operations on the restored attributes: ``step()``
 adds one to ``_step_count`` and ``last_epoch`` and sets each group's ``lr`` to ``get_lr()``. :func:`plain_lrs`
 runs those very expressions (torch's ``get_lr`` of each class, in torch's order of operations, so the floats are
@@ -48,6 +49,23 @@ def _cosine(sd: dict, lrs: list[float], base: list) -> list[float] | None:
     return [(1 + math.cos(math.pi * last / t_max)) / den * (lr - eta_min) + eta_min for lr in lrs]
 
 
+def _linear(sd: dict, lrs: list[float], base: list) -> list[float] | None:
+    last, start, end, total = sd["last_epoch"], sd["start_factor"], sd["end_factor"], sd["total_iters"]
+    if last == 0:
+        return [lr * start for lr in lrs]
+    if last > total:
+        return list(lrs)
+    return [lr * (1.0 + (end - start) / (total * start + (last - 1) * (end - start))) for lr in lrs]
+
+
+def _constant(sd: dict, lrs: list[float], base: list) -> list[float] | None:
+    if sd["last_epoch"] == 0:
+        return [lr * sd["factor"] for lr in lrs]
+    if sd["last_epoch"] != sd["total_iters"]:
+        return list(lrs)
+    return [lr * (1.0 / sd["factor"]) for lr in lrs]
+
+
 def _one_cycle(sd: dict, lrs: list[float], base: list, groups: list[dict]) -> list[float] | None:
     step_num, phases = sd["last_epoch"], sd["_schedule_phases"]
     if step_num > sd["total_steps"]:
@@ -92,6 +110,10 @@ _KINDS: dict[str, tuple[Callable[[dict, list[dict]], bool], Callable]] = {
     "CosineAnnealingLR": (lambda sd, g: _ints(sd, "T_max") and sd["T_max"] > 0 and _num(sd.get("eta_min")),
                           _cosine),
     "OneCycleLR": (_one_cycle_ok, None),
+    "LinearLR": (lambda sd, g: _ints(sd, "total_iters") and _num(sd.get("start_factor")) and _num(sd.get("end_factor"))
+                 and 0 < sd["start_factor"] <= 1 and 0 <= sd["end_factor"] <= 1, _linear),
+    "ConstantLR": (lambda sd, g: _ints(sd, "total_iters") and _num(sd.get("factor")) and 0 <= sd["factor"] <= 1,
+                   _constant),
 }
 
 
