@@ -13,9 +13,10 @@ optimizer with one scalar parameter per group, performs the restore as a resumin
   optimizer and its freshly built scheduler set, and ``scheduler.load_state_dict`` brings the archived
   ``base_lrs`` and position.
 
-[issue 29] StepLR, ExponentialLR, CosineAnnealingLR, OneCycleLR, LinearLR and ConstantLR restored with their optimizer groups (the
-audit's case) are told without importing torch by :mod:`~ckpt_archive.training.simulate_plain`, which runs
-torch's own ``get_lr`` arithmetic; anything it is not certain of comes here as before.
+[issue 29] StepLR, ExponentialLR, CosineAnnealingLR, OneCycleLR, LinearLR and ConstantLR restored with their
+optimizer groups (the audit's case) are told without importing torch by
+:mod:`~ckpt_archive.training.simulate_plain`, which runs torch's own ``get_lr`` arithmetic; anything it is not
+certain of comes here as before.
 
 Nothing is unpickled: only plain values of the state are read. Functions of LambdaLR/MultiplicativeLR are
 code, not state: the factor is *guessed* constant (``_last_lr / base_lrs`` as archived) and said so.
