@@ -324,7 +324,7 @@ def test_item_of_a_scalar_read_without_torch_is_torchs(tmp_path):
 
 def _model_and_adam():
     st = _adam_state()
-    del st["scheduler"]  # a scheduler's next LR is simulated with real torch (training/simulate.py)
+    del st["scheduler"]  # the Checkpointer states below hold schedulers (training/simulate_plain.py)
     return st
 
 
@@ -343,6 +343,10 @@ def test_read_only_commands_do_not_import_torch(tmp_path, state):
     src = _save(tmp_path, state, st)
     repo = tmp_path / "r"
     ckpt_archive.pack(src, repo)
+    _assert_read_only_commands_import_nothing_heavy(repo)
+
+
+def _assert_read_only_commands_import_nothing_heavy(repo):
     heavy = ("torch", "numpy", "jsonschema", "rich", "pydantic", "importlib.metadata", "ckpt_archive.cli.pack_cmd",
              "ckpt_archive.cli.prune_cmd")
     code = ("import sys\nsys.argv = ['ckpt-archive'] + sys.argv[1:]\ntry:\n    from ckpt_archive.cli.app import main\n"
@@ -357,6 +361,67 @@ def test_read_only_commands_do_not_import_torch(tmp_path, state):
         assert last.endswith("EXIT 0") or last.endswith("EXIT None"), (cmd, out.stderr[-2000:])
         imported = set(ast.literal_eval(last.split("IMPORTED ", 1)[1].split(" EXIT ")[0]))
         assert not imported - ({"rich"} if "--json" not in cmd else set()), (cmd, out.stderr[-2000:])
+
+
+def _checkpointer_repo(path, parts):
+    """A repository written as docs/checkpointer.md writes one: a model trained a few steps with Adam (a
+    GradScaler around it where asked), the schedulers named, the RNG streams (NumPy's state is an array), saved
+    every other step by the Checkpointer."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    sched = {"StepLR": lambda: torch.optim.lr_scheduler.StepLR(opt, 5, gamma=0.5),
+             "CosineAnnealingLR": lambda: torch.optim.lr_scheduler.CosineAnnealingLR(opt, 100),
+             "OneCycleLR": lambda: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=100),
+             None: lambda: None}[parts.get("scheduler")]()
+    scaler = torch.amp.GradScaler("cpu") if parts.get("scaler") else None
+    with ckpt_archive.Checkpointer(path) as ckpt:
+        for step in range(4):
+            loss = m(torch.randn(3, 8)).sum()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
+            if step % 2:
+                state = {"model": m.state_dict(),
+                         "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                                 "torch": torch.get_rng_state()}}
+                if parts.get("optimizer"):
+                    state.update(optimizer=opt.state_dict(), data={"cursor": step})
+                if sched is not None:
+                    state["scheduler"] = sched.state_dict()
+                if scaler is not None:
+                    state["scaler"] = scaler.state_dict()
+                ckpt.save(step + 1, state)
+    return path
+
+
+CHECKPOINTER_STATES = {
+    "model_rng": {},
+    "adam": {"optimizer": True},
+    "adam_scaler": {"optimizer": True, "scaler": True},
+    "adam_steplr": {"optimizer": True, "scheduler": "StepLR"},
+    "adam_cosine": {"optimizer": True, "scheduler": "CosineAnnealingLR"},
+    "adam_onecycle_scaler": {"optimizer": True, "scheduler": "OneCycleLR", "scaler": True},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTER_STATES))
+def test_read_only_commands_of_a_checkpointer_repository_do_not_import_torch(tmp_path, name):
+    """Guards against ``verify`` and ``inspect`` of a repository the Checkpointer wrote (docs/checkpointer.md)
+    importing torch and NumPy (~3 s in all, issue 29's break test): the policy audit rebuilt the scheduler as a
+    real torch object to tell its next LR (StepLR, CosineAnnealingLR, OneCycleLR), and ``inspect`` asked NumPy
+    the item size of the RNG state's NumPy array. The commands and imports of the test above, each in a fresh
+    interpreter."""
+    _assert_read_only_commands_import_nothing_heavy(_checkpointer_repo(tmp_path / "r", CHECKPOINTER_STATES[name]))
 
 
 def test_small_tensors_read_for_the_audit_have_torchs_values(tmp_path):

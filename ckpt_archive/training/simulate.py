@@ -13,6 +13,11 @@ optimizer with one scalar parameter per group, performs the restore as a resumin
   optimizer and its freshly built scheduler set, and ``scheduler.load_state_dict`` brings the archived
   ``base_lrs`` and position.
 
+[issue 29] StepLR, ExponentialLR, CosineAnnealingLR, OneCycleLR, LinearLR and ConstantLR restored with their
+optimizer groups (the audit's case) are told without importing torch by
+:mod:`~ckpt_archive.training.simulate_plain`, which runs torch's own ``get_lr`` arithmetic; anything it is not
+certain of comes here as before.
+
 Nothing is unpickled: only plain values of the state are read. Functions of LambdaLR/MultiplicativeLR are
 code, not state: the factor is *guessed* constant (``_last_lr / base_lrs`` as archived) and said so.
 """
@@ -232,9 +237,13 @@ def simulate(sch_sd: dict, *, archived_groups: list[dict] | None, session_lrs: l
     Returns:
         :class:`Simulation`. Never raises for a bad state: the reason is in ``note``.
     """
+    kind = scheduler_kind(sch_sd)
+    if archived_groups and session_lrs is None and session_groups is None:  # the audit's case: no torch if it can
+        fast = _without_torch(kind, sch_sd, archived_groups, steps, lambda_guess)
+        if fast is not None:
+            return fast
     import torch.optim.lr_scheduler as L
 
-    kind = scheduler_kind(sch_sd)
     n = len(archived_groups) if archived_groups else (
         len(sch_sd.get("base_lrs") or []) or len(sch_sd.get("_last_lr") or []) or 1)
     if session_lrs is None:
@@ -253,6 +262,22 @@ def simulate(sch_sd: dict, *, archived_groups: list[dict] | None, session_lrs: l
     except Exception as exc:  # noqa: BLE001 - an odd state is reported, never a crash
         return Simulation([[as_float(g.get("lr")) for g in (archived_groups or groups)]], None,
                           f"{kind} could not be rebuilt from its state ({type(exc).__name__}: {exc})")
+
+
+def _without_torch(kind: str, sch_sd: dict, archived_groups: list[dict], steps: int,
+                   lambda_guess: tuple[list[float] | None, str] | None) -> Simulation | None:
+    """[issue 29] The common schedulers restored with their optimizer groups, told in plain Python
+    (:mod:`~ckpt_archive.training.simulate_plain`) with torch's own arithmetic; None: run torch. (Their classes
+    take no LambdaLR factor: the note is the one the torch run gives.)"""
+    from ckpt_archive.training.simulate_plain import plain_lrs
+
+    try:
+        groups = [_plain_group(g) for g in archived_groups]
+        note = (lambda_guess if lambda_guess is not None else guessed_factors(sch_sd, archived_groups))[1]
+    except Exception:  # noqa: BLE001 - the torch path meets it and says what it says
+        return None
+    lrs = plain_lrs(kind, plain_state(sch_sd), groups, steps)
+    return None if lrs is None else Simulation(lrs, None, note)
 
 
 class _Ctx:
