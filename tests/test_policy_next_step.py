@@ -268,7 +268,7 @@ def test_audit_names_every_overriding_field_and_when_it_takes_effect():
     # steps from the group's lr, so its base_lrs do not take effect at the next scheduler.step() (a LambdaLR's do)
     assert got == {"optimizer.param_groups[0].lr": "now",
                    "optimizer.param_groups[0].initial_lr": "when a scheduler is built on this optimizer",
-                   "scheduler.base_lrs[0]": "at a later scheduler.step() (real torch: CosineAnnealingLR computes the "
+                   "scheduler.base_lrs[0]": "at a later scheduler.step() (torch's scheduler arithmetic: CosineAnnealingLR computes the "
                                             "next 3 steps from the group's current lr)"}
     lam = torch.optim.Adam(_net().parameters(), lr=1e-3)
     lam_s = L.LambdaLR(lam, lambda e: 0.9 ** e)

@@ -426,7 +426,7 @@ def _group_overrides(p: PairPlan, i: int, g: dict, gp: GroupPolicy, gs: GroupSte
     if isinstance(p.sch, dict) and gp.base_lr is not None:
         field = f"{p.sch_field}.base_lrs[{i}]"
         out.append(Override(field, gp.base_lr, None, _when(
-            field, gs, f"at a later scheduler.step() (real torch: {scheduler_kind(p.sch)} computes the next {STEPS} "
+            field, gs, f"at a later scheduler.step() (torch's scheduler arithmetic: {scheduler_kind(p.sch)} computes the next {STEPS} "
                        f"steps from the group's current lr)")))
     return out
 

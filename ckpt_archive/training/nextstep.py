@@ -261,7 +261,7 @@ def _scheduled(p: PairPlan, steps: int, drivers: bool) -> list[GroupSteps]:
                            basis=f"the scheduler has {n_sched} param group(s), the optimizer {len(p.groups)}")
                 for i, g in enumerate(p.groups)]
     sim = simulate(p.sch, archived_groups=p.groups, steps=steps)
-    basis = sim.note or "real torch: the scheduler rebuilt from its state and stepped"
+    basis = sim.note or "torch's scheduler arithmetic: the scheduler stepped from its archived state"
     out = [GroupSteps(i, p.group_field(i), _column(sim.lrs, i, steps), first_from=f"{p.group_field(i)}.lr",
                       lr_set_by="scheduler", basis=basis, raises=sim.raises) for i in range(len(p.groups))]
     if drivers:
@@ -284,8 +284,8 @@ def _scheduler_only(p: PairPlan, steps: int, session_lrs: list | None, drivers: 
         note = ""
     basis = (f"the next scheduler.step() raises {raises}" if raises else
              "depends on the LR the session builds its optimizer with" if independent is False else
-             "real torch: from the archived base_lrs, whatever the session's LR" if independent else
-             note or "real torch, with the session's LR")
+             "torch's scheduler arithmetic: from the archived base_lrs, whatever the session's LR" if independent else
+             note or "torch's scheduler arithmetic, with the session's LR")
     out = [GroupSteps(i, p.group_field(i), _column(lrs, i, steps), first_from="the session's optimizer",
                       lr_set_by="scheduler", basis=basis, raises=raises, session_independent=independent)
            for i in range(n)]

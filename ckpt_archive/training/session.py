@@ -354,7 +354,7 @@ def _when(d: _Diff, model: PolicyModel) -> tuple[str, str]:
                       f"{_values(g.session)}")
     if cands:
         return ("now", "") if d.field.endswith(".lr") else (
-            f"at a later scheduler.step() (real torch: not in the next {model.steps} steps)", "")
+            f"at a later scheduler.step() (torch's scheduler arithmetic: not in the next {model.steps} steps)", "")
     return ("now" if d.field.endswith(".lr") else "at the next scheduler.step()"), ""
 
 
