@@ -278,19 +278,16 @@ class Repository:
     def _read_config(store: Store) -> dict:
         # InvalidJSON (a ManifestInvalid): "not valid JSON (...)", also for a duplicate key or NaN;
         # ImplausibleSize: larger than any repository.json (read no further)
-        # A repository.json that cannot be read as one is "could not be carried out" (exit 2, naming the
-        # file): nothing of the repository can be listed or written without it.
+        # A repository.json that breaks its rules is damage found (exit 1, naming the file), as every other
+        # document of an archive that is not what it must be (tests/test_hostile_sizes.py's table).
         where = f"{store.location}/{REPO_FILE}"
-        try:
-            config = read_json(store, REPO_FILE, MAX_SMALL_DOC_BYTES, where=where)
-        except (ManifestInvalid, ImplausibleSize) as exc:  # not JSON, a duplicate key, 1e400, too large
-            raise CannotCheck(exc.message, where=where, hint=exc.hint) from exc
+        config = read_json(store, REPO_FILE, MAX_SMALL_DOC_BYTES, where=where)
         if not isinstance(config, dict) or config.get("format") != "ckpt-archive-repository":
-            raise CannotCheck("not a ckpt-archive repository file", where=where)
+            raise ManifestInvalid("not a ckpt-archive repository file", where=where)
         high = config.get("highest_generation")
         if high is not None and (not isinstance(high, int) or isinstance(high, bool)
                                  or not 0 <= high <= MAX_GENERATION):
-            raise CannotCheck(f"highest_generation {high!r} is not a generation number "
+            raise ManifestInvalid(f"highest_generation {high!r} is not a generation number "
                               f"(an integer from 0 to {MAX_GENERATION}); the file was damaged or edited",
                               where=where)
         v = config.get("format_version")
