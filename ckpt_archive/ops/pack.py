@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ckpt_archive import __version__
-from ckpt_archive.errors import CkptArchiveError, SourceChanged, SourceError, StoreError, UsageError
+from ckpt_archive.errors import CkptArchiveError, SourceError, StoreError, UsageError
 from ckpt_archive.format.codec import DEFAULT_CHUNK_BYTES, DEFAULT_LEVEL
 from ckpt_archive.format.exact_bytes import early_scan
 from ckpt_archive.format.read_lease import lease_scope
@@ -25,6 +25,8 @@ from ckpt_archive.format.manifest import FORMAT, seal_bytes, version_for
 from ckpt_archive.format.objects import DEFAULT_SHARE_MIN_BYTES
 from ckpt_archive.format.metrics import metrics_to_json
 from ckpt_archive.ops.common import RepoLike, check_option_values, open_repo, take_options
+from ckpt_archive.ops.pack_source import (ReadProgress, crc_reason_first, raise_if_changed, raw_total,
+                                          same_source, source_fingerprints)
 from ckpt_archive.ops.meta import (code_identity, default_instructions, environment, find_metrics, find_progress,
                                    needs_by_part, value_or_file)
 from ckpt_archive.repo.publish import PACK_POINTS, BeforePublish, Lifecycle, Withdrawn
@@ -400,7 +402,7 @@ class _PackSteps:
                                   faults=repo.faults, distrust=self.distrust, jobs=o.jobs)
         from ckpt_archive.repo.publish import phase
 
-        phase(self.on_bytes, "write", _raw_total(p))
+        phase(self.on_bytes, "write", raw_total(p))
         try:
             try:
                 body = write_members(repo.store, gen_key(number), p.source, data_ids=p.data_ids,
@@ -420,7 +422,7 @@ class _PackSteps:
                     self.leases.give_back()
         except (CkptArchiveError, OSError):
             # a file rewritten under the reads is the reason for what failed, not its symptom
-            _raise_if_changed((self.scans or {}).values())
+            raise_if_changed((self.scans or {}).values())
             raise
         finally:
             if shared is not None:
@@ -428,14 +430,14 @@ class _PackSteps:
                 # objects the reuse check found damaged (rewritten from this state): reported once published
                 self.repaired.update(shared.repaired)
                 self.distrust |= set(shared.repaired)
-        _raise_if_changed((self.scans or {}).values())
+        raise_if_changed((self.scans or {}).values())
         self.shared = shared
         self.warnings = body.pop("warnings")
         self.written_crc = body.pop("written_crc")
         self.manifest = build_manifest(p, number, body)
-        read = _source_fingerprints(self.manifest)
+        read = source_fingerprints(self.manifest)
         if again:
-            _same_source(self.first_read, read, p.source)
+            same_source(self.first_read, read, p.source)
         else:
             self.first_read = read
 
@@ -450,7 +452,7 @@ class _PackSteps:
         try:
             if self.leases is not None:
                 self.leases.take_again()
-            _raise_if_changed((self.scans or {}).values())
+            raise_if_changed((self.scans or {}).values())
         except BaseException:
             if self.leases is not None:
                 self.leases.give_back()  # refused: a writer waiting on a lease taken again goes on now
@@ -540,7 +542,7 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
         # [issue 14] a source file's own reads (its sha256, its tensor ranges' fingerprints and, for a zip
         # torch.save file, every record's CRC-32) start now, beside `import torch` and torch.load
         scan = early_scan(source, scan_pool) if isinstance(source, (str, os.PathLike)) else None
-        reading = _ReadProgress(on_bytes, source, scan)  # [issue 26] the bar moves from the first second
+        reading = ReadProgress(on_bytes, source, scan)  # [issue 26] the bar moves from the first second
         # What can refuse the input runs before a generation number is claimed, except the scan's verdict:
         # it is awaited before the manifest is sealed (encoding starts at once), and a record that fails
         # its CRC, or a file that changed meanwhile, withdraws the claimed generation (_pack_prepared).
@@ -550,8 +552,8 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
                 prep = prepare(source, options, annotations, retention,
                                 zip_crc_checked=scan is not None and scan.crc_checked)
             except SourceError:
-                _raise_if_changed([scan] if scan is not None else [])
-                _crc_reason_first(scan)
+                raise_if_changed([scan] if scan is not None else [])
+                crc_reason_first(scan)
                 raise
             finally:
                 reading.stop()
@@ -561,118 +563,6 @@ def pack(source: Any, repo: RepoLike, options: PackOptions | None = None, annota
             if scan is not None:
                 scan.cancel()
             raise
-
-
-class _ReadProgress:
-    """[issue 26] The first phase of packing a file or folder, ``read and hash NAME``: while ``torch.load``
-    parses the source, the bytes its early scan (:class:`~ckpt_archive.format.exact_bytes.ScanJob`: sha256,
-    range fingerprints, zip CRCs) has read are reported to ``on_bytes`` every 0.2 s from one helper thread,
-    which is stopped (joined) before pack reports anything else, so calls never overlap. A source without a
-    scan (a folder, a legacy pickle) has its phase named, without a total. Nothing for a state given as an
-    object, or without a callback."""
-
-    def __init__(self, on_bytes, source: Any, scan) -> None:
-        import threading
-
-        self.on_bytes, self.scan, self._sent, self._thread = on_bytes, scan, 0, None
-        self._stop = threading.Event()
-        if on_bytes is None or not isinstance(source, (str, os.PathLike)):
-            return
-        from ckpt_archive.repo.publish import phase
-
-        name = Path(source).name or str(source)
-        if scan is None:
-            phase(on_bytes, f"read {name}")
-            return
-        try:
-            size = scan.path.stat().st_size
-        except OSError:
-            size = None
-        phase(on_bytes, f"read and hash {name}", size)
-        self._thread = threading.Thread(target=self._feed, name="ckpt-read-progress", daemon=True)
-        self._thread.start()
-
-    def _feed(self) -> None:
-        while not self._stop.wait(0.2):
-            self._send()
-
-    def _send(self) -> None:
-        done = self.scan.progress[0]
-        if done > self._sent:
-            delta, self._sent = done - self._sent, done
-            self.on_bytes(delta)
-
-    def stop(self) -> None:
-        """End the phase: the helper thread is joined and what was read meanwhile reported (idempotent)."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-            self._send()
-
-
-def _raw_total(p: "_Prepared") -> int | None:
-    """Raw bytes the write phase handles: the state's tensor entries and the files stored as they are."""
-    try:
-        total = sum(e.nbytes for e in p.encoded[1].entries.values())
-        for sf in p.source.files:
-            if sf.kind in ("raw", "opaque") and sf.path is not None and not getattr(sf, "link_of", None):
-                total += sf.path.stat().st_size
-        return total
-    except (AttributeError, IndexError, TypeError, OSError):
-        return None
-
-
-def _source_fingerprints(manifest: dict) -> dict:
-    """What a write read of the source, as fingerprints: every tensor entry's and leaf's raw fingerprint, every
-    member made of a source file's bytes (a raw file, a skeleton), every source file's size and sha256."""
-    members = manifest["members"]
-    return {"entries": {k: v.get("raw_fp") for m in members if m["role"] == "tensors"
-                        for k, v in (m.get("entries") or {}).items()},
-            "members": {m["path"]: (m.get("raw_bytes"), m.get("raw_fp")) for m in members if m["role"] == "file"},
-            "tensors": {leaf: rec.get("raw_fp") for leaf, rec in manifest["tensors"].items()},
-            "files": {f["relpath"]: (f.get("raw_bytes"), f.get("sha256"))
-                      for f in manifest["source"].get("files") or []}}
-
-
-def _same_source(first: dict, again: dict, source: Any) -> None:
-    """[break] The retry's read of the source must have given the bytes of the first: else SourceChanged, naming
-    the file, before the manifest is sealed (the generation is withdrawn: never old and new bytes in one)."""
-    from ckpt_archive.format.read_lease import changed
-
-    if first == again:
-        return
-    root = Path(source.root) if getattr(source, "root", None) else None
-    where = next((sf.path for sf in source.files if sf.path is not None and len(source.files) == 1), None)
-    for rel, fps in again["files"].items():
-        if first["files"].get(rel) != fps:
-            where = next((sf.path for sf in source.files if sf.relpath == rel and sf.path is not None), where)
-            break
-    raise changed(where or root or "the source", "it was rewritten after pack read it, before the retry read it "
-                                                  "again")
-
-
-def _raise_if_changed(scans) -> None:
-    """SourceChanged when a source file the pack read (``scans``: ScanJobs) is no longer the file its read
-    began on."""
-    for scan in scans:
-        if not scan.unchanged():
-            raise SourceChanged("the file changed while it was being packed (replaced, rewritten or touched): "
-                                "its tensors and its bytes may come from different versions; nothing was "
-                                "kept -- pack it again once it is complete", where=str(scan.path))
-
-
-def _crc_reason_first(scan) -> None:
-    """The source was unreadable: if the early scan finds a record that fails its CRC, that more precise
-    reason is raised instead (SourceError); any other outcome of the scan leaves the caller's error."""
-    if scan is None:
-        return
-    try:
-        scan.checked()
-    except SourceError:
-        raise
-    except Exception:  # noqa: BLE001 - the file's own error (being raised by the caller) stands
-        pass
 
 
 def _pack_prepared(prep: _Prepared, repo: RepoLike, options: PackOptions, on_bytes, before_publish, retention,

@@ -14,8 +14,6 @@ as usable only when its marker matches its manifest and names this location.
 """
 from __future__ import annotations
 
-import dataclasses
-import datetime as dt
 import hashlib
 import os
 import re
@@ -30,8 +28,8 @@ from ckpt_archive.errors import (CheckFailed, CkptArchiveError, FormatError, Imp
 from ckpt_archive.format import jsonio
 from ckpt_archive.format.limits import MAX_MANIFEST_BYTES, MAX_SMALL_DOC_BYTES
 from ckpt_archive.format.manifest import parse as parse_manifest
-from ckpt_archive.format.metrics import read_metrics
-from ckpt_archive.format.times import iso, parse_time, utcnow
+from ckpt_archive.format.times import iso, utcnow
+from ckpt_archive.repo.generation import GEN_DIR, GEN_NAME, MAX_GENERATION, Generation, gen_key
 from ckpt_archive.repo.lock import RepositoryLock
 from ckpt_archive.repo.place import Place, canonical_url
 from ckpt_archive.store.base import Store, open_store
@@ -39,21 +37,12 @@ from ckpt_archive.store.faults import NO_FAULTS, Faults
 from ckpt_archive.store.fs import host_name
 
 REPO_FILE = "repository.json"
-GEN_DIR = "generations"
 MANIFEST = "manifest.json"
 MARKER = "USABLE.json"
 CLAIM = "CLAIM"
 #: A deep check at a place failed (written by :func:`ckpt_archive.repo.publish.adopt`, never the marker).
 CHECK_FAILED = "CHECK-FAILED.json"
 REPO_FORMAT_VERSION = 1
-_GEN_RE = re.compile(r"^\d{8}$")
-#: The highest generation number a folder can carry (``gen_key``: 8 digits; ``_GEN_RE``, so every reader,
-#: sees no other name). A claim that would need more is refused, never a 9-digit folder nobody lists.
-MAX_GENERATION = 99_999_999
-
-
-def gen_key(number: int) -> str:
-    return f"{GEN_DIR}/{number:08d}"
 
 
 def read_small(store: Store, key: str, limit: int) -> bytes:
@@ -89,100 +78,6 @@ def read_json(store: Store, key: str, limit: int, *, where: str | None = None) -
 
     return jsonio.loads(read_small(store, key, limit), where=where or key, max_bytes=limit,
                         max_cost=MAX_SMALL_DOC_COST)
-
-
-@dataclasses.dataclass
-class Generation:
-    """One generation as a reader sees it.
-
-    Attributes:
-        number: the generation number (1, 2, ...).
-        status: ``usable`` (marker matches, at this location), ``partial`` (no marker: interrupted or
-            being deleted), ``copied`` (marker matches but names another location: proven there, not
-            here; restore and load read it anyway, checking every byte, and ``adopt`` makes it usable
-            here), ``damaged`` (manifest or marker unreadable, or the manifest changed after publish).
-        reason: why it is not usable (None when usable).
-        manifest: the parsed manifest, or None.
-        marker: the parsed marker, or None.
-        manifest_sha256: sha256 of ``manifest.json`` as stored, or None.
-    """
-
-    number: int
-    status: str
-    reason: str | None = None
-    manifest: dict | None = None
-    marker: dict | None = None
-    manifest_sha256: str | None = None
-    error: CkptArchiveError | None = None
-    check_failed: dict | None = None  # the CHECK-FAILED.json note that made it ``damaged``, if one did
-    #: ``damaged`` only by a recorded failed check, and its marker names this place (it was usable here):
-    #: ``@latest`` still stops at it, and readers refuse it naming the newest that verifies (--fallback)
-    found_damaged_here: bool = False
-    #: fingerprint (``SHA256:...``) of the key whose valid signature the marker carries, or None (unsigned)
-    signer: str | None = None
-
-    def __repr__(self) -> str:
-        return (f"Generation({self.number}, {self.status!r}, step={self.step!r}, "
-                f"archive_id={(self.manifest or {}).get('archive_id')!r})")
-
-    @property
-    def key(self) -> str:
-        return gen_key(self.number)
-
-    path = key
-
-    @property
-    def created(self) -> dt.datetime | None:
-        return parse_time(self.manifest.get("created")) if self.manifest else None
-
-    @property
-    def step(self) -> int | None:
-        return (self.manifest or {}).get("progress", {}).get("step")
-
-    @property
-    def tags(self) -> list[str]:
-        return list((self.manifest or {}).get("tags", []))
-
-    @property
-    def found_wrong(self) -> bool:
-        """``damaged`` because something of it was read and found wrong (a manifest or marker that breaks its
-        rules, a changed manifest, a recorded failed check): what ``verify`` of it reports with exit 1. Not a
-        manifest this reader cannot judge (a newer format: exit 2, nothing was found wrong)."""
-        from ckpt_archive.errors import EXIT_CHECK_FAILED
-
-        return self.status == "damaged" and getattr(self.error, "exit_code", EXIT_CHECK_FAILED) == EXIT_CHECK_FAILED
-
-    @property
-    def metrics(self) -> dict:
-        """The manifest's metrics as plain JSON values (old manifests' tagged values read here, once:
-        :func:`ckpt_archive.format.metrics.read_metrics`)."""
-        return read_metrics((self.manifest or {}).get("metrics"))
-
-    @property
-    def raw_bytes(self) -> int | None:
-        return (self.manifest or {}).get("summary", {}).get("raw_bytes")
-
-    @property
-    def stored_bytes(self) -> int | None:
-        return (self.manifest or {}).get("summary", {}).get("stored_bytes")
-
-    @property
-    def usable(self) -> bool:
-        return self.status == "usable"
-
-    @property
-    def readable(self) -> bool:
-        """Usable here, or ``copied`` (published and proven at another place): what restore and load read."""
-        return self.status in ("usable", "copied")
-
-    def to_json(self) -> dict:
-        created = self.created
-        return {"generation": self.number, "status": self.status, "reason": self.reason, "step": self.step,
-                "epoch": (self.manifest or {}).get("progress", {}).get("epoch"),
-                "created": iso(created) if created else None, "raw_bytes": self.raw_bytes,
-                "stored_bytes": self.stored_bytes, "tags": self.tags, "metrics": self.metrics,
-                "archive_id": (self.manifest or {}).get("archive_id"),
-                "source_format": (self.manifest or {}).get("source", {}).get("format"), "signed_by": self.signer}
 
 
 class Repository:
@@ -319,7 +214,7 @@ class Repository:
 
     # -- listing ---------------------------------------------------------------------------------------
     def numbers(self) -> list[int]:
-        return sorted(int(n) for n in self.store.listdir(GEN_DIR) if _GEN_RE.match(n))
+        return sorted(int(n) for n in self.store.listdir(GEN_DIR) if GEN_NAME.match(n))
 
     def generation(self, number: int) -> Generation:
         """Read one generation's manifest and marker and decide its status (no member is read)."""
